@@ -1,0 +1,77 @@
+"""Glm5NextConfig: presets, HF key names, validation messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trtllm_glm.config import LAYER_KDA, LAYER_SPARSE_MLA, ConfigError, Glm5NextConfig
+
+pytestmark = pytest.mark.cpu_only
+
+
+def test_real_geometry_preset() -> None:
+    c = Glm5NextConfig.from_pretrained("glm-5.3-flash")
+    assert c.num_hidden_layers == 45
+    assert c.sparse_layer_ids == list(range(3, 45, 4))
+    assert len(c.kda_layer_ids) == 34
+    assert (c.index_n_heads, c.index_head_dim, c.index_kpool, c.index_topk) == (32, 128, 4, 2048)
+    assert c.index_topk_pools == 512 and c.index_select_width == 2051
+    assert c.softmax_scale == pytest.approx(256**-0.5)
+    assert c.vocab_size == 154880 and c.hidden_size == 4096
+
+
+def test_tiny_preset_same_structure() -> None:
+    c = Glm5NextConfig.from_pretrained("tiny")
+    assert all((t == LAYER_SPARSE_MLA) == (i % 4 == 3) for i, t in enumerate(c.layer_types))
+    assert c.index_head_dim == 128 and c.index_kpool == 4
+    # Selection must really drop pools at test lengths.
+    assert c.index_topk <= 32
+
+
+def test_roundtrip_and_linear_attn_config(tmp_path) -> None:
+    c = Glm5NextConfig.from_pretrained("tiny")
+    c.save(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    assert d["linear_attn_config"]["num_heads"] == c.kda_num_heads
+    c2 = Glm5NextConfig.from_pretrained(str(tmp_path))
+    assert c2.to_dict() == c.to_dict()
+
+
+def test_layer_types_listed_in_file() -> None:
+    d = dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention", "kda", "sparse_mla"])
+    c = Glm5NextConfig.from_dict(d)
+    assert c.layer_types == [LAYER_KDA, LAYER_SPARSE_MLA, LAYER_KDA, LAYER_SPARSE_MLA]
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"index_head_dim": 64}, "index_head_dim"),
+        ({"index_kpool": 8}, "index_kpool"),
+        ({"index_topk": 2050}, "index_topk"),
+        ({"qk_rope_head_dim": 64}, "qk_rope_head_dim"),
+        ({"layer_types": ["kda"] * 3}, "layer_types"),
+        ({"layer_types": ["kda", "bogus"]}, "layer_types[1]"),
+        ({"num_experts_per_tok": 999}, "num_experts_per_tok"),
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"eos_token_id": 10**9}, "eos_token_id"),
+        ({"torch_dtype": "int8"}, "torch_dtype"),
+    ],
+)
+def test_inconsistent_config_names_field(patch, field) -> None:
+    with pytest.raises(ConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Glm5NextConfig.from_dict(patch)
+
+
+def test_bad_files(tmp_path) -> None:
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        Glm5NextConfig.from_json_file(p)
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        Glm5NextConfig.from_json_file(p)
+    with pytest.raises(ConfigError, match="neither a preset"):
+        Glm5NextConfig.from_pretrained(str(tmp_path / "missing"))

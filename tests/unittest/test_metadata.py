@@ -1,0 +1,82 @@
+"""GlmKpoolMetadata: persistent buffers refreshed in place, derived positions, width errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from trtllm_glm.cache.manager import Glm5NextCacheManager
+from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.errors import TableWidthError
+
+pytestmark = pytest.mark.cpu_only
+
+
+def setup(max_pages_per_seq=4):
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    mgr = Glm5NextCacheManager(cfg, num_pages=16, tokens_per_block=8, max_num_requests=4)
+    meta = GlmKpoolMetadata(
+        kv_cache_manager=mgr, max_num_seqs=4, max_num_tokens=64, max_pages_per_seq=max_pages_per_seq, select_width=19
+    )
+    return mgr, meta
+
+
+def test_prepare_fills_in_place() -> None:
+    mgr, meta = setup()
+    mgr.add_request(5, 12)  # decode: 11 cached + 1 new
+    mgr.add_request(6, 20)  # verify: 17 cached + 3
+    mgr.add_request(7, 9)  # prefill chunk 4..8
+    addrs = {k: v.data_ptr() for k, v in meta.graph_buffers().items()}
+    meta.prepare([5, 6, 7], past_lens=[11, 17, 4], q_lens=[1, 3, 5], num_decode_seqs=2)
+    assert meta.num_decode_tokens == 4 and meta.num_tokens == 9
+    assert meta.positions_t.tolist() == [11, 17, 18, 19, 4, 5, 6, 7, 8]
+    assert meta.row_seq_t.tolist() == [0, 1, 1, 1, 2, 2, 2, 2, 2]
+    assert meta.kv_lens_t.tolist() == [12, 20, 9]
+    assert meta.cu_seqlens_t.tolist() == [0, 1, 4, 9]
+    tables = mgr.get_batch_slot_tables([5, 6, 7])
+    for i, row in enumerate(tables):
+        assert meta.slot_table_t[i, : len(row)].tolist() == row
+        assert (meta.slot_table_t[i, len(row) :] == -1).all()
+    assert meta.state_slots_t.tolist() == mgr.get_batch_state_slots([5, 6, 7])
+    assert meta.max_pools == 5
+    # A second step with other requests reuses the same buffers.
+    meta.prepare([7], past_lens=[9], q_lens=[1], num_decode_seqs=1)
+    assert {k: v.data_ptr() for k, v in meta.graph_buffers().items()} == addrs
+    assert meta.positions_t.tolist() == [9]
+    # Rows beyond this step's batch were reset, not left holding an old request's pages.
+    assert (meta.slot_table[1:] == -1).all()
+
+
+def test_selection_buffer_reset() -> None:
+    _, meta = setup()
+    meta.selection_buf.fill_(123)
+    s = meta.selection(5)
+    assert s.data_ptr() == meta.selection_buf.data_ptr() and (s == -1).all()
+
+
+def test_wider_table_raises() -> None:
+    mgr, meta = setup(max_pages_per_seq=2)
+    mgr.add_request(1, 24)
+    with pytest.raises(TableWidthError, match="max_pages_per_seq=2"):
+        meta.prepare([1], past_lens=[20], q_lens=[4], num_decode_seqs=0)
+
+
+def test_unallocated_pages_raise() -> None:
+    mgr, meta = setup()
+    mgr.add_request(1, 8)
+    with pytest.raises(TableWidthError, match="pages allocated"):
+        meta.prepare([1], past_lens=[8], q_lens=[1], num_decode_seqs=1)
+
+
+def test_bad_batches() -> None:
+    mgr, meta = setup()
+    for r in range(4):
+        mgr.add_request(r, 30)
+    with pytest.raises(ValueError):
+        meta.prepare([0], past_lens=[0], q_lens=[0], num_decode_seqs=0)
+    with pytest.raises(TableWidthError, match="max_num_tokens"):
+        meta.prepare([0, 1, 2], past_lens=[0, 0, 0], q_lens=[30, 30, 30], num_decode_seqs=0)
+    with pytest.raises(ValueError, match="num_decode_seqs"):
+        meta.prepare([0], past_lens=[0], q_lens=[1], num_decode_seqs=2)
+    assert torch.is_tensor(meta.slot_table)

@@ -1,0 +1,185 @@
+"""Per-step batch metadata, TensorRT-LLM ``AttentionMetadata`` style.
+
+Everything a layer kernel (or a captured CUDA graph) reads lives in a persistent buffer allocated once
+for ``max_num_seqs`` / ``max_num_tokens``; ``prepare()`` fills pinned host staging and issues one
+non-blocking copy per buffer, so buffer addresses never change between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import TableWidthError
+
+__all__ = ["AttentionMetadata", "HostStaging"]
+
+
+class HostStaging:
+    """Double-buffered (pinned where CUDA exists) host staging for non-blocking H2D copies.
+
+    A pinned buffer must not be rewritten while an earlier non-blocking copy from it may still be in
+    flight; alternating two sets and waiting on the event of the copy issued two steps ago makes reuse
+    safe without a per-step device sync.
+    """
+
+    def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], *, pin_memory: bool) -> None:
+        self._sets = [
+            {k: torch.zeros(shape, dtype=dt, pin_memory=pin_memory) for k, (shape, dt) in specs.items()}
+            for _ in range(2)
+        ]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if pin_memory else None
+        self._recorded = [False, False]
+        self._cur = 0
+
+    def acquire(self) -> dict[str, torch.Tensor]:
+        """The staging set to fill now (waits for its previous copy to have been consumed)."""
+        if self._events is not None and self._recorded[self._cur]:
+            self._events[self._cur].synchronize()
+        return self._sets[self._cur]
+
+    def release(self) -> None:
+        """Mark the copies from the current set as issued and switch sets."""
+        if self._events is not None:
+            self._events[self._cur].record()
+            self._recorded[self._cur] = True
+        self._cur ^= 1
+
+
+class AttentionMetadata:
+    """The flat token batch of one step: decode/verify sequences first, then prefill chunks.
+
+    Args:
+        max_num_seqs: sequences per step the buffers hold.
+        max_num_tokens: flat rows per step the buffers hold.
+        device: where the device buffers live.
+
+    Host attributes after ``prepare()`` (plain Python, for eager bookkeeping):
+        request_ids, q_lens, past_lens, cu_seqlens (len num_seqs + 1), state_slots, num_seqs,
+        num_decode_seqs, num_decode_tokens, num_tokens, max_kv_len.
+
+    Device views after ``prepare()`` (slices of persistent buffers):
+        positions_t ``[N]`` int64, row_seq_t ``[N]`` int64, state_slots_t ``[B]`` int64,
+        past_lens_t ``[B]`` int64, q_lens_t ``[B]`` int64, kv_lens_t ``[B]`` int64,
+        cu_seqlens_t ``[B + 1]`` int64.
+    """
+
+    def __init__(self, *, max_num_seqs: int, max_num_tokens: int, device: torch.device | str = "cpu") -> None:
+        if max_num_seqs <= 0 or max_num_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_tokens must be positive")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        i64 = torch.int64
+        B, N = max_num_seqs, max_num_tokens
+        # [per-seq buffers]: state_slots, past_lens, q_lens, kv_lens, cu_seqlens (B + 1 wide).
+        self._seq_buf = torch.zeros(5, B + 1, dtype=i64, device=self.device)
+        # [per-token buffers]: positions, row_seq.
+        self._tok_buf = torch.zeros(2, N, dtype=i64, device=self.device)
+        self._staging = HostStaging(
+            {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
+        )
+        self.request_ids: list[int] = []
+        self.q_lens: list[int] = []
+        self.past_lens: list[int] = []
+        self.cu_seqlens: list[int] = [0]
+        self.state_slots: list[int] = []
+        self.num_seqs = 0
+        self.num_decode_seqs = 0
+        self.num_decode_tokens = 0
+        self.num_tokens = 0
+        self.max_kv_len = 0
+
+    # --------------------------------------------------------------------------------------------
+    def prepare(
+        self,
+        request_ids: Sequence[int],
+        past_lens: Sequence[int],
+        q_lens: Sequence[int],
+        state_slots: Sequence[int],
+        num_decode_seqs: int,
+    ) -> None:
+        """Describe this step's batch and refresh the device buffers in place.
+
+        Args:
+            request_ids: ``[B]`` request of each sequence; decode/verify sequences first.
+            past_lens: ``[B]`` tokens already cached before this step.
+            q_lens: ``[B]`` rows of each sequence this step (>= 1).
+            state_slots: ``[B]`` state slot of each request.
+            num_decode_seqs: how many leading sequences are decode/verify rows (the rest are prefill).
+        """
+        B = len(request_ids)
+        if not (len(past_lens) == len(q_lens) == len(state_slots) == B):
+            raise ValueError("request_ids, past_lens, q_lens and state_slots must have the same length")
+        if self.max_num_seqs < B:
+            raise TableWidthError(f"{B} sequences exceed max_num_seqs={self.max_num_seqs}")
+        if not 0 <= num_decode_seqs <= B:
+            raise ValueError(f"num_decode_seqs={num_decode_seqs} outside [0, {B}]")
+        if any(q <= 0 for q in q_lens) or any(p < 0 for p in past_lens):
+            raise ValueError("q_lens must be >= 1 and past_lens >= 0")
+        N = sum(q_lens)
+        if self.max_num_tokens < N:
+            raise TableWidthError(f"{N} tokens exceed max_num_tokens={self.max_num_tokens}")
+        self.request_ids = list(request_ids)
+        self.q_lens = list(q_lens)
+        self.past_lens = list(past_lens)
+        self.state_slots = list(state_slots)
+        cu = [0]
+        for q in q_lens:
+            cu.append(cu[-1] + q)
+        self.cu_seqlens = cu
+        self.num_seqs = B
+        self.num_decode_seqs = num_decode_seqs
+        self.num_decode_tokens = cu[num_decode_seqs]
+        self.num_tokens = N
+        self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
+
+        host = self._staging.acquire()
+        sh, th = host["seq"], host["tok"]
+        sh[0, :B] = torch.tensor(self.state_slots, dtype=torch.int64)
+        sh[1, :B] = torch.tensor(self.past_lens, dtype=torch.int64)
+        sh[2, :B] = torch.tensor(self.q_lens, dtype=torch.int64)
+        sh[3, :B] = sh[1, :B] + sh[2, :B]
+        sh[4, : B + 1] = torch.tensor(cu, dtype=torch.int64)
+        if N:
+            row_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), sh[2, :B])
+            th[1, :N] = row_seq
+            th[0, :N] = sh[1, :B][row_seq] + (torch.arange(N, dtype=torch.int64) - sh[4, :B][row_seq])
+        self._seq_buf.copy_(sh, non_blocking=True)
+        self._tok_buf.copy_(th, non_blocking=True)
+        self._staging.release()
+
+    # --------------------------------------------------------------------------------------------
+    @property
+    def positions_t(self) -> torch.Tensor:
+        return self._tok_buf[0, : self.num_tokens]
+
+    @property
+    def row_seq_t(self) -> torch.Tensor:
+        return self._tok_buf[1, : self.num_tokens]
+
+    @property
+    def state_slots_t(self) -> torch.Tensor:
+        return self._seq_buf[0, : self.num_seqs]
+
+    @property
+    def past_lens_t(self) -> torch.Tensor:
+        return self._seq_buf[1, : self.num_seqs]
+
+    @property
+    def q_lens_t(self) -> torch.Tensor:
+        return self._seq_buf[2, : self.num_seqs]
+
+    @property
+    def kv_lens_t(self) -> torch.Tensor:
+        return self._seq_buf[3, : self.num_seqs]
+
+    @property
+    def cu_seqlens_t(self) -> torch.Tensor:
+        return self._seq_buf[4, : self.num_seqs + 1]
+
+    def graph_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent tensors a captured graph may read, by name (for address checks)."""
+        return {"seq_buf": self._seq_buf, "tok_buf": self._tok_buf}

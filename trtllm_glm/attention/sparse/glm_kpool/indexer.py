@@ -1,0 +1,95 @@
+"""`GlmKpoolIndexer`: the pooled (C4) FP8 lightning indexer of a sparse MLA layer.
+
+Projections live here; numerics live in ``ops/`` (torch reference) and ``kernels/`` (Triton), picked by
+`kpool_ops`. Per step it writes this step's keys into the cache (decode rows in order, then prefill
+chunks), scores every complete pool and returns each row's selected token positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ....cache.manager import KpoolLayerCache
+from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
+from .backend import kpool_ops
+from .metadata import GlmKpoolMetadata
+from .ops import indexer_head_weights, rotate_quant, select_topk_pools
+
+__all__ = ["GlmKpoolIndexer"]
+
+
+class GlmKpoolIndexer(nn.Module):
+    """Pooled FP8 lightning indexer (DESIGN §3).
+
+    Weights: ``wq_b [H_i * 128, q_lora]``, ``wk [128, hidden]``, ``k_norm`` (LayerNorm 128, eps 1e-6),
+    ``wgate [128, hidden]`` (per-channel pooling gate logits), ``weights_proj [H_i, hidden]`` (head
+    weights, applied in FP32) and ``ape [4, 128]`` (learned position bias of the pool members).
+    """
+
+    def __init__(self, config: Glm5NextConfig) -> None:
+        super().__init__()
+        D, Hi = config.hidden_size, config.index_n_heads
+        self.n_heads = Hi
+        self.topk_pools = config.index_topk_pools
+        self.select_width = config.index_select_width
+        self.wq_b = nn.Linear(config.q_lora_rank, Hi * INDEX_HEAD_DIM, bias=False)
+        self.wk = nn.Linear(D, INDEX_HEAD_DIM, bias=False)
+        self.k_norm = nn.LayerNorm(INDEX_HEAD_DIM, eps=1e-6)
+        self.wgate = nn.Linear(D, INDEX_HEAD_DIM, bias=False)
+        self.weights_proj = nn.Linear(D, Hi, bias=False)
+        self.ape = nn.Parameter(torch.zeros(INDEX_KPOOL, INDEX_HEAD_DIM))
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator, std: float) -> None:
+        from ....modules.init import init_linear_
+
+        init_linear_(self, generator, std)
+        self.k_norm.weight.fill_(1.0)
+        self.k_norm.bias.zero_()
+        self.ape.copy_(torch.randn(self.ape.shape, generator=generator))
+
+    def keys(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised index keys and pooling gate logits, both FP32 ``[N, 128]``."""
+        k = F.layer_norm(
+            self.wk(h).float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
+        )
+        return k, self.wgate(h).float()
+
+    def forward(
+        self, h: torch.Tensor, q_lora: torch.Tensor, meta: GlmKpoolMetadata, cache: KpoolLayerCache
+    ) -> torch.Tensor:
+        """Write this step's index keys into ``cache`` and select attention columns.
+
+        Args:
+            h: ``[N, hidden]`` layer input rows (decode rows first, then prefill chunks).
+            q_lora: ``[N, q_lora]`` normalised MLA query low-rank rows.
+            meta: the step's metadata (positions, slot table, state slots).
+            cache: this layer's cache planes.
+
+        Returns:
+            ``[N, index_topk + 3]`` int32 selected token positions, -1 padded.
+        """
+        N = h.shape[0]
+        ops = kpool_ops(h.device)
+        key, gate = self.keys(h)
+        ape = self.ape.float()
+        pos, rs = meta.positions_t, meta.row_seq_t
+        table, slots = meta.slot_table_t, meta.state_slots_t
+        nd = meta.num_decode_tokens
+        if nd:
+            ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots)
+        if nd < N:
+            ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
+            ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
+
+        q8, qscale = rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
+        w = indexer_head_weights(F.linear(h.float(), self.weights_proj.weight.float()), qscale, self.n_heads)
+        scores = ops.score_pools(
+            q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
+        )
+        pool_ids = select_topk_pools(scores, pos, self.topk_pools)
+        sel = meta.selection(N)
+        sel.copy_(ops.expand_selection(pool_ids, pos, self.select_width))
+        return sel

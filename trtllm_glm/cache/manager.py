@@ -1,0 +1,278 @@
+"""Paged KV cache and per-request state slots for Glm5Next models.
+
+One page pool is shared by all sparse MLA layers: a page of ``P`` tokens holds, per sparse layer, that
+layer's ``P`` latent rows and its ``P / 4`` FP8 pooled index entries, so latent and index share one
+slot-id space. KDA recurrent/conv state and the indexer tail rings are per-request *state slots*.
+See docs/architecture.md for the exact plane shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
+from ..errors import CapacityError, StateError
+
+__all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState"]
+
+
+@dataclass
+class KpoolLayerCache:
+    """Views of one sparse layer's cache planes.
+
+    Attributes:
+        latent: ``[num_pages, P, kv_lora]`` latent rows (model dtype).
+        index_k: ``[num_pages, P // 4, 128]`` FP8 e4m3 pooled index keys.
+        index_scale: ``[num_pages, P // 4]`` FP32 power-of-two scale per pooled key.
+        tail_ring: ``[num_state_slots, 2, 4, 128]`` FP32 open-pool members (``[:, 0]`` key, ``[:, 1]``
+            gate), indexed by ``pos % 4``.
+        page_size: tokens per page ``P``.
+    """
+
+    latent: torch.Tensor
+    index_k: torch.Tensor
+    index_scale: torch.Tensor
+    tail_ring: torch.Tensor
+    page_size: int
+
+
+@dataclass
+class KdaLayerState:
+    """Views of one KDA layer's per-request state.
+
+    Attributes:
+        recurrent: ``[num_state_slots, H, K, V]`` FP32 delta-rule state.
+        conv: ``[num_state_slots, C, kernel - 1]`` last inputs of the short convolution, ``C = H*(2K+V)``.
+    """
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+class Glm5NextCacheManager:
+    """Page pool plus state slots, TensorRT-LLM KV-cache-manager style.
+
+    Args:
+        config: model geometry.
+        num_pages: pages in the pool.
+        tokens_per_block: tokens per page (a multiple of 4, so pools never straddle pages).
+        max_num_requests: state slots (live requests at once).
+        num_sparse_layers: sparse layers stored here; defaults to the trunk's sparse layers, plus one when
+            ``include_mtp_layer`` (the shared-draft mode stores the MTP layer's pages here too).
+        num_kda_layers: KDA layers with state here; defaults to the trunk's KDA layers (0 for a draft-only
+            manager).
+        dtype: latent dtype (model dtype).
+        device: where every plane lives.
+    """
+
+    def __init__(
+        self,
+        config: Glm5NextConfig,
+        *,
+        num_pages: int,
+        tokens_per_block: int,
+        max_num_requests: int,
+        num_sparse_layers: int | None = None,
+        num_kda_layers: int | None = None,
+        include_mtp_layer: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if tokens_per_block <= 0 or tokens_per_block % INDEX_KPOOL:
+            raise ValueError(f"tokens_per_block must be a positive multiple of {INDEX_KPOOL}, got {tokens_per_block}")
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        if max_num_requests <= 0:
+            raise ValueError(f"max_num_requests must be positive, got {max_num_requests}")
+        self.config = config
+        self.page_size = tokens_per_block
+        self.num_pages = num_pages
+        self.max_num_requests = max_num_requests
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if num_sparse_layers is None:
+            num_sparse_layers = len(config.sparse_layer_ids) + int(include_mtp_layer)
+        if num_kda_layers is None:
+            num_kda_layers = len(config.kda_layer_ids)
+        self.num_sparse_layers = num_sparse_layers
+        self.num_kda_layers = num_kda_layers
+
+        P, R, Ls = tokens_per_block, config.kv_lora_rank, num_sparse_layers
+        dev = self.device
+        self.latent = torch.zeros(Ls, num_pages, P, R, dtype=dtype, device=dev)
+        self.index_k = torch.zeros(
+            Ls, num_pages, P // INDEX_KPOOL, INDEX_HEAD_DIM, dtype=torch.float8_e4m3fn, device=dev
+        )
+        self.index_scale = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, dtype=torch.float32, device=dev)
+        S = max_num_requests
+        self.tail_ring = torch.zeros(Ls, S, 2, INDEX_KPOOL, INDEX_HEAD_DIM, dtype=torch.float32, device=dev)
+        H, K = config.kda_num_heads, config.kda_head_dim
+        conv_dim = H * 3 * K
+        Lk = num_kda_layers
+        self.kda_recurrent = torch.zeros(Lk, S, H, K, K, dtype=torch.float32, device=dev)
+        self.kda_conv = torch.zeros(
+            Lk, S, conv_dim, config.kda_short_conv_kernel_size - 1, dtype=torch.float32, device=dev
+        )
+
+        # Host-side bookkeeping. Free lists pop from the end; reversed so that ids come out ascending.
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
+        self._free_slots: list[int] = list(range(S - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._slot: dict[int, int] = {}
+        self._num_tokens: dict[int, int] = {}
+
+    # --------------------------------------------------------------------------------------------
+    # Request lifetime
+    def add_request(self, request_id: int, num_tokens: int = 0) -> int:
+        """Give the request a zeroed state slot and pages for ``num_tokens``; returns the slot."""
+        if request_id in self._slot:
+            raise StateError(f"request {request_id} already holds state slot {self._slot[request_id]}")
+        if not self._free_slots:
+            raise CapacityError(
+                f"no free state slot for request {request_id}: all {self.max_num_requests} slots are in use"
+            )
+        need = self.pages_needed(num_tokens)
+        if need > len(self._free_pages):
+            raise CapacityError(
+                f"request {request_id} needs {need} pages for {num_tokens} tokens but only "
+                f"{len(self._free_pages)} of {self.num_pages} are free"
+            )
+        slot = self._free_slots.pop()
+        self._slot[request_id] = slot
+        self._pages[request_id] = []
+        self._num_tokens[request_id] = 0
+        self.reset_state_slot(slot)
+        self.ensure_capacity(request_id, num_tokens)
+        return slot
+
+    def ensure_capacity(self, request_id: int, num_tokens: int) -> list[int]:
+        """Grow the request's page list to hold ``num_tokens`` tokens; returns the new page ids.
+
+        All-or-nothing: on a capacity error no page is taken.
+        """
+        pages = self._get_pages(request_id)
+        need = self.pages_needed(num_tokens) - len(pages)
+        if need > len(self._free_pages):
+            raise CapacityError(
+                f"request {request_id} needs {need} more pages for {num_tokens} tokens but only "
+                f"{len(self._free_pages)} of {self.num_pages} are free"
+            )
+        new = [self._free_pages.pop() for _ in range(max(need, 0))]
+        pages.extend(new)
+        self._num_tokens[request_id] = max(self._num_tokens[request_id], num_tokens)
+        return new
+
+    def set_num_tokens(self, request_id: int, num_tokens: int) -> None:
+        """Record the committed length (may shrink after rejected drafts); pages are kept."""
+        pages = self._get_pages(request_id)
+        if self.pages_needed(num_tokens) > len(pages):
+            raise CapacityError(f"request {request_id}: {num_tokens} tokens exceed its {len(pages)} pages")
+        self._num_tokens[request_id] = num_tokens
+
+    def free_request(self, request_id: int) -> None:
+        """Return the request's pages and state slot to the pools."""
+        pages = self._pages.pop(request_id, None)
+        if pages is None:
+            raise StateError(f"request {request_id} is not in the cache")
+        self._free_pages.extend(reversed(pages))
+        self._free_slots.append(self._slot.pop(request_id))
+        del self._num_tokens[request_id]
+
+    def reset_state_slot(self, slot: int) -> None:
+        """Zero every per-request state plane of ``slot`` (KDA state, conv window, tail rings)."""
+        self.tail_ring[:, slot].zero_()
+        self.kda_recurrent[:, slot].zero_()
+        self.kda_conv[:, slot].zero_()
+
+    # --------------------------------------------------------------------------------------------
+    # Queries
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def has_request(self, request_id: int) -> bool:
+        return request_id in self._slot
+
+    def get_state_slot(self, request_id: int) -> int:
+        if request_id not in self._slot:
+            raise StateError(f"request {request_id} is not in the cache")
+        return self._slot[request_id]
+
+    def get_batch_state_slots(self, request_ids: Sequence[int]) -> list[int]:
+        return [self.get_state_slot(r) for r in request_ids]
+
+    def get_batch_slot_tables(self, request_ids: Sequence[int]) -> list[list[int]]:
+        """Raw page ids of each request, logical page order (TensorRT-LLM's name)."""
+        return [list(self._get_pages(r)) for r in request_ids]
+
+    def num_tokens(self, request_id: int) -> int:
+        self._get_pages(request_id)
+        return self._num_tokens[request_id]
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def _get_pages(self, request_id: int) -> list[int]:
+        try:
+            return self._pages[request_id]
+        except KeyError:
+            raise StateError(f"request {request_id} is not in the cache") from None
+
+    # --------------------------------------------------------------------------------------------
+    # Views
+    def kpool_layer_cache(self, sparse_idx: int) -> KpoolLayerCache:
+        """Cache planes of the ``sparse_idx``-th sparse layer stored here."""
+        if not 0 <= sparse_idx < self.num_sparse_layers:
+            raise IndexError(f"sparse layer {sparse_idx} not in [0, {self.num_sparse_layers})")
+        return KpoolLayerCache(
+            latent=self.latent[sparse_idx],
+            index_k=self.index_k[sparse_idx],
+            index_scale=self.index_scale[sparse_idx],
+            tail_ring=self.tail_ring[sparse_idx],
+            page_size=self.page_size,
+        )
+
+    def kda_layer_state(self, kda_idx: int) -> KdaLayerState:
+        """State planes of the ``kda_idx``-th KDA layer."""
+        if not 0 <= kda_idx < self.num_kda_layers:
+            raise IndexError(f"KDA layer {kda_idx} not in [0, {self.num_kda_layers})")
+        return KdaLayerState(recurrent=self.kda_recurrent[kda_idx], conv=self.kda_conv[kda_idx])
+
+    # --------------------------------------------------------------------------------------------
+    # Sizes
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page over all sparse layers (latent + FP8 index + scale)."""
+        P = self.page_size
+        per_layer = P * self.config.kv_lora_rank * self.latent.element_size() + (P // INDEX_KPOOL) * (
+            INDEX_HEAD_DIM + 4
+        )
+        return per_layer * self.num_sparse_layers
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_page / self.page_size
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """Bytes of one state slot: KDA recurrent + conv state and every tail ring."""
+        per = 0
+        for t in (self.tail_ring, self.kda_recurrent, self.kda_conv):
+            per += t[:, 0].numel() * t.element_size()
+        return per
+
+    def bytes_per_request(self, num_tokens: int) -> int:
+        """Bytes a request of ``num_tokens`` holds: its pages plus its state slot."""
+        return self.pages_needed(num_tokens) * self.bytes_per_page + self.state_bytes_per_request
+
+    def used_bytes(self) -> int:
+        used_pages = self.num_pages - self.num_free_pages
+        used_slots = self.max_num_requests - self.num_free_slots
+        return used_pages * self.bytes_per_page + used_slots * self.state_bytes_per_request
