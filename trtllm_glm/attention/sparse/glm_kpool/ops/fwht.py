@@ -19,7 +19,9 @@ def _check_pow2(n: int) -> None:
         raise ValueError(f"Walsh-Hadamard size must be a positive power of two, got {n}")
 
 
-def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+def hadamard_matrix(
+    n: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Sylvester Hadamard matrix with entries +-1 (not normalised).
 
     Args:

@@ -1,0 +1,313 @@
+"""Cache writes of the sparse layers (torch reference): latent rows, completed FP8 pools and tail rings.
+
+All functions take a flat batch (docs/architecture.md, "Batch layout"): ``positions[n]`` and
+``row_seq[n]`` per row, ``slot_table[b, j]`` the raw page of sequence ``b``'s logical page ``j`` and
+``state_slots[b]`` its state slot. The rows of one sequence must be contiguous in the batch, with
+consecutive positions. Every page a row needs is looked up and validated before anything is written, so
+a bad table raises `ValueError` and leaves the cache untouched.
+
+Decode and prefill produce bit-identical pools and rings for the same rows: both complete a pool from the
+same ``[4, 128]`` member tensors with the same `pool_keys` and `rotate_quant`.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import torch
+
+from trtllm_glm.cache.manager import KpoolLayerCache
+
+from .fp8 import rotate_quant
+from .pooling import KPOOL, pool_keys
+
+__all__ = [
+    "lookup_pages",
+    "write_latent_rows",
+    "update_decode_pools",
+    "update_prefill_pools",
+    "write_prefill_tail",
+    "update_prefill",
+]
+
+
+def lookup_pages(
+    positions: torch.Tensor,
+    seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+    num_pages: int,
+) -> torch.Tensor:
+    """Raw page id holding each ``(sequence, token position)``, validated against the slot table.
+
+    Args:
+        positions: ``[...]`` int token positions.
+        seq: ``[...]`` int sequence index of each position (same shape as ``positions``).
+        slot_table: ``[B, max_pages]`` int32/int64 raw page ids per sequence.
+        page_size: tokens per page ``P``.
+        num_pages: pages in the cache plane the ids will index.
+
+    Returns:
+        ``[...]`` int64 page ids.
+
+    Raises:
+        ValueError: a position is negative, a sequence index is outside the table, a position's logical
+            page is beyond its table row, or the table holds a page id outside ``[0, num_pages)``.
+    """
+    positions = positions.to(torch.int64)
+    seq = seq.to(torch.int64)
+    if positions.shape != seq.shape:
+        raise ValueError(f"positions {tuple(positions.shape)} and sequence ids {tuple(seq.shape)} differ in shape")
+    if positions.numel() == 0:
+        return torch.empty_like(positions)
+    num_seqs, width = slot_table.shape
+    flat_pos, flat_seq = positions.reshape(-1), seq.reshape(-1)
+
+    def fail(mask: torch.Tensor, what: str) -> NoReturn:
+        i = int(mask.nonzero()[0, 0])
+        raise ValueError(
+            f"entry {i} (sequence {int(flat_seq[i])}, position {int(flat_pos[i])}, page size {page_size}): {what}"
+        )
+
+    if (flat_pos < 0).any():
+        fail(flat_pos < 0, "negative position")
+    bad_seq = (flat_seq < 0) | (flat_seq >= num_seqs)
+    if bad_seq.any():
+        fail(bad_seq, f"sequence index outside the slot table's {num_seqs} rows")
+    logical = flat_pos // page_size
+    if (logical >= width).any():
+        fail(logical >= width, f"logical page beyond the slot table row ({width} entries)")
+    pages = slot_table.to(torch.int64)[flat_seq, logical]
+    bad_page = (pages < 0) | (pages >= num_pages)
+    if bad_page.any():
+        bad_id = int(pages[bad_page][0])
+        fail(bad_page, f"slot table holds page id {bad_id}, outside [0, {num_pages})")
+    return pages.reshape(positions.shape)
+
+
+def _seq_bounds(positions: torch.Tensor, row_seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last position of each row's sequence in this batch; checks the batch layout.
+
+    Returns:
+        ``(first_pos [N], last_pos [N])`` int64.
+    """
+    n = positions.numel()
+    if row_seq.shape != positions.shape or positions.dim() != 1:
+        raise ValueError(f"positions {tuple(positions.shape)} and row_seq {tuple(row_seq.shape)} must be [N]")
+    if n == 0:
+        return positions.clone(), positions.clone()
+    same = row_seq[1:] == row_seq[:-1]
+    if (same & (positions[1:] != positions[:-1] + 1)).any():
+        raise ValueError("rows of one sequence must have consecutive positions in batch order")
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=positions.device), ~same])
+    if int(starts.sum()) != torch.unique(row_seq).numel():
+        raise ValueError("rows of one sequence must be contiguous in the batch")
+    run = torch.cumsum(starts.to(torch.int64), 0) - 1
+    ends = torch.cat([~same, torch.ones(1, dtype=torch.bool, device=positions.device)])
+    return positions[starts][run], positions[ends][run]
+
+
+def _row_slots(state_slots: torch.Tensor, row_seq: torch.Tensor, num_slots: int) -> torch.Tensor:
+    slots = state_slots.to(torch.int64)[row_seq]
+    bad = (slots < 0) | (slots >= num_slots)
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"row {i}: state slot {int(slots[i])} outside [0, {num_slots})")
+    return slots
+
+
+def _check_rows(key: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, row_seq: torch.Tensor) -> None:
+    n = positions.shape[0]
+    if key.dim() != 2 or key.shape[0] != n or gate.shape != key.shape or row_seq.shape != positions.shape:
+        raise ValueError(
+            f"expected key/gate [N, D] and positions/row_seq [N], got key {tuple(key.shape)}, gate "
+            f"{tuple(gate.shape)}, positions {tuple(positions.shape)}, row_seq {tuple(row_seq.shape)}"
+        )
+
+
+def _write_pools(
+    cache: KpoolLayerCache,
+    member_key: torch.Tensor,
+    member_gate: torch.Tensor,
+    ape: torch.Tensor,
+    pages: torch.Tensor,
+    pool_in_page: torch.Tensor,
+) -> None:
+    """Pool, rotate, quantise and store ``[n, 4, 128]`` members at ``index_k[pages, pool_in_page]``."""
+    q, scale = rotate_quant(pool_keys(member_key, member_gate, ape))
+    cache.index_k[pages, pool_in_page] = q
+    cache.index_scale[pages, pool_in_page] = scale
+
+
+def write_latent_rows(
+    latent_cache: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Store each row's latent vector at its token slot: ``latent[slot_table[b, pos // P], pos % P]``.
+
+    Args:
+        latent_cache: ``[num_pages, P, R]`` latent plane (written in place, in its own dtype).
+        rows: ``[N, R]`` latent rows.
+        positions: ``[N]`` int64 token positions.
+        row_seq: ``[N]`` int64 sequence index of each row.
+        slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
+        page_size: tokens per page ``P``.
+
+    Raises:
+        ValueError: a position's page is not in the slot table, or shapes disagree.
+    """
+    if latent_cache.dim() != 3 or latent_cache.shape[1] != page_size:
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, R]")
+    if rows.dim() != 2 or rows.shape[0] != positions.shape[0] or rows.shape[1] != latent_cache.shape[2]:
+        raise ValueError(f"rows {tuple(rows.shape)} do not match [N={positions.shape[0]}, {latent_cache.shape[2]}]")
+    pages = lookup_pages(positions, row_seq, slot_table, page_size, latent_cache.shape[0])
+    latent_cache[pages, positions.to(torch.int64) % page_size] = rows.to(latent_cache.dtype)
+
+
+def update_decode_pools(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Decode/verify update: apply rows one by one to the tail ring, completing pools as they fill.
+
+    Row at ``pos`` stores ``(key, gate)`` in ``tail_ring[slot, :, pos % 4]``; when ``pos % 4 == 3`` pool
+    ``pos // 4`` is completed from the ring's 4 entries and written with `rotate_quant`. A sequence may
+    bring several rows (speculative verify); they are applied in position order, so later rows see the
+    ring entries of earlier ones.
+
+    Args:
+        cache: the layer's cache planes (``index_k``, ``index_scale`` and ``tail_ring`` are updated).
+        key: ``[N, 128]`` fp32 normalised indexer keys.
+        gate: ``[N, 128]`` fp32 gate logits.
+        ape: ``[4, 128]`` pooling position bias.
+        positions: ``[N]`` int64 token positions.
+        row_seq: ``[N]`` int64 sequence index of each row.
+        slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
+        state_slots: ``[B]`` int state slot of each sequence.
+
+    Raises:
+        ValueError: a row's page is not in the slot table, a state slot is out of range, or the batch
+            layout is broken.
+    """
+    _check_rows(key, gate, positions, row_seq)
+    positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    _seq_bounds(positions, row_seq)
+    pages = lookup_pages(positions, row_seq, slot_table, cache.page_size, cache.index_k.shape[0])
+    slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
+    ring = cache.tail_ring
+    pools_per_page = cache.page_size // KPOOL
+    for n in range(positions.shape[0]):
+        pos, slot = int(positions[n]), int(slots[n])
+        ring[slot, 0, pos % KPOOL] = key[n].to(torch.float32)
+        ring[slot, 1, pos % KPOOL] = gate[n].to(torch.float32)
+        if pos % KPOOL == KPOOL - 1:
+            within = torch.tensor([(pos // KPOOL) % pools_per_page], device=pages.device)
+            _write_pools(cache, ring[slot, 0][None].clone(), ring[slot, 1][None].clone(), ape, pages[n : n + 1], within)
+
+
+def update_prefill_pools(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Prefill update of the pools: complete every pool whose last member lies in the chunk (vectorised).
+
+    A pool's members that precede the sequence's first row in this batch are read from the tail ring
+    (written by earlier chunks or decode steps); the rest come from ``key``/``gate``. The ring itself is
+    not modified; call `write_prefill_tail` afterwards (or use `update_prefill`).
+
+    Args:
+        cache: the layer's cache planes (``index_k`` and ``index_scale`` are updated).
+        key: ``[N, 128]`` fp32 normalised indexer keys.
+        gate: ``[N, 128]`` fp32 gate logits.
+        ape: ``[4, 128]`` pooling position bias.
+        positions: ``[N]`` int64 token positions.
+        row_seq: ``[N]`` int64 sequence index of each row.
+        slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
+        state_slots: ``[B]`` int state slot of each sequence.
+
+    Raises:
+        ValueError: a row's page is not in the slot table, a state slot is out of range, or the batch
+            layout is broken.
+    """
+    _check_rows(key, gate, positions, row_seq)
+    positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    first_pos, _ = _seq_bounds(positions, row_seq)
+    pages = lookup_pages(positions, row_seq, slot_table, cache.page_size, cache.index_k.shape[0])
+    slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
+    done = (positions % KPOOL == KPOOL - 1).nonzero().squeeze(1)
+    if done.numel() == 0:
+        return
+    member = torch.arange(KPOOL, device=positions.device)
+    # Member m of the pool completed by row n sits at position pos - 3 + m and, if in this batch, at row
+    # n - 3 + m (consecutive rows); its ring entry is m because (4p + m) % 4 == m.
+    in_batch = (positions[done, None] - (KPOOL - 1) + member) >= first_pos[done, None]
+    src = (done[:, None] - (KPOOL - 1) + member).clamp(min=0)
+    ring = cache.tail_ring[slots[done]]
+    member_key = torch.where(in_batch[..., None], key.to(torch.float32)[src], ring[:, 0])
+    member_gate = torch.where(in_batch[..., None], gate.to(torch.float32)[src], ring[:, 1])
+    within = (positions[done] // KPOOL) % (cache.page_size // KPOOL)
+    _write_pools(cache, member_key, member_gate, ape, pages[done], within)
+
+
+def write_prefill_tail(
+    tail_ring: torch.Tensor,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Store each sequence's last (up to 4) rows of the batch into its tail ring at ``pos % 4``.
+
+    Only the rows that survive "last write wins" are written, so every ring entry is written at most
+    once and the result is deterministic; older entries (positions before the batch) are kept.
+
+    Args:
+        tail_ring: ``[num_state_slots, 2, 4, 128]`` fp32 rings (written in place).
+        key: ``[N, 128]`` fp32 keys.
+        gate: ``[N, 128]`` fp32 gate logits.
+        positions: ``[N]`` int64 token positions.
+        row_seq: ``[N]`` int64 sequence index of each row.
+        state_slots: ``[B]`` int state slot of each sequence.
+    """
+    _check_rows(key, gate, positions, row_seq)
+    positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    _, last_pos = _seq_bounds(positions, row_seq)
+    slots = _row_slots(state_slots, row_seq, tail_ring.shape[0])
+    keep = (positions > last_pos - KPOOL).nonzero().squeeze(1)
+    tail_ring[slots[keep], 0, positions[keep] % KPOOL] = key[keep].to(torch.float32)
+    tail_ring[slots[keep], 1, positions[keep] % KPOOL] = gate[keep].to(torch.float32)
+
+
+def update_prefill(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """`update_prefill_pools` then `write_prefill_tail` (pools must read the ring before the tail lands).
+
+    Args: as `update_prefill_pools`.
+    """
+    update_prefill_pools(cache, key, gate, ape, positions, row_seq, slot_table, state_slots)
+    write_prefill_tail(cache.tail_ring, key, gate, positions, row_seq, state_slots)

@@ -1,0 +1,64 @@
+"""Sparse MLA over selected latent rows of the paged cache (torch reference, absorbed-query form)."""
+
+from __future__ import annotations
+
+import torch
+
+from .cache_update import lookup_pages
+
+__all__ = ["sparse_mla_attention"]
+
+
+def sparse_mla_attention(
+    q_abs: torch.Tensor,
+    latent_cache: torch.Tensor,
+    sel: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Attention of absorbed queries over the selected latent rows (one shared latent KV head, MQA).
+
+    For row ``n`` and head ``h``: ``s_j = (q_abs[n, h] . c_j) * softmax_scale`` over the selected tokens
+    ``j`` (``sel[n, :] >= 0``), ``p = softmax(s)``, ``o_lat[n, h] = sum_j p_j c_j``, all in fp32; ``c_j``
+    is the latent row of token ``j`` of the row's sequence, read from its page. The order of ``sel``
+    does not matter; a row with no selected token outputs zeros.
+
+    Args:
+        q_abs: ``[N, H, R]`` absorbed queries.
+        latent_cache: ``[num_pages, P, R]`` latent plane.
+        sel: ``[N, W]`` int token positions to attend to, ``-1`` = skip.
+        row_seq: ``[N]`` int64 sequence index of each row.
+        slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
+        page_size: tokens per page ``P``.
+        softmax_scale: logit scale (``qk_nope_head_dim ** -0.5``).
+
+    Returns:
+        ``[N, H, R]`` latent outputs in ``q_abs``'s dtype.
+
+    Raises:
+        ValueError: a selected token's page is not in the slot table, or shapes disagree.
+    """
+    n_rows, _, rank = q_abs.shape
+    if latent_cache.dim() != 3 or latent_cache.shape[1:] != (page_size, rank):
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, {rank}]")
+    if sel.dim() != 2 or sel.shape[0] != n_rows or row_seq.shape != (n_rows,):
+        raise ValueError(
+            f"expected sel [N={n_rows}, W] and row_seq [N], got {tuple(sel.shape)}, {tuple(row_seq.shape)}"
+        )
+    tok = sel.to(torch.int64)
+    valid = tok >= 0
+    seq = row_seq.to(torch.int64)[:, None].expand_as(tok)
+    pages = torch.zeros_like(tok)
+    pages[valid] = lookup_pages(tok[valid], seq[valid], slot_table, page_size, latent_cache.shape[0])
+    c = latent_cache[pages, tok.clamp(min=0) % page_size].to(torch.float32)  # [N, W, R]
+    # Skipped entries gathered a placeholder row that may hold anything (even NaN); zero it so that it
+    # cannot leak through 0 * NaN.
+    c = c.masked_fill(~valid[:, :, None], 0.0)
+    logits = torch.einsum("nhr,nwr->nhw", q_abs.to(torch.float32), c) * softmax_scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    # A row with nothing selected would softmax to NaN; give it zero weights instead.
+    probs = torch.softmax(logits, dim=-1).masked_fill(~valid.any(dim=1)[:, None, None], 0.0)
+    o = torch.einsum("nhw,nwr->nhr", probs, c)
+    return o.to(q_abs.dtype)

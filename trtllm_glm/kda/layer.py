@@ -1,0 +1,426 @@
+"""Kimi Delta Attention (KDA) layer over per-request state slots.
+
+Weights (``H = kda_num_heads``, ``K = V = kda_head_dim``, ``D = hidden_size``, ``R = kda_gate_low_rank``,
+``W = kda_short_conv_kernel_size``); every linear has no bias:
+
+=====================  ===================  ==============================================================
+name                   shape                role
+=====================  ===================  ==============================================================
+``q_proj.weight``      ``[H*K, D]``         query projection
+``k_proj.weight``      ``[H*K, D]``         key projection
+``v_proj.weight``      ``[H*V, D]``         value projection
+``q_conv1d.weight``    ``[H*K, 1, W]``      depthwise causal conv taps of the q channels (tap W-1 = now)
+``k_conv1d.weight``    ``[H*K, 1, W]``      same for k
+``v_conv1d.weight``    ``[H*V, 1, W]``      same for v
+``f_a_proj.weight``    ``[R, D]``           decay gate, low-rank down
+``f_b_proj.weight``    ``[H*K, R]``         decay gate, low-rank up (``g_raw``)
+``A_log``              ``[H]``              per-head log rate of the gate (FP32)
+``dt_bias``            ``[H*K]``            per-channel gate bias (FP32)
+``b_proj.weight``      ``[H, D]``           ``beta = sigmoid(b_proj(h))``
+``g_a_proj.weight``    ``[R, D]``           output gate, low-rank down
+``g_b_proj.weight``    ``[H*V, R]``         output gate, low-rank up
+``o_norm.weight``      ``[V]``              gated RMSNorm weight (shared by heads)
+``o_proj.weight``      ``[D, H*V]``         output projection
+=====================  ===================  ==============================================================
+
+Per token: ``x = [q_proj h; k_proj h; v_proj h]`` (the conv-state channel order, ``C = H*(2K+V)``),
+``q, k, v = SiLU(conv(x))``; ``q, k`` L2-normalised per head (eps 1e-6 inside the root), the scale ``K^-0.5``
+applied to q; ``g = kda_gate(f_b(f_a(h)))``; the delta rule (`ops.recurrent`); then
+``o = RMSNorm(o_head) * o_norm.weight * sigmoid(g_b(g_a(h)))`` per head and ``o_proj``. Everything between
+the projections runs in FP32; the projections run in the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ..cache.manager import KdaLayerState
+from ..config import Glm5NextConfig
+from .batch import KdaBatchLike
+from .ops import (
+    KdaRecords,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    conv_commit,
+    conv_verify,
+    kda_commit,
+    kda_decode,
+    kda_gate,
+    kda_prefill,
+    kda_verify,
+    l2_normalize,
+)
+
+__all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWeight"]
+
+
+class ShortConvWeight(nn.Module):
+    """Holds one depthwise conv's taps as ``weight [channels, 1, W]`` (the HF ``nn.Conv1d`` name and shape)."""
+
+    def __init__(self, channels: int, kernel_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device, dtype=dtype))
+
+
+class GatedRMSNorm(nn.Module):
+    """``RMSNorm(x) * weight * sigmoid(gate)`` over the last dimension, FP32 math.
+
+    Args:
+        dim: normalised width (the head dim ``V``).
+        eps: added to the mean square.
+    """
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x, gate [..., dim]`` -> ``[..., dim]`` FP32."""
+        x = x.float()
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return y * self.weight.float() * torch.sigmoid(gate.float())
+
+
+@dataclass
+class KdaLayerRecords:
+    """What `KimiDeltaAttention.commit` needs from a verify pass (one layer).
+
+    Verified sequences are padded to the widest one (``Wm`` rows); rows past a sequence's width are never
+    committed.
+
+    Attributes:
+        seq_ids: batch indices of the verified sequences (those with ``q_len >= 1``).
+        widths: rows verified per sequence.
+        state_slots: their state slots (host).
+        slots_t: ``[n]`` int64 the same slots on the device.
+        fresh: ``[n]`` bool, sequences with ``past_len == 0`` (start from zero state, not the slot's).
+        x_rows: ``[n, Wm, C]`` FP32 conv inputs of the rows (for the convolution shift).
+        kda: per-row decay, key and correction (`KdaRecords`, ``[n, Wm, ...]``).
+        num_seqs: ``num_seqs`` of the verify batch (``num_accepted`` is indexed by batch sequence).
+    """
+
+    seq_ids: list[int]
+    widths: list[int]
+    state_slots: list[int]
+    slots_t: torch.Tensor
+    fresh: torch.Tensor
+    x_rows: torch.Tensor
+    kda: KdaRecords
+    num_seqs: int
+
+
+def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
+    slots = [batch.state_slots[b] for b in seqs]
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"state slots repeat within one KDA batch: {slots}")
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer of one layer (see the module docstring for the weights and numerics).
+
+    Args:
+        config: model geometry (``kda_*`` fields, ``hidden_size``, ``rms_norm_eps``).
+        kda_idx: index of this layer among the KDA layers (``manager.kda_layer_state(kda_idx)``).
+        device: parameter device.
+        dtype: parameter dtype of the projections (``A_log``/``dt_bias`` are always FP32).
+
+    Attributes:
+        backend: ``None``/``"auto"``, ``"torch"`` or ``"fla"`` (see `ops.resolve_backend`).
+        chunk_size: chunk of the torch prefill reference.
+    """
+
+    def __init__(
+        self,
+        config: Glm5NextConfig,
+        kda_idx: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.kda_idx = kda_idx
+        self.num_heads = H = config.kda_num_heads
+        self.head_k_dim = K = config.kda_head_dim
+        self.head_v_dim = V = config.kda_head_dim
+        self.conv_size = W = config.kda_short_conv_kernel_size
+        self.lower_bound = float(config.kda_gate_lower_bound)
+        self.scale = K**-0.5
+        self.backend: str | None = None
+        self.chunk_size = 64
+        D, R = config.hidden_size, config.kda_gate_low_rank
+        fk = {"device": device, "dtype": dtype}
+
+        self.q_proj = nn.Linear(D, H * K, bias=False, **fk)
+        self.k_proj = nn.Linear(D, H * K, bias=False, **fk)
+        self.v_proj = nn.Linear(D, H * V, bias=False, **fk)
+        self.q_conv1d = ShortConvWeight(H * K, W, **fk)
+        self.k_conv1d = ShortConvWeight(H * K, W, **fk)
+        self.v_conv1d = ShortConvWeight(H * V, W, **fk)
+        self.f_a_proj = nn.Linear(D, R, bias=False, **fk)
+        self.f_b_proj = nn.Linear(R, H * K, bias=False, **fk)
+        self.A_log = nn.Parameter(torch.empty(H, device=device, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(H * K, device=device, dtype=torch.float32))
+        self.b_proj = nn.Linear(D, H, bias=False, **fk)
+        self.g_a_proj = nn.Linear(D, R, bias=False, **fk)
+        self.g_b_proj = nn.Linear(R, H * V, bias=False, **fk)
+        self.o_norm = GatedRMSNorm(V, config.rms_norm_eps, **fk)
+        self.o_proj = nn.Linear(H * V, D, bias=False, **fk)
+        self.reset_parameters(torch.Generator().manual_seed(0), config.initializer_range)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv state, ``H * (2K + V)``."""
+        return self.num_heads * (2 * self.head_k_dim + self.head_v_dim)
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator, std: float) -> None:
+        """Deterministic init from ``generator`` (a CPU generator; values are copied to the parameters).
+
+        Linears ``N(0, std)``; conv taps ``N(0, 1/W)``; ``A_log = log(U(1, 16))``; ``dt_bias = N(0, 0.1)``;
+        ``o_norm.weight = 1``. Parameters are filled in registration order, so a seed fixes the layer.
+        """
+
+        def fill(p: torch.Tensor, t: torch.Tensor) -> None:
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+        def randn(shape: torch.Size, s: float) -> torch.Tensor:
+            return torch.randn(shape, generator=generator, dtype=torch.float32) * s
+
+        for name, p in self.named_parameters():
+            if name == "A_log":
+                fill(p, torch.empty(p.shape).uniform_(1.0, 16.0, generator=generator).log())
+            elif name == "dt_bias":
+                fill(p, randn(p.shape, 0.1))
+            elif name == "o_norm.weight":
+                p.fill_(1.0)
+            elif name.endswith("conv1d.weight"):
+                fill(p, randn(p.shape, 1.0 / math.sqrt(self.conv_size)))
+            else:
+                fill(p, randn(p.shape, std))
+
+    # ----------------------------------------------------------------------------------------------
+    # Pieces shared by every path
+    def _conv_weight(self) -> torch.Tensor:
+        """``[C, W]`` FP32 taps in conv-state channel order (q, k, v)."""
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        return w.squeeze(1).float()
+
+    def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``hidden [N, D]`` -> conv inputs ``x [N, C]``, log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32)."""
+        N = hidden.shape[0]
+        x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
+        g_raw = self.f_b_proj(self.f_a_proj(hidden)).view(N, self.num_heads, self.head_k_dim)
+        g = kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(hidden).float())
+        return x, g, beta
+
+    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs ``[..., C]`` -> L2-normalised ``q, k [..., H, K]`` and ``v [..., H, V]``."""
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        q, k, v = y.split([H * K, H * K, H * V], dim=-1)
+        lead = y.shape[:-1]
+        return (
+            l2_normalize(q.reshape(*lead, H, K)),
+            l2_normalize(k.reshape(*lead, H, K)),
+            v.reshape(*lead, H, V),
+        )
+
+    def _output(self, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """``o [N, H, V]`` FP32 -> gated RMSNorm -> ``o_proj`` -> ``[N, D]`` in ``hidden``'s dtype."""
+        N = hidden.shape[0]
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(N, self.num_heads, self.head_v_dim)
+        y = self.o_norm(o, gate).reshape(N, -1)
+        return self.o_proj(y.to(self.o_proj.weight.dtype)).to(hidden.dtype)
+
+    @staticmethod
+    def _slots(batch: KdaBatchLike, seqs: list[int], device: torch.device) -> torch.Tensor:
+        if seqs == list(range(batch.num_seqs)):
+            return batch.state_slots_t.to(device=device, dtype=torch.int64)
+        return torch.tensor([batch.state_slots[b] for b in seqs], dtype=torch.int64, device=device)
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState) -> torch.Tensor:
+        """One step: decode rows update their slots in place, prefill chunks run the chunked path.
+
+        Sequences with ``q_len == 1`` and ``past_len > 0`` take the recurrent step (also the width-one
+        speculative round); the rest (``q_len >= 1``) the chunked path, from zero state when
+        ``past_len == 0`` (the slot's old contents are never read then). Only the batch's slots are read or
+        written. Rows not covered by ``cu_seqlens`` (padding) produce ``o_proj`` of zeros.
+
+        Args:
+            hidden: ``[N, D]`` flat token batch.
+            batch: layout (`KdaBatchLike`).
+            state: this layer's state planes (``recurrent [S, H, K, V]``, ``conv [S, C, W-1]``), updated in place.
+
+        Returns:
+            ``[N, D]``.
+        """
+        N, dev = hidden.shape[0], hidden.device
+        x, g, beta = self._inputs(hidden)
+        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+        seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
+        _check_slots(batch, seqs)
+        dec = [b for b in seqs if batch.q_lens[b] == 1 and batch.past_lens[b] > 0]
+        pre = [b for b in seqs if not (batch.q_lens[b] == 1 and batch.past_lens[b] > 0)]
+        weight = self._conv_weight()
+        if dec:
+            self._decode(x, g, beta, o, batch, dec, state, weight)
+        if pre:
+            self._prefill(x, g, beta, o, batch, pre, state, weight)
+        return self._output(hidden, o)
+
+    def _decode(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        o: torch.Tensor,
+        batch: KdaBatchLike,
+        seqs: list[int],
+        state: KdaLayerState,
+        weight: torch.Tensor,
+    ) -> None:
+        dev = x.device
+        rows = torch.tensor([batch.cu_seqlens[b] for b in seqs], dtype=torch.int64, device=dev)
+        slots = self._slots(batch, seqs, dev)
+        y, conv_new = causal_conv1d_update(x[rows], state.conv.index_select(0, slots), weight)
+        state.conv.index_copy_(0, slots, conv_new.to(state.conv.dtype))
+        q, k, v = self._split(y)
+        S = state.recurrent.index_select(0, slots)
+        od, S_new = kda_decode(q, k, v, g[rows], beta[rows], self.scale, S, backend=self.backend)
+        state.recurrent.index_copy_(0, slots, S_new.to(state.recurrent.dtype))
+        o.index_copy_(0, rows, od)
+
+    def _prefill(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        o: torch.Tensor,
+        batch: KdaBatchLike,
+        seqs: list[int],
+        state: KdaLayerState,
+        weight: torch.Tensor,
+    ) -> None:
+        dev = x.device
+        ys, row_ids, sub_cu = [], [], [0]
+        for b in seqs:
+            s, n, slot = batch.cu_seqlens[b], batch.q_lens[b], batch.state_slots[b]
+            prev = state.conv[slot] if batch.past_lens[b] > 0 else None
+            y, conv_new = causal_conv1d_ref(x[s : s + n], prev, weight)
+            state.conv[slot].copy_(conv_new)
+            ys.append(y)
+            row_ids.append(torch.arange(s, s + n, dtype=torch.int64))
+            sub_cu.append(sub_cu[-1] + n)
+        rows = torch.cat(row_ids).to(dev)
+        q, k, v = self._split(torch.cat(ys, dim=0))
+        slots = self._slots(batch, seqs, dev)
+        fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
+        # torch.where, not a multiply: a never-zeroed slot may hold NaN/inf and must not leak in.
+        S0 = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
+        op, S_end = kda_prefill(
+            q, k, v, g[rows], beta[rows], self.scale, S0, sub_cu,
+            lower_bound=self.lower_bound, backend=self.backend, chunk_size=self.chunk_size,
+        )  # fmt: skip
+        state.recurrent.index_copy_(0, slots, S_end.to(state.recurrent.dtype))
+        o.index_copy_(0, rows, op)
+
+    # ----------------------------------------------------------------------------------------------
+    # Speculative verify / commit
+    @torch.no_grad()
+    def forward_verify(
+        self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState
+    ) -> tuple[torch.Tensor, KdaLayerRecords]:
+        """Verify pass: every sequence's ``q_len`` rows run from its committed state, which is NOT changed.
+
+        Args:
+            hidden: ``[N, D]`` flat token batch (root + drafts per sequence).
+            batch: layout (`KdaBatchLike`); ``past_lens[b]`` is the committed length.
+            state: this layer's state planes; only read.
+
+        Returns:
+            ``(out [N, D], records)``; pass the records to `commit` once acceptance is known.
+        """
+        N, dev = hidden.shape[0], hidden.device
+        x, g, beta = self._inputs(hidden)
+        seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
+        _check_slots(batch, seqs)
+        widths = [batch.q_lens[b] for b in seqs]
+        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+        slots = self._slots(batch, seqs, dev)
+        fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
+        Wm = max(widths, default=0)
+        # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
+        idx = [[batch.cu_seqlens[b] + min(j, w - 1) for j in range(Wm)] for b, w in zip(seqs, widths)]
+        valid_h = [[j < w for j in range(Wm)] for w in widths]
+        ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(len(seqs), Wm)
+        valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(len(seqs), Wm)
+        vmask = valid.unsqueeze(-1)
+        x_rows = torch.where(vmask, x[ridx], 0.0)
+        conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+        y = conv_verify(x_rows, conv0, self._conv_weight())
+        q, k, v = self._split(y)
+        # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
+        gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
+        br = torch.where(vmask, beta[ridx], 0.0)
+        S0 = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
+        ov, rec = kda_verify(q, k, v, gr, br, self.scale, S0)
+        o.index_copy_(0, ridx[valid], ov[valid])
+        records = KdaLayerRecords(
+            seq_ids=seqs,
+            widths=widths,
+            state_slots=[batch.state_slots[b] for b in seqs],
+            slots_t=slots,
+            fresh=fresh,
+            x_rows=x_rows,
+            kda=rec,
+            num_seqs=batch.num_seqs,
+        )
+        return self._output(hidden, o), records
+
+    @torch.no_grad()
+    def commit(
+        self,
+        records: KdaLayerRecords,
+        num_accepted: Sequence[int] | torch.Tensor,
+        state: KdaLayerState,
+    ) -> None:
+        """Fold the first ``a`` verified rows of each sequence into its slot and shift its conv window.
+
+        ``state`` must be unchanged since the verify pass that made ``records``. ``a = 0`` leaves the slot as
+        committed (zeroed for a fresh sequence).
+
+        Args:
+            records: from `forward_verify`.
+            num_accepted: ``[num_seqs]`` accepted rows per batch sequence (root + accepted drafts), host list
+                preferred; entries of sequences that were not verified are ignored.
+            state: this layer's state planes, updated in place (only the verified sequences' slots).
+        """
+        if not records.seq_ids:
+            return
+        if isinstance(num_accepted, torch.Tensor):
+            ids = torch.tensor(records.seq_ids, dtype=torch.int64, device=num_accepted.device)
+            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)[ids]
+        else:
+            if len(num_accepted) != records.num_seqs:
+                raise ValueError(f"num_accepted has {len(num_accepted)} entries for {records.num_seqs} sequences")
+            a = [int(num_accepted[b]) for b in records.seq_ids]
+            bad = [(b, n, w) for b, n, w in zip(records.seq_ids, a, records.widths) if not 0 <= n <= w]
+            if bad:
+                raise ValueError(f"num_accepted out of range (seq, accepted, width): {bad}")
+        slots, fresh = records.slots_t, records.fresh
+        conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+        conv_commit(conv, records.x_rows, a)
+        state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
+        S = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
+        kda_commit(S, records.kda, a)
+        state.recurrent.index_copy_(0, slots, S.to(state.recurrent.dtype))

@@ -1,0 +1,29 @@
+"""KDA ops: torch references (any device) and the fla-core dispatch used on CUDA."""
+
+from __future__ import annotations
+
+from .backend import fla_kda_available, kda_decode, kda_prefill, resolve_backend
+from .chunk import chunk_kda
+from .conv import causal_conv1d_ref, causal_conv1d_update, conv_commit, conv_verify
+from .gate import kda_gate, l2_normalize
+from .recurrent import recurrent_kda, recurrent_kda_step
+from .verify import KdaRecords, kda_commit, kda_verify
+
+__all__ = [
+    "KdaRecords",
+    "causal_conv1d_ref",
+    "causal_conv1d_update",
+    "chunk_kda",
+    "conv_commit",
+    "conv_verify",
+    "fla_kda_available",
+    "kda_commit",
+    "kda_decode",
+    "kda_gate",
+    "kda_prefill",
+    "kda_verify",
+    "l2_normalize",
+    "recurrent_kda",
+    "recurrent_kda_step",
+    "resolve_backend",
+]

@@ -1,0 +1,165 @@
+"""Backend dispatch: fla-core's Triton KDA kernels on CUDA, the torch references elsewhere.
+
+``import fla`` is lazy and optional: it happens on the first CUDA call only, and a failed import (package
+missing, no Triton backend) falls back to the torch reference. ``TRTLLM_GLM_KDA_BACKEND`` = ``torch`` |
+``fla`` | ``auto`` (default) overrides the choice; ``fla`` raises if fla-core cannot be used.
+
+Both wrappers take already L2-normalised ``q``/``k`` and log-space ``g`` (we never ask fla to normalise or
+apply the gate, so every backend sees identical inputs), FP32 state in the cache layout ``[N, H, K, V]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .chunk import chunk_kda
+from .recurrent import normalize_cu_seqlens, recurrent_kda_step
+
+__all__ = ["fla_kda_available", "resolve_backend", "kda_prefill", "kda_decode"]
+
+_ENV = "TRTLLM_GLM_KDA_BACKEND"
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_kda() -> Any | None:
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+        from fla.ops.kda import fused_recurrent_kda as fla_fused_recurrent_kda
+    except Exception:  # noqa: BLE001 - any import-time failure (missing package, Triton init) means "no fla"
+        return None
+    return fla_chunk_kda, fla_fused_recurrent_kda
+
+
+def fla_kda_available() -> bool:
+    """Whether fla-core's KDA kernels import (does not check for a GPU)."""
+    return _fla_kda() is not None
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """``"fla"`` or ``"torch"`` for tensors on ``device``.
+
+    Args:
+        device: where the inputs live.
+        backend: ``"auto"`` / ``None`` (fla on CUDA when it imports), ``"torch"`` or ``"fla"``; ``None`` reads
+            ``TRTLLM_GLM_KDA_BACKEND`` first.
+    """
+    if backend is None:
+        backend = os.environ.get(_ENV, "auto")
+    backend = backend.lower()
+    if backend == "torch":
+        return "torch"
+    if backend not in ("auto", "fla"):
+        raise ValueError(f"{_ENV}/backend must be 'auto', 'torch' or 'fla', got {backend!r}")
+    usable = device.type == "cuda" and fla_kda_available()
+    if backend == "fla" and not usable:
+        raise RuntimeError(
+            f"KDA backend 'fla' requested but unusable (device {device}, fla importable: {fla_kda_available()})"
+        )
+    return "fla" if usable else "torch"
+
+
+def kda_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    initial_state: torch.Tensor,
+    cu_seqlens: Sequence[int] | torch.Tensor,
+    *,
+    lower_bound: float | None = None,
+    backend: str | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA over a flat variable-length batch (fla ``chunk_kda`` on CUDA, else `chunk_kda`).
+
+    Args:
+        q: ``[T, H, K]`` L2-normalised queries.
+        k: ``[T, H, K]`` L2-normalised keys.
+        v: ``[T, H, V]``.
+        g: ``[T, H, K]`` log decay in ``[lower_bound, 0)``.
+        beta: ``[T, H]``.
+        scale: query scale.
+        initial_state: ``[N, H, K, V]`` FP32; not modified.
+        cu_seqlens: ``N + 1`` row offsets (host list preferred: no device sync).
+        lower_bound: the gate's lower bound; when in ``[-5, 0)`` fla's bounded-gate ("safe gate") path is used.
+        backend: see `resolve_backend`.
+        chunk_size: chunk of the torch reference (fla uses 64).
+
+    Returns:
+        ``(o [T, H, V] FP32, final_state [N, H, K, V] FP32)``.
+    """
+    if resolve_backend(q.device, backend) == "torch":
+        return chunk_kda(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=chunk_size)
+    fla_chunk_kda, _ = _fla_kda()
+    cu = normalize_cu_seqlens(cu_seqlens, q.shape[0])
+    T = cu[-1]
+    cu_cpu = torch.tensor(cu, dtype=torch.int64)
+    safe = lower_bound is not None and -5.0 <= lower_bound < 0.0
+    o, final = fla_chunk_kda(
+        q=q[:T].float().unsqueeze(0).contiguous(),
+        k=k[:T].float().unsqueeze(0).contiguous(),
+        v=v[:T].float().unsqueeze(0).contiguous(),
+        g=g[:T].float().unsqueeze(0).contiguous(),
+        beta=beta[:T].float().unsqueeze(0).contiguous(),
+        scale=scale,
+        initial_state=initial_state.float().contiguous(),
+        output_final_state=True,
+        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
+        cu_seqlens_cpu=cu_cpu,
+        safe_gate=safe,
+        lower_bound=lower_bound if safe else None,
+    )
+    o = o[0].float()
+    if q.shape[0] > T:
+        o = torch.cat([o, o.new_zeros(q.shape[0] - T, *o.shape[1:])], dim=0)
+    return o, final.float()
+
+
+def kda_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per sequence (fla ``fused_recurrent_kda`` on CUDA, else `recurrent_kda_step`).
+
+    Args:
+        q: ``[N, H, K]`` L2-normalised queries.
+        k: ``[N, H, K]`` L2-normalised keys.
+        v: ``[N, H, V]``.
+        g: ``[N, H, K]`` log decay.
+        beta: ``[N, H]``.
+        scale: query scale.
+        state: ``[N, H, K, V]`` FP32; not modified.
+        backend: see `resolve_backend`.
+
+    Returns:
+        ``(o [N, H, V] FP32, new_state [N, H, K, V] FP32)``.
+    """
+    if resolve_backend(q.device, backend) == "torch":
+        return recurrent_kda_step(q, k, v, g, beta, scale, state)
+    _, fla_fused_recurrent_kda = _fla_kda()
+    # fla's [B, T, ...] layout with B = N sequences of T = 1 token each.
+    o, final = fla_fused_recurrent_kda(
+        q=q.float().unsqueeze(1).contiguous(),
+        k=k.float().unsqueeze(1).contiguous(),
+        v=v.float().unsqueeze(1).contiguous(),
+        g=g.float().unsqueeze(1).contiguous(),
+        beta=beta.float().unsqueeze(1).contiguous(),
+        scale=scale,
+        initial_state=state.float().contiguous(),
+        output_final_state=True,
+    )
+    return o[:, 0].float(), final.float()

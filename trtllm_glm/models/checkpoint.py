@@ -1,0 +1,311 @@
+"""HF-layout safetensors checkpoints: save (single file or sharded), selective load, block-FP8 dequantisation.
+
+Layout written and read:
+
+* ``config.json`` (`Glm5NextConfig.save`);
+* either ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` plus
+  ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``.
+
+Block-FP8 checkpoints (DeepSeek-V3 style) store a weight ``W [out, in]`` as ``float8_e4m3fn`` next to
+``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader multiplies each 128 x 128 block by its
+scale and drops the ``_scale_inv`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..config import Glm5NextConfig
+
+__all__ = [
+    "SINGLE_FILE",
+    "INDEX_FILE",
+    "FP8_MAX",
+    "save_checkpoint",
+    "load_state_dict",
+    "quantize_block_fp8",
+    "dequantize_block_fp8",
+]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+FP8_MAX = 448.0
+"""Largest finite float8_e4m3fn magnitude; a block's scale maps its absmax onto it."""
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_OWN_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Block FP8
+# --------------------------------------------------------------------------------------------------
+def _check_2d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name}: block FP8 needs a 2-D tensor, got shape {tuple(t.shape)}")
+
+
+def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:
+    """``[ceil(O/b), ceil(I/b)]`` -> ``[O, I]``, each scale repeated over its block (ragged edges cut)."""
+    rows, cols = shape
+    return scale.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
+
+
+def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight to float8_e4m3fn with one fp32 scale per ``block x block`` tile.
+
+    Each tile's scale is ``amax / 448`` so its largest entry lands on the top of the e4m3 range; an
+    all-zero tile gets scale 1 (any scale reproduces zeros, and 1 keeps the scale finite).
+
+    Args:
+        w: ``[O, I]`` floating weight.
+        block: tile edge.
+
+    Returns:
+        ``(fp8 [O, I] float8_e4m3fn, scale_inv [ceil(O/block), ceil(I/block)] fp32)`` with
+        ``w ~= fp8.float() * scale_inv`` per tile.
+    """
+    _check_2d("w", w)
+    rows, cols = w.shape
+    rb, cb = math.ceil(rows / block), math.ceil(cols / block)
+    wf = w.float()
+    # Zero padding never raises a tile's absmax, so ragged tiles get the scale of their real entries.
+    padded = torch.zeros(rb * block, cb * block, dtype=torch.float32, device=w.device)
+    padded[:rows, :cols] = wf
+    amax = padded.reshape(rb, block, cb, block).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (wf / _expand_blocks(scale, (rows, cols), block)).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_block_fp8(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Undo `quantize_block_fp8`: ``fp8.float() * scale_inv`` broadcast over ``block x block`` tiles.
+
+    Args:
+        fp8: ``[O, I]`` (any dtype; float8_e4m3fn in checkpoints).
+        scale_inv: ``[ceil(O/block), ceil(I/block)]``.
+        block: tile edge.
+
+    Returns:
+        ``[O, I]`` fp32 on ``fp8``'s device.
+    """
+    _check_2d("fp8", fp8)
+    rows, cols = fp8.shape
+    want = (math.ceil(rows / block), math.ceil(cols / block))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(fp8.shape)} "
+            f"with {block}x{block} blocks (expected {want})"
+        )
+    scale = scale_inv.to(device=fp8.device, dtype=torch.float32)
+    return fp8.float() * _expand_blocks(scale, (rows, cols), block)
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+# --------------------------------------------------------------------------------------------------
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _prepare(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached contiguous CPU tensors; storage shared between entries (tied weights) is cloned apart
+    because safetensors refuses to write aliased tensors."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+        c = t.detach().to("cpu").contiguous()
+        key = (c.untyped_storage().data_ptr(), c.untyped_storage().nbytes())
+        if c.numel() > 0 and key in seen:
+            c = c.clone()
+        seen.add((c.untyped_storage().data_ptr(), c.untyped_storage().nbytes()))
+        out[name] = c
+    return out
+
+
+def _remove_stale(directory: str) -> None:
+    # A previous save with a different sharding would leave files the loader could pick up instead.
+    for fname in os.listdir(directory):
+        if fname == INDEX_FILE or _OWN_FILE_RE.match(fname):
+            os.remove(os.path.join(directory, fname))
+
+
+def save_checkpoint(
+    state_dict: Mapping[str, torch.Tensor],
+    config: Glm5NextConfig,
+    directory: str | os.PathLike[str],
+    max_shard_bytes: int | None = None,
+) -> list[str]:
+    """Write ``config.json`` and the tensors in HF safetensors layout.
+
+    Previous ``model*.safetensors`` / index files in ``directory`` are removed first so that a stale
+    layout cannot shadow the new one. Tensors are written in ``state_dict`` order; a shard is closed
+    when the next tensor would push it past ``max_shard_bytes`` (a single larger tensor gets a shard
+    of its own).
+
+    Args:
+        state_dict: HF names -> tensors (any device; written as contiguous CPU copies).
+        config: saved as ``config.json``.
+        directory: created if missing.
+        max_shard_bytes: ``None`` writes one ``model.safetensors``; otherwise shards plus the index
+            (always, even if everything fits in one shard).
+
+    Returns:
+        The safetensors file names written, in order.
+    """
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    tensors = _prepare(state_dict)
+    _remove_stale(directory)
+    config.save(directory)
+    meta = {"format": "pt"}
+    if max_shard_bytes is None:
+        save_file(tensors, os.path.join(directory, SINGLE_FILE), metadata=meta)
+        return [SINGLE_FILE]
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if not shards[-1]:  # empty state dict
+        shards = [{}]
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    files = []
+    for i, shard in enumerate(shards):
+        fname = _shard_name(i, n)
+        save_file(shard, os.path.join(directory, fname), metadata=meta)
+        files.append(fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
+    return files
+
+
+# --------------------------------------------------------------------------------------------------
+# Load
+# --------------------------------------------------------------------------------------------------
+def _weight_map(directory: str) -> dict[str, str]:
+    """Tensor name -> file name, from the index or the single file's header."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.exists(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict):
+            raise ValueError(f"{index_path}: missing a 'weight_map' object")
+        return {str(k): str(v) for k, v in wm.items()}
+    single = os.path.join(directory, SINGLE_FILE)
+    if os.path.exists(single):
+        with safe_open(single, framework="pt", device="cpu") as f:
+            return dict.fromkeys(f.keys(), SINGLE_FILE)
+    raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} and no {INDEX_FILE}")
+
+
+def _wanted(name: str, layers: set[int] | None, num_layers: int, include_mtp: bool) -> bool:
+    m = _LAYER_RE.match(name)
+    if m is None:
+        return True
+    i = int(m.group(1))
+    if i >= num_layers:
+        return include_mtp
+    return layers is None or i in layers
+
+
+def load_state_dict(
+    directory: str | os.PathLike[str],
+    *,
+    layers: Iterable[int] | None = None,
+    include_mtp: bool = True,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Read an HF-layout checkpoint, optionally only some layers, dequantising block-FP8 weights.
+
+    Only the selected tensors are read (``safe_open`` + ``get_tensor`` per key), and shards holding
+    none of them are never opened.
+
+    Args:
+        directory: holds ``config.json`` and ``model.safetensors`` or the sharded index.
+        layers: trunk layer indices to keep (``model.layers.{i}.*``); ``None`` keeps all. Non-layer
+            weights (embedding, final norm, LM head) are always kept.
+        include_mtp: keep the MTP layers ``model.layers.{num_hidden_layers + j}.*``.
+        dtype: cast every floating tensor to this dtype; ``None`` keeps the stored dtypes, except that
+            dequantised FP8 weights come back as fp32.
+        device: where the returned tensors live (FP8 dequantisation happens there).
+
+    Returns:
+        Checkpoint names -> tensors (no ``*_scale_inv`` entries for dequantised weights).
+
+    Raises:
+        FileNotFoundError: missing directory, ``config.json``, safetensors files or a shard.
+        KeyError: the index names a tensor its shard does not contain.
+    """
+    directory = os.fspath(directory)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    cfg_path = os.path.join(directory, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{directory}: no config.json")
+    config = Glm5NextConfig.from_json_file(cfg_path)
+    layer_set = None if layers is None else {int(i) for i in layers}
+
+    wmap = _weight_map(directory)
+    names = [k for k in wmap if _wanted(k, layer_set, config.num_hidden_layers, include_mtp)]
+    by_file: dict[str, list[str]] = {}
+    for k in names:
+        by_file.setdefault(wmap[k], []).append(k)
+
+    raw: dict[str, torch.Tensor] = {}
+    for fname, keys in by_file.items():
+        path = os.path.join(directory, fname)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: shard missing (it holds {keys[0]!r} and {len(keys) - 1} more)")
+        with safe_open(path, framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for k in keys:
+                if k not in present:
+                    raise KeyError(f"{k!r}: listed in {INDEX_FILE} under {fname} but not stored there")
+                raw[k] = f.get_tensor(k)
+
+    out: dict[str, torch.Tensor] = {}
+    for k in names:
+        if k.endswith(SCALE_SUFFIX):
+            base = raw.get(k[: -len(SCALE_SUFFIX)])
+            if base is not None and base.dtype == torch.float8_e4m3fn:
+                continue  # consumed by its weight below
+        t = raw[k]
+        scale_key = k + SCALE_SUFFIX
+        if t.dtype == torch.float8_e4m3fn and scale_key in raw:
+            try:
+                t = dequantize_block_fp8(t.to(device), raw[scale_key])
+            except ValueError as e:
+                raise ValueError(f"{k}: {e}") from e
+        else:
+            t = t.to(device)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        out[k] = t
+    return out

@@ -1,0 +1,1 @@
+"""Runtime: requests, scheduling, execution, sampling and the LLM API."""

@@ -1,0 +1,258 @@
+"""`Executor`: runs steps of mixed batches through the model on paged caches.
+
+A step: schedule (decode rows first, then prefill chunks), make room in the cache (preempting the
+newest running request when pages run out), describe the batch once (``prepare()``), run the model,
+sample the rows that end a sequence's pending tokens, and retire finished requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from ..cache.manager import Glm5NextCacheManager
+from ..errors import CapacityError
+from ..models.glm5_next import Glm5NextForCausalLM
+from .request import FinishReason, Request, RequestState
+from .sampling import Sampler, SamplingParams
+from .scheduler import ScheduledSeq, Scheduler
+
+__all__ = ["Executor", "ExecutorConfig"]
+
+
+@dataclass
+class ExecutorConfig:
+    """Sizes of the executor's caches and batches.
+
+    Attributes:
+        tokens_per_block: page size (multiple of 4).
+        max_tokens: total tokens the page pool holds (rounded up to whole pages).
+        max_batch_size: sequences per step (also the number of state slots).
+        max_num_tokens: flat rows per step.
+        max_seq_len: longest sequence (prompt + output); sets the slot-table width.
+        prefill_chunk_size: cap on a prefill chunk (``None``: token budget only).
+    """
+
+    tokens_per_block: int = 16
+    max_tokens: int = 8192
+    max_batch_size: int = 8
+    max_num_tokens: int = 512
+    max_seq_len: int = 2048
+    prefill_chunk_size: int | None = None
+
+
+class Executor:
+    """Continuous-batching executor for `Glm5NextForCausalLM`.
+
+    Args:
+        model: the model (its parameters' device is the executor's device).
+        cfg: cache and batch sizes.
+        seed: base seed for requests without their own sampling seed.
+    """
+
+    def __init__(self, model: Glm5NextForCausalLM, cfg: ExecutorConfig, *, seed: int = 0) -> None:
+        self.model = model
+        self.config = model.config
+        self.cfg = cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        P = cfg.tokens_per_block
+        self.manager = self._make_manager(include_mtp_layer=False)
+        # A sequence can never outgrow the whole page pool either.
+        self.max_seq_len = min(
+            cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P
+        )
+        self.meta = GlmKpoolMetadata(
+            kv_cache_manager=self.manager,
+            max_num_seqs=cfg.max_batch_size,
+            max_num_tokens=cfg.max_num_tokens,
+            max_pages_per_seq=-(-self.max_seq_len // P),
+            select_width=self.config.index_select_width,
+            device=self.device,
+        )
+        self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
+        self.sampler = Sampler()
+        self.seed = seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    def _make_manager(self, *, include_mtp_layer: bool) -> Glm5NextCacheManager:
+        P = self.cfg.tokens_per_block
+        return Glm5NextCacheManager(
+            self.config,
+            num_pages=-(-self.cfg.max_tokens // P),
+            tokens_per_block=P,
+            max_num_requests=self.cfg.max_batch_size,
+            include_mtp_layer=include_mtp_layer,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    # --------------------------------------------------------------------------------------------
+    # Requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; a prompt that can never fit is refused here, before it takes anything."""
+        for t in prompt_ids:
+            if not 0 <= t < self.config.vocab_size:
+                raise ValueError(f"prompt token {t} outside the vocabulary [0, {self.config.vocab_size})")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise CapacityError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the limit is "
+                f"{self.max_seq_len} tokens (max_seq_len, context length and cache size)"
+            )
+        rid = next(self._ids)
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + rid)
+        req = Request(rid, list(prompt_ids), params, arrival=next(self._arrivals), generator=gen)
+        self.waiting.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_until_done(self) -> None:
+        while self.has_work:
+            self.step()
+
+    # --------------------------------------------------------------------------------------------
+    # One step
+    def step(self) -> list[Request]:
+        """Run one batch; returns the requests that finished in it."""
+        plan = self._plan()
+        if not plan:
+            raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
+        self.num_steps += 1
+        rows = self._forward(plan)
+        return self._advance(plan, rows)
+
+    def _plan(self) -> list[ScheduledSeq]:
+        """Schedule and make room in the cache, preempting the newest running requests as needed."""
+        while True:
+            plan = self.scheduler.schedule(self.running, self.waiting)
+            planned: list[ScheduledSeq] = []
+            victim = None
+            for s in plan:
+                r = s.request
+                if not self.manager.has_request(r.request_id):
+                    if self.manager.num_free_slots == 0:
+                        continue
+                    self.manager.add_request(r.request_id)
+                try:
+                    self.manager.ensure_capacity(r.request_id, r.num_computed + s.num_rows)
+                except CapacityError:
+                    if r.state is RequestState.WAITING:
+                        self.manager.free_request(r.request_id)
+                    victim = self._pick_victim(exclude=r)
+                    if victim is None:
+                        # Nothing to evict: run what fits now; this chunk waits for freed pages.
+                        continue
+                    break
+                planned.append(s)
+            if victim is None:
+                for s in planned:
+                    if s.request.state is RequestState.WAITING:
+                        self.waiting.remove(s.request)
+                        s.request.state = RequestState.RUNNING
+                        self.running.append(s.request)
+                return planned
+            # Release what this attempt took for waiting requests, then evict and plan again.
+            for s in planned:
+                if s.request.state is RequestState.WAITING:
+                    self.manager.free_request(s.request.request_id)
+            self._preempt(victim)
+
+    def _pick_victim(self, exclude: Request) -> Request | None:
+        cands = [r for r in self.running if r is not exclude]
+        return max(cands, key=lambda r: r.arrival) if cands else None
+
+    def _preempt(self, req: Request) -> None:
+        """Free the request's pages and state; it recomputes its tokens (prompt + output) later."""
+        self.manager.free_request(req.request_id)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.state = RequestState.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self.on_preempt(req)
+
+    def on_preempt(self, req: Request) -> None:
+        """Hook for subclasses that keep more per-request state (drafters)."""
+
+    def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
+        ids: list[int] = []
+        for s in plan:
+            r = s.request
+            ids.extend(r.tokens[r.num_computed : r.num_computed + s.num_rows])
+        n_dec = sum(1 for s in plan if s.is_decode)
+        self.meta.prepare(
+            [s.request.request_id for s in plan],
+            past_lens=[s.request.num_computed for s in plan],
+            q_lens=[s.num_rows for s in plan],
+            num_decode_seqs=n_dec,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            return self.model(input_ids, self.meta, self.manager)
+
+    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
+        """Commit the rows, sample where a sequence's pending rows ended, retire finished requests."""
+        to_sample: list[tuple[Request, int]] = []
+        row = 0
+        for s in plan:
+            r = s.request
+            r.num_computed += s.num_rows
+            row += s.num_rows
+            if r.num_computed == len(r.tokens):
+                to_sample.append((r, row - 1))
+        finished: list[Request] = []
+        if to_sample:
+            idx = torch.tensor([i for _, i in to_sample], device=self.device)
+            with torch.inference_mode():
+                logits = self.model.compute_logits(hidden[idx])
+            reqs = [r for r, _ in to_sample]
+            toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+            for r, t in zip(reqs, toks):
+                if self._emit(r, [t]):
+                    finished.append(r)
+        for r in finished:
+            self._finish(r)
+        return finished
+
+    # --------------------------------------------------------------------------------------------
+    def stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        """Why emitting ``token`` (already appended) ends ``req``, if it does."""
+        p = req.params
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            return FinishReason.STOP
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _emit(self, req: Request, tokens: list[int]) -> bool:
+        """Append tokens in order until one finishes the request; returns whether it finished."""
+        for t in tokens:
+            req.tokens.append(int(t))
+            reason = self.stop_reason(req, int(t))
+            if reason is not None:
+                req.finish_reason = reason
+                return True
+        return False
+
+    def _finish(self, req: Request) -> None:
+        req.state = RequestState.FINISHED
+        self.running.remove(req)
+        self.manager.free_request(req.request_id)

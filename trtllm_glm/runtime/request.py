@@ -1,0 +1,73 @@
+"""Requests as the runtime tracks them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+__all__ = ["Request", "RequestState", "FinishReason"]
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_tokens or the model's context limit
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    ``tokens`` is the prompt followed by every emitted token; ``num_computed`` of them are in the cache.
+    The rows still to feed are ``tokens[num_computed:]``: one row (the last emitted token) for a plain
+    decode, several for a prefill chunk or a resumed (recomputed) request.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # Speculative decoding statistics (filled by the speculative executor).
+    draft_tokens_proposed: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+    num_verify_rounds: int = 0
+    num_accepted_total: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.request_id}: the prompt must hold at least one token")
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Rows not yet in the cache."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_pending == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.state is RequestState.FINISHED

@@ -1,0 +1,187 @@
+"""Sampling parameters and the token sampler.
+
+`SamplingParams` follows the shape of TensorRT-LLM's LLM-API ``SamplingParams`` (``max_tokens``,
+``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop_token_ids``, ``end_id``, ``ignore_eos``) but defaults
+to greedy decoding (``temperature=0``), which is what the losslessness checks of speculative decoding need.
+
+`Sampler` applies temperature, then top-k, then top-p, and draws from each request's own CPU generator,
+so a seeded request produces the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler", "top2_gap", "make_generator"]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding controls.
+
+    Attributes:
+        max_tokens: new tokens to generate at most (>= 1).
+        temperature: 0 means greedy (argmax, ties to the lower id); > 0 samples from ``softmax(logits / T)``.
+        top_p: nucleus mass in ``(0, 1]``; 1 disables it.
+        top_k: keep the ``k`` most likely tokens (ties to the lower id); 0 disables it.
+        seed: seeds the request's own generator; ``None`` draws from torch's global RNG.
+        stop_token_ids: extra ids that end the request (the stop token is kept in the output).
+        end_id: end-of-sequence id overriding the model's EOS ids; ``None`` uses the model's.
+        ignore_eos: never stop on EOS / ``end_id`` (``stop_token_ids`` still apply).
+    """
+
+    max_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    end_id: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            ids = list(self.stop_token_ids)
+            bad = [i for i in ids if not _is_int(i) or i < 0]
+            if bad:
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {bad!r}")
+            self.stop_token_ids = ids
+        if self.end_id is not None and (not _is_int(self.end_id) or self.end_id < 0):
+            raise ValueError(f"end_id must be None or a non-negative int, got {self.end_id!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: ``temperature == 0``, or ``top_k == 1`` (which leaves a single candidate)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def stop_ids(self, eos_ids: Iterable[int] = ()) -> set[int]:
+        """Ids that finish this request: ``stop_token_ids`` plus ``end_id`` (else ``eos_ids``) unless ``ignore_eos``.
+
+        Args:
+            eos_ids: the model's EOS ids (``Glm5NextConfig.eos_token_ids``).
+        """
+        out = set(self.stop_token_ids or ())
+        if not self.ignore_eos:
+            out |= {self.end_id} if self.end_id is not None else set(eos_ids)
+        return out
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's CPU generator: seeded from ``params.seed``, or ``None`` for the global RNG."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device="cpu").manual_seed(params.seed)
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Difference between the largest and second-largest logit of each row (0 for an exact tie).
+
+    Args:
+        logits: ``[B, V]`` with ``V >= 2``.
+
+    Returns:
+        ``[B]`` fp32, non-negative.
+    """
+    if logits.dim() != 2 or logits.shape[1] < 2:
+        raise ValueError(f"top2_gap needs logits of shape [B, V>=2], got {tuple(logits.shape)}")
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+class Sampler:
+    """Chooses one token per row from final logits."""
+
+    top2_gap = staticmethod(top2_gap)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Pick the next token of every row.
+
+        Greedy rows take the argmax (``torch.argmax`` returns the first maximum, i.e. the lower id). Other
+        rows are processed one at a time (so that no batched reduction can make a row depend on its
+        neighbours): ``logits / T``, keep the ``top_k`` best (stable order, ties to the lower id), keep the
+        smallest prefix whose renormalised mass reaches ``top_p`` (at least one token), then one
+        multinomial draw on the CPU from the row's generator.
+
+        Args:
+            logits: ``[B, V]`` (fp32 expected; other float dtypes are upcast).
+            params: ``B`` sampling parameters.
+            generators: ``B`` CPU generators or ``None`` (global RNG); only non-greedy rows consume draws.
+
+        Returns:
+            ``[B]`` int64 token ids on ``logits``' device.
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        B = logits.shape[0]
+        if len(params) != B or len(generators) != B:
+            raise ValueError(f"got {B} logit rows but {len(params)} params and {len(generators)} generators")
+        logits = logits.float()
+        out = torch.argmax(logits, dim=-1) if B > 0 else torch.empty(0, dtype=torch.long, device=logits.device)
+        for i, p in enumerate(params):
+            if not p.greedy:
+                out[i] = self._sample_row(logits[i], p, generators[i])
+        return out
+
+    @staticmethod
+    def filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, top-k and top-p on one row.
+
+        Args:
+            row: ``[V]`` fp32 logits.
+            p: non-greedy parameters.
+
+        Returns:
+            ``(ids [n], probs [n])``: the kept token ids in descending-probability order (ties to the
+            lower id) and their renormalised probabilities (fp32, summing to 1).
+        """
+        scaled = row.float() / p.temperature
+        vals, ids = torch.sort(scaled, descending=True, stable=True)
+        n = vals.shape[0]
+        if p.top_k > 0:
+            n = min(n, p.top_k)
+        probs = torch.softmax(vals[:n], dim=-1)
+        if p.top_p < 1.0:
+            # Keep token j while the mass strictly before it is < top_p: the smallest prefix reaching top_p.
+            before = torch.cumsum(probs, dim=-1)
+            before = torch.cat([before.new_zeros(1), before[:-1]])
+            n = max(1, int((before < p.top_p).sum().item()))
+            probs = probs[:n] / probs[:n].sum()
+        return ids[:n], probs
+
+    def _sample_row(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+        ids, probs = self.filtered_probs(row, p)
+        # The generator lives on the CPU so a seed gives the same draw on every device.
+        j = torch.multinomial(probs.cpu(), 1, generator=gen)
+        return ids[j.to(ids.device)][0]

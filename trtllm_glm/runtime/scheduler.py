@@ -1,0 +1,74 @@
+"""Batch scheduling: decode rows first, then prefill chunks under a token budget."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .request import Request
+
+__all__ = ["ScheduledSeq", "Scheduler"]
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence of a step: ``num_rows`` rows starting at ``request.num_computed``."""
+
+    request: Request
+    num_rows: int
+    is_decode: bool
+
+
+class Scheduler:
+    """Builds mixed batches (TensorRT-LLM's capacity + micro-batch scheduling, simplified).
+
+    Args:
+        max_batch_size: sequences per step.
+        max_num_tokens: flat rows per step (decode rows count one each, or their verify width).
+        prefill_chunk_size: cap on one prefill chunk (``None``: only the token budget caps it).
+    """
+
+    def __init__(self, max_batch_size: int, max_num_tokens: int, prefill_chunk_size: int | None = None) -> None:
+        if max_batch_size <= 0 or max_num_tokens <= 0:
+            raise ValueError("max_batch_size and max_num_tokens must be positive")
+        if prefill_chunk_size is not None and prefill_chunk_size <= 0:
+            raise ValueError("prefill_chunk_size must be positive")
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.prefill_chunk_size = prefill_chunk_size
+
+    def schedule(
+        self, running: Iterable[Request], waiting: Iterable[Request], decode_width: dict[int, int] | None = None
+    ) -> list[ScheduledSeq]:
+        """Pick this step's sequences.
+
+        Args:
+            running: admitted requests, oldest first.
+            waiting: requests not yet admitted, in arrival order (admitted here while budget lasts).
+            decode_width: rows a decode request needs this step (speculative verify width), default 1.
+
+        Returns:
+            Decode sequences first, then prefill chunks.
+        """
+        decode_width = decode_width or {}
+        budget = self.max_num_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        running = list(running)
+        for r in running:
+            if r.is_decode and len(decodes) < self.max_batch_size:
+                w = decode_width.get(r.request_id, 1)
+                if w <= budget:
+                    decodes.append(ScheduledSeq(r, w, True))
+                    budget -= w
+        n_seqs = len(decodes)
+        for r in [*[r for r in running if not r.is_decode], *waiting]:
+            if n_seqs >= self.max_batch_size or budget <= 0:
+                break
+            n = min(r.num_pending, budget)
+            if self.prefill_chunk_size is not None:
+                n = min(n, self.prefill_chunk_size)
+            prefills.append(ScheduledSeq(r, n, False))
+            budget -= n
+            n_seqs += 1
+        return decodes + prefills
