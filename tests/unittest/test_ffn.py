@@ -85,7 +85,9 @@ def test_moe_matches_per_token_reference(norm: bool, shared: int) -> None:
     cfg = _cfg(norm_topk_prob=norm, n_shared_experts=shared)
     m = _moe(cfg, seed=7)
     with torch.no_grad():
-        m.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=torch.Generator().manual_seed(5)))
+        m.gate.e_score_correction_bias.copy_(
+            torch.randn(cfg.n_routed_experts, generator=torch.Generator().manual_seed(5))
+        )
     assert (m.shared_experts is None) == (shared == 0)
     if shared:
         assert m.shared_experts.intermediate_size == cfg.moe_intermediate_size * shared
@@ -107,7 +109,11 @@ def test_moe_state_dict_names() -> None:
     for e in range(cfg.n_routed_experts):
         for p in ("gate_proj", "up_proj", "down_proj"):
             assert f"experts.{e}.{p}.weight" in keys
-    assert {"shared_experts.gate_proj.weight", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"} <= keys
+    assert {
+        "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    } <= keys
     assert MoE(cfg).gate.weight.shape == (cfg.n_routed_experts, cfg.hidden_size)
 
 

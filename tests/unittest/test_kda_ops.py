@@ -16,6 +16,7 @@ from trtllm_glm.kda.ops import (
     conv_verify,
     kda_commit,
     kda_decode,
+    kda_decode_inplace,
     kda_gate,
     kda_prefill,
     kda_verify,
@@ -198,6 +199,13 @@ def test_backend_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     od, Sd = kda_decode(q[:2], k[:2], v[:2], g[:2], beta[:2], 0.25, S0)
     od_r, Sd_r = recurrent_kda_step(q[:2], k[:2], v[:2], g[:2], beta[:2], 0.25, S0)
     assert torch.equal(od, od_r) and torch.equal(Sd, Sd_r)
+    pool = torch.randn(5, 2, 16, 16, generator=gen)
+    pool[3], pool[0] = S0[0], S0[1]
+    before = pool.clone()
+    oi = kda_decode_inplace(q[:2], k[:2], v[:2], g[:2], beta[:2], 0.25, pool, torch.tensor([3, 0]))
+    assert torch.equal(oi, od_r) and torch.equal(pool[3], Sd_r[0]) and torch.equal(pool[0], Sd_r[1])
+    for s in (1, 2, 4):
+        assert torch.equal(pool[s], before[s])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -355,6 +355,18 @@ def test_pool_keys_equals_explicit_loop() -> None:
     assert not torch.allclose(out, key.mean(dim=-2)) and not torch.allclose(out, key.amax(dim=-2))
 
 
+def test_pool_keys_rounding_order_is_pinned() -> None:
+    """Bitwise equal to the documented fp32 op order (exp through fp64), member by member."""
+    g = gen(23)
+    key, gate, ape = randn(g, 5, 4, D, scale=8.0), randn(g, 5, 4, D, scale=3.0), randn(g, 4, D)
+    logits = [gate[:, m] + ape[m] for m in range(4)]
+    mx = torch.maximum(torch.maximum(logits[0], logits[1]), torch.maximum(logits[2], logits[3]))
+    e = [torch.exp((v - mx).double()).float() for v in logits]
+    den = ((e[0] + e[1]) + e[2]) + e[3]
+    wk = [(e[m] / den) * key[:, m] for m in range(4)]
+    assert_same_bits(pool_keys(key, gate, ape), ((wk[0] + wk[1]) + wk[2]) + wk[3])
+
+
 def test_pool_keys_is_batch_invariant() -> None:
     g = gen(9)
     key, gate, ape = randn(g, 40, 4, D), randn(g, 40, 4, D, scale=4.0), randn(g, 4, D)

@@ -49,7 +49,7 @@ from .ops import (
     conv_commit,
     conv_verify,
     kda_commit,
-    kda_decode,
+    kda_decode_inplace,
     kda_gate,
     kda_prefill,
     kda_verify,
@@ -295,9 +295,7 @@ class KimiDeltaAttention(nn.Module):
         y, conv_new = causal_conv1d_update(x[rows], state.conv.index_select(0, slots), weight)
         state.conv.index_copy_(0, slots, conv_new.to(state.conv.dtype))
         q, k, v = self._split(y)
-        S = state.recurrent.index_select(0, slots)
-        od, S_new = kda_decode(q, k, v, g[rows], beta[rows], self.scale, S, backend=self.backend)
-        state.recurrent.index_copy_(0, slots, S_new.to(state.recurrent.dtype))
+        od = kda_decode_inplace(q, k, v, g[rows], beta[rows], self.scale, state.recurrent, slots, backend=self.backend)
         o.index_copy_(0, rows, od)
 
     def _prefill(

@@ -18,7 +18,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from .request import FinishReason, Request, RequestState
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, top2_gap
 from .scheduler import ScheduledSeq, Scheduler
 
 __all__ = ["Executor", "ExecutorConfig"]
@@ -223,8 +223,9 @@ class Executor:
                 logits = self.model.compute_logits(hidden[idx])
             reqs = [r for r, _ in to_sample]
             toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-            for r, t in zip(reqs, toks):
-                if self._emit(r, [t]):
+            gaps = top2_gap(logits).tolist()
+            for r, t, gp in zip(reqs, toks, gaps):
+                if self._emit(r, [t], [gp]):
                     finished.append(r)
         for r in finished:
             self._finish(r)
@@ -242,10 +243,11 @@ class Executor:
             return FinishReason.LENGTH
         return None
 
-    def _emit(self, req: Request, tokens: list[int]) -> bool:
-        """Append tokens in order until one finishes the request; returns whether it finished."""
-        for t in tokens:
+    def _emit(self, req: Request, tokens: list[int], gaps: list[float]) -> bool:
+        """Append tokens (with their top-2 logit gaps) in order until one finishes the request."""
+        for t, gp in zip(tokens, gaps):
             req.tokens.append(int(t))
+            req.logit_gaps.append(float(gp))
             reason = self.stop_reason(req, int(t))
             if reason is not None:
                 req.finish_reason = reason

@@ -42,6 +42,8 @@ class Request:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Top-2 logit gap of the distribution each output token was sampled from (near-tie checks).
+    logit_gaps: list[float] = field(default_factory=list)
     # Speculative decoding statistics (filled by the speculative executor).
     draft_tokens_proposed: int = 0
     accepted_per_position: list[int] = field(default_factory=list)

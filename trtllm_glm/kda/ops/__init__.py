@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .backend import fla_kda_available, kda_decode, kda_prefill, resolve_backend
+from .backend import fla_kda_available, kda_decode, kda_decode_inplace, kda_prefill, resolve_backend
 from .chunk import chunk_kda
 from .conv import causal_conv1d_ref, causal_conv1d_update, conv_commit, conv_verify
 from .gate import kda_gate, l2_normalize
@@ -19,6 +19,7 @@ __all__ = [
     "fla_kda_available",
     "kda_commit",
     "kda_decode",
+    "kda_decode_inplace",
     "kda_gate",
     "kda_prefill",
     "kda_verify",

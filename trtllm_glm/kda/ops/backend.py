@@ -20,9 +20,25 @@ import torch
 from .chunk import chunk_kda
 from .recurrent import normalize_cu_seqlens, recurrent_kda_step
 
-__all__ = ["fla_kda_available", "resolve_backend", "kda_prefill", "kda_decode"]
+__all__ = ["fla_kda_available", "resolve_backend", "kda_prefill", "kda_decode", "kda_decode_inplace"]
 
 _ENV = "TRTLLM_GLM_KDA_BACKEND"
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_inplace_decode() -> Any | None:
+    """fla's internal decode entry with slot-indexed in-place state (vLLM-style continuous batching).
+
+    Not part of fla's public API, so it is optional: when it is missing we gather/scatter around the public
+    ``fused_recurrent_kda`` instead.
+    """
+    if _fla_kda() is None:
+        return None
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception:  # noqa: BLE001
+        return None
+    return fused_recurrent_kda_fwd
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,3 +179,56 @@ def kda_decode(
         output_final_state=True,
     )
     return o[:, 0].float(), final.float()
+
+
+def kda_decode_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One decode token per sequence, updating the state pool in place at ``slots`` only.
+
+    On CUDA with fla the kernel reads and writes ``state[slots[n]]`` directly (no gather/scatter copies of
+    the ``[H, K, V]`` states, which would double the memory traffic of a decode step); elsewhere it gathers,
+    steps with the torch reference and scatters back. Slots not listed are never written.
+
+    Args:
+        q: ``[n, H, K]`` L2-normalised queries.
+        k: ``[n, H, K]`` L2-normalised keys.
+        v: ``[n, H, V]``.
+        g: ``[n, H, K]`` log decay.
+        beta: ``[n, H]``.
+        scale: query scale.
+        state: ``[S, H, K, V]`` FP32 state pool (e.g. ``KdaLayerState.recurrent``), updated in place.
+        slots: ``[n]`` int64 distinct slot of each sequence, on ``state``'s device.
+        backend: see `resolve_backend`.
+
+    Returns:
+        ``o [n, H, V]`` FP32.
+    """
+    fwd = _fla_inplace_decode() if resolve_backend(q.device, backend) == "fla" else None
+    per_slot_contiguous = state.dim() == 4 and state[0].is_contiguous() and state.dtype == torch.float32
+    if fwd is None or not per_slot_contiguous:
+        S = state.index_select(0, slots)
+        o, S_new = kda_decode(q, k, v, g, beta, scale, S, backend=backend)
+        state.index_copy_(0, slots, S_new.to(state.dtype))
+        return o
+    o, _ = fwd(
+        q=q.float().unsqueeze(1).contiguous(),
+        k=k.float().unsqueeze(1).contiguous(),
+        v=v.float().unsqueeze(1).contiguous(),
+        g=g.float().unsqueeze(1).contiguous(),
+        beta=beta.float().unsqueeze(1).contiguous(),
+        scale=scale,
+        initial_state=state,
+        inplace_final_state=True,
+        ssm_state_indices=slots.to(torch.int64).contiguous(),
+    )
+    return o[:, 0].float()

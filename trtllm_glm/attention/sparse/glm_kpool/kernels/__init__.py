@@ -1,1 +1,262 @@
+"""Triton kernels of the pooled (C4) FP8 lightning indexer, drop-in for the torch reference ops in ``../ops``.
 
+Each public function here has the signature of the reference function of the same name
+(``ops.cache_update`` / ``ops.score`` / ``ops.fp8``), so a dispatcher can swap one for the other. The
+wrappers allocate nothing per call except the outputs the reference also returns (``score_pools``,
+``expand_selection`` and ``rotate_quant`` accept an optional ``out=`` to write into persistent buffers
+instead), do no host synchronisation and no validation that would need one: tables, slots and positions
+must describe a valid batch (the reference ops validate; the kernels only mask their memory accesses so
+that a bad page id or an out-of-range pool is skipped rather than read or written out of bounds).
+
+Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
+interpreted copy of the same kernel source (Triton's interpreter, ``TRITON_INTERPRET``-style). The
+interpreted copy is imported under its own module name with the interpreter switched on only for that
+import, so the choice does not depend on the process environment or on import order, and a CPU test and
+a GPU test can run in one pytest process. Triton is imported lazily, on the first call.
+
+Numerics (docs/architecture.md, "Indexer numerics"): pools, scales and tail rings are bit-identical to the
+reference; scores use fp32 accumulation of the exact fp8 products on tensor cores, so they agree with the
+reference (exact dot rounded once) to fp32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+import torch
+
+from trtllm_glm.cache.manager import KpoolLayerCache
+
+__all__ = [
+    "rotate_quant",
+    "write_latent_rows",
+    "update_decode_pools",
+    "update_prefill_pools",
+    "write_prefill_tail",
+    "update_prefill",
+    "score_pools",
+    "expand_selection",
+    "kernel_module",
+]
+
+_INTERP_PACKAGE = f"{__name__}._interpreted"
+_loaded: dict[tuple[str, bool], Any] = {}
+
+
+def _interpreted_package() -> types.ModuleType:
+    """A package alias over this directory whose submodules are imported with the interpreter on."""
+    pkg = sys.modules.get(_INTERP_PACKAGE)
+    if pkg is None:
+        pkg = types.ModuleType(_INTERP_PACKAGE)
+        pkg.__path__ = list(__path__)  # type: ignore[attr-defined]
+        pkg.__package__ = _INTERP_PACKAGE
+        sys.modules[_INTERP_PACKAGE] = pkg
+    return pkg
+
+
+def kernel_module(name: str, device: torch.device | str) -> Any:
+    """The kernel module ``name`` (e.g. ``"score"``) built for ``device``.
+
+    CUDA devices get the normally imported module (compiled kernels, unless the process itself runs with
+    ``TRITON_INTERPRET=1``); other devices get the interpreted copy.
+    """
+    interpret = torch.device(device).type != "cuda"
+    key = (name, interpret)
+    mod = _loaded.get(key)
+    if mod is not None:
+        return mod
+    if not interpret:
+        mod = importlib.import_module(f"{__name__}.{name}")
+    else:
+        import triton
+
+        _interpreted_package()
+        # triton.jit decides between compiled and interpreted functions when a module is imported; the knob
+        # scope restores the previous setting (and TRITON_INTERPRET) afterwards. _common is imported inside
+        # the scope too, as the relative import of the interpreted package.
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            mod = importlib.import_module(f"{_INTERP_PACKAGE}.{name}")
+    _loaded[key] = mod
+    return mod
+
+
+def rotate_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel version of `ops.rotate_quant` (bit-identical).
+
+    Args:
+        x: ``[..., 128]`` float tensor.
+
+    Returns:
+        ``(q [..., 128] float8_e4m3fn, scale [...] fp32)``.
+    """
+    return kernel_module("rotate_quant", x.device).rotate_quant(x)
+
+
+def write_latent_rows(
+    latent_cache: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+) -> None:
+    """Kernel version of `ops.write_latent_rows`: ``latent[slot_table[b, pos // P], pos % P] = rows[n]``.
+
+    Args:
+        latent_cache: ``[num_pages, P, R]`` latent plane (fp32, bf16 or fp16; written in place).
+        rows: ``[N, R]`` latent rows (any float dtype; rounded to the cache dtype, to nearest even).
+        positions: ``[N]`` int token positions.
+        row_seq: ``[N]`` int sequence index of each row (``< 0``: padding, skipped).
+        slot_table: ``[B, max_pages]`` int raw page ids.
+        page_size: tokens per page ``P``.
+    """
+    kernel_module("latent", latent_cache.device).write_latent_rows(
+        latent_cache, rows, positions, row_seq, slot_table, page_size
+    )
+
+
+def update_decode_pools(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Kernel version of `ops.update_decode_pools` (bit-identical pools, scales and rings).
+
+    One program per sequence applies its rows in batch order: each row goes into
+    ``tail_ring[slot, :, pos % 4]``; a row with ``pos % 4 == 3`` completes pool ``pos // 4`` from the ring.
+
+    Args:
+        cache: the layer's planes (``index_k``, ``index_scale``, ``tail_ring`` updated in place).
+        key: ``[N, 128]`` fp32 keys.
+        gate: ``[N, 128]`` fp32 gate logits.
+        ape: ``[4, 128]`` pooling position bias.
+        positions: ``[N]`` int token positions (consecutive within a sequence).
+        row_seq: ``[N]`` int sequence index per row (rows of a sequence contiguous; ``< 0``: padding).
+        slot_table: ``[B, max_pages]`` int raw page ids.
+        state_slots: ``[B]`` int state slot per sequence.
+    """
+    kernel_module("decode_update", key.device).update_decode_pools(
+        cache, key, gate, ape, positions, row_seq, slot_table, state_slots
+    )
+
+
+def update_prefill_pools(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Kernel version of `ops.update_prefill_pools` (bit-identical pools and scales; the ring is only read).
+
+    Args: as `update_decode_pools`.
+    """
+    kernel_module("prefill_pools", key.device).update_prefill_pools(
+        cache, key, gate, ape, positions, row_seq, slot_table, state_slots
+    )
+
+
+def write_prefill_tail(
+    tail_ring: torch.Tensor,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Kernel version of `ops.write_prefill_tail`: each sequence's last (up to) 4 rows into its ring.
+
+    Args:
+        tail_ring: ``[num_state_slots, 2, 4, 128]`` fp32 rings (written in place).
+        key: ``[N, 128]`` fp32 keys.
+        gate: ``[N, 128]`` fp32 gate logits.
+        positions: ``[N]`` int token positions.
+        row_seq: ``[N]`` int sequence index per row.
+        state_slots: ``[B]`` int state slot per sequence.
+    """
+    kernel_module("prefill_tail", key.device).write_prefill_tail(
+        tail_ring, key, gate, positions, row_seq, state_slots
+    )
+
+
+def update_prefill(
+    cache: KpoolLayerCache,
+    key: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    state_slots: torch.Tensor,
+) -> None:
+    """Kernel version of `ops.update_prefill`: pools first (they read the ring), then the tail.
+
+    Args: as `update_decode_pools`.
+    """
+    update_prefill_pools(cache, key, gate, ape, positions, row_seq, slot_table, state_slots)
+    write_prefill_tail(cache.tail_ring, key, gate, positions, row_seq, state_slots)
+
+
+def score_pools(
+    q8: torch.Tensor,
+    w: torch.Tensor,
+    index_k: torch.Tensor,
+    index_scale: torch.Tensor,
+    positions: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+    max_pools: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel version of `ops.score_pools`: ``s[n, p] = sum_h w_h * relu(q8_h . k8_p) * kscale_p``.
+
+    Args:
+        q8: ``[N, H, 128]`` float8_e4m3fn rotated query heads.
+        w: ``[N, H]`` fp32 head weights.
+        index_k: ``[num_pages, P // 4, 128]`` float8_e4m3fn pooled keys.
+        index_scale: ``[num_pages, P // 4]`` fp32 pool scales.
+        positions: ``[N]`` int token positions.
+        row_seq: ``[N]`` int sequence index per row.
+        slot_table: ``[B, max_pages]`` int raw page ids.
+        page_size: tokens per page ``P``.
+        max_pools: score columns (pools at or beyond ``min((pos + 1) // 4, max_pools)`` get ``-inf``).
+        out: optional ``[N, max_pools]`` fp32 buffer to write into (fixed address for graph capture).
+
+    Returns:
+        ``[N, max_pools]`` fp32 scores.
+    """
+    return kernel_module("score", q8.device).score_pools(
+        q8, w, index_k, index_scale, positions, row_seq, slot_table, page_size, max_pools, out=out
+    )
+
+
+def expand_selection(
+    pool_ids: torch.Tensor, positions: torch.Tensor, width: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Kernel version of `ops.expand_selection`: selected pools -> ascending token positions, tail, ``-1``.
+
+    Args:
+        pool_ids: ``[N, K]`` int pool ids in any order, ``-1`` = none (ids ``>= (pos + 1) // 4`` are
+            ignored rather than raised on).
+        positions: ``[N]`` int token positions.
+        width: output columns (``index_topk + 3``); a longer selection is truncated (the reference raises).
+        out: optional ``[N, width]`` int32 buffer to write into; every column is written.
+
+    Returns:
+        ``[N, width]`` int32 token positions.
+    """
+    return kernel_module("expand", pool_ids.device).expand_selection(pool_ids, positions, width, out=out)

@@ -67,10 +67,13 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 
     ``r = max(amax, 1e-4) / 448`` is one fp32 divide; ``ceil(log2 r)`` is read from ``frexp(r)`` (``r =
     m * 2**k`` with ``0.5 <= m < 1``: the answer is ``k - 1`` when ``m == 0.5``, i.e. ``r`` is a power of
-    two, else ``k``), so there is no ``log2`` rounding error. The divide cannot round ``r`` down onto a
-    power of two from above: ``448 = 7 * 2**6`` and the smallest fp32 above ``448 * 2**k`` is ``448 * 2**k *
-    (1 + 2**-21 / 7)``, whose quotient lies more than half an fp32 ulp above ``2**k``. Hence ``amax / scale
-    <= 448`` always holds, and an exact ``amax = 448 * 2**k`` gives exactly ``2**k``.
+    two, else ``k``), so there is no ``log2`` rounding error. In bits (``r`` is a normal fp32): the biased
+    exponent field minus 127, plus 1 when the mantissa field is non-zero.
+
+    The divide cannot round ``r`` down onto a power of two from above: ``448 = 7 * 2**6`` and the smallest
+    fp32 above ``448 * 2**k`` is ``448 * 2**k * (1 + 2**-21 / 7)``, whose quotient lies more than half an
+    fp32 ulp above ``2**k``. Hence ``amax / scale <= 448`` always holds, and an exact ``amax = 448 * 2**k``
+    gives exactly ``2**k``.
 
     Args:
         amax: ``[...]`` non-negative absmax values (computed as fp32).
@@ -82,7 +85,7 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     r = torch.clamp(amax.to(torch.float32), min=AMAX_FLOOR) / E4M3_MAX
     mant, exponent = torch.frexp(r)
     k = torch.where(mant == 0.5, exponent - 1, exponent)
-    # Finite r lies in [2**-22, 2**120], so k is in _exp2i's range; non-finite r is passed through.
+    # For finite r, k lies in [-22, 120], inside _exp2i's range; non-finite r is passed through.
     k = torch.where(torch.isfinite(r), k, torch.zeros_like(k))
     return torch.where(torch.isfinite(r), _exp2i(k), r)
 
