@@ -17,7 +17,15 @@ _EXPORTS = {
     "SamplingParams": "trtllm_glm.runtime.sampling",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "Glm5NextCacheManager",
+    "Glm5NextConfig",
+    "Glm5NextForCausalLM",
+    "KvCacheConfig",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
     from .cache.manager import Glm5NextCacheManager

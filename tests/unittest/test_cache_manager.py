@@ -95,7 +95,9 @@ def test_bytes(cfg) -> None:
 
 def test_real_geometry_fp8_index_bytes_per_token() -> None:
     cfg = Glm5NextConfig.from_pretrained("glm-5.3-flash")
-    m = Glm5NextCacheManager(cfg, num_pages=1, tokens_per_block=64, max_num_requests=1, num_kda_layers=0, dtype=torch.bfloat16)
+    m = Glm5NextCacheManager(
+        cfg, num_pages=1, tokens_per_block=64, max_num_requests=1, num_kda_layers=0, dtype=torch.bfloat16
+    )
     # 132 bytes per pool of 4 tokens = 33 bytes per token per layer for the index, plus the bf16 latent.
     assert m.bytes_per_token == pytest.approx((33 + 512 * 2) * 11)
 

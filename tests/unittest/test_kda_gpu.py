@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trtllm_glm.cache.manager import KdaLayerState
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
 from trtllm_glm.kda.ops import (
@@ -121,8 +122,6 @@ def test_layer_fla_vs_torch_backend() -> None:
     hidden = torch.randn(1 + 250 + 37 + 1, 1024, generator=gen).to(dev)
     batch = KdaBatch.build([1, 250, 37, 1], [40, 0, 90, 0], [4, 1, 0, 5], device=dev)
 
-    from trtllm_glm.cache.manager import KdaLayerState
-
     outs, states = {}, {}
     for backend in ("torch", "fla"):
         layer.backend = backend
@@ -141,3 +140,16 @@ def test_layer_fla_vs_torch_backend() -> None:
     assert torch.equal(st.recurrent, before)
     layer.commit(rec, [2, 4], st)
     assert bool(torch.isfinite(st.recurrent).all())
+    for slot in (2, 3):  # never in a batch
+        assert torch.equal(st.recurrent[slot], rec0[slot]) and torch.equal(st.conv[slot], conv0[slot])
+    # Width-one round: in-place decode (fla kernel) vs verify(1) + commit(1) (torch records), to rounding.
+    one = KdaBatch.build([1], [43], [4], device=dev)
+    h3 = torch.randn(1, 1024, generator=gen).to(dev)
+    a = KdaLayerState(recurrent=st.recurrent.clone(), conv=st.conv.clone())
+    b = KdaLayerState(recurrent=st.recurrent.clone(), conv=st.conv.clone())
+    out_d = layer(h3, one, a)
+    out_v, rec1 = layer.forward_verify(h3, one, b)
+    layer.commit(rec1, [1], b)
+    assert _report("width-one decode vs verify+commit(1): out", out_v, out_d) < 1e-5
+    assert _report("width-one decode vs verify+commit(1): state", b.recurrent, a.recurrent) < 1e-5
+    assert _report("width-one decode vs verify+commit(1): conv", b.conv, a.conv) < 1e-6

@@ -63,9 +63,7 @@ class Executor:
         P = cfg.tokens_per_block
         self.manager = self._make_manager(include_mtp_layer=False)
         # A sequence can never outgrow the whole page pool either.
-        self.max_seq_len = min(
-            cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P
-        )
+        self.max_seq_len = min(cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P)
         self.meta = GlmKpoolMetadata(
             kv_cache_manager=self.manager,
             max_num_seqs=cfg.max_batch_size,
@@ -136,43 +134,54 @@ class Executor:
         return self._advance(plan, rows)
 
     def _plan(self) -> list[ScheduledSeq]:
-        """Schedule and make room in the cache, preempting the newest running requests as needed."""
+        """Schedule and make room in the cache.
+
+        Running requests allocate first (the schedule lists them first). When one cannot grow, the
+        newest running request that arrived after it is preempted; if there is none, the request waits a
+        step (older requests always make progress, so nothing thrashes). Waiting requests are admitted
+        only into free room, in arrival order, and never cause a preemption.
+        """
         while True:
             plan = self.scheduler.schedule(self.running, self.waiting)
             planned: list[ScheduledSeq] = []
+            admitted: list[Request] = []
             victim = None
+            admission_closed = False
             for s in plan:
                 r = s.request
-                if not self.manager.has_request(r.request_id):
-                    if self.manager.num_free_slots == 0:
+                need = r.num_computed + s.num_rows
+                if r.state is RequestState.WAITING:
+                    if admission_closed or self.manager.num_free_slots == 0:
+                        admission_closed = True
                         continue
-                    self.manager.add_request(r.request_id)
+                    try:
+                        self.manager.add_request(r.request_id, need)
+                    except CapacityError:
+                        admission_closed = True
+                        continue
+                    admitted.append(r)
+                    planned.append(s)
+                    continue
                 try:
-                    self.manager.ensure_capacity(r.request_id, r.num_computed + s.num_rows)
+                    self.manager.ensure_capacity(r.request_id, need)
                 except CapacityError:
-                    if r.state is RequestState.WAITING:
-                        self.manager.free_request(r.request_id)
-                    victim = self._pick_victim(exclude=r)
+                    victim = self._pick_victim(newer_than=r)
                     if victim is None:
-                        # Nothing to evict: run what fits now; this chunk waits for freed pages.
                         continue
                     break
                 planned.append(s)
             if victim is None:
-                for s in planned:
-                    if s.request.state is RequestState.WAITING:
-                        self.waiting.remove(s.request)
-                        s.request.state = RequestState.RUNNING
-                        self.running.append(s.request)
+                for r in admitted:
+                    self.waiting.remove(r)
+                    r.state = RequestState.RUNNING
+                    self.running.append(r)
                 return planned
-            # Release what this attempt took for waiting requests, then evict and plan again.
-            for s in planned:
-                if s.request.state is RequestState.WAITING:
-                    self.manager.free_request(s.request.request_id)
+            for r in admitted:
+                self.manager.free_request(r.request_id)
             self._preempt(victim)
 
-    def _pick_victim(self, exclude: Request) -> Request | None:
-        cands = [r for r in self.running if r is not exclude]
+    def _pick_victim(self, newer_than: Request) -> Request | None:
+        cands = [r for r in self.running if r.arrival > newer_than.arrival]
         return max(cands, key=lambda r: r.arrival) if cands else None
 
     def _preempt(self, req: Request) -> None:

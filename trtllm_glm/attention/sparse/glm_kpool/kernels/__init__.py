@@ -1,29 +1,39 @@
 """Triton kernels of the pooled (C4) FP8 lightning indexer, drop-in for the torch reference ops in ``../ops``.
 
 Each public function here has the signature of the reference function of the same name
-(``ops.cache_update`` / ``ops.score`` / ``ops.fp8``), so a dispatcher can swap one for the other. The
-wrappers allocate nothing per call except the outputs the reference also returns (``score_pools``,
-``expand_selection`` and ``rotate_quant`` accept an optional ``out=`` to write into persistent buffers
-instead), do no host synchronisation and no validation that would need one: tables, slots and positions
-must describe a valid batch (the reference ops validate; the kernels only mask their memory accesses so
-that a bad page id or an out-of-range pool is skipped rather than read or written out of bounds).
+(``ops.cache_update`` / ``ops.score`` / ``ops.fp8`` / ``ops.fwht`` / ``ops.pooling``), so a dispatcher
+can swap one for the other. The wrappers allocate nothing per call except the outputs the reference also
+returns (``score_pools`` and ``expand_selection`` also take an optional keyword ``out=``, a persistent
+buffer to write instead), and do no host synchronisation and no validation that would need one: tables,
+slots and positions must describe a valid batch (the reference ops validate; the kernels only mask their
+memory accesses, so that a bad page id, a padding row (``row_seq < 0``) or an out-of-range pool id is
+skipped rather than read or written out of bounds). Rows of a sequence must be contiguous in the batch
+with consecutive positions, as the reference requires.
 
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same kernel source (Triton's interpreter, ``TRITON_INTERPRET``-style). The
+interpreted copy of the same kernel source (Triton's interpreter, as under ``TRITON_INTERPRET=1``). The
 interpreted copy is imported under its own module name with the interpreter switched on only for that
-import, so the choice does not depend on the process environment or on import order, and a CPU test and
-a GPU test can run in one pytest process. Triton is imported lazily, on the first call.
+import, and its launches run inside `_interpreting`, which lets ``triton.language``'s own jit functions
+(``tl.max``, ``tl.sum``, ``tl.sort``, decorated for compilation when triton was imported) be interpreted
+too. So the choice depends neither on the process environment nor on import order, and a CPU test and a
+GPU test can run in one pytest process. Triton is imported lazily, on the first call.
 
-Numerics (docs/architecture.md, "Indexer numerics"): pools, scales and tail rings are bit-identical to the
-reference; scores use fp32 accumulation of the exact fp8 products on tensor cores, so they agree with the
-reference (exact dot rounded once) to fp32 rounding, not bit for bit.
+Numerics (docs/architecture.md, "Indexer numerics"): FP8 pools, their scales, tail rings, latent rows,
+quantised queries and selections are bit-identical to the reference (so are the fp32 FWHT and pooling
+helpers). Scores use fp32 accumulation of the exact fp8 products on tensor cores and a tree sum over
+heads, so they agree with the reference (exact dot rounded once, heads summed in order) to fp32
+rounding, not bit for bit. NOTES.md beside this file has the byte/FLOP floors and what the GPU run checks.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import sys
+import threading
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +41,11 @@ import torch
 from trtllm_glm.cache.manager import KpoolLayerCache
 
 __all__ = [
+    "fwht",
+    "pool_keys",
     "rotate_quant",
+    "round_to_e4m3",
+    "pow2_scale",
     "write_latent_rows",
     "update_decode_pools",
     "update_prefill_pools",
@@ -58,10 +72,11 @@ def _interpreted_package() -> types.ModuleType:
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
-    """The kernel module ``name`` (e.g. ``"score"``) built for ``device``.
+    """The kernel module ``name`` (e.g. ``"score"``) built for ``device``, for tuning knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process itself runs with
-    ``TRITON_INTERPRET=1``); other devices get the interpreted copy.
+    ``TRITON_INTERPRET=1``). Other devices get the interpreted copy, behind a thin proxy whose callables
+    run inside `_interpreting`.
     """
     interpret = torch.device(device).type != "cuda"
     key = (name, interpret)
@@ -79,9 +94,74 @@ def kernel_module(name: str, device: torch.device | str) -> Any:
         # the scope too, as the relative import of the interpreted package.
         with triton.knobs.runtime.scope():
             triton.knobs.runtime.interpret = True
-            mod = importlib.import_module(f"{_INTERP_PACKAGE}.{name}")
+            mod = _InterpretedModule(importlib.import_module(f"{_INTERP_PACKAGE}.{name}"))
     _loaded[key] = mod
     return mod
+
+
+_interp_lock = threading.RLock()
+_interp_depth = 0
+_interp_fns: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _interpreting() -> Iterator[None]:
+    """Run interpreted launches, letting compiled-mode ``@triton.jit`` helpers be called from them.
+
+    When triton was imported without ``TRITON_INTERPRET``, the standard library's jit functions (``tl.max``,
+    ``tl.sum``, ``tl.sort``, ...) are compiled-mode objects whose ``__call__`` only raises. Inside this
+    scope that ``__call__`` runs the function through the interpreter instead, which is exactly what
+    importing triton under ``TRITON_INTERPRET=1`` would have produced. Compiled kernels never go through
+    ``__call__`` (the code generator inlines nested jit functions itself), so the patch cannot change them;
+    it is undone when the outermost scope exits. The lock serialises interpreted launches, which patch
+    ``triton.language`` globally anyway.
+    """
+    global _interp_depth
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    with _interp_lock:
+        original = JITFunction.__call__
+        if _interp_depth == 0:
+
+            def _call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                fn = _interp_fns.get(id(self))
+                if fn is None:
+                    fn = _interp_fns[id(self)] = InterpretedFunction(self.fn)
+                return fn(*args, **kwargs)
+
+            JITFunction.__call__ = _call  # type: ignore[method-assign]
+        _interp_depth += 1
+        try:
+            yield
+        finally:
+            _interp_depth -= 1
+            if _interp_depth == 0:
+                JITFunction.__call__ = original  # type: ignore[method-assign]
+
+
+class _InterpretedModule:
+    """Proxy of an interpreted kernel module: calling any of its callables enters `_interpreting`."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._module, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with _interpreting():
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def _run(module: str, device: torch.device | str, fn: str, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` of kernel module ``module`` built for ``device`` (interpreted off CUDA)."""
+    return getattr(kernel_module(module, device), fn)(*args, **kwargs)
 
 
 def rotate_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +173,57 @@ def rotate_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(q [..., 128] float8_e4m3fn, scale [...] fp32)``.
     """
-    return kernel_module("rotate_quant", x.device).rotate_quant(x)
+    return _run("rotate_quant", x.device, "rotate_quant", x)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Kernel version of `ops.fwht` for width 128 (bit-identical fp32, the reference's butterfly order).
+
+    Args:
+        x: ``[..., 128]`` float tensor.
+
+    Returns:
+        ``[..., 128]`` fp32 normalised Walsh-Hadamard transform.
+    """
+    return _run("rotate_quant", x.device, "fwht", x)
+
+
+def pool_keys(key: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """Kernel version of `ops.pool_keys` (bit-identical fp32).
+
+    Args:
+        key: ``[..., 4, 128]`` member keys.
+        gate: ``[..., 4, 128]`` member gate logits.
+        ape: ``[4, 128]`` position bias.
+
+    Returns:
+        ``[..., 128]`` fp32 pooled keys.
+    """
+    return _run("pooling", key.device, "pool_keys", key, gate, ape)
+
+
+def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Kernel version of `ops.round_to_e4m3` (bit-identical; NaN inputs unsupported).
+
+    Args:
+        x: any-shape float tensor.
+
+    Returns:
+        fp32 tensor of ``x``'s shape on the e4m3fn grid.
+    """
+    return _run("rotate_quant", x.device, "round_to_e4m3", x)
+
+
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Kernel version of `ops.pow2_scale` (bit-identical).
+
+    Args:
+        amax: any-shape non-negative float tensor.
+
+    Returns:
+        fp32 powers of two of ``amax``'s shape.
+    """
+    return _run("rotate_quant", amax.device, "pow2_scale", amax)
 
 
 def write_latent_rows(
@@ -114,8 +244,16 @@ def write_latent_rows(
         slot_table: ``[B, max_pages]`` int raw page ids.
         page_size: tokens per page ``P``.
     """
-    kernel_module("latent", latent_cache.device).write_latent_rows(
-        latent_cache, rows, positions, row_seq, slot_table, page_size
+    _run(
+        "latent",
+        latent_cache.device,
+        "write_latent_rows",
+        latent_cache,
+        rows,
+        positions,
+        row_seq,
+        slot_table,
+        page_size,
     )
 
 
@@ -144,8 +282,18 @@ def update_decode_pools(
         slot_table: ``[B, max_pages]`` int raw page ids.
         state_slots: ``[B]`` int state slot per sequence.
     """
-    kernel_module("decode_update", key.device).update_decode_pools(
-        cache, key, gate, ape, positions, row_seq, slot_table, state_slots
+    _run(
+        "decode_update",
+        key.device,
+        "update_decode_pools",
+        cache,
+        key,
+        gate,
+        ape,
+        positions,
+        row_seq,
+        slot_table,
+        state_slots,
     )
 
 
@@ -163,8 +311,18 @@ def update_prefill_pools(
 
     Args: as `update_decode_pools`.
     """
-    kernel_module("prefill_pools", key.device).update_prefill_pools(
-        cache, key, gate, ape, positions, row_seq, slot_table, state_slots
+    _run(
+        "prefill_pools",
+        key.device,
+        "update_prefill_pools",
+        cache,
+        key,
+        gate,
+        ape,
+        positions,
+        row_seq,
+        slot_table,
+        state_slots,
     )
 
 
@@ -186,9 +344,7 @@ def write_prefill_tail(
         row_seq: ``[N]`` int sequence index per row.
         state_slots: ``[B]`` int state slot per sequence.
     """
-    kernel_module("prefill_tail", key.device).write_prefill_tail(
-        tail_ring, key, gate, positions, row_seq, state_slots
-    )
+    _run("prefill_tail", key.device, "write_prefill_tail", tail_ring, key, gate, positions, row_seq, state_slots)
 
 
 def update_prefill(
@@ -239,8 +395,20 @@ def score_pools(
     Returns:
         ``[N, max_pools]`` fp32 scores.
     """
-    return kernel_module("score", q8.device).score_pools(
-        q8, w, index_k, index_scale, positions, row_seq, slot_table, page_size, max_pools, out=out
+    return _run(
+        "score",
+        q8.device,
+        "score_pools",
+        q8,
+        w,
+        index_k,
+        index_scale,
+        positions,
+        row_seq,
+        slot_table,
+        page_size,
+        max_pools,
+        out=out,
     )
 
 
@@ -259,4 +427,4 @@ def expand_selection(
     Returns:
         ``[N, width]`` int32 token positions.
     """
-    return kernel_module("expand", pool_ids.device).expand_selection(pool_ids, positions, width, out=out)
+    return _run("expand", pool_ids.device, "expand_selection", pool_ids, positions, width, out=out)

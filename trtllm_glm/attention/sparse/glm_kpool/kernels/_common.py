@@ -103,7 +103,8 @@ def e4m3_codes(v):
     rn = tl.minimum(rn, _F32_448_BITS)
     code_n = (((rn >> 23) - 120) << 3) | ((rn >> 20) & 7)
     # Subnormal range (|v| < 2**-6): multiples of 2**-9, i.e. round |v| * 512 (exact, < 8) to an integer.
-    a = mag.to(tl.float32, bitcast=True) * 512.0
+    # (The clamp only touches lanes of the normal path, whose int conversion would otherwise overflow.)
+    a = tl.minimum(mag.to(tl.float32, bitcast=True), 1.0) * 512.0
     fl = a.to(tl.int32)
     frac = a - fl.to(tl.float32)
     up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
