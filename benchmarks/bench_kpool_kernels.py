@@ -283,10 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     mm = _matmul_ceiling(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write); fp16 matmul: {mm:.0f} TFLOP/s", flush=True)
     cx = _Ctx(dev, args.quick, ceiling, mm)
+    failed = []
     for section in (bench_decode, bench_prefill, bench_rotate_quant, bench_score, bench_expand):
-        section(cx)
+        # One broken section must not lose the others' numbers.
+        try:
+            section(cx)
+            print(f"done: {section.__name__}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported and reflected in the exit code
+            failed.append(section.__name__)
+            print(f"FAILED: {section.__name__}: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
-        print(f"done: {section.__name__}", flush=True)
 
     print()
     head = f"{'kernel':<48} {'us':>9} {'MB':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>10} {'speedup':>8}  note"
@@ -296,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         ref = f"{r.ref_us:10.1f}" if r.ref_us is not None else f"{'-':>10}"
         sp = f"{r.speedup:8.1f}" if r.speedup is not None else f"{'-':>8}"
         print(f"{r.name:<48} {r.kernel_us:9.1f} {r.mbytes:8.2f} {r.gbps:7.0f} {r.pct_copy:6.1f} {ref} {sp}  {r.note}")
+    if failed:
+        print(f"failed sections: {failed}")
     if args.json:
         with open(args.json, "w") as f:
             rows = [asdict(r) for r in cx.rows]
             json.dump({"copy_gbps": ceiling, "matmul_tflops": mm, "rows": rows}, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ def rotate_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         ``(q [..., 128] float8_e4m3fn, scale [...] fp32)``.
     """
-    return _run("rotate_quant", x.device, "rotate_quant", x)
+    return _run("quant", x.device, "rotate_quant", x)
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +185,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[..., 128]`` fp32 normalised Walsh-Hadamard transform.
     """
-    return _run("rotate_quant", x.device, "fwht", x)
+    return _run("quant", x.device, "fwht", x)
 
 
 def pool_keys(key: torch.Tensor, gate: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -211,7 +211,7 @@ def round_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     Returns:
         fp32 tensor of ``x``'s shape on the e4m3fn grid.
     """
-    return _run("rotate_quant", x.device, "round_to_e4m3", x)
+    return _run("quant", x.device, "round_to_e4m3", x)
 
 
 def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -223,7 +223,7 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
     Returns:
         fp32 powers of two of ``amax``'s shape.
     """
-    return _run("rotate_quant", amax.device, "pow2_scale", amax)
+    return _run("quant", amax.device, "pow2_scale", amax)
 
 
 def write_latent_rows(
