@@ -15,6 +15,8 @@ _EXPORTS = {
     "KvCacheConfig": "trtllm_glm.runtime.llm",
     "RequestOutput": "trtllm_glm.runtime.llm",
     "SamplingParams": "trtllm_glm.runtime.sampling",
+    "MTPDecodingConfig": "trtllm_glm.speculative.config",
+    "NGramDecodingConfig": "trtllm_glm.speculative.config",
 }
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "Glm5NextConfig",
     "Glm5NextForCausalLM",
     "KvCacheConfig",
+    "MTPDecodingConfig",
+    "NGramDecodingConfig",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     from .models.glm5_next import Glm5NextForCausalLM
     from .runtime.llm import LLM, KvCacheConfig, RequestOutput
     from .runtime.sampling import SamplingParams
+    from .speculative.config import MTPDecodingConfig, NGramDecodingConfig
 
 
 def __getattr__(name: str) -> Any:

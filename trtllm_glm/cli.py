@@ -36,6 +36,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .runtime.sampling import SamplingParams
 
     model = args.model or args.preset
+    spec = None
+    if args.speculative:
+        from .speculative.config import MTPDecodingConfig, NGramDecodingConfig
+
+        if args.speculative == "mtp":
+            spec = MTPDecodingConfig(num_nextn_predict_layers=args.draft_len, draft_kv_mode=args.draft_kv_mode)
+        else:
+            spec = NGramDecodingConfig(max_draft_len=args.draft_len)
     llm = LLM(
         model,
         kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
@@ -46,6 +54,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         seed=args.seed,
         prefill_chunk_size=args.prefill_chunk_size,
+        speculative_config=spec,
     )
     sp = SamplingParams(
         max_tokens=args.max_tokens,
@@ -68,11 +77,51 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{i}] prompt: {o.prompt!r}")
         print(f"[{i}] completion: {c.text!r}")
         print(f"[{i}] tokens: {len(c.token_ids)}  finish_reason: {c.finish_reason}")
+        if spec is not None:
+            acc = ", ".join(f"{x:.2f}" for x in c.acceptance_per_position)
+            print(
+                f"[{i}] speculative: {c.num_draft_rounds} verify rounds, mean accepted length "
+                f"{c.mean_accepted_length:.2f}, acceptance per draft position [{acc}]"
+            )
     print(
         f"generated {n_tok} tokens in {el:.2f} s: {n_tok / el if el > 0 else 0.0:.1f} tok/s "
         f"({llm.executor.num_steps} steps, model={model}, device={llm.device})"
     )
+    if args.check_lossless:
+        return _check_lossless(args, outs, sp)
     return 0
+
+
+def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
+    """Re-run without speculation and compare greedy tokens under the near-tie rule."""
+    from .runtime.llm import LLM, KvCacheConfig
+    from .runtime.lossless import compare_greedy
+
+    if not sp.greedy:
+        print("trtllm-glm: --check-lossless needs greedy sampling (temperature 0)", file=sys.stderr)
+        return 2
+    ref_llm = LLM(
+        args.model or args.preset,
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
+        max_batch_size=1,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+    )
+    bad = 0
+    for i, (prompt, o) in enumerate(zip(args.prompt, outs)):
+        ref = ref_llm.generate(prompt, sp)
+        d = compare_greedy(ref.outputs[0].token_ids, ref.outputs[0].logit_gaps, o.outputs[0].token_ids)
+        if d is None:
+            print(f"[{i}] lossless: identical to non-speculative greedy ({len(ref.outputs[0].token_ids)} tokens)")
+        elif d.excused:
+            print(f"[{i}] lossless: {d}")
+        else:
+            print(f"[{i}] lossless check FAILED: {d}")
+            bad += 1
+    return 1 if bad else 0
 
 
 def _cmd_indexer_demo(args: argparse.Namespace) -> int:
@@ -111,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-tokens", type=int, default=512)
     g.add_argument("--max-seq-len", type=int, default=2048)
     g.add_argument("--prefill-chunk-size", type=int, default=None)
+    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None, help="speculative decoding")
+    g.add_argument("--draft-len", type=int, default=3, help="drafts per round (mtp: 1-5, ngram: 1-7)")
+    g.add_argument("--draft-kv-mode", choices=["shared", "separate"], default="shared")
+    g.add_argument(
+        "--check-lossless", action="store_true",
+        help="also run without speculation; exit 1 if greedy tokens diverge outside a near tie",
+    )  # fmt: skip
     g.set_defaults(func=_cmd_generate)
 
     d = sub.add_parser("indexer-demo", help="prefill random requests through one sparse layer")

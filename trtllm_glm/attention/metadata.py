@@ -91,6 +91,13 @@ class AttentionMetadata:
         self.num_decode_tokens = 0
         self.num_tokens = 0
         self.max_kv_len = 0
+        # Speculative verify (set by the speculative executor after prepare(), cleared by prepare()):
+        # batch indices of width > 1 verify sequences; KDA layers store their commit records here by
+        # KDA layer index; num_accepted_t is the scheduler's accepted count of each sequence's previous
+        # step (tail-ring cross-check only: positions decide).
+        self.verify_seqs: list[int] = []
+        self.kda_records: dict[int, object] = {}
+        self.num_accepted_t: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------------
     def prepare(
@@ -135,6 +142,9 @@ class AttentionMetadata:
         self.num_decode_tokens = cu[num_decode_seqs]
         self.num_tokens = N
         self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
+        self.verify_seqs = []
+        self.kda_records = {}
+        self.num_accepted_t = None
 
         host = self._staging.acquire()
         sh, th = host["seq"], host["tok"]

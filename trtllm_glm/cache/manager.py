@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +38,8 @@ class KpoolLayerCache:
     index_scale: torch.Tensor
     tail_ring: torch.Tensor
     page_size: int
+    # Speculative rollback of the tail ring (DESIGN §6.2); None when the manager serves no verify rounds.
+    decode_tail_ring: Any = None
 
 
 @dataclass
@@ -123,6 +126,15 @@ class Glm5NextCacheManager:
         self._pages: dict[int, list[int]] = {}
         self._slot: dict[int, int] = {}
         self._num_tokens: dict[int, int] = {}
+        self.decode_tail_rings: list[Any] = []
+
+    def enable_decode_tail_rings(self, max_rows: int, num_layers: int | None = None) -> None:
+        """Give the first ``num_layers`` sparse planes (default all) a `DecodeTailRing` of ``max_rows``
+        rows (``1 + num_speculative_tokens``), so that verify rounds can roll back rejected ring entries."""
+        from ..attention.sparse.glm_kpool.tail_ring import DecodeTailRing
+
+        n = self.num_sparse_layers if num_layers is None else num_layers
+        self.decode_tail_rings = [DecodeTailRing(self.max_num_requests, max_rows, self.device) for _ in range(n)]
 
     # --------------------------------------------------------------------------------------------
     # Request lifetime
@@ -186,6 +198,8 @@ class Glm5NextCacheManager:
         self.tail_ring[:, slot].zero_()
         self.kda_recurrent[:, slot].zero_()
         self.kda_conv[:, slot].zero_()
+        for ring in self.decode_tail_rings:
+            ring.reset(slot)
 
     # --------------------------------------------------------------------------------------------
     # Queries
@@ -237,6 +251,7 @@ class Glm5NextCacheManager:
             index_scale=self.index_scale[sparse_idx],
             tail_ring=self.tail_ring[sparse_idx],
             page_size=self.page_size,
+            decode_tail_ring=self.decode_tail_rings[sparse_idx] if sparse_idx < len(self.decode_tail_rings) else None,
         )
 
     def kda_layer_state(self, kda_idx: int) -> KdaLayerState:

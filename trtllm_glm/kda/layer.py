@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from ..cache.manager import KdaLayerState
 from ..config import Glm5NextConfig
-from .batch import KdaBatchLike
+from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
     causal_conv1d_ref,
@@ -422,3 +422,45 @@ class KimiDeltaAttention(nn.Module):
         S = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
         kda_commit(S, records.kda, a)
         state.recurrent.index_copy_(0, slots, S.to(state.recurrent.dtype))
+
+    @torch.no_grad()
+    def forward_spec(
+        self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, verify_seqs: Sequence[int]
+    ) -> tuple[torch.Tensor, KdaLayerRecords | None]:
+        """A mixed step: ``verify_seqs`` run the record-based verify (state untouched until `commit`), every
+        other sequence (width-one decodes, prefill chunks) the ordinary in-place `forward`.
+
+        Args:
+            hidden: ``[N, D]`` flat token batch.
+            batch: layout of the whole step.
+            state: this layer's state planes.
+            verify_seqs: batch indices of the speculative verify sequences (width > 1).
+
+        Returns:
+            ``(out [N, D], records)``; ``records`` is ``None`` when nothing was verified. Its
+            ``num_seqs`` is the whole batch's, so `commit` takes one accepted count per batch sequence.
+        """
+        verify = set(verify_seqs)
+        if not verify:
+            return self.forward(hidden, batch, state), None
+        out_v, records = self.forward_verify(hidden, _only(batch, verify), state)
+        rest = set(range(batch.num_seqs)) - verify
+        if not rest:
+            return out_v, records
+        out_o = self.forward(hidden, _only(batch, rest), state)
+        is_v = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for b in verify:
+            is_v[batch.cu_seqlens[b] : batch.cu_seqlens[b] + batch.q_lens[b]] = True
+        return torch.where(is_v.unsqueeze(-1), out_v, out_o), records
+
+
+def _only(batch: KdaBatchLike, keep: set[int]) -> KdaBatch:
+    """``batch`` with every sequence outside ``keep`` given zero rows (the layer then skips it)."""
+    return KdaBatch(
+        num_seqs=batch.num_seqs,
+        q_lens=[q if b in keep else 0 for b, q in enumerate(batch.q_lens)],
+        past_lens=list(batch.past_lens),
+        cu_seqlens=list(batch.cu_seqlens),
+        state_slots=list(batch.state_slots),
+        state_slots_t=batch.state_slots_t,
+    )

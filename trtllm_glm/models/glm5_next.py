@@ -78,6 +78,9 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_sparse:
             idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
             a = self.self_attn(x, meta, manager.kpool_layer_cache(idx))
+        elif meta.verify_seqs:
+            a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), meta.verify_seqs)
+            meta.kda_records[self.cache_idx] = rec
         else:
             a = self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
         h = h + a
@@ -179,6 +182,20 @@ class Glm5NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, D] -> [n, V]`` FP32 logits."""
         return self.lm_head(hidden).float()
+
+    def commit_kda(self, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, num_accepted: list[int]) -> None:
+        """Fold each verified sequence's first ``num_accepted[b]`` rows into every KDA layer's state.
+
+        Args:
+            meta: the metadata of the verify step (holds the records its forward stored).
+            manager: the cache manager holding the KDA state.
+            num_accepted: ``[num_seqs]`` accepted rows (root + accepted drafts) per batch sequence.
+        """
+        for layer in self.model.layers:
+            rec = meta.kda_records.get(layer.cache_idx) if not layer.is_sparse else None
+            if rec is not None:
+                layer.self_attn.commit(rec, num_accepted, manager.kda_layer_state(layer.cache_idx))
+        meta.kda_records = {}
 
     def mtp_forward(
         self,

@@ -61,7 +61,7 @@ class Executor:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         P = cfg.tokens_per_block
-        self.manager = self._make_manager(include_mtp_layer=False)
+        self.manager = self._make_manager(include_mtp_layer=self._target_stores_mtp_layer())
         # A sequence can never outgrow the whole page pool either.
         self.max_seq_len = min(cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P)
         self.meta = GlmKpoolMetadata(
@@ -81,6 +81,10 @@ class Executor:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
+
+    def _target_stores_mtp_layer(self) -> bool:
+        """Whether the target manager also stores the MTP layer's sparse plane (shared-draft mode)."""
+        return False
 
     def _make_manager(self, *, include_mtp_layer: bool) -> Glm5NextCacheManager:
         P = self.cfg.tokens_per_block
@@ -133,7 +137,7 @@ class Executor:
         rows = self._forward(plan)
         return self._advance(plan, rows)
 
-    def _plan(self) -> list[ScheduledSeq]:
+    def _plan(self, decode_width: dict[int, int] | None = None) -> list[ScheduledSeq]:
         """Schedule and make room in the cache.
 
         Running requests allocate first (the schedule lists them first). When one cannot grow, the
@@ -142,7 +146,7 @@ class Executor:
         only into free room, in arrival order, and never cause a preemption.
         """
         while True:
-            plan = self.scheduler.schedule(self.running, self.waiting)
+            plan = self.scheduler.schedule(self.running, self.waiting, decode_width)
             planned: list[ScheduledSeq] = []
             admitted: list[Request] = []
             victim = None
@@ -202,8 +206,7 @@ class Executor:
         """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
         ids: list[int] = []
         for s in plan:
-            r = s.request
-            ids.extend(r.tokens[r.num_computed : r.num_computed + s.num_rows])
+            ids.extend(self._rows_for(s))
         n_dec = sum(1 for s in plan if s.is_decode)
         self.meta.prepare(
             [s.request.request_id for s in plan],
@@ -211,9 +214,18 @@ class Executor:
             q_lens=[s.num_rows for s in plan],
             num_decode_seqs=n_dec,
         )
+        self._before_forward(plan)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             return self.model(input_ids, self.meta, self.manager)
+
+    def _rows_for(self, s: ScheduledSeq) -> list[int]:
+        """Token ids of the rows ``s`` feeds this step."""
+        r = s.request
+        return r.tokens[r.num_computed : r.num_computed + s.num_rows]
+
+    def _before_forward(self, plan: list[ScheduledSeq]) -> None:
+        """Hook: runs after ``prepare()`` and before the model (speculative verify sets its fields here)."""
 
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
         """Commit the rows, sample where a sequence's pending rows ended, retire finished requests."""

@@ -49,6 +49,8 @@ class CompletionOutput:
     num_draft_rounds: int = 0
     mean_accepted_length: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
+    # Top-2 logit gap behind each output token (near-tie checks, DESIGN §7).
+    logit_gaps: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class LLM:
         seed: seed of preset weights and of sampling without a per-request seed.
         prefill_chunk_size: cap on a prefill chunk.
         tokenizer: a tokenizer object (``encode``/``decode``) overriding the model's.
+        speculative_config: `MTPDecodingConfig` or `NGramDecodingConfig` (None: no speculation).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class LLM:
         seed: int = 0,
         prefill_chunk_size: int | None = None,
         tokenizer: object | None = None,
+        speculative_config: object | None = None,
     ) -> None:
         kv = kv_cache_config or KvCacheConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -107,10 +111,21 @@ class LLM:
             prefill_chunk_size=prefill_chunk_size,
         )
         self.seed = seed
+        self.speculative_config = speculative_config
         self.executor = self._make_executor()
 
     def _make_executor(self) -> Executor:
-        return Executor(self.model, self.executor_config, seed=self.seed)
+        if self.speculative_config is None:
+            return Executor(self.model, self.executor_config, seed=self.seed)
+        from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
+        from ..speculative.executor import SpeculativeExecutor
+
+        if not isinstance(self.speculative_config, (MTPDecodingConfig, NGramDecodingConfig)):
+            raise TypeError(
+                f"speculative_config must be MTPDecodingConfig or NGramDecodingConfig, "
+                f"got {type(self.speculative_config).__name__}"
+            )
+        return SpeculativeExecutor(self.model, self.executor_config, self.speculative_config, seed=self.seed)
 
     # --------------------------------------------------------------------------------------------
     def generate(
@@ -179,5 +194,6 @@ class LLM:
             acceptance_per_position=[
                 a / p if p else 0.0 for a, p in zip(r.accepted_per_position, r.proposed_per_position)
             ],
+            logit_gaps=list(r.logit_gaps),
         )
         return RequestOutput(r.request_id, prompt, list(r.prompt_ids), [comp])

@@ -78,9 +78,15 @@ class GlmKpoolIndexer(nn.Module):
         pos, rs = meta.positions_t, meta.row_seq_t
         table, slots = meta.slot_table_t, meta.state_slots_t
         nd = meta.num_decode_tokens
+        ring = cache.decode_tail_ring
         if nd:
-            ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots)
+            # Verify rounds roll the ring back to the accepted prefix of the previous step first (§6.2).
+            kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.num_accepted_t}
+            ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots, **kw)
         if nd < N:
+            if ring is not None:
+                # A prefill chunk rewrites the tail: a later decode must never restore a stale ring.
+                ring.on_prefill(slots[meta.num_decode_seqs :])
             ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 

@@ -4,35 +4,79 @@ Adds to `AttentionMetadata` the persistent device slot table ``[max_num_seqs, ma
 (pinned, double-buffered host staging; one non-blocking copy per step) and the persistent selection
 buffer. Slot tables come from the KV cache manager's ``get_batch_slot_tables``; a request that needs a
 wider table than was allocated raises `TableWidthError` (never a reallocation, never a truncation).
+
+Draft forwards with a separate draft KV manager (DESIGN §5, hazard §6.1): the two managers allocate pages
+and state slots independently, so the target's ids index the draft cache out of bounds (or another
+request's pages). A second persistent table ``draft_slot_table`` and state-slot buffer ``draft_state_slots``
+hold the draft manager's own ids; `GlmKpoolMetadata.prepare_for_draft_forward` fills them (never while a
+CUDA graph is capturing) and *rebinds* the active ``slot_table`` / state-slot binding to them;
+`GlmKpoolMetadata.restore_after_draft_forward` rebinds the target buffers. Nothing is ever copied into the
+target buffers, so the target binding survives any failure of the draft path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ....cache.manager import Glm5NextCacheManager
-from ....errors import TableWidthError
+from ....errors import StateError, TableWidthError
 from ...metadata import AttentionMetadata, HostStaging
 
-__all__ = ["GlmKpoolMetadata"]
+__all__ = ["DraftBinding", "GlmKpoolMetadata"]
+
+
+def _is_capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (always False off CUDA / on CPU-only builds)."""
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@dataclass(frozen=True)
+class DraftBinding:
+    """What `GlmKpoolMetadata.prepare_for_draft_forward` replaced; hand it back to restore.
+
+    Attributes:
+        slot_table: the slot table bound before (the tensor object itself).
+        state_slots_buf: the state-slot buffer bound before.
+        kv_cache_manager: the manager bound before.
+        page_size: the page size bound before.
+        host_batch: every attribute before (a shallow snapshot of ``vars()``), when the draft forward swapped
+            lengths (``prepare`` reassigns the host batch lists and per-step fields); else None.
+        shared: True when nothing was swapped (no draft manager, or the draft shares the target manager).
+    """
+
+    slot_table: torch.Tensor
+    state_slots_buf: torch.Tensor
+    kv_cache_manager: Glm5NextCacheManager
+    page_size: int
+    host_batch: dict[str, Any] | None = None
+    shared: bool = False
 
 
 class GlmKpoolMetadata(AttentionMetadata):
     """Batch metadata with paged slot tables for the k-pool sparse MLA layers.
 
     Args:
-        kv_cache_manager: the manager whose page ids the slot table holds.
+        kv_cache_manager: the (target) manager whose page ids the slot table holds.
         max_num_seqs: sequences per step.
         max_num_tokens: flat rows per step.
         max_pages_per_seq: width of the persistent slot table.
         select_width: selection width (``index_topk + 3``).
         device: device of the persistent buffers.
+        max_draft_pages_per_seq: width of the persistent draft slot table (default ``max_pages_per_seq``).
 
     Device views after ``prepare()``:
-        slot_table_t ``[B, max_pages_per_seq]`` int32 (unused entries are -1),
+        slot_table_t ``[B, W]`` int32 rows of the active table (unused entries are -1; ``W`` is
+        ``max_pages_per_seq``, or ``max_draft_pages_per_seq`` while a draft binding is active),
+        state_slots_t ``[B]`` int64 state slots of the active manager,
         selection buffer via ``selection(n)`` ``[n, select_width]`` int32.
+
+    Bindings: ``slot_table`` is the table kernels read (through ``slot_table_t``); it is either
+    ``target_slot_table`` or ``draft_slot_table``, never a copy. Likewise ``state_slots_buf`` is either
+    ``target_state_slots`` (row 0 of the per-sequence buffer) or ``draft_state_slots``.
     """
 
     def __init__(
@@ -44,11 +88,17 @@ class GlmKpoolMetadata(AttentionMetadata):
         max_pages_per_seq: int,
         select_width: int,
         device: torch.device | str = "cpu",
+        max_draft_pages_per_seq: int | None = None,
     ) -> None:
         super().__init__(max_num_seqs=max_num_seqs, max_num_tokens=max_num_tokens, device=device)
         if max_pages_per_seq <= 0:
             raise ValueError("max_pages_per_seq must be positive")
+        if max_draft_pages_per_seq is None:
+            max_draft_pages_per_seq = max_pages_per_seq
+        if max_draft_pages_per_seq <= 0:
+            raise ValueError("max_draft_pages_per_seq must be positive")
         self.kv_cache_manager = kv_cache_manager
+        self.target_kv_cache_manager = kv_cache_manager
         self.max_pages_per_seq = max_pages_per_seq
         self.page_size = kv_cache_manager.page_size
         self.select_width = select_width
@@ -61,6 +111,25 @@ class GlmKpoolMetadata(AttentionMetadata):
             {"table": (self.target_slot_table.shape, torch.int32)}, pin_memory=self.device.type == "cuda"
         )
         self.selection_buf = torch.full((max_num_tokens, select_width), -1, dtype=torch.int32, device=self.device)
+
+        # Draft domain: allocated here, once, so that a graph captured with the draft binding reads a
+        # fixed address that every later pre-replay prepare refreshes in place.
+        self.max_draft_pages_per_seq = max_draft_pages_per_seq
+        self.draft_slot_table = torch.full(
+            (max_num_seqs, max_draft_pages_per_seq), -1, dtype=torch.int32, device=self.device
+        )
+        self.draft_state_slots = torch.zeros(max_num_seqs, dtype=torch.int64, device=self.device)
+        # A view of the per-sequence buffer's state-slot row: the target binding is the buffer `prepare()`
+        # fills, so binding it costs nothing and the target path reads exactly what it read before.
+        self.target_state_slots = self._seq_buf[0]
+        self.state_slots_buf = self.target_state_slots
+        self._draft_staging = HostStaging(
+            {
+                "table": (self.draft_slot_table.shape, torch.int32),
+                "slots": (self.draft_state_slots.shape, torch.int64),
+            },
+            pin_memory=self.device.type == "cuda",
+        )
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -84,7 +153,15 @@ class GlmKpoolMetadata(AttentionMetadata):
             q_lens: ``[B]`` rows per sequence this step.
             num_decode_seqs: leading decode/verify sequences.
             state_slots: ``[B]`` state slots; defaults to the manager's.
+
+        Raises:
+            StateError: a draft binding is active (restore it first; filling now would put the draft
+                manager's ids into the target table).
         """
+        if self.draft_binding_active:
+            raise StateError(
+                "prepare() called while a draft binding is active; call restore_after_draft_forward() first"
+            )
         mgr = self.kv_cache_manager
         if state_slots is None:
             state_slots = mgr.get_batch_state_slots(request_ids)
@@ -117,8 +194,173 @@ class GlmKpoolMetadata(AttentionMetadata):
 
     @property
     def slot_table_t(self) -> torch.Tensor:
-        """Active slot table rows of this step ``[B, max_pages_per_seq]``."""
+        """Active slot table rows of this step ``[B, W]`` (target or draft binding)."""
         return self.slot_table[: self.num_seqs]
+
+    @property
+    def state_slots_t(self) -> torch.Tensor:
+        """State slots of this step's sequences in the active manager ``[B]`` int64."""
+        return self.state_slots_buf[: self.num_seqs]
+
+    # --------------------------------------------------------------------------------------------
+    # Draft forwards (DESIGN §5, hazard §6.1)
+    @property
+    def draft_binding_active(self) -> bool:
+        """True while the draft buffers are bound (between prepare and restore of a draft forward)."""
+        return self.slot_table is not self.target_slot_table or self.state_slots_buf is not self.target_state_slots
+
+    def prepare_for_draft_forward(
+        self,
+        draft_kv_cache_manager: Glm5NextCacheManager | None = None,
+        *,
+        past_lens: Sequence[int] | None = None,
+        q_lens: Sequence[int] | None = None,
+        num_decode_seqs: int | None = None,
+    ) -> DraftBinding:
+        """Bind the draft manager's own slot table and state slots for a draft forward.
+
+        With no draft manager, or one that is the target manager (shared mode: the MTP layer's pages live
+        in the target manager), the tables are left alone. Otherwise the draft manager's slot tables and
+        state slots of this step's requests are validated, written into the persistent draft buffers and
+        those buffers are bound (``slot_table is draft_slot_table``); the target buffers are never written.
+        While a CUDA graph is capturing nothing is filled (a fill would be recorded from host staging, and
+        staging waits on events): only the binding changes, and the pre-replay call of this method (outside
+        capture) fills the same buffers before each replay.
+
+        Every check runs before anything is written or rebound, so a raise leaves the metadata as it was.
+
+        Args:
+            draft_kv_cache_manager: the draft's manager; None or the target manager means shared mode.
+            past_lens: optional ``[B]`` cached tokens of the draft forward (default: this step's).
+            q_lens: optional ``[B]`` rows of the draft forward (default: this step's).
+            num_decode_seqs: optional leading decode sequences of the draft forward (default: this step's).
+
+        Returns:
+            What was replaced; pass it to `restore_after_draft_forward`.
+
+        Raises:
+            ValueError: the draft manager's page size differs from the target's.
+            TableWidthError: a draft row is wider than ``max_draft_pages_per_seq`` (nothing is truncated),
+                or a request lacks a page its draft kv length needs.
+            RuntimeError: lengths were given while a graph is capturing.
+        """
+        saved = DraftBinding(
+            slot_table=self.slot_table,
+            state_slots_buf=self.state_slots_buf,
+            kv_cache_manager=self.kv_cache_manager,
+            page_size=self.page_size,
+        )
+        swap_lengths = past_lens is not None or q_lens is not None or num_decode_seqs is not None
+        shared = draft_kv_cache_manager is None or draft_kv_cache_manager is self.target_kv_cache_manager
+        if shared and not swap_lengths:
+            return DraftBinding(**{**saved.__dict__, "shared": True})
+        capturing = _is_capturing(self.device)
+        if swap_lengths and capturing:
+            raise RuntimeError("draft lengths must be prepared outside graph capture (before capture or replay)")
+        mgr = self.target_kv_cache_manager if shared else draft_kv_cache_manager
+        assert mgr is not None
+        if mgr.page_size != self.target_kv_cache_manager.page_size:
+            raise ValueError(
+                f"the draft manager's tokens_per_block={mgr.page_size} differs from the target's "
+                f"{self.target_kv_cache_manager.page_size}; draft and target must share one page size"
+            )
+        rids = self.request_ids
+        B = len(rids)
+        past = list(past_lens) if past_lens is not None else self.past_lens
+        ql = list(q_lens) if q_lens is not None else self.q_lens
+        nd = num_decode_seqs if num_decode_seqs is not None else self.num_decode_seqs
+        if len(past) != B or len(ql) != B:
+            raise ValueError(f"draft past_lens/q_lens must have one entry per sequence ({B})")
+
+        if not shared and not capturing:
+            tables = mgr.get_batch_slot_tables(rids)
+            slots = mgr.get_batch_state_slots(rids)
+            W = self.max_draft_pages_per_seq
+            for rid, p, q, row in zip(rids, past, ql, tables):
+                if len(row) > W:
+                    raise TableWidthError(
+                        f"draft request {rid} holds {len(row)} pages but the draft slot table is "
+                        f"max_draft_pages_per_seq={W} wide"
+                    )
+                need = mgr.pages_needed(p + q)
+                if need > len(row):
+                    raise TableWidthError(
+                        f"draft request {rid} has {len(row)} pages allocated but {need} are needed for {p + q} tokens"
+                    )
+            if any(not 0 <= s < mgr.max_num_requests for s in slots):
+                raise StateError(f"draft state slots {slots} outside [0, {mgr.max_num_requests})")
+        host_batch = None
+        if swap_lengths:
+            # A shallow snapshot of every attribute: `prepare` reassigns (never mutates) its host fields, and
+            # other components add per-step fields that it resets, so identity restore brings all of them back.
+            host_batch = dict(vars(self))
+            # Validates before writing anything; rewrites the per-sequence/per-token buffers in place (same
+            # addresses). Row 0 keeps the target's state slots: the draft's live in their own buffer.
+            AttentionMetadata.prepare(self, rids, past, ql, host_batch["state_slots"], nd)
+        if not shared and not capturing:
+            try:
+                self._fill_draft(tables, slots)
+            except BaseException:
+                if host_batch is not None:
+                    self._restore_host_batch(host_batch)
+                raise
+        if not shared:
+            self.slot_table = self.draft_slot_table
+            self.state_slots_buf = self.draft_state_slots
+            self.kv_cache_manager = mgr
+            self.page_size = mgr.page_size
+        return DraftBinding(**{**saved.__dict__, "host_batch": host_batch, "shared": shared})
+
+    def restore_after_draft_forward(self, saved: DraftBinding) -> None:
+        """Rebind what `prepare_for_draft_forward` replaced (target table, state slots, manager, lengths).
+
+        When the draft forward swapped lengths, every attribute is restored by identity and, outside graph
+        capture, the per-sequence/per-token buffers are refilled with the target's lengths (during capture
+        the caller must run ``prepare()`` again before the next target forward).
+        """
+        self.slot_table = saved.slot_table
+        self.state_slots_buf = saved.state_slots_buf
+        self.kv_cache_manager = saved.kv_cache_manager
+        self.page_size = saved.page_size
+        if saved.host_batch is not None:
+            self._restore_host_batch(saved.host_batch)
+
+    def _restore_host_batch(self, host_batch: dict[str, Any]) -> None:
+        """Put the saved attributes back (identity) and, outside capture, refill the batch's device buffers."""
+        if not _is_capturing(self.device):
+            AttentionMetadata.prepare(
+                self,
+                host_batch["request_ids"],
+                host_batch["past_lens"],
+                host_batch["q_lens"],
+                host_batch["state_slots"],
+                host_batch["num_decode_seqs"],
+            )
+        for k in [k for k in vars(self) if k not in host_batch]:
+            delattr(self, k)
+        self.__dict__.update(host_batch)
+
+    def _fill_draft(self, tables: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        """Write the draft rows and state slots into the persistent draft buffers through their staging."""
+        host = self._draft_staging.acquire()
+        ht, hs = host["table"], host["slots"]
+        ht.fill_(-1)
+        hs.zero_()
+        for i, row in enumerate(tables):
+            if row:
+                ht[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        if slots:
+            hs[: len(slots)] = torch.tensor(list(slots), dtype=torch.int64)
+        self.draft_slot_table.copy_(ht, non_blocking=True)
+        self.draft_state_slots.copy_(hs, non_blocking=True)
+        self._draft_staging.release()
+
+    def draft_swap_addresses(self) -> dict[str, set[int]]:
+        """The declared swaps of a draft forward, for `GraphAddressGuard.check` (name -> allowed addresses)."""
+        return {
+            "slot_table": {self.target_slot_table.data_ptr(), self.draft_slot_table.data_ptr()},
+            "state_slots": {self.target_state_slots.data_ptr(), self.draft_state_slots.data_ptr()},
+        }
 
     def selection(self, num_rows: int) -> torch.Tensor:
         """The persistent selection buffer's first ``num_rows`` rows, filled with -1 (``[n, width]``)."""
@@ -132,6 +374,18 @@ class GlmKpoolMetadata(AttentionMetadata):
         return self.max_kv_len // 4
 
     def graph_buffers(self) -> dict[str, torch.Tensor]:
+        """Persistent tensors a captured graph may read, by name.
+
+        ``slot_table`` and ``state_slots`` are the *active* bindings (what kernels read); the persistent
+        buffers behind them are reported under their own names as well.
+        """
         d = super().graph_buffers()
-        d.update(slot_table=self.slot_table, selection_buf=self.selection_buf)
+        d.update(
+            slot_table=self.slot_table,
+            state_slots=self.state_slots_buf,
+            target_slot_table=self.target_slot_table,
+            draft_slot_table=self.draft_slot_table,
+            draft_state_slots=self.draft_state_slots,
+            selection_buf=self.selection_buf,
+        )
         return d

@@ -34,11 +34,14 @@ import sys
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trtllm_glm.cache.manager import KpoolLayerCache
+
+if TYPE_CHECKING:
+    from ..tail_ring import DecodeTailRing
 
 __all__ = [
     "fwht",
@@ -266,11 +269,15 @@ def update_decode_pools(
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
     state_slots: torch.Tensor,
+    *,
+    tail_ring: DecodeTailRing | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
     """Kernel version of `ops.update_decode_pools` (bit-identical pools, scales and rings).
 
     One program per sequence applies its rows in batch order: each row goes into
     ``tail_ring[slot, :, pos % 4]``; a row with ``pos % 4 == 3`` completes pool ``pos // 4`` from the ring.
+    With ``tail_ring``, its (torch, sync-free) `DecodeTailRing.prepare_step` runs first, as in the reference.
 
     Args:
         cache: the layer's planes (``index_k``, ``index_scale``, ``tail_ring`` updated in place).
@@ -281,7 +288,11 @@ def update_decode_pools(
         row_seq: ``[N]`` int sequence index per row (rows of a sequence contiguous; ``< 0``: padding).
         slot_table: ``[B, max_pages]`` int raw page ids.
         state_slots: ``[B]`` int state slot per sequence.
+        tail_ring: optional `DecodeTailRing` of this layer's ring (decode rows only).
+        num_accepted_tokens: optional ``[B]`` int scheduler accepted counts (cross-check only).
     """
+    if tail_ring is not None:
+        tail_ring.prepare_step(cache.tail_ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
     _run(
         "decode_update",
         key.device,

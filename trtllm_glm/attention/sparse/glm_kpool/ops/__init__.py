@@ -3,6 +3,7 @@
 Each Triton kernel in ``../kernels`` is tested against the function of the same role here.
 """
 
+from ..tail_ring import DecodeTailRing
 from .cache_update import (
     lookup_pages,
     update_decode_pools,
@@ -19,6 +20,7 @@ from .sparse_mla import sparse_mla_attention
 
 __all__ = [
     "AMAX_FLOOR",
+    "DecodeTailRing",
     "E4M3_MAX",
     "KPOOL",
     "dequant",

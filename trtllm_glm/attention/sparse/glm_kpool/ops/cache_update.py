@@ -12,7 +12,7 @@ same ``[4, 128]`` member tensors with the same `pool_keys` and `rotate_quant`.
 
 from __future__ import annotations
 
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -20,6 +20,9 @@ from trtllm_glm.cache.manager import KpoolLayerCache
 
 from .fp8 import rotate_quant
 from .pooling import KPOOL, pool_keys
+
+if TYPE_CHECKING:
+    from ..tail_ring import DecodeTailRing
 
 __all__ = [
     "lookup_pages",
@@ -177,6 +180,9 @@ def update_decode_pools(
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
     state_slots: torch.Tensor,
+    *,
+    tail_ring: DecodeTailRing | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
 ) -> None:
     """Decode/verify update: apply rows one by one to the tail ring, completing pools as they fill.
 
@@ -184,6 +190,9 @@ def update_decode_pools(
     ``pos // 4`` is completed from the ring's 4 entries and written with `rotate_quant`. A sequence may
     bring several rows (speculative verify); they are applied in position order, so later rows see the
     ring entries of earlier ones.
+
+    With ``tail_ring`` (speculative decoding, DESIGN §6.2), `DecodeTailRing.prepare_step` first rolls the
+    ring back to the previous step's accepted rows and backs this step up, then the rows are applied.
 
     Args:
         cache: the layer's cache planes (``index_k``, ``index_scale`` and ``tail_ring`` are updated).
@@ -194,6 +203,9 @@ def update_decode_pools(
         row_seq: ``[N]`` int64 sequence index of each row.
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
         state_slots: ``[B]`` int state slot of each sequence.
+        tail_ring: optional `DecodeTailRing` of this layer's ring (decode rows only).
+        num_accepted_tokens: optional ``[B]`` int, the scheduler's accepted count of each sequence's
+            previous step, cross-checked by ``tail_ring`` against positions.
 
     Raises:
         ValueError: a row's page is not in the slot table, a state slot is out of range, or the batch
@@ -204,6 +216,9 @@ def update_decode_pools(
     _seq_bounds(positions, row_seq)
     pages = lookup_pages(positions, row_seq, slot_table, cache.page_size, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
+    if tail_ring is not None:
+        # After validation, so that a bad batch still leaves the cache (and the backups) untouched.
+        tail_ring.prepare_step(cache.tail_ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
     ring = cache.tail_ring
     pools_per_page = cache.page_size // KPOOL
     for n in range(positions.shape[0]):

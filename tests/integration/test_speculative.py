@@ -1,0 +1,225 @@
+"""Speculative decoding end to end on the tiny preset (fp32): lossless against non-speculative greedy in
+randomized mixed batches, and exact state after accepted/rejected drafts (DESIGN §6-§7)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trtllm_glm.cli import main as cli_main
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.speculative.drafters import OracleDrafter
+from trtllm_glm.speculative.executor import SpeculativeExecutor
+from trtllm_glm.testing import ModelHarness
+
+pytestmark = pytest.mark.cpu_only
+
+MAX_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm5NextForCausalLM:
+    return Glm5NextForCausalLM.from_pretrained("tiny", seed=0)
+
+
+def prompts(n: int, seed: int, repetitive: bool = False) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if repetitive:  # gives the n-gram drafter something to match
+            base = [rng.randrange(256) for _ in range(rng.randrange(2, 6))]
+            out.append((base * 20)[: rng.randrange(8, 50)])
+        else:
+            out.append([rng.randrange(256) for _ in range(rng.randrange(1, 50))])
+    return out
+
+
+def exec_cfg(rng: random.Random, **kw) -> ExecutorConfig:
+    d = dict(tokens_per_block=rng.choice([4, 8, 16]), max_tokens=1024, max_batch_size=4, max_num_tokens=40,
+             max_seq_len=128, prefill_chunk_size=rng.choice([None, 3, 7, 16]))  # fmt: skip
+    d.update(kw)
+    return ExecutorConfig(**d)
+
+
+def reference(model, ps, max_tokens=MAX_TOKENS):
+    ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=2048, max_batch_size=8, max_num_tokens=512,
+                                        max_seq_len=128))  # fmt: skip
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in ps]
+    ex.run_until_done()
+    return reqs
+
+
+def run_spec(model, ps, cfg, spec, drafter=None, max_tokens=MAX_TOKENS, each_step=None):
+    ex = SpeculativeExecutor(model, cfg, spec, drafter=drafter)
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in ps]
+    while ex.has_work:
+        ex.step()
+        if each_step is not None:
+            each_step(ex, reqs)
+    return reqs, ex
+
+
+def assert_lossless(refs, tests) -> None:
+    for ref, t in zip(refs, tests):
+        assert len(t.output_ids) == len(ref.output_ids)
+        d = compare_greedy(ref.output_ids, ref.logit_gaps, t.output_ids)
+        assert d is None or d.excused, f"request {t.request_id}: {d}"
+
+
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_mtp_lossless_mixed_batches(model, k, mode) -> None:
+    seed = 10 * k + (mode == "separate")
+    rng = random.Random(seed)
+    ps = prompts(5, seed)
+    refs = reference(model, ps)
+    # Adaptive width: some rounds are width one, others use every draft.
+    spec = MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=mode,
+                             draft_len_fn=lambda r: (r.request_id + len(r.tokens)) % (k + 2))  # fmt: skip
+    tests, ex = run_spec(model, ps, exec_cfg(rng), spec)
+    assert_lossless(refs, tests)
+    assert sum(r.num_verify_rounds for r in tests) > 0
+
+
+@pytest.mark.parametrize("k", [3, 7])
+def test_ngram_lossless_with_preemption(model, k) -> None:
+    rng = random.Random(k)
+    ps = prompts(5, k, repetitive=True)
+    refs = reference(model, ps, max_tokens=24)
+    # A small page pool forces preemption and recompute mid-generation.
+    tests, ex = run_spec(model, ps, exec_cfg(rng, tokens_per_block=8, max_tokens=160, max_seq_len=80),
+                         NGramDecodingConfig(max_draft_len=k), max_tokens=24)  # fmt: skip
+    assert ex.num_preemptions > 0
+    assert_lossless(refs, tests)
+    assert sum(r.num_verify_rounds for r in tests) > 0
+
+
+def test_mtp_lossless_with_preemption(model) -> None:
+    ps = prompts(5, 3)
+    refs = reference(model, ps, max_tokens=24)
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=160, max_batch_size=4, max_num_tokens=40, max_seq_len=80)
+    tests, ex = run_spec(model, ps, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode="separate"),
+                         max_tokens=24)  # fmt: skip
+    assert ex.num_preemptions > 0
+    assert_lossless(refs, tests)
+
+
+# --------------------------------------------------------------------------------------------------
+def _state_check(model):
+    """After each step: every running request's committed state equals a from-scratch prefill of its
+    committed tokens (rings and KDA state to fp32 rounding; FP8 pools up to isolated 1-ulp flips)."""
+
+    def check(ex: SpeculativeExecutor, reqs) -> None:
+        for r in ex.running:
+            n = r.num_computed
+            if n < 2 or r.num_pending != 1:
+                continue
+            h = ModelHarness(model, max_seq_len=128, tokens_per_block=ex.manager.page_size, max_num_requests=1)
+            h.step([(0, r.tokens[:n])])
+            slot, slot_ref = ex.manager.get_state_slot(r.request_id), h.manager.get_state_slot(0)
+            open_pos = list(range(4 * (n // 4), n))
+            for li in range(len(model.config.sparse_layer_ids)):
+                got, ref = ex.manager.kpool_layer_cache(li), h.manager.kpool_layer_cache(li)
+                for p in open_pos:
+                    torch.testing.assert_close(got.tail_ring[slot, :, p % 4], ref.tail_ring[slot_ref, :, p % 4],
+                                               atol=1e-4, rtol=1e-4, msg=f"ring layer {li} pos {p}")  # fmt: skip
+                pg = ex.manager.get_batch_slot_tables([r.request_id])[0]
+                pr = h.manager.get_batch_slot_tables([0])[0]
+                P = ex.manager.page_size
+                for pool in range(n // 4):
+                    a = got.index_k[pg[4 * pool // P], pool % (P // 4)].view(torch.uint8).int()
+                    b = ref.index_k[pr[4 * pool // P], pool % (P // 4)].view(torch.uint8).int()
+                    diff = (a - b).abs()
+                    assert int((diff > 1).sum()) == 0 and int((diff > 0).sum()) <= 4, f"pool {pool} layer {li}"
+            for ki in range(len(model.config.kda_layer_ids)):
+                got, ref = ex.manager.kda_layer_state(ki), h.manager.kda_layer_state(ki)
+                torch.testing.assert_close(got.recurrent[slot], ref.recurrent[slot_ref], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(got.conv[slot], ref.conv[slot_ref], atol=1e-5, rtol=1e-5)
+
+    return check
+
+
+@pytest.mark.parametrize("policy", ["accept_all", "reject_all", "random"])
+def test_oracle_drafts_leave_exact_state(model, policy) -> None:
+    ps = prompts(3, 21)
+    refs = reference(model, ps)
+    cont = {i: r.output_ids for i, r in enumerate(refs)}
+    rng = random.Random(5)
+    bad = {(i, j) for i in range(3) for j in range(MAX_TOKENS) if rng.random() < 0.4}
+    corrupt = {
+        "accept_all": lambda i, j: False,
+        "reject_all": lambda i, j: True,
+        "random": lambda i, j: (i, j) in bad,
+    }[policy]
+    drafter = OracleDrafter(cont, corrupt, vocab_size=256)
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    tests, ex = run_spec(model, ps, cfg, NGramDecodingConfig(max_draft_len=7), drafter=drafter,
+                         each_step=_state_check(model))  # fmt: skip
+    assert_lossless(refs, tests)
+    rounds = sum(r.num_verify_rounds for r in tests)
+    emitted = sum(r.num_accepted_total for r in tests)
+    if policy == "accept_all":
+        assert emitted / rounds > 4  # up to 8 tokens a round (budget-truncated at the end)
+    if policy == "reject_all":
+        assert emitted == rounds  # only the bonus token each round
+
+
+def test_width_one_and_wide_rounds_interleave(model) -> None:
+    ps = prompts(3, 31)
+    refs = reference(model, ps)
+    cont = {i: r.output_ids for i, r in enumerate(refs)}
+    spec = NGramDecodingConfig(max_draft_len=5, draft_len_fn=lambda r: [0, 5, 1, 0, 3][len(r.output_ids) % 5])
+    cfg = ExecutorConfig(tokens_per_block=4, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    tests, ex = run_spec(model, ps, cfg, spec, drafter=OracleDrafter(cont, lambda i, j: j % 3 == 2),
+                         each_step=_state_check(model))  # fmt: skip
+    assert_lossless(refs, tests)
+
+
+def test_separate_draft_pool_smaller_and_shifted(model) -> None:
+    ps = prompts(4, 41)
+    refs = reference(model, ps)
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    shared, _ = run_spec(model, ps, cfg, MTPDecodingConfig(num_nextn_predict_layers=3))
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode="separate",
+                                                           draft_max_tokens=400))  # fmt: skip
+    assert ex.draft_manager is not ex.manager and ex.draft_manager.num_pages < ex.manager.num_pages
+    ex.draft_manager.add_request(10**6, num_tokens=64)  # shifts every draft page id away from the target's
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in ps]
+    seen = []
+    while ex.has_work:
+        ex.step()
+        for r in ex.running:
+            if ex.draft_manager.has_request(r.request_id):
+                row = ex.draft_manager.get_batch_slot_tables([r.request_id])[0]
+                assert all(0 <= p < ex.draft_manager.num_pages for p in row)
+                seen.append((row, ex.manager.get_batch_slot_tables([r.request_id])[0]))
+    assert any(a[: len(b)] != b[: len(a)] for a, b in seen)  # the two id spaces really differ
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in shared]
+    assert_lossless(refs, reqs)
+
+
+def test_acceptance_statistics_and_cli(capsys) -> None:
+    rc = cli_main(["generate", "--prompt", "abcabcabcabc", "--max-tokens", "12", "--ignore-eos",
+                   "--speculative", "ngram", "--draft-len", "4", "--check-lossless"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "mean accepted length" in out and "lossless" in out
+    rc = cli_main(["generate", "--prompt", "hi", "--max-tokens", "8", "--ignore-eos", "--speculative", "mtp",
+                   "--draft-len", "2", "--draft-kv-mode", "separate", "--check-lossless"])  # fmt: skip
+    assert rc == 0
+
+
+def test_bad_speculative_configs(model) -> None:
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        MTPDecodingConfig(num_nextn_predict_layers=6)
+    with pytest.raises(ValueError, match="max_draft_len"):
+        NGramDecodingConfig(max_draft_len=8)
+    with pytest.raises(ValueError, match="draft_kv_mode"):
+        MTPDecodingConfig(draft_kv_mode="both")

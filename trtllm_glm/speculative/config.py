@@ -1,0 +1,80 @@
+"""Speculative decoding configuration, shaped like TensorRT-LLM's ``*DecodingConfig`` classes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["MTPDecodingConfig", "NGramDecodingConfig", "SpeculativeConfig", "DRAFT_KV_MODES"]
+
+DRAFT_KV_MODES = ("shared", "separate")
+
+MAX_MTP_DRAFTS = 5
+MAX_PARALLEL_DRAFTS = 7
+
+
+@dataclass
+class _SpecBase:
+    # Per-request adaptive width: called with the request each round, returns the drafts to propose
+    # (0 = a width-one round); None keeps the configured maximum. Each width is its own graph shape.
+    draft_len_fn: Callable[[object], int] | None = None
+
+    @property
+    def max_draft_len(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@dataclass
+class MTPDecodingConfig(_SpecBase):
+    """Speculate with the model's MTP layer, chained for ``num_nextn_predict_layers`` drafts.
+
+    Attributes:
+        num_nextn_predict_layers: drafts per round (1..5), the MTP layer applied that many times.
+        draft_kv_mode: ``"shared"`` (the MTP layer's pages live in the target manager: one more sparse
+            layer in the same slot space) or ``"separate"`` (its own draft KV manager and page pool).
+        draft_max_tokens: page-pool size of the separate draft manager (default: the target's).
+    """
+
+    num_nextn_predict_layers: int = 1
+    draft_kv_mode: str = "shared"
+    draft_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_nextn_predict_layers <= MAX_MTP_DRAFTS:
+            raise ValueError(
+                f"num_nextn_predict_layers must be in [1, {MAX_MTP_DRAFTS}], got {self.num_nextn_predict_layers}"
+            )
+        if self.draft_kv_mode not in DRAFT_KV_MODES:
+            raise ValueError(f"draft_kv_mode must be one of {DRAFT_KV_MODES}, got {self.draft_kv_mode!r}")
+        if self.draft_max_tokens is not None and self.draft_max_tokens <= 0:
+            raise ValueError("draft_max_tokens must be positive")
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.num_nextn_predict_layers
+
+
+@dataclass
+class NGramDecodingConfig(_SpecBase):
+    """Prompt-lookup (n-gram) parallel drafting: up to ``max_draft_len`` tokens that followed the latest
+    earlier occurrence of the sequence's longest matching suffix. Needs no extra weights, so it drives wide
+    (DFlash-width) verification.
+
+    Attributes:
+        max_draft_len: drafts per round (1..7).
+        max_matching_ngram_size: longest suffix tried first.
+        min_matching_ngram_size: shortest suffix accepted as a match.
+    """
+
+    max_draft_len: int = 4  # type: ignore[assignment]
+    max_matching_ngram_size: int = 4
+    min_matching_ngram_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_draft_len <= MAX_PARALLEL_DRAFTS:
+            raise ValueError(f"max_draft_len must be in [1, {MAX_PARALLEL_DRAFTS}], got {self.max_draft_len}")
+        if not 1 <= self.min_matching_ngram_size <= self.max_matching_ngram_size:
+            raise ValueError("need 1 <= min_matching_ngram_size <= max_matching_ngram_size")
+
+
+SpeculativeConfig = MTPDecodingConfig | NGramDecodingConfig
