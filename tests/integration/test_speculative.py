@@ -127,17 +127,25 @@ def _state_check(model):
             open_pos = list(range(4 * (n // 4), n))
             for li in range(len(model.config.sparse_layer_ids)):
                 got, ref = ex.manager.kpool_layer_cache(li), h.manager.kpool_layer_cache(li)
+                # The live ring still holds rejected rows until the next step rolls it back (§6.2).
+                ring = got.decode_tail_ring.committed_ring(got.tail_ring, slot, n)
                 for p in open_pos:
-                    torch.testing.assert_close(got.tail_ring[slot, :, p % 4], ref.tail_ring[slot_ref, :, p % 4],
+                    torch.testing.assert_close(ring[:, p % 4], ref.tail_ring[slot_ref, :, p % 4],
                                                atol=1e-4, rtol=1e-4, msg=f"ring layer {li} pos {p}")  # fmt: skip
                 pg = ex.manager.get_batch_slot_tables([r.request_id])[0]
                 pr = h.manager.get_batch_slot_tables([0])[0]
                 P = ex.manager.page_size
                 for pool in range(n // 4):
-                    a = got.index_k[pg[4 * pool // P], pool % (P // 4)].view(torch.uint8).int()
-                    b = ref.index_k[pr[4 * pool // P], pool % (P // 4)].view(torch.uint8).int()
-                    diff = (a - b).abs()
-                    assert int((diff > 1).sum()) == 0 and int((diff > 0).sum()) <= 4, f"pool {pool} layer {li}"
+                    ia, ib = (pg[4 * pool // P], pool % (P // 4)), (pr[4 * pool // P], pool % (P // 4))
+                    sa, sb = float(got.index_scale[ia]), float(ref.index_scale[ib])
+                    da, db = got.index_k[ia].float() * sa, ref.index_k[ib].float() * sb
+                    # Verify and prefill shapes round differently. One bf16 flip before the Hadamard rotation
+                    # shifts every output by ~ulp/sqrt(128), which can move a few values by an FP8 step (or
+                    # a tiny one by several); a pool built from other members moves most of its 128 values.
+                    amax = float(torch.maximum(da.abs(), db.abs()).max())
+                    tol = 0.13 * torch.maximum(da.abs(), db.abs()) + 2**-6 * amax
+                    assert int(((da - db).abs() > tol).sum()) == 0, f"pool {pool} layer {li}"
+                    assert int((da != db).sum()) <= 16, f"pool {pool} layer {li}"
             for ki in range(len(model.config.kda_layer_ids)):
                 got, ref = ex.manager.kda_layer_state(ki), h.manager.kda_layer_state(ki)
                 torch.testing.assert_close(got.recurrent[slot], ref.recurrent[slot_ref], atol=1e-4, rtol=1e-4)

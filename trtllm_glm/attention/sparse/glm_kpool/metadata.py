@@ -17,7 +17,7 @@ target buffers, so the target binding survives any failure of the draft path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -253,7 +253,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         swap_lengths = past_lens is not None or q_lens is not None or num_decode_seqs is not None
         shared = draft_kv_cache_manager is None or draft_kv_cache_manager is self.target_kv_cache_manager
         if shared and not swap_lengths:
-            return DraftBinding(**{**saved.__dict__, "shared": True})
+            return replace(saved, shared=True)
         capturing = _is_capturing(self.device)
         if swap_lengths and capturing:
             raise RuntimeError("draft lengths must be prepared outside graph capture (before capture or replay)")
@@ -265,30 +265,31 @@ class GlmKpoolMetadata(AttentionMetadata):
                 f"{self.target_kv_cache_manager.page_size}; draft and target must share one page size"
             )
         rids = self.request_ids
-        B = len(rids)
         past = list(past_lens) if past_lens is not None else self.past_lens
         ql = list(q_lens) if q_lens is not None else self.q_lens
         nd = num_decode_seqs if num_decode_seqs is not None else self.num_decode_seqs
-        if len(past) != B or len(ql) != B:
-            raise ValueError(f"draft past_lens/q_lens must have one entry per sequence ({B})")
+        if len(past) != len(rids) or len(ql) != len(rids):
+            raise ValueError(f"draft past_lens/q_lens must have one entry per sequence ({len(rids)})")
 
-        if not shared and not capturing:
+        # During capture the draft manager is not even asked: the batch being captured may be a warm-up
+        # batch, and the pre-replay call validates and fills the real one.
+        fill = not shared and not capturing
+        if fill or swap_lengths:
             tables = mgr.get_batch_slot_tables(rids)
-            slots = mgr.get_batch_state_slots(rids)
-            W = self.max_draft_pages_per_seq
+            width = self.max_pages_per_seq if shared else self.max_draft_pages_per_seq
             for rid, p, q, row in zip(rids, past, ql, tables):
-                if len(row) > W:
-                    raise TableWidthError(
-                        f"draft request {rid} holds {len(row)} pages but the draft slot table is "
-                        f"max_draft_pages_per_seq={W} wide"
+                if len(row) > width:
+                    what = (
+                        "slot table is max_pages_per_seq" if shared else "draft slot table is max_draft_pages_per_seq"
                     )
+                    raise TableWidthError(f"request {rid} holds {len(row)} pages but the {what}={width} wide")
                 need = mgr.pages_needed(p + q)
                 if need > len(row):
                     raise TableWidthError(
-                        f"draft request {rid} has {len(row)} pages allocated but {need} are needed for {p + q} tokens"
+                        f"request {rid} has {len(row)} {'target' if shared else 'draft'} pages allocated but "
+                        f"{need} are needed for {p + q} tokens"
                     )
-            if any(not 0 <= s < mgr.max_num_requests for s in slots):
-                raise StateError(f"draft state slots {slots} outside [0, {mgr.max_num_requests})")
+            slots = mgr.get_batch_state_slots(rids) if fill else []
         host_batch = None
         if swap_lengths:
             # A shallow snapshot of every attribute: `prepare` reassigns (never mutates) its host fields, and
@@ -297,7 +298,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             # Validates before writing anything; rewrites the per-sequence/per-token buffers in place (same
             # addresses). Row 0 keeps the target's state slots: the draft's live in their own buffer.
             AttentionMetadata.prepare(self, rids, past, ql, host_batch["state_slots"], nd)
-        if not shared and not capturing:
+        if fill:
             try:
                 self._fill_draft(tables, slots)
             except BaseException:
@@ -309,7 +310,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             self.state_slots_buf = self.draft_state_slots
             self.kv_cache_manager = mgr
             self.page_size = mgr.page_size
-        return DraftBinding(**{**saved.__dict__, "host_batch": host_batch, "shared": shared})
+        return replace(saved, host_batch=host_batch, shared=shared)
 
     def restore_after_draft_forward(self, saved: DraftBinding) -> None:
         """Rebind what `prepare_for_draft_forward` replaced (target table, state slots, manager, lengths).

@@ -101,6 +101,31 @@ class DecodeTailRing:
         self.snapshot[slot].zero_()
         self.saved_rows[slot].zero_()
 
+    def committed_ring(self, ring: torch.Tensor, slot: int, committed_len: int) -> torch.Tensor:
+        """The ring of ``slot`` as the next step will see it once a request has ``committed_len`` tokens.
+
+        After a verify step the live ring still holds the rejected rows: the rollback happens lazily at the
+        start of the next step. This returns what that rollback produces (inspection and tests; it syncs).
+
+        Args:
+            ring: ``[S, 2, 4, 128]`` the layer's live tail ring.
+            slot: the request's state slot.
+            committed_len: the request's committed length (the next step's first position).
+
+        Returns:
+            ``[2, 4, 128]`` a copy.
+        """
+        out = ring[slot].clone()
+        n = int(self.saved_count[slot])
+        if n == 0:
+            return out
+        p0 = int(self.saved_pos[slot])
+        a = min(max(committed_len - p0, 0), n)
+        out.copy_(self.snapshot[slot])
+        for i in range(a):
+            out[:, (p0 + i) % 4] = self.saved_rows[slot, i]
+        return out
+
     def on_prefill(self, state_slots: torch.Tensor | Sequence[int]) -> None:
         """Drop the backups of slots whose tail a prefill chunk writes (fresh, chunked, resumed prefill).
 
