@@ -231,3 +231,58 @@ def test_bad_speculative_configs(model) -> None:
         NGramDecodingConfig(max_draft_len=8)
     with pytest.raises(ValueError, match="draft_kv_mode"):
         MTPDecodingConfig(draft_kv_mode="both")
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -> None:
+    """Chained MTP rows are speculative: after drafting, the MTP plane's ring equals what the catch-up
+    (real pairs only) left, in both draft KV modes."""
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=4, draft_kv_mode=mode))
+    after_catch_up = {}
+    orig = ex._mtp_step
+    checked = []
+
+    def spy(reqs, past, q, nxt, prev, *, decode, _orig=orig, _ex=ex):
+        out = _orig(reqs, past, q, nxt, prev, decode=decode)
+        if not decode:
+            ring = _ex.draft_manager.tail_ring[_ex.mtp_plane]
+            after_catch_up.clear()
+            for r in reqs:
+                after_catch_up[r.request_id] = ring[_ex.draft_manager.get_state_slot(r.request_id)].clone()
+        return out
+
+    orig_draft = ex._mtp_draft
+
+    def draft_and_check(*a, _ex=ex, **k):
+        orig_draft(*a, **k)
+        ring = _ex.draft_manager.tail_ring[_ex.mtp_plane]
+        for rid, want in after_catch_up.items():
+            if _ex.draft_manager.has_request(rid):
+                assert torch.equal(ring[_ex.draft_manager.get_state_slot(rid)], want)
+                checked.append(len(_ex.state[rid].drafts))
+
+    monkeypatch.setattr(ex, "_mtp_step", spy)
+    monkeypatch.setattr(ex, "_mtp_draft", draft_and_check)
+    for p in prompts(3, 51):
+        ex.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+    ex.run_until_done()
+    assert max(checked) == 4  # chains of 3 speculative MTP rows really ran
+
+
+def test_stop_tokens_truncate_accepted_drafts(model) -> None:
+    ps = prompts(3, 61)
+    refs = reference(model, ps, max_tokens=30)
+    stops = [r.output_ids[7] for r in refs]
+    ex_ref = Executor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_seq_len=128))
+    want = [ex_ref.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s])) for p, s in zip(ps, stops)]
+    ex_ref.run_until_done()
+    cont = {i: r.output_ids for i, r in enumerate(refs)}
+    ex = SpeculativeExecutor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4,
+                                                   max_seq_len=128), NGramDecodingConfig(max_draft_len=7),
+                             drafter=OracleDrafter(cont))  # fmt: skip
+    got = [ex.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s])) for p, s in zip(ps, stops)]
+    ex.run_until_done()
+    for w, g in zip(want, got):
+        assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+        assert g.output_ids[-1] in stops

@@ -367,9 +367,8 @@ class SpeculativeExecutor(Executor):
         dm = self.draft_manager
         assert dm is not None
         rids = [r.request_id for r in reqs]
-        self.meta.prepare(
-            rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0,
-            state_slots=dm.get_batch_state_slots(rids),
-        )  # fmt: skip
+        # Target-domain description first; draft_replay then swaps slot table and state slots to the
+        # draft manager's own (a no-op in shared mode).
+        self.meta.prepare(rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0)
         with torch.inference_mode(), draft_replay(self.meta, dm if dm is not self.manager else None):
             return self.model.mtp_forward(next_tokens, prev_hidden, self.meta, dm, self.mtp_plane)
