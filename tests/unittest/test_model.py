@@ -185,3 +185,17 @@ def test_real_geometry_builds_on_meta() -> None:
     n = sum(p.numel() for p in m.parameters())
     assert n > 1e10  # hundreds of experts per MoE layer
     assert sum(1 for layer in m.model.layers if layer.is_sparse) == 11
+
+
+def test_bf16_model_keeps_fp32_router_and_gate_constants(tmp_path) -> None:
+    m = Glm5NextForCausalLM.from_pretrained("tiny", dtype="bfloat16")
+    params = dict(m.named_parameters())
+    assert params["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert params["model.layers.3.self_attn.indexer.weights_proj.weight"].dtype == torch.float32
+    assert params["model.layers.0.self_attn.A_log"].dtype == torch.float32
+    assert params["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
+    save_checkpoint(m.hf_state_dict(), m.config, tmp_path)
+    m2 = Glm5NextForCausalLM.from_pretrained(str(tmp_path), dtype="bfloat16")
+    p2 = dict(m2.named_parameters())
+    assert p2["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert all(torch.equal(params[k], p2[k]) for k in params)

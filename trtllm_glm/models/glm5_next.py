@@ -28,6 +28,22 @@ from ..modules.norm import RMSNorm
 __all__ = ["Glm5NextDecoderLayer", "Glm5NextMTPLayer", "Glm5NextModel", "Glm5NextForCausalLM", "resolve_dtype"]
 
 
+# Parameters kept in FP32 whatever the model dtype: router scores and bias (a bf16 bias reorders near-tied
+# experts), the KDA gate constants and the indexer's FP32 head weights and pooling bias (DESIGN §3).
+FP32_PARAM_SUFFIXES = (
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+    "self_attn.A_log",
+    "self_attn.dt_bias",
+    "indexer.ape",
+    "indexer.weights_proj.weight",
+)
+
+
+def is_fp32_param(name: str) -> bool:
+    return name.endswith(FP32_PARAM_SUFFIXES)
+
+
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
@@ -239,7 +255,16 @@ class Glm5NextForCausalLM(nn.Module):
         with torch.device("cpu"):
             m = cls(config)
         m.reset_parameters(seed)
-        return m.to(device=device, dtype=resolve_dtype(dtype)).eval()
+        m = m.to(device=device, dtype=resolve_dtype(dtype))
+        m.keep_fp32_params_()
+        return m.eval()
+
+    @torch.no_grad()
+    def keep_fp32_params_(self) -> None:
+        """Return the `FP32_PARAM_SUFFIXES` parameters to FP32 after a cast of the whole model."""
+        for name, p in self.named_parameters():
+            if is_fp32_param(name) and p.dtype != torch.float32:
+                p.data = p.data.float()
 
     @classmethod
     def from_pretrained(
@@ -304,10 +329,15 @@ class Glm5NextForCausalLM(nn.Module):
             t = hf_state[hf]
             if tuple(t.shape) != tuple(shapes[name].shape):
                 raise ValueError(f"{hf}: shape {tuple(t.shape)} != expected {tuple(shapes[name].shape)}")
-            local[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            if t.is_floating_point() and is_fp32_param(name):
+                t = t.float()
+            elif dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            local[name] = t
         self.to_empty(device=device)
         if dtype is not None:
             self.to(dtype)
+        self.keep_fp32_params_()
         self.load_state_dict(local, strict=not self.config.tie_word_embeddings)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
