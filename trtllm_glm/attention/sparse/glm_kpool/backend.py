@@ -25,6 +25,7 @@ _OP_NAMES = (
     "write_prefill_tail",
     "score_pools",
     "expand_selection",
+    "rotate_quant",
 )
 
 

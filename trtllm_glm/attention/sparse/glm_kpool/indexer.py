@@ -15,7 +15,7 @@ from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from .backend import kpool_ops
 from .metadata import GlmKpoolMetadata
-from .ops import indexer_head_weights, rotate_quant, select_topk_pools
+from .ops import indexer_head_weights, select_topk_pools
 
 __all__ = ["GlmKpoolIndexer"]
 
@@ -90,7 +90,7 @@ class GlmKpoolIndexer(nn.Module):
             ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
-        q8, qscale = rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
+        q8, qscale = ops.rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
         w = indexer_head_weights(F.linear(h.float(), self.weights_proj.weight.float()), qscale, self.n_heads)
         scores = ops.score_pools(
             q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools

@@ -34,6 +34,12 @@ __all__ = [
 ]
 
 
+def host_checks_allowed(t: torch.Tensor) -> bool:
+    """Whether validation that syncs with the host may run: not while a CUDA graph is being captured
+    (a sync would invalidate the capture; captured replays rely on the eager run's checks)."""
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def lookup_pages(
     positions: torch.Tensor,
     seq: torch.Tensor,
@@ -72,6 +78,12 @@ def lookup_pages(
             f"entry {i} (sequence {int(flat_seq[i])}, position {int(flat_pos[i])}, page size {page_size}): {what}"
         )
 
+    if not host_checks_allowed(slot_table):
+        # Under capture: no validation (it would sync); clamp so that nothing reads out of bounds.
+        seq_c = flat_seq.clamp(0, num_seqs - 1)
+        logical = (flat_pos.clamp(min=0) // page_size).clamp(max=width - 1)
+        pages = slot_table.to(torch.int64)[seq_c, logical].clamp(0, num_pages - 1)
+        return pages.reshape(positions.shape)
     if (flat_pos < 0).any():
         fail(flat_pos < 0, "negative position")
     bad_seq = (flat_seq < 0) | (flat_seq >= num_seqs)

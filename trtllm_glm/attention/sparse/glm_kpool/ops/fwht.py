@@ -71,5 +71,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         a, b = pairs[:, :, 0, :], pairs[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2).reshape(-1, n)
         h *= 2
-    norm = torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32, device=y.device)
+    # The fp32-rounded 1/sqrt(n) as a Python scalar: applied in fp32 (same bits as an fp32 tensor constant)
+    # without a host-to-device copy, so the op can be captured in a CUDA graph.
+    norm = float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
     return (y * norm).reshape(*lead, n)

@@ -6,7 +6,7 @@ import torch
 
 from trtllm_glm.errors import TableWidthError
 
-from .cache_update import lookup_pages
+from .cache_update import host_checks_allowed, lookup_pages
 from .pooling import KPOOL
 
 __all__ = [
@@ -40,8 +40,11 @@ def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor, n_h
     Returns:
         ``[N, H]`` fp32 head weights.
     """
-    c = torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32, device=weights_logits.device)
-    return (weights_logits.to(torch.float32) * qscale.to(torch.float32)) * c
+    # A Python scalar is applied in the tensor's fp32 (same bits as an fp32 constant tensor) and needs no
+    # host-to-device copy, so the op can be captured.
+    return (weights_logits.to(torch.float32) * qscale.to(torch.float32)) * float(
+        torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32)
+    )
 
 
 def score_pools(
@@ -85,7 +88,7 @@ def score_pools(
         raise ValueError(f"expected q8 [N, H, {_INDEX_DIM}] and w [N, H], got {tuple(q8.shape)}, {tuple(w.shape)}")
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
     n_c = _complete_pools(positions)
-    if n_rows and int(n_c.max()) > max_pools:
+    if n_rows and host_checks_allowed(q8) and int(n_c.max()) > max_pools:
         raise ValueError(f"a row sees {int(n_c.max())} complete pools but max_pools is {max_pools}")
     device = q8.device
     out = torch.full((n_rows, max_pools), float("-inf"), dtype=torch.float32, device=device)
@@ -132,7 +135,7 @@ def select_topk_pools(scores: torch.Tensor, positions: torch.Tensor, topk_pools:
     n_rows, max_pools = scores.shape
     device = scores.device
     n_c = _complete_pools(positions)
-    if n_rows and int(n_c.max()) > max_pools:
+    if n_rows and host_checks_allowed(scores) and int(n_c.max()) > max_pools:
         raise ValueError(f"a row sees {int(n_c.max())} complete pools but scores have {max_pools} columns")
     valid = torch.arange(max_pools, device=device)[None, :] < n_c[:, None]
     masked = torch.where(valid, scores.to(torch.float32), float("-inf"))

@@ -50,8 +50,9 @@ def sparse_mla_attention(
     tok = sel.to(torch.int64)
     valid = tok >= 0
     seq = row_seq.to(torch.int64)[:, None].expand_as(tok)
-    pages = torch.zeros_like(tok)
-    pages[valid] = lookup_pages(tok[valid], seq[valid], slot_table, page_size, latent_cache.shape[0])
+    # Every entry is looked up (skipped ones at position 0, which every live sequence has): no
+    # data-dependent shapes, so the op can be captured in a CUDA graph.
+    pages = torch.where(valid, lookup_pages(tok.clamp(min=0), seq, slot_table, page_size, latent_cache.shape[0]), 0)
     c = latent_cache[pages, tok.clamp(min=0) % page_size].to(torch.float32)  # [N, W, R]
     # Skipped entries gathered a placeholder row that may hold anything (even NaN); zero it so that it
     # cannot leak through 0 * NaN.
