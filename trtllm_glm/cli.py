@@ -31,8 +31,26 @@ def _progress_printer(total: int, stream=sys.stderr):
     return show, close
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
+def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_config: object | None):
+    """The `LLM` the ``generate`` arguments describe (also the non-speculative reference of
+    ``--check-lossless``, which must differ from the run under test only in speculation and batch)."""
     from .runtime.llm import LLM, KvCacheConfig
+
+    return LLM(
+        args.model or args.preset,
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
+        max_batch_size=max_batch_size,
+        max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.max_seq_len,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        prefill_chunk_size=args.prefill_chunk_size,
+        speculative_config=speculative_config,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
     from .runtime.sampling import SamplingParams
 
     model = args.model or args.preset
@@ -44,18 +62,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             spec = MTPDecodingConfig(num_nextn_predict_layers=args.draft_len, draft_kv_mode=args.draft_kv_mode)
         else:
             spec = NGramDecodingConfig(max_draft_len=args.draft_len)
-    llm = LLM(
-        model,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
-        max_batch_size=max(1, len(args.prompt)),
-        max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.max_seq_len,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        prefill_chunk_size=args.prefill_chunk_size,
-        speculative_config=spec,
-    )
+    llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
     sp = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -94,22 +101,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
     """Re-run without speculation and compare greedy tokens under the near-tie rule."""
-    from .runtime.llm import LLM, KvCacheConfig
     from .runtime.lossless import compare_greedy
 
     if not sp.greedy:
         print("trtllm-glm: --check-lossless needs greedy sampling (temperature 0)", file=sys.stderr)
         return 2
-    ref_llm = LLM(
-        args.model or args.preset,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
-        max_batch_size=1,
-        max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.max_seq_len,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-    )
+    ref_llm = _make_llm(args, max_batch_size=1, speculative_config=None)
     bad = 0
     for i, (prompt, o) in enumerate(zip(args.prompt, outs)):
         ref = ref_llm.generate(prompt, sp)
