@@ -264,8 +264,14 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``[N, D]``.
         """
+        return self._output(hidden, self._forward_o(hidden, batch, state, self._inputs(hidden)))
+
+    def _forward_o(
+        self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple
+    ) -> torch.Tensor:
+        """`forward` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
-        x, g, beta = self._inputs(hidden)
+        x, g, beta = inputs
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
@@ -276,7 +282,7 @@ class KimiDeltaAttention(nn.Module):
             self._decode(x, g, beta, o, batch, dec, state, weight)
         if pre:
             self._prefill(x, g, beta, o, batch, pre, state, weight)
-        return self._output(hidden, o)
+        return o
 
     def _decode(
         self,
@@ -348,8 +354,15 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``(out [N, D], records)``; pass the records to `commit` once acceptance is known.
         """
+        o, records = self._verify_o(hidden, batch, state, self._inputs(hidden))
+        return self._output(hidden, o), records
+
+    def _verify_o(
+        self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple
+    ) -> tuple[torch.Tensor, KdaLayerRecords]:
+        """`forward_verify` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
-        x, g, beta = self._inputs(hidden)
+        x, g, beta = inputs
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
         widths = [batch.q_lens[b] for b in seqs]
@@ -383,7 +396,7 @@ class KimiDeltaAttention(nn.Module):
             kda=rec,
             num_seqs=batch.num_seqs,
         )
-        return self._output(hidden, o), records
+        return o, records
 
     @torch.no_grad()
     def commit(
@@ -443,15 +456,17 @@ class KimiDeltaAttention(nn.Module):
         verify = set(verify_seqs)
         if not verify:
             return self.forward(hidden, batch, state), None
-        out_v, records = self.forward_verify(hidden, _only(batch, verify), state)
+        # Projections and the output gate/norm/projection run once for all rows; only the mixers differ.
+        inputs = self._inputs(hidden)
+        o, records = self._verify_o(hidden, _only(batch, verify), state, inputs)
         rest = set(range(batch.num_seqs)) - verify
-        if not rest:
-            return out_v, records
-        out_o = self.forward(hidden, _only(batch, rest), state)
-        is_v = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
-        for b in verify:
-            is_v[batch.cu_seqlens[b] : batch.cu_seqlens[b] + batch.q_lens[b]] = True
-        return torch.where(is_v.unsqueeze(-1), out_v, out_o), records
+        if rest:
+            o_rest = self._forward_o(hidden, _only(batch, rest), state, inputs)
+            is_v = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+            for b in verify:
+                is_v[batch.cu_seqlens[b] : batch.cu_seqlens[b] + batch.q_lens[b]] = True
+            o = torch.where(is_v[:, None, None], o, o_rest)
+        return self._output(hidden, o), records
 
 
 def _only(batch: KdaBatchLike, keep: set[int]) -> KdaBatch:
