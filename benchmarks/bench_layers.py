@@ -20,6 +20,7 @@ from trtllm_glm.attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.kda.batch import KdaBatch
 from trtllm_glm.kda.layer import KimiDeltaAttention
 
 
@@ -122,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     kda = kda.to(device=dev, dtype=torch.bfloat16)
     kda.A_log.data = kda.A_log.data.float()
     kda.dt_bias.data = kda.dt_bias.data.float()
-    kmeta = GlmKpoolMetadata(kv_cache_manager=kmgr, max_num_seqs=B, max_num_tokens=B, max_pages_per_seq=1,
-                             select_width=cfg.index_select_width, device=dev)  # fmt: skip
     for r in range(B):
         kmgr.add_request(r)
     kmgr.kda_recurrent.normal_()
-    kmeta.prepare(list(range(B)), past_lens=[T] * B, q_lens=[1] * B, num_decode_seqs=B)
+    kmeta = KdaBatch.build(
+        q_lens=[1] * B, past_lens=[T] * B, state_slots=kmgr.get_batch_state_slots(range(B)), device=dev
+    )
     state = kmgr.kda_layer_state(0)
     state_bytes = 2 * B * cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4  # read + write FP32 state
     kmoved = _param_bytes(kda) + state_bytes
