@@ -45,7 +45,7 @@ def test_schedule_and_parameters(model) -> None:
     L = model.config.num_hidden_layers
     assert f"model.layers.{L}.eh_proj.weight" in names and f"model.layers.{L}.shared_head.norm.weight" in names
     assert "model.layers.3.self_attn.indexer.wk.weight" in names
-    assert "model.layers.0.self_attn.A_log" in names or any(k.startswith("model.layers.0.self_attn.") for k in names)
+    assert "model.layers.0.self_attn.A_log" in names and "model.layers.1.mlp.gate.e_score_correction_bias" in names
 
 
 @pytest.mark.parametrize("chunks", [[1], [3], [4, 5], [17], [7, 1, 13]])

@@ -238,11 +238,11 @@ class Glm5NextForCausalLM(nn.Module):
                 p.fill_(1.0)
         emb = torch.empty(self.model.embed_tokens.weight.shape).normal_(0.0, 1.0, generator=g)
         self.model.embed_tokens.weight.copy_(emb)
-        for m in self.modules():
-            if m is self:
-                continue
-            if hasattr(m, "reset_parameters") and not isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm)):
-                m.reset_parameters(g, std)  # type: ignore[call-arg]
+        # Each block's mixer and FFN initialise their own subtree once, in layer order.
+        blocks = list(self.model.layers) + ([self.mtp.block] if self.mtp is not None else [])
+        for block in blocks:
+            block.self_attn.reset_parameters(g, std)
+            block.mlp.reset_parameters(g, std)
         init_linear_(self.lm_head, g, std)
         if self.mtp is not None:
             init_linear_(self.mtp.eh_proj, g, std)
