@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CapacityError", "TableWidthError", "StateError"]
+__all__ = ["CapacityError", "TableWidthError", "StateError", "CheckpointError"]
 
 
 class CapacityError(RuntimeError):
@@ -15,3 +15,8 @@ class TableWidthError(ValueError):
 
 class StateError(RuntimeError):
     """Per-request state is inconsistent (unknown request, double allocation, bad restore)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be loaded as the config describes it (missing, unexpected, misshapen
+    or non-finite tensors, unreadable files, not enough memory); the message names the file or tensor."""

@@ -275,13 +275,18 @@ def test_stop_tokens_truncate_accepted_drafts(model) -> None:
     refs = reference(model, ps, max_tokens=30)
     stops = [r.output_ids[7] for r in refs]
     ex_ref = Executor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_seq_len=128))
-    want = [ex_ref.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s])) for p, s in zip(ps, stops)]
+    want = [
+        ex_ref.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s], ignore_eos=True))
+        for p, s in zip(ps, stops)
+    ]
     ex_ref.run_until_done()
     cont = {i: r.output_ids for i, r in enumerate(refs)}
     ex = SpeculativeExecutor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4,
                                                    max_seq_len=128), NGramDecodingConfig(max_draft_len=7),
                              drafter=OracleDrafter(cont))  # fmt: skip
-    got = [ex.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s])) for p, s in zip(ps, stops)]
+    got = [
+        ex.add_request(p, SamplingParams(max_tokens=30, stop_token_ids=[s], ignore_eos=True)) for p, s in zip(ps, stops)
+    ]
     ex.run_until_done()
     for w, g in zip(want, got):
         assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason

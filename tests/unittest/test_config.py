@@ -30,13 +30,67 @@ def test_tiny_preset_same_structure() -> None:
     assert c.index_topk <= 32
 
 
-def test_roundtrip_and_linear_attn_config(tmp_path) -> None:
+def test_roundtrip_real_layout(tmp_path) -> None:
     c = Glm5NextConfig.from_pretrained("tiny")
     c.save(tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())
-    assert d["linear_attn_config"]["num_heads"] == c.kda_num_heads
+    assert d["model_type"] == "glm5_next" and d["text_config"]["model_type"] == "glm5_next_text"
+    assert d["text_config"]["linear_num_heads"] == c.kda_num_heads
+    assert d["text_config"]["layer_types"][3] == "indexed_attention"
     c2 = Glm5NextConfig.from_pretrained(str(tmp_path))
     assert c2.to_dict() == c.to_dict()
+
+
+def test_linear_attn_config_alias() -> None:
+    c = Glm5NextConfig.from_dict({"num_hidden_layers": 4, "linear_attn_config": {"num_heads": 8, "head_dim": 64}})
+    assert (c.kda_num_heads, c.kda_head_dim, c.kda_gate_low_rank) == (8, 64, 64)
+
+
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"hc_mult_typo": 4}, "hc_mult_typo"),
+        ({"index_kpool_always_select_tail": False}, "index_kpool_always_select_tail"),
+        ({"indexer_types": ["shared", "full", "full", "full"], "num_hidden_layers": 4,
+          "layer_types": ["indexed_attention", "linear_attention", "linear_attention", "indexed_attention"]},
+         r"indexer_types\[0\]"),
+        ({"mlp_layer_types": ["dense", "bogus"], "num_hidden_layers": 2}, r"mlp_layer_types\[1\]"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"linear_attn_config": {"mystery": 1}}, "linear_attn_config.mystery"),
+    ],
+)  # fmt: skip
+def test_unknown_or_unsupported_keys_raise(patch, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        Glm5NextConfig.from_dict(patch)
+
+
+def test_vl_layout_top_level_is_strict() -> None:
+    with pytest.raises(ConfigError, match="surprise"):
+        Glm5NextConfig.from_dict({"model_type": "glm5_next", "text_config": {"num_hidden_layers": 4}, "surprise": 1})
+    with pytest.raises(ConfigError, match="quant_method"):
+        Glm5NextConfig.from_dict(
+            {"text_config": {"num_hidden_layers": 4}, "quantization_config": {"quant_method": "awq"}}
+        )
+    c = Glm5NextConfig.from_dict(
+        {
+            "model_type": "glm5_next",
+            "text_config": {"num_hidden_layers": 4, "model_type": "glm5_next_text"},
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                    "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head"]},
+            "vision_config": {"depth": 1},
+            "image_token_id": 5,
+        }
+    )  # fmt: skip
+    assert c.quantization is not None and c.quantization.modules_to_not_convert == ["lm_head"]
+    d = c.to_dict()
+    assert d["quantization_config"]["quant_method"] == "fp8" and d["vision_config"] == {"depth": 1}
+
+
+def test_file_where_directory_expected(tmp_path) -> None:
+    f = tmp_path / "weights.bin"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        Glm5NextConfig.from_pretrained(str(f))
 
 
 def test_layer_types_listed_in_file() -> None:

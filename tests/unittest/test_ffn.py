@@ -16,7 +16,9 @@ pytestmark = pytest.mark.cpu_only
 
 def _cfg(**kw) -> Glm5NextConfig:
     base = Glm5NextConfig.from_pretrained("tiny")
-    d = base.to_dict()
+    d = base.text_dict()
+    if "first_k_dense_replace" in kw:
+        d.pop("mlp_layer_types")
     d.update(
         hidden_size=32,
         moe_intermediate_size=16,
@@ -197,7 +199,7 @@ def test_make_ffn_dense_then_moe() -> None:
     assert kinds[3:] == [MoE] * (cfg.num_hidden_layers + 1 - 3)
     dense = make_ffn(cfg, 0)
     assert dense.intermediate_size == cfg.intermediate_size
-    assert make_ffn(dataclasses.replace(cfg, first_k_dense_replace=0), 0).__class__ is MoE
+    assert make_ffn(dataclasses.replace(cfg, mlp_layer_types=None, first_k_dense_replace=0), 0).__class__ is MoE
 
 
 def test_silu_matches_reference_formula() -> None:

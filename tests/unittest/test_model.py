@@ -43,9 +43,14 @@ def test_schedule_and_parameters(model) -> None:
     assert kinds == model.config.layer_types
     names = dict(model.hf_state_dict())
     L = model.config.num_hidden_layers
-    assert f"model.layers.{L}.eh_proj.weight" in names and f"model.layers.{L}.shared_head.norm.weight" in names
-    assert "model.layers.3.self_attn.indexer.wk.weight" in names
-    assert "model.layers.0.self_attn.A_log" in names and "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    pre = "model.language_model."
+    assert f"{pre}layers.{L}.eh_proj.weight" in names and f"{pre}layers.{L}.shared_head.norm.weight" in names
+    assert f"{pre}layers.3.self_attn.indexer.wk.weight" in names
+    assert f"{pre}layers.0.self_attn.A_log" in names and f"{pre}layers.1.mlp.gate.e_score_correction_bias" in names
+    assert f"{pre}layers.0.hc_attn_fn" in names and f"{pre}layers.7.hc_ffn_scale" in names
+    assert f"{pre}layers.3.self_attn.indexer.index_kpool_compress_gate" in names
+    assert not any(k.startswith(f"{pre}layers.{L}.hc_") for k in names)  # the MTP block has no mHC
+    assert "lm_head.weight" in names
 
 
 @pytest.mark.parametrize("chunks", [[1], [3], [4, 5], [17], [7, 1, 13]])
@@ -172,9 +177,9 @@ def test_block_fp8_checkpoint_dequantised_on_load(model, tmp_path) -> None:
 
 def test_load_errors(model, tmp_path) -> None:
     sd = model.hf_state_dict()
-    sd.pop("model.norm.weight")
+    sd.pop("model.language_model.norm.weight")
     save_checkpoint(sd, model.config, tmp_path)
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="missing tensor 'model.language_model.norm.weight'"):
         Glm5NextForCausalLM.from_pretrained(str(tmp_path))
 
 

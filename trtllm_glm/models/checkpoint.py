@@ -6,14 +6,20 @@ Layout written and read:
 * either ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` plus
   ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``.
 
+Tensor names: the real GLM-5.3-Flash checkpoint keeps the text model under ``model.language_model.``
+(``lm_head.weight`` at the top) and vision weights under ``model.visual.``; the loader maps the text names
+to the canonical ``model.*`` names this package uses internally (`canonical_name`), skips the vision
+weights (saying so once), and also reads flat text-only checkpoints whose names are already canonical.
+
 Block-FP8 checkpoints (DeepSeek-V3 style) store a weight ``W [out, in]`` as ``float8_e4m3fn`` next to
 ``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader multiplies each 128 x 128 block by its
-scale and drops the ``_scale_inv`` keys.
+scale and drops the ``_scale_inv`` keys. Every loaded tensor must be finite.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -24,6 +30,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import Glm5NextConfig
+from ..errors import CheckpointError
+
+logger = logging.getLogger("trtllm_glm")
 
 __all__ = [
     "SINGLE_FILE",
@@ -33,7 +42,13 @@ __all__ = [
     "load_state_dict",
     "quantize_block_fp8",
     "dequantize_block_fp8",
+    "canonical_name",
+    "TEXT_PREFIX",
 ]
+
+TEXT_PREFIX = "model.language_model."
+"""Where the real (VL) checkpoint stores the text model's tensors."""
+_VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "visual.", "vision_tower.")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -42,6 +57,18 @@ FP8_MAX = 448.0
 """Largest finite float8_e4m3fn magnitude; a block's scale maps its absmax onto it."""
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def canonical_name(name: str) -> str | None:
+    """The internal name of a checkpoint tensor (``model.language_model.X`` -> ``model.X``), or ``None``
+    for a vision tensor (not part of the text model this package runs)."""
+    if name.startswith(TEXT_PREFIX):
+        return "model." + name[len(TEXT_PREFIX) :]
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    return name
+
+
 _OWN_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
@@ -212,16 +239,19 @@ def _weight_map(directory: str) -> dict[str, str]:
             with open(index_path, encoding="utf-8") as f:
                 index = json.load(f)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{index_path}: not valid JSON ({e})") from e
+            raise CheckpointError(f"{index_path}: not valid JSON ({e})") from e
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict):
-            raise ValueError(f"{index_path}: missing a 'weight_map' object")
+            raise CheckpointError(f"{index_path}: missing a 'weight_map' object")
         return {str(k): str(v) for k, v in wm.items()}
     single = os.path.join(directory, SINGLE_FILE)
     if os.path.exists(single):
-        with safe_open(single, framework="pt", device="cpu") as f:
-            return dict.fromkeys(f.keys(), SINGLE_FILE)
-    raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} and no {INDEX_FILE}")
+        try:
+            with safe_open(single, framework="pt", device="cpu") as f:
+                return dict.fromkeys(f.keys(), SINGLE_FILE)
+        except Exception as e:  # a truncated or foreign file
+            raise CheckpointError(f"{single}: cannot read safetensors header ({e})") from e
+    raise CheckpointError(f"{directory}: no {SINGLE_FILE} and no {INDEX_FILE}")
 
 
 def _wanted(name: str, layers: set[int] | None, num_layers: int, include_mtp: bool) -> bool:
@@ -265,30 +295,51 @@ def load_state_dict(
     """
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+        what = "is a file, not a directory" if os.path.exists(directory) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {directory!r} {what}")
     cfg_path = os.path.join(directory, "config.json")
     if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{directory}: no config.json")
+        raise CheckpointError(f"{directory}: no config.json")
     config = Glm5NextConfig.from_json_file(cfg_path)
+    block = config.quantization.weight_block_size[0] if config.quantization is not None else 128
     layer_set = None if layers is None else {int(i) for i in layers}
 
     wmap = _weight_map(directory)
-    names = [k for k in wmap if _wanted(k, layer_set, config.num_hidden_layers, include_mtp)]
+    canon: dict[str, str] = {}  # canonical -> stored
+    skipped = 0
+    for k in wmap:
+        c = canonical_name(k)
+        if c is None:
+            skipped += 1
+            continue
+        if c in canon:
+            raise CheckpointError(f"{directory}: tensor {c!r} is stored twice (as {canon[c]!r} and {k!r})")
+        canon[c] = k
+    if skipped:
+        logger.info(
+            "%s: skipping %d vision tensors (model.visual.*): only the text model is served", directory, skipped
+        )
+    names = [k for k in canon if _wanted(k, layer_set, config.num_hidden_layers, include_mtp)]
     by_file: dict[str, list[str]] = {}
     for k in names:
-        by_file.setdefault(wmap[k], []).append(k)
+        by_file.setdefault(wmap[canon[k]], []).append(k)
 
     raw: dict[str, torch.Tensor] = {}
     for fname, keys in by_file.items():
         path = os.path.join(directory, fname)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{path}: shard missing (it holds {keys[0]!r} and {len(keys) - 1} more)")
-        with safe_open(path, framework="pt", device="cpu") as f:
-            present = set(f.keys())
-            for k in keys:
-                if k not in present:
-                    raise KeyError(f"{k!r}: listed in {INDEX_FILE} under {fname} but not stored there")
-                raw[k] = f.get_tensor(k)
+            raise CheckpointError(f"{path}: shard missing (it holds {canon[keys[0]]!r} and {len(keys) - 1} more)")
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for k in keys:
+                    if canon[k] not in present:
+                        raise CheckpointError(f"{path}: {canon[k]!r} is listed in {INDEX_FILE} but not stored there")
+                    raw[k] = f.get_tensor(canon[k])
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from e
 
     out: dict[str, torch.Tensor] = {}
     for k in names:
@@ -296,15 +347,20 @@ def load_state_dict(
             base = raw.get(k[: -len(SCALE_SUFFIX)])
             if base is not None and base.dtype == torch.float8_e4m3fn:
                 continue  # consumed by its weight below
+            raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]!r} has no FP8 weight to scale")
         t = raw[k]
         scale_key = k + SCALE_SUFFIX
-        if t.dtype == torch.float8_e4m3fn and scale_key in raw:
+        if t.dtype == torch.float8_e4m3fn:
+            if scale_key not in raw:
+                raise CheckpointError(f"{wmap[canon[k]]}: FP8 tensor {canon[k]!r} has no {SCALE_SUFFIX} partner")
             try:
-                t = dequantize_block_fp8(t.to(device), raw[scale_key])
+                t = dequantize_block_fp8(t.to(device), raw[scale_key], block)
             except ValueError as e:
-                raise ValueError(f"{k}: {e}") from e
+                raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]}: {e}") from e
         else:
             t = t.to(device)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{wmap[canon[k]]}: tensor {canon[k]!r} holds non-finite values")
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
         out[k] = t

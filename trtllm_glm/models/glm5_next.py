@@ -10,6 +10,7 @@ Weight names follow the HF layout of GLM-5.3-Flash checkpoints (``model.embed_to
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Iterable
 
@@ -20,23 +21,33 @@ from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..config import LAYER_SPARSE_MLA, Glm5NextConfig
+from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import make_ffn
 from ..modules.init import init_linear_
+from ..modules.mhc import mhc_collapse, mhc_expand, mhc_weights
 from ..modules.norm import RMSNorm
 
 __all__ = ["Glm5NextDecoderLayer", "Glm5NextMTPLayer", "Glm5NextModel", "Glm5NextForCausalLM", "resolve_dtype"]
 
 
 # Parameters kept in FP32 whatever the model dtype: router scores and bias (a bf16 bias reorders near-tied
-# experts), the KDA gate constants and the indexer's FP32 head weights and pooling bias (DESIGN §3).
+# experts), the KDA gate constants and conv taps (the reference keeps these in FP32 too), the indexer's
+# FP32 head weights and pooling bias (DESIGN §3), and the mHC mixing weights (computed in FP32).
 FP32_PARAM_SUFFIXES = (
     "mlp.gate.weight",
     "mlp.gate.e_score_correction_bias",
     "self_attn.A_log",
     "self_attn.dt_bias",
-    "indexer.ape",
+    "conv1d.weight",
+    "indexer.index_kpool_compress_ape",
     "indexer.weights_proj.weight",
+    "hc_attn_fn",
+    "hc_attn_base",
+    "hc_attn_scale",
+    "hc_ffn_fn",
+    "hc_ffn_base",
+    "hc_ffn_scale",
 )
 
 
@@ -55,32 +66,92 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 class Glm5NextDecoderLayer(nn.Module):
-    """Pre-norm decoder block: KDA or sparse MLA, then a dense or MoE FFN.
+    """Decoder block: KDA or sparse MLA, then a dense or MoE FFN, each wrapped in mHC (trunk layers) or
+    in a plain pre-norm residual (the MTP block, ``use_mhc=False``).
+
+    Trunk layers map residual streams ``[N, hc_mult, D] -> [N, hc_mult, D]`` (`modules.mhc`): for each
+    of attention and FFN, the streams collapse through ``pre`` into the block input, the block output
+    expands through ``post`` and adds to the ``comb``-mixed input streams. mHC weights use the checkpoint
+    names ``hc_attn_{fn,base,scale}`` and ``hc_ffn_{fn,base,scale}`` and stay in FP32.
 
     Args:
         config: geometry.
-        layer_idx: index in the schedule (picks dense vs MoE FFN).
+        layer_idx: index in the schedule (picks dense vs MoE FFN and the indexer mode).
         kind: ``"kda"`` or ``"sparse_mla"``.
         cache_idx: the layer's index among its kind (KDA state plane or sparse cache plane).
+        use_mhc: wrap the blocks in mHC (trunk) or a plain residual (MTP).
     """
 
-    def __init__(self, config: Glm5NextConfig, layer_idx: int, kind: str, cache_idx: int) -> None:
+    def __init__(
+        self, config: Glm5NextConfig, layer_idx: int, kind: str, cache_idx: int, *, use_mhc: bool = True
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.kind = kind
         self.cache_idx = cache_idx
+        self.use_mhc = use_mhc
+        self.hc_mult = config.hc_mult
+        self.norm_eps = config.rms_norm_eps
+        self.hc_eps = config.hc_eps
+        self.hc_iters = config.hc_sinkhorn_iters
         D = config.hidden_size
         self.input_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
         if kind == LAYER_SPARSE_MLA:
-            self.self_attn: nn.Module = GlmKpoolSparseMLA(config)
+            self.self_attn: nn.Module = GlmKpoolSparseMLA(config, shared_indexer=config.shares_indexer(layer_idx))
         else:
             self.self_attn = KimiDeltaAttention(config, cache_idx)
         self.post_attention_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.mlp = make_ffn(config, layer_idx)
+        if use_mhc:
+            S = config.hc_mult
+            mix = (2 + S) * S
+            for blk in ("attn", "ffn"):
+                self.register_parameter(f"hc_{blk}_fn", nn.Parameter(torch.zeros(mix, S * D)))
+                self.register_parameter(f"hc_{blk}_base", nn.Parameter(torch.zeros(mix)))
+                self.register_parameter(f"hc_{blk}_scale", nn.Parameter(torch.ones(3)))
 
     @property
     def is_sparse(self) -> bool:
         return self.kind == LAYER_SPARSE_MLA
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator, std: float) -> None:
+        """Seeded init of the mixer, the FFN, then (trunk) the mHC weights: ``fn ~ N(0, std)``, ``base ~
+        N(0, 0.5)``, ``scale ~ 1 + N(0, 0.25)`` so that pre, post and comb all vary by token and stream."""
+        self.self_attn.reset_parameters(generator, std)
+        self.mlp.reset_parameters(generator, std)
+        if self.use_mhc:
+            stds = {"fn": std, "base": 0.5, "scale": 0.25}
+            for blk in ("attn", "ffn"):
+                for part, s in stds.items():
+                    p = getattr(self, f"hc_{blk}_{part}")
+                    t = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=generator)
+                    p.copy_(t + 1.0 if part == "scale" else t)
+
+    def _attn(
+        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None
+    ) -> torch.Tensor:
+        x = self.input_layernorm(x)
+        if self.is_sparse:
+            idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
+            return self.self_attn(x, meta, manager.kpool_layer_cache(idx))
+        if meta.verify_seqs:
+            a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), meta.verify_seqs)
+            meta.kda_records[self.cache_idx] = rec
+            return a
+        return self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
+
+    def _mhc(self, blk: str, streams: torch.Tensor, fn) -> torch.Tensor:
+        pre, post, comb = mhc_weights(
+            streams,
+            getattr(self, f"hc_{blk}_fn"),
+            getattr(self, f"hc_{blk}_base"),
+            getattr(self, f"hc_{blk}_scale"),
+            norm_eps=self.norm_eps,
+            hc_eps=self.hc_eps,
+            sinkhorn_iters=self.hc_iters,
+        )
+        return mhc_expand(streams, fn(mhc_collapse(streams, pre)), post, comb)
 
     def forward(
         self,
@@ -89,22 +160,19 @@ class Glm5NextDecoderLayer(nn.Module):
         manager: Glm5NextCacheManager,
         sparse_cache_idx: int | None = None,
     ) -> torch.Tensor:
-        """``[N, D] -> [N, D]``; ``sparse_cache_idx`` overrides the sparse plane (the MTP layer's)."""
-        x = self.input_layernorm(h)
-        if self.is_sparse:
-            idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
-            a = self.self_attn(x, meta, manager.kpool_layer_cache(idx))
-        elif meta.verify_seqs:
-            a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), meta.verify_seqs)
-            meta.kda_records[self.cache_idx] = rec
-        else:
-            a = self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """Trunk: streams ``[N, S, D] -> [N, S, D]``; MTP block: ``[N, D] -> [N, D]``.
+
+        ``sparse_cache_idx`` overrides the sparse plane (the MTP layer's).
+        """
+        if not self.use_mhc:
+            h = h + self._attn(h, meta, manager, sparse_cache_idx)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = self._mhc("attn", h, lambda x: self._attn(x, meta, manager, sparse_cache_idx))
+        return self._mhc("ffn", h, lambda x: self.mlp(self.post_attention_layernorm(x)))
 
 
 class Glm5NextModel(nn.Module):
-    """Embedding, the layer schedule, the final norm."""
+    """Embedding, the layer schedule over ``hc_mult`` residual streams, the stream mean and the final norm."""
 
     def __init__(self, config: Glm5NextConfig) -> None:
         super().__init__()
@@ -123,11 +191,12 @@ class Glm5NextModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
-        """``input_ids [N]`` -> final-normed hidden ``[N, D]``."""
-        h = self.embed_tokens(input_ids)
+        """``input_ids [N]`` -> final-normed hidden ``[N, D]`` (``norm(mean over streams)``)."""
+        e = self.embed_tokens(input_ids)
+        h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             h = layer(h, meta, manager)
-        return self.norm(h)
+        return self.norm(h.mean(dim=1))
 
 
 class Glm5NextMTPLayer(nn.Module):
@@ -145,7 +214,7 @@ class Glm5NextMTPLayer(nn.Module):
         self.enorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
-        self.block = Glm5NextDecoderLayer(config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0)
+        self.block = Glm5NextDecoderLayer(config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0, use_mhc=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, eps=config.rms_norm_eps)
 
@@ -241,8 +310,7 @@ class Glm5NextForCausalLM(nn.Module):
         # Each block's mixer and FFN initialise their own subtree once, in layer order.
         blocks = list(self.model.layers) + ([self.mtp.block] if self.mtp is not None else [])
         for block in blocks:
-            block.self_attn.reset_parameters(g, std)
-            block.mlp.reset_parameters(g, std)
+            block.reset_parameters(g, std)
         init_linear_(self.lm_head, g, std)
         if self.mtp is not None:
             init_linear_(self.mtp.eh_proj, g, std)
@@ -276,7 +344,10 @@ class Glm5NextForCausalLM(nn.Module):
         device: str = "cpu",
         seed: int = 0,
     ) -> Glm5NextForCausalLM:
-        """A preset name (seeded random weights) or a checkpoint directory (HF layout).
+        """A preset name (seeded random weights) or a checkpoint directory (real VL layout or flat).
+
+        The parameter memory is estimated from the config before anything is allocated or read, and a
+        model that cannot fit in the device's free memory is refused with the estimate.
 
         Args:
             model: ``"tiny"``, ``"glm-5.3-flash"`` or a directory with ``config.json`` and safetensors.
@@ -284,51 +355,105 @@ class Glm5NextForCausalLM(nn.Module):
             dtype: parameter dtype; defaults to the config's ``torch_dtype``.
             device: parameter device.
             seed: seed for presets.
+
+        Raises:
+            ConfigError: unknown preset, bad or unknown config keys.
+            CheckpointError: missing / unexpected / misshapen / non-finite tensors, unreadable files,
+                not enough memory.
         """
         config = Glm5NextConfig.from_pretrained(model)
         keep = list(layers) if layers is not None else None
         sub = subset_config(config, keep) if keep is not None else config
         dt = resolve_dtype(dtype if dtype is not None else config.torch_dtype)
+        with torch.device("meta"):
+            m = cls(sub)
+        check_memory(m.param_bytes(dt), device, what=f"the parameters of {model!s}")
         if not os.path.isdir(str(model)):
             return cls.from_config(sub, seed=seed, dtype=dt, device=device)
         from .checkpoint import load_state_dict
 
-        sd = load_state_dict(model, layers=keep, dtype=dt)
+        sd = load_state_dict(model, layers=keep)
         if keep is not None:
             sd = remap_layer_keys(sd, keep, config.num_hidden_layers)
-        with torch.device("meta"):
-            m = cls(sub)
-        m.load_weights(sd, device=device, dtype=dt)
+        m.load_weights(sd, device=device, dtype=dt, source=str(model))
         return m.eval()
 
+    def param_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes the parameters take in ``dtype`` (FP32-kept parameters counted at 4 bytes)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        seen: set[int] = set()
+        total = 0
+        for name, p in self.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel() * (4 if is_fp32_param(name) else size)
+        return total
+
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters under HF checkpoint names (the MTP block flattened into ``model.layers.{L}``)."""
+        """Parameters under the real checkpoint's names: the text model under ``model.language_model.``,
+        the MTP block flattened into ``model.language_model.layers.{L}``, ``lm_head.weight`` at the top."""
         out: dict[str, torch.Tensor] = {}
         L = self.config.num_hidden_layers
         for name, t in self.state_dict().items():
-            out[_to_hf_name(name, L)] = t
+            out[_to_ckpt_name(_to_hf_name(name, L))] = t
         if self.config.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
 
+    def save_pretrained(self, directory: str | os.PathLike[str], *, max_shard_bytes: int | None = None) -> list[str]:
+        """Write ``config.json`` and the weights in the real checkpoint layout (see `hf_state_dict`)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self.hf_state_dict(), self.config, directory, max_shard_bytes=max_shard_bytes)
+
     def load_weights(
-        self, hf_state: dict[str, torch.Tensor], *, device: str = "cpu", dtype: torch.dtype | None = None
+        self,
+        hf_state: dict[str, torch.Tensor],
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        source: str = "checkpoint",
     ) -> None:
-        """Load HF-named weights strictly: every parameter must be present with the right shape."""
+        """Load checkpoint-named weights strictly: every parameter present, nothing else, right shapes.
+
+        Names may be canonical (``model.layers...``) or the real layout's (``model.language_model...``).
+
+        Raises:
+            CheckpointError: one line naming the first missing / unexpected / misshapen tensor.
+        """
+        from .checkpoint import canonical_name
+
         L = self.config.num_hidden_layers
+        state: dict[str, torch.Tensor] = {}
+        for k, v in hf_state.items():
+            c = canonical_name(k)
+            if c is not None:
+                state[c] = v
         own = {_to_hf_name(n, L): n for n in self.state_dict()}
         if self.config.tie_word_embeddings:
             own.pop("lm_head.weight", None)
-        missing = sorted(set(own) - set(hf_state))
-        unexpected = sorted(set(hf_state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+        missing = sorted(set(own) - set(state))
+        unexpected = sorted(set(state) - set(own))
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"{source}: missing tensor {_to_ckpt_name(missing[0])!r}{more}")
+        if unexpected:
+            more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+            raise CheckpointError(
+                f"{source}: unexpected tensor {_to_ckpt_name(unexpected[0])!r}{more} (not part of this config)"
+            )
         shapes = dict(self.state_dict())
         local: dict[str, torch.Tensor] = {}
         for hf, name in own.items():
-            t = hf_state[hf]
+            t = state[hf]
             if tuple(t.shape) != tuple(shapes[name].shape):
-                raise ValueError(f"{hf}: shape {tuple(t.shape)} != expected {tuple(shapes[name].shape)}")
+                raise CheckpointError(
+                    f"{source}: tensor {_to_ckpt_name(hf)!r} has shape {tuple(t.shape)}, "
+                    f"the config needs {tuple(shapes[name].shape)}"
+                )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"{source}: tensor {_to_ckpt_name(hf)!r} holds non-finite values")
             if t.is_floating_point() and is_fp32_param(name):
                 t = t.float()
             elif dtype is not None and t.is_floating_point():
@@ -341,6 +466,38 @@ class Glm5NextForCausalLM(nn.Module):
         self.load_state_dict(local, strict=not self.config.tie_word_embeddings)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def _to_ckpt_name(name: str) -> str:
+    """Canonical ``model.X`` -> the real layout's ``model.language_model.X``."""
+    return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
+
+
+def check_memory(nbytes: int, device: str | torch.device, *, what: str) -> None:
+    """Refuse early (before allocating) when ``nbytes`` cannot fit in ``device``'s free memory.
+
+    Raises:
+        CheckpointError: with the estimate and what is free.
+    """
+    dev = torch.device(device)
+    free = None
+    if dev.type == "cuda" and torch.cuda.is_available():
+        free = torch.cuda.mem_get_info(dev)[0]
+    elif dev.type == "cpu":
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        free = int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            free = None
+    if free is not None and nbytes > free:
+        gib = 1 << 30
+        raise CheckpointError(
+            f"{what} need about {nbytes / gib:.1f} GiB on {dev} but only {free / gib:.1f} GiB is free "
+            "(use a smaller dtype, fewer layers, or a larger device)"
+        )
 
 
 def _to_hf_name(name: str, num_layers: int) -> str:
@@ -358,16 +515,17 @@ def subset_config(config: Glm5NextConfig, layers: list[int]) -> Glm5NextConfig:
     bad = [i for i in layers if not 0 <= i < config.num_hidden_layers]
     if bad:
         raise ValueError(f"layers {bad} outside [0, {config.num_hidden_layers})")
-    # Dense/MoE is decided by index; a subset keeps each layer's kind only if the dense ones lead.
-    dense = [i < config.first_k_dense_replace for i in layers]
-    if any(d and not prev for prev, d in zip([True] + dense, dense)):
-        raise ValueError("a layer subset must list dense-FFN layers before MoE layers")
-    sub = copy.deepcopy(config)
-    sub.num_hidden_layers = len(layers)
-    sub.layer_types = [config.layer_types[i] for i in layers]  # type: ignore[index]
-    sub.first_k_dense_replace = sum(dense)
-    sub.validate()
-    return sub
+    # Each kept layer keeps its attention kind, FFN kind and indexer mode (a shared layer needs an
+    # earlier full sparse layer in the subset too; the config says so if not).
+    pick = lambda lst: [lst[i] for i in layers]  # noqa: E731
+    return dataclasses.replace(
+        copy.deepcopy(config),
+        num_hidden_layers=len(layers),
+        layer_types=pick(config.layer_types),
+        mlp_layer_types=pick(config.mlp_layer_types),
+        indexer_types=pick(config.indexer_types),
+        first_k_dense_replace=None,
+    )
 
 
 def remap_layer_keys(sd: dict[str, torch.Tensor], layers: list[int], num_layers: int) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Weight names under a decoder layer's ``mlp.`` prefix:
 
-* dense layers (``layer_idx < first_k_dense_replace``): ``gate_proj``, ``up_proj``, ``down_proj``;
+* dense layers (``mlp_layer_types[i] == "dense"``): ``gate_proj``, ``up_proj``, ``down_proj``;
 * MoE layers: ``gate.weight`` ``[E, hidden]``, ``gate.e_score_correction_bias`` ``[E]``,
   ``experts.{e}.{gate,up,down}_proj.weight`` and ``shared_experts.{gate,up,down}_proj.weight``.
 """
@@ -19,25 +19,41 @@ from .init import init_linear_
 __all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn"]
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``; no clamp when ``limit`` is ``None``.
+
+    Args:
+        gate: ``[..., I]`` gate projection.
+        up: ``[..., I]`` up projection.
+        limit: ``swiglu_limit`` (10 in GLM-5.3-Flash).
+    """
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, no biases.
+    """Clamped SwiGLU MLP: ``down(silu(min(gate(x), L)) * clamp(up(x), -L, L))``, no biases.
 
     Args:
         hidden_size: model width.
         intermediate_size: inner width.
+        swiglu_limit: the clamp ``L`` (``None``: plain SwiGLU).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[..., hidden]``. Returns ``[..., hidden]`` in ``x``'s dtype."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -58,6 +74,9 @@ class MoEGate(nn.Module):
         top_k: experts per token.
         norm_topk_prob: normalise the top-k weights to sum to one before scaling.
         routed_scaling_factor: multiplier applied to the final weights.
+        n_group: expert groups; with ``n_group > 1`` only the ``topk_group`` groups whose two best
+            biased scores sum highest are eligible (DeepSeek-V3 group-limited routing).
+        topk_group: groups kept per token.
     """
 
     def __init__(
@@ -67,10 +86,16 @@ class MoEGate(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         routed_scaling_factor: float,
+        n_group: int = 1,
+        topk_group: int = 1,
     ) -> None:
         super().__init__()
         if not 0 < top_k <= n_experts:
             raise ValueError(f"top_k must be in [1, {n_experts}], got {top_k}")
+        if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"bad expert groups: n_group={n_group}, topk_group={topk_group}, experts={n_experts}")
+        self.n_group = n_group
+        self.topk_group = topk_group
         self.n_experts = n_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -92,6 +117,13 @@ class MoEGate(nn.Module):
         logits = F.linear(x.float(), self.weight.float())
         scores = torch.sigmoid(logits)
         choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            n = choice.shape[0]
+            grouped = choice.view(n, self.n_group, -1)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, : self.topk_group]
+            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(n, -1), float("-inf"))
         # torch.topk does not specify tie order; a stable descending sort keeps lower ids first.
         _, order = torch.sort(choice, dim=-1, descending=True, stable=True)
         topk_ids = order[:, : self.top_k]
@@ -133,13 +165,18 @@ class MoE(nn.Module):
             config.num_experts_per_tok,
             config.norm_topk_prob,
             config.routed_scaling_factor,
+            config.n_group,
+            config.topk_group,
         )
+        lim = config.swiglu_limit
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size) for _ in range(config.n_routed_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size, lim) for _ in range(config.n_routed_experts)
         )
         self.shared_experts: GatedMLP | None = None
         if config.n_shared_experts > 0:
-            self.shared_experts = GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            self.shared_experts = GatedMLP(
+                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, lim
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[N, hidden]`` (any leading dims are flattened). Returns ``[N, hidden]`` in ``x``'s dtype.
@@ -184,11 +221,10 @@ class MoE(nn.Module):
 
 
 def make_ffn(config: Glm5NextConfig, layer_idx: int) -> GatedMLP | MoE:
-    """The FFN of decoder layer ``layer_idx``: dense for the first ``first_k_dense_replace`` layers, MoE after.
+    """The FFN of decoder layer ``layer_idx``: dense or MoE as ``mlp_layer_types`` says.
 
-    MTP layers (``layer_idx >= num_hidden_layers``) follow the same rule, i.e. they are MoE when the
-    trunk has any MoE layer.
+    The MTP layer (``layer_idx >= num_hidden_layers``) is always MoE, as in the real checkpoint.
     """
-    if layer_idx < config.first_k_dense_replace:
-        return GatedMLP(config.hidden_size, config.intermediate_size)
+    if not config.is_moe_layer(layer_idx):
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
     return MoE(config)

@@ -23,9 +23,10 @@ __all__ = ["GlmKpoolIndexer"]
 class GlmKpoolIndexer(nn.Module):
     """Pooled FP8 lightning indexer (DESIGN §3).
 
-    Weights: ``wq_b [H_i * 128, q_lora]``, ``wk [128, hidden]``, ``k_norm`` (LayerNorm 128, eps 1e-6),
-    ``wgate [128, hidden]`` (per-channel pooling gate logits), ``weights_proj [H_i, hidden]`` (head
-    weights, applied in FP32) and ``ape [4, 128]`` (learned position bias of the pool members).
+    Weights (checkpoint names): ``wq_b [H_i * 128, q_lora]``, ``wk [128, hidden]``, ``k_norm`` (LayerNorm
+    128, eps 1e-6), ``index_kpool_compress_gate [128, hidden]`` (a bare parameter: per-channel pooling
+    gate logits), ``weights_proj [H_i, hidden]`` (head weights, applied in FP32) and
+    ``index_kpool_compress_ape [4, 128]`` (learned position bias of the pool members).
     """
 
     def __init__(self, config: Glm5NextConfig) -> None:
@@ -37,9 +38,9 @@ class GlmKpoolIndexer(nn.Module):
         self.wq_b = nn.Linear(config.q_lora_rank, Hi * INDEX_HEAD_DIM, bias=False)
         self.wk = nn.Linear(D, INDEX_HEAD_DIM, bias=False)
         self.k_norm = nn.LayerNorm(INDEX_HEAD_DIM, eps=1e-6)
-        self.wgate = nn.Linear(D, INDEX_HEAD_DIM, bias=False)
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(INDEX_HEAD_DIM, D))
         self.weights_proj = nn.Linear(D, Hi, bias=False)
-        self.ape = nn.Parameter(torch.zeros(INDEX_KPOOL, INDEX_HEAD_DIM))
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(INDEX_KPOOL, INDEX_HEAD_DIM))
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -48,14 +49,17 @@ class GlmKpoolIndexer(nn.Module):
         init_linear_(self, generator, std)
         self.k_norm.weight.fill_(1.0)
         self.k_norm.bias.zero_()
-        self.ape.copy_(torch.randn(self.ape.shape, generator=generator))
+        gate = self.index_kpool_compress_gate
+        gate.copy_(torch.empty(gate.shape).normal_(0.0, std, generator=generator))
+        ape = self.index_kpool_compress_ape
+        ape.copy_(torch.randn(ape.shape, generator=generator))
 
     def keys(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised index keys and pooling gate logits, both FP32 ``[N, 128]``."""
         k = F.layer_norm(
             self.wk(h).float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
         )
-        return k, self.wgate(h).float()
+        return k, F.linear(h, self.index_kpool_compress_gate.to(h.dtype)).float()
 
     def forward(
         self, h: torch.Tensor, q_lora: torch.Tensor, meta: GlmKpoolMetadata, cache: KpoolLayerCache
@@ -74,7 +78,7 @@ class GlmKpoolIndexer(nn.Module):
         N = h.shape[0]
         ops = kpool_ops(h.device)
         key, gate = self.keys(h)
-        ape = self.ape.float()
+        ape = self.index_kpool_compress_ape.float()
         pos, rs = meta.positions_t, meta.row_seq_t
         table, slots = meta.slot_table_t, meta.state_slots_t
         nd = meta.num_decode_tokens

@@ -24,9 +24,13 @@ class GlmKpoolSparseMLA(nn.Module):
     Weights (HF names): ``q_a_proj [q_lora, D]``, ``q_a_layernorm``, ``q_b_proj [H * qk_nope, q_lora]``,
     ``kv_a_proj_with_mqa [kv_lora, D]``, ``kv_a_layernorm``, ``kv_b_proj [H * (qk_nope + v_head), kv_lora]``,
     ``o_proj [D, H * v_head]`` and ``indexer.*``.
+
+    A layer built with ``shared_indexer=True`` (``indexer_types[i] == "shared"``) has no indexer: it
+    attends the columns the previous full sparse layer of the same forward selected (still in the
+    metadata's persistent selection buffer) and only writes its own latent rows.
     """
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, *, shared_indexer: bool = False) -> None:
         super().__init__()
         D, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
@@ -41,14 +45,15 @@ class GlmKpoolSparseMLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora, H * (self.qk_nope + self.v_head), bias=False)
         self.o_proj = nn.Linear(H * self.v_head, D, bias=False)
-        self.indexer = GlmKpoolIndexer(config)
+        self.indexer = None if shared_indexer else GlmKpoolIndexer(config)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
         from ....modules.init import init_linear_
 
         init_linear_(self, generator, std)
-        self.indexer.reset_parameters(generator, std)
+        if self.indexer is not None:
+            self.indexer.reset_parameters(generator, std)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk [H, qk_nope, kv_lora]`` and ``W_uv [H, v_head, kv_lora]`` split from ``kv_b_proj``."""
@@ -77,7 +82,11 @@ class GlmKpoolSparseMLA(nn.Module):
             meta.slot_table_t,
             cache.page_size,
         )
-        sel = self.indexer(h, q_lora, meta, cache)
+        if self.indexer is not None:
+            sel = self.indexer(h, q_lora, meta, cache)
+        else:
+            # Shared layer: the previous full layer's selection of these same rows is still in the buffer.
+            sel = meta.selection_buf[:N]
         w_uk, w_uv = self.absorbed_weights()
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
         q_abs = torch.einsum("nhd,hdr->nhr", q, w_uk)

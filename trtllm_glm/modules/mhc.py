@@ -1,0 +1,102 @@
+"""Manifold-constrained hyper-connections (mHC): the residual stream of GLM-5.3-Flash is ``hc_mult``
+parallel streams ``[N, S, D]`` (``S = hc_mult``) that every block reads through a learned collapse and
+writes through a learned expansion plus a doubly-stochastic mix of the input streams.
+
+Per block (attention or FFN), with ``fn [(2 + S) * S, S * D]``, ``base [(2 + S) * S]`` and
+``scale [3]`` (checkpoint keys ``hc_{attn,ffn}_{fn,base,scale}``), all in FP32:
+
+* ``x = rms(streams.flatten(-2))`` (no learned weight, eps = ``rms_norm_eps``);
+  ``[pre_w | post_w | comb_w] = x @ fn.T``;
+* ``pre = sigmoid(pre_w * scale[0] + base_pre) + hc_eps`` ``[N, S]``;
+* ``post = 2 * sigmoid(post_w * scale[1] + base_post)`` ``[N, S]``;
+* ``comb = softmax(comb_w * scale[2] + base_comb, -1) + hc_eps`` ``[N, S, S]``, then Sinkhorn: one
+  column normalisation, then ``hc_sinkhorn_iters - 1`` (row, column) pairs, each ``/ (sum + hc_eps)``;
+* block input ``sum_s pre[s] * streams[s]``; new streams ``post[s] * block_out + sum_j comb[j, s] * streams[j]``.
+
+This is the reference's (``transformers`` ``Glm5NextTextHyperConnection``) order of operations, kept
+exactly so that logits match it to FP32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_ref"]
+
+
+def mhc_weights(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pre / post / comb weights of one block.
+
+    Args:
+        streams: ``[N, S, D]`` residual streams (any float dtype).
+        fn: ``[(2 + S) * S, S * D]`` projection.
+        base: ``[(2 + S) * S]`` bias.
+        scale: ``[3]`` scales of the pre, post and comb logits.
+        norm_eps: epsilon of the weightless RMS norm over the flattened streams.
+        hc_eps: floor added to pre and comb and to every Sinkhorn denominator.
+        sinkhorn_iters: Sinkhorn iterations (>= 1).
+
+    Returns:
+        ``(pre [N, S], post [N, S], comb [N, S, S])`` FP32; ``comb[n, j, s]`` is the weight of input
+        stream ``j`` in output stream ``s``.
+    """
+    n, s, d = streams.shape
+    x = streams.reshape(n, s * d).float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
+    mix = F.linear(x, fn.float())
+    pre_w, post_w, comb_w = mix.split([s, s, s * s], dim=-1)
+    b = base.float()
+    pre_b, post_b, comb_b = b.split([s, s, s * s])
+    sc = scale.float()
+    pre = torch.sigmoid(pre_w * sc[0] + pre_b) + hc_eps
+    post = 2.0 * torch.sigmoid(post_w * sc[1] + post_b)
+    comb = torch.softmax(comb_w.view(n, s, s) * sc[2] + comb_b.view(s, s), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def mhc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Block input ``[N, D]`` = ``sum_s pre[:, s] * streams[:, s]`` (FP32 products, cast to the streams' dtype)."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+def mhc_expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams ``[N, S, D]`` = ``post ⊗ block_out + combᵀ @ streams``, in the streams' dtype.
+
+    The weights are cast to the streams' dtype first, as the reference does in bf16 models.
+    """
+    dt = streams.dtype
+    return post.to(dt).unsqueeze(-1) * block_out.to(dt).unsqueeze(-2) + torch.matmul(
+        comb.to(dt).transpose(-1, -2), streams
+    )
+
+
+def mhc_ref(
+    streams: torch.Tensor,
+    block,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> torch.Tensor:
+    """One whole mHC-wrapped block: ``block`` maps the collapsed ``[N, D]`` input to its ``[N, D]`` output."""
+    pre, post, comb = mhc_weights(
+        streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+    )
+    return mhc_expand(streams, block(mhc_collapse(streams, pre)), post, comb)
