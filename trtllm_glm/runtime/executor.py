@@ -18,7 +18,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from .request import FinishReason, Request, RequestState
-from .sampling import Sampler, SamplingParams, top2_gap
+from .sampling import Sampler, SamplingParams, token_logprobs, top2_gap
 from .scheduler import ScheduledSeq, Scheduler
 
 __all__ = ["Executor", "ExecutorConfig"]
@@ -217,7 +217,35 @@ class Executor:
         self._before_forward(plan)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            return self.model(input_ids, self.meta, self.manager)
+            hidden = self.model(input_ids, self.meta, self.manager)
+        self._record_prompt(plan, hidden)
+        return hidden
+
+    def _record_prompt(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> None:
+        """Context logits and prompt logprobs of the prompt rows this step computed (when asked for)."""
+        row = 0
+        for s in plan:
+            r, start = s.request, row
+            row += s.num_rows
+            p = r.params
+            if not (p.return_context_logits or p.prompt_logprobs is not None):
+                continue
+            n_prompt = len(r.prompt_ids)
+            lo = max(r.num_computed, r.prompt_rows_recorded)
+            hi = min(r.num_computed + s.num_rows, n_prompt)
+            if lo >= hi:
+                continue
+            idx = torch.arange(start + lo - r.num_computed, start + hi - r.num_computed, device=self.device)
+            with torch.inference_mode():
+                logits = self.model.compute_logits(hidden[idx])
+            if p.return_context_logits:
+                r.context_logits.append(logits.cpu())
+            if p.prompt_logprobs is not None:
+                if lo == 0:
+                    r.prompt_logprobs.append(None)  # nothing predicts the first prompt token
+                nxt = r.prompt_ids[lo + 1 : hi + 1]
+                r.prompt_logprobs.extend(token_logprobs(logits[: len(nxt)], nxt, p.prompt_logprobs))
+            r.prompt_rows_recorded = hi
 
     def _rows_for(self, s: ScheduledSeq) -> list[int]:
         """Token ids of the rows ``s`` feeds this step."""
@@ -245,8 +273,8 @@ class Executor:
             reqs = [r for r, _ in to_sample]
             toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             gaps = top2_gap(logits).tolist()
-            for r, t, gp in zip(reqs, toks, gaps):
-                if self._emit(r, [t], [gp]):
+            for j, (r, t, gp) in enumerate(zip(reqs, toks, gaps)):
+                if self._emit(r, [t], [gp], logits[j : j + 1]):
                     finished.append(r)
         for r in finished:
             self._finish(r)
@@ -256,24 +284,62 @@ class Executor:
     def stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """Why emitting ``token`` (already appended) ends ``req``, if it does."""
         p = req.params
-        if not p.ignore_eos and token in self.config.eos_token_ids:
-            return FinishReason.STOP
-        if p.stop_token_ids and token in p.stop_token_ids:
+        # end_id (when set) replaces the model's EOS ids; ignore_eos disables both.
+        if token in p.stop_ids(self.config.eos_token_ids):
             return FinishReason.STOP
         if len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 
-    def _emit(self, req: Request, tokens: list[int], gaps: list[float]) -> bool:
-        """Append tokens (with their top-2 logit gaps) in order until one finishes the request."""
-        for t, gp in zip(tokens, gaps):
+    def _emit(self, req: Request, tokens: list[int], gaps: list[float], logits: torch.Tensor | None = None) -> bool:
+        """Append tokens (with their top-2 logit gaps) in order until one finishes the request.
+
+        Args:
+            req: the request.
+            tokens: ids to emit, in order.
+            gaps: top-2 logit gap of the distribution each token was chosen from.
+            logits: ``[len(tokens), V]`` those distributions (for logprobs / generation logits).
+        """
+        p = req.params
+        if logits is not None and p.logprobs is not None:
+            lps = token_logprobs(logits[: len(tokens)], tokens, p.logprobs)
+        for i, (t, gp) in enumerate(zip(tokens, gaps)):
             req.tokens.append(int(t))
             req.logit_gaps.append(float(gp))
+            if logits is not None:
+                if p.logprobs is not None:
+                    req.logprobs.append(lps[i])
+                if p.return_generation_logits:
+                    req.generation_logits.append(logits[i].float().cpu())
             reason = self.stop_reason(req, int(t))
             if reason is not None:
                 req.finish_reason = reason
                 return True
         return False
+
+    def abort_request(self, request_id: int) -> Request | None:
+        """Stop a waiting or running request now and free its pages and state slot.
+
+        Returns:
+            The request (finish reason ``abort``), or ``None`` when no live request has this id.
+        """
+        for r in self.waiting:
+            if r.request_id == request_id:
+                self.waiting.remove(r)
+                r.state = RequestState.FINISHED
+                r.finish_reason = FinishReason.ABORT
+                self.on_abort(r)
+                return r
+        for r in self.running:
+            if r.request_id == request_id:
+                r.finish_reason = FinishReason.ABORT
+                self._finish(r)
+                self.on_abort(r)
+                return r
+        return None
+
+    def on_abort(self, req: Request) -> None:
+        """Hook for subclasses that keep per-request state (drafters)."""
 
     def _finish(self, req: Request) -> None:
         req.state = RequestState.FINISHED

@@ -11,7 +11,7 @@ import torch
 from ..models.glm5_next import Glm5NextForCausalLM
 from .executor import Executor, ExecutorConfig
 from .request import Request
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 from .tokenizer import load_tokenizer
 
 __all__ = ["LLM", "KvCacheConfig", "CompletionOutput", "RequestOutput"]
@@ -51,6 +51,12 @@ class CompletionOutput:
     acceptance_per_position: list[float] = field(default_factory=list)
     # Top-2 logit gap behind each output token (near-tie checks, DESIGN §7).
     logit_gaps: list[float] = field(default_factory=list)
+    # Per output token {token_id: Logprob} (SamplingParams.logprobs), else None.
+    logprobs: list[dict[int, Logprob]] | None = None
+    # Per prompt token (None for the first) {token_id: Logprob} (SamplingParams.prompt_logprobs), else None.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # [num_generated, vocab] FP32 logits each output token was chosen from (return_generation_logits).
+    generation_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,6 +68,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # [prompt_len, vocab] FP32 logits of the prompt rows (SamplingParams.return_context_logits), else None.
+    context_logits: torch.Tensor | None = None
 
 
 class LLM:
@@ -79,6 +87,11 @@ class LLM:
         prefill_chunk_size: cap on a prefill chunk.
         tokenizer: a tokenizer object (``encode``/``decode``) overriding the model's.
         speculative_config: `MTPDecodingConfig` or `NGramDecodingConfig` (None: no speculation).
+        num_threads: torch intra-op CPU threads (process-wide). ``None``: the ``TRTLLM_GLM_NUM_THREADS``
+            environment variable, else one thread for a small model on the CPU (under
+            `SMALL_MODEL_PARAMS` parameters, where torch's default threading costs far more than it
+            gains: the tiny preset runs ~15x faster on one thread of a 2-core machine), else torch's
+            default.
     """
 
     def __init__(
@@ -95,10 +108,14 @@ class LLM:
         prefill_chunk_size: int | None = None,
         tokenizer: object | None = None,
         speculative_config: object | None = None,
+        num_threads: int | None = None,
     ) -> None:
         kv = kv_cache_config or KvCacheConfig()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {self.device!r} asked for but CUDA is not available on this machine")
         self.model = Glm5NextForCausalLM.from_pretrained(model, dtype=dtype, device=self.device, seed=seed)
+        configure_cpu_threads(num_threads, self.model if torch.device(self.device).type == "cpu" else None)
         self.config = self.model.config
         self.tokenizer = tokenizer or load_tokenizer(model, self.config)
         max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
@@ -145,8 +162,9 @@ class LLM:
         Returns:
             One `RequestOutput` per prompt (a single one for a single prompt), in prompt order.
         """
+        # A flat list of numbers is one token-id prompt (floats and bools are rejected in _encode).
         single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], int)
+            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], (int, float))
         )
         plist: list = [prompts] if single else list(prompts)  # type: ignore[list-item]
         if isinstance(sampling_params, Sequence):
@@ -156,12 +174,7 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(plist)
 
-        encoded: list[tuple[str | None, list[int]]] = []
-        for p in plist:
-            if isinstance(p, str):
-                encoded.append((p, self.tokenizer.encode(p)))  # type: ignore[attr-defined]
-            else:
-                encoded.append((None, [int(t) for t in p]))
+        encoded = [self._encode(i, p) for i, p in enumerate(plist)]
         # Validate every prompt before queueing any, so a bad one loses nothing.
         ex = self.executor
         reqs: list[Request] = []
@@ -181,6 +194,20 @@ class LLM:
         outs = [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
         return outs[0] if single else outs
 
+    def _encode(self, i: int, p: object) -> tuple[str | None, list[int]]:
+        """A prompt as ``(text or None, token ids)``; token-id prompts must hold plain ints (no coercion)."""
+        if isinstance(p, str):
+            return p, self.tokenizer.encode(p)  # type: ignore[attr-defined]
+        if isinstance(p, (bytes, bytearray)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
+        bad = [t for t in p if not isinstance(t, int) or isinstance(t, bool)]
+        if bad:
+            raise TypeError(
+                f"prompt {i}: token ids must be ints, got {type(bad[0]).__name__} {bad[0]!r}"
+                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+            )
+        return None, list(p)
+
     def _output(self, r: Request, prompt: str | None) -> RequestOutput:
         out = r.output_ids
         rounds = r.num_verify_rounds
@@ -195,5 +222,36 @@ class LLM:
                 a / p if p else 0.0 for a, p in zip(r.accepted_per_position, r.proposed_per_position)
             ],
             logit_gaps=list(r.logit_gaps),
+            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
+            generation_logits=_stack(r.generation_logits, self.config.vocab_size)
+            if r.params.return_generation_logits
+            else None,
         )
-        return RequestOutput(r.request_id, prompt, list(r.prompt_ids), [comp])
+        ctx = torch.cat(r.context_logits) if r.params.return_context_logits and r.context_logits else None
+        return RequestOutput(r.request_id, prompt, list(r.prompt_ids), [comp], context_logits=ctx)
+
+
+SMALL_MODEL_PARAMS = 50_000_000
+
+
+def configure_cpu_threads(num_threads: int | None, model: torch.nn.Module | None) -> int:
+    """Set torch's intra-op threads (see `LLM`'s ``num_threads``); returns the count in force."""
+    if num_threads is None:
+        env = os.environ.get("TRTLLM_GLM_NUM_THREADS")
+        if env:
+            try:
+                num_threads = int(env)
+            except ValueError:
+                raise ValueError(f"TRTLLM_GLM_NUM_THREADS must be a positive int, got {env!r}") from None
+        elif model is not None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+            num_threads = 1
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def _stack(rows: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    return torch.stack(rows) if rows else torch.empty(0, vocab)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams
+from .sampling import Logprob, SamplingParams
 
 __all__ = ["Request", "RequestState", "FinishReason"]
 
@@ -21,6 +21,7 @@ class RequestState(enum.Enum):
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the model's context limit
+    ABORT = "abort"  # aborted by the caller (a client that went away)
 
 
 @dataclass
@@ -50,6 +51,14 @@ class Request:
     proposed_per_position: list[int] = field(default_factory=list)
     num_verify_rounds: int = 0
     num_accepted_total: int = 0
+    # What SamplingParams asked to return (filled as tokens are emitted / prompt rows computed).
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
+    context_logits: list[torch.Tensor] = field(default_factory=list)
+    # Prompt rows whose context logits / prompt logprobs are recorded (a resumed request recomputes its
+    # prompt; those rows are not recorded twice).
+    prompt_rows_recorded: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -16,7 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "Sampler", "top2_gap", "make_generator"]
+__all__ = ["SamplingParams", "Sampler", "Logprob", "top2_gap", "make_generator", "token_logprobs"]
+
+# Top logprobs returned per token at most (a bound so that one request cannot ask for the whole vocabulary).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token under the model's raw distribution (``log_softmax`` of the logits,
+    before temperature / top-k / top-p) and its rank in that distribution (1 = most likely)."""
+
+    logprob: float
+    rank: int
 
 
 def _is_int(v: object) -> bool:
@@ -36,6 +48,12 @@ class SamplingParams:
         stop_token_ids: extra ids that end the request (the stop token is kept in the output).
         end_id: end-of-sequence id overriding the model's EOS ids; ``None`` uses the model's.
         ignore_eos: never stop on EOS / ``end_id`` (``stop_token_ids`` still apply).
+        logprobs: return, per generated token, the logprob of the chosen token plus the ``logprobs`` most
+            likely tokens (0 = the chosen token only; at most 20); ``None`` returns none.
+        prompt_logprobs: the same for every prompt token after the first (``None``: none).
+        return_context_logits: return ``[prompt_len, vocab]`` FP32 logits of the prompt rows.
+        return_generation_logits: return ``[num_generated, vocab]`` FP32 logits each output token was
+            chosen from.
     """
 
     max_tokens: int = 32
@@ -46,6 +64,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     end_id: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +96,13 @@ class SamplingParams:
             raise ValueError(f"end_id must be None or a non-negative int, got {self.end_id!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {v!r}")
+        for name in ("return_context_logits", "return_generation_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +126,38 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.seed is None:
         return None
     return torch.Generator(device="cpu").manual_seed(params.seed)
+
+
+def token_logprobs(logits: torch.Tensor, chosen: Sequence[int], k: int) -> list[dict[int, Logprob]]:
+    """Per row: the chosen token's `Logprob` plus those of the ``k`` most likely tokens.
+
+    Args:
+        logits: ``[n, V]`` raw logits.
+        chosen: ``n`` token ids (the emitted or the next prompt token).
+        k: top tokens per row (0: the chosen one only).
+
+    Returns:
+        ``n`` dicts ``{token_id: Logprob}`` (the chosen token first, then by rank; ties rank by lower id).
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    n = lp.shape[0]
+    if n == 0:
+        return []
+    idx = torch.tensor(list(chosen), dtype=torch.long, device=lp.device)
+    picked = lp.gather(1, idx[:, None])[:, 0]
+    # Rank = 1 + number of strictly better tokens (an exact tie shares the better rank).
+    ranks = (lp > picked[:, None]).sum(-1) + 1
+    # A stable sort (not topk) so that equal logprobs list the lower id first on every device.
+    top_v, top_i = torch.sort(lp, dim=-1, descending=True, stable=True)
+    top_v, top_i = top_v[:, :k], top_i[:, :k]
+    picked_l, ranks_l, top_v_l, top_i_l = picked.tolist(), ranks.tolist(), top_v.tolist(), top_i.tolist()
+    out: list[dict[int, Logprob]] = []
+    for r in range(n):
+        d = {int(chosen[r]): Logprob(picked_l[r], int(ranks_l[r]))}
+        for j, (t, v) in enumerate(zip(top_i_l[r], top_v_l[r])):
+            d.setdefault(int(t), Logprob(v, j + 1))
+        out.append(d)
+    return out
 
 
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:

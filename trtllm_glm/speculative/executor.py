@@ -131,6 +131,11 @@ class SpeculativeExecutor(Executor):
     def _finish(self, req: Request) -> None:
         super()._finish(req)
         self._free_draft(req)
+        self.state.pop(req.request_id, None)
+
+    def on_abort(self, req: Request) -> None:
+        self._free_draft(req)
+        self.state.pop(req.request_id, None)
 
     # --------------------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -202,7 +207,7 @@ class SpeculativeExecutor(Executor):
                     r.accepted_per_position[j] += int(j < a - 1)
                 st.last_accepted = a
                 r.num_computed += a
-                if self._emit(r, emitted, gaps[off : off + a]):
+                if self._emit(r, emitted, gaps[off : off + a], logits[off : off + a]):  # type: ignore[index]
                     finished.append(r)
             else:
                 committed[i] = s.num_rows
@@ -215,7 +220,7 @@ class SpeculativeExecutor(Executor):
                         tok = int(
                             self.sampler.sample(logits[off : off + 1], [r.params], [r.generator]).item()  # type: ignore[index]
                         )
-                    if self._emit(r, [tok], gaps[off : off + 1]):
+                    if self._emit(r, [tok], gaps[off : off + 1], logits[off : off + 1]):  # type: ignore[index]
                         finished.append(r)
             st.drafts = []
         if self.meta.verify_seqs:
