@@ -203,8 +203,8 @@ class Glm5NextConfig:
     hc_mult: int = 4
     hc_eps: float = 1e-6
     hc_sinkhorn_iters: int = 20
-    # MTP.
-    num_nextn_predict_layers: int = 1
+    # MTP (the reference's config has no such key: a checkpoint it wrote has no MTP layer).
+    num_nextn_predict_layers: int = 0
     # Misc.
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
@@ -564,7 +564,7 @@ class Glm5NextConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Real GLM-5.3-Flash geometry (DESIGN §2): the reference's defaults with the C4 pool.
-    "glm-5.3-flash": {"model_type": "glm5_next_text", "index_kpool": 4},
+    "glm-5.3-flash": {"model_type": "glm5_next_text", "index_kpool": 4, "num_nextn_predict_layers": 1},
     # Same structure at small sizes: 8 layers (sparse MLA at 3 and 7), mHC with 4 streams, clamped
     # SwiGLU, one MTP layer, indexer head dim 128, kpool 4, and index_topk = 16 tokens (4 pools) so that
     # selection drops pools beyond 16 tokens.

@@ -1,0 +1,136 @@
+"""Builds small random `transformers` GLM-5.3-Flash models (the published reference) for parity tests.
+
+Every parameter is perturbed away from its init so that gates, pooling weights, the pooling position
+bias, mHC mixing and router biases all change the output: a parity test then fails if any of them is
+computed differently.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from typing import Any
+
+import torch
+
+TEXT_BASE: dict[str, Any] = {
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_shared_experts": 1,
+    "n_routed_experts": 6,
+    "num_experts_per_tok": 2,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 48,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "index_topk": 256,
+    "index_head_dim": 128,
+    "index_n_heads": 2,
+    "index_kpool": 4,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "swiglu_limit": 1.5,
+    "mlp_layer_types": ["dense"] + ["sparse"] * 7,
+    # Special ids above 255 so that the byte tokenizer of a checkpoint without tokenizer.json fits.
+    "pad_token_id": 299,
+    "eos_token_id": 298,
+}
+VISION_SMALL: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 32,
+    "out_hidden_size": 64,
+    "projection_intermediate_size": 32,
+}
+
+
+def _import_reference():
+    """The reference classes, imported with its plain-torch KDA and conv paths.
+
+    The reference binds fla-core's Triton kernels at import time when fla imports; those need a GPU
+    (or the interpreter), so fla is hidden while the modeling module is first imported. Our own code
+    is unaffected (it imports fla lazily and only on CUDA).
+    """
+    if "transformers.models.glm5_next.modeling_glm5_next" not in sys.modules:
+        saved = {k: sys.modules[k] for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+        for k in saved:
+            del sys.modules[k]
+        sys.modules["fla"] = None  # type: ignore[assignment]
+        try:
+            importlib.import_module("transformers.models.glm5_next.modeling_glm5_next")
+        finally:
+            del sys.modules["fla"]
+            sys.modules.update(saved)
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    return Glm5NextConfig, Glm5NextForConditionalGeneration
+
+
+def build_hf_model(seed: int = 0, **text_overrides: Any):
+    """A random fp32 `Glm5NextForConditionalGeneration` (eager attention), every weight perturbed."""
+    Glm5NextConfig, Glm5NextForConditionalGeneration = _import_reference()
+
+    text = dict(TEXT_BASE)
+    text.update(text_overrides)
+    cfg = Glm5NextConfig(text_config=text, vision_config=VISION_SMALL)
+    cfg._attn_implementation = "eager"
+    cfg.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Glm5NextForConditionalGeneration(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            t = torch.empty(p.shape)
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                t.normal_(1.0, 0.2, generator=g)
+            elif name.endswith(".scale"):  # mHC scales
+                t.normal_(1.0, 0.3, generator=g)
+            elif name.endswith(".base"):  # mHC biases
+                t.normal_(0.0, 0.5, generator=g)
+            elif name.endswith(".fn"):  # mHC projections
+                t.normal_(0.0, 0.3, generator=g)
+            elif "A_log" in name or "dt_bias" in name or "compress_ape" in name:
+                t.normal_(0.0, 1.0, generator=g)
+            elif "k_norm.bias" in name:
+                t.normal_(0.0, 0.2, generator=g)
+            else:
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                t.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=g)
+            p.copy_(t)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.empty(b.shape).normal_(0.0, 0.1, generator=g))
+    return model
+
+
+@torch.no_grad()
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """``[len(ids), V]`` fp32 logits of one sequence (one full forward, no cache)."""
+    out = model(input_ids=torch.tensor([ids]), use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy continuation by full recomputation; returns tokens and the top-2 gap behind each."""
+    seq = list(ids)
+    toks, gaps = [], []
+    for _ in range(n):
+        logits = hf_logits(model, seq)[-1]
+        top = torch.topk(logits, 2).values
+        t = int(torch.argmax(logits))
+        toks.append(t)
+        gaps.append(float(top[0] - top[1]))
+        seq.append(t)
+    return toks, gaps
