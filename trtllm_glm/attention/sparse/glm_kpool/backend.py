@@ -1,5 +1,5 @@
 """Chooses between the torch reference ops and the Triton kernels for the k-pool cache writes,
-scoring and expansion.
+scoring, top-k selection, expansion and sparse MLA attention.
 
 ``TRTLLM_GLM_KPOOL_BACKEND`` = ``auto`` (default: Triton on CUDA when it imports, torch elsewhere),
 ``torch`` or ``triton`` (also on CPU tensors under ``TRITON_INTERPRET=1``). Both sides expose the same
@@ -26,6 +26,8 @@ _OP_NAMES = (
     "score_pools",
     "expand_selection",
     "rotate_quant",
+    "select_topk_pools",
+    "sparse_mla_attention",
 )
 
 

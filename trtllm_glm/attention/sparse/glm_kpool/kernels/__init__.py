@@ -1,14 +1,16 @@
-"""Triton kernels of the pooled (C4) FP8 lightning indexer, drop-in for the torch reference ops in ``../ops``.
+"""Triton kernels of the pooled (C4) FP8 lightning indexer and of sparse MLA, drop-in for the torch reference
+ops in ``../ops``.
 
-Each public function here has the signature of the reference function of the same name
-(``ops.cache_update`` / ``ops.score`` / ``ops.fp8`` / ``ops.fwht`` / ``ops.pooling``), so a dispatcher
-can swap one for the other. The wrappers allocate nothing per call except the outputs the reference also
-returns (``score_pools`` and ``expand_selection`` also take an optional keyword ``out=``, a persistent
-buffer to write instead), and do no host synchronisation and no validation that would need one: tables,
-slots and positions must describe a valid batch (the reference ops validate; the kernels only mask their
-memory accesses, so that a bad page id, a padding row (``row_seq < 0``) or an out-of-range pool id is
-skipped rather than read or written out of bounds). Rows of a sequence must be contiguous in the batch
-with consecutive positions, as the reference requires.
+Each public function here has the signature of the reference function of the same name (``ops.cache_update``
+/ ``ops.score`` / ``ops.fp8`` / ``ops.fwht`` / ``ops.pooling`` / ``ops.sparse_mla``), so a dispatcher can swap
+one for the other. The wrappers allocate nothing per call except the outputs the reference also returns
+(``score_pools``, ``expand_selection``, ``select_topk_pools`` and ``sparse_mla_attention`` also take an
+optional keyword ``out=``, a persistent buffer to write instead) and, for ``sparse_mla_attention``, split-K
+scratch whose size follows from the shapes alone; they do no host synchronisation and no validation that
+would need one: tables, slots and positions must describe a valid batch (the reference ops validate; the
+kernels only mask their memory accesses, so that a bad page id, a padding row (``row_seq < 0``) or an
+out-of-range pool id is skipped rather than read or written out of bounds). Rows of a sequence must be
+contiguous in the batch with consecutive positions, as the reference requires.
 
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
 interpreted copy of the same kernel source (Triton's interpreter, as under ``TRITON_INTERPRET=1``). The
@@ -56,6 +58,8 @@ __all__ = [
     "update_prefill",
     "score_pools",
     "expand_selection",
+    "select_topk_pools",
+    "sparse_mla_attention",
     "kernel_module",
 ]
 
@@ -439,3 +443,70 @@ def expand_selection(
         ``[N, width]`` int32 token positions.
     """
     return _run("expand", pool_ids.device, "expand_selection", pool_ids, positions, width, out=out)
+
+
+def select_topk_pools(
+    scores: torch.Tensor, positions: torch.Tensor, topk_pools: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Kernel version of `ops.select_topk_pools` (identical ids): top ``min(topk_pools, (pos + 1) // 4)`` pools.
+
+    Ties go to the lower pool id and ids come out ascending, then ``-1``, exactly as the reference
+    (``-0.0`` ties ``+0.0`` and NaN ranks first, as in ``torch.sort``). One program per row; see
+    ``topk.py`` for the threshold search.
+
+    Args:
+        scores: ``[N, max_pools]`` fp32 scores.
+        positions: ``[N]`` int token positions.
+        topk_pools: pools to keep per row.
+        out: optional ``[N, topk_pools]`` int32 buffer to write into; every column is written.
+
+    Returns:
+        ``[N, topk_pools]`` int32 selected pool ids in ascending order, then ``-1`` padding.
+    """
+    return _run("topk", scores.device, "select_topk_pools", scores, positions, topk_pools, out=out)
+
+
+def sparse_mla_attention(
+    q_abs: torch.Tensor,
+    latent_cache: torch.Tensor,
+    sel: torch.Tensor,
+    row_seq: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel version of `ops.sparse_mla_attention`: absorbed queries over selected latent rows (MQA).
+
+    Split-K over the selected entries plus a combine step (``sparse_mla.py``); fp32 online softmax. On CUDA
+    with bf16/fp16 inputs the two products run on the tensor cores (probabilities rounded to the input
+    dtype), so outputs agree with the fp32 reference to about one unit in the last place of the output
+    dtype; with fp32 inputs (and on the CPU interpreter) everything is fp32.
+
+    Args:
+        q_abs: ``[N, H, R]`` absorbed queries.
+        latent_cache: ``[num_pages, P, R]`` latent plane.
+        sel: ``[N, W]`` int token positions to attend to, ``-1`` = skip, any order.
+        row_seq: ``[N]`` int sequence index of each row.
+        slot_table: ``[B, max_pages]`` int raw page ids.
+        page_size: tokens per page ``P``.
+        softmax_scale: logit scale.
+        out: optional ``[N, H, R]`` buffer of ``q_abs``'s dtype to write into.
+
+    Returns:
+        ``[N, H, R]`` latent outputs in ``q_abs``'s dtype (zeros for a row with nothing selected).
+    """
+    return _run(
+        "sparse_mla",
+        q_abs.device,
+        "sparse_mla_attention",
+        q_abs,
+        latent_cache,
+        sel,
+        row_seq,
+        slot_table,
+        page_size,
+        softmax_scale,
+        out=out,
+    )

@@ -1,0 +1,299 @@
+"""Benchmark of the sparse MLA decode/verify kernel and the pool top-k kernel at real GLM-5.3-Flash geometry.
+
+Sparse MLA: 64 heads x kv_lora 512, bf16 latent cache and queries, page size 64, 2051 selected rows per query
+row (2048 pool tokens + 3 tail, as the indexer produces), N = 1, 16, 64, 128 query rows, each row on its own
+sequence. Bytes floor: every selected latent row read once per query row, ``N * W * R * 2``. Top-k: N = 16, 64
+rows over 32768 and 8192 pools, topk 512 (floor: the scores read once plus the ids written).
+
+Two timings per case: ``eager`` is the median of ``triton.testing.do_bench`` (CUDA events; the L2 is flushed
+before every repetition, so the latent rows come from HBM); ``graph`` is the replay of a CUDA graph of G
+back-to-back calls divided by G (no launch overhead); for sparse MLA the G calls read disjoint latent rows
+(together several times the L2), so the graph time is not an L2-resident figure either. GB/s and the floor
+ratio use the graph time when there is one. The copy ceiling is a device-to-device copy of 1 GiB measured in
+the same run (bytes read plus bytes written). ``vs torch`` is the eager time of the torch reference op divided
+by the kernel's eager time. Each kernel's output is checked against the reference before it is timed.
+
+Usage (on a CUDA machine, from the repository root)::
+
+    PYTHONPATH=. python benchmarks/bench_sparse_kernels.py [--quick] [--sweep] [--json PATH]
+
+``--sweep`` also times alternative launch shapes (tuning). Without CUDA it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+
+H, RANK, P, WIDTH = 64, 512, 64, 2051
+TOPK_POOLS = 512
+SCALE = 192**-0.5
+CTX = 4096  # tokens per sequence; each row selects WIDTH of them
+MLA_ROWS = (1, 16, 64, 128)
+TOPK_CASES = ((16, 32768), (64, 32768), (16, 8192), (64, 8192))
+L2_DEFEAT_BYTES = 256 << 20  # the graph's calls together read this much distinct data at least
+
+
+@dataclass
+class Row:
+    name: str
+    eager_us: float
+    graph_us: float | None
+    mbytes: float
+    gbps: float
+    pct_copy: float
+    floor_ratio: float
+    ref_us: float | None
+    vs_torch: float | None
+    note: str = ""
+
+
+def _bench(fn: Callable[[], object], quick: bool, slow: bool = False) -> float:
+    """Median microseconds of ``fn`` over do_bench repetitions (L2 flushed before each)."""
+    from triton.testing import do_bench
+
+    if slow:
+        return do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
+    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200, return_mode="median") * 1e3
+
+
+def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
+    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median of several replays)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm-up (compilation, allocator) outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(10 if quick else 30):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _copy_ceiling(dev: torch.device, quick: bool) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    n = 1 << 30
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = _bench(partial(dst.copy_, src), quick)
+    del src, dst
+    return 2 * n / (t * 1e-6) / 1e9
+
+
+class _Ctx:
+    def __init__(self, dev: torch.device, quick: bool, sweep: bool, ceiling: float) -> None:
+        from trtllm_glm.attention.sparse.glm_kpool import kernels, ops
+
+        self.dev, self.quick, self.sweep, self.ceiling = dev, quick, sweep, ceiling
+        self.K, self.R = kernels, ops
+        self.rows: list[Row] = []
+
+    def record(
+        self, name: str, nbytes: float, t_eager: float, t_graph: float | None, t_ref: float | None, note: str = ""
+    ) -> None:
+        t = t_graph if t_graph is not None else t_eager
+        gbps = nbytes / (t * 1e-6) / 1e9
+        floor_us = nbytes / (self.ceiling * 1e9) * 1e6
+        vs = (t_ref / t_eager) if t_ref else None
+        self.rows.append(
+            Row(name, t_eager, t_graph, nbytes / 1e6, gbps, 100 * gbps / self.ceiling, t / floor_us, t_ref, vs, note)
+        )
+        g = f"{t_graph:8.1f}" if t_graph is not None else f"{'-':>8}"
+        print(f"  {name:<44} eager {t_eager:8.1f} us  graph {g} us  {gbps:6.0f} GB/s  x{t / floor_us:5.2f} floor")
+
+
+class _MlaData:
+    """128 sequences of CTX tokens on permuted pages, and per-row selections of WIDTH tokens each."""
+
+    def __init__(self, dev: torch.device, n_seqs: int) -> None:
+        g = torch.Generator(device=dev).manual_seed(0)
+        pages_per_seq = CTX // P
+        num_pages = n_seqs * pages_per_seq
+        self.cache = torch.randn(num_pages, P, RANK, device=dev, generator=g).to(torch.bfloat16)
+        self.table = torch.randperm(num_pages, device=dev, generator=g).view(n_seqs, pages_per_seq).to(torch.int32)
+        # Like the indexer's output: 512 pools (2048 tokens) in ascending order, then the 3 tail tokens.
+        keys = torch.rand(n_seqs, CTX // 4 - 1, device=dev, generator=g)
+        pools = torch.sort(torch.topk(keys, 512, dim=1).indices, dim=1).values
+        toks = (4 * pools[:, :, None] + torch.arange(4, device=dev)).flatten(1)
+        tail = torch.arange(CTX - 4, CTX - 1, device=dev).expand(n_seqs, 3)
+        self.sel_by_seq = torch.cat([toks, tail], dim=1).to(torch.int32)
+        self.n_seqs = n_seqs
+        self.g = g
+
+    def batch(self, n_rows: int, first_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        seqs = (first_seq + torch.arange(n_rows, device=self.cache.device)) % self.n_seqs
+        q = (torch.randn(n_rows, H, RANK, device=self.cache.device, generator=self.g) * 0.3).to(torch.bfloat16)
+        return q, self.sel_by_seq[seqs].contiguous(), seqs.to(torch.int64)
+
+
+def _mla_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_sparse_mla(cx: _Ctx) -> None:
+    """Sparse MLA, N = 1, 16, 64, 128 rows; default launch shape, then (with --sweep) alternatives."""
+    K, R, dev = cx.K, cx.R, cx.dev
+    data = _MlaData(dev, max(MLA_ROWS))
+    mod = K.kernel_module("sparse_mla", dev)
+    variants: list[tuple[str, dict]] = [("default", {})]
+    if cx.sweep:
+        variants += [
+            ("bh64 bw32 w8 s3", dict(block_h=64, block_w=32, num_warps=8, num_stages=3)),
+            ("bh64 bw64 w8 s2", dict(block_h=64, block_w=64, num_warps=8, num_stages=2)),
+            ("bh64 bw16 w8 s4", dict(block_h=64, block_w=16, num_warps=8, num_stages=4)),
+            ("bh32 bw64 w8 s2", dict(block_h=32, block_w=64, num_warps=8, num_stages=2)),
+            ("bh64 bw32 w8 s2", dict(block_h=64, block_w=32, num_warps=8, num_stages=2)),
+        ]
+    for n_rows in MLA_ROWS:
+        nbytes = n_rows * WIDTH * RANK * 2
+        q, sel, rs = data.batch(n_rows, 0)
+        args = (q, data.cache, sel, rs, data.table, P, SCALE)
+        ref = R.sparse_mla_attention(*args)
+        ref32 = R.sparse_mla_attention(q.float(), data.cache.float(), sel, rs, data.table, P, SCALE)
+        t_ref = _bench(partial(R.sparse_mla_attention, *args), cx.quick, slow=True)
+        sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
+        batches = [data.batch(n_rows, s * n_rows) for s in range(sets)]
+        splits_default = mod.choose_splits(n_rows, H, WIDTH, dev, 64, 32)
+        sweep_here = [("default", {})] if n_rows in (1, 128) and len(variants) > 1 else variants
+        extra = []
+        if cx.sweep and n_rows in (16, 64):
+            # Twice / half the default split count (load balance vs combine traffic).
+            extra = [
+                (f"splits x2 ({2 * splits_default})", dict(splits=2 * splits_default)),
+                (f"splits /2 ({max(1, splits_default // 2)})", dict(splits=max(1, splits_default // 2))),
+            ]
+        for label, kw in sweep_here + extra:
+            try:
+                out = mod.sparse_mla_attention(*args, **kw)
+                err = _mla_err(out, ref32)
+                ref_err = _mla_err(ref, ref32)
+                if not err < 8e-3:
+                    raise AssertionError(f"relative error {err:.2e} vs fp32 reference")
+                t_k = _bench(partial(mod.sparse_mla_attention, *args, **kw), cx.quick)
+                outs = [torch.empty_like(b[0]) for b in batches]
+                calls = [
+                    partial(mod.sparse_mla_attention, b[0], data.cache, b[1], b[2], data.table, P, SCALE, out=o, **kw)
+                    for b, o in zip(batches, outs)
+                ]
+                t_g = _graph_us(calls, cx.quick)
+                note = f"splits={kw.get('splits', splits_default)} err {err:.1e} (torch bf16 {ref_err:.1e})"
+                cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, t_ref, note)
+            except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
+                print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        del batches
+        torch.cuda.empty_cache()
+
+
+def bench_topk(cx: _Ctx) -> None:
+    """Top-512 pools of 32768 / 8192, 16 and 64 rows at full context."""
+    K, R, dev = cx.K, cx.R, cx.dev
+    mod = K.kernel_module("topk", dev)
+    for n_rows, max_pools in TOPK_CASES:
+        g = torch.Generator(device=dev).manual_seed(n_rows + max_pools)
+        positions = torch.full((n_rows,), 4 * max_pools - 1, device=dev, dtype=torch.int64)
+        dists = {
+            "randn": torch.randn(n_rows, max_pools, device=dev, generator=g),
+            # Indexer-like: non-negative sums of ReLU'd products, many near-zero.
+            "relu-sum": torch.relu(torch.randn(n_rows, max_pools, 4, device=dev, generator=g)).sum(-1) * 0.01,
+        }
+        for dist, scores in dists.items():
+            if dist != "randn" and max_pools != 32768:
+                continue
+            ref = R.select_topk_pools(scores, positions, TOPK_POOLS)
+            t_ref = _bench(partial(R.select_topk_pools, scores, positions, TOPK_POOLS), cx.quick)
+            nbytes = n_rows * (max_pools * 4 + TOPK_POOLS * 4)
+            variants: list[tuple[str, dict]] = [("default", {})]
+            if cx.sweep and n_rows == 16 and dist == "randn":
+                variants += [(f"w{w}", dict(num_warps=w)) for w in (8, 16, 32)]
+                variants += [("w16 sub4096", dict(num_warps=16, sub=4096))]
+            for label, kw in variants:
+                try:
+                    out = torch.full_like(ref, -7)
+                    mod.select_topk_pools(scores, positions, TOPK_POOLS, out=out, **kw)
+                    if not torch.equal(out, ref):
+                        raise AssertionError("ids differ from the reference")
+                    t_k = _bench(partial(mod.select_topk_pools, scores, positions, TOPK_POOLS, out=out, **kw), cx.quick)
+                    t_g = _graph_us(
+                        [partial(mod.select_topk_pools, scores, positions, TOPK_POOLS, out=out, **kw)] * 20, cx.quick
+                    )
+                    cx.record(f"topk N={n_rows} pools={max_pools} {dist} {label}", nbytes, t_k, t_g, t_ref)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  topk N={n_rows} {max_pools} {label}: FAILED {type(e).__name__}: {str(e)[:300]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_sparse_kernels: CUDA is not available; nothing to benchmark.")
+        return 0
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}", flush=True)
+    import triton
+
+    print(f"triton {triton.__version__}", flush=True)
+    ceiling = _copy_ceiling(dev, args.quick)
+    print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
+    cx = _Ctx(dev, args.quick, args.sweep, ceiling)
+    failed = []
+    for section in (bench_sparse_mla, bench_topk):
+        try:
+            section(cx)
+            print(f"done: {section.__name__}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported and reflected in the exit code
+            failed.append(section.__name__)
+            print(f"FAILED: {section.__name__}: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+
+    print()
+    head = (
+        f"{'case':<48} {'eager us':>9} {'graph us':>9} {'MB':>7} {'GB/s':>6} {'%copy':>6} "
+        f"{'x floor':>7} {'torch us':>9} {'vs torch':>8}  note"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in cx.rows:
+        gr = f"{r.graph_us:9.1f}" if r.graph_us is not None else f"{'-':>9}"
+        ref = f"{r.ref_us:9.1f}" if r.ref_us is not None else f"{'-':>9}"
+        vs = f"{r.vs_torch:8.1f}" if r.vs_torch is not None else f"{'-':>8}"
+        print(
+            f"{r.name:<48} {r.eager_us:9.1f} {gr} {r.mbytes:7.2f} {r.gbps:6.0f} {r.pct_copy:6.1f} "
+            f"{r.floor_ratio:7.2f} {ref} {vs}  {r.note}"
+        )
+    if failed:
+        print(f"failed sections: {failed}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbps": ceiling, "rows": [asdict(r) for r in cx.rows]}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
