@@ -134,3 +134,39 @@ def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
         gaps.append(float(top[0] - top[1]))
         seq.append(t)
     return toks, gaps
+
+
+def to_checkpoint_names(model) -> dict[str, torch.Tensor]:
+    """The reference's in-memory tensors under the real checkpoint's names (text model only).
+
+    Undoes the reference's load-time conversions: fused ``experts.gate_up_proj`` / ``down_proj`` back
+    to per-expert linears, the fused ``conv1d`` back to ``q/k/v_conv1d``, ``forget_gate.*`` and
+    ``{attn,ffn}_hc.*`` back to their checkpoint names.
+    """
+    out: dict[str, torch.Tensor] = {}
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    for name, t in tensors.items():
+        if not name.startswith("model.language_model.") and name != "lm_head.weight":
+            continue
+        n = name.replace(".self_attn.forget_gate.", ".self_attn.")
+        for blk in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                n = n.replace(f".{blk}_hc.{part}", f".hc_{blk}_{part}")
+        if n.endswith("mlp.experts.gate_up_proj"):
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[n.replace("gate_up_proj", f"{e}.gate_proj.weight")] = t[e, :inter]
+                out[n.replace("gate_up_proj", f"{e}.up_proj.weight")] = t[e, inter:]
+            continue
+        if n.endswith("mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[n.replace("down_proj", f"{e}.down_proj.weight")] = t[e]
+            continue
+        if n.endswith("self_attn.conv1d.weight"):
+            c = t.shape[0] // 3
+            for j, qkv in enumerate("qkv"):
+                out[n.replace("conv1d", f"{qkv}_conv1d")] = t[j * c : (j + 1) * c]
+            continue
+        out[n] = t
+    return out

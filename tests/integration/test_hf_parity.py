@@ -191,7 +191,8 @@ def test_config_round_trip_with_reference(ref_dir, tmp_path) -> None:
     ours = Glm5NextConfig.from_pretrained(path)
     ours.save(tmp_path)
     hf = HfConfig.from_pretrained(str(tmp_path))
-    src = json.loads(open(os.path.join(path, "config.json")).read())["text_config"]
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        src = json.load(f)["text_config"]
     for k, v in src.items():
         if k in ("transformers_version", "dtype"):
             continue
@@ -215,3 +216,20 @@ def test_reference_loads_our_checkpoint(tmp_path) -> None:
     llm = make_llm(str(tmp_path))
     out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True))
     assert rel_err(out.context_logits, hf_logits(ref, ids)) <= REL_TOL
+
+
+def test_in_memory_conversion_matches_reference() -> None:
+    """The GPU parity benchmark's path: the reference's in-memory weights -> checkpoint names -> our model."""
+    from hf_reference import to_checkpoint_names
+
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+
+    model = build_hf_model(seed=11)
+    cfg = Glm5NextConfig.from_dict(model.config.to_diff_dict())
+    with torch.device("meta"):
+        ours = Glm5NextForCausalLM(cfg)
+    ours.load_weights(to_checkpoint_names(model), dtype=torch.float32, source="reference")
+    llm = LLM(model=ours, max_seq_len=128, kv_cache_config=KvCacheConfig(tokens_per_block=8))
+    ids = prompt(33, 12)
+    out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True))
+    assert rel_err(out.context_logits, hf_logits(model, ids)) <= REL_TOL

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trtllm_glm.config import Glm5NextConfig
-from trtllm_glm.models import checkpoint as ckpt
 from trtllm_glm.errors import CheckpointError
+from trtllm_glm.models import checkpoint as ckpt
 from trtllm_glm.models.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,

@@ -76,7 +76,8 @@ class LLM:
     """Offline generation with a Glm5Next model.
 
     Args:
-        model: a preset name (``"tiny"``: the embedded seeded tiny model) or a checkpoint directory.
+        model: a preset name (``"tiny"``: the embedded seeded tiny model), a checkpoint directory, or a
+            `Glm5NextForCausalLM` already built (its device and dtype are used as they are).
         kv_cache_config: paged cache sizing.
         max_batch_size: sequences per step.
         max_num_tokens: flat rows per step (prefill chunks are cut to fit).
@@ -96,7 +97,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | os.PathLike[str],
+        model: str | os.PathLike[str] | Glm5NextForCausalLM,
         *,
         kv_cache_config: KvCacheConfig | None = None,
         max_batch_size: int = 8,
@@ -111,10 +112,15 @@ class LLM:
         num_threads: int | None = None,
     ) -> None:
         kv = kv_cache_config or KvCacheConfig()
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {self.device!r} asked for but CUDA is not available on this machine")
-        self.model = Glm5NextForCausalLM.from_pretrained(model, dtype=dtype, device=self.device, seed=seed)
+        if isinstance(model, Glm5NextForCausalLM):
+            self.model = model.eval()
+            self.device = str(next(model.parameters()).device)
+            model = "model object"
+        else:
+            self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(f"device {self.device!r} asked for but CUDA is not available on this machine")
+            self.model = Glm5NextForCausalLM.from_pretrained(model, dtype=dtype, device=self.device, seed=seed)
         configure_cpu_threads(num_threads, self.model if torch.device(self.device).type == "cpu" else None)
         self.config = self.model.config
         self.tokenizer = tokenizer or load_tokenizer(model, self.config)
