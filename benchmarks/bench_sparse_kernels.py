@@ -177,7 +177,7 @@ def bench_sparse_mla(cx: _Ctx) -> None:
         sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
         batches = [data.batch(n_rows, s * n_rows) for s in range(sets)]
         splits_default = mod.choose_splits(n_rows, H, WIDTH, dev, 64, 32)
-        sweep_here = [("default", {})] if n_rows in (1, 128) and len(variants) > 1 else variants
+        sweep_here = [("default", {})] if n_rows == 1 else variants
         extra = []
         if cx.sweep and n_rows in (16, 64):
             # Twice / half the default split count (load balance vs combine traffic).
@@ -199,7 +199,10 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                     for b, o in zip(batches, outs)
                 ]
                 t_g = _graph_us(calls, cx.quick)
-                note = f"splits={kw.get('splits', splits_default)} err {err:.1e} (torch bf16 {ref_err:.1e})"
+                bw = kw.get("block_w", 32)
+                asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, kw.get("block_h", 64), bw))
+                n_splits = mod.split_layout(WIDTH, bw, asked)[1]
+                note = f"splits={n_splits} err {err:.1e} (torch bf16 {ref_err:.1e})"
                 cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, t_ref, note)
             except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
                 print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ._common import INTERPRETED
 
-__all__ = ["sparse_mla_attention", "choose_splits"]
+__all__ = ["sparse_mla_attention", "choose_splits", "split_layout"]
 
 _LOG2E = 1.4426950408889634
 
@@ -237,6 +237,20 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
     return splits
 
 
+def split_layout(width: int, block_w: int, splits: int) -> tuple[int, int]:
+    """Entries per split (a whole number of tiles) and the resulting split count for ``splits`` requested.
+
+    Args:
+        width: selection width ``W``. block_w: entries per tile. splits: requested split count.
+
+    Returns:
+        ``(rows_per_split, splits)``; every split but the last holds ``rows_per_split`` entries.
+    """
+    tiles = triton.cdiv(width, block_w)
+    rows_per_split = triton.cdiv(tiles, max(1, min(splits, tiles))) * block_w
+    return rows_per_split, triton.cdiv(width, rows_per_split)
+
+
 def sparse_mla_attention(
     q_abs: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -249,7 +263,7 @@ def sparse_mla_attention(
     out: torch.Tensor | None = None,
     splits: int | None = None,
     block_h: int | None = None,
-    block_w: int = _BLOCK_W,
+    block_w: int | None = None,
     num_warps: int | None = None,
     num_stages: int = _NUM_STAGES,
     combine_block_h: int = _COMBINE_BLOCK_H,
@@ -302,17 +316,23 @@ def sparse_mla_attention(
         return out.zero_()
 
     fp32 = INTERPRETED or q_abs.dtype != latent_cache.dtype or latent_cache.dtype == torch.float32
+    if fp32 and not INTERPRETED:
+        # IEEE fp32 products run on the FMA units with the operands in registers: small tiles, or the
+        # compiler spills (this is the exactness path, not the fast one).
+        block_h = block_h or 16
+        block_w = block_w or 16
+        num_warps = num_warps or 4
     if block_h is None:
         # tl.dot needs at least 16 rows; padded heads load zero queries and are never stored.
         block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(n_heads)))
+    if block_w is None:
+        block_w = _BLOCK_W
     if num_warps is None:
         num_warps = _NUM_WARPS if block_h >= 64 else 4
     rp = triton.next_power_of_2(rank)
     if splits is None:
         splits = choose_splits(n_rows, n_heads, width, q_abs.device, block_h, block_w)
-    tiles = triton.cdiv(width, block_w)
-    rows_per_split = triton.cdiv(tiles, max(1, min(splits, tiles))) * block_w
-    splits = triton.cdiv(width, rows_per_split)
+    rows_per_split, splits = split_layout(width, block_w, splits)
     head_blocks = triton.cdiv(n_heads, block_h)
     # The interpreter rounds fp32 -> bf16 stores incorrectly: write fp32 there and cast with torch.
     dst = out
