@@ -1,4 +1,10 @@
-"""``trtllm-glm`` command line: ``generate`` (the main job) and ``indexer-demo``."""
+"""``trtllm-glm`` command line: ``generate`` (the main job), ``serve`` (an OpenAI-compatible server) and
+``indexer-demo``.
+
+User errors (bad option values or combinations, an unknown preset, a broken checkpoint or options file, a
+device that is not there) print one ``trtllm-glm: error: ...`` line and exit with status 2; options are
+checked before a model is built, so a typo costs nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,42 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "UserError"]
+
+PROG = "trtllm-glm"
+
+# One line per preset for --help (presets missing here are still listed, without a description).
+_PRESET_NOTES = {
+    "tiny": "8-layer model with seeded random weights and a byte tokenizer: runs anywhere in seconds",
+    "glm-5.3-flash": "the real GLM-5.3-Flash geometry with seeded random weights (needs a large GPU)",
+}
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: reported in one line, exit status 2."""
+
+
+def _presets() -> list[str]:
+    from .config import PRESETS
+
+    return sorted(PRESETS)
+
+
+def _description() -> str:
+    lines = [
+        "Run GLM-5.3-Flash-class models (KDA + pooled-indexer sparse MLA) with the trtllm_glm PyTorch backend.",
+        "",
+        "presets (a MODEL that needs no checkpoint directory):",
+    ]
+    lines += [f"  {name:<15} {_PRESET_NOTES.get(name, '')}".rstrip() for name in _presets()]
+    lines += [
+        "",
+        "examples:",
+        '  trtllm-glm generate --preset tiny --prompt "Hello, GLM" --max-tokens 32',
+        '  trtllm-glm generate --model /path/to/checkpoint --prompt "Hi" --speculative mtp --draft-len 3',
+        "  trtllm-glm serve tiny --port 8000 --config options.yaml",
+    ]
+    return "\n".join(lines)
 
 
 def _progress_printer(total: int, stream=sys.stderr):
@@ -31,6 +72,34 @@ def _progress_printer(total: int, stream=sys.stderr):
     return show, close
 
 
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of a run that mean "the input was wrong" (a prompt that does not fit, a bad token)."""
+    from .config import ConfigError
+    from .errors import CapacityError, CheckpointError
+
+    return (ConfigError, CheckpointError, CapacityError, ValueError, TypeError)
+
+
+def _setup_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions of setting up (options, checkpoint, device) that mean "the user asked for something
+    wrong": also ``RuntimeError`` (``LLM`` raises it for a device that is not there) and ``OSError``."""
+    return (*_run_errors(), RuntimeError, OSError)
+
+
+def _check_device(device: str | None) -> None:
+    """A device that does not exist here is a one-line error, before anything is built."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--device {device!r} is not a device torch knows ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device!r} asked for but CUDA is not available on this machine")
+
+
 def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_config: object | None):
     """The `LLM` the ``generate`` arguments describe (also the non-speculative reference of
     ``--check-lossless``, which must differ from the run under test only in speculation and batch)."""
@@ -50,32 +119,55 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
     )
 
 
+def _speculative_config(args: argparse.Namespace) -> object | None:
+    """The speculative config, refusing draft options that would be ignored."""
+    if args.speculative is None:
+        given = [f for f, v in (("--draft-len", args.draft_len), ("--draft-kv-mode", args.draft_kv_mode)) if v]
+        if given:
+            verb = "need" if len(given) > 1 else "needs"
+            raise UserError(f"{' and '.join(given)} {verb} --speculative (mtp or ngram)")
+        if args.check_lossless:
+            raise UserError("--check-lossless compares a speculative run with a plain one: it needs --speculative")
+        return None
+    from .speculative.config import MTPDecodingConfig, NGramDecodingConfig
+
+    k = 3 if args.draft_len is None else args.draft_len
+    if args.speculative == "mtp":
+        return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=args.draft_kv_mode or "shared")
+    if args.draft_kv_mode is not None:
+        raise UserError("--draft-kv-mode applies to --speculative mtp only (the n-gram drafter has no KV cache)")
+    return NGramDecodingConfig(max_draft_len=k)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .runtime.sampling import SamplingParams
 
-    model = args.model or args.preset
-    spec = None
-    if args.speculative:
-        from .speculative.config import MTPDecodingConfig, NGramDecodingConfig
-
-        if args.speculative == "mtp":
-            spec = MTPDecodingConfig(num_nextn_predict_layers=args.draft_len, draft_kv_mode=args.draft_kv_mode)
-        else:
-            spec = NGramDecodingConfig(max_draft_len=args.draft_len)
-    llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
-    sp = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sampling_seed,
-        ignore_eos=args.ignore_eos,
-    )
+    try:
+        # Everything a user can get wrong is checked before the model is built.
+        sp = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.sampling_seed,
+            ignore_eos=args.ignore_eos,
+        )
+        spec = _speculative_config(args)
+        if args.check_lossless and not sp.greedy:
+            raise UserError("--check-lossless needs greedy sampling (--temperature 0)")
+        _check_device(args.device)
+        llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
+    except _setup_errors() as e:
+        raise UserError(str(e)) from None
     show, close = _progress_printer(args.max_tokens * len(args.prompt))
     t0 = time.perf_counter()
-    outs = llm.generate(list(args.prompt), sp, progress=show)
+    try:
+        outs = llm.generate(list(args.prompt), sp, progress=show)
+    except _run_errors() as e:
+        raise UserError(str(e)) from None
+    finally:
+        close()
     el = time.perf_counter() - t0
-    close()
     assert isinstance(outs, list)
     n_tok = 0
     for i, o in enumerate(outs):
@@ -90,6 +182,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                 f"[{i}] speculative: {c.num_draft_rounds} verify rounds, mean accepted length "
                 f"{c.mean_accepted_length:.2f}, acceptance per draft position [{acc}]"
             )
+    model = args.model or args.preset
     print(
         f"generated {n_tok} tokens in {el:.2f} s: {n_tok / el if el > 0 else 0.0:.1f} tok/s "
         f"({llm.executor.num_steps} steps, model={model}, device={llm.device})"
@@ -103,9 +196,6 @@ def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
     """Re-run without speculation and compare greedy tokens under the near-tie rule."""
     from .runtime.lossless import compare_greedy
 
-    if not sp.greedy:
-        print("trtllm-glm: --check-lossless needs greedy sampling (temperature 0)", file=sys.stderr)
-        return 2
     ref_llm = _make_llm(args, max_batch_size=1, speculative_config=None)
     bad = 0
     for i, (prompt, o) in enumerate(zip(args.prompt, outs)):
@@ -121,58 +211,133 @@ def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
     return 1 if bad else 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue_size < 0:
+        raise UserError(f"--max-queue-size must be >= 0, got {args.max_queue_size}")
+    if args.drain_timeout < 0:
+        raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    try:
+        from .serve.config import load_llm_options
+        from .serve.server import make_app, run_server
+    except ImportError as e:
+        raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
+    try:
+        options = load_llm_options(args.config) if args.config else {}
+        _check_device(options.get("device"))
+        app = make_app(
+            args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
+            drain_timeout=args.drain_timeout,
+        )  # fmt: skip
+    except _setup_errors() as e:
+        raise UserError(str(e)) from None
+    run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    return 0
+
+
 def _cmd_indexer_demo(args: argparse.Namespace) -> int:
     from .demo import run_indexer_demo
 
-    run_indexer_demo(
-        preset=args.preset,
-        num_requests=args.num_requests,
-        prompt_len=args.prompt_len,
-        tokens_per_block=args.tokens_per_block,
-        seed=args.seed,
-        device=args.device,
-    )
+    _check_device(args.device)
+    try:
+        run_indexer_demo(
+            preset=args.preset,
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            tokens_per_block=args.tokens_per_block,
+            seed=args.seed,
+            device=args.device,
+        )
+    except _run_errors() as e:
+        raise UserError(str(e)) from None
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trtllm-glm", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    g = sub.add_parser("generate", help="generate text with a preset or a checkpoint")
+    fmt = argparse.RawDescriptionHelpFormatter
+    presets = _presets()
+    p = argparse.ArgumentParser(prog=PROG, description=_description(), formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"{PROG} {__version__}", help="print the version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser(
+        "generate", help="generate text with a preset or a checkpoint (the main job)", formatter_class=fmt,
+        description="Generate text for one or more prompts (batched) and print it with throughput.",
+    )  # fmt: skip
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", help="embedded preset (default: tiny)")
-    src.add_argument("--model", default=None, help="checkpoint directory (HF layout)")
-    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--seed", type=int, default=0, help="seed of preset weights")
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--device", default=None)
-    g.add_argument("--tokens-per-block", type=int, default=16)
-    g.add_argument("--max-num-tokens", type=int, default=512)
-    g.add_argument("--max-seq-len", type=int, default=2048)
-    g.add_argument("--prefill-chunk-size", type=int, default=None)
-    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None, help="speculative decoding")
-    g.add_argument("--draft-len", type=int, default=3, help="drafts per round (mtp: 1-5, ngram: 1-7)")
-    g.add_argument("--draft-kv-mode", choices=["shared", "separate"], default="shared")
+    src.add_argument("--preset", default="tiny", choices=presets, help="embedded preset (default: tiny)")
+    src.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (HF layout); replaces --preset")
+    g.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="prompt text (repeat for a batch)")
+    g.add_argument("--max-tokens", type=int, default=32, metavar="N", help="new tokens per prompt at most (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus mass in (0, 1] (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: off)")
+    g.add_argument("--sampling-seed", type=int, default=None, metavar="S", help="seed of the sampler (default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument("--seed", type=int, default=0, help="seed of preset weights (default 0)")
+    g.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default: the checkpoint's)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+    g.add_argument("--tokens-per-block", type=int, default=16, metavar="N", help="KV page size, a multiple of 4")
+    g.add_argument("--max-num-tokens", type=int, default=512, metavar="N", help="token rows per step (default 512)")
+    g.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="prompt + output limit (default 2048)")
+    g.add_argument(
+        "--prefill-chunk-size", type=int, default=None, metavar="N", help="cap on a prefill chunk (default: none)"
+    )
+    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None, help="speculative decoding drafter")
+    g.add_argument(
+        "--draft-len", type=int, default=None, metavar="K",
+        help="drafts per round (mtp: 1-5, ngram: 1-7; default 3); needs --speculative",
+    )  # fmt: skip
+    g.add_argument(
+        "--draft-kv-mode", choices=["shared", "separate"], default=None,
+        help="where the MTP layer's KV pages live (default shared); needs --speculative mtp",
+    )  # fmt: skip
     g.add_argument(
         "--check-lossless", action="store_true",
         help="also run without speculation; exit 1 if greedy tokens diverge outside a near tie",
     )  # fmt: skip
     g.set_defaults(func=_cmd_generate)
 
-    d = sub.add_parser("indexer-demo", help="prefill random requests through one sparse layer")
-    d.add_argument("--preset", default="tiny")
-    d.add_argument("--num-requests", type=int, default=3)
-    d.add_argument("--prompt-len", type=int, default=37)
-    d.add_argument("--tokens-per-block", type=int, default=16)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--device", default="cpu")
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)", formatter_class=fmt,
+        description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,\n"
+        "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
+        "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, device,\n"
+        "kv_cache_config {tokens_per_block, max_tokens}, speculative_config {decoding_type: MTP | NGram, ...}.",
+    )  # fmt: skip
+    s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--config", default=None, metavar="YAML", help="LLM API options file (see above)")
+    s.add_argument("--served-model-name", default=None, metavar="NAME", help="model name clients send (default: MODEL)")
+    s.add_argument(
+        "--max-queue-size", type=int, default=64, metavar="N",
+        help="requests that may wait beyond the running batch; more get 503 + Retry-After (default 64)",
+    )  # fmt: skip
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="S",
+        help="seconds in-flight requests get to finish on shutdown before they are aborted (default 30)",
+    )  # fmt: skip
+    s.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="server log level (default info)",
+    )  # fmt: skip
+    s.set_defaults(func=_cmd_serve)
+
+    d = sub.add_parser(
+        "indexer-demo", help="prefill random requests through one sparse layer and show the selection",
+        description="Prefill a few random requests through one sparse MLA layer; print what each last row "
+        "selected and the cache bytes in use.",
+    )  # fmt: skip
+    d.add_argument("--preset", default="tiny", choices=presets, help="embedded preset (default: tiny)")
+    d.add_argument("--num-requests", type=int, default=3, metavar="N", help="requests to prefill (default 3)")
+    d.add_argument("--prompt-len", type=int, default=37, metavar="N", help="length of the first prompt (default 37)")
+    d.add_argument("--tokens-per-block", type=int, default=16, metavar="N", help="KV page size (default 16)")
+    d.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    d.add_argument("--device", default="cpu", help="device (default cpu)")
     d.set_defaults(func=_cmd_indexer_demo)
     return p
 
@@ -181,8 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError) as e:
-        print(f"trtllm-glm: error: {e}", file=sys.stderr)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,94 @@
+"""``--config options.yaml``: LLM API options for the server."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from trtllm_glm import LLM, KvCacheConfig, MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.config import ConfigError
+from trtllm_glm.serve.config import llm_options_from_dict, load_llm_options
+
+pytestmark = pytest.mark.cpu_only
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "options.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
+    p = write(
+        tmp_path,
+        """
+        max_batch_size: 4
+        max_num_tokens: 128
+        max_seq_len: 256
+        dtype: float32
+        device: cpu
+        seed: 3
+        prefill_chunk_size: null
+        enable_chunked_prefill: true
+        kv_cache_config:
+          tokens_per_block: 8
+          max_tokens: 512
+        speculative_config:
+          decoding_type: MTP
+          num_nextn_predict_layers: 2
+          draft_kv_mode: separate
+    """,
+    )
+    opts = load_llm_options(p)
+    assert opts["kv_cache_config"] == KvCacheConfig(tokens_per_block=8, max_tokens=512)
+    spec = opts["speculative_config"]
+    assert isinstance(spec, MTPDecodingConfig) and spec.num_nextn_predict_layers == 2
+    assert spec.draft_kv_mode == "separate"
+    assert "enable_chunked_prefill" not in opts
+    llm = LLM(model="tiny", **opts)
+    assert llm.executor_config.max_batch_size == 4 and llm.executor_config.tokens_per_block == 8
+    assert type(llm.executor).__name__ == "SpeculativeExecutor"
+
+
+def test_ngram_and_empty_file(tmp_path: Path) -> None:
+    spec = llm_options_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 5}})
+    assert spec["speculative_config"] == NGramDecodingConfig(max_draft_len=5)
+    assert load_llm_options(write(tmp_path, "# nothing\n")) == {}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_batch_sizes": 4}, "unknown key 'max_batch_sizes'"),
+        ({"cuda_graph_config": {}}, "unknown key 'cuda_graph_config'"),
+        ({"tokenizer": "x"}, "unknown key 'tokenizer'"),
+        ({"enable_chunked_prefill": False}, "enable_chunked_prefill: only True"),
+        ({"kv_cache_config": {"page_size": 16}}, "kv_cache_config: unknown key 'page_size'"),
+        ({"kv_cache_config": {"tokens_per_block": 6}}, "multiple of 4"),
+        ({"kv_cache_config": {"tokens_per_block": "16"}}, "tokens_per_block: expected an int"),
+        ({"kv_cache_config": [16]}, "expected a mapping"),
+        ({"speculative_config": {"num_nextn_predict_layers": 2}}, "decoding_type: expected MTP or NGram"),
+        ({"speculative_config": {"decoding_type": "Eagle"}}, "decoding_type: expected MTP or NGram"),
+        ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}, "unknown key 'max_draft_len'"),
+        ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 9}}, "max_draft_len must be in"),
+        ({"speculative_config": {"decoding_type": "MTP", "draft_len_fn": 1}}, "unknown key 'draft_len_fn'"),
+        ({"max_batch_size": "8"}, "max_batch_size: expected an int"),
+        ({"max_batch_size": True}, "max_batch_size: expected an int"),
+        ({"max_seq_len": 0}, "max_seq_len: must be >= 1"),
+        ({"dtype": 16}, "dtype: expected a string"),
+    ],
+)
+def test_bad_options_name_the_key(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        llm_options_from_dict(options, source="opts.yaml")
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_llm_options(write(tmp_path, "- 1\n- 2\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_llm_options(write(tmp_path, "a: [1,\n"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_llm_options(tmp_path / "missing.yaml")

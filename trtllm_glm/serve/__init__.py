@@ -1,0 +1,15 @@
+"""``trtllm-glm serve``: an OpenAI-compatible HTTP server on an async continuous-batching engine.
+
+- `engine`: `AsyncEngine`, one background thread stepping the executor for many asyncio callers.
+- `app`: the FastAPI app (OpenAI routes, health, version, ``/metrics``).
+- `output`: incremental detokenization and stop strings.
+- `chat`: chat templates. `config`: the YAML options file. `metrics`: Prometheus metrics.
+
+Needs the ``serve`` extra (``pip install -e ".[serve]"``).
+"""
+
+from __future__ import annotations
+
+from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
+
+__all__ = ["AsyncEngine", "Delta", "EngineStoppedError", "GenerationRequest", "QueueFullError", "ResultStream"]

@@ -1,0 +1,629 @@
+"""The OpenAI-compatible FastAPI app over an `AsyncEngine`.
+
+Routes (shapes as trtllm-serve / vLLM): ``GET /health``, ``GET /health_generate``, ``GET /version``,
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /metrics``.
+
+Errors are OpenAI error objects ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
+parameters and prompts that do not fit, 404 for an unknown model or route, 503 (with ``Retry-After``)
+when the queue is full or the server is shutting down, 500 when generation itself failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..errors import CapacityError
+from ..runtime.sampling import Logprob, SamplingParams
+from .chat import ChatTemplate, ChatTemplateError
+from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
+from .metrics import CONTENT_TYPE_LATEST
+from .output import TokenStrings
+from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
+
+__all__ = ["build_app", "ApiError"]
+
+log = logging.getLogger("trtllm_glm.serve")
+
+# Seconds a client told "overloaded" should wait before retrying.
+RETRY_AFTER_S = 1
+# Most stop strings one request may give.
+MAX_STOP_STRINGS = 16
+# Logprobs below this are reported as this (JSON has no -inf).
+MIN_LOGPROB = -9999.0
+
+
+class ApiError(Exception):
+    """An error the client should see as an OpenAI error object.
+
+    Args:
+        status: HTTP status.
+        message: what was wrong, naming the parameter.
+        type: OpenAI error type (``invalid_request_error``, ``server_error``...).
+        param: the offending parameter, if any.
+        code: a short machine-readable code.
+        headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that always run ``on_close`` when the response ends, however it ends (client
+    disconnect, cancellation, error), so that an abandoned request is aborted and frees its pages."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) and x > MIN_LOGPROB else MIN_LOGPROB
+
+
+@dataclass
+class _Choice:
+    """A generation's accumulated output (non-streaming responses)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_output_tokens: int = 0
+
+
+@dataclass
+class _Job:
+    """A validated generation request, ready to submit."""
+
+    gens: list[GenerationRequest]
+    prompt_lens: list[int]  # per prompt (usage counts each prompt once, whatever n is)
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top tokens per position, None: no logprobs
+
+
+class _Server:
+    """Request handling shared by the routes (one per app)."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.tokenizer = engine.tokenizer
+        self.token_strings = TokenStrings(engine.tokenizer)
+        self.created = int(time.time())
+
+    # --------------------------------------------------------------------------------------------
+    # Parsing and validation
+    async def parse(self, request: Request, cls: type[BaseModel]) -> Any:
+        raw = await request.body()
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(obj, dict):
+            raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        try:
+            return cls.model_validate(obj)
+        except ValidationError as e:
+            msg, param = format_validation_error(e)
+            raise ApiError(400, msg, param=param) from None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def common(self, req: Any) -> tuple[list[str], dict[str, Any]]:
+        """Checks shared by both routes; returns the stop strings and SamplingParams keyword arguments."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) != 0:
+                raise ApiError(400, f"{name} is not supported (only 0)", param=name)
+        if req.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        stop = req.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError(400, "stop must be a string or a list of strings", param="stop")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
+        if any(s == "" for s in stop):
+            raise ApiError(400, "stop strings must not be empty", param="stop")
+        vocab = self.engine.vocab_size
+        for t in req.stop_token_ids or ():
+            if not 0 <= t < vocab:
+                msg = f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})"
+                raise ApiError(400, msg, param="stop_token_ids")
+        kw = dict(
+            temperature=float(req.temperature),
+            top_p=float(req.top_p),
+            top_k=max(0, req.top_k),
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
+            ignore_eos=req.ignore_eos,
+        )
+        return stop, kw
+
+    def token_prompt(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise ApiError(400, f"{param}: the prompt is empty", param=param)
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        return ids
+
+    def completion_prompts(self, p: Any) -> list[list[int]]:
+        def is_id(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if isinstance(p, str):
+            return [self.token_prompt(self.tokenizer.encode(p), "prompt")]
+        if isinstance(p, list) and p:
+            if all(isinstance(x, str) for x in p):
+                return [self.token_prompt(self.tokenizer.encode(x), f"prompt.{i}") for i, x in enumerate(p)]
+            if all(is_id(x) for x in p):
+                return [self.token_prompt(list(p), "prompt")]
+            if all(isinstance(x, list) and all(is_id(t) for t in x) for x in p):
+                return [self.token_prompt(list(x), f"prompt.{i}") for i, x in enumerate(p)]
+        if isinstance(p, list) and not p:
+            raise ApiError(400, "prompt: must not be empty", param="prompt")
+        raise ApiError(
+            400, "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+            param="prompt",
+        )  # fmt: skip
+
+    def build_job(
+        self,
+        prompts: list[list[int]],
+        req: Any,
+        max_tokens: int | None,
+        max_tokens_param: str,
+        logprobs: int | None,
+        prompt_param: str = "prompt",
+    ) -> _Job:
+        stop, kw = self.common(req)
+        limit = self.engine.max_seq_len
+        n = req.n
+        if len(prompts) * n > self.engine.capacity:
+            raise ApiError(
+                400, f"{len(prompts)} prompt(s) x n={n} sequences exceed what this server holds at once "
+                f"({self.engine.capacity})", param="n",
+            )  # fmt: skip
+        gens: list[GenerationRequest] = []
+        for ids in prompts:
+            room = limit - len(ids)
+            if room <= 0:
+                raise ApiError(
+                    400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                    f"{len(ids)} tokens (no room to generate)", param=prompt_param, code="context_length_exceeded",
+                )  # fmt: skip
+            mt = room if max_tokens is None else max_tokens
+            if len(ids) + mt > limit:
+                raise ApiError(
+                    400, f"this model's maximum context length is {limit} tokens, but {len(ids) + mt} were "
+                    f"requested ({len(ids)} in the prompt, {mt} in the completion)", param=max_tokens_param,
+                    code="context_length_exceeded",
+                )  # fmt: skip
+            for j in range(n):
+                seed = kw["seed"]
+                if seed is not None and n > 1:
+                    seed = seed + j  # distinct choices from one seed, still reproducible
+                try:
+                    sp = SamplingParams(max_tokens=mt, logprobs=logprobs, **{**kw, "seed": seed})
+                except ValueError as e:
+                    raise ApiError(400, str(e)) from None
+                gens.append(GenerationRequest(ids, sp, stop))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, logprobs)
+
+    # --------------------------------------------------------------------------------------------
+    # Submission and collection
+    async def submit(self, job: _Job) -> ResultStream:
+        m = self.engine.metrics
+        try:
+            return await self.engine.submit(job.gens)
+        except QueueFullError as e:
+            m.requests_rejected.labels(reason="overloaded").inc()
+            raise ApiError(
+                503, str(e), type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except EngineStoppedError as e:
+            m.requests_rejected.labels(reason="shutting_down").inc()
+            raise ApiError(
+                503, str(e), type="server_error", code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}
+            ) from None
+        except CapacityError as e:
+            raise ApiError(400, str(e), param="prompt", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    async def collect(self, request: Request, stream: ResultStream) -> list[_Choice] | None:
+        """Every generation's full output; ``None`` when the client disconnected first (aborted)."""
+        choices = [_Choice() for _ in range(stream.n)]
+
+        async def consume() -> None:
+            async for d in stream:
+                c = choices[d.index]
+                c.text.append(d.text)
+                c.token_ids.extend(d.token_ids)
+                if d.logprobs is not None:
+                    c.logprobs.extend(d.logprobs)
+                c.offsets.extend(d.text_offsets)
+                c.num_output_tokens = d.num_output_tokens
+                if d.finish_reason is not None:
+                    c.finish_reason, c.error = d.finish_reason, d.error
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work = asyncio.ensure_future(consume())
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                work.result()
+                return choices
+            return None
+        finally:
+            watch.cancel()
+            work.cancel()
+            stream.abort()
+
+    # --------------------------------------------------------------------------------------------
+    # Logprob formatting
+    def completion_logprobs(self, ids: list[int], lps: list[dict[int, Logprob]], offsets: list[int]) -> dict:
+        tokens, token_lps, tops = [], [], []
+        for t, d in zip(ids, lps):
+            s, _ = self.token_strings(t)
+            tokens.append(s)
+            token_lps.append(_lp(d[t].logprob))
+            tops.append({self.token_strings(k)[0]: _lp(v.logprob) for k, v in d.items()})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets[: len(ids)]}
+
+    def chat_logprobs(self, ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
+        content = []
+        for t, d in zip(ids, lps):
+            s, b = self.token_strings(t)
+            # The k most likely tokens (the chosen one leads the dict; a stable sort keeps it first in a tie).
+            top = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+            content.append({
+                "token": s, "logprob": _lp(d[t].logprob), "bytes": b,
+                "top_logprobs": [
+                    {"token": self.token_strings(i)[0], "logprob": _lp(v.logprob), "bytes": self.token_strings(i)[1]}
+                    for i, v in top
+                ],
+            })  # fmt: skip
+        return {"content": content}
+
+    @staticmethod
+    def usage(job: _Job, completion_tokens: int) -> dict[str, int]:
+        p = sum(job.prompt_lens)
+        return {"prompt_tokens": p, "completion_tokens": completion_tokens, "total_tokens": p + completion_tokens}
+
+    @staticmethod
+    def error_event(message: str) -> str:
+        return _sse({"error": {"message": message, "type": "server_error", "param": None, "code": "generation_failed"}})
+
+    # --------------------------------------------------------------------------------------------
+    # /v1/completions
+    async def completions(self, request: Request) -> Response:
+        req: CompletionRequest = await self.parse(request, CompletionRequest)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        self.check_model(req.model)
+        job = self.build_job(self.completion_prompts(req.prompt), req, req.max_tokens, "max_tokens", req.logprobs)
+        stream = await self.submit(job)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        if job.stream:
+            return _EventStream(self._completion_events(job, stream, rid, created), stream.abort)
+        choices = await self.collect(request, stream)
+        if choices is None:
+            return Response(status_code=499)
+        self._raise_failed(choices)
+        out = []
+        for i, c in enumerate(choices):
+            lp = self.completion_logprobs(c.token_ids, c.logprobs, c.offsets) if job.logprobs is not None else None
+            out.append({"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason})
+        body = {
+            "id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": out,
+            "usage": self.usage(job, sum(c.num_output_tokens for c in choices)),
+        }  # fmt: skip
+        return JSONResponse(body)
+
+    async def _completion_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
+        done_tokens: dict[int, int] = {}
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        try:
+            async for d in stream:
+                if d.error is not None:
+                    yield self.error_event(d.error)
+                    stream.abort()
+                    break
+                # Tokens whose text is still held back (half a character, maybe a stop string) make no
+                # chunk of their own unless their logprobs must be sent.
+                if not d.text and d.finish_reason is None and not (d.token_ids and job.logprobs is not None):
+                    continue
+                lp = None
+                if job.logprobs is not None and d.token_ids:
+                    lp = self.completion_logprobs(d.token_ids, d.logprobs or [], d.text_offsets)
+                chunk = {**head, "choices": [
+                    {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+                ]}  # fmt: skip
+                if job.include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+                if d.finish_reason is not None:
+                    done_tokens[d.index] = d.num_output_tokens
+            else:
+                if job.include_usage:
+                    yield _sse({**head, "choices": [], "usage": self.usage(job, sum(done_tokens.values()))})
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()
+
+    # --------------------------------------------------------------------------------------------
+    # /v1/chat/completions
+    async def chat(self, request: Request) -> Response:
+        req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        self.check_model(req.model)
+        if req.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if req.tool_choice not in (None, "none"):
+            raise ApiError(400, "tool_choice is not supported", param="tool_choice")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        messages = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise ApiError(
+                            400, f"messages.{i}.content.{j}: only text parts are supported, got type {part.type!r}",
+                            param=f"messages.{i}.content",
+                        )  # fmt: skip
+                    parts.append(part.text)
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            ids = self.chat_template.encode(self.tokenizer, messages, req.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        ids = self.token_prompt(ids, "messages")
+        if req.max_completion_tokens is not None and req.max_tokens is not None:
+            raise ApiError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+        mt, mt_param = req.max_completion_tokens, "max_completion_tokens"
+        if mt is None:
+            mt, mt_param = req.max_tokens, "max_tokens"
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages")
+        stream = await self.submit(job)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if job.stream:
+            return _EventStream(self._chat_events(job, stream, rid, created), stream.abort)
+        choices = await self.collect(request, stream)
+        if choices is None:
+            return Response(status_code=499)
+        self._raise_failed(choices)
+        out = []
+        for i, c in enumerate(choices):
+            lp = self.chat_logprobs(c.token_ids, c.logprobs, logprobs) if logprobs is not None else None
+            out.append({
+                "index": i, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
+                "finish_reason": c.finish_reason,
+            })  # fmt: skip
+        body = {
+            "id": rid, "object": "chat.completion", "created": created, "model": self.model_name, "choices": out,
+            "usage": self.usage(job, sum(c.num_output_tokens for c in choices)),
+        }  # fmt: skip
+        return JSONResponse(body)
+
+    async def _chat_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        extra = {"usage": None} if job.include_usage else {}
+        done_tokens: dict[int, int] = {}
+        k = job.logprobs
+        try:
+            for i in range(stream.n):  # the role comes first, once per choice
+                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}  # fmt: skip
+                yield _sse({**head, "choices": [first], **extra})
+            async for d in stream:
+                if d.error is not None:
+                    yield self.error_event(d.error)
+                    stream.abort()
+                    break
+                # Tokens whose text is still held back (half a character, maybe a stop string) make no
+                # chunk of their own unless their logprobs must be sent.
+                if not d.text and d.finish_reason is None and not (d.token_ids and job.logprobs is not None):
+                    continue
+                lp = None
+                if k is not None and d.token_ids:
+                    lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k)
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                yield _sse({**head, "choices": [choice], **extra})
+                if d.finish_reason is not None:
+                    done_tokens[d.index] = d.num_output_tokens
+            else:
+                if job.include_usage:
+                    yield _sse({**head, "choices": [], "usage": self.usage(job, sum(done_tokens.values()))})
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()
+
+    @staticmethod
+    def _raise_failed(choices: list[_Choice]) -> None:
+        for c in choices:
+            if c.error is not None:
+                raise ApiError(500, c.error, type="server_error", code="generation_failed")
+
+    # --------------------------------------------------------------------------------------------
+    async def health_generate(self) -> Response:
+        ids = [self.tokenizer.bos_id if getattr(self.tokenizer, "bos_id", None) is not None else 0]
+        try:
+            stream = await self.engine.submit([GenerationRequest(ids, SamplingParams(max_tokens=1))])
+            deltas: list[Delta] = [d async for d in stream]
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            raise ApiError(503, f"generation check failed: {e}", type="server_error", code="unhealthy") from None
+        last = deltas[-1]
+        if last.finish_reason not in ("stop", "length"):
+            raise ApiError(503, f"generation check failed: {last.error or last.finish_reason}", type="server_error",
+                           code="unhealthy")  # fmt: skip
+        return Response(status_code=200)
+
+
+def build_app(
+    engine: AsyncEngine,
+    *,
+    served_model_name: str,
+    chat_template: ChatTemplate | None = None,
+    manage_engine: bool = True,
+    drain_timeout: float = 30.0,
+) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    Args:
+        engine: the engine to serve.
+        served_model_name: the ``model`` the app answers to (others get 404).
+        chat_template: how chat messages become a prompt (default: the preset template).
+        manage_engine: start the engine on app start-up and stop it (draining) on shutdown; ``False`` when
+            the caller owns the engine's lifetime (tests that drive the app in-process).
+        drain_timeout: seconds in-flight requests get to finish at shutdown before they are aborted.
+    """
+    srv = _Server(engine, served_model_name, chat_template or ChatTemplate())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await asyncio.to_thread(engine.stop, drain_timeout)
+
+    app = FastAPI(title="trtllm-glm", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
+    app.state.server = srv
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        if 400 <= e.status < 500:
+            engine.metrics.requests_rejected.labels(reason="invalid").inc()
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", type=kind,
+                        code=code).response()  # fmt: skip
+
+    def guarded(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        # Unexpected exceptions become a 500 error object here: Starlette's own handler would re-raise.
+        async def route(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except ApiError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.exception("unhandled error in %s", request.url.path)
+                return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").response()
+
+        return route
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.running:
+            return ApiError(503, "the engine is not running", type="server_error", code="unavailable").response()
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return await srv.health_generate()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served_model_name, "object": "model", "created": srv.created, "owned_by": "trtllm_glm",
+                "root": served_model_name, "max_model_len": engine.max_seq_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.post("/v1/completions")(guarded(srv.completions))
+    app.post("/v1/chat/completions")(guarded(srv.chat))
+    return app

@@ -1,0 +1,155 @@
+"""``--config options.yaml``: LLM API options for ``trtllm-glm serve``, with the keys of ``LLM(...)``.
+
+Example::
+
+    max_batch_size: 32
+    max_num_tokens: 1024
+    max_seq_len: 4096
+    dtype: bfloat16
+    device: cuda
+    kv_cache_config:
+      tokens_per_block: 64
+      max_tokens: 65536
+    speculative_config:
+      decoding_type: MTP          # or NGram
+      num_nextn_predict_layers: 3
+      draft_kv_mode: separate
+    enable_chunked_prefill: true  # accepted: prefill is always chunked
+
+Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
+mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
+MTP`` (`MTPDecodingConfig` fields) or ``decoding_type: NGram`` (`NGramDecodingConfig` fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any
+
+from ..config import ConfigError
+
+__all__ = ["load_llm_options", "llm_options_from_dict", "SPECULATIVE_TYPES"]
+
+# decoding_type (case-insensitive) -> config class name in trtllm_glm.speculative.config.
+SPECULATIVE_TYPES = {"mtp": "MTPDecodingConfig", "ngram": "NGramDecodingConfig"}
+
+# Keys LLM does not take but the YAML accepts, with the only value that matches what the runtime does.
+_FIXED_KEYS = {"enable_chunked_prefill": True}
+# Keys that cannot come from a YAML file.
+_NOT_FROM_FILE = {"self", "model", "tokenizer"}
+_INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed"}
+_OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads"}
+_OPTIONAL_STR_KEYS = {"dtype", "device"}
+
+
+def _llm_keys() -> list[str]:
+    from ..runtime.llm import LLM
+
+    return [k for k in inspect.signature(LLM.__init__).parameters if k not in _NOT_FROM_FILE]
+
+
+def _dataclass_from(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+    for k in d:
+        if k not in fields:
+            raise ConfigError(f"{where}: unknown key {k!r} (known: {', '.join(sorted(fields))})")
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for k, v in d.items():
+        t = types[k]
+        if v is None and "None" in t:
+            continue
+        # Annotations are strings (postponed evaluation); bool is an int to isinstance(), so refuse it.
+        if t.startswith("int") and (not isinstance(v, int) or isinstance(v, bool)):
+            raise ConfigError(f"{where}.{k}: expected an int, got {v!r}")
+        if t.startswith("str") and not isinstance(v, str):
+            raise ConfigError(f"{where}.{k}: expected a string, got {v!r}")
+    try:
+        return cls(**d)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _speculative(d: Any) -> Any:
+    from ..speculative import config as spec
+
+    where = "speculative_config"
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected a mapping with decoding_type, got {type(d).__name__}")
+    d = dict(d)
+    kind = d.pop("decoding_type", None)
+    if not isinstance(kind, str) or kind.lower() not in SPECULATIVE_TYPES:
+        raise ConfigError(f"{where}.decoding_type: expected MTP or NGram, got {kind!r}")
+    cls = getattr(spec, SPECULATIVE_TYPES[kind.lower()])
+    # draft_len_fn is a Python callable: not something a YAML file can hold.
+    return _dataclass_from(cls, d, where, skip=("draft_len_fn",))
+
+
+def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
+    """``LLM(**options)`` keyword arguments from a parsed YAML mapping.
+
+    Args:
+        d: the mapping (``None``, as an empty file parses, means no options).
+        source: file name for messages.
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value; the message names the key.
+    """
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of LLM options, got {type(d).__name__}")
+    keys = _llm_keys()
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        where = f"{source}: {k}"
+        if k in _FIXED_KEYS:
+            if v is not _FIXED_KEYS[k]:
+                raise ConfigError(f"{where}: only {_FIXED_KEYS[k]!r} is supported")
+            continue
+        if k not in keys:
+            known = ", ".join(sorted([*keys, *_FIXED_KEYS]))
+            raise ConfigError(f"{source}: unknown key {k!r} (known: {known})")
+        if k == "kv_cache_config":
+            from ..runtime.llm import KvCacheConfig
+
+            out[k] = None if v is None else _dataclass_from(KvCacheConfig, v, where)
+        elif k == "speculative_config":
+            try:
+                out[k] = _speculative(v)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+        elif k in _INT_KEYS or k in _OPTIONAL_INT_KEYS:
+            if (v is None and k in _OPTIONAL_INT_KEYS) or (isinstance(v, int) and not isinstance(v, bool)):
+                if isinstance(v, int) and v < (0 if k == "seed" else 1):
+                    raise ConfigError(f"{where}: must be >= {0 if k == 'seed' else 1}, got {v}")
+                out[k] = v
+            else:
+                raise ConfigError(f"{where}: expected an int, got {v!r}")
+        elif k in _OPTIONAL_STR_KEYS:
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"{where}: expected a string, got {v!r}")
+            out[k] = v
+        else:  # a newer LLM option: passed through, LLM validates it
+            out[k] = v
+    return out
+
+
+def load_llm_options(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML options file into ``LLM`` keyword arguments (see the module docstring)."""
+    import yaml
+
+    p = os.fspath(path)
+    try:
+        with open(p, encoding="utf-8") as f:
+            d = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    return llm_options_from_dict(d, source=p)

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the serving engine (``/metrics``).
+
+Names follow the ``vllm:`` / trtllm-serve conventions under a ``trtllm:`` prefix, so that existing
+dashboards only need the prefix changed: ``trtllm:num_requests_running``, ``trtllm:time_to_first_token_seconds``,
+``trtllm:spec_decode_num_accepted_tokens_total``... Every `ServeMetrics` owns its own
+``CollectorRegistry`` (never the process-global one), so one process can hold many engines and apps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["ServeMetrics", "CONTENT_TYPE_LATEST", "PREFIX"]
+
+PREFIX = "trtllm:"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0)  # fmt: skip
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0)  # fmt: skip
+
+
+class ServeMetrics:
+    """The engine's counters, gauges and histograms in a private registry.
+
+    The engine thread updates them (``prometheus_client`` metrics are thread-safe); `render` produces the
+    text exposition format for ``/metrics``.
+
+    Args:
+        registry: where to register (default: a new ``CollectorRegistry``).
+        prefix: metric-name prefix.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, prefix: str = PREFIX) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, p = self.registry, prefix
+        self.requests_finished = Counter(
+            p + "request_finished", "Finished requests (one per generated sequence) by finish reason: "
+            "stop, length, abort (client went away or shutdown), error.", ["finished_reason"], registry=r,
+        )  # fmt: skip
+        self.requests_rejected = Counter(
+            p + "request_rejected", "HTTP requests refused before generation by reason: overloaded "
+            "(queue full), shutting_down, invalid (4xx).", ["reason"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens returned to clients.", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "Submission to the first generated token.",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds", "Time between consecutive engine steps that gave a request "
+            "tokens (a speculative step can give several).", buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            p + "e2e_request_latency_seconds", "Submission to the end of the request.", buckets=_E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.running = Gauge(p + "num_requests_running", "Requests in the executor's running batch.", registry=r)
+        self.waiting = Gauge(
+            p + "num_requests_waiting", "Queue depth: accepted requests not running yet (incl. preempted).", registry=r
+        )
+        self.kv_pages_used = Gauge(p + "kv_cache_pages_used", "KV cache pages in use (target pool).", registry=r)
+        self.kv_pages_total = Gauge(p + "kv_cache_pages_total", "KV cache pages in the target pool.", registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1).", registry=r)
+        self.draft_kv_pages_used = Gauge(
+            p + "draft_kv_cache_pages_used", "Pages in use in a separate MTP draft pool (0 without one).", registry=r
+        )
+        self.preemptions = Counter(p + "num_preemptions", "Requests preempted (pages freed, recomputed).", registry=r)
+        self.engine_steps = Counter(p + "engine_steps", "Executor steps run.", registry=r)
+        self.step_errors = Counter(
+            p + "engine_step_errors", "Executor steps that raised (their requests failed).", registry=r
+        )
+        self.spec_num_drafts = Counter(
+            p + "spec_decode_num_drafts", "Speculative verify rounds that carried drafts.", registry=r
+        )
+        self.spec_num_draft_tokens = Counter(
+            p + "spec_decode_num_draft_tokens", "Draft tokens proposed for verification.", registry=r
+        )
+        self.spec_num_accepted_tokens = Counter(
+            p + "spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted).", registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0-based).",
+            ["position"], registry=r,
+        )  # fmt: skip
+        # Export the label sets before the first event, so scrapers see zeros rather than no series.
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests_finished.labels(finished_reason=reason)
+        for reason in ("overloaded", "shutting_down", "invalid"):
+            self.requests_rejected.labels(reason=reason)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,110 @@
+"""OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as strict pydantic models.
+
+Strict: a wrong JSON type is an error rather than coerced (``"max_tokens": "5"`` is refused), and unknown
+fields are refused by name (a misspelt ``max_token`` would otherwise be silently ignored). Extensions
+shared with vLLM / trtllm-serve: ``top_k`` (-1 or 0 = off), ``stop_token_ids``, ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..runtime.sampling import MAX_LOGPROBS
+
+__all__ = [
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "StreamOptions",
+    "MAX_N",
+    "format_validation_error",
+]
+
+# Most choices one request may ask for (OpenAI's own bound).
+MAX_N = 128
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # str | list[str]; checked by the server (a clearer message than a pydantic union error).
+    stop: Any = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids or a list of
+    token-id lists; ``logprobs``: top tokens per position (0..20)."""
+
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+
+class _ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message; extra keys (``tool_calls: null`` from some clients) are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``. ``logprobs: true`` returns the chosen token's logprob, plus the
+    ``top_logprobs`` most likely tokens (0..20)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+def format_validation_error(e: ValidationError) -> tuple[str, str | None]:
+    """``(message, param)`` of the first pydantic error, worded for an API user."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    param = ".".join(loc) if loc else None
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        return f"unsupported parameter {param!r}", param
+    if kind == "missing":
+        return f"missing required parameter {param!r}", param
+    got = err.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
+    return f"{param}: {err.get('msg', 'invalid value')} (got {shown})", param
