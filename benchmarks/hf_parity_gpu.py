@@ -7,7 +7,8 @@ are handed to our ``Glm5NextForCausalLM`` through the checkpoint names (`to_chec
 both run the same random prompts (context logits of every prompt row):
 
 * ``fp32 ref`` vs ``bf16 ref``: the bf16 floor (only when the fp32 model fits, ``--fp32-floor``);
-* ``bf16 ref`` vs ``bf16 ours`` (and ``fp32 ref`` vs ``bf16 ours`` with the floor).
+* ``bf16 ref (eager)`` vs ``bf16 ref (sdpa)``: a bf16 floor at any depth (rounding order only);
+* ``bf16 ref`` vs ``bf16 ours`` (and ``fp32 ref`` vs ``bf16 ours`` with the fp32 floor).
 
 Prompts longer than ``index_topk`` (2048) make both sides drop pools, so their selections may differ
 near ties (our FP8 pooled scores vs the reference's float scores); shorter ones select every pool.
@@ -94,17 +95,23 @@ def main() -> None:
     t0 = time.time()
     bf16 = ref_logits(hf)
     print(f"reference bf16 forward {time.time() - t0:.1f} s")
+    # A bf16 floor that fits at any depth: the same reference with SDPA instead of eager attention
+    # differs from itself only in rounding order.
+    for c in (hf.config, hf.config.text_config):
+        c._attn_implementation = "sdpa"
+    bf16_sdpa = ref_logits(hf)
+    for c in (hf.config, hf.config.text_config):
+        c._attn_implementation = "eager"
 
-    sd = {k: v.detach().to("cpu") for k, v in to_checkpoint_names(hf).items()}
-    del hf
-    gc.collect()
-    torch.cuda.empty_cache()
+    # Our model takes the reference's GPU tensors as its parameters (assign): no second copy in memory.
+    sd = {k: v.detach() for k, v in to_checkpoint_names(hf).items()}
     ours_cfg = Glm5NextConfig.from_dict(cfg.to_diff_dict())
     with torch.device("meta"):
         ours = Glm5NextForCausalLM(ours_cfg)
-    ours.load_weights(sd, device="cuda", dtype=torch.bfloat16, source="reference")
+    ours.load_weights(sd, device="cuda", dtype=torch.bfloat16, source="reference", assign=True)
     del sd
     gc.collect()
+    print(f"ours loaded; {torch.cuda.memory_allocated() / 2**30:.1f} GiB in use")
     llm = LLM(model=ours.eval(), max_batch_size=4, max_num_tokens=1024, max_seq_len=4096,
               kv_cache_config=KvCacheConfig(tokens_per_block=64))  # fmt: skip
     t0 = time.time()
@@ -115,6 +122,7 @@ def main() -> None:
         n = len(prompts[i])
         row = {"layers": L, "prompt_len": n, "drops_pools": n > ours_cfg.index_topk}
         row["kl_ref_bf16_vs_ours"], row["argmax_ref_bf16_vs_ours"] = kl_and_agreement(bf16[i], o.context_logits)
+        row["kl_ref_eager_vs_sdpa"], row["argmax_ref_eager_vs_sdpa"] = kl_and_agreement(bf16[i], bf16_sdpa[i])
         if fp32 is not None:
             row["kl_fp32_vs_ref_bf16"], row["argmax_fp32_vs_ref_bf16"] = kl_and_agreement(fp32[i], bf16[i])
             row["kl_fp32_vs_ours"], row["argmax_fp32_vs_ours"] = kl_and_agreement(fp32[i], o.context_logits)

@@ -228,7 +228,7 @@ def test_in_memory_conversion_matches_reference() -> None:
     cfg = Glm5NextConfig.from_dict(model.config.to_diff_dict())
     with torch.device("meta"):
         ours = Glm5NextForCausalLM(cfg)
-    ours.load_weights(to_checkpoint_names(model), dtype=torch.float32, source="reference")
+    ours.load_weights(to_checkpoint_names(model), dtype=torch.float32, source="reference", assign=True)
     llm = LLM(model=ours, max_seq_len=128, kv_cache_config=KvCacheConfig(tokens_per_block=8))
     ids = prompt(33, 12)
     out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True))

@@ -414,10 +414,13 @@ class Glm5NextForCausalLM(nn.Module):
         device: str = "cpu",
         dtype: torch.dtype | None = None,
         source: str = "checkpoint",
+        assign: bool = False,
     ) -> None:
         """Load checkpoint-named weights strictly: every parameter present, nothing else, right shapes.
 
         Names may be canonical (``model.layers...``) or the real layout's (``model.language_model...``).
+        With ``assign=True`` the parameters become the given tensors (moved / cast only where needed)
+        instead of copies: no second copy of the weights is allocated (e.g. to share another model's).
 
         Raises:
             CheckpointError: one line naming the first missing / unexpected / misshapen tensor.
@@ -458,12 +461,15 @@ class Glm5NextForCausalLM(nn.Module):
                 t = t.float()
             elif dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
-            local[name] = t
-        self.to_empty(device=device)
-        if dtype is not None:
-            self.to(dtype)
-        self.keep_fp32_params_()
-        self.load_state_dict(local, strict=not self.config.tie_word_embeddings)
+            local[name] = t.to(device) if assign else t
+        if assign:
+            self.load_state_dict(local, strict=not self.config.tie_word_embeddings, assign=True)
+        else:
+            self.to_empty(device=device)
+            if dtype is not None:
+                self.to(dtype)
+            self.keep_fp32_params_()
+            self.load_state_dict(local, strict=not self.config.tie_word_embeddings)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
