@@ -1,0 +1,149 @@
+"""Strict checkpoint loading: every defect is a one-line error naming the file or tensor, never random
+weights, and nothing is allocated for a model that cannot fit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trtllm_glm.config import ConfigError, Glm5NextConfig
+from trtllm_glm.errors import CheckpointError
+from trtllm_glm.models.checkpoint import SINGLE_FILE, quantize_block_fp8
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, check_memory
+
+pytestmark = pytest.mark.cpu_only
+
+PRE = "model.language_model."
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    model = Glm5NextForCausalLM.from_config(cfg, seed=1)
+    d = tmp_path_factory.mktemp("ckpt")
+    model.save_pretrained(d)
+    return model, d
+
+
+def _rewrite(src, dst, edit) -> None:
+    """Copy a checkpoint directory, editing its tensors (``edit(dict)``) and keeping its config."""
+    os.makedirs(dst, exist_ok=True)
+    sd = load_file(os.path.join(src, SINGLE_FILE))
+    edit(sd)
+    save_file(sd, os.path.join(dst, SINGLE_FILE), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_round_trip_is_exact(saved) -> None:
+    model, d = saved
+    m2 = Glm5NextForCausalLM.from_pretrained(str(d))
+    for (n, a), (_, b) in zip(model.state_dict().items(), m2.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda sd: sd.pop(PRE + "layers.2.hc_ffn_base"), "missing tensor 'model.language_model.layers.2.hc_ffn_base'"),
+        (lambda sd: sd.__setitem__(PRE + "layers.1.extra.weight", torch.ones(2)), "unexpected tensor"),
+        (lambda sd: sd.__setitem__(PRE + "norm.weight", torch.ones(7)), r"norm.weight' has shape \(7,\)"),
+        (lambda sd: sd[PRE + "layers.3.self_attn.q_a_proj.weight"].__setitem__((0, 0), float("nan")), "non-finite"),
+        (lambda sd: sd.__setitem__("lm_head.weight", sd["lm_head.weight"].to(torch.float8_e4m3fn)), "no _scale_inv"),
+    ],
+)  # fmt: skip
+def test_defective_tensors_are_one_line_errors(saved, tmp_path, edit, match) -> None:
+    _, d = saved
+    _rewrite(d, tmp_path, edit)
+    with pytest.raises(CheckpointError, match=match) as e:
+        Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    _one_line(e)
+
+
+def test_unknown_config_key_names_the_file_and_key(saved, tmp_path) -> None:
+    _, d = saved
+    _rewrite(d, tmp_path, lambda sd: None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["text_config"]["hc_mode"] = "dynamic"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="config.json: hc_mode: unknown config key") as e:
+        Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    _one_line(e)
+
+
+def test_file_instead_of_directory(saved) -> None:
+    _, d = saved
+    with pytest.raises(ConfigError, match="is a file") as e:
+        Glm5NextForCausalLM.from_pretrained(str(d / SINGLE_FILE))
+    _one_line(e)
+
+
+def test_truncated_safetensors(saved, tmp_path) -> None:
+    _, d = saved
+    _rewrite(d, tmp_path, lambda sd: None)
+    path = tmp_path / SINGLE_FILE
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="cannot read") as e:
+        Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    _one_line(e)
+
+
+def test_vision_weights_are_skipped_with_one_message(saved, tmp_path, caplog) -> None:
+    model, d = saved
+
+    def add_vision(sd):
+        sd["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(4, 4)
+        sd["model.visual.merger.proj.weight"] = torch.ones(4, 4)
+
+    _rewrite(d, tmp_path, add_vision)
+    with caplog.at_level(logging.INFO, logger="trtllm_glm"):
+        m2 = Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    msgs = [r.getMessage() for r in caplog.records if "vision" in r.getMessage()]
+    assert len(msgs) == 1 and "skipping 2 vision tensors" in msgs[0]
+    assert torch.equal(m2.lm_head.weight, model.lm_head.weight)
+
+
+def test_block_fp8_weights_dequantise_and_skip_listed_modules(saved, tmp_path) -> None:
+    model, d = saved
+    quantised = []
+
+    def quantise(sd):
+        for k in list(sd):
+            if k.endswith("proj.weight") and sd[k].dim() == 2 and "indexer" not in k:
+                sd[k], sd[k + "_scale_inv"] = quantize_block_fp8(sd[k])
+                quantised.append(k)
+
+    _rewrite(d, tmp_path, quantise)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m2 = Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    assert m2.config.quantization is not None
+    p1, p2 = dict(model.named_parameters()), dict(m2.named_parameters())
+    name = "model.layers.3.self_attn.q_a_proj.weight"
+    assert PRE + "layers.3.self_attn.q_a_proj.weight" in quantised
+    err = (p2[name] - p1[name]).abs().max() / p1[name].abs().max()
+    assert 0 < err < 0.07  # e4m3 keeps 3 mantissa bits
+    assert torch.equal(p2["lm_head.weight"], p1["lm_head.weight"])  # not converted: bit-exact
+
+
+def test_memory_estimate_refuses_before_allocating(monkeypatch) -> None:
+    with pytest.raises(CheckpointError, match=r"need about .* GiB on cpu but only"):
+        check_memory(1 << 60, "cpu", what="the parameters of glm-5.3-flash")
+    cfg = Glm5NextConfig.from_pretrained("glm-5.3-flash")
+    with torch.device("meta"):
+        m = Glm5NextForCausalLM(cfg)
+    # The real model is several hundred GB in bf16; the estimate says so before any allocation.
+    assert m.param_bytes(torch.bfloat16) > 100 * (1 << 30)
