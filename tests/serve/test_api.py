@@ -80,6 +80,12 @@ def test_streaming_completion_chunks_done_and_usage(app, refs) -> None:
     assert "".join(c["choices"][0]["text"] for c in chunks) == refs["hello"].text
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == refs["hello"].finish_reason
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    # continuous_usage_stats: a chunk per generated token (one per step here), each with the usage so far.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    chunks = sse(post(app, "/v1/completions", body).text)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == list(range(1, len(refs["hello"].token_ids) + 1))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == refs["hello"].text
 
 
 def test_chat_completion_and_stream(app, refs) -> None:

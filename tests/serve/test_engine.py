@@ -124,6 +124,35 @@ def test_failed_step_fails_its_requests_and_the_loop_keeps_serving() -> None:
         eng.stop(drain_timeout=0)
 
 
+def test_request_that_breaks_scheduling_is_failed_and_does_not_wedge_the_loop() -> None:
+    llm = make_llm(max_batch_size=2)
+    eng = AsyncEngine(llm)
+    ex = eng.executor
+    real_plan = ex._plan
+    poison = list(b"BAD PLAN")
+
+    def plan(*a, **k):
+        if any(r.prompt_ids == poison for r in ex.waiting):
+            raise RuntimeError("scheduler fault")
+        return real_plan(*a, **k)
+
+    ex._plan = plan
+    eng.start()
+    try:
+
+        async def main():
+            bad = await collect(eng, [GenerationRequest(poison, GREEDY)])
+            good = await collect(eng, [GenerationRequest(list(b"fine"), GREEDY)])
+            return bad, good
+
+        (bad,), (good,) = run(main())
+        assert bad[-1].finish_reason == "error" and "scheduler fault" in (bad[-1].error or "")
+        assert good[-1].finish_reason == "length"
+        assert wait_idle(eng)["free_state_slots"] == 2
+    finally:
+        eng.stop(drain_timeout=0)
+
+
 def test_queue_full_then_drain_and_abort_on_shutdown() -> None:
     llm = make_llm(max_batch_size=1)
     eng = AsyncEngine(llm, max_queue_size=1)

@@ -130,6 +130,7 @@ class _Job:
     prompt_lens: list[int]  # per prompt (usage counts each prompt once, whatever n is)
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every chunk, a chunk per token-producing step
     logprobs: int | None  # top tokens per position, None: no logprobs
 
 
@@ -272,8 +273,10 @@ class _Server:
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 gens.append(GenerationRequest(ids, sp, stop))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, logprobs)
+        so = req.stream_options
+        include_usage = bool(so and so.include_usage)
+        continuous = bool(so and so.continuous_usage_stats)
+        return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, continuous, logprobs)
 
     # --------------------------------------------------------------------------------------------
     # Submission and collection
@@ -396,6 +399,7 @@ class _Server:
 
     async def _completion_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
         done_tokens: dict[int, int] = {}
+        so_far: dict[int, int] = {}
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         try:
             async for d in stream:
@@ -404,16 +408,20 @@ class _Server:
                     stream.abort()
                     break
                 # Tokens whose text is still held back (half a character, maybe a stop string) make no
-                # chunk of their own unless their logprobs must be sent.
-                if not d.text and d.finish_reason is None and not (d.token_ids and job.logprobs is not None):
+                # chunk of their own unless their logprobs or running usage must be sent.
+                keep = d.token_ids and (job.logprobs is not None or job.continuous_usage)
+                if not d.text and d.finish_reason is None and not keep:
                     continue
+                so_far[d.index] = d.num_output_tokens
                 lp = None
                 if job.logprobs is not None and d.token_ids:
                     lp = self.completion_logprobs(d.token_ids, d.logprobs or [], d.text_offsets)
                 chunk = {**head, "choices": [
                     {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
                 ]}  # fmt: skip
-                if job.include_usage:
+                if job.continuous_usage:
+                    chunk["usage"] = self.usage(job, sum(so_far.values()))
+                elif job.include_usage:
                     chunk["usage"] = None
                 yield _sse(chunk)
                 if d.finish_reason is not None:
@@ -487,8 +495,9 @@ class _Server:
 
     async def _chat_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        extra = {"usage": None} if job.include_usage else {}
+        extra = {"usage": None} if job.include_usage or job.continuous_usage else {}
         done_tokens: dict[int, int] = {}
+        so_far: dict[int, int] = {}
         k = job.logprobs
         try:
             for i in range(stream.n):  # the role comes first, once per choice
@@ -501,14 +510,18 @@ class _Server:
                     stream.abort()
                     break
                 # Tokens whose text is still held back (half a character, maybe a stop string) make no
-                # chunk of their own unless their logprobs must be sent.
-                if not d.text and d.finish_reason is None and not (d.token_ids and job.logprobs is not None):
+                # chunk of their own unless their logprobs or running usage must be sent.
+                keep = d.token_ids and (job.logprobs is not None or job.continuous_usage)
+                if not d.text and d.finish_reason is None and not keep:
                     continue
+                so_far[d.index] = d.num_output_tokens
                 lp = None
                 if k is not None and d.token_ids:
                     lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k)
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
                 choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                if job.continuous_usage:
+                    extra = {"usage": self.usage(job, sum(so_far.values()))}
                 yield _sse({**head, "choices": [choice], **extra})
                 if d.finish_reason is not None:
                     done_tokens[d.index] = d.num_output_tokens

@@ -373,15 +373,20 @@ class AsyncEngine:
             log.exception("executor step failed; failing the requests of the running batch")
             self.metrics.step_errors.inc()
             msg = f"internal error while generating: {type(e).__name__}: {e}"
-            for r in list(ex.running):
+            # The step's requests: the running batch, plus waiting ones that were being admitted (they
+            # hold pages). With none of those, the failure came from scheduling the queue's head: fail
+            # it, so that every failed step retires at least one request and a bad one cannot wedge the
+            # loop. (The executor does not say which requests a failed step had scheduled.)
+            victims = list(ex.running) + [r for r in ex.waiting if ex.manager.has_request(r.request_id)]
+            if not victims and ex.waiting:
+                victims = [ex.waiting[0]]
+            for r in victims:
                 t = self._tracks.get(r.request_id)
                 if t is not None:
                     self._fail_track(t, msg)
-                else:
+                elif not r.finished:
                     ex.abort_request(r.request_id)
-            # A failure inside scheduling can leave a waiting request holding pages: give them back.
-            for r in list(ex.waiting):
-                if ex.manager.has_request(r.request_id):
+                if ex.manager.has_request(r.request_id):  # an admission cut short keeps its pages
                     ex.manager.free_request(r.request_id)
             self._step_errors += 1
 

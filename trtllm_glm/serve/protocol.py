@@ -31,7 +31,11 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """``include_usage``: a last chunk with the usage. ``continuous_usage_stats`` (vLLM's extension):
+    every chunk carries the usage so far, and every engine step that produced tokens makes a chunk."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Strict):
