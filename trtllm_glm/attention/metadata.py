@@ -98,6 +98,13 @@ class AttentionMetadata:
         self.verify_seqs: list[int] = []
         self.kda_records: dict[int, object] = {}
         self.num_accepted_t: torch.Tensor | None = None
+        # MTP selection sharing (index_share_for_mtp_iteration; set after prepare(), cleared by it): each
+        # row reuses ``shared_pool_ids[n]`` (step 0's top-k pools) and attends every token from
+        # ``shared_window_start[n]`` to its own position instead of running the indexer's scoring.
+        # ``last_pool_ids`` is what the latest full indexer selected (``[N, topk_pools]``).
+        self.shared_pool_ids: torch.Tensor | None = None
+        self.shared_window_start: torch.Tensor | None = None
+        self.last_pool_ids: torch.Tensor | None = None
 
     # --------------------------------------------------------------------------------------------
     def prepare(
@@ -145,6 +152,9 @@ class AttentionMetadata:
         self.verify_seqs = []
         self.kda_records = {}
         self.num_accepted_t = None
+        self.shared_pool_ids = None
+        self.shared_window_start = None
+        self.last_pool_ids = None
 
         host = self._staging.acquire()
         sh, th = host["seq"], host["tok"]

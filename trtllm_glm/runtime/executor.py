@@ -69,7 +69,7 @@ class Executor:
             max_num_seqs=cfg.max_batch_size,
             max_num_tokens=cfg.max_num_tokens,
             max_pages_per_seq=-(-self.max_seq_len // P),
-            select_width=self.config.index_select_width,
+            select_width=self._select_width(),
             device=self.device,
         )
         self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
@@ -81,6 +81,10 @@ class Executor:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
+
+    def _select_width(self) -> int:
+        """Columns of the metadata's selection buffer (subclasses may attend wider windows)."""
+        return self.config.index_select_width
 
     def _target_stores_mtp_layer(self) -> bool:
         """Whether the target manager also stores the MTP layer's sparse plane (shared-draft mode)."""

@@ -33,11 +33,16 @@ class MTPDecodingConfig(_SpecBase):
         draft_kv_mode: ``"shared"`` (the MTP layer's pages live in the target manager: one more sparse
             layer in the same slot space) or ``"separate"`` (its own draft KV manager and page pool).
         draft_max_tokens: page-pool size of the separate draft manager (default: the target's).
+        index_share_for_mtp_iteration: chained MTP steps (2nd draft on) reuse step 0's top-k pools and
+            attend every token since step 0's open pool instead of re-running the indexer's scoring;
+            ``None`` takes the model config's ``index_share_for_mtp_iteration``. Drafts only: output
+            stays lossless either way.
     """
 
     num_nextn_predict_layers: int = 1
     draft_kv_mode: str = "shared"
     draft_max_tokens: int | None = None
+    index_share_for_mtp_iteration: bool | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_nextn_predict_layers <= MAX_MTP_DRAFTS:

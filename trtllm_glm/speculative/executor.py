@@ -111,6 +111,19 @@ class SpeculativeExecutor(Executor):
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
 
+    @property
+    def share_mtp_selection(self) -> bool:
+        """Whether chained MTP steps reuse step 0's pool selection (index_share_for_mtp_iteration)."""
+        if not self.use_mtp:
+            return False
+        want = self.spec.index_share_for_mtp_iteration  # type: ignore[union-attr]
+        return self.config.index_share_for_mtp_iteration if want is None else bool(want)
+
+    def _select_width(self) -> int:
+        # A shared chained step attends step 0's open pool plus up to K - 1 later tokens.
+        extra = self.spec.max_draft_len if self.share_mtp_selection else 0
+        return self.config.index_select_width + extra
+
     # --------------------------------------------------------------------------------------------
     def add_request(self, prompt_ids, params) -> Request:  # type: ignore[override]
         req = super().add_request(prompt_ids, params)
@@ -321,6 +334,7 @@ class SpeculativeExecutor(Executor):
             self.state[r.request_id].mtp_len = r.num_computed
         last = torch.tensor([sum(len(x) for x in rows_h[: j + 1]) - 1 for j in range(len(seqs))], device=self.device)
         h_last = out[last]
+        pools0 = self.meta.last_pool_ids[last] if self.share_mtp_selection else None
         with torch.inference_mode():
             d = self.model.compute_logits(h_last).argmax(-1)
         drafting = [j for j, r in enumerate(seqs) if want[r.request_id] >= 1]
@@ -343,7 +357,15 @@ class SpeculativeExecutor(Executor):
             while active:
                 reqs = [seqs[j] for j in active]
                 tok = torch.tensor([self.state[r.request_id].drafts[-1] for r in reqs], device=self.device)
-                h = self._mtp_step(reqs, [r.num_computed + c - 1 for r in reqs], [1] * len(reqs), tok, h, decode=True)
+                shared = None
+                if pools0 is not None:
+                    # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
+                    ws = torch.tensor([4 * (r.num_computed // 4) for r in reqs], dtype=torch.int64, device=self.device)
+                    shared = (pools0[torch.tensor(active, device=self.device)], ws)
+                kw = {} if shared is None else {"shared": shared}
+                h = self._mtp_step(
+                    reqs, [r.num_computed + c - 1 for r in reqs], [1] * len(reqs), tok, h, decode=True, **kw
+                )
                 with torch.inference_mode():
                     nd = self.model.compute_logits(h).argmax(-1).tolist()
                 keep = []
@@ -367,13 +389,20 @@ class SpeculativeExecutor(Executor):
         prev_hidden: torch.Tensor,
         *,
         decode: bool,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One MTP forward over ``reqs`` (rows at positions ``past[b] ..``) in the draft domain."""
+        """One MTP forward over ``reqs`` (rows at positions ``past[b] ..``) in the draft domain.
+
+        ``shared`` = ``(pool_ids [n, topk_pools], window_start [n])`` makes the MTP indexer reuse step 0's
+        selection (index_share_for_mtp_iteration) instead of scoring.
+        """
         dm = self.draft_manager
         assert dm is not None
         rids = [r.request_id for r in reqs]
         # Target-domain description first; draft_replay then swaps slot table and state slots to the
         # draft manager's own (a no-op in shared mode).
         self.meta.prepare(rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0)
+        if shared is not None:
+            self.meta.shared_pool_ids, self.meta.shared_window_start = shared
         with torch.inference_mode(), draft_replay(self.meta, dm if dm is not self.manager else None):
             return self.model.mtp_forward(next_tokens, prev_hidden, self.meta, dm, self.mtp_plane)

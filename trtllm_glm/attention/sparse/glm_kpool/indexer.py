@@ -15,7 +15,7 @@ from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from .backend import kpool_ops
 from .metadata import GlmKpoolMetadata
-from .ops import indexer_head_weights, select_topk_pools
+from .ops import expand_selection_window, indexer_head_weights, select_topk_pools
 
 __all__ = ["GlmKpoolIndexer"]
 
@@ -94,12 +94,18 @@ class GlmKpoolIndexer(nn.Module):
             ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
+        sel = meta.selection(N)
+        if meta.shared_pool_ids is not None:
+            # A chained MTP step with index_share_for_mtp_iteration: step 0's pools plus the recent window.
+            assert meta.shared_window_start is not None
+            sel.copy_(expand_selection_window(meta.shared_pool_ids, meta.shared_window_start, pos, sel.shape[1]))
+            return sel
         q8, qscale = ops.rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
         w = indexer_head_weights(F.linear(h.float(), self.weights_proj.weight.float()), qscale, self.n_heads)
         scores = ops.score_pools(
             q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
         )
         pool_ids = select_topk_pools(scores, pos, self.topk_pools)
-        sel = meta.selection(N)
-        sel.copy_(ops.expand_selection(pool_ids, pos, self.select_width))
+        meta.last_pool_ids = pool_ids
+        sel[:, : self.select_width].copy_(ops.expand_selection(pool_ids, pos, self.select_width))
         return sel

@@ -15,7 +15,14 @@ from .cache_update import (
 from .fp8 import AMAX_FLOOR, E4M3_MAX, dequant, pow2_scale, rotate_quant, round_to_e4m3
 from .fwht import fwht, hadamard_matrix
 from .pooling import KPOOL, pool_keys
-from .score import expand_selection, indexer_head_weights, score_pools, select_tokens, select_topk_pools
+from .score import (
+    expand_selection,
+    expand_selection_window,
+    indexer_head_weights,
+    score_pools,
+    select_tokens,
+    select_topk_pools,
+)
 from .sparse_mla import sparse_mla_attention
 
 __all__ = [
@@ -25,6 +32,7 @@ __all__ = [
     "KPOOL",
     "dequant",
     "expand_selection",
+    "expand_selection_window",
     "fwht",
     "hadamard_matrix",
     "indexer_head_weights",

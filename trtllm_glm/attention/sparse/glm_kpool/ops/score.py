@@ -213,3 +213,55 @@ def select_tokens(scores: torch.Tensor, positions: torch.Tensor, topk_pools: int
         ``[N, width]`` int32 token positions, ``-1`` padded.
     """
     return expand_selection(select_topk_pools(scores, positions, topk_pools), positions, width)
+
+
+def expand_selection_window(
+    pool_ids: torch.Tensor, window_start: torch.Tensor, positions: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Selection of a chained MTP step that reuses step 0's pools (``index_share_for_mtp_iteration``).
+
+    Per row: the tokens of the given pools in ascending order, then every token from ``window_start``
+    to the row's position (the open pool of step 0 and everything written since), then ``-1``.
+
+    Args:
+        pool_ids: ``[N, K]`` int pool ids (step 0's top-k), ``-1`` = none; each must end before
+            ``window_start``.
+        window_start: ``[N]`` int64 first position of the window (a multiple of 4).
+        positions: ``[N]`` int64 token positions (``>= window_start``).
+        width: output columns.
+
+    Returns:
+        ``[N, width]`` int32 token positions.
+
+    Raises:
+        ValueError: a pool overlaps the window, or the window starts after the position.
+        TableWidthError: a row needs more than ``width`` columns.
+    """
+    n_rows, k = pool_ids.shape
+    device = pool_ids.device
+    ids = pool_ids.to(torch.int64)
+    ws = window_start.to(torch.int64)
+    pos = positions.to(torch.int64)
+    valid = ids >= 0
+    if host_checks_allowed(ids):
+        if (valid & (KPOOL * ids + KPOOL > ws[:, None])).any():
+            raise ValueError("a reused pool overlaps the attention window")
+        if (ws > pos).any():
+            raise ValueError("the attention window starts after the row's position")
+    n_win = pos - ws + 1
+    if n_rows and host_checks_allowed(ids) and int((KPOOL * k + n_win).max()) > width:
+        raise TableWidthError(f"a row selects {int((KPOOL * k + n_win).max())} tokens but the width is {width}")
+    big = torch.iinfo(torch.int64).max // 8
+    srt = torch.sort(torch.where(valid, ids, big), dim=1).values
+    n_sel = valid.sum(dim=1)
+    member = torch.arange(KPOOL, device=device)
+    tok = (KPOOL * srt[:, :, None] + member).reshape(n_rows, KPOOL * k)
+    col = torch.arange(width, device=device)[None, :]
+    out = torch.full((n_rows, width), -1, dtype=torch.int64, device=device)
+    n_pool_tok = KPOOL * n_sel[:, None]
+    take = min(width, KPOOL * k)
+    out[:, :take] = torch.where(col[:, :take] < n_pool_tok, tok[:, :take], -1)
+    win = ws[:, None] + (col - n_pool_tok)
+    in_win = (col >= n_pool_tok) & (col < n_pool_tok + n_win[:, None])
+    out = torch.where(in_win, win, out)
+    return out.to(torch.int32)
