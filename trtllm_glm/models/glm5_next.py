@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import make_ffn
 from ..modules.init import init_linear_
-from ..modules.mhc import mhc_collapse, mhc_expand, mhc_weights
+from ..modules.mhc import mhc_block
 from ..modules.norm import RMSNorm
 
 __all__ = ["Glm5NextDecoderLayer", "Glm5NextMTPLayer", "Glm5NextModel", "Glm5NextForCausalLM", "resolve_dtype"]
@@ -142,8 +142,9 @@ class Glm5NextDecoderLayer(nn.Module):
         return self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
 
     def _mhc(self, blk: str, streams: torch.Tensor, fn) -> torch.Tensor:
-        pre, post, comb = mhc_weights(
+        return mhc_block(
             streams,
+            fn,
             getattr(self, f"hc_{blk}_fn"),
             getattr(self, f"hc_{blk}_base"),
             getattr(self, f"hc_{blk}_scale"),
@@ -151,7 +152,6 @@ class Glm5NextDecoderLayer(nn.Module):
             hc_eps=self.hc_eps,
             sinkhorn_iters=self.hc_iters,
         )
-        return mhc_expand(streams, fn(mhc_collapse(streams, pre)), post, comb)
 
     def forward(
         self,

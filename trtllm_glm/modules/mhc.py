@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_ref"]
+__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block"]
 
 
 def mhc_weights(
@@ -84,7 +84,7 @@ def mhc_expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
     )
 
 
-def mhc_ref(
+def mhc_block(
     streams: torch.Tensor,
     block,
     fn: torch.Tensor,
