@@ -161,11 +161,10 @@ def bench_sparse_mla(cx: _Ctx) -> None:
     variants: list[tuple[str, dict]] = [("default", {})]
     if cx.sweep:
         variants += [
-            ("bh64 bw32 w8 s3", dict(block_h=64, block_w=32, num_warps=8, num_stages=3)),
-            ("bh64 bw64 w8 s2", dict(block_h=64, block_w=64, num_warps=8, num_stages=2)),
-            ("bh64 bw16 w8 s4", dict(block_h=64, block_w=16, num_warps=8, num_stages=4)),
-            ("bh32 bw64 w8 s2", dict(block_h=32, block_w=64, num_warps=8, num_stages=2)),
-            ("bh64 bw32 w8 s2", dict(block_h=64, block_w=32, num_warps=8, num_stages=2)),
+            ("prefetch bw16", dict(block_w=16)),
+            # The plain loop left to Triton's pipeliner (the first version; its best tile width).
+            ("pipelined bw32 s2", dict(prefetch=False, block_w=32, num_stages=2)),
+            ("pipelined bw64 s2", dict(prefetch=False, block_w=64, num_stages=2)),
         ]
     for n_rows in MLA_ROWS:
         nbytes = n_rows * WIDTH * RANK * 2
@@ -229,9 +228,10 @@ def bench_topk(cx: _Ctx) -> None:
             t_ref = _bench(partial(R.select_topk_pools, scores, positions, TOPK_POOLS), cx.quick)
             nbytes = n_rows * (max_pools * 4 + TOPK_POOLS * 4)
             variants: list[tuple[str, dict]] = [("default", {})]
-            if cx.sweep and n_rows == 16 and dist == "randn":
-                variants += [(f"w{w}", dict(num_warps=w)) for w in (8, 16, 32)]
-                variants += [("w16 sub4096", dict(num_warps=16, sub=4096))]
+            if cx.sweep and n_rows == 16:
+                variants += [("full row (cap 0)", dict(cap=0)), ("w16", dict(num_warps=16))]
+                if max_pools == 32768:
+                    variants += [("cap 4096", dict(cap=4096))]
             for label, kw in variants:
                 try:
                     out = torch.full_like(ref, -7)
