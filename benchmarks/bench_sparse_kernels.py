@@ -161,10 +161,10 @@ def bench_sparse_mla(cx: _Ctx) -> None:
     variants: list[tuple[str, dict]] = [("default", {})]
     if cx.sweep:
         variants += [
-            ("prefetch bw16", dict(block_w=16)),
-            # The plain loop left to Triton's pipeliner (the first version; its best tile width).
-            ("pipelined bw32 s2", dict(prefetch=False, block_w=32, num_stages=2)),
-            ("pipelined bw64 s2", dict(prefetch=False, block_w=64, num_stages=2)),
+            ("bw32 s2", dict(block_w=32)),
+            ("bw32 s3", dict(block_w=32, num_stages=3)),
+            ("bw16 s4", dict(block_w=16, num_stages=4)),
+            ("bh32 bw64", dict(block_h=32, block_w=64)),
         ]
     for n_rows in MLA_ROWS:
         nbytes = n_rows * WIDTH * RANK * 2
@@ -175,7 +175,7 @@ def bench_sparse_mla(cx: _Ctx) -> None:
         t_ref = _bench(partial(R.sparse_mla_attention, *args), cx.quick, slow=True)
         sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
         batches = [data.batch(n_rows, s * n_rows) for s in range(sets)]
-        splits_default = mod.choose_splits(n_rows, H, WIDTH, dev, 64, 32)
+        splits_default = mod.choose_splits(n_rows, H, WIDTH, dev, 64, 64)
         sweep_here = [("default", {})] if n_rows == 1 else variants
         extra = []
         if cx.sweep and n_rows in (16, 64):
@@ -198,7 +198,7 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                     for b, o in zip(batches, outs)
                 ]
                 t_g = _graph_us(calls, cx.quick)
-                bw = kw.get("block_w", 32)
+                bw = kw.get("block_w", 64)
                 asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, kw.get("block_h", 64), bw))
                 n_splits = mod.split_layout(WIDTH, bw, asked)[1]
                 note = f"splits={n_splits} err {err:.1e} (torch bf16 {ref_err:.1e})"
@@ -229,9 +229,7 @@ def bench_topk(cx: _Ctx) -> None:
             nbytes = n_rows * (max_pools * 4 + TOPK_POOLS * 4)
             variants: list[tuple[str, dict]] = [("default", {})]
             if cx.sweep and n_rows == 16:
-                variants += [("full row (cap 0)", dict(cap=0)), ("w16", dict(num_warps=16))]
-                if max_pools == 32768:
-                    variants += [("cap 4096", dict(cap=4096))]
+                variants += [(f"w{w}", dict(num_warps=w)) for w in (4, 16, 32)]
             for label, kw in variants:
                 try:
                     out = torch.full_like(ref, -7)

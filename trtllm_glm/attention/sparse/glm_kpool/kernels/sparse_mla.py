@@ -7,14 +7,12 @@ row is read once per query row and shared by all heads of a program. Split-K (fl
   contiguous range of ``rows_per_split`` entries of ``sel``. Per tile of ``BLOCK_W`` entries it gathers the
   latent rows through the slot table (entries ``< 0``, bad pages and padding rows are masked: no load),
   takes ``S = Q C^T`` and ``O += P C`` on the tensor cores with an online (running max) softmax in fp32,
-  and writes the normalised partial output and its log2-sum-exp. The gathers are software-pipelined by
-  hand (``PREFETCH``): while tile ``i`` is multiplied, the rows of tile ``i + 1``, the pages of tile
-  ``i + 2`` and the selection of tile ``i + 3`` are in flight. Triton's own pipeliner, given the plain loop,
-  issues the dependent gather of the next tile only after the current tile's products, so each tile waits
-  a full memory round trip (measured on the H200: 3 to 7 times the bytes floor).
+  and writes the normalised partial output and its log2-sum-exp. With one split it writes the final
+  output directly and no combine runs. The loop is left to Triton's software pipeliner (two stages: the
+  selection, page and row loads of the next tile become asynchronous copies).
 * ``_combine_kernel``, grid ``(head blocks, N)``: weights the partials by ``2 ** (lse_s - max lse)`` and
-  writes the output in ``q_abs``'s dtype (also with one split: see the wrapper). A row with nothing
-  selected has every ``lse = -inf`` and gets zeros, as in the reference.
+  writes the output in ``q_abs``'s dtype. A row with nothing selected has every ``lse = -inf`` and gets
+  zeros, as in the reference.
 
 The split count depends only on shapes (rows, heads, selection width, multiprocessor count), and the
 partial buffers are allocated from shapes only, so the op has no host synchronisation and can be captured
@@ -46,55 +44,14 @@ __all__ = ["sparse_mla_attention", "choose_splits", "split_layout"]
 _LOG2E = 1.4426950408889634
 
 # Default launch shape for the GLM geometry (64 heads x 512 latent): all heads in one program, so every
-# gathered latent row is read from memory exactly once per query row.
+# gathered latent row is read from memory exactly once per query row. 64 entries per tile: the fastest
+# shape measured on the H200 (kernels/NOTES.md; per-tile costs dominate, so wider tiles win while they fit:
+# 197 KB of shared memory, a few spilled registers).
 _BLOCK_H = 64
-_BLOCK_W = 32
+_BLOCK_W = 64
 _NUM_WARPS = 8
 _NUM_STAGES = 2
 _COMBINE_BLOCK_H = 8
-
-
-@triton.jit
-def _tile_pages(tok, seq, table_row, num_pages, table_width, PAGE: tl.constexpr):
-    """Raw page of each token of a tile and whether the entry is live (masked lanes load nothing)."""
-    logical = tok // PAGE
-    ok = (tok >= 0) & (seq >= 0) & (logical < table_width)
-    page = tl.load(table_row + logical, mask=ok, other=-1).to(tl.int64)
-    return page, ok & (page >= 0) & (page < num_pages)
-
-
-@triton.jit
-def _tile_rows(kv_ptr, tok, page, ok, r, r_ok, stride_kp, stride_kr, PAGE: tl.constexpr):
-    """Gather the latent rows ``[BLOCK_W, RP]`` of one tile (zeros for dead entries)."""
-    row = (tok % PAGE).to(tl.int64)
-    return tl.load(
-        kv_ptr + (page * stride_kp + row * stride_kr)[:, None] + r[None, :],
-        mask=ok[:, None] & r_ok[None, :],
-        other=0.0,
-    )
-
-
-@triton.jit
-def _tile_update(q, kv, ok, m_i, l_i, acc, qk_scale, FP32: tl.constexpr):
-    """One online-softmax step over a tile: returns the new running max, sum and (unnormalised) output."""
-    if FP32:
-        kv = kv.to(tl.float32)
-        s = tl.dot(q, tl.trans(kv), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(kv))
-    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # Until a head has seen a selected entry its max is -inf; shift by 0 then so that no inf - inf NaN
-    # appears (the exp2 of -inf logits is 0 either way).
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if FP32:
-        pv = tl.dot(p, kv, input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(kv.dtype), kv)
-    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -128,8 +85,8 @@ def _split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_W: tl.constexpr,
     RP: tl.constexpr,
+    FINAL: tl.constexpr,
     FP32: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -148,50 +105,56 @@ def _split_kernel(
         q = q.to(tl.float32)
     seq = tl.load(seq_ptr + n).to(tl.int64)
     table_row = table_ptr + seq * stride_tb
-    sel_row = sel_ptr + n64 * stride_sn
     w_lo = split * rows_per_split
     w_hi = tl.minimum(w_lo + rows_per_split, W)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, RP], tl.float32)
-    if PREFETCH:
-        # Software pipeline by hand, three tiles deep: at the top of the step for tile i the loads of the
-        # latent rows of tile i + 1, the pages of tile i + 2 and the selection of tile i + 3 are issued;
-        # each depends only on values loaded one step earlier, so none of them stalls, and their latency
-        # hides behind tile i's matrix products. (Triton's own pipeliner issues the dependent row gather
-        # only after the products, so every tile would wait a full memory round trip.)
-        wt = w_lo + tl.arange(0, BLOCK_W)
-        tok_a = tl.load(sel_row + wt, mask=wt < w_hi, other=-1)
-        tok_b = tl.load(sel_row + wt + BLOCK_W, mask=wt + BLOCK_W < w_hi, other=-1)
-        tok_c = tl.load(sel_row + wt + 2 * BLOCK_W, mask=wt + 2 * BLOCK_W < w_hi, other=-1)
-        page_a, ok_a = _tile_pages(tok_a, seq, table_row, num_pages, table_width, PAGE)
-        page_b, ok_b = _tile_pages(tok_b, seq, table_row, num_pages, table_width, PAGE)
-        kv_next = _tile_rows(kv_ptr, tok_a, page_a, ok_a, r, r_ok, stride_kp, stride_kr, PAGE)
-        ok_next = ok_a
-        for w0 in range(w_lo, w_hi, BLOCK_W):
-            kv = kv_next
-            ok = ok_next
-            kv_next = _tile_rows(kv_ptr, tok_b, page_b, ok_b, r, r_ok, stride_kp, stride_kr, PAGE)
-            ok_next = ok_b
-            page_b, ok_b = _tile_pages(tok_c, seq, table_row, num_pages, table_width, PAGE)
-            tok_b = tok_c
-            wn = w0 + 3 * BLOCK_W + tl.arange(0, BLOCK_W)
-            tok_c = tl.load(sel_row + wn, mask=wn < w_hi, other=-1)
-            m_i, l_i, acc = _tile_update(q, kv, ok, m_i, l_i, acc, qk_scale, FP32)
-    else:
-        for w0 in range(w_lo, w_hi, BLOCK_W):
-            w = w0 + tl.arange(0, BLOCK_W)
-            tok = tl.load(sel_row + w, mask=w < w_hi, other=-1)
-            page, ok = _tile_pages(tok, seq, table_row, num_pages, table_width, PAGE)
-            kv = _tile_rows(kv_ptr, tok, page, ok, r, r_ok, stride_kp, stride_kr, PAGE)
-            m_i, l_i, acc = _tile_update(q, kv, ok, m_i, l_i, acc, qk_scale, FP32)
+    for w0 in range(w_lo, w_hi, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        tok = tl.load(sel_ptr + n64 * stride_sn + w, mask=w < w_hi, other=-1)
+        # Masked lanes never touch memory: skipped entries, padding rows and pages outside the table.
+        ok = (tok >= 0) & (seq >= 0)
+        logical = tok // PAGE
+        ok = ok & (logical < table_width)
+        page = tl.load(table_row + logical, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (page >= 0) & (page < num_pages)
+        row = tok % PAGE
+        kv = tl.load(
+            kv_ptr + (page * stride_kp + row * stride_kr)[:, None] + r[None, :],
+            mask=ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        if FP32:
+            kv = kv.to(tl.float32)
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Until a head has seen a selected entry its max is -inf; shift by 0 then so that no inf - inf NaN
+        # appears (the exp2 of -inf logits is 0 either way).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32:
+            pv = tl.dot(p, kv, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(kv.dtype), kv)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     has = l_i > 0.0
     inv_l = 1.0 / tl.where(has, l_i, 1.0)
     o = tl.where(has[:, None], acc * inv_l[:, None], 0.0)
     o_ptrs = o_ptr + n64 * stride_on + split * stride_os + h[:, None] * stride_oh + r[None, :]
-    tl.store(o_ptrs, o, mask=h_ok[:, None] & r_ok[None, :])
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    tl.store(lse_ptr + n64 * stride_ln + split * stride_ls + h, lse, mask=h_ok)
+    o_mask = h_ok[:, None] & r_ok[None, :]
+    if FINAL:
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, o, mask=o_mask)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + n64 * stride_ln + split * stride_ls + h, lse, mask=h_ok)
 
 
 @triton.jit
@@ -305,9 +268,8 @@ def sparse_mla_attention(
     block_h: int | None = None,
     block_w: int | None = None,
     num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int = _NUM_STAGES,
     combine_block_h: int = _COMBINE_BLOCK_H,
-    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Sparse MLA over selected latent rows; see the package's `sparse_mla_attention`.
 
@@ -322,10 +284,6 @@ def sparse_mla_attention(
         out: optional ``[N, H, R]`` buffer of ``q_abs``'s dtype to write into.
         splits: split count over ``W`` (default: `choose_splits`); tuning only.
         block_h, block_w, num_warps, num_stages, combine_block_h: launch shape; tuning only.
-        prefetch: hand-pipelined row gathers (default on the tensor-core path) or a plain loop left to
-            Triton's pipeliner (the default for fp32 on CUDA, whose register-held operands leave no room for
-            a prefetched tile; slower otherwise: it issues the gather of the next tile only after this
-            tile's products); tuning only.
 
     Returns:
         ``[N, H, R]`` latent outputs in ``q_abs``'s dtype.
@@ -362,14 +320,11 @@ def sparse_mla_attention(
 
     fp32 = INTERPRETED or q_abs.dtype != latent_cache.dtype or latent_cache.dtype == torch.float32
     if fp32 and not INTERPRETED:
-        # IEEE fp32 products run on the FMA units with the operands in registers: small tiles and no
-        # prefetched tile, or the compiler spills (this is the exactness path, not the fast one).
+        # IEEE fp32 products run on the FMA units with the operands in registers: small tiles, or the
+        # compiler spills (this is the exactness path, not the fast one).
         block_h = block_h or 16
         block_w = block_w or 16
         num_warps = num_warps or 4
-        prefetch = False if prefetch is None else prefetch
-    if prefetch is None:
-        prefetch = True
     if block_h is None:
         # tl.dot needs at least 16 rows; padded heads load zero queries and are never stored.
         block_h = min(_BLOCK_H, max(16, triton.next_power_of_2(n_heads)))
@@ -393,65 +348,91 @@ def sparse_mla_attention(
         BLOCK_W=block_w,
         RP=rp,
         FP32=fp32,
-        PREFETCH=prefetch,
         num_warps=num_warps,
-        # The hand-pipelined loop needs no software pipelining from the compiler (and no shared memory
-        # for it): the next tile already sits in registers.
-        num_stages=num_stages if num_stages is not None else (1 if prefetch else _NUM_STAGES),
+        num_stages=num_stages,
     )
     grid = (head_blocks, splits, n_rows)
     qk_scale = float(softmax_scale) * _LOG2E
-    # Always through the fp32 partials and the combine, also with one split: writing the output dtype from
-    # the split kernel costs it registers (the epilogue's addresses stay live across the loop) and spills.
-    o_part = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_abs.device)
-    lse_part = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_abs.device)
-    _split_kernel[grid](
-        q_abs,
-        latent_cache,
-        sel,
-        row_seq,
-        slot_table,
-        o_part,
-        lse_part,
-        n_heads,
-        width,
-        latent_cache.shape[0],
-        slot_table.shape[1],
-        rows_per_split,
-        q_abs.stride(0),
-        q_abs.stride(1),
-        latent_cache.stride(0),
-        latent_cache.stride(1),
-        sel.stride(0),
-        slot_table.stride(0),
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        qk_scale,
-        **common,
-    )
-    cb = min(combine_block_h, triton.next_power_of_2(n_heads))
-    _combine_kernel[(triton.cdiv(n_heads, cb), n_rows)](
-        o_part,
-        lse_part,
-        dst,
-        n_heads,
-        splits,
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        dst.stride(0),
-        dst.stride(1),
-        R=rank,
-        BLOCK_H=cb,
-        RP=rp,
-        SP=triton.next_power_of_2(splits),
-        num_warps=4,
-    )
+    if splits == 1:
+        _split_kernel[grid](
+            q_abs,
+            latent_cache,
+            sel,
+            row_seq,
+            slot_table,
+            dst,
+            dst,
+            n_heads,
+            width,
+            latent_cache.shape[0],
+            slot_table.shape[1],
+            rows_per_split,
+            q_abs.stride(0),
+            q_abs.stride(1),
+            latent_cache.stride(0),
+            latent_cache.stride(1),
+            sel.stride(0),
+            slot_table.stride(0),
+            dst.stride(0),
+            0,
+            dst.stride(1),
+            0,
+            0,
+            qk_scale,
+            FINAL=True,
+            **common,
+        )
+    else:
+        o_part = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_abs.device)
+        lse_part = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_abs.device)
+        _split_kernel[grid](
+            q_abs,
+            latent_cache,
+            sel,
+            row_seq,
+            slot_table,
+            o_part,
+            lse_part,
+            n_heads,
+            width,
+            latent_cache.shape[0],
+            slot_table.shape[1],
+            rows_per_split,
+            q_abs.stride(0),
+            q_abs.stride(1),
+            latent_cache.stride(0),
+            latent_cache.stride(1),
+            sel.stride(0),
+            slot_table.stride(0),
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            qk_scale,
+            FINAL=False,
+            **common,
+        )
+        cb = min(combine_block_h, triton.next_power_of_2(n_heads))
+        _combine_kernel[(triton.cdiv(n_heads, cb), n_rows)](
+            o_part,
+            lse_part,
+            dst,
+            n_heads,
+            splits,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse_part.stride(0),
+            lse_part.stride(1),
+            dst.stride(0),
+            dst.stride(1),
+            R=rank,
+            BLOCK_H=cb,
+            RP=rp,
+            SP=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
     if dst is not out:
         out.copy_(dst)
     return out
