@@ -15,7 +15,7 @@ from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from .backend import kpool_ops
 from .metadata import GlmKpoolMetadata
-from .ops import expand_selection_window, indexer_head_weights, select_topk_pools
+from .ops import expand_selection_window, indexer_head_weights
 
 __all__ = ["GlmKpoolIndexer"]
 
@@ -105,7 +105,7 @@ class GlmKpoolIndexer(nn.Module):
         scores = ops.score_pools(
             q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
         )
-        pool_ids = select_topk_pools(scores, pos, self.topk_pools)
+        pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.last_pool_ids = pool_ids
         sel[:, : self.select_width].copy_(ops.expand_selection(pool_ids, pos, self.select_width))
         return sel

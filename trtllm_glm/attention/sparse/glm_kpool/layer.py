@@ -13,7 +13,6 @@ from ....modules.norm import RMSNorm
 from .backend import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
-from .ops import sparse_mla_attention
 
 __all__ = ["GlmKpoolSparseMLA"]
 
@@ -90,7 +89,7 @@ class GlmKpoolSparseMLA(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
         q_abs = torch.einsum("nhd,hdr->nhr", q, w_uk)
-        o_lat = sparse_mla_attention(
+        o_lat = kpool_ops(h.device).sparse_mla_attention(
             q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.page_size, self.softmax_scale
         )
         o = torch.einsum("nhr,hvr->nhv", o_lat, w_uv).reshape(N, self.num_heads * self.v_head)
