@@ -1,0 +1,291 @@
+"""End-to-end decode benchmark on a real-geometry slice of GLM-5.3-Flash (issue 8's yardstick).
+
+Builds ``Glm5NextForCausalLM`` from the real config cut to ``--layers`` trunk layers (sparse MLA at
+``i % 4 == 3``, dense FFN for layers 0-2, 288-expert MoE after) plus the MTP layer, seeded random
+weights, and runs batches of ``--prompt-len``-token prompts through the executor. Per (layers, batch,
+mode) it reports the steady-state decode step: time per step, tokens per second, launches and host syncs
+per step (torch profiler), the bytes a step must read at least (weights touched + caches) and the ratio
+of the step time to that floor at the copy bandwidth measured in the same run. Modes: ``plain``,
+``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and ``oracleA`` (7 drafts from a
+replay of the plain run, each right with probability ``A``, e.g. ``oracle0.7``), which traces the
+verify cost curve; ``transformers`` runs the reference's ``generate`` on the same weights for scale.
+
+Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
+``--preset tiny --device cpu`` runs the same code path on the CPU (a smoke test; numbers mean little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.speculative.drafters import OracleDrafter
+from trtllm_glm.speculative.executor import SpeculativeExecutor
+
+
+def copy_ceiling_gbs(device: str) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
+    if device != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        y.copy_(x)
+    b.record()
+    b.synchronize()
+    return 10 * 2 * x.numel() * 4 / (a.elapsed_time(b) * 1e-3) / 1e9
+
+
+def floor_bytes(cfg: Glm5NextConfig, model: Glm5NextForCausalLM, rows: int, batch: int, context: int) -> int:
+    """Bytes one decode/verify step of ``rows`` rows over ``batch`` requests must read at least.
+
+    Dense weights once; of each MoE layer only the experts the step's tokens can reach (expected
+    distinct experts for ``rows`` tokens of uniform top-k routing); KDA states read and written; per
+    sparse layer the selected latent rows of every row plus the FP8 pool entries it scores.
+    """
+    total = 0
+    expert_bytes = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        if ".experts." in name:
+            expert_bytes += p.numel() * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    if n_moe:
+        reached = E * (1 - (1 - k / E) ** rows)
+        total += int(expert_bytes * reached / E)
+    kda_state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
+    total += 2 * kda_state * batch * len(cfg.kda_layer_ids)
+    sel = min(context, cfg.index_select_width)
+    per_sparse = rows * sel * cfg.kv_lora_rank * 2 + batch * (context // 4) * 132
+    total += per_sparse * len(cfg.sparse_layer_ids)
+    return total
+
+
+def count_launches_and_syncs(step) -> tuple[int, int]:
+    """Kernel launches and device-to-host synchronisations of one call of ``step`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+    launches = syncs = 0
+    for e in prof.events():
+        n = e.name
+        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+            launches += 1
+        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") or (n == "cudaMemcpyAsync" and "DtoH" in str(e)):
+            syncs += 1
+    return launches, syncs
+
+
+def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
+    if mode == "plain":
+        return Executor(model, cfg)
+    if mode.startswith("mtp"):
+        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:])))
+    if mode.startswith("ngram"):
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
+    if mode.startswith("oracle"):
+        acc = float(mode[6:])
+        rng = random.Random(seed)
+        wrong = {}
+
+        def corrupt(i: int, j: int) -> bool:
+            return wrong.setdefault((i, j), rng.random() >= acc)
+
+        drafter = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=7), drafter=drafter)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0):
+    """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens."""
+    cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 16), max_batch_size=batch,
+                         max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16)  # fmt: skip
+    ex = make_executor(model, cfg, mode, continuation, seed)
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    reqs = [ex.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
+                           SamplingParams(max_tokens=gen, ignore_eos=True)) for _ in range(batch)]  # fmt: skip
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    while any(r.num_computed < len(r.prompt_ids) for r in reqs):  # prefill (not timed)
+        ex.step()
+    for _ in range(2):  # warm-up decode steps (kernel compilation, first-touch)
+        if ex.has_work:
+            ex.step()
+    launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
+    sync()
+    tok0 = sum(len(r.output_ids) for r in reqs)
+    steps, t0 = 0, time.perf_counter()
+    while ex.has_work:
+        ex.step()
+        steps += 1
+    sync()
+    dt = time.perf_counter() - t0
+    toks = sum(len(r.output_ids) for r in reqs) - tok0
+    rounds = sum(r.num_verify_rounds for r in reqs)
+    mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
+    return {
+        "step_ms": 1e3 * dt / max(steps, 1),
+        "tokens_per_s": toks / dt if dt > 0 else float("nan"),
+        "tokens_per_step": toks / max(steps, 1),
+        "mean_accepted": mean_acc,
+        "launches_per_step": launches,
+        "syncs_per_step": syncs,
+        "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
+    }
+
+
+def run_transformers(model_cfg: Glm5NextConfig, ours: Glm5NextForCausalLM, batch: int, prompt_len: int, gen: int):
+    """The reference's ``generate`` (greedy, its own cache) on the same trunk weights: tokens/s."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from hf_reference import VISION_SMALL, _import_reference
+
+    HfConfig, HfModel = _import_reference()
+    text = model_cfg.text_dict()
+    text.pop("num_nextn_predict_layers", None)
+    text.pop("index_share_for_mtp_iteration", None)
+    cfg = HfConfig(text_config=text, vision_config=VISION_SMALL)
+    dev = next(ours.parameters()).device
+    dt = next(ours.parameters()).dtype
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(dev):
+            hf = HfModel(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    mtp = f".layers.{model_cfg.num_hidden_layers}."
+    sd = {k: v for k, v in ours.hf_state_dict().items() if mtp not in k}
+    res = hf.load_state_dict(_to_reference_names(sd, hf), strict=False)
+    missing = [k for k in res.missing_keys if ".visual." not in k]
+    if missing or res.unexpected_keys:
+        raise RuntimeError(
+            f"weights do not map onto the reference: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}"
+        )
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device=dev)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=2, do_sample=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    return {"tokens_per_s": batch * gen / (time.perf_counter() - t0)}
+
+
+def _to_reference_names(sd: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """Our checkpoint names -> the reference's in-memory names (fused experts and conv taps)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    convs: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in sd.items():
+        n = k
+        for blk in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                n = n.replace(f".hc_{blk}_{part}", f".{blk}_hc.{part}")
+        for part in ("f_a_proj", "f_b_proj", "dt_bias", "A_log"):
+            n = n.replace(f".self_attn.{part}", f".self_attn.forget_gate.{part}")
+        if ".mlp.experts." in n:
+            pre, rest = n.split(".mlp.experts.")
+            e, which = rest.split(".", 1)
+            experts.setdefault(pre, {}).setdefault(int(e), {})[which.split(".")[0]] = v
+            continue
+        if any(f".self_attn.{c}_conv1d." in n for c in "qkv"):
+            pre, rest = n.split(".self_attn.")
+            convs.setdefault(pre, {})[rest[0]] = v
+            continue
+        out[n] = v
+    for pre, by_e in experts.items():
+        es = [by_e[e] for e in sorted(by_e)]
+        out[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in es])
+        out[f"{pre}.mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in es])
+    for pre, c in convs.items():
+        out[f"{pre}.self_attn.conv1d.weight"] = torch.cat([c["q"], c["k"], c["v"]])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="glm-5.3-flash")
+    ap.add_argument("--layers", type=int, nargs="+", default=[4])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--modes", nargs="+", default=["plain", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9"])
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=48)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    base = Glm5NextConfig.from_pretrained(args.preset)
+    bw = copy_ceiling_gbs(args.device)
+    rows_out = []
+    for L in args.layers:
+        keep = list(range(min(L, base.num_hidden_layers)))
+        from trtllm_glm.models.glm5_next import subset_config
+
+        cfg = subset_config(base, keep)
+        if cfg.num_nextn_predict_layers == 0:
+            cfg.num_nextn_predict_layers = 1
+        model = Glm5NextForCausalLM.from_config(cfg, seed=0, dtype=args.dtype, device=args.device)
+        for B in args.batch:
+            plain = None
+            for mode in args.modes:
+                cont = plain["outputs"] if plain is not None else None
+                if mode.startswith("oracle") and cont is None:
+                    plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device)
+                    cont = plain["outputs"]
+                r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont)
+                if mode == "plain":
+                    plain = r
+                # A step verifies 1 + K rows per request (K = the mode's draft count).
+                k = int(mode[3:]) if mode.startswith("mtp") else 7 if mode.startswith(("oracle", "ngram")) else 0
+                fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen)
+                floor_ms = fl / (bw * 1e9 / 2) * 1e3 if bw == bw else float("nan")
+                row = {"layers": L, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
+                       "step_ms": r["step_ms"], "floor_ms": floor_ms, "ratio_to_floor": r["step_ms"] / floor_ms,
+                       "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
+                       "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
+                       "graphs": False}  # fmt: skip
+                rows_out.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            if args.transformers:
+                try:
+                    t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
+                    row = {"layers": L, "batch": B, "mode": "transformers", **t}
+                except Exception as e:  # the reference may not fit or may lack a path; say so and go on
+                    row = {"layers": L, "batch": B, "mode": "transformers", "error": f"{type(e).__name__}: {e}"}
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
