@@ -147,3 +147,17 @@ def test_memory_estimate_refuses_before_allocating(monkeypatch) -> None:
         m = Glm5NextForCausalLM(cfg)
     # The real model is several hundred GB in bf16; the estimate says so before any allocation.
     assert m.param_bytes(torch.bfloat16) > 100 * (1 << 30)
+
+
+def test_cache_estimate_matches_allocation_and_refuses_early() -> None:
+    from trtllm_glm.cache.manager import Glm5NextCacheManager
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    kw = dict(num_pages=37, tokens_per_block=8, max_num_requests=3, include_mtp_layer=True, dtype=torch.bfloat16)
+    m = Glm5NextCacheManager(cfg, **kw)
+    planes = (m.latent, m.index_k, m.index_scale, m.tail_ring, m.kda_recurrent, m.kda_conv)
+    assert Glm5NextCacheManager.estimate_bytes(cfg, **kw) == sum(t.numel() * t.element_size() for t in planes)
+    model = Glm5NextForCausalLM.from_config(cfg)
+    with pytest.raises(CheckpointError, match=r"the KV cache .* need about .* GiB on cpu"):
+        Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=1 << 40, max_batch_size=2))

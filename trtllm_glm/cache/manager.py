@@ -128,6 +128,29 @@ class Glm5NextCacheManager:
         self._num_tokens: dict[int, int] = {}
         self.decode_tail_rings: list[Any] = []
 
+    @staticmethod
+    def estimate_bytes(
+        config: Glm5NextConfig,
+        *,
+        num_pages: int,
+        tokens_per_block: int,
+        max_num_requests: int,
+        num_sparse_layers: int | None = None,
+        num_kda_layers: int | None = None,
+        include_mtp_layer: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> int:
+        """Bytes the constructor with these arguments allocates (to refuse early, before allocating)."""
+        Ls = len(config.sparse_layer_ids) + int(include_mtp_layer) if num_sparse_layers is None else num_sparse_layers
+        Lk = len(config.kda_layer_ids) if num_kda_layers is None else num_kda_layers
+        P, S = tokens_per_block, max_num_requests
+        el = torch.empty(0, dtype=dtype).element_size()
+        pages = num_pages * (P * config.kv_lora_rank * el + (P // INDEX_KPOOL) * (INDEX_HEAD_DIM + 4))
+        rings = S * 2 * INDEX_KPOOL * INDEX_HEAD_DIM * 4
+        H, K = config.kda_num_heads, config.kda_head_dim
+        kda = S * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * 4
+        return Ls * (pages + rings) + Lk * kda
+
     def enable_decode_tail_rings(self, max_rows: int, num_layers: int | None = None) -> None:
         """Give the first ``num_layers`` sparse planes (default all) a `DecodeTailRing` of ``max_rows``
         rows (``1 + num_speculative_tokens``), so that verify rounds can roll back rejected ring entries."""

@@ -16,7 +16,7 @@ import torch
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
-from ..models.glm5_next import Glm5NextForCausalLM
+from ..models.glm5_next import Glm5NextForCausalLM, check_memory
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs, top2_gap
 from .scheduler import ScheduledSeq, Scheduler
@@ -92,15 +92,20 @@ class Executor:
 
     def _make_manager(self, *, include_mtp_layer: bool) -> Glm5NextCacheManager:
         P = self.cfg.tokens_per_block
-        return Glm5NextCacheManager(
-            self.config,
+        kw = dict(
             num_pages=-(-self.cfg.max_tokens // P),
             tokens_per_block=P,
             max_num_requests=self.cfg.max_batch_size,
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
-            device=self.device,
         )
+        # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate).
+        check_memory(
+            Glm5NextCacheManager.estimate_bytes(self.config, **kw),
+            self.device,
+            what=f"the KV cache ({kw['num_pages']} pages of {P} tokens, {self.cfg.max_batch_size} state slots)",
+        )
+        return Glm5NextCacheManager(self.config, **kw, device=self.device)
 
     # --------------------------------------------------------------------------------------------
     # Requests
