@@ -15,8 +15,8 @@ import torch
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
-from trtllm_glm.attention.sparse.glm_kpool.tail_ring import DecodeTailRing
 from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.state.tail_ring import DecodeTailRing
 
 pytest.importorskip("triton")
 

@@ -92,11 +92,10 @@ class AttentionMetadata:
         self.num_tokens = 0
         self.max_kv_len = 0
         # Speculative verify (set by the speculative executor after prepare(), cleared by prepare()):
-        # batch indices of width > 1 verify sequences; KDA layers store their commit records here by
-        # KDA layer index; num_accepted_t is the scheduler's accepted count of each sequence's previous
+        # batch indices of width > 1 verify sequences (their KDA commit records go to the cache manager's
+        # state owner); num_accepted_t is the scheduler's accepted count of each sequence's previous
         # step (tail-ring cross-check only: positions decide).
         self.verify_seqs: list[int] = []
-        self.kda_records: dict[int, object] = {}
         self.num_accepted_t: torch.Tensor | None = None
         # MTP selection sharing (index_share_for_mtp_iteration; set after prepare(), cleared by it): each
         # row reuses ``shared_pool_ids[n]`` (step 0's top-k pools) and attends every token from
@@ -150,7 +149,6 @@ class AttentionMetadata:
         self.num_tokens = N
         self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
         self.verify_seqs = []
-        self.kda_records = {}
         self.num_accepted_t = None
         self.shared_pool_ids = None
         self.shared_window_start = None

@@ -2,7 +2,9 @@
 
 One page pool is shared by all sparse MLA layers: a page of ``P`` tokens holds, per sparse layer, that
 layer's ``P`` latent rows and its ``P / 4`` FP8 pooled index entries, so latent and index share one
-slot-id space. KDA recurrent/conv state and the indexer tail rings are per-request *state slots*.
+slot-id space. KDA recurrent/conv state and the indexer tail rings are per-request *state slots*, owned by
+the manager's `RequestStateOwner` (``manager.state``, trtllm_glm/state), which also owns their rollback
+and snapshot planes; the manager allocates slots and exposes the planes as views.
 See docs/architecture.md for the exact plane shapes.
 """
 
@@ -16,6 +18,7 @@ import torch
 
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
+from ..state import KdaLayerState, RequestStateOwner
 
 __all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState"]
 
@@ -40,19 +43,6 @@ class KpoolLayerCache:
     page_size: int
     # Speculative rollback of the tail ring (DESIGN §6.2); None when the manager serves no verify rounds.
     decode_tail_ring: Any = None
-
-
-@dataclass
-class KdaLayerState:
-    """Views of one KDA layer's per-request state.
-
-    Attributes:
-        recurrent: ``[num_state_slots, H, K, V]`` FP32 delta-rule state.
-        conv: ``[num_state_slots, C, kernel - 1]`` last inputs of the short convolution, ``C = H*(2K+V)``.
-    """
-
-    recurrent: torch.Tensor
-    conv: torch.Tensor
 
 
 class Glm5NextCacheManager:
@@ -111,14 +101,19 @@ class Glm5NextCacheManager:
         )
         self.index_scale = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, dtype=torch.float32, device=dev)
         S = max_num_requests
-        self.tail_ring = torch.zeros(Ls, S, 2, INDEX_KPOOL, INDEX_HEAD_DIM, dtype=torch.float32, device=dev)
-        H, K = config.kda_num_heads, config.kda_head_dim
-        conv_dim = H * 3 * K
-        Lk = num_kda_layers
-        self.kda_recurrent = torch.zeros(Lk, S, H, K, K, dtype=torch.float32, device=dev)
-        self.kda_conv = torch.zeros(
-            Lk, S, conv_dim, config.kda_short_conv_kernel_size - 1, dtype=torch.float32, device=dev
+        self.state = RequestStateOwner(
+            num_state_slots=S,
+            num_sparse_layers=Ls,
+            num_kda_layers=num_kda_layers,
+            kda_num_heads=config.kda_num_heads,
+            kda_head_dim=config.kda_head_dim,
+            kda_conv_kernel=config.kda_short_conv_kernel_size,
+            device=dev,
         )
+        # Views of the owner's planes (the same storage), kept for the attention backend and tests.
+        self.tail_ring = self.state.tail_ring
+        self.kda_recurrent = self.state.kda_recurrent
+        self.kda_conv = self.state.kda_conv
 
         # Host-side bookkeeping. Free lists pop from the end; reversed so that ids come out ascending.
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
@@ -126,7 +121,6 @@ class Glm5NextCacheManager:
         self._pages: dict[int, list[int]] = {}
         self._slot: dict[int, int] = {}
         self._num_tokens: dict[int, int] = {}
-        self.decode_tail_rings: list[Any] = []
 
     @staticmethod
     def estimate_bytes(
@@ -151,13 +145,15 @@ class Glm5NextCacheManager:
         kda = S * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * 4
         return Ls * (pages + rings) + Lk * kda
 
+    @property
+    def decode_tail_rings(self) -> list[Any]:
+        """The state owner's tail-ring rollbacks, one per protected sparse plane (empty without speculation)."""
+        return self.state.decode_tail_rings
+
     def enable_decode_tail_rings(self, max_rows: int, num_layers: int | None = None) -> None:
         """Give the first ``num_layers`` sparse planes (default all) a `DecodeTailRing` of ``max_rows``
         rows (``1 + num_speculative_tokens``), so that verify rounds can roll back rejected ring entries."""
-        from ..attention.sparse.glm_kpool.tail_ring import DecodeTailRing
-
-        n = self.num_sparse_layers if num_layers is None else num_layers
-        self.decode_tail_rings = [DecodeTailRing(self.max_num_requests, max_rows, self.device) for _ in range(n)]
+        self.state.enable_decode_tail_rings(max_rows, num_layers)
 
     # --------------------------------------------------------------------------------------------
     # Request lifetime
@@ -217,12 +213,8 @@ class Glm5NextCacheManager:
         del self._num_tokens[request_id]
 
     def reset_state_slot(self, slot: int) -> None:
-        """Zero every per-request state plane of ``slot`` (KDA state, conv window, tail rings)."""
-        self.tail_ring[:, slot].zero_()
-        self.kda_recurrent[:, slot].zero_()
-        self.kda_conv[:, slot].zero_()
-        for ring in self.decode_tail_rings:
-            ring.reset(slot)
+        """Zero every per-request state plane of ``slot`` (KDA state, conv window, tail rings, backups)."""
+        self.state.reset(slot)
 
     # --------------------------------------------------------------------------------------------
     # Queries
@@ -274,14 +266,12 @@ class Glm5NextCacheManager:
             index_scale=self.index_scale[sparse_idx],
             tail_ring=self.tail_ring[sparse_idx],
             page_size=self.page_size,
-            decode_tail_ring=self.decode_tail_rings[sparse_idx] if sparse_idx < len(self.decode_tail_rings) else None,
+            decode_tail_ring=self.state.decode_tail_ring(sparse_idx),
         )
 
     def kda_layer_state(self, kda_idx: int) -> KdaLayerState:
         """State planes of the ``kda_idx``-th KDA layer."""
-        if not 0 <= kda_idx < self.num_kda_layers:
-            raise IndexError(f"KDA layer {kda_idx} not in [0, {self.num_kda_layers})")
-        return KdaLayerState(recurrent=self.kda_recurrent[kda_idx], conv=self.kda_conv[kda_idx])
+        return self.state.kda_layer_state(kda_idx)
 
     # --------------------------------------------------------------------------------------------
     # Sizes
@@ -301,10 +291,7 @@ class Glm5NextCacheManager:
     @property
     def state_bytes_per_request(self) -> int:
         """Bytes of one state slot: KDA recurrent + conv state and every tail ring."""
-        per = 0
-        for t in (self.tail_ring, self.kda_recurrent, self.kda_conv):
-            per += t[:, 0].numel() * t.element_size()
-        return per
+        return self.state.state_bytes_per_slot
 
     def bytes_per_request(self, num_tokens: int) -> int:
         """Bytes a request of ``num_tokens`` holds: its pages plus its state slot."""

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..cache.manager import KdaLayerState
 from ..config import Glm5NextConfig
+from ..state import KdaLayerState
 from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
@@ -113,6 +113,40 @@ class KdaLayerRecords:
     x_rows: torch.Tensor
     kda: KdaRecords
     num_seqs: int
+
+    @torch.no_grad()
+    def commit(self, num_accepted: Sequence[int] | torch.Tensor, state: KdaLayerState) -> None:
+        """Fold the first ``a`` verified rows of each sequence into its slot and shift its conv window.
+
+        ``state`` must be unchanged since the verify pass that made these records. ``a = 0`` leaves the
+        slot as committed (zeroed for a fresh sequence). The state owner calls this from
+        `RequestStateOwner.commit_verified`.
+
+        Args:
+            num_accepted: ``[num_seqs]`` accepted rows per batch sequence (root + accepted drafts), host list
+                preferred; entries of sequences that were not verified are ignored.
+            state: this layer's state planes, updated in place (only the verified sequences' slots).
+        """
+        records = self
+        if not records.seq_ids:
+            return
+        if isinstance(num_accepted, torch.Tensor):
+            ids = torch.tensor(records.seq_ids, dtype=torch.int64, device=num_accepted.device)
+            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)[ids]
+        else:
+            if len(num_accepted) != records.num_seqs:
+                raise ValueError(f"num_accepted has {len(num_accepted)} entries for {records.num_seqs} sequences")
+            a = [int(num_accepted[b]) for b in records.seq_ids]
+            bad = [(b, n, w) for b, n, w in zip(records.seq_ids, a, records.widths) if not 0 <= n <= w]
+            if bad:
+                raise ValueError(f"num_accepted out of range (seq, accepted, width): {bad}")
+        slots, fresh = records.slots_t, records.fresh
+        conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+        conv_commit(conv, records.x_rows, a)
+        state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
+        S = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
+        kda_commit(S, records.kda, a)
+        state.recurrent.index_copy_(0, slots, S.to(state.recurrent.dtype))
 
 
 def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
@@ -405,36 +439,8 @@ class KimiDeltaAttention(nn.Module):
         num_accepted: Sequence[int] | torch.Tensor,
         state: KdaLayerState,
     ) -> None:
-        """Fold the first ``a`` verified rows of each sequence into its slot and shift its conv window.
-
-        ``state`` must be unchanged since the verify pass that made ``records``. ``a = 0`` leaves the slot as
-        committed (zeroed for a fresh sequence).
-
-        Args:
-            records: from `forward_verify`.
-            num_accepted: ``[num_seqs]`` accepted rows per batch sequence (root + accepted drafts), host list
-                preferred; entries of sequences that were not verified are ignored.
-            state: this layer's state planes, updated in place (only the verified sequences' slots).
-        """
-        if not records.seq_ids:
-            return
-        if isinstance(num_accepted, torch.Tensor):
-            ids = torch.tensor(records.seq_ids, dtype=torch.int64, device=num_accepted.device)
-            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)[ids]
-        else:
-            if len(num_accepted) != records.num_seqs:
-                raise ValueError(f"num_accepted has {len(num_accepted)} entries for {records.num_seqs} sequences")
-            a = [int(num_accepted[b]) for b in records.seq_ids]
-            bad = [(b, n, w) for b, n, w in zip(records.seq_ids, a, records.widths) if not 0 <= n <= w]
-            if bad:
-                raise ValueError(f"num_accepted out of range (seq, accepted, width): {bad}")
-        slots, fresh = records.slots_t, records.fresh
-        conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
-        conv_commit(conv, records.x_rows, a)
-        state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
-        S = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
-        kda_commit(S, records.kda, a)
-        state.recurrent.index_copy_(0, slots, S.to(state.recurrent.dtype))
+        """Fold the first ``a`` verified rows of each sequence into its slot (`KdaLayerRecords.commit`)."""
+        records.commit(num_accepted, state)
 
     @torch.no_grad()
     def forward_spec(

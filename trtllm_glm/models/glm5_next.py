@@ -137,7 +137,8 @@ class Glm5NextDecoderLayer(nn.Module):
             return self.self_attn(x, meta, manager.kpool_layer_cache(idx))
         if meta.verify_seqs:
             a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), meta.verify_seqs)
-            meta.kda_records[self.cache_idx] = rec
+            # The state owner keeps the records until the executor commits the accepted prefix.
+            manager.state.record_verify(self.cache_idx, rec)
             return a
         return self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
 
@@ -262,6 +263,8 @@ class Glm5NextForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
         """Final hidden ``[N, D]`` of every row (logits via `compute_logits` on the rows needed)."""
+        # Records of a step that was never committed (it raised) must not be folded by a later commit.
+        manager.state.discard_pending()
         return self.model(input_ids, meta, manager)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,15 +275,11 @@ class Glm5NextForCausalLM(nn.Module):
         """Fold each verified sequence's first ``num_accepted[b]`` rows into every KDA layer's state.
 
         Args:
-            meta: the metadata of the verify step (holds the records its forward stored).
-            manager: the cache manager holding the KDA state.
+            meta: the metadata of the verify step (its state slots).
+            manager: the cache manager whose state owner holds the records the forward stored.
             num_accepted: ``[num_seqs]`` accepted rows (root + accepted drafts) per batch sequence.
         """
-        for layer in self.model.layers:
-            rec = meta.kda_records.get(layer.cache_idx) if not layer.is_sparse else None
-            if rec is not None:
-                layer.self_attn.commit(rec, num_accepted, manager.kda_layer_state(layer.cache_idx))
-        meta.kda_records = {}
+        manager.state.commit_verified(meta.state_slots, num_accepted)
 
     def mtp_forward(
         self,

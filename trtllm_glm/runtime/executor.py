@@ -267,6 +267,8 @@ class Executor:
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
         """Commit the rows, sample where a sequence's pending rows ended, retire finished requests."""
         to_sample: list[tuple[Request, int]] = []
+        # Every row of a plain step is committed: the state owner advances each slot's committed length.
+        self.manager.state.commit_verified(self.meta.state_slots, [s.num_rows for s in plan])
         row = 0
         for s in plan:
             r = s.request

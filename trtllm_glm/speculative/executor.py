@@ -100,11 +100,12 @@ class SpeculativeExecutor(Executor):
                     device=self.device,
                 )
                 self.mtp_plane = 0
-        self._ring_backup = None
         if self.use_mtp:
             dm = self.draft_manager
             assert dm is not None
-            self._ring_backup = torch.empty_like(dm.tail_ring[self.mtp_plane])
+            # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
+            dm.state.enable_speculative_rows(self.mtp_plane)
+            dm.state.enable_draft_hidden(self.config.hidden_size, self.dtype)
         self.state: dict[int, SpecState] = {}
         self._n_submitted = 0
 
@@ -236,8 +237,8 @@ class SpeculativeExecutor(Executor):
                     if self._emit(r, [tok], gaps[off : off + 1], logits[off : off + 1]):  # type: ignore[index]
                         finished.append(r)
             st.drafts = []
-        if self.meta.verify_seqs:
-            self.model.commit_kda(self.meta, self.manager, num_accepted)
+        # Folds the verified KDA records (if any) and advances every slot's committed length.
+        self.model.commit_kda(self.meta, self.manager, num_accepted)
         for r in finished:
             self._finish(r)
         live = [(i, s) for i, s in enumerate(plan) if not s.request.finished]
@@ -333,6 +334,11 @@ class SpeculativeExecutor(Executor):
         for r in seqs:
             self.state[r.request_id].mtp_len = r.num_computed
         last = torch.tensor([sum(len(x) for x in rows_h[: j + 1]) - 1 for j in range(len(seqs))], device=self.device)
+        draft_ids = dm.get_batch_state_slots([r.request_id for r in seqs])
+        if dm is not self.manager:
+            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
+            dm.state.commit_verified(draft_ids, [len(rh) for rh in rows_h])
+        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_h[last])
         h_last = out[last]
         pools0 = self.meta.last_pool_ids[last] if self.share_mtp_selection else None
         with torch.inference_mode():
@@ -343,14 +349,11 @@ class SpeculativeExecutor(Executor):
         chain = [j for j in drafting if want[seqs[j].request_id] >= 2]
         if not chain:
             return
-        # 2. Chained drafts: speculative rows. Back up the MTP tail ring, restore it afterwards.
+        # 2. Chained drafts: speculative rows; the state owner restores the MTP tail ring afterwards.
         slots = torch.tensor(
             [dm.get_state_slot(seqs[j].request_id) for j in chain], dtype=torch.int64, device=self.device
         )
-        ring = dm.tail_ring[self.mtp_plane]
-        assert self._ring_backup is not None
-        self._ring_backup[: len(chain)].copy_(ring.index_select(0, slots))
-        try:
+        with dm.state.speculative_rows(self.mtp_plane, slots):
             h = h_last[torch.tensor(chain, device=self.device)]
             active = list(chain)
             c = 1
@@ -377,8 +380,6 @@ class SpeculativeExecutor(Executor):
                 active = [active[k] for k in keep]
                 h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)] if keep else h[:0]
                 c += 1
-        finally:
-            ring.index_copy_(0, slots, self._ring_backup[: len(chain)])
 
     def _mtp_step(
         self,

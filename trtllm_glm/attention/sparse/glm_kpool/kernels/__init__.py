@@ -43,7 +43,7 @@ import torch
 from trtllm_glm.cache.manager import KpoolLayerCache
 
 if TYPE_CHECKING:
-    from ..tail_ring import DecodeTailRing
+    from trtllm_glm.state.tail_ring import DecodeTailRing
 
 __all__ = [
     "fwht",

@@ -3,7 +3,8 @@
 Each Triton kernel in ``../kernels`` is tested against the function of the same role here.
 """
 
-from ..tail_ring import DecodeTailRing
+from trtllm_glm.state.tail_ring import DecodeTailRing
+
 from .cache_update import (
     lookup_pages,
     update_decode_pools,

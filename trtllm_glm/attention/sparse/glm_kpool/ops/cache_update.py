@@ -22,7 +22,7 @@ from .fp8 import rotate_quant
 from .pooling import KPOOL, pool_keys
 
 if TYPE_CHECKING:
-    from ..tail_ring import DecodeTailRing
+    from trtllm_glm.state.tail_ring import DecodeTailRing
 
 __all__ = [
     "lookup_pages",

@@ -1,0 +1,229 @@
+"""`RequestStateOwner`: byte-exact snapshot / restore, validated endpoints, commit bookkeeping, and the
+speculative-row guard; plus the executors keeping every slot's committed length equal to the request's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from trtllm_glm.errors import StateError
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.speculative.executor import SpeculativeExecutor
+from trtllm_glm.state import RequestStateOwner, StateSnapshot
+from trtllm_glm.testing import ModelHarness
+
+pytestmark = pytest.mark.cpu_only
+
+S, D = 4, 16
+
+
+def make_owner(seed: int = 0) -> RequestStateOwner:
+    """An owner with every plane enabled and filled with distinct random bytes."""
+    own = RequestStateOwner(
+        num_state_slots=S, num_sparse_layers=3, num_kda_layers=2, kda_num_heads=2, kda_head_dim=8, kda_conv_kernel=4
+    )
+    own.enable_decode_tail_rings(max_rows=4, num_layers=2)
+    own.enable_draft_hidden(D, torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    for t in own._slot_planes().values():
+        if t.dtype == torch.int64:
+            t.copy_(torch.randint(0, 9, t.shape, generator=g))
+        else:
+            t.copy_(torch.randn(t.shape, generator=g))
+    assert own.draft_hidden is not None
+    own.draft_hidden.copy_(torch.randn(S, D, generator=g))
+    own.commit_verified([0, 1, 2, 3], [5, 7, 9, 11])
+    return own
+
+
+def slot_bytes(own: RequestStateOwner, slot: int) -> dict[str, torch.Tensor]:
+    out = {k: t[:, slot].contiguous().clone() for k, t in own._slot_planes().items()}
+    assert own.draft_hidden is not None
+    out["draft_hidden"] = own.draft_hidden[slot].clone()
+    return out
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """``x`` reinterpreted as integers of its element size (floats compared bit for bit)."""
+    if not x.is_floating_point():
+        return x
+    return x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        # Bitwise (NaN-safe, -0.0 vs 0.0 distinguished): compare the raw bits.
+        assert torch.equal(bits(a[k]), bits(b[k])), k
+
+
+def test_snapshot_restore_is_byte_exact_and_touches_only_its_slot() -> None:
+    own = make_owner()
+    before = slot_bytes(own, 1)
+    snap = own.snapshot(1, endpoint=7)
+    assert isinstance(snap, StateSnapshot) and snap.endpoint == 7 and snap.nbytes > 0
+    # The whole slot changes (a later step, another request on the slot, a reset) ...
+    own.reset(1)
+    own.commit_verified([1], [3])
+    own.tail_ring[:, 1].fill_(2.5)
+    neighbours = {s: slot_bytes(own, s) for s in (0, 2, 3)}
+    own.restore(1, snap, endpoint=7)
+    assert_same(slot_bytes(own, 1), before)
+    assert own.committed_len(1) == 7
+    for s, b in neighbours.items():  # a restore never writes a neighbouring slot
+        assert_same(slot_bytes(own, s), b)
+    # Into another slot (a request resumed elsewhere): same bytes there, the snapshot unchanged.
+    own.restore(3, snap)
+    assert_same(slot_bytes(own, 3), before)
+    assert own.committed_len(3) == 7
+
+
+def test_restore_rejects_a_disagreeing_endpoint_and_writes_nothing() -> None:
+    own = make_owner()
+    snap = own.snapshot(2, endpoint=9)
+    own.commit_verified([2], [4])
+    after = slot_bytes(own, 2)
+    with pytest.raises(StateError, match="endpoint"):
+        own.restore(2, snap, endpoint=13)
+    assert_same(slot_bytes(own, 2), after)
+    assert own.committed_len(2) == 13
+
+
+def test_snapshot_validates_endpoint_pending_records_and_geometry() -> None:
+    own = make_owner()
+    with pytest.raises(StateError, match="endpoint"):
+        own.snapshot(0, endpoint=6)
+    with pytest.raises(IndexError):
+        own.snapshot(S, endpoint=0)
+
+    class Rec:
+        def commit(self, num_accepted, state) -> None:  # noqa: ANN001
+            pass
+
+    own.record_verify(0, Rec())
+    with pytest.raises(StateError, match="pending"):
+        own.snapshot(0, endpoint=5)
+    own.discard_pending()
+    snap = own.snapshot(0, endpoint=5)
+    other = RequestStateOwner(
+        num_state_slots=S, num_sparse_layers=3, num_kda_layers=1, kda_num_heads=2, kda_head_dim=8, kda_conv_kernel=4
+    )
+    with pytest.raises(StateError, match="geometry"):
+        other.restore(0, snap)
+
+
+def test_commit_verified_folds_pending_records_and_advances_lengths() -> None:
+    own = make_owner()
+    seen: list[tuple[int, list[int]]] = []
+
+    class Rec:
+        def __init__(self, idx: int) -> None:
+            self.idx = idx
+
+        def commit(self, num_accepted, state) -> None:  # noqa: ANN001
+            assert state.recurrent.data_ptr() == own.kda_recurrent[self.idx].data_ptr()
+            seen.append((self.idx, list(num_accepted)))
+
+    own.record_verify(1, Rec(1))
+    own.record_verify(0, Rec(0))
+    own.commit_verified([3, 0], [2, 1])
+    assert seen == [(0, [2, 1]), (1, [2, 1])]
+    assert not own.has_pending
+    assert own.committed_len(3) == 13 and own.committed_len(0) == 6
+    own.commit_verified([3], [1])  # nothing pending: lengths only
+    assert len(seen) == 2 and own.committed_len(3) == 14
+    with pytest.raises(ValueError):
+        own.commit_verified([0, 1], [1])
+
+
+def test_speculative_rows_restore_their_slots_also_on_error() -> None:
+    own = make_owner()
+    ring = own.tail_ring[2]
+    before = ring.clone()
+    slots = torch.tensor([3, 1])
+    with pytest.raises(RuntimeError), own.speculative_rows(2, slots):
+        ring[1].fill_(7.0)
+        ring[3].fill_(8.0)
+        ring[0].fill_(9.0)  # not guarded: stays written
+        raise RuntimeError("injected")
+    assert torch.equal(ring[[1, 2, 3]], before[[1, 2, 3]])
+    assert torch.equal(ring[0], torch.full_like(ring[0], 9.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# With the model
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm5NextForCausalLM:
+    return Glm5NextForCausalLM.from_pretrained("tiny", seed=0)
+
+
+def test_restore_replays_decoding_bit_for_bit(model) -> None:
+    """Snapshot after a non-4-aligned prompt, decode, restore, decode the same tokens again: identical logits
+    (KDA state, conv window and the open pool's tail ring all come back)."""
+    h = ModelHarness(model, tokens_per_block=8)
+    own = h.manager.state
+    rng = random.Random(0)
+    toks = [rng.randrange(256) for _ in range(23)]
+    h.step([(0, toks)])
+    own.commit_verified(h.meta.state_slots, [len(toks)])
+    slot = h.manager.get_state_slot(0)
+    snap = own.snapshot(slot, endpoint=23)
+
+    def decode(ids: list[int]) -> torch.Tensor:
+        out = []
+        for t in ids:
+            out.append(model.compute_logits(h.step([(0, [t])], num_decode_seqs=1)))
+            own.commit_verified(h.meta.state_slots, [1])
+        return torch.cat(out)
+
+    cont = [rng.randrange(256) for _ in range(6)]
+    first = decode(cont)
+    with pytest.raises(StateError):
+        own.restore(slot, snap, endpoint=29)
+    own.restore(slot, snap, endpoint=23)
+    h.lengths[0] = 23
+    again = decode(cont)
+    assert torch.equal(first, again)
+
+
+def _check_lengths(ex: Executor) -> int:
+    """Every running request's slot holds exactly its committed tokens (and its MTP history in a separate
+    draft manager); returns how many were checked."""
+    n = 0
+    for r in ex.running:
+        if not ex.manager.has_request(r.request_id):
+            continue
+        assert ex.manager.state.committed_len(ex.manager.get_state_slot(r.request_id)) == r.num_computed
+        n += 1
+        dm = getattr(ex, "draft_manager", None)
+        if dm is not None and dm is not ex.manager and dm.has_request(r.request_id):
+            assert dm.state.committed_len(dm.get_state_slot(r.request_id)) == ex.state[r.request_id].mtp_len
+    return n
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "mtp_separate", "mtp_shared"])
+def test_executors_keep_committed_lengths(model, mode: str) -> None:
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=160, max_batch_size=3, max_num_tokens=64, max_seq_len=96)
+    if mode == "plain":
+        ex: Executor = Executor(model, cfg)
+    elif mode == "ngram":
+        ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
+    else:
+        kv = "separate" if mode == "mtp_separate" else "shared"
+        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv))
+    rng = random.Random(1)
+    for n in (13, 30, 7, 21):
+        base = [rng.randrange(256) for _ in range(5)]
+        ex.add_request((base * 8)[:n], SamplingParams(max_tokens=20, ignore_eos=True))
+    checked = 0
+    while ex.has_work:
+        ex.step()
+        checked += _check_lengths(ex)
+    assert checked > 0

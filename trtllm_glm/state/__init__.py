@@ -1,0 +1,12 @@
+"""Per-request state: state slots and every rollback / snapshot plane (`RequestStateOwner`).
+
+Below the attention backend, the KDA layer, the cache manager and the speculative mechanism: it imports
+only `config` and `errors`. See docs/architecture.md ("Per-request state").
+"""
+
+from __future__ import annotations
+
+from .owner import KdaLayerState, RequestStateOwner, StateSnapshot, VerifyRecords
+from .tail_ring import DecodeTailRing
+
+__all__ = ["DecodeTailRing", "KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords"]

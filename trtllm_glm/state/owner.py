@@ -1,0 +1,318 @@
+"""`RequestStateOwner`: the one owner of per-request (per state slot) state and of its rollback planes.
+
+A request's cache has two halves. Its *pages* (latent rows, pooled FP8 index keys) are append-only
+and live in the cache manager's page pool. Everything else a request carries between steps is per
+*state slot* and lives here:
+
+* KDA recurrent state ``[Lk, S, H, K, K]`` and conv window ``[Lk, S, C, kernel - 1]`` (FP32);
+* the indexer tail rings ``[Ls, S, 2, 4, 128]`` (FP32; the MTP plane too when it is stored here);
+* the rollback planes of speculative decoding: one `DecodeTailRing` per target sparse plane (the
+  previous wide round's ring backup, restored lazily to the accepted prefix), the pending KDA verify
+  records of the current step (folded by `commit_verified`), and the MTP chain backup of a draft plane
+  (`speculative_rows`);
+* the draft's last hidden ``[S, D]`` (the target hidden of the last committed row, which the MTP layer
+  pairs with the next token), when a drafter asks for it;
+* the committed length of each slot (tokens whose state is folded into the slot).
+
+`snapshot` / `restore` copy all of a slot's planes byte for byte plus its committed length; a restore
+whose committed length disagrees with the endpoint it is restored at is rejected (`StateError`).
+
+This module depends only on `config` and `errors` (and `state.tail_ring`): the attention backend, the KDA
+layer and the speculative executor reach state through it, never the other way round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..config import INDEX_HEAD_DIM, INDEX_KPOOL
+from ..errors import StateError
+from .tail_ring import DecodeTailRing
+
+__all__ = ["KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords"]
+
+
+@dataclass
+class KdaLayerState:
+    """Views of one KDA layer's per-request state.
+
+    Attributes:
+        recurrent: ``[num_state_slots, H, K, V]`` FP32 delta-rule state.
+        conv: ``[num_state_slots, C, kernel - 1]`` last inputs of the short convolution, ``C = H*(2K+V)``.
+    """
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+class VerifyRecords(Protocol):
+    """What a KDA layer's verify pass leaves for the commit (`kda.layer.KdaLayerRecords`)."""
+
+    def commit(self, num_accepted: Sequence[int] | torch.Tensor, state: KdaLayerState) -> None:
+        """Fold the first ``num_accepted[b]`` rows of each verified batch sequence into ``state``."""
+        ...
+
+
+@dataclass
+class StateSnapshot:
+    """Byte-exact copy of one state slot's planes at a committed endpoint.
+
+    Attributes:
+        endpoint: committed length the copy was taken at (tokens folded into the state).
+        planes: plane name -> ``[L, ...]`` copy of that plane's slot row (every layer of the plane).
+        draft_hidden: ``[D]`` copy of the draft's last hidden, or None when not tracked.
+    """
+
+    endpoint: int
+    planes: dict[str, torch.Tensor] = field(default_factory=dict)
+    draft_hidden: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the copy."""
+        tensors = list(self.planes.values()) + ([self.draft_hidden] if self.draft_hidden is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class RequestStateOwner:
+    """State slots and every rollback / snapshot plane of one cache manager.
+
+    Args:
+        num_state_slots: ``S``, live requests at once.
+        num_sparse_layers: ``Ls``, tail-ring planes (sparse layers stored by the manager).
+        num_kda_layers: ``Lk``, KDA layers with state here (0 for a draft-only manager).
+        kda_num_heads: ``H``.
+        kda_head_dim: ``K`` (= ``V``).
+        kda_conv_kernel: short-convolution kernel size (the window keeps ``kernel - 1`` inputs).
+        device: where every plane lives.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_state_slots: int,
+        num_sparse_layers: int,
+        num_kda_layers: int,
+        kda_num_heads: int,
+        kda_head_dim: int,
+        kda_conv_kernel: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_state_slots <= 0:
+            raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
+        S, H, K, dev = num_state_slots, kda_num_heads, kda_head_dim, torch.device(device)
+        self.num_state_slots = S
+        self.num_sparse_layers = num_sparse_layers
+        self.num_kda_layers = num_kda_layers
+        self.device = dev
+        f32 = torch.float32
+        self.tail_ring = torch.zeros(num_sparse_layers, S, 2, INDEX_KPOOL, INDEX_HEAD_DIM, dtype=f32, device=dev)
+        self.kda_recurrent = torch.zeros(num_kda_layers, S, H, K, K, dtype=f32, device=dev)
+        self.kda_conv = torch.zeros(num_kda_layers, S, 3 * H * K, kda_conv_kernel - 1, dtype=f32, device=dev)
+        # Rollback planes, enabled by the speculative executor (none for plain decoding).
+        self.decode_tail_rings: list[DecodeTailRing] = []
+        self.draft_hidden: torch.Tensor | None = None
+        self._chain_backup: dict[int, torch.Tensor] = {}
+        # KDA verify records of the current step by KDA layer index, folded by `commit_verified`.
+        self._pending: dict[int, VerifyRecords] = {}
+        # Host-side: the committed length per slot (tokens folded into the slot's state).
+        self._committed = [0] * S
+
+    # --------------------------------------------------------------------------------------------
+    # Set-up of the speculative planes
+    def enable_decode_tail_rings(self, max_rows: int, num_layers: int | None = None) -> None:
+        """Give the first ``num_layers`` tail-ring planes (default all) a `DecodeTailRing` of ``max_rows``
+        rows (``1 + num_speculative_tokens``), so that verify rounds can roll back rejected ring entries."""
+        n = self.num_sparse_layers if num_layers is None else num_layers
+        self.decode_tail_rings = [DecodeTailRing(self.num_state_slots, max_rows, self.device) for _ in range(n)]
+
+    def enable_draft_hidden(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Track the draft's last hidden ``[S, hidden_size]`` per slot (MTP drafting)."""
+        self.draft_hidden = torch.zeros(self.num_state_slots, hidden_size, dtype=dtype, device=self.device)
+
+    def enable_speculative_rows(self, plane: int) -> None:
+        """Allocate (once, fixed address) the backup `speculative_rows` uses for tail-ring plane ``plane``."""
+        if plane not in self._chain_backup:
+            self._chain_backup[plane] = torch.empty_like(self.tail_ring[plane])
+
+    # --------------------------------------------------------------------------------------------
+    # Views
+    def kda_layer_state(self, kda_idx: int) -> KdaLayerState:
+        """State planes of the ``kda_idx``-th KDA layer (views)."""
+        if not 0 <= kda_idx < self.num_kda_layers:
+            raise IndexError(f"KDA layer {kda_idx} not in [0, {self.num_kda_layers})")
+        return KdaLayerState(recurrent=self.kda_recurrent[kda_idx], conv=self.kda_conv[kda_idx])
+
+    def decode_tail_ring(self, sparse_idx: int) -> DecodeTailRing | None:
+        """The rollback of tail-ring plane ``sparse_idx``, or None when that plane has none."""
+        return self.decode_tail_rings[sparse_idx] if sparse_idx < len(self.decode_tail_rings) else None
+
+    def committed_len(self, slot: int) -> int:
+        """Tokens folded into ``slot``'s state."""
+        return self._committed[self._check(slot)]
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one slot's live planes (KDA recurrent + conv state and every tail ring)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.tail_ring, self.kda_recurrent, self.kda_conv))
+
+    # --------------------------------------------------------------------------------------------
+    # Lifetime
+    def reset(self, slot: int) -> None:
+        """Zero every plane of ``slot`` and drop its backups (a fresh request takes the slot)."""
+        self._check(slot)
+        self.tail_ring[:, slot].zero_()
+        self.kda_recurrent[:, slot].zero_()
+        self.kda_conv[:, slot].zero_()
+        for ring in self.decode_tail_rings:
+            ring.reset(slot)
+        if self.draft_hidden is not None:
+            self.draft_hidden[slot].zero_()
+        self._committed[slot] = 0
+
+    # --------------------------------------------------------------------------------------------
+    # Speculative commit
+    def record_verify(self, kda_idx: int, records: VerifyRecords | None) -> None:
+        """Keep the verify records a KDA layer produced this step (state untouched until the commit)."""
+        if records is None:
+            self._pending.pop(kda_idx, None)
+        else:
+            self._pending[kda_idx] = records
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether this step left verify records to commit."""
+        return bool(self._pending)
+
+    def discard_pending(self) -> None:
+        """Drop this step's verify records uncommitted (a new step is being prepared)."""
+        self._pending = {}
+
+    def commit_verified(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Commit one step: fold the accepted prefix of every verified sequence into its KDA state and
+        advance every sequence's committed length.
+
+        Verified sequences' KDA state stayed untouched during the step (records); all others (prefill
+        chunks, width-one decodes) updated in place and only advance their length. The tail rings roll
+        back lazily at the slot's next step (`DecodeTailRing`, positions decide), so nothing here.
+
+        Args:
+            slots: ``[B]`` state slot of each batch sequence of the step.
+            num_accepted: ``[B]`` rows committed per sequence (root + accepted drafts for a verify
+                sequence; all rows otherwise).
+        """
+        if len(slots) != len(num_accepted):
+            raise ValueError(f"{len(slots)} slots but {len(num_accepted)} accepted counts")
+        for kda_idx in sorted(self._pending):
+            self._pending[kda_idx].commit(num_accepted, self.kda_layer_state(kda_idx))
+        self._pending = {}
+        for s, a in zip(slots, num_accepted):
+            self._committed[self._check(s)] += int(a)
+
+    def record_draft_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Store ``hidden[j]`` as the draft's last hidden of ``slots[j]`` (no-op when not tracked).
+
+        Args:
+            slots: ``[n]`` int64 state slots.
+            hidden: ``[n, D]`` the target hidden of each slot's last committed row.
+        """
+        if self.draft_hidden is not None and slots.numel():
+            self.draft_hidden.index_copy_(0, slots, hidden.to(self.draft_hidden.dtype))
+
+    @contextmanager
+    def speculative_rows(self, plane: int, slots: torch.Tensor) -> Iterator[None]:
+        """Rows written to tail-ring ``plane`` of ``slots`` inside the block are speculative: the ring rows
+        of those slots are backed up on entry and restored on exit (also on an exception).
+
+        Chained MTP drafts use it: their latent rows and pools are rewritten by the next catch-up before
+        any committed row reads them, only the ring would keep their keys.
+
+        Args:
+            plane: tail-ring plane (the MTP layer's).
+            slots: ``[n]`` int64 distinct state slots *of this owner* (the draft manager's in separate mode).
+        """
+        self.enable_speculative_rows(plane)
+        buf, ring = self._chain_backup[plane], self.tail_ring[plane]
+        n = slots.numel()
+        buf[:n].copy_(ring.index_select(0, slots))
+        try:
+            yield
+        finally:
+            ring.index_copy_(0, slots, buf[:n])
+
+    # --------------------------------------------------------------------------------------------
+    # Snapshots
+    def _slot_planes(self) -> dict[str, torch.Tensor]:
+        """Every plane with the state slot as dimension 1 (``[L, S, ...]``)."""
+        planes = {"tail_ring": self.tail_ring, "kda_recurrent": self.kda_recurrent, "kda_conv": self.kda_conv}
+        for i, ring in enumerate(self.decode_tail_rings):
+            # saved_count is [S] on a [S + 1] buffer: unsqueezed so every plane is [L, S, ...].
+            planes[f"ring{i}.snapshot"] = ring.snapshot.unsqueeze(0)
+            planes[f"ring{i}.saved_rows"] = ring.saved_rows.unsqueeze(0)
+            planes[f"ring{i}.saved_pos"] = ring.saved_pos.unsqueeze(0)
+            planes[f"ring{i}.saved_count"] = ring.saved_count.unsqueeze(0)
+        return planes
+
+    def snapshot(self, slot: int, endpoint: int) -> StateSnapshot:
+        """Copy ``slot``'s planes, taken when its committed length is ``endpoint``.
+
+        Args:
+            slot: the state slot.
+            endpoint: the committed length the caller believes the slot is at.
+
+        Returns:
+            A `StateSnapshot` (device copies; `restore` puts them back).
+
+        Raises:
+            StateError: the slot's committed length is not ``endpoint``, or verify records are pending
+                (the step is not committed yet).
+        """
+        self._check(slot)
+        if self._pending:
+            raise StateError("cannot snapshot while verify records are pending (commit the step first)")
+        if self._committed[slot] != endpoint:
+            raise StateError(f"slot {slot} has {self._committed[slot]} committed tokens, not endpoint {endpoint}")
+        planes = {
+            name: t[:, slot].clone(memory_format=torch.contiguous_format) for name, t in self._slot_planes().items()
+        }
+        hidden = self.draft_hidden[slot].clone() if self.draft_hidden is not None else None
+        return StateSnapshot(endpoint=endpoint, planes=planes, draft_hidden=hidden)
+
+    def restore(self, slot: int, snap: StateSnapshot, endpoint: int | None = None) -> None:
+        """Put ``snap`` back into ``slot`` byte for byte and set its committed length to the snapshot's.
+
+        Args:
+            slot: the state slot (need not be the one the snapshot was taken from).
+            snap: from `snapshot` of an owner of the same geometry.
+            endpoint: the committed length the caller resumes at (defaults to ``snap.endpoint``).
+
+        Raises:
+            StateError: ``endpoint`` disagrees with the snapshot's committed length, or the snapshot's
+                planes do not match this owner's (nothing is written then).
+        """
+        self._check(slot)
+        if endpoint is not None and endpoint != snap.endpoint:
+            raise StateError(f"snapshot holds {snap.endpoint} committed tokens, restore asked for endpoint {endpoint}")
+        planes = self._slot_planes()
+        if set(planes) != set(snap.planes) or any(
+            planes[k][:, slot].shape != v.shape or planes[k].dtype != v.dtype for k, v in snap.planes.items()
+        ):
+            raise StateError("snapshot planes do not match this state owner's geometry")
+        if (snap.draft_hidden is None) != (self.draft_hidden is None):
+            raise StateError("snapshot and state owner disagree on tracking the draft hidden")
+        for k, v in snap.planes.items():
+            planes[k][:, slot].copy_(v)
+        if self.draft_hidden is not None and snap.draft_hidden is not None:
+            self.draft_hidden[slot].copy_(snap.draft_hidden)
+        self._committed[slot] = snap.endpoint
+
+    def _check(self, slot: Any) -> int:
+        s = int(slot)
+        if not 0 <= s < self.num_state_slots:
+            raise IndexError(f"state slot {s} not in [0, {self.num_state_slots})")
+        return s
