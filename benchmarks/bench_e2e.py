@@ -27,9 +27,9 @@ from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import OracleDrafter
-from trtllm_glm.speculative.executor import SpeculativeExecutor
 
 
 def copy_ceiling_gbs(device: str) -> float:

@@ -10,8 +10,8 @@ from trtllm_glm.errors import TableWidthError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig
-from trtllm_glm.speculative.executor import SpeculativeExecutor
 
 pytestmark = pytest.mark.cpu_only
 

@@ -13,9 +13,9 @@ from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import OracleDrafter
-from trtllm_glm.speculative.executor import SpeculativeExecutor
 from trtllm_glm.testing import ModelHarness
 
 pytestmark = pytest.mark.cpu_only
@@ -240,7 +240,7 @@ def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
     ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=4, draft_kv_mode=mode))
     after_catch_up = {}
-    orig = ex._mtp_step
+    orig = ex.drafter._mtp_step
     checked = []
 
     def spy(reqs, past, q, nxt, prev, *, decode, _orig=orig, _ex=ex):
@@ -252,7 +252,7 @@ def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -
                 after_catch_up[r.request_id] = ring[_ex.draft_manager.get_state_slot(r.request_id)].clone()
         return out
 
-    orig_draft = ex._mtp_draft
+    orig_draft = ex.drafter.draft
 
     def draft_and_check(*a, _ex=ex, **k):
         orig_draft(*a, **k)
@@ -262,8 +262,8 @@ def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -
                 assert torch.equal(ring[_ex.draft_manager.get_state_slot(rid)], want)
                 checked.append(len(_ex.state[rid].drafts))
 
-    monkeypatch.setattr(ex, "_mtp_step", spy)
-    monkeypatch.setattr(ex, "_mtp_draft", draft_and_check)
+    monkeypatch.setattr(ex.drafter, "_mtp_step", spy)
+    monkeypatch.setattr(ex.drafter, "draft", draft_and_check)
     for p in prompts(3, 51):
         ex.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
     ex.run_until_done()

@@ -33,9 +33,9 @@ from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.request import Request, RequestState
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.scheduler import ScheduledSeq
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import OracleDrafter
-from trtllm_glm.speculative.executor import SpeculativeExecutor
 
 pytestmark = pytest.mark.cpu_only
 
@@ -273,7 +273,7 @@ def test_mtp_ring_backup_uses_draft_state_slots(model, mtp_shared) -> None:
         dm = ex.draft_manager
         assert dm is not None
         after_catch_up: dict[int, torch.Tensor] = {}
-        mtp_step, mtp_draft = ex._mtp_step, ex._mtp_draft
+        mtp_step, mtp_draft = ex.drafter._mtp_step, ex.drafter.draft
 
         def step_spy(reqs, past, q, nxt, prev, *, decode, **kw):
             out = mtp_step(reqs, past, q, nxt, prev, decode=decode, **kw)
@@ -294,7 +294,7 @@ def test_mtp_ring_backup_uses_draft_state_slots(model, mtp_shared) -> None:
                 if len(ex.state[rid].drafts) >= 2 and slot != ex.manager.get_state_slot(rid):
                     checked["differing_slots"] += 1
 
-        ex._mtp_step, ex._mtp_draft = step_spy, draft_spy  # type: ignore[method-assign]
+        ex.drafter._mtp_step, ex.drafter.draft = step_spy, draft_spy  # type: ignore[method-assign]
 
     reqs, drafts = mtp_run(model, "separate", setup=setup)
     assert checked["differing_slots"] > 0  # chains really ran in draft slots that differ from target slots

@@ -12,8 +12,8 @@ from trtllm_glm.errors import StateError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
-from trtllm_glm.speculative.executor import SpeculativeExecutor
 from trtllm_glm.state import RequestStateOwner, StateSnapshot
 from trtllm_glm.testing import ModelHarness
 

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.glm5_next import Glm5NextForCausalLM
+from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .executor import Executor, ExecutorConfig
 from .request import Request
 from .sampling import Logprob, SamplingParams
+from .speculative_executor import SpeculativeExecutor
 from .tokenizer import load_tokenizer
 
 __all__ = ["LLM", "KvCacheConfig", "CompletionOutput", "RequestOutput"]
@@ -140,9 +142,6 @@ class LLM:
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
             return Executor(self.model, self.executor_config, seed=self.seed)
-        from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
-        from ..speculative.executor import SpeculativeExecutor
-
         if not isinstance(self.speculative_config, (MTPDecodingConfig, NGramDecodingConfig)):
             raise TypeError(
                 f"speculative_config must be MTPDecodingConfig or NGramDecodingConfig, "

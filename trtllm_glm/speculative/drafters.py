@@ -1,13 +1,94 @@
-"""Parallel drafters: propose up to K next tokens from a request's token history without a model."""
+"""The drafter interface and the parallel drafters (no model: the n-gram and oracle drafters).
+
+Every drafter proposes the next round's drafts of a step's sequences through one call,
+`Drafter.draft(seqs, hidden)`, after the step is committed; `Drafter.release` forgets a request (finish,
+abort, preemption). The MTP drafter (`speculative/mtp.py`) implements the same interface. This package
+sits below the runtime: it knows requests only through `DraftSeq` and never imports `runtime/`.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-__all__ = ["NGramDrafter", "OracleDrafter"]
+import torch
+
+__all__ = ["DraftSeq", "DraftState", "Drafter", "NGramDrafter", "OracleDrafter", "ParallelDrafter"]
 
 
-class NGramDrafter:
+@dataclass
+class DraftState:
+    """Per-request speculative state kept across rounds (the speculative executor's ``state[rid]``)."""
+
+    drafts: list[int] = field(default_factory=list)
+    mtp_len: int = 0  # tokens whose (token i+1, hidden i) pair is in the MTP cache
+    last_accepted: int = 0  # rows accepted in the previous verify round (tail-ring cross-check)
+    index: int = 0  # submission index (oracle drafters key on it)
+    mtp_disabled: bool = False  # the draft pool could not hold its history: width-one from here on
+
+
+@dataclass
+class DraftSeq:
+    """One sequence of the step just committed, as a drafter sees it.
+
+    Attributes:
+        request_id: the request.
+        state: its `DraftState`; the drafter sets ``state.drafts``.
+        tokens: the request's tokens (prompt + emitted, the step's emitted tokens included).
+        num_output: tokens emitted so far.
+        num_computed: committed length after the step.
+        committed: rows of this step that were committed (all rows, or root + accepted drafts).
+        row_offset: first row of the sequence in the step's hidden ``[N, D]``.
+        greedy: whether the request samples greedily (only greedy requests speculate).
+        live: False when the request finished this step.
+        want: drafts wanted for the next round (0: a width-one round).
+    """
+
+    request_id: int
+    state: DraftState
+    tokens: Sequence[int]
+    num_output: int
+    num_computed: int
+    committed: int
+    row_offset: int
+    greedy: bool
+    live: bool
+    want: int
+
+
+class Drafter(ABC):
+    """Proposes up to ``max_draft_len`` drafts per request for the next verify round."""
+
+    max_draft_len: int
+
+    @abstractmethod
+    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        """Set ``seq.state.drafts`` (at most ``seq.want`` tokens) for the step's sequences.
+
+        Args:
+            seqs: every sequence of the step, in batch order (finished ones with ``live=False``).
+            hidden: ``[N, D]`` the step's final target hidden of every row.
+        """
+
+    def release(self, request_id: int) -> None:  # noqa: B027 - an optional hook, no-op by default
+        """Forget ``request_id``'s drafter-side state (finish, abort or preemption)."""
+
+
+class ParallelDrafter(Drafter):
+    """A drafter that proposes per request from its tokens alone (no model state)."""
+
+    @abstractmethod
+    def propose_seq(self, seq: DraftSeq) -> list[int]:
+        """Up to ``seq.want`` drafts for ``seq``."""
+
+    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        for seq in seqs:
+            if seq.live and seq.want > 0:
+                seq.state.drafts = list(self.propose_seq(seq)[: seq.want])
+
+
+class NGramDrafter(ParallelDrafter):
     """Prompt lookup: match the longest suffix (``max_n`` down to ``min_n`` tokens) against earlier text
     and propose what followed its most recent earlier occurrence.
 
@@ -39,9 +120,13 @@ class NGramDrafter:
                         return cont
         return []
 
+    def propose_seq(self, seq: DraftSeq) -> list[int]:
+        return self.propose(seq.tokens, seq.want)
 
-class OracleDrafter:
-    """Test drafter: replays a known continuation, corrupting chosen draft positions.
+
+class OracleDrafter(ParallelDrafter):
+    """Replays a known continuation, corrupting chosen draft positions (tests, and the end-to-end benchmark's
+    controlled-acceptance runs: it stays in the package because `benchmarks/bench_e2e.py` needs it).
 
     Args:
         continuation: ``request_index -> the target's greedy output tokens`` (from a non-speculative run).
@@ -59,6 +144,10 @@ class OracleDrafter:
         self.continuation = continuation
         self.corrupt = corrupt or (lambda i, j: False)
         self.vocab_size = vocab_size
+        self.max_draft_len = 1 << 30  # the executor's width bounds it
+
+    def propose_seq(self, seq: DraftSeq) -> list[int]:
+        return self.propose_for(seq.state.index, seq.num_output, seq.want)
 
     def propose_for(self, index: int, num_output: int, k: int) -> list[int]:
         """Drafts for output positions ``num_output .. num_output + k - 1`` of request ``index``."""

@@ -1,5 +1,6 @@
-"""`SpeculativeExecutor`: draft K tokens, verify ``1 + K`` rows in one target forward, accept the longest
-greedy-matching prefix plus the bonus token, and commit exactly the accepted state.
+"""`SpeculativeExecutor`: the runtime's speculative decoding loop. Draft K tokens, verify ``1 + K`` rows
+in one target forward, accept the longest greedy-matching prefix plus the bonus token, and commit exactly
+the accepted state.
 
 Per round and request (DESIGN §6-§7):
 
@@ -8,42 +9,34 @@ Per round and request (DESIGN §6-§7):
 - Width-one rounds (no drafts: nothing matched, budget exhausted, sampling, or an adaptive width of 0)
   decode in place: no records, no convolution shift, no draft tail backup/restore; the emitted token
   still reaches the drafter.
-- MTP drafting: the MTP layer first catches up on the newly committed (token ``i + 1``, target hidden
-  ``i``) pairs — those rows are real and stay in its cache — then chains ``K - 1`` more steps on its own
-  output. The chained rows are speculative: the MTP tail ring is backed up before and restored after
-  them (their latent rows and pools are rewritten by the next catch-up before any committed row reads
-  them). The MTP plane lives in the target manager (``shared``) or in its own draft manager
-  (``separate``), which the draft forward reaches through the draft slot table (§6.1).
+- Commit: the cache manager's state owner folds the accepted KDA rows (`RequestStateOwner.commit_verified`).
+- Drafting goes through the `Drafter` interface (`speculative/drafters.py`): the n-gram / oracle parallel
+  drafters, or the MTP drafter (`speculative/mtp.py`), which owns the draft manager's use.
+
+Dependency direction: `runtime/` imports `speculative/` (mechanism: configs, drafters, the draft replay
+interface), never the other way round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
-from ..runtime.executor import Executor, ExecutorConfig
-from ..runtime.request import Request
-from ..runtime.sampling import top2_gap
-from ..runtime.scheduler import ScheduledSeq
-from .config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
-from .drafters import NGramDrafter, OracleDrafter
-from .interface import draft_replay
+from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
+from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
+from ..speculative.mtp import MTPDrafter
+from .executor import Executor, ExecutorConfig
+from .request import Request
+from .sampling import top2_gap
+from .scheduler import ScheduledSeq
 
 __all__ = ["SpeculativeExecutor", "SpecState"]
 
 
-@dataclass
-class SpecState:
-    """Per-request speculative state kept by the executor."""
-
-    drafts: list[int] = field(default_factory=list)
-    mtp_len: int = 0  # tokens whose (token i+1, hidden i) pair is in the MTP cache
-    last_accepted: int = 0  # rows accepted in the previous verify round (tail-ring cross-check)
-    index: int = 0  # submission index (oracle drafters key on it)
-    mtp_disabled: bool = False  # the draft pool could not hold its history: width-one from here on
+# The per-request speculative state lives with the drafters (below the runtime); the old name stays.
+SpecState = DraftState
 
 
 class SpeculativeExecutor(Executor):
@@ -54,7 +47,7 @@ class SpeculativeExecutor(Executor):
         cfg: cache and batch sizes.
         spec: the speculative configuration.
         seed: base sampling seed.
-        drafter: a parallel drafter overriding the configured one (tests pass an `OracleDrafter`).
+        drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
     """
 
     def __init__(
@@ -64,7 +57,7 @@ class SpeculativeExecutor(Executor):
         spec: SpeculativeConfig,
         *,
         seed: int = 0,
-        drafter: NGramDrafter | OracleDrafter | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.spec = spec
         self.use_mtp = isinstance(spec, MTPDecodingConfig) and drafter is None
@@ -79,16 +72,13 @@ class SpeculativeExecutor(Executor):
         self.manager.enable_decode_tail_rings(1 + K, num_layers=len(self.config.sparse_layer_ids))
         if isinstance(spec, NGramDecodingConfig) and drafter is None:
             drafter = NGramDrafter(K, spec.max_matching_ngram_size, spec.min_matching_ngram_size)
-        self.drafter = drafter
-        self.draft_manager = None
+        self.draft_manager: Glm5NextCacheManager | None = None
         if self.use_mtp:
             if self.shared_mtp:
                 self.draft_manager = self.manager
                 self.mtp_plane = self.manager.num_sparse_layers - 1
             else:
                 P = cfg.tokens_per_block
-                from ..cache.manager import Glm5NextCacheManager
-
                 self.draft_manager = Glm5NextCacheManager(
                     self.config,
                     num_pages=-(-(spec.draft_max_tokens or cfg.max_tokens) // P),  # type: ignore[union-attr]
@@ -100,12 +90,12 @@ class SpeculativeExecutor(Executor):
                     device=self.device,
                 )
                 self.mtp_plane = 0
-        if self.use_mtp:
-            dm = self.draft_manager
-            assert dm is not None
-            # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
-            dm.state.enable_speculative_rows(self.mtp_plane)
-            dm.state.enable_draft_hidden(self.config.hidden_size, self.dtype)
+            drafter = MTPDrafter(
+                model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
+                share_selection=self.share_mtp_selection,
+            )  # fmt: skip
+        assert drafter is not None
+        self.drafter: Drafter = drafter
         self.state: dict[int, SpecState] = {}
         self._n_submitted = 0
 
@@ -138,9 +128,7 @@ class SpeculativeExecutor(Executor):
         self._free_draft(req)
 
     def _free_draft(self, req: Request) -> None:
-        dm = self.draft_manager
-        if dm is not None and dm is not self.manager and dm.has_request(req.request_id):
-            dm.free_request(req.request_id)
+        self.drafter.release(req.request_id)
 
     def _finish(self, req: Request) -> None:
         super()._finish(req)
@@ -268,142 +256,23 @@ class SpeculativeExecutor(Executor):
         self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq], committed: list[int], hidden: torch.Tensor
     ) -> None:
         want = {s.request.request_id: self._draft_len(s.request) for _, s in live}
-        if not self.use_mtp:
-            for _, s in live:
-                r = s.request
-                k = want[r.request_id]
-                if k <= 0:
-                    continue
-                if isinstance(self.drafter, OracleDrafter):
-                    d = self.drafter.propose_for(self.state[r.request_id].index, len(r.output_ids), k)
-                else:
-                    assert self.drafter is not None
-                    d = self.drafter.propose(r.tokens, k)
-                self.state[r.request_id].drafts = list(d[:k])
-            return
-        self._mtp_draft(live, plan, committed, hidden, want)
-
-    def _mtp_draft(
-        self,
-        live: list[tuple[int, ScheduledSeq]],
-        plan: list[ScheduledSeq],
-        committed: list[int],
-        hidden: torch.Tensor,
-        want: dict[int, int],
-    ) -> None:
-        dm = self.draft_manager
-        assert dm is not None
-        offsets = [0]
-        for s in plan:
-            offsets.append(offsets[-1] + s.num_rows)
-        # 1. Catch-up: the committed rows of this step, paired with the token that follows each.
-        seqs, rows_h, toks = [], [], []
+        seqs, row = [], 0
         for i, s in enumerate(plan):
             r = s.request
-            if r.finished or not r.params.greedy:
-                continue
-            st = self.state[r.request_id]
-            if st.mtp_disabled:
-                continue
-            start = r.num_computed - committed[i]
-            if st.mtp_len != start:
-                # The MTP history has a gap (cannot happen: every step catches up); drop speculation.
-                st.mtp_disabled = True
-                continue
-            if dm is not self.manager:
-                try:
-                    if not dm.has_request(r.request_id):
-                        dm.add_request(r.request_id)
-                    dm.ensure_capacity(r.request_id, r.num_computed + max(want[r.request_id] - 1, 0))
-                except CapacityError:
-                    # The draft pool is full: this request continues without speculation (lossless).
-                    st.mtp_disabled = True
-                    self._free_draft(r)
-                    continue
-            seqs.append(r)
-            rows_h.append(torch.arange(offsets[i], offsets[i] + committed[i]))
-            toks.extend(r.tokens[start + 1 : r.num_computed + 1])
-        if not seqs:
-            return
-        prev_h = hidden[torch.cat(rows_h).to(self.device)]
-        nxt = torch.tensor(toks, dtype=torch.int64, device=self.device)
-        out = self._mtp_step(
-            seqs, [r.num_computed - len(rh) for r, rh in zip(seqs, rows_h)], [len(rh) for rh in rows_h], nxt, prev_h,
-            decode=False,
-        )  # fmt: skip
-        for r in seqs:
-            self.state[r.request_id].mtp_len = r.num_computed
-        last = torch.tensor([sum(len(x) for x in rows_h[: j + 1]) - 1 for j in range(len(seqs))], device=self.device)
-        draft_ids = dm.get_batch_state_slots([r.request_id for r in seqs])
-        if dm is not self.manager:
-            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
-            dm.state.commit_verified(draft_ids, [len(rh) for rh in rows_h])
-        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_h[last])
-        h_last = out[last]
-        pools0 = self.meta.last_pool_ids[last] if self.share_mtp_selection else None
-        with torch.inference_mode():
-            d = self.model.compute_logits(h_last).argmax(-1)
-        drafting = [j for j, r in enumerate(seqs) if want[r.request_id] >= 1]
-        for j in drafting:
-            self.state[seqs[j].request_id].drafts = [int(d[j])]
-        chain = [j for j in drafting if want[seqs[j].request_id] >= 2]
-        if not chain:
-            return
-        # 2. Chained drafts: speculative rows; the state owner restores the MTP tail ring afterwards.
-        slots = torch.tensor(
-            [dm.get_state_slot(seqs[j].request_id) for j in chain], dtype=torch.int64, device=self.device
-        )
-        with dm.state.speculative_rows(self.mtp_plane, slots):
-            h = h_last[torch.tensor(chain, device=self.device)]
-            active = list(chain)
-            c = 1
-            while active:
-                reqs = [seqs[j] for j in active]
-                tok = torch.tensor([self.state[r.request_id].drafts[-1] for r in reqs], device=self.device)
-                shared = None
-                if pools0 is not None:
-                    # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
-                    ws = torch.tensor([4 * (r.num_computed // 4) for r in reqs], dtype=torch.int64, device=self.device)
-                    shared = (pools0[torch.tensor(active, device=self.device)], ws)
-                kw = {} if shared is None else {"shared": shared}
-                h = self._mtp_step(
-                    reqs, [r.num_computed + c - 1 for r in reqs], [1] * len(reqs), tok, h, decode=True, **kw
+            seqs.append(
+                DraftSeq(
+                    request_id=r.request_id,
+                    # A request that finished this step has no state left; drafters skip it.
+                    state=self.state.get(r.request_id) or DraftState(),
+                    tokens=r.tokens,
+                    num_output=len(r.output_ids),
+                    num_computed=r.num_computed,
+                    committed=committed[i],
+                    row_offset=row,
+                    greedy=r.params.greedy,
+                    live=not r.finished,
+                    want=want.get(r.request_id, 0),
                 )
-                with torch.inference_mode():
-                    nd = self.model.compute_logits(h).argmax(-1).tolist()
-                keep = []
-                for k, r in enumerate(reqs):
-                    st = self.state[r.request_id]
-                    st.drafts.append(int(nd[k]))
-                    if len(st.drafts) < want[r.request_id]:
-                        keep.append(k)
-                active = [active[k] for k in keep]
-                h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)] if keep else h[:0]
-                c += 1
-
-    def _mtp_step(
-        self,
-        reqs: list[Request],
-        past: list[int],
-        q: list[int],
-        next_tokens: torch.Tensor,
-        prev_hidden: torch.Tensor,
-        *,
-        decode: bool,
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """One MTP forward over ``reqs`` (rows at positions ``past[b] ..``) in the draft domain.
-
-        ``shared`` = ``(pool_ids [n, topk_pools], window_start [n])`` makes the MTP indexer reuse step 0's
-        selection (index_share_for_mtp_iteration) instead of scoring.
-        """
-        dm = self.draft_manager
-        assert dm is not None
-        rids = [r.request_id for r in reqs]
-        # Target-domain description first; draft_replay then swaps slot table and state slots to the
-        # draft manager's own (a no-op in shared mode).
-        self.meta.prepare(rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0)
-        if shared is not None:
-            self.meta.shared_pool_ids, self.meta.shared_window_start = shared
-        with torch.inference_mode(), draft_replay(self.meta, dm if dm is not self.manager else None):
-            return self.model.mtp_forward(next_tokens, prev_hidden, self.meta, dm, self.mtp_plane)
+            )
+            row += s.num_rows
+        self.drafter.draft(seqs, hidden)

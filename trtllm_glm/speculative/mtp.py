@@ -1,0 +1,194 @@
+"""`MTPDrafter`: drafts with the model's MTP layer, behind the `Drafter` interface.
+
+After every committed step the MTP layer first catches up on the newly committed (token ``i + 1``,
+target hidden ``i``) pairs — those rows are real and stay in its cache — then chains ``K - 1`` more
+single-row steps on its own output hidden. The chained rows are speculative: the MTP plane's tail ring
+of their draft slots is restored afterwards (`RequestStateOwner.speculative_rows`); their latent rows
+and pools are rewritten by the next catch-up before any committed row reads them. The MTP plane lives in
+the target manager (``shared``) or in its own draft manager (``separate``), which the draft forward
+reaches through the draft slot table (`draft_replay`, DESIGN §6.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from ..cache.manager import Glm5NextCacheManager
+from ..errors import CapacityError
+from ..models.glm5_next import Glm5NextForCausalLM
+from .drafters import Drafter, DraftSeq
+from .interface import draft_replay
+
+__all__ = ["MTPDrafter"]
+
+
+class MTPDrafter(Drafter):
+    """Chained MTP drafting with catch-up on committed rows.
+
+    Args:
+        model: the target model (with its MTP layer).
+        meta: the executor's batch metadata (re-prepared for each MTP forward).
+        manager: the target cache manager.
+        draft_manager: the manager holding the MTP plane (``manager`` itself in shared mode).
+        mtp_plane: the MTP layer's sparse plane in ``draft_manager``.
+        max_draft_len: ``K``.
+        share_selection: chained steps reuse step 0's pool selection (index_share_for_mtp_iteration).
+    """
+
+    def __init__(
+        self,
+        model: Glm5NextForCausalLM,
+        meta: GlmKpoolMetadata,
+        manager: Glm5NextCacheManager,
+        draft_manager: Glm5NextCacheManager,
+        mtp_plane: int,
+        max_draft_len: int,
+        *,
+        share_selection: bool,
+    ) -> None:
+        self.model = model
+        self.meta = meta
+        self.manager = manager
+        self.draft_manager = draft_manager
+        self.mtp_plane = mtp_plane
+        self.max_draft_len = max_draft_len
+        self.share_selection = share_selection
+        self.device = manager.device
+        # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
+        draft_manager.state.enable_speculative_rows(mtp_plane)
+        draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
+
+    @property
+    def separate(self) -> bool:
+        """Whether the MTP plane has its own draft manager."""
+        return self.draft_manager is not self.manager
+
+    def release(self, request_id: int) -> None:
+        dm = self.draft_manager
+        if self.separate and dm.has_request(request_id):
+            dm.free_request(request_id)
+
+    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        dm = self.draft_manager
+        # 1. Catch-up: the committed rows of this step, paired with the token that follows each.
+        cat: list[DraftSeq] = []
+        rows_h, toks = [], []
+        for s in seqs:
+            if not s.live or not s.greedy:
+                continue
+            st = s.state
+            if st.mtp_disabled:
+                continue
+            start = s.num_computed - s.committed
+            if st.mtp_len != start:
+                # The MTP history has a gap (cannot happen: every step catches up); drop speculation.
+                st.mtp_disabled = True
+                continue
+            if self.separate:
+                try:
+                    if not dm.has_request(s.request_id):
+                        dm.add_request(s.request_id)
+                    dm.ensure_capacity(s.request_id, s.num_computed + max(s.want - 1, 0))
+                except CapacityError:
+                    # The draft pool is full: this request continues without speculation (lossless).
+                    st.mtp_disabled = True
+                    self.release(s.request_id)
+                    continue
+            cat.append(s)
+            rows_h.append(torch.arange(s.row_offset, s.row_offset + s.committed))
+            toks.extend(s.tokens[start + 1 : s.num_computed + 1])
+        if not cat:
+            return
+        prev_h = hidden[torch.cat(rows_h).to(self.device)]
+        nxt = torch.tensor(toks, dtype=torch.int64, device=self.device)
+        out = self._mtp_step(
+            cat, [s.num_computed - len(rh) for s, rh in zip(cat, rows_h)], [len(rh) for rh in rows_h], nxt, prev_h,
+            decode=False,
+        )  # fmt: skip
+        for s in cat:
+            s.state.mtp_len = s.num_computed
+        last = torch.tensor([sum(len(x) for x in rows_h[: j + 1]) - 1 for j in range(len(cat))], device=self.device)
+        draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
+        if self.separate:
+            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
+            dm.state.commit_verified(draft_ids, [len(rh) for rh in rows_h])
+        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_h[last])
+        h_last = out[last]
+        pools0 = self.meta.last_pool_ids[last] if self.share_selection else None
+        with torch.inference_mode():
+            d = self.model.compute_logits(h_last).argmax(-1)
+        drafting = [j for j, s in enumerate(cat) if s.want >= 1]
+        for j in drafting:
+            cat[j].state.drafts = [int(d[j])]
+        chain = [j for j in drafting if cat[j].want >= 2]
+        if not chain:
+            return
+        # 2. Chained drafts: speculative rows; the state owner restores the MTP tail ring afterwards.
+        slots = torch.tensor(
+            [dm.get_state_slot(cat[j].request_id) for j in chain], dtype=torch.int64, device=self.device
+        )
+        with dm.state.speculative_rows(self.mtp_plane, slots):
+            h = h_last[torch.tensor(chain, device=self.device)]
+            active = list(chain)
+            c = 1
+            while active:
+                reqs = [cat[j] for j in active]
+                tok = torch.tensor([s.state.drafts[-1] for s in reqs], device=self.device)
+                shared = None
+                if pools0 is not None:
+                    # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
+                    ws = torch.tensor([4 * (s.num_computed // 4) for s in reqs], dtype=torch.int64, device=self.device)
+                    shared = (pools0[torch.tensor(active, device=self.device)], ws)
+                kw = {} if shared is None else {"shared": shared}
+                h = self._mtp_step(
+                    reqs, [s.num_computed + c - 1 for s in reqs], [1] * len(reqs), tok, h, decode=True, **kw
+                )
+                with torch.inference_mode():
+                    nd = self.model.compute_logits(h).argmax(-1).tolist()
+                keep = []
+                for k, s in enumerate(reqs):
+                    s.state.drafts.append(int(nd[k]))
+                    if len(s.state.drafts) < s.want:
+                        keep.append(k)
+                active = [active[k] for k in keep]
+                h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)] if keep else h[:0]
+                c += 1
+
+    def _mtp_step(
+        self,
+        reqs: Sequence[DraftSeq],
+        past: list[int],
+        q: list[int],
+        next_tokens: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        *,
+        decode: bool,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """One MTP forward over ``reqs`` (rows at positions ``past[b] ..``) in the draft domain.
+
+        Args:
+            reqs: the sequences (``request_id`` each).
+            past: ``[n]`` first position of each sequence's rows.
+            q: ``[n]`` rows per sequence.
+            next_tokens: ``[sum(q)]`` token ``i + 1`` of each row.
+            prev_hidden: ``[sum(q), D]`` hidden ``i`` of each row (target's, or the previous MTP step's).
+            decode: rows are decode rows (chained steps) rather than a prefill-like catch-up.
+            shared: ``(pool_ids [n, topk_pools], window_start [n])`` makes the MTP indexer reuse step 0's
+                selection (index_share_for_mtp_iteration) instead of scoring.
+
+        Returns:
+            ``[sum(q), D]`` the MTP layer's output hidden.
+        """
+        dm = self.draft_manager
+        rids = [r.request_id for r in reqs]
+        # Target-domain description first; draft_replay then swaps slot table and state slots to the
+        # draft manager's own (a no-op in shared mode).
+        self.meta.prepare(rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0)
+        if shared is not None:
+            self.meta.shared_pool_ids, self.meta.shared_window_start = shared
+        with torch.inference_mode(), draft_replay(self.meta, dm if self.separate else None):
+            return self.model.mtp_forward(next_tokens, prev_hidden, self.meta, dm, self.mtp_plane)
