@@ -78,3 +78,19 @@ def test_bad_batches() -> None:
         meta.prepare([0, 1, 2], past_lens=[0, 0, 0], q_lens=[30, 30, 30], num_decode_seqs=0)
     with pytest.raises(ValueError, match="num_decode_seqs"):
         meta.prepare([0], past_lens=[0], q_lens=[1], num_decode_seqs=2)
+
+
+def test_speculative_fields_live_apart_and_prepare_replaces_them() -> None:
+    """Speculative fields are a `SpecMetadata` of their own; ``prepare()`` swaps in an empty one (never
+    mutates the old one, so an identity rollback of the metadata's attributes restores them)."""
+    from trtllm_glm.state import SpecMetadata
+
+    mgr, meta = setup()
+    mgr.add_request(5, 12)
+    meta.prepare([5], past_lens=[11], q_lens=[1], num_decode_seqs=1)
+    old = meta.spec
+    assert isinstance(old, SpecMetadata) and old == SpecMetadata()
+    old.verify_seqs = [0]
+    assert meta.verify_seqs == [0]  # the read-through name
+    meta.prepare([5], past_lens=[11], q_lens=[1], num_decode_seqs=1)
+    assert meta.spec is not old and meta.spec.verify_seqs == [] and old.verify_seqs == [0]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import TableWidthError
+from ..state.spec_metadata import SpecMetadata
 
 __all__ = ["AttentionMetadata", "HostStaging"]
 
@@ -91,19 +92,57 @@ class AttentionMetadata:
         self.num_decode_tokens = 0
         self.num_tokens = 0
         self.max_kv_len = 0
-        # Speculative verify (set by the speculative executor after prepare(), cleared by prepare()):
-        # batch indices of width > 1 verify sequences (their KDA commit records go to the cache manager's
-        # state owner); num_accepted_t is the scheduler's accepted count of each sequence's previous
-        # step (tail-ring cross-check only: positions decide).
-        self.verify_seqs: list[int] = []
-        self.num_accepted_t: torch.Tensor | None = None
-        # MTP selection sharing (index_share_for_mtp_iteration; set after prepare(), cleared by it): each
-        # row reuses ``shared_pool_ids[n]`` (step 0's top-k pools) and attends every token from
-        # ``shared_window_start[n]`` to its own position instead of running the indexer's scoring.
-        # ``last_pool_ids`` is what the latest full indexer selected (``[N, topk_pools]``).
-        self.shared_pool_ids: torch.Tensor | None = None
-        self.shared_window_start: torch.Tensor | None = None
-        self.last_pool_ids: torch.Tensor | None = None
+        # Speculative fields live apart, in their own dataclass (filled by the speculative executor after
+        # prepare(); prepare() replaces it with an empty one).
+        self.spec = SpecMetadata()
+
+    # --------------------------------------------------------------------------------------------
+    # Read-through names of the `SpecMetadata` fields (``meta.spec.<name>``), kept for existing callers; new
+    # code reads and writes ``meta.spec``.
+    @property
+    def verify_seqs(self) -> list[int]:
+        """``spec.verify_seqs``."""
+        return self.spec.verify_seqs
+
+    @verify_seqs.setter
+    def verify_seqs(self, value: list[int]) -> None:
+        self.spec.verify_seqs = value
+
+    @property
+    def num_accepted_t(self) -> torch.Tensor | None:
+        """``spec.num_accepted_t``."""
+        return self.spec.num_accepted_t
+
+    @num_accepted_t.setter
+    def num_accepted_t(self, value: torch.Tensor | None) -> None:
+        self.spec.num_accepted_t = value
+
+    @property
+    def shared_pool_ids(self) -> torch.Tensor | None:
+        """``spec.shared_pool_ids``."""
+        return self.spec.shared_pool_ids
+
+    @shared_pool_ids.setter
+    def shared_pool_ids(self, value: torch.Tensor | None) -> None:
+        self.spec.shared_pool_ids = value
+
+    @property
+    def shared_window_start(self) -> torch.Tensor | None:
+        """``spec.shared_window_start``."""
+        return self.spec.shared_window_start
+
+    @shared_window_start.setter
+    def shared_window_start(self, value: torch.Tensor | None) -> None:
+        self.spec.shared_window_start = value
+
+    @property
+    def last_pool_ids(self) -> torch.Tensor | None:
+        """``spec.last_pool_ids``."""
+        return self.spec.last_pool_ids
+
+    @last_pool_ids.setter
+    def last_pool_ids(self, value: torch.Tensor | None) -> None:
+        self.spec.last_pool_ids = value
 
     # --------------------------------------------------------------------------------------------
     def prepare(
@@ -148,11 +187,7 @@ class AttentionMetadata:
         self.num_decode_tokens = cu[num_decode_seqs]
         self.num_tokens = N
         self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
-        self.verify_seqs = []
-        self.num_accepted_t = None
-        self.shared_pool_ids = None
-        self.shared_window_start = None
-        self.last_pool_ids = None
+        self.spec = SpecMetadata()
 
         host = self._staging.acquire()
         sh, th = host["seq"], host["tok"]

@@ -135,8 +135,9 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_sparse:
             idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
             return self.self_attn(x, meta, manager.kpool_layer_cache(idx))
-        if meta.verify_seqs:
-            a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), meta.verify_seqs)
+        verify = meta.spec.verify_seqs
+        if verify:
+            a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), verify)
             # The state owner keeps the records until the executor commits the accepted prefix.
             manager.state.record_verify(self.cache_idx, rec)
             return a

@@ -158,9 +158,9 @@ class SpeculativeExecutor(Executor):
         return rows
 
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
-        self.meta.verify_seqs = [i for i, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
+        self.meta.spec.verify_seqs = [i for i, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
         acc = [self.state[s.request.request_id].last_accepted for s in plan]
-        self.meta.num_accepted_t = torch.tensor(acc, dtype=torch.int64, device=self.device)
+        self.meta.spec.num_accepted_t = torch.tensor(acc, dtype=torch.int64, device=self.device)
 
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
         # Rows whose logits are needed: every verify row, and the last row of sequences that end here.

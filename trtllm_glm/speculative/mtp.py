@@ -117,7 +117,7 @@ class MTPDrafter(Drafter):
             dm.state.commit_verified(draft_ids, [len(rh) for rh in rows_h])
         dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_h[last])
         h_last = out[last]
-        pools0 = self.meta.last_pool_ids[last] if self.share_selection else None
+        pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
         with torch.inference_mode():
             d = self.model.compute_logits(h_last).argmax(-1)
         drafting = [j for j, s in enumerate(cat) if s.want >= 1]
@@ -189,6 +189,6 @@ class MTPDrafter(Drafter):
         # draft manager's own (a no-op in shared mode).
         self.meta.prepare(rids, past_lens=past, q_lens=q, num_decode_seqs=len(rids) if decode else 0)
         if shared is not None:
-            self.meta.shared_pool_ids, self.meta.shared_window_start = shared
+            self.meta.spec.shared_pool_ids, self.meta.spec.shared_window_start = shared
         with torch.inference_mode(), draft_replay(self.meta, dm if self.separate else None):
             return self.model.mtp_forward(next_tokens, prev_hidden, self.meta, dm, self.mtp_plane)

@@ -7,6 +7,14 @@ only `config` and `errors`. See docs/architecture.md ("Per-request state").
 from __future__ import annotations
 
 from .owner import KdaLayerState, RequestStateOwner, StateSnapshot, VerifyRecords
+from .spec_metadata import SpecMetadata
 from .tail_ring import DecodeTailRing
 
-__all__ = ["DecodeTailRing", "KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords"]
+__all__ = [
+    "DecodeTailRing",
+    "KdaLayerState",
+    "RequestStateOwner",
+    "SpecMetadata",
+    "StateSnapshot",
+    "VerifyRecords",
+]

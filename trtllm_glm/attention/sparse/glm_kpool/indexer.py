@@ -85,7 +85,7 @@ class GlmKpoolIndexer(nn.Module):
         ring = cache.decode_tail_ring
         if nd:
             # Verify rounds roll the ring back to the accepted prefix of the previous step first (§6.2).
-            kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.num_accepted_t}
+            kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.spec.num_accepted_t}
             ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots, **kw)
         if nd < N:
             if ring is not None:
@@ -95,10 +95,12 @@ class GlmKpoolIndexer(nn.Module):
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
         sel = meta.selection(N)
-        if meta.shared_pool_ids is not None:
+        if meta.spec.shared_pool_ids is not None:
             # A chained MTP step with index_share_for_mtp_iteration: step 0's pools plus the recent window.
-            assert meta.shared_window_start is not None
-            sel.copy_(expand_selection_window(meta.shared_pool_ids, meta.shared_window_start, pos, sel.shape[1]))
+            assert meta.spec.shared_window_start is not None
+            sel.copy_(
+                expand_selection_window(meta.spec.shared_pool_ids, meta.spec.shared_window_start, pos, sel.shape[1])
+            )
             return sel
         q8, qscale = ops.rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
         w = indexer_head_weights(F.linear(h.float(), self.weights_proj.weight.float()), qscale, self.n_heads)
@@ -106,6 +108,6 @@ class GlmKpoolIndexer(nn.Module):
             q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
-        meta.last_pool_ids = pool_ids
+        meta.spec.last_pool_ids = pool_ids
         sel[:, : self.select_width].copy_(ops.expand_selection(pool_ids, pos, self.select_width))
         return sel
