@@ -1,0 +1,56 @@
+"""The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
+above `config` / `errors`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the
+runtime imports `runtime/` (module-level or lazily)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu_only
+
+PKG = Path(__file__).resolve().parents[2] / "trtllm_glm"
+
+
+def imported(path: Path) -> set[str]:
+    """Absolute ``trtllm_glm.*`` modules a file imports anywhere (also inside functions)."""
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    pkg = parts[:-1]  # the package a relative import starts from (the same for __init__.py)
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "trtllm_glm" or m.startswith("trtllm_glm.")}
+
+
+def files(sub: str) -> list[Path]:
+    return sorted((PKG / sub).rglob("*.py"))
+
+
+@pytest.mark.parametrize(
+    ("sub", "allowed"),
+    [
+        ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.state")),
+    ],
+)
+def test_state_is_a_leaf(sub: str, allowed: tuple[str, ...]) -> None:
+    for f in files(sub):
+        bad = {m for m in imported(f) if not m.startswith(allowed)}
+        assert not bad, f"{f.relative_to(PKG)} imports {bad}"
+
+
+@pytest.mark.parametrize("sub", ["state", "attention", "kda", "cache", "models", "speculative"])
+def test_nothing_below_the_runtime_imports_it(sub: str) -> None:
+    above = ("trtllm_glm.runtime", "trtllm_glm.serve", "trtllm_glm.cli")
+    for f in files(sub):
+        bad = {m for m in imported(f) if m.startswith(above)}
+        assert not bad, f"{f.relative_to(PKG)} imports {bad}"
