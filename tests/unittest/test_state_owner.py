@@ -208,22 +208,50 @@ def _check_lengths(ex: Executor) -> int:
     return n
 
 
-@pytest.mark.parametrize("mode", ["plain", "ngram", "mtp_separate", "mtp_shared"])
-def test_executors_keep_committed_lengths(model, mode: str) -> None:
+def _round_trip(ex: Executor) -> None:
+    """Snapshot every running request's slots at their committed endpoints and restore them in place (the
+    target's, and a separate draft manager's at the MTP history length)."""
+    pairs = []
+    for r in ex.running:
+        if ex.manager.has_request(r.request_id):
+            pairs.append((ex.manager, r.request_id, r.num_computed))
+        dm = getattr(ex, "draft_manager", None)
+        if dm is not None and dm is not ex.manager and dm.has_request(r.request_id):
+            pairs.append((dm, r.request_id, ex.state[r.request_id].mtp_len))
+    for mgr, rid, end in pairs:
+        slot = mgr.get_state_slot(rid)
+        mgr.state.restore(slot, mgr.state.snapshot(slot, end), endpoint=end)
+
+
+def _make(model, mode: str) -> Executor:
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=160, max_batch_size=3, max_num_tokens=64, max_seq_len=96)
     if mode == "plain":
-        ex: Executor = Executor(model, cfg)
-    elif mode == "ngram":
-        ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
-    else:
-        kv = "separate" if mode == "mtp_separate" else "shared"
-        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv))
-    rng = random.Random(1)
-    for n in (13, 30, 7, 21):
-        base = [rng.randrange(256) for _ in range(5)]
-        ex.add_request((base * 8)[:n], SamplingParams(max_tokens=20, ignore_eos=True))
-    checked = 0
-    while ex.has_work:
-        ex.step()
-        checked += _check_lengths(ex)
-    assert checked > 0
+        return Executor(model, cfg)
+    if mode == "ngram":
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
+    kv = "separate" if mode == "mtp_separate" else "shared"
+    return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv))
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "mtp_separate", "mtp_shared"])
+def test_executors_keep_committed_lengths(model, mode: str) -> None:
+    """Every step leaves each slot's committed length equal to the request's, so a snapshot at that endpoint
+    is always accepted; restoring it in place between steps changes no token and no MTP draft."""
+    outs = []
+    for round_trip in (False, True):
+        ex = _make(model, mode)
+        rng = random.Random(1)
+        for n in (13, 30, 7, 21):
+            base = [rng.randrange(256) for _ in range(5)]
+            ex.add_request((base * 8)[:n], SamplingParams(max_tokens=20, ignore_eos=True))
+        checked, drafts, done = 0, [], []
+        while ex.has_work:
+            done += ex.step()
+            checked += _check_lengths(ex)
+            if round_trip:
+                _round_trip(ex)
+            if isinstance(ex, SpeculativeExecutor):
+                drafts.append({rid: list(st.drafts) for rid, st in ex.state.items()})
+        assert checked > 0
+        outs.append((sorted((r.request_id, r.output_ids) for r in done), drafts))
+    assert outs[0] == outs[1]
