@@ -255,3 +255,18 @@ def test_executors_keep_committed_lengths(model, mode: str) -> None:
         assert checked > 0
         outs.append((sorted((r.request_id, r.output_ids) for r in done), drafts))
     assert outs[0] == outs[1]
+
+
+def test_slots_are_acquired_ascending_and_released_once() -> None:
+    from trtllm_glm.errors import CapacityError
+
+    own = RequestStateOwner(
+        num_state_slots=2, num_sparse_layers=1, num_kda_layers=0, kda_num_heads=1, kda_head_dim=4, kda_conv_kernel=2
+    )
+    assert [own.acquire(), own.acquire()] == [0, 1] and own.num_free_slots == 0
+    with pytest.raises(CapacityError):
+        own.acquire()
+    own.release(0)
+    with pytest.raises(StateError):
+        own.release(0)
+    assert own.num_free_slots == 1 and own.acquire() == 0

@@ -115,9 +115,9 @@ class Glm5NextCacheManager:
         self.kda_recurrent = self.state.kda_recurrent
         self.kda_conv = self.state.kda_conv
 
-        # Host-side bookkeeping. Free lists pop from the end; reversed so that ids come out ascending.
+        # Host-side bookkeeping (the state owner keeps the free state slots). Free lists pop from the end;
+        # reversed so that ids come out ascending.
         self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))
-        self._free_slots: list[int] = list(range(S - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}
         self._slot: dict[int, int] = {}
         self._num_tokens: dict[int, int] = {}
@@ -161,7 +161,7 @@ class Glm5NextCacheManager:
         """Give the request a zeroed state slot and pages for ``num_tokens``; returns the slot."""
         if request_id in self._slot:
             raise StateError(f"request {request_id} already holds state slot {self._slot[request_id]}")
-        if not self._free_slots:
+        if not self.state.num_free_slots:
             raise CapacityError(
                 f"no free state slot for request {request_id}: all {self.max_num_requests} slots are in use"
             )
@@ -171,7 +171,7 @@ class Glm5NextCacheManager:
                 f"request {request_id} needs {need} pages for {num_tokens} tokens but only "
                 f"{len(self._free_pages)} of {self.num_pages} are free"
             )
-        slot = self._free_slots.pop()
+        slot = self.state.acquire()
         self._slot[request_id] = slot
         self._pages[request_id] = []
         self._num_tokens[request_id] = 0
@@ -209,7 +209,7 @@ class Glm5NextCacheManager:
         if pages is None:
             raise StateError(f"request {request_id} is not in the cache")
         self._free_pages.extend(reversed(pages))
-        self._free_slots.append(self._slot.pop(request_id))
+        self.state.release(self._slot.pop(request_id))
         del self._num_tokens[request_id]
 
     def reset_state_slot(self, slot: int) -> None:
@@ -246,7 +246,7 @@ class Glm5NextCacheManager:
 
     @property
     def num_free_slots(self) -> int:
-        return len(self._free_slots)
+        return self.state.num_free_slots
 
     def _get_pages(self, request_id: int) -> list[int]:
         try:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL
-from ..errors import StateError
+from ..errors import CapacityError, StateError
 from .tail_ring import DecodeTailRing
 
 __all__ = ["KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords"]
@@ -120,8 +120,11 @@ class RequestStateOwner:
         self._chain_backup: dict[int, torch.Tensor] = {}
         # KDA verify records of the current step by KDA layer index, folded by `commit_verified`.
         self._pending: dict[int, VerifyRecords] = {}
-        # Host-side: the committed length per slot (tokens folded into the slot's state).
+        # Host-side: the committed length per slot (tokens folded into the slot's state), and the free slots
+        # (popped from the end; reversed so that slots come out ascending).
         self._committed = [0] * S
+        self._free: list[int] = list(range(S - 1, -1, -1))
+        self._in_use = [False] * S
 
     # --------------------------------------------------------------------------------------------
     # Set-up of the speculative planes
@@ -163,6 +166,34 @@ class RequestStateOwner:
 
     # --------------------------------------------------------------------------------------------
     # Lifetime
+    @property
+    def num_free_slots(self) -> int:
+        """Slots not held by a request."""
+        return len(self._free)
+
+    def acquire(self) -> int:
+        """Take the lowest free slot (its planes are not zeroed here: `reset` does that).
+
+        Raises:
+            CapacityError: every slot is in use.
+        """
+        if not self._free:
+            raise CapacityError(f"no free state slot: all {self.num_state_slots} slots are in use")
+        slot = self._free.pop()
+        self._in_use[slot] = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Return ``slot`` to the free slots (its planes keep their bytes until the next `reset`).
+
+        Raises:
+            StateError: the slot is not in use.
+        """
+        if not self._in_use[self._check(slot)]:
+            raise StateError(f"state slot {slot} is not in use")
+        self._in_use[slot] = False
+        self._free.append(slot)
+
     def reset(self, slot: int) -> None:
         """Zero every plane of ``slot`` and drop its backups (a fresh request takes the slot)."""
         self._check(slot)
