@@ -30,6 +30,8 @@ __all__ = [
     "Glm5NextConfig",
     "QuantConfig",
     "PRESETS",
+    "PRESET_CHECKPOINTS",
+    "resolve_preset_dir",
     "LAYER_KDA",
     "LAYER_SPARSE_MLA",
     "MLP_DENSE",
@@ -604,3 +606,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.05,
     },
 }
+
+# Presets that ship trained weights: name -> checkpoint directory inside the package (package data). Their
+# config comes from the shipped config.json, and `resolve_preset_dir` turns the name into the directory for
+# the weight and tokenizer loaders.
+PRESET_CHECKPOINTS: dict[str, str] = {
+    # Trained on the CPython standard library by scripts/train_small.py (byte vocabulary; README).
+    "small": os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets", "small"),
+}
+
+
+def resolve_preset_dir(model: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """The shipped checkpoint directory of a preset with trained weights; anything else unchanged."""
+    directory = PRESET_CHECKPOINTS.get(model) if isinstance(model, str) else None
+    return directory if directory is not None and os.path.isdir(directory) else model
+
+
+def _add_checkpoint_presets() -> None:
+    """List each shipped checkpoint's config in `PRESETS` (an install without the files lacks the preset)."""
+    for name, directory in PRESET_CHECKPOINTS.items():
+        path = os.path.join(directory, "config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                PRESETS[name] = json.load(f)
+
+
+_add_checkpoint_presets()

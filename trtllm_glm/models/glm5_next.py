@@ -20,7 +20,7 @@ from torch import nn
 from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
-from ..config import LAYER_SPARSE_MLA, Glm5NextConfig
+from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, resolve_preset_dir
 from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import make_ffn
@@ -344,7 +344,8 @@ class Glm5NextForCausalLM(nn.Module):
         device: str = "cpu",
         seed: int = 0,
     ) -> Glm5NextForCausalLM:
-        """A preset name (seeded random weights) or a checkpoint directory (real VL layout or flat).
+        """A preset name (seeded random weights, or the shipped checkpoint of a trained preset such as
+        ``"small"``) or a checkpoint directory (real VL layout or flat).
 
         The parameter memory is estimated from the config before anything is allocated or read, and a
         model that cannot fit in the device's free memory is refused with the estimate.
@@ -361,6 +362,7 @@ class Glm5NextForCausalLM(nn.Module):
             CheckpointError: missing / unexpected / misshapen / non-finite tensors, unreadable files,
                 not enough memory.
         """
+        model = resolve_preset_dir(model)  # a preset that ships trained weights loads like its directory
         config = Glm5NextConfig.from_pretrained(model)
         keep = list(layers) if layers is not None else None
         sub = subset_config(config, keep) if keep is not None else config

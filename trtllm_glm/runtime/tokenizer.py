@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from ..config import Glm5NextConfig
+from ..config import Glm5NextConfig, resolve_preset_dir
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
@@ -149,6 +149,7 @@ def load_tokenizer(model_dir_or_preset: str | os.PathLike[str], config: Glm5Next
     Raises:
         ImportError: ``tokenizer.json`` exists but ``tokenizers`` is not installed.
     """
+    model_dir_or_preset = resolve_preset_dir(model_dir_or_preset)
     path = os.path.join(os.fspath(model_dir_or_preset), "tokenizer.json")
     if os.path.isdir(os.fspath(model_dir_or_preset)) and os.path.isfile(path):
         try:
