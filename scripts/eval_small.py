@@ -345,7 +345,8 @@ def markdown(rep: dict) -> str:
         out.append(_row([name, f"{r['mean_accepted_length']:.2f}", acc, f"{r['tokens_per_s']:.1f}", verdict]))
     out += ["", "## Greedy samples", ""]
     for smp in rep["samples"]:
-        out += ["```python", smp["prompt"] + smp["completion"], "```", ""]
+        # "text", not "python": samples need not parse (and ruff formats python blocks in Markdown).
+        out += ["```text", smp["prompt"] + smp["completion"], "```", ""]
     return "\n".join(out)
 
 
