@@ -19,6 +19,7 @@ PROG = "trtllm-glm"
 
 # One line per preset for --help (presets missing here are still listed, without a description).
 _PRESET_NOTES = {
+    "small": "5M-parameter model of this architecture trained on Python sources (the default; shipped weights)",
     "tiny": "8-layer model with seeded random weights and a byte tokenizer: runs anywhere in seconds",
     "glm-5.3-flash": "the real GLM-5.3-Flash geometry with seeded random weights (needs a large GPU)",
 }
@@ -44,9 +45,9 @@ def _description() -> str:
     lines += [
         "",
         "examples:",
-        '  trtllm-glm generate --preset tiny --prompt "Hello, GLM" --max-tokens 32',
+        '  trtllm-glm generate --preset small --prompt "    def __init__(self" --max-tokens 96',
         '  trtllm-glm generate --model /path/to/checkpoint --prompt "Hi" --speculative mtp --draft-len 3',
-        "  trtllm-glm serve tiny --port 8000 --config options.yaml",
+        "  trtllm-glm serve small --port 8000 --config options.yaml",
     ]
     return "\n".join(lines)
 
@@ -268,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text for one or more prompts (batched) and print it with throughput.",
     )  # fmt: skip
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--preset", default="tiny", choices=presets, help="embedded preset (default: tiny)")
+    src.add_argument("--preset", default="small", choices=presets, help="embedded preset (default: small)")
     src.add_argument("--model", default=None, metavar="DIR", help="checkpoint directory (HF layout); replaces --preset")
     g.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="prompt text (repeat for a batch)")
     g.add_argument("--max-tokens", type=int, default=32, metavar="N", help="new tokens per prompt at most (default 32)")
