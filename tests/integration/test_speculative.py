@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from model_harness import ModelHarness
 
 from trtllm_glm.cli import main as cli_main
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -16,7 +17,6 @@ from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import OracleDrafter
-from trtllm_glm.testing import ModelHarness
 
 pytestmark = pytest.mark.cpu_only
 

@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks: drive a model directly on fresh caches, chunk by chunk."""
+"""Test harness: drive a model directly on fresh caches, chunk by chunk (tests only)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
-from .cache.manager import Glm5NextCacheManager
-from .models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from trtllm_glm.cache.manager import Glm5NextCacheManager
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
 __all__ = ["ModelHarness"]
 
