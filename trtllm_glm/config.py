@@ -565,7 +565,7 @@ class Glm5NextConfig:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Real GLM-5.3-Flash geometry (DESIGN §2): the reference's defaults with the C4 pool.
+    # Real GLM-5.3-Flash geometry (docs/design.md §2): the reference's defaults with the C4 pool.
     "glm-5.3-flash": {"model_type": "glm5_next_text", "index_kpool": 4, "num_nextn_predict_layers": 1},
     # Same structure at small sizes: 8 layers (sparse MLA at 3 and 7), mHC with 4 streams, clamped
     # SwiGLU, one MTP layer, indexer head dim 128, kpool 4, and index_topk = 16 tokens (4 pools) so that

@@ -1,5 +1,5 @@
 """End-to-end generation on the tiny preset: batch-mix and chunking invariance, preemption/resume,
-the LLM API and the CLI. Token equality uses the near-tie rule (DESIGN §7)."""
+the LLM API and the CLI. Token equality uses the near-tie rule (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Small random reference models (every weight perturbed) are saved with ``save_pre
 through ``LLM(model=dir)``. Where ``index_topk`` covers every pool the two compute the same function,
 so context logits, logits after chunked prefill, decode steps and speculative verify rows must match
 to FP32 rounding (relative error <= 1e-3), and greedy tokens must agree except at near ties
-(DESIGN §7). Where ``index_topk`` drops pools our FP8 pooled selection and the reference's float
+(docs/design.md §7). Where ``index_topk`` drops pools our FP8 pooled selection and the reference's float
 selection may differ near ties: pool-selection recall against the reference is measured instead.
 """
 

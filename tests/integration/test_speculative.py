@@ -1,5 +1,5 @@
 """Speculative decoding end to end on the tiny preset (fp32): lossless against non-speculative greedy in
-randomized mixed batches, and exact state after accepted/rejected drafts (DESIGN §6-§7)."""
+randomized mixed batches, and exact state after accepted/rejected drafts (docs/design.md §6-§7)."""
 
 from __future__ import annotations
 

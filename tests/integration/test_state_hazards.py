@@ -1,6 +1,6 @@
 """Speculative state hazards end to end, under adversarial geometry (issue 9, "Close these test gaps first").
 
-Each test here turns red when one guard of DESIGN §6.1-§6.3 is removed, even where the greedy output stays
+Each test here turns red when one guard of docs/design.md §6.1-§6.3 is removed, even where the greedy output stays
 lossless (speculation then only degrades, or state is corrupted where no token happens to read it):
 
 1. Indexer tail ring on state-slot reuse right after a wide verify round (finish and preemption): the

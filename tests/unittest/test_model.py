@@ -21,7 +21,7 @@ def model() -> Glm5NextForCausalLM:
 
     Logit-level equality across batch shapes is only meaningful where the indexer selects the same
     columns: a 1e-6 rounding difference from an earlier KDA layer can flip a pool's FP8 byte and so a
-    near-tied top-k choice (a legitimate near tie, see DESIGN §7). Token-level tests with real sparse
+    near-tied top-k choice (a legitimate near tie, see docs/design.md §7). Token-level tests with real sparse
     selection live in tests/integration/test_generation.py.
     """
     cfg = Glm5NextConfig.from_pretrained("tiny")

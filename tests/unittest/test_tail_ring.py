@@ -1,4 +1,4 @@
-"""`DecodeTailRing` (DESIGN §6.2): rejected draft keys never reach the indexer tail ring or a visible pool.
+"""`DecodeTailRing` (docs/design.md §6.2): rejected draft keys never reach the indexer tail ring or a visible pool.
 
 Every test runs the torch reference ops and the Triton kernels (interpreted on the CPU) through
 ``update_decode_pools(..., tail_ring=...)`` and compares, bit for bit, against a reference run of the same
@@ -79,7 +79,7 @@ def _feed(be: ModuleType, cache: KpoolLayerCache, key, gate, ape, positions, row
 
 
 # ------------------------------------------------------------------------------------------------
-# (a) The DESIGN §6.2 counterexample
+# (a) The docs/design.md §6.2 counterexample
 def _counterexample(be: ModuleType, use_ring: bool, next_width: int, num_accepted: int | None = None):
     """Positions 0-1 committed, verify 2..9 with only 2 accepted, next step from 3 (width ``next_width``).
 

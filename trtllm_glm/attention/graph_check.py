@@ -2,7 +2,7 @@
 
 A CUDA graph bakes in the device address of every tensor it reads. Metadata therefore refreshes its
 persistent buffers in place; the only sanctioned exception is a *declared* rebind, such as a draft forward
-binding ``slot_table`` to the draft table (DESIGN §5). `GraphAddressGuard` records the addresses of
+binding ``slot_table`` to the draft table (docs/design.md §5). `GraphAddressGuard` records the addresses of
 ``attn_metadata.graph_buffers()`` at capture and, before a replay, rejects any tensor whose address moved,
 unless the caller declared that name as a swap and the new address is one it declared.
 """

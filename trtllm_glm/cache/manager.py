@@ -41,7 +41,7 @@ class KpoolLayerCache:
     index_scale: torch.Tensor
     tail_ring: torch.Tensor
     page_size: int
-    # Speculative rollback of the tail ring (DESIGN §6.2); None when the manager serves no verify rounds.
+    # Speculative rollback of the tail ring (docs/design.md §6.2); None when the manager serves no verify rounds.
     decode_tail_ring: Any = None
 
 

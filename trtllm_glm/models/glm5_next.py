@@ -33,7 +33,7 @@ __all__ = ["Glm5NextDecoderLayer", "Glm5NextMTPLayer", "Glm5NextModel", "Glm5Nex
 
 # Parameters kept in FP32 whatever the model dtype: router scores and bias (a bf16 bias reorders near-tied
 # experts), the KDA gate constants and conv taps (the reference keeps these in FP32 too), the indexer's
-# FP32 head weights and pooling bias (DESIGN §3), and the mHC mixing weights (computed in FP32).
+# FP32 head weights and pooling bias (docs/design.md §3), and the mHC mixing weights (computed in FP32).
 FP32_PARAM_SUFFIXES = (
     "mlp.gate.weight",
     "mlp.gate.e_score_correction_bias",

@@ -51,7 +51,7 @@ class CompletionOutput:
     num_draft_rounds: int = 0
     mean_accepted_length: float = 0.0
     acceptance_per_position: list[float] = field(default_factory=list)
-    # Top-2 logit gap behind each output token (near-tie checks, DESIGN §7).
+    # Top-2 logit gap behind each output token (near-tie checks, docs/design.md §7).
     logit_gaps: list[float] = field(default_factory=list)
     # Per output token {token_id: Logprob} (SamplingParams.logprobs), else None.
     logprobs: list[dict[int, Logprob]] | None = None

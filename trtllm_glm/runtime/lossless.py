@@ -1,4 +1,4 @@
-"""Lossless checks: compare greedy token sequences under the near-tie rule (DESIGN §7).
+"""Lossless checks: compare greedy token sequences under the near-tie rule (docs/design.md §7).
 
 Batched verify and one-at-a-time decode differ by rounding, so two greedy runs may legitimately part
 ways where the reference's top-2 logits are (nearly) tied. A divergence counts only if the reference's

@@ -2,7 +2,7 @@
 in one target forward, accept the longest greedy-matching prefix plus the bonus token, and commit exactly
 the accepted state.
 
-Per round and request (DESIGN §6-§7):
+Per round and request (docs/design.md §6-§7):
 
 - Verify rows go through the KDA record path (state untouched until commit) and the indexer's
   `DecodeTailRing` (the previous round's rejected ring entries are rolled back, positions decide).

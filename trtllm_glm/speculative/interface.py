@@ -2,7 +2,7 @@
 
 With a separate draft KV manager the draft model's pages and state slots have their own ids, so a draft
 forward (eager, or a CUDA-graph replay) must read the draft manager's slot tables, never the target's
-(DESIGN §5, hazard §6.1). Callers bracket every draft forward::
+(docs/design.md §5, hazard §6.1). Callers bracket every draft forward::
 
     saved = prepare_attn_metadata_for_draft_replay(meta, draft_mgr)
     try:

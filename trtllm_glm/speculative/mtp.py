@@ -6,7 +6,7 @@ single-row steps on its own output hidden. The chained rows are speculative: the
 of their draft slots is restored afterwards (`RequestStateOwner.speculative_rows`); their latent rows
 and pools are rewritten by the next catch-up before any committed row reads them. The MTP plane lives in
 the target manager (``shared``) or in its own draft manager (``separate``), which the draft forward
-reaches through the draft slot table (`draft_replay`, DESIGN §6.1).
+reaches through the draft slot table (`draft_replay`, docs/design.md §6.1).
 """
 
 from __future__ import annotations

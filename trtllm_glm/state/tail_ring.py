@@ -1,4 +1,4 @@
-"""`DecodeTailRing`: keeps rejected draft keys out of the indexer tail ring (DESIGN §6.2).
+"""`DecodeTailRing`: keeps rejected draft keys out of the indexer tail ring (docs/design.md §6.2).
 
 A verify step of width ``W = 1 + K`` writes ``W`` consecutive rows into the 4-entry tail ring
 ``tail_ring[slot, :, pos % 4]``. A rejected row four positions past a committed member of the still-open

@@ -21,7 +21,7 @@ __all__ = ["GlmKpoolIndexer"]
 
 
 class GlmKpoolIndexer(nn.Module):
-    """Pooled FP8 lightning indexer (DESIGN §3).
+    """Pooled FP8 lightning indexer (docs/design.md §3).
 
     Weights (checkpoint names): ``wq_b [H_i * 128, q_lora]``, ``wk [128, hidden]``, ``k_norm`` (LayerNorm
     128, eps 1e-6), ``index_kpool_compress_gate [128, hidden]`` (a bare parameter: per-channel pooling

@@ -5,7 +5,7 @@ Adds to `AttentionMetadata` the persistent device slot table ``[max_num_seqs, ma
 buffer. Slot tables come from the KV cache manager's ``get_batch_slot_tables``; a request that needs a
 wider table than was allocated raises `TableWidthError` (never a reallocation, never a truncation).
 
-Draft forwards with a separate draft KV manager (DESIGN §5, hazard §6.1): the two managers allocate pages
+Draft forwards with a separate draft KV manager (docs/design.md §5, hazard §6.1): the two managers allocate pages
 and state slots independently, so the target's ids index the draft cache out of bounds (or another
 request's pages). A second persistent table ``draft_slot_table`` and state-slot buffer ``draft_state_slots``
 hold the draft manager's own ids; `GlmKpoolMetadata.prepare_for_draft_forward` fills them (never while a
@@ -203,7 +203,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         return self.state_slots_buf[: self.num_seqs]
 
     # --------------------------------------------------------------------------------------------
-    # Draft forwards (DESIGN §5, hazard §6.1)
+    # Draft forwards (docs/design.md §5, hazard §6.1)
     @property
     def draft_binding_active(self) -> bool:
         """True while the draft buffers are bound (between prepare and restore of a draft forward)."""

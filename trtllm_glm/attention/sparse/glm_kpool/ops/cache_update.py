@@ -203,7 +203,7 @@ def update_decode_pools(
     bring several rows (speculative verify); they are applied in position order, so later rows see the
     ring entries of earlier ones.
 
-    With ``tail_ring`` (speculative decoding, DESIGN §6.2), `DecodeTailRing.prepare_step` first rolls the
+    With ``tail_ring`` (speculative decoding, docs/design.md §6.2), `DecodeTailRing.prepare_step` first rolls the
     ring back to the previous step's accepted rows and backs this step up, then the rows are applied.
 
     Args:
