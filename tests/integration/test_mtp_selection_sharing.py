@@ -59,8 +59,8 @@ def test_sharing_is_lossless_and_chained_steps_reuse_step0(model, mode) -> None:
 
     def hook(_m, args, out):
         meta = args[2]
-        if meta.shared_pool_ids is not None:
-            seen.append((meta.shared_pool_ids.clone(), meta.shared_window_start.clone(), out.clone()))
+        if meta.spec.shared_pool_ids is not None:
+            seen.append((meta.spec.shared_pool_ids.clone(), meta.spec.shared_window_start.clone(), out.clone()))
 
     h = mtp_indexer.register_forward_hook(hook)
     try:
@@ -85,3 +85,18 @@ def test_sharing_off_runs_the_indexer(model) -> None:
     assert not ex.share_mtp_selection and ex.meta.select_width == model.config.index_select_width
     # The model config's flag is the default.
     assert not SpeculativeExecutor(model, _cfg(), MTPDecodingConfig(num_nextn_predict_layers=3)).share_mtp_selection
+    # Every MTP step, chained ones included, scores pools itself: no reused selection is ever bound.
+    calls = {"mtp": 0, "shared": 0}
+
+    def hook(_m, args, _out):
+        calls["mtp"] += 1
+        calls["shared"] += int(args[2].spec.shared_pool_ids is not None)
+
+    h = model.mtp.block.self_attn.indexer.register_forward_hook(hook)
+    try:
+        for p in _prompts():
+            ex.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+        ex.run_until_done()
+    finally:
+        h.remove()
+    assert calls["mtp"] > 0 and calls["shared"] == 0

@@ -243,8 +243,8 @@ def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -
     orig = ex.drafter._mtp_step
     checked = []
 
-    def spy(reqs, past, q, nxt, prev, *, decode, _orig=orig, _ex=ex):
-        out = _orig(reqs, past, q, nxt, prev, decode=decode)
+    def spy(reqs, past, q, nxt, prev, *, decode, _orig=orig, _ex=ex, **kw):
+        out = _orig(reqs, past, q, nxt, prev, decode=decode, **kw)
         if not decode:
             ring = _ex.draft_manager.tail_ring[_ex.mtp_plane]
             after_catch_up.clear()

@@ -13,7 +13,7 @@ lossless (speculation then only degrades, or state is corrupted where no token h
    target's.
 4. Preemption frees the draft manager's allocation and resets the MTP catch-up length: the resumed request
    speculates again.
-5. Width-one rounds run KDA in place: no verify records, ``meta.verify_seqs`` holds only wide sequences.
+5. Width-one rounds run KDA in place: no verify records, ``meta.spec.verify_seqs`` holds only wide sequences.
 
 (The interface's exception-atomicity is in tests/unittest/test_interface_atomicity.py.)
 """
@@ -75,14 +75,14 @@ def disagreements(ex: SpeculativeExecutor) -> list[int]:
 
 
 def spy_plans(ex: SpeculativeExecutor) -> list[tuple[list[ScheduledSeq], list[int]]]:
-    """Record every step's plan and ``meta.verify_seqs`` as the model forward sees them (right after the
+    """Record every step's plan and ``meta.spec.verify_seqs`` as the model forward sees them (right after the
     executor's own `_before_forward`)."""
     steps: list[tuple[list[ScheduledSeq], list[int]]] = []
     orig = ex._before_forward
 
     def before_forward(plan: list[ScheduledSeq]) -> None:
         orig(plan)
-        steps.append((list(plan), list(ex.meta.verify_seqs)))
+        steps.append((list(plan), list(ex.meta.spec.verify_seqs)))
 
     ex._before_forward = before_forward  # type: ignore[method-assign]
     return steps
@@ -357,7 +357,7 @@ def test_mtp_preemption_frees_draft_state_and_speculation_resumes(model) -> None
 
 def test_width_one_rounds_take_the_in_place_kda_path(model, monkeypatch) -> None:
     """In a step mixing wide verify rounds, width-one rounds and prefill chunks, only the wide sequences are
-    in ``meta.verify_seqs`` and only they build KDA verify records; width-one decodes update their state in
+    in ``meta.spec.verify_seqs`` and only they build KDA verify records; width-one decodes update their state in
     place; a step without wide rounds builds no records at all."""
     ps = random_prompts([12, 30, 7, 21], 71)
     refs = reference(model, ps, [20] * 4)
@@ -391,7 +391,7 @@ def test_width_one_rounds_take_the_in_place_kda_path(model, monkeypatch) -> None
         plan, verify_seqs = plans[-1]
         wide = [b for b, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
         narrow = [b for b, s in enumerate(plan) if s.is_decode and s.num_rows == 1]
-        assert verify_seqs == wide, f"meta.verify_seqs {verify_seqs} but the wide sequences are {wide}"
+        assert verify_seqs == wide, f"meta.spec.verify_seqs {verify_seqs} but the wide sequences are {wide}"
         if wide:
             assert calls["verify"] == [wide] * n_kda, calls["verify"]
         else:

@@ -256,7 +256,7 @@ FAILURES = ["get_tables_raises", "row_too_wide", "page_missing", "after_hook", "
 def test_failed_prepare_leaves_target_binding_intact(setup, monkeypatch, failure: str) -> None:
     tgt, drf, meta = setup
     # Something for the identity check to catch if the per-step fields were reset and not restored.
-    meta.verify_seqs = [1]
+    meta.spec.verify_seqs = [1]
     lengths: dict[str, Any] = {}
     if failure == "get_tables_raises":
         monkeypatch.setattr(drf, "get_batch_slot_tables", _raise)

@@ -91,6 +91,6 @@ def test_speculative_fields_live_apart_and_prepare_replaces_them() -> None:
     old = meta.spec
     assert isinstance(old, SpecMetadata) and old == SpecMetadata()
     old.verify_seqs = [0]
-    assert meta.verify_seqs == [0]  # the read-through name
+    assert meta.spec.verify_seqs == [0]
     meta.prepare([5], past_lens=[11], q_lens=[1], num_decode_seqs=1)
     assert meta.spec is not old and meta.spec.verify_seqs == [] and old.verify_seqs == [0]

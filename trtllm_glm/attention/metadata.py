@@ -97,54 +97,6 @@ class AttentionMetadata:
         self.spec = SpecMetadata()
 
     # --------------------------------------------------------------------------------------------
-    # Read-through names of the `SpecMetadata` fields (``meta.spec.<name>``), kept for existing callers; new
-    # code reads and writes ``meta.spec``.
-    @property
-    def verify_seqs(self) -> list[int]:
-        """``spec.verify_seqs``."""
-        return self.spec.verify_seqs
-
-    @verify_seqs.setter
-    def verify_seqs(self, value: list[int]) -> None:
-        self.spec.verify_seqs = value
-
-    @property
-    def num_accepted_t(self) -> torch.Tensor | None:
-        """``spec.num_accepted_t``."""
-        return self.spec.num_accepted_t
-
-    @num_accepted_t.setter
-    def num_accepted_t(self, value: torch.Tensor | None) -> None:
-        self.spec.num_accepted_t = value
-
-    @property
-    def shared_pool_ids(self) -> torch.Tensor | None:
-        """``spec.shared_pool_ids``."""
-        return self.spec.shared_pool_ids
-
-    @shared_pool_ids.setter
-    def shared_pool_ids(self, value: torch.Tensor | None) -> None:
-        self.spec.shared_pool_ids = value
-
-    @property
-    def shared_window_start(self) -> torch.Tensor | None:
-        """``spec.shared_window_start``."""
-        return self.spec.shared_window_start
-
-    @shared_window_start.setter
-    def shared_window_start(self, value: torch.Tensor | None) -> None:
-        self.spec.shared_window_start = value
-
-    @property
-    def last_pool_ids(self) -> torch.Tensor | None:
-        """``spec.last_pool_ids``."""
-        return self.spec.last_pool_ids
-
-    @last_pool_ids.setter
-    def last_pool_ids(self, value: torch.Tensor | None) -> None:
-        self.spec.last_pool_ids = value
-
-    # --------------------------------------------------------------------------------------------
     def prepare(
         self,
         request_ids: Sequence[int],

@@ -90,7 +90,6 @@ class Glm5NextDecoderLayer(nn.Module):
         self.kind = kind
         self.cache_idx = cache_idx
         self.use_mhc = use_mhc
-        self.hc_mult = config.hc_mult
         self.norm_eps = config.rms_norm_eps
         self.hc_eps = config.hc_eps
         self.hc_iters = config.hc_sinkhorn_iters

@@ -398,10 +398,37 @@ class _Server:
         return JSONResponse(body)
 
     async def _completion_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+
+        def choice(d: Delta) -> dict:
+            lp = None
+            if job.logprobs is not None and d.token_ids:
+                lp = self.completion_logprobs(d.token_ids, d.logprobs or [], d.text_offsets)
+            return {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+
+        async for event in self._stream_events(job, stream, head, choice):
+            yield event
+
+    async def _stream_events(
+        self, job: _Job, stream: ResultStream, head: dict, choice, prelude: tuple[dict, ...] = ()
+    ) -> AsyncIterator[str]:
+        """Server-sent events of one streamed request (completions and chat share this loop).
+
+        Args:
+            job: the request's options (logprobs, usage reporting).
+            stream: its deltas.
+            head: fields every chunk carries (id, object, created, model).
+            choice: builds the chunk's choice from a delta.
+            prelude: choices sent before any delta (chat's role chunk per choice).
+        """
         done_tokens: dict[int, int] = {}
         so_far: dict[int, int] = {}
-        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        # With usage reporting on, every chunk carries a usage field (null until the final chunk, unless
+        # continuous usage is asked for).
+        usage_none = {"usage": None} if job.include_usage or job.continuous_usage else {}
         try:
+            for c in prelude:
+                yield _sse({**head, "choices": [c], **usage_none})
             async for d in stream:
                 if d.error is not None:
                     yield self.error_event(d.error)
@@ -413,17 +440,8 @@ class _Server:
                 if not d.text and d.finish_reason is None and not keep:
                     continue
                 so_far[d.index] = d.num_output_tokens
-                lp = None
-                if job.logprobs is not None and d.token_ids:
-                    lp = self.completion_logprobs(d.token_ids, d.logprobs or [], d.text_offsets)
-                chunk = {**head, "choices": [
-                    {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
-                ]}  # fmt: skip
-                if job.continuous_usage:
-                    chunk["usage"] = self.usage(job, sum(so_far.values()))
-                elif job.include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+                extra = {"usage": self.usage(job, sum(so_far.values()))} if job.continuous_usage else usage_none
+                yield _sse({**head, "choices": [choice(d)], **extra})
                 if d.finish_reason is not None:
                     done_tokens[d.index] = d.num_output_tokens
             else:
@@ -495,42 +513,20 @@ class _Server:
 
     async def _chat_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        extra = {"usage": None} if job.include_usage or job.continuous_usage else {}
-        done_tokens: dict[int, int] = {}
-        so_far: dict[int, int] = {}
         k = job.logprobs
-        try:
-            for i in range(stream.n):  # the role comes first, once per choice
-                first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}  # fmt: skip
-                yield _sse({**head, "choices": [first], **extra})
-            async for d in stream:
-                if d.error is not None:
-                    yield self.error_event(d.error)
-                    stream.abort()
-                    break
-                # Tokens whose text is still held back (half a character, maybe a stop string) make no
-                # chunk of their own unless their logprobs or running usage must be sent.
-                keep = d.token_ids and (job.logprobs is not None or job.continuous_usage)
-                if not d.text and d.finish_reason is None and not keep:
-                    continue
-                so_far[d.index] = d.num_output_tokens
-                lp = None
-                if k is not None and d.token_ids:
-                    lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k)
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                choice = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
-                if job.continuous_usage:
-                    extra = {"usage": self.usage(job, sum(so_far.values()))}
-                yield _sse({**head, "choices": [choice], **extra})
-                if d.finish_reason is not None:
-                    done_tokens[d.index] = d.num_output_tokens
-            else:
-                if job.include_usage:
-                    yield _sse({**head, "choices": [], "usage": self.usage(job, sum(done_tokens.values()))})
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.abort()
+
+        def choice(d: Delta) -> dict:
+            lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k) if k is not None and d.token_ids else None
+            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+
+        # The role comes first, once per choice.
+        prelude = tuple(
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(stream.n)
+        )
+        async for event in self._stream_events(job, stream, head, choice, prelude):
+            yield event
 
     @staticmethod
     def _raise_failed(choices: list[_Choice]) -> None:

@@ -142,9 +142,8 @@ class MTPDrafter(Drafter):
                     # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
                     ws = torch.tensor([4 * (s.num_computed // 4) for s in reqs], dtype=torch.int64, device=self.device)
                     shared = (pools0[torch.tensor(active, device=self.device)], ws)
-                kw = {} if shared is None else {"shared": shared}
                 h = self._mtp_step(
-                    reqs, [s.num_computed + c - 1 for s in reqs], [1] * len(reqs), tok, h, decode=True, **kw
+                    reqs, [s.num_computed + c - 1 for s in reqs], [1] * len(reqs), tok, h, decode=True, shared=shared
                 )
                 with torch.inference_mode():
                     nd = self.model.compute_logits(h).argmax(-1).tolist()
