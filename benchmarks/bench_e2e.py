@@ -26,6 +26,7 @@ import torch
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
@@ -150,21 +151,33 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
     raise ValueError(f"unknown mode {mode!r}")
 
 
-def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0):
-    """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens."""
-    cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 16), max_batch_size=batch,
+def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
+             prompts: list[list[int]] | None = None):  # fmt: skip
+    """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
+
+    ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
+    """
+    if prompts is not None:
+        prompt_len = max(len(p) for p in prompts)
+    cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 80), max_batch_size=batch,
                          max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16)  # fmt: skip
     ex = make_executor(model, cfg, mode, continuation, seed)
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
-    reqs = [ex.add_request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(),
-                           SamplingParams(max_tokens=gen, ignore_eos=True)) for _ in range(batch)]  # fmt: skip
+    ids = [prompts[i % len(prompts)] if prompts is not None
+           else torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for i in range(batch)]  # fmt: skip
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=gen, ignore_eos=True)) for p in ids]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    while any(r.num_computed < len(r.prompt_ids) for r in reqs):  # prefill (not timed)
+    sync()
+    t_start = time.perf_counter()
+    while any(r.num_computed < len(r.prompt_ids) for r in reqs):  # prefill (timed apart)
         ex.step()
+    sync()
+    prefill_s = time.perf_counter() - t_start
     for _ in range(2):  # warm-up decode steps (kernel compilation, first-touch)
         if ex.has_work:
             ex.step()
+    warm_s = time.perf_counter() - t_start - prefill_s
     launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
@@ -180,11 +193,16 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     return {
         "step_ms": 1e3 * dt / max(steps, 1),
         "tokens_per_s": toks / dt if dt > 0 else float("nan"),
+        # Whole requests: prefill + decode (the one profiled step is not timed; run a warm-up case first so
+        # that first-use kernel compilation is not in here).
+        "request_tokens_per_s": batch * gen / (prefill_s + dt + warm_s),
+        "prefill_ms": 1e3 * prefill_s,
         "tokens_per_step": toks / max(steps, 1),
         "mean_accepted": mean_acc,
         "launches_per_step": launches,
         "syncs_per_step": syncs,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
+        "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
     }
 
 
@@ -259,6 +277,52 @@ def _to_reference_names(sd: dict[str, torch.Tensor], hf) -> dict[str, torch.Tens
     return out
 
 
+def held_out_prompt_ids(n: int, length: int) -> list[list[int]]:
+    """``n`` byte-token prompts of about ``length`` bytes from the small preset's held-out stdlib modules."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+    import eval_small
+    import train_small
+
+    _, held = train_small.stdlib_files()
+    texts = eval_small.held_out_prompts(train_small.read_files(held), n, length)
+    return [list(t.encode("utf-8")) for t in texts]
+
+
+def run_trained(args: argparse.Namespace) -> list[dict]:
+    """Plain vs speculative decoding of a trained preset on held-out prompts: tokens/s and losslessness.
+
+    Every (batch, mode) case runs once short (compilation, first touch) and then timed; speculative tokens
+    are compared with the plain run's (greedy, so they must be identical up to near ties).
+    """
+    model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device=args.device).eval()
+    prompts = held_out_prompt_ids(max(args.batch), args.prompt_len)
+    rows = []
+    for B in args.batch:
+        plain_out = None
+        for mode in args.modes:
+            run_case(model, mode, B, 0, 8, args.device, prompts=prompts)  # warm-up
+            r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts)
+            if mode == "plain":
+                plain_out, plain_gaps = r["outputs"], r["gaps"]
+            lossless = {"identical": 0, "near_tie": 0, "diverged": 0}
+            for i in range(B if plain_out is not None else 0):
+                d = compare_greedy(plain_out[i], plain_gaps[i], r["outputs"][i])
+                lossless["identical" if d is None else "near_tie" if d.excused else "diverged"] += 1
+            row = {"preset": args.preset, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
+                   "request_tokens_per_s": r["request_tokens_per_s"], "step_ms": r["step_ms"],
+                   "prefill_ms": r["prefill_ms"], "tokens_per_step": r["tokens_per_step"],
+                   "mean_accepted": r["mean_accepted"], "launches_per_step": r["launches_per_step"],
+                   "syncs_per_step": r["syncs_per_step"], "vs_plain": lossless,
+                   "prompt_tokens": [len(prompts[i % len(prompts)]) for i in range(B)][:4], "gen": args.gen,
+                   "dtype": args.dtype, "graphs": False}  # fmt: skip
+            rows.append(row)
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="glm-5.3-flash")
@@ -271,8 +335,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--trained", action="store_true", help="the preset's shipped weights (e.g. small) on held-out stdlib prompts"
+    )
     args = ap.parse_args()
 
+    if args.trained:
+        rows_out = run_trained(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows_out, f, indent=1)
+        return
     base = Glm5NextConfig.from_pretrained(args.preset)
     bw = copy_ceiling_gbs(args.device)
     rows_out = []
