@@ -9,6 +9,8 @@ Weight names under a decoder layer's ``mlp.`` prefix:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,7 +18,7 @@ from torch import nn
 from ..config import Glm5NextConfig
 from .init import init_linear_
 
-__all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn"]
+__all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "FUSED_MAX_ROWS"]
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -146,8 +148,41 @@ class MoEGate(nn.Module):
         self.e_score_correction_bias.copy_(b)
 
 
+MOE_BACKEND_ENV = "TRTLLM_GLM_MOE_BACKEND"
+MOE_BACKENDS = ("auto", "torch", "triton")
+# "auto" takes the fused kernels on CUDA up to this many rows. Beyond it (prefill) the per-expert loop is as
+# fast (every expert gets many rows; one host sync per layer is nothing next to the GEMMs) and the fused
+# path's [N * k, H] fp32 pair buffer would grow large (537 MB at 4096 rows of the real model).
+FUSED_MAX_ROWS = 1024
+
+
+def _mark_stack_dirty(module: nn.Module, incompatible_keys: object) -> None:
+    """Load-state-dict post hook: ``assign=True`` may have replaced expert parameters by other tensors."""
+    module._stack_dirty = True
+
+
 class MoE(nn.Module):
     """Routed experts plus optional always-on shared experts.
+
+    Two implementations of the routed experts, chosen per call by `backend` (or the environment variable
+    ``TRTLLM_GLM_MOE_BACKEND`` when `backend` is ``None``): ``"torch"``, a host loop over the experts present
+    (one host sync, data-dependent shapes; the exact and fast path on the CPU), ``"triton"``, the fused
+    kernels of `trtllm_glm.moe.kernels` (no host sync, CUDA-graph capturable; on the CPU through Triton's
+    interpreter), and ``"auto"`` (default): the fused kernels for CUDA inputs of at most `fused_max_rows`
+    rows when no gradient is needed, the loop otherwise.
+
+    Weight storage: the experts' weights live in two stacked tensors, ``[E, 2I, H]`` (each expert's gate then
+    up rows) and ``[E, H, I]`` (down), and every expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight
+    is a view into them. So the per-expert parameters (checkpoint names, strict loading, state dicts) are
+    unchanged, the fused kernels read the stacked tensors directly, and nothing is stored twice. The stack
+    survives ``.to()`` / ``.cuda()`` / ``to_empty()`` (`_apply` converts the stacked tensors and re-points the
+    views) and in-place loads (``load_state_dict`` copies into the views). When parameters are replaced by
+    other tensors (``load_state_dict(assign=True)``, a hand-assigned ``nn.Parameter``, ``deepcopy``), the
+    next fused call re-stacks: zero-copy when the new tensors are already laid out as one stacked block
+    (e.g. per-expert views of a reference model's fused ``gate_up_proj``), else one copy into new stacked
+    tensors with the parameters re-pointed to it, the old storage then being freed unless held elsewhere.
+    A hand-assigned parameter of an expert other than the first and last is only noticed after
+    `mark_weights_changed`.
 
     Args:
         config: uses ``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``,
@@ -157,8 +192,12 @@ class MoE(nn.Module):
     def __init__(self, config: Glm5NextConfig) -> None:
         super().__init__()
         self.hidden_size = config.hidden_size
+        self.intermediate_size = config.moe_intermediate_size
         self.n_routed_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
+        self.swiglu_limit = config.swiglu_limit
+        self.backend: str | None = None
+        self.fused_max_rows = FUSED_MAX_ROWS
         self.gate = MoEGate(
             config.hidden_size,
             config.n_routed_experts,
@@ -177,6 +216,169 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, lim
             )
+        # Plain attributes (not parameters or buffers): invisible to state dicts and to Module._apply.
+        self._w_gate_up: torch.Tensor | None = None
+        self._w_down: torch.Tensor | None = None
+        self._stack_dirty = True
+        self.register_load_state_dict_post_hook(_mark_stack_dirty)
+        self._stack_experts()
+
+    # ----------------------------------------------------------------------------------------------
+    # Stacked expert weights
+    # ----------------------------------------------------------------------------------------------
+    def _expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [(ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight) for ex in self.experts]
+
+    def _stack_is_current(self) -> bool:
+        """Every expert weight is the matching view of the stacked tensors (O(E): run when marked dirty)."""
+        w13, w2 = self._w_gate_up, self._w_down
+        if w13 is None or w2 is None:
+            return False
+        inter = self.intermediate_size
+        for e, (g, u, d) in enumerate(self._expert_weights()):
+            for t, ref in ((g, w13[e, :inter]), (u, w13[e, inter:]), (d, w2[e])):
+                if not _same_memory(t, ref):
+                    return False
+        return True
+
+    def _stack_experts(self) -> None:
+        """Make the stacked tensors current: keep, view zero-copy, or copy once and re-point the parameters."""
+        if self._stack_is_current():
+            self._stack_dirty = False
+            return
+        weights = self._expert_weights()
+        first = weights[0][0]
+        if any(t.dtype != first.dtype or t.device != first.device for ws in weights for t in ws):
+            raise RuntimeError("MoE: expert weights must share one dtype and device to be stacked")
+        e, inter, hid = len(weights), self.intermediate_size, self.hidden_size
+        w13 = _as_stacked([t for g, u, _ in weights for t in (g, u)], (e, 2 * inter, hid))
+        w2 = _as_stacked([d for _, _, d in weights], (e, hid, inter))
+        with torch.no_grad():
+            if w13 is None:
+                w13 = torch.empty(e, 2 * inter, hid, dtype=first.dtype, device=first.device)
+                for i, (g, u, _) in enumerate(weights):
+                    w13[i, :inter].copy_(g)
+                    w13[i, inter:].copy_(u)
+            if w2 is None:
+                w2 = torch.empty(e, hid, inter, dtype=first.dtype, device=first.device)
+                for i, (_, _, d) in enumerate(weights):
+                    w2[i].copy_(d)
+        self._point_experts_at(w13, w2)
+
+    def _point_experts_at(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        inter = self.intermediate_size
+        for e, ex in enumerate(self.experts):
+            # `.data =` keeps each Parameter object (and its requires_grad) and swaps its storage.
+            ex.gate_proj.weight.data = w13[e, :inter]
+            ex.up_proj.weight.data = w13[e, inter:]
+            ex.down_proj.weight.data = w2[e]
+        self._w_gate_up, self._w_down = w13, w2
+        self._stack_dirty = False
+
+    def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w_gate_up [E, 2I, H], w_down [E, H, I])``, the storage of the experts' weights (re-stacked first
+        if parameters were replaced)."""
+        w13, w2 = self._w_gate_up, self._w_down
+        if self._stack_dirty or w13 is None or w2 is None or not self._stack_spot_check(w13, w2):
+            self._stack_experts()
+            w13, w2 = self._w_gate_up, self._w_down
+        assert w13 is not None and w2 is not None
+        return w13, w2
+
+    def _stack_spot_check(self, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+        """O(1) check of the first and last experts (catches deepcopy and most hand replacements)."""
+        inter = self.intermediate_size
+        for e in (0, len(self.experts) - 1):
+            ex = self.experts[e]
+            if not (
+                _same_memory(ex.gate_proj.weight, w13[e, :inter])
+                and _same_memory(ex.up_proj.weight, w13[e, inter:])
+                and _same_memory(ex.down_proj.weight, w2[e])
+            ):
+                return False
+        return True
+
+    def mark_weights_changed(self) -> None:
+        """Tell the module that expert parameters were replaced by hand (re-stacked on the next fused call)."""
+        self._stack_dirty = True
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Convert the stacked tensors once and hand each expert parameter its view of the result.
+
+        ``Module.to`` / ``cuda`` / ``half`` / ``to_empty`` all go through here; converting the experts one by
+        one would break the stack (and a later re-stack would copy every expert).
+        """
+        w13, w2 = self._w_gate_up, self._w_down
+        if not recurse or not self._stack_is_current():
+            self._w_gate_up = self._w_down = None
+            self._stack_dirty = True
+            return super()._apply(fn, recurse)
+        assert w13 is not None and w2 is not None
+        new13, new2 = fn(w13), fn(w2)
+        if new13.shape != w13.shape or new2.shape != w2.shape:
+            self._w_gate_up = self._w_down = None
+            self._stack_dirty = True
+            return super()._apply(fn, recurse)
+        inter = self.intermediate_size
+        views: dict[int, torch.Tensor] = {}
+        for e, (g, u, d) in enumerate(self._expert_weights()):
+            views[id(g)], views[id(u)], views[id(d)] = new13[e, :inter], new13[e, inter:], new2[e]
+
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            v = views.get(id(t))
+            return v if v is not None else fn(t)
+
+        out = super()._apply(convert, recurse)
+        self._w_gate_up, self._w_down = new13, new2
+        # Normally still current; a conversion that replaced Parameter objects is caught on the next call.
+        self._stack_dirty = True
+        return out
+
+    # ----------------------------------------------------------------------------------------------
+    # Forward
+    # ----------------------------------------------------------------------------------------------
+    def _backend(self, x: torch.Tensor) -> str:
+        """``"torch"`` or ``"triton"`` for this call."""
+        choice = self.backend if self.backend is not None else os.environ.get(MOE_BACKEND_ENV, "auto")
+        if choice not in MOE_BACKENDS:
+            raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {choice!r}")
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.experts[0].gate_proj.weight.requires_grad)
+        if choice == "auto":
+            fused = x.device.type == "cuda" and x.shape[0] <= self.fused_max_rows and not needs_grad
+            return "triton" if fused else "torch"
+        if choice == "triton" and needs_grad:
+            raise RuntimeError("MoE: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
+        return choice
+
+    def _routed_loop(self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Per-expert host loop: ``[N, H]`` fp32 (one host sync for the expert counts)."""
+        n = x2.shape[0]
+        out = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x2.device)
+        flat_ids = topk_ids.reshape(-1)
+        flat_w = topk_w.reshape(-1)
+        flat_tok = torch.arange(n, device=x2.device).repeat_interleave(self.top_k)
+        # Group (token, expert) pairs by expert once; each token appears at most once per expert, so
+        # index_add_ has no duplicate targets within a call and stays deterministic on GPU too.
+        order = torch.argsort(flat_ids, stable=True)
+        tok_sorted = flat_tok[order]
+        w_sorted = flat_w[order]
+        counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            tok = tok_sorted[start : start + c]
+            y = self.experts[e](x2.index_select(0, tok))
+            out.index_add_(0, tok, y.float() * w_sorted[start : start + c, None])
+            start += c
+        return out
+
+    def _routed_fused(self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+        """Fused kernels over the stacked weights: ``[N, H]`` fp32, no host sync."""
+        from ..moe import kernels
+
+        w13, w2 = self.stacked_expert_weights()
+        return kernels.fused_moe(x2, topk_ids, topk_w, w13, w2, self.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[N, hidden]`` (any leading dims are flattened). Returns ``[N, hidden]`` in ``x``'s dtype.
@@ -186,26 +388,14 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
-        out = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x.device)
         if n > 0:
             topk_ids, topk_w = self.gate(x2)
-            flat_ids = topk_ids.reshape(-1)
-            flat_w = topk_w.reshape(-1)
-            flat_tok = torch.arange(n, device=x.device).repeat_interleave(self.top_k)
-            # Group (token, expert) pairs by expert once; each token appears at most once per expert, so
-            # index_add_ has no duplicate targets within a call and stays deterministic on GPU too.
-            order = torch.argsort(flat_ids, stable=True)
-            tok_sorted = flat_tok[order]
-            w_sorted = flat_w[order]
-            counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-            start = 0
-            for e, c in enumerate(counts):
-                if c == 0:
-                    continue
-                tok = tok_sorted[start : start + c]
-                y = self.experts[e](x2.index_select(0, tok))
-                out.index_add_(0, tok, y.float() * w_sorted[start : start + c, None])
-                start += c
+            if self._backend(x2) == "triton":
+                out = self._routed_fused(x2, topk_ids, topk_w)
+            else:
+                out = self._routed_loop(x2, topk_ids, topk_w)
+        else:
+            out = torch.zeros(0, self.hidden_size, dtype=torch.float32, device=x.device)
         if self.shared_experts is not None:
             out += self.shared_experts(x2).float()
         return out.to(x.dtype).reshape(shape)
@@ -218,6 +408,42 @@ class MoE(nn.Module):
             expert.reset_parameters(generator, std)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(generator, std)
+
+
+def _same_memory(t: torch.Tensor, ref: torch.Tensor) -> bool:
+    """``t`` covers exactly ``ref``'s elements (same address, layout, dtype and device)."""
+    return (
+        t.data_ptr() == ref.data_ptr()
+        and t.shape == ref.shape
+        and t.stride() == ref.stride()
+        and t.dtype == ref.dtype
+        and t.device == ref.device
+    )
+
+
+def _as_stacked(parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor | None:
+    """A zero-copy ``shape`` view over ``parts`` if they tile one storage back to back in order, else ``None``.
+
+    ``parts`` are the row blocks of the stacked tensor (``[E, 2I, H]``: gate_0, up_0, gate_1, ...), each
+    contiguous. Meta tensors have no addresses: never viewed.
+    """
+    first = parts[0]
+    if first.device.type == "meta" or any(not t.is_contiguous() for t in parts):
+        return None
+    storage = first.untyped_storage()
+    step = first.numel()
+    base = first.storage_offset()
+    size = first.element_size()
+    for i, t in enumerate(parts):
+        if t.numel() != step or t.dtype != first.dtype or t.untyped_storage().data_ptr() != storage.data_ptr():
+            return None
+        if t.storage_offset() != base + i * step:
+            return None
+    total = step * len(parts)
+    if (base + total) * size > storage.nbytes():
+        return None
+    e, rows, cols = shape
+    return first.as_strided(shape, (rows * cols, cols, 1), base)
 
 
 def make_ffn(config: Glm5NextConfig, layer_idx: int) -> GatedMLP | MoE:

@@ -1,0 +1,376 @@
+"""Triton fused MoE for decode / verify: routed experts as two grouped GEMMs over expert-sorted pairs.
+
+`fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result):
+
+1. `ops.moe_align` sorts the ``P = N * k`` (token, slot) pairs by expert on the device and pads each expert's
+   run to a multiple of the row block ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags
+   each row block with its expert (``-1``: unused block). No host sync, sizes from the shapes only.
+2. ``_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: a program takes its block's ``M`` pairs,
+   gathers their tokens' rows of ``x``, multiplies them by its expert's gate and up rows ``[BLOCK_N, H]`` on
+   the tensor cores (fp32 accumulation), applies ``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 and writes
+   ``[M, BLOCK_N]`` of the intermediate ``[L_slots, I]`` (activation dtype) at the block's slots.
+3. ``_down_kernel``, grid ``(row blocks, cdiv(H, BLOCK_N))``: the intermediate rows times the expert's
+   ``down`` rows, times the pair's routing weight, written in fp32 to ``pair_out[p]`` (``[P, H]``).
+4. ``out = pair_out.view(N, k, H).sum(1)``: each pair has its own row, so there are no atomics and the
+   result is bit-deterministic run to run (the sum over ``k`` is a plain reduction). The ``[P, H]`` fp32
+   buffer is the price (16.8 MB at N = 128, k = 8, H = 4096).
+
+Each program of a row block reads its expert's weight tile once for all ``M`` pairs, so at decode sizes
+(each expert gets at most a few pairs) every touched expert's weights are read once per step; an expert with
+more than ``M`` pairs is read once per row block (from L2 after the first when blocks run together).
+Unused blocks (past the last expert's run) exit at once. The intermediate of padding rows is zero and their
+outputs are not stored.
+
+Numerics: bf16/fp16 operands on the tensor cores with fp32 accumulation; fp32 operands use IEEE fp32 dots
+(not TF32). The SwiGLU is evaluated in fp32 and rounded once to the activation dtype (the per-expert torch
+loop rounds ``gate``, ``up`` and each elementwise step to it), the down product is weighted in fp32 (the loop
+rounds it to the activation dtype first). So in bf16 the kernel is closer to the fp32 reference than the loop.
+
+Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to a copy of this module
+imported with Triton's interpreter switched on (as ``glm_kpool.kernels`` does for its kernels: the choice
+depends neither on ``TRITON_INTERPRET`` nor on import order). Under the interpreter operands are upcast to
+fp32 right after loading (its bf16 arithmetic is wrong); test numerics there in fp32 / fp16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+from .ops import check_fused_moe_args, moe_align, padded_pairs_bound
+
+__all__ = ["fused_moe", "default_block_m", "INTERPRETED"]
+
+# Fixed when this module is imported: the CPU path imports an interpreted copy of this file.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+_INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
+_interp_lock = threading.Lock()
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    inter_ptr,
+    n_pairs,
+    top_k,
+    H,
+    I,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_inter,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + b)
+    if expert >= 0:
+        slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + slots)
+        valid = pair < n_pairs
+        tok = tl.where(valid, pair // top_k, 0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < I
+        kk = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + tok[:, None] * stride_x
+        # Weight tiles are loaded as [BLOCK_K, BLOCK_N] (k runs along memory), the dot's B operand.
+        wg_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        wu_base = wg_base + I * stride_wn
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                a = tl.load(x_rows + k[None, :], mask=valid[:, None], other=0.0)
+                wg = tl.load(wg_base + k[:, None], mask=col_ok[None, :], other=0.0)
+                wu = tl.load(wu_base + k[:, None], mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = k < H
+                a = tl.load(x_rows + k[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_base + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                wu = tl.load(wu_base + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            if IEEE:
+                acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, wg, acc_g)
+                acc_u = tl.dot(a, wu, acc_u)
+        if HAS_LIMIT:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        # silu(g) * u in fp32; padding rows loaded zeros, so they store exact zeros.
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        dst = inter_ptr + slots[:, None].to(tl.int64) * stride_inter + cols[None, :]
+        tl.store(dst, h.to(inter_ptr.dtype.element_ty), mask=col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    inter_ptr,
+    w_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    topk_w_ptr,
+    out_ptr,
+    n_pairs,
+    H,
+    I,
+    stride_inter,
+    stride_we,
+    stride_wn,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + b)
+    if expert >= 0:
+        slots = b * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + slots)
+        valid = pair < n_pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        kk = tl.arange(0, BLOCK_K)
+        a_rows = inter_ptr + slots[:, None].to(tl.int64) * stride_inter
+        w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + kk
+            if EVEN_K:
+                a = tl.load(a_rows + k[None, :])
+                w = tl.load(w_base + k[:, None], mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = k < I
+                a = tl.load(a_rows + k[None, :], mask=k_ok[None, :], other=0.0)
+                w = tl.load(w_base + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        pair64 = tl.where(valid, pair, 0).to(tl.int64)
+        wt = tl.load(topk_w_ptr + pair64, mask=valid, other=0.0)
+        acc = acc * wt[:, None]
+        dst = out_ptr + pair64[:, None] * stride_out + cols[None, :]
+        tl.store(dst, acc, mask=valid[:, None] & col_ok[None, :])
+
+
+def default_block_m(num_pairs: int, num_experts: int) -> int:
+    """Row block ``M``: 16 (the smallest tensor-core tile) while experts average at most ~16 pairs, else 64."""
+    return 16 if num_pairs <= 16 * num_experts else 64
+
+
+def _block_n(n_blocks: int, width: int, wide: int = 64) -> int:
+    """Columns per program: ``wide`` unless that leaves fewer than ~1024 programs (small N: fill the SMs)."""
+    return wide if n_blocks * triton.cdiv(width, wide) >= 1024 else max(16, wide // 2)
+
+
+def _scratch(
+    scratch: dict[str, torch.Tensor] | None, name: str, shape: tuple[int, int], dtype: torch.dtype, dev: torch.device
+) -> torch.Tensor:
+    """``scratch[name]`` when it already holds a matching buffer (reused as is), else a new one (stored there)."""
+    buf = scratch.get(name) if scratch is not None else None
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != dev or not buf.is_contiguous():
+        buf = torch.empty(shape, dtype=dtype, device=dev)
+        if scratch is not None:
+            scratch[name] = buf
+    return buf
+
+
+def _fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None,
+    out: torch.Tensor | None,
+    block_m: int | None,
+    block_n: tuple[int | None, int | None],
+    block_k: tuple[int, int],
+    num_warps: int,
+    num_stages: int | None,
+    scratch: dict[str, torch.Tensor] | None,
+) -> torch.Tensor:
+    """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
+    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down)
+    dev = x.device
+    if out is None:
+        out = torch.empty(n, h, dtype=torch.float32, device=dev)
+    elif out.shape != (n, h) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [N={n}, H={h}] fp32 tensor, got {tuple(out.shape)} {out.dtype}")
+    if n == 0 or k == 0:
+        return out.zero_()
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be fp32, fp16 or bf16, got {x.dtype}")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(f"weights must have x's dtype {x.dtype}, got {w_gate_up.dtype} / {w_down.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
+        raise ValueError("expert weights must be contiguous along their last dim")
+    p = n * k
+    m = block_m if block_m is not None else default_block_m(p, e)
+    sorted_pairs, block_expert = moe_align(topk_ids, e, m)
+    n_blocks = block_expert.numel()
+    slots = padded_pairs_bound(p, e, m)
+    # Combine weights as a flat fp32 vector indexed by pair id (a no-op for contiguous fp32 input).
+    flat_w = topk_w.reshape(-1).to(torch.float32).contiguous()
+    if scratch is not None:
+        scratch["sorted_pairs"], scratch["block_expert"] = sorted_pairs, block_expert
+    inter_buf = _scratch(scratch, "inter", (slots, inter), x.dtype, dev)
+    pair_out = _scratch(scratch, "pair_out", (p, h), torch.float32, dev)
+    ieee = x.dtype == torch.float32
+    bk1, bk2 = block_k
+    bn1 = block_n[0] if block_n[0] is not None else _block_n(n_blocks, inter)
+    bn2 = block_n[1] if block_n[1] is not None else _block_n(n_blocks, h)
+    launch: dict[str, int] = {"num_warps": num_warps}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    _gate_up_kernel[(n_blocks, triton.cdiv(inter, bn1))](
+        x,
+        w_gate_up,
+        sorted_pairs,
+        block_expert,
+        inter_buf,
+        p,
+        k,
+        h,
+        inter,
+        x.stride(0),
+        w_gate_up.stride(0),
+        w_gate_up.stride(1),
+        inter_buf.stride(0),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        HAS_LIMIT=swiglu_limit is not None,
+        BLOCK_M=m,
+        BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        EVEN_K=h % bk1 == 0,
+        IEEE=ieee,
+        UPCAST=INTERPRETED,
+        **launch,
+    )
+    _down_kernel[(n_blocks, triton.cdiv(h, bn2))](
+        inter_buf,
+        w_down,
+        sorted_pairs,
+        block_expert,
+        flat_w,
+        pair_out,
+        p,
+        h,
+        inter,
+        inter_buf.stride(0),
+        w_down.stride(0),
+        w_down.stride(1),
+        pair_out.stride(0),
+        BLOCK_M=m,
+        BLOCK_N=bn2,
+        BLOCK_K=bk2,
+        EVEN_K=inter % bk2 == 0,
+        IEEE=ieee,
+        UPCAST=INTERPRETED,
+        **launch,
+    )
+    # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere).
+    torch.sum(pair_out.view(n, k, h), dim=1, out=out)
+    return out
+
+
+def _interpreted_module() -> types.ModuleType:
+    """This file imported a second time, with the interpreter on, under its own module name."""
+    with _interp_lock:
+        mod = sys.modules.get(_INTERP_NAME)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(_INTERP_NAME, __file__)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            # `from .ops import ...` above resolves against the real package.
+            mod.__package__ = __package__
+            # triton.jit picks compiled or interpreted functions at decoration time; the scope restores the knob.
+            with triton.knobs.runtime.scope():
+                triton.knobs.runtime.interpret = True
+                spec.loader.exec_module(mod)
+            sys.modules[_INTERP_NAME] = mod
+        return mod
+
+
+def fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    block_m: int | None = None,
+    block_n: tuple[int | None, int | None] = (None, None),
+    block_k: tuple[int, int] = (128, 128),
+    num_warps: int = 4,
+    num_stages: int | None = None,
+    scratch: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
+
+    No host synchronisation and no allocation whose size depends on the routing (the sorted-pair buffers,
+    the ``[padded_pairs_bound(N*k, E, M), I]`` intermediate and the ``[N*k, H]`` fp32 pair outputs follow
+    from the shapes), so it can be captured in a CUDA graph. Expert ids must lie in ``[0, E)`` (not checked).
+
+    Args:
+        x: ``[N, H]`` activations (fp32, fp16 or bf16).
+        topk_ids: ``[N, k]`` int expert ids.
+        topk_w: ``[N, k]`` combine weights (used in fp32).
+        w_gate_up: ``[E, 2I, H]`` stacked ``gate_proj`` then ``up_proj`` weights, ``x``'s dtype, unit last stride.
+        w_down: ``[E, H, I]`` stacked ``down_proj`` weights, same dtype, unit last stride.
+        swiglu_limit: the clamp ``L`` (``None``: plain SwiGLU).
+        out: optional contiguous ``[N, H]`` fp32 output buffer.
+        block_m: row block ``M`` (default `default_block_m`); at least 16.
+        block_n: columns per program of the gate_up and down kernels (``None``: by the grid size).
+        block_k: reduction tile of the two kernels (at least 16).
+        num_warps, num_stages: launch options (tuning only).
+        scratch: optional dict of work buffers: ``inter`` (``[slots, I]``, ``x``'s dtype) and ``pair_out``
+            (``[N*k, H]`` fp32) are reused when present with the right shape, else allocated and stored
+            there; ``sorted_pairs`` / ``block_expert`` of the call are stored too. For tests (poisoned
+            buffers) and callers that keep persistent workspaces.
+
+    Returns:
+        ``out``: ``[N, H]`` fp32.
+    """
+    args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
+    rest = (num_warps, num_stages, scratch)
+    if INTERPRETED or x.device.type == "cuda":
+        return _fused_moe(*args, *rest)
+    # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.
+    from trtllm_glm.attention.sparse.glm_kpool.kernels import _interpreting
+
+    mod = _interpreted_module()
+    with _interpreting():
+        return mod._fused_moe(*args, *rest)

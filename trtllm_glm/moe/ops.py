@@ -1,0 +1,164 @@
+"""Torch reference of the routed-experts computation and the device-side pair sorting the kernels use.
+
+The routed part of `MoE` (``trtllm_glm.modules.ffn``), with the experts' weights stacked:
+
+    out[n] = sum_j topk_w[n, j] * W2[e] @ clamped_swiglu(W1g[e] @ x[n], W1u[e] @ x[n]),  e = topk_ids[n, j]
+
+where ``w_gate_up[e] = cat(W1g[e], W1u[e])`` (``[2I, H]``: expert ``e``'s ``gate_proj.weight`` rows, then its
+``up_proj.weight`` rows) and ``w_down[e] = W2[e]`` (``[H, I]``, its ``down_proj.weight``).
+
+* `fused_moe_ref` computes that in fp32 (inputs upcast), one expert at a time (host loop, host sync): the
+  numerical reference of `trtllm_glm.moe.kernels.fused_moe`.
+* `moe_align` sorts the ``N * k`` (token, slot) pairs by expert and pads each expert's run to a multiple of
+  the GEMM row block ``M``, entirely with device ops on fixed-size buffers (no host sync, no size that
+  depends on the routing), so the kernels' wrapper can use it under CUDA-graph capture.
+* `padded_pairs_bound` is the buffer length: ``P + min(E, P) * (M - 1)`` rounded down to a multiple of ``M``
+  (every non-empty expert wastes at most ``M - 1`` padding slots, and at most ``min(E, P)`` are non-empty).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..modules.ffn import clamped_swiglu
+
+__all__ = ["padded_pairs_bound", "moe_align", "fused_moe_ref", "check_fused_moe_args"]
+
+
+def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots of `moe_align`'s sorted buffer: an upper bound on ``sum_e ceil(c_e / M) * M`` from shapes alone.
+
+    Args:
+        num_pairs: ``P = N * k`` (token, slot) pairs.
+        num_experts: ``E``.
+        block_m: row block ``M`` of the grouped GEMMs.
+
+    Returns:
+        A multiple of ``block_m``, at least every expert's padded run summed, whatever the routing.
+    """
+    if block_m < 1:
+        raise ValueError(f"block_m must be positive, got {block_m}")
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return bound // block_m * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Pair ``p = n * k + j`` is token ``n``'s slot ``j``. Within an expert, pairs keep ascending ``p`` (a stable
+    sort), so the layout is a deterministic function of ``topk_ids``. Only device ops on buffers whose sizes
+    follow from the shapes: no host synchronisation, capturable in a CUDA graph. Ids must lie in
+    ``[0, num_experts)`` (not checked: that would need a sync).
+
+    Args:
+        topk_ids: ``[N, k]`` int expert ids.
+        num_experts: ``E``.
+        block_m: row block ``M``.
+
+    Returns:
+        ``(sorted_pairs, block_expert)``: ``[L]`` int32 pair ids in expert order, ``P`` (= ``N * k``) in
+        padding slots, with ``L = padded_pairs_bound(P, E, M)``; and ``[L // M]`` int32 expert of each row
+        block, ``-1`` for blocks past the last expert's run (the kernels skip them).
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    p = flat.numel()
+    length = padded_pairs_bound(p, num_experts, block_m)
+    n_blocks = length // block_m
+    # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to size its output (a sync).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    run_start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    rank = torch.arange(p, device=dev) - run_start[e_sorted]
+    dest = pad_start[e_sorted] + rank
+    sorted_pairs = torch.full((length,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    # Block b starts at slot b * M; its expert is the first one whose padded run ends after that slot
+    # (runs of padded length zero are never found: their end equals their start).
+    starts = torch.arange(n_blocks, device=dev, dtype=torch.int64) * block_m
+    owner = torch.searchsorted(pad_end, starts, right=True)
+    block_expert = torch.where(owner < num_experts, owner, -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def check_fused_moe_args(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+) -> tuple[int, int, int, int, int]:
+    """Validate shapes (host-side metadata only, no sync).
+
+    Returns:
+        ``(N, H, k, E, I)``.
+
+    Raises:
+        ValueError: naming the first inconsistent argument.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [N, H], got {tuple(x.shape)}")
+    n, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != n or topk_ids.dtype.is_floating_point:
+        raise ValueError(f"topk_ids must be [N={n}, k] int, got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    k = topk_ids.shape[1]
+    if topk_w.shape != topk_ids.shape:
+        raise ValueError(f"topk_w must be [N={n}, k={k}], got {tuple(topk_w.shape)}")
+    if w_gate_up.dim() != 3 or w_gate_up.shape[2] != h or w_gate_up.shape[1] % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H={h}], got {tuple(w_gate_up.shape)}")
+    e, two_i, _ = w_gate_up.shape
+    inter = two_i // 2
+    if w_down.shape != (e, h, inter):
+        raise ValueError(f"w_down must be [E={e}, H={h}, I={inter}], got {tuple(w_down.shape)}")
+    return n, h, k, e, inter
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+) -> torch.Tensor:
+    """Routed experts in fp32, one expert at a time (the reference of `kernels.fused_moe`).
+
+    Inputs are upcast to fp32; each expert's tokens go through ``gate_up``, the clamped SwiGLU and ``down`` in
+    fp32, and are weighted and accumulated into ``out`` in expert order. Syncs with the host (the loop runs
+    over the experts present), so it is not graph-capturable.
+
+    Args:
+        x: ``[N, H]`` activations.
+        topk_ids: ``[N, k]`` int expert ids in ``[0, E)``.
+        topk_w: ``[N, k]`` combine weights.
+        w_gate_up: ``[E, 2I, H]`` stacked ``gate_proj`` then ``up_proj`` weights.
+        w_down: ``[E, H, I]`` stacked ``down_proj`` weights.
+        swiglu_limit: the clamp ``L`` of `clamped_swiglu` (``None``: plain SwiGLU).
+
+    Returns:
+        ``[N, H]`` fp32.
+
+    Raises:
+        ValueError: bad shapes, or an expert id out of range.
+    """
+    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down)
+    out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
+    if n == 0 or k == 0:
+        return out
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    if bool((flat < 0).any()) or bool((flat >= e).any()):
+        raise ValueError(f"topk_ids must lie in [0, {e})")
+    tok = torch.arange(n, device=x.device).repeat_interleave(k)
+    wts = topk_w.reshape(-1).float()
+    xf = x.float()
+    for ex in torch.unique(flat).tolist():
+        sel = (flat == ex).nonzero().squeeze(1)
+        rows = tok[sel]
+        gu = xf.index_select(0, rows) @ w_gate_up[ex].float().T
+        y = clamped_swiglu(gu[:, :inter], gu[:, inter:], swiglu_limit) @ w_down[ex].float().T
+        out.index_add_(0, rows, y * wts[sel, None])
+    return out
