@@ -21,8 +21,8 @@ Usage (on a CUDA machine, from the repository root)::
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [--sweep] [--json PATH]
 
-``--sweep`` also times other launch shapes (block_n, num_warps, num_stages) of the fused kernels. Without
-CUDA it prints a message and exits 0.
+``--sweep`` also times the torch pair sorting (``align="torch"``) and other launch shapes (block_n, num_warps,
+num_stages) of the fused kernels. Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         rel = ((out - ref).abs().max() / ref.abs().max()).item()
         configs: list[tuple[str, dict]] = [("default", {})]
         if args.sweep:
+            configs.append(("align=torch", {"align": "torch"}))
             for bn in (16, 32, 64, 128):
                 for nw, ns in ((4, 3), (4, 4), (8, 3)):
                     kw = {"block_n": (bn, bn), "num_warps": nw, "num_stages": ns}

@@ -114,6 +114,9 @@ def test_align_layout(n: int, e: int, k: int, m: int, mode: str) -> None:
     want_blocks += [-1] * (length // m - len(want_blocks))
     assert sorted_pairs.tolist() == want_slots
     assert block_expert.tolist() == want_blocks
+    # The single-program Triton version gives the same layout.
+    k_sorted, k_blocks = K.moe_align(ids, e, m)
+    assert torch.equal(k_sorted, sorted_pairs) and torch.equal(k_blocks, block_expert)
 
 
 def test_padded_bound_is_tight() -> None:
@@ -121,6 +124,11 @@ def test_padded_bound_is_tight() -> None:
     ids = torch.arange(6).view(6, 1)
     sorted_pairs, block_expert = R.moe_align(ids, 6, 16)
     assert sorted_pairs.numel() == 6 * 16 and (block_expert >= 0).all()
+    assert torch.equal(K.moe_align(ids, 6, 16)[0], sorted_pairs)
+    # Many pairs per expert, several blocks each, and more pairs than one chunk of the kernel's scan.
+    ids = torch.randint(0, 3, (150, 1), generator=torch.Generator().manual_seed(0))
+    for a, b in zip(R.moe_align(ids, 7, 16), K.moe_align(ids, 7, 16)):
+        assert torch.equal(a, b)
     assert R.padded_pairs_bound(1024, 288, 16) == (1024 + 288 * 15) // 16 * 16
 
 
@@ -153,8 +161,9 @@ def test_kernel_matches_reference_and_loop(n, h, inter, e, k, mode, kw) -> None:
         m.stacked_expert_weights()[1].copy_(w2)
         loop = m._routed_loop(x, ids, w)
     torch.testing.assert_close(out, loop, rtol=1e-5, atol=1e-5 * scale)
-    # Bit-deterministic: a second call gives the same bits.
+    # Bit-deterministic: a second call gives the same bits, with either pair sorting (same layout).
     assert torch.equal(K.fused_moe(x, ids, w, w13, w2, LIMIT, **kw), out)
+    assert torch.equal(K.fused_moe(x, ids, w, w13, w2, LIMIT, align="torch", **kw), out)
 
 
 def test_no_limit_and_clamp_matter() -> None:

@@ -250,10 +250,14 @@ class MoE(nn.Module):
         first = weights[0][0]
         if any(t.dtype != first.dtype or t.device != first.device for ws in weights for t in ws):
             raise RuntimeError("MoE: expert weights must share one dtype and device to be stacked")
+        if first.is_cuda and torch.cuda.is_current_stream_capturing():
+            # A copy here would allocate from the graph's pool and be recorded into it.
+            raise RuntimeError("MoE: expert weights changed since the last eager call; run one before capturing")
         e, inter, hid = len(weights), self.intermediate_size, self.hidden_size
         w13 = _as_stacked([t for g, u, _ in weights for t in (g, u)], (e, 2 * inter, hid))
         w2 = _as_stacked([d for _, _, d in weights], (e, hid, inter))
-        with torch.no_grad():
+        # Normal tensors even when called under inference_mode: they become the parameters' storage.
+        with torch.inference_mode(False), torch.no_grad():
             if w13 is None:
                 w13 = torch.empty(e, 2 * inter, hid, dtype=first.dtype, device=first.device)
                 for i, (g, u, _) in enumerate(weights):

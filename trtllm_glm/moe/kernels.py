@@ -2,9 +2,13 @@
 
 `fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result):
 
-1. `ops.moe_align` sorts the ``P = N * k`` (token, slot) pairs by expert on the device and pads each expert's
-   run to a multiple of the row block ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags
-   each row block with its expert (``-1``: unused block). No host sync, sizes from the shapes only.
+1. `moe_align` (``_align_kernel``, one program; or the torch ops of `ops.moe_align`, same layout) sorts the
+   ``P = N * k`` (token, slot) pairs by expert on the device and pads each expert's run to a multiple of the
+   row block ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags each row block with its
+   expert (``-1``: unused block). No host sync, sizes from the shapes only. The kernel walks the pairs in
+   chunks of 64 in pair order: one-hot column sums give the counts, a cumsum the runs, and each pair's slot is
+   its run's cursor (gathered from a small global array) plus its rank among the chunk's earlier pairs of the
+   same expert, so the order within a run is ascending pair id, as the reference's stable sort.
 2. ``_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: a program takes its block's ``M`` pairs,
    gathers their tokens' rows of ``x``, multiplies them by its expert's gate and up rows ``[BLOCK_N, H]`` on
    the tensor cores (fp32 accumulation), applies ``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 and writes
@@ -35,6 +39,7 @@ fp32 right after loading (its bf16 arithmetic is wrong); test numerics there in 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 import types
@@ -43,14 +48,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import check_fused_moe_args, moe_align, padded_pairs_bound
+from .ops import check_fused_moe_args, padded_pairs_bound
+from .ops import moe_align as torch_moe_align
 
-__all__ = ["fused_moe", "default_block_m", "INTERPRETED"]
+__all__ = ["fused_moe", "moe_align", "default_block_m", "INTERPRETED", "DEFAULT_ALIGN"]
 
 # Fixed when this module is imported: the CPU path imports an interpreted copy of this file.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
+# Pair sorting used by `fused_moe` unless told: the single-launch Triton kernel, or the torch ops of `ops`.
+DEFAULT_ALIGN: str = os.environ.get("TRTLLM_GLM_MOE_ALIGN", "triton")
 _interp_lock = threading.Lock()
 
 
@@ -181,6 +189,114 @@ def _down_kernel(
         tl.store(dst, acc, mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    cursor_ptr,
+    n_pairs,
+    n_experts,
+    n_slots,
+    n_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program: `ops.moe_align`'s layout. Chunks of CHUNK pairs in pair order keep the sort stable."""
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < n_experts
+    c_idx = tl.arange(0, CHUNK)
+    # 1. Pairs per expert (one-hot column sums; padding lanes load -1 and match nothing).
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, n_pairs, CHUNK):
+        q = c0 + c_idx
+        ids = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
+    # 2. Padded runs: run e occupies slots [pad_start[e], pad_end[e]).
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    # The next free slot of each run, in memory so that every pair's lane can gather its expert's.
+    tl.store(cursor_ptr + e_idx, pad_start, mask=e_ok)
+    # 3. Padding everywhere first (the pairs overwrite their slots after the barrier).
+    for s0 in range(0, n_slots, CHUNK):
+        s = s0 + c_idx
+        tl.store(sorted_ptr + s, tl.full((CHUNK,), 0, tl.int32) + n_pairs, mask=s < n_slots)
+    # 4. Owner of each row block: the number of runs that end at or before its first slot.
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + c_idx
+        ended = (pad_end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, tl.where(owner < n_experts, owner, -1), mask=b < n_blocks)
+    tl.debug_barrier()
+    # 5. Scatter pair ids: slot = run cursor + number of earlier same-expert pairs in this chunk.
+    for c0 in range(0, n_pairs, CHUNK):
+        q = c0 + c_idx
+        ok = q < n_pairs
+        ids = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
+        base = tl.load(cursor_ptr + ids, mask=ok, other=0)
+        earlier = (ids[None, :] == ids[:, None]) & (c_idx[None, :] < c_idx[:, None])
+        dest = base + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + dest, q, mask=ok)
+        # Every lane has read the cursors before they move on; the update is visible before the next chunk.
+        tl.debug_barrier()
+        moved = tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
+        cur = tl.load(cursor_ptr + e_idx, mask=e_ok, other=0)
+        tl.store(cursor_ptr + e_idx, cur + moved, mask=e_ok)
+        tl.debug_barrier()
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel version of `ops.moe_align` (identical output): one single-program launch instead of ~20 torch ops.
+
+    Args:
+        topk_ids: ``[N, k]`` int expert ids in ``[0, E)``.
+        num_experts: ``E``.
+        block_m: row block ``M``.
+
+    Returns:
+        ``(sorted_pairs [L] int32, block_expert [L // M] int32)``, as `ops.moe_align`.
+    """
+    if INTERPRETED or topk_ids.device.type == "cuda":
+        return _moe_align(topk_ids, num_experts, block_m)
+    from trtllm_glm.attention.sparse.glm_kpool.kernels import _interpreting
+
+    mod = _interpreted_module()
+    with _interpreting():
+        return mod._moe_align(topk_ids, num_experts, block_m)
+
+
+def _moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    p = ids.numel()
+    slots = padded_pairs_bound(p, num_experts, block_m)
+    n_blocks = slots // block_m
+    sorted_pairs = torch.empty(slots, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    if n_blocks == 0:
+        return sorted_pairs, block_expert
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](
+        ids,
+        sorted_pairs,
+        block_expert,
+        cursor,
+        p,
+        num_experts,
+        slots,
+        n_blocks,
+        BLOCK_M=block_m,
+        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
+        CHUNK=64,
+        num_warps=8,
+    )
+    return sorted_pairs, block_expert
+
+
 def default_block_m(num_pairs: int, num_experts: int) -> int:
     """Row block ``M``: 16 (the smallest tensor-core tile) while experts average at most ~16 pairs, else 64."""
     return 16 if num_pairs <= 16 * num_experts else 64
@@ -217,6 +333,7 @@ def _fused_moe(
     num_warps: int,
     num_stages: int | None,
     scratch: dict[str, torch.Tensor] | None,
+    align: str,
 ) -> torch.Tensor:
     """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
     n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down)
@@ -237,7 +354,12 @@ def _fused_moe(
         raise ValueError("expert weights must be contiguous along their last dim")
     p = n * k
     m = block_m if block_m is not None else default_block_m(p, e)
-    sorted_pairs, block_expert = moe_align(topk_ids, e, m)
+    if align == "triton":
+        sorted_pairs, block_expert = _moe_align(topk_ids, e, m)
+    elif align == "torch":
+        sorted_pairs, block_expert = torch_moe_align(topk_ids, e, m)
+    else:
+        raise ValueError(f"align must be 'triton' or 'torch', got {align!r}")
     n_blocks = block_expert.numel()
     slots = padded_pairs_bound(p, e, m)
     # Combine weights as a flat fp32 vector indexed by pair id (a no-op for contiguous fp32 input).
@@ -337,6 +459,7 @@ def fused_moe(
     num_warps: int = 4,
     num_stages: int | None = None,
     scratch: dict[str, torch.Tensor] | None = None,
+    align: str | None = None,
 ) -> torch.Tensor:
     """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
 
@@ -360,12 +483,14 @@ def fused_moe(
             (``[N*k, H]`` fp32) are reused when present with the right shape, else allocated and stored
             there; ``sorted_pairs`` / ``block_expert`` of the call are stored too. For tests (poisoned
             buffers) and callers that keep persistent workspaces.
+        align: pair sorting: ``"triton"`` (`moe_align`, one launch) or ``"torch"`` (`ops.moe_align`, ~20
+            small device ops; same layout). Default: ``TRTLLM_GLM_MOE_ALIGN`` or ``"triton"``.
 
     Returns:
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
-    rest = (num_warps, num_stages, scratch)
+    rest = (num_warps, num_stages, scratch, align if align is not None else DEFAULT_ALIGN)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.
