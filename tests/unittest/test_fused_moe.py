@@ -208,6 +208,8 @@ def test_empty_and_bad_args() -> None:
         K.fused_moe(x, ids, w, w13, w2[:, :, :8], LIMIT)
     with pytest.raises(ValueError, match="topk_w"):
         K.fused_moe(x, ids, w[:, :2], w13, w2, LIMIT)
+    with pytest.raises(ValueError, match="block_m"):
+        K.fused_moe(x, ids, w, w13, w2, LIMIT, block_m=8)
     with pytest.raises(ValueError, match="topk_ids must lie"):
         R.fused_moe_ref(x, ids + 6, w, w13, w2, LIMIT)
 

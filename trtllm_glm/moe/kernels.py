@@ -372,6 +372,9 @@ def _fused_moe(
     bk1, bk2 = block_k
     bn1 = block_n[0] if block_n[0] is not None else _block_n(n_blocks, inter)
     bn2 = block_n[1] if block_n[1] is not None else _block_n(n_blocks, h)
+    for name, v in (("block_m", m), ("block_n", bn1), ("block_n", bn2), ("block_k", bk1), ("block_k", bk2)):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile), got {v}")
     launch: dict[str, int] = {"num_warps": num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
