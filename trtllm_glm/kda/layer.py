@@ -144,9 +144,8 @@ class KdaLayerRecords:
         conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
         conv_commit(conv, records.x_rows, a)
         state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
-        S = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
-        kda_commit(S, records.kda, a)
-        state.recurrent.index_copy_(0, slots, S.to(state.recurrent.dtype))
+        # Slot-indexed: the Triton commit updates the pool in place (no gather/scatter copies).
+        kda_commit(state.recurrent, records.kda, a, state_slots=slots, fresh=fresh)
 
 
 def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
@@ -417,8 +416,7 @@ class KimiDeltaAttention(nn.Module):
         # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
         gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
         br = torch.where(vmask, beta[ridx], 0.0)
-        S0 = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
-        ov, rec = kda_verify(q, k, v, gr, br, self.scale, S0)
+        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
         o.index_copy_(0, ridx[valid], ov[valid])
         records = KdaLayerRecords(
             seq_ids=seqs,

@@ -1,14 +1,28 @@
-"""Speculative verify with records, and commit (torch, any device, FP32).
+"""Speculative verify with records, and commit: the torch reference (any device, FP32) and the dispatch.
 
 `kda_verify` runs ``W`` rows from the committed state without touching it and records, per row, the three
 things a step adds to the state: the log decay ``g``, the key ``k`` and the correction ``u``. After
 acceptance of ``a`` rows `kda_commit` replays ``S <- exp(g_t)[:, None] * S + k_t u_t^T`` for ``t < a``,
 which is exactly what the verify pass computed for its own running state, so commit reproduces the state
 after row ``a - 1`` without recomputing ``u`` (no re-read of ``v``, ``beta`` or the state).
+
+Backends: CUDA tensors go to the Triton kernels of `trtllm_glm.kda.kernels` (same arguments and results,
+FP32 rounding apart), other devices to the torch reference below. ``backend=`` or the environment variable
+``TRTLLM_GLM_KDA_VERIFY`` = ``torch`` | ``triton`` | ``auto`` (default) overrides the choice: ``triton`` on
+the CPU runs the kernels through Triton's interpreter (tests compare the two that way). When
+``TRTLLM_GLM_KDA_VERIFY`` is unset, ``TRTLLM_GLM_KDA_BACKEND=torch`` (the torch-everything switch of
+`backend.resolve_backend`) selects the reference here too.
+
+Both functions can address the state through a slot table (``state_slots``: ``state`` is then the pool
+``[S, H, K, V]`` and sequence ``n`` uses ``state[state_slots[n]]``) with per-sequence ``fresh`` flags (start
+from zeros without reading the slot, which may hold garbage). The kernels read and write the pool in
+place; the reference gathers, runs, and (commit) scatters back, which is what the layer did before.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +31,10 @@ import torch
 from .conv import _accepted_tensor
 from .recurrent import _decay_update, _step
 
-__all__ = ["KdaRecords", "kda_verify", "kda_commit"]
+__all__ = ["KdaRecords", "kda_verify", "kda_commit", "resolve_verify_backend"]
+
+_ENV = "TRTLLM_GLM_KDA_VERIFY"
+_ENV_ALL = "TRTLLM_GLM_KDA_BACKEND"
 
 
 @dataclass
@@ -28,6 +45,9 @@ class KdaRecords:
         g: ``[N, W, H, K]`` FP32 log decay of each row.
         k: ``[N, W, H, K]`` FP32 (L2-normalised) key of each row.
         u: ``[N, W, H, V]`` FP32 delta-rule correction of each row.
+
+    The Triton verify returns FP32 ``g``/``k`` inputs themselves here (no copy; possibly strided views), the
+    reference clones them: either way they must not be modified before the commit.
     """
 
     g: torch.Tensor
@@ -39,6 +59,45 @@ class KdaRecords:
         return self.g.shape[1]
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import-time failure means "no Triton"
+        return False
+    return True
+
+
+def resolve_verify_backend(device: torch.device, backend: str | None = None) -> str:
+    """``"triton"`` or ``"torch"`` for verify/commit on tensors on ``device``.
+
+    Args:
+        device: where the inputs live.
+        backend: ``"auto"`` / ``None`` (Triton on CUDA when it imports, else torch), ``"torch"`` or
+            ``"triton"`` (on the CPU: the interpreter); ``None`` reads ``TRTLLM_GLM_KDA_VERIFY`` first (and,
+            when that is unset, ``TRTLLM_GLM_KDA_BACKEND=torch`` means torch).
+    """
+    if backend is None:
+        backend = os.environ.get(_ENV) or ("torch" if os.environ.get(_ENV_ALL, "").lower() == "torch" else "auto")
+    backend = backend.lower()
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{_ENV}/backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" and not _triton_available():
+        raise RuntimeError("KDA verify backend 'triton' requested but triton does not import")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    return backend
+
+
+def _gather(state: torch.Tensor, state_slots: torch.Tensor | None, fresh: torch.Tensor | None) -> torch.Tensor:
+    """The per-sequence FP32 states the reference works on: ``state[slots]``, zeros where ``fresh``."""
+    S = state if state_slots is None else state.index_select(0, state_slots)
+    if fresh is not None:
+        # torch.where, not a multiply: a never-zeroed slot may hold NaN/inf and must not leak in.
+        S = torch.where(fresh.view(-1, *([1] * (S.dim() - 1))), 0.0, S.float())
+    return S
+
+
 def kda_verify(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -47,6 +106,10 @@ def kda_verify(
     beta: torch.Tensor,
     scale: float,
     state: torch.Tensor,
+    *,
+    state_slots: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, KdaRecords]:
     """Outputs of ``W`` verify rows from the committed state, plus the records commit needs.
 
@@ -60,11 +123,20 @@ def kda_verify(
         g: ``[N, W, H, K]`` log decay.
         beta: ``[N, W, H]``.
         scale: query scale.
-        state: ``[N, H, K, V]`` committed FP32 state; not modified.
+        state: ``[N, H, K, V]`` committed FP32 state, or with ``state_slots`` the pool ``[S, H, K, V]``; not
+            modified.
+        state_slots: optional ``[N]`` int64 slot of each sequence in ``state`` (on its device).
+        fresh: optional ``[N]`` bool: those sequences start from zeros (their state is not read).
+        backend: see `resolve_verify_backend`.
 
     Returns:
         ``(o [N, W, H, V] FP32, records)`` (``o [W, H, V]`` for one sequence).
     """
+    if resolve_verify_backend(q.device, backend) == "triton":
+        from trtllm_glm.kda import kernels
+
+        return kernels.kda_verify(q, k, v, g, beta, scale, state, state_slots=state_slots, fresh=fresh)
+    state = _gather(state, state_slots, fresh)
     single = state.dim() == 3
     if single:
         q, k, v, g, beta, state = (t.unsqueeze(0) for t in (q, k, v, g, beta, state))
@@ -85,20 +157,49 @@ def kda_commit(
     state: torch.Tensor,
     records: KdaRecords,
     num_accepted: Sequence[int] | torch.Tensor | int,
+    *,
+    state_slots: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Fold the first ``a`` records of each sequence into the committed state, in place.
 
     Sequences with ``a = 0`` keep their state bit for bit (rows beyond ``a`` are masked with ``where``, not
-    multiplied away).
+    multiplied away; the kernel does not store them at all). A fresh sequence's slot is set to its
+    zero-started state, so to zeros when ``a = 0``.
 
     Args:
-        state: ``[N, H, K, V]`` (or ``[H, K, V]``) FP32 state the verify pass started from; updated in place.
+        state: ``[N, H, K, V]`` (or ``[H, K, V]``) FP32 state the verify pass started from, or with
+            ``state_slots`` the pool ``[S, H, K, V]``; updated in place.
         records: from `kda_verify` on that state.
-        num_accepted: ``a`` per sequence in ``0..W`` (list, ``[N]`` integer tensor, or one int).
+        num_accepted: ``a`` per sequence in ``0..W`` (list, ``[N]`` integer tensor, or one int). A device
+            tensor is not synchronised on (the kernel clamps to ``[0, W]``; the reference masks with it).
+        state_slots: optional ``[N]`` int64 slot of each sequence in ``state``.
+        fresh: optional ``[N]`` bool: start from zeros instead of the slot's contents.
+        backend: see `resolve_verify_backend`.
 
     Returns:
         ``state`` (the same tensor).
     """
+    if resolve_verify_backend(state.device, backend) == "triton":
+        from trtllm_glm.kda import kernels
+
+        return kernels.kda_commit(state, records, num_accepted, state_slots=state_slots, fresh=fresh)
+    if state_slots is not None or fresh is not None:
+        S = _gather(state, state_slots, fresh).float()  # a new tensor: index_select / where copy
+        _commit_torch(S, records, num_accepted)
+        if state_slots is None:
+            state.copy_(S)
+        else:
+            state.index_copy_(0, state_slots, S.to(state.dtype))
+        return state
+    return _commit_torch(state, records, num_accepted)
+
+
+def _commit_torch(
+    state: torch.Tensor, records: KdaRecords, num_accepted: Sequence[int] | torch.Tensor | int
+) -> torch.Tensor:
+    """The reference commit on per-sequence states (no slots)."""
     S = state.unsqueeze(0) if state.dim() == 3 else state
     N, W = records.g.shape[:2]
     a = _accepted_tensor(num_accepted, N, W, S.device)

@@ -1,0 +1,140 @@
+"""Triton kernels of the KDA speculative verify pass and its commit, drop-in for `ops.verify`'s references.
+
+`kda_verify` and `kda_commit` take the reference functions' arguments (plus optional keywords: a slot
+table and ``fresh`` flags to address the state pool directly, launch knobs) and return the same things
+(``KdaRecords``); `ops.verify` dispatches CUDA tensors here. They allocate only the verify outputs ``o``
+and ``u`` (sizes from shapes alone) and never synchronise with the host, so a verify + commit pair can be
+captured in a CUDA graph. Numerics: FP32 in registers; the same operations as the reference in the same
+order, with the K-reductions in a different order, so results agree to FP32 rounding (not bit for bit), and
+a commit of ``a = 0`` leaves the state's bits untouched. ``kernels/verify.py`` has the kernel design.
+
+Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
+interpreted copy of the same kernel source, imported under its own module name with Triton's interpreter
+switched on only for that import (the scheme of `trtllm_glm.attention.sparse.glm_kpool.kernels`, whose
+launch scope `_interpreting` and module proxy `_InterpretedModule` are reused here). So a CPU test and a
+GPU test can run in one pytest process, whatever ``TRITON_INTERPRET`` says. Triton is imported lazily, on
+the first call. The interpreter's bf16 arithmetic is not IEEE: the kernels upcast right after loading, and
+CPU tests check numerics in FP32 / FP16.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from trtllm_glm.kda.ops.verify import KdaRecords
+
+__all__ = ["kda_verify", "kda_commit", "kernel_module"]
+
+_INTERP_PACKAGE = f"{__name__}._interpreted"
+_loaded: dict[tuple[str, bool], Any] = {}
+
+
+def _interpreted_package() -> types.ModuleType:
+    """A package alias over this directory whose submodules are imported with the interpreter on.
+
+    (glm_kpool's helper of the same name is bound to its own directory, hence this twin.)
+    """
+    pkg = sys.modules.get(_INTERP_PACKAGE)
+    if pkg is None:
+        pkg = types.ModuleType(_INTERP_PACKAGE)
+        pkg.__path__ = list(__path__)  # type: ignore[attr-defined]
+        pkg.__package__ = _INTERP_PACKAGE
+        sys.modules[_INTERP_PACKAGE] = pkg
+    return pkg
+
+
+def kernel_module(name: str, device: torch.device | str) -> Any:
+    """The kernel module ``name`` (``"verify"``) built for ``device``, for launch knobs and tests.
+
+    CUDA devices get the normally imported module (compiled kernels, unless the process runs with
+    ``TRITON_INTERPRET=1``); other devices an interpreted copy behind a proxy whose callables run inside
+    glm_kpool's `_interpreting` scope.
+    """
+    interpret = torch.device(device).type != "cuda"
+    key = (name, interpret)
+    mod = _loaded.get(key)
+    if mod is not None:
+        return mod
+    if not interpret:
+        mod = importlib.import_module(f"{__name__}.{name}")
+    else:
+        import triton
+
+        from trtllm_glm.attention.sparse.glm_kpool.kernels import _InterpretedModule
+
+        _interpreted_package()
+        # triton.jit picks compiled or interpreted functions when the module is imported; the knob scope
+        # restores the previous setting afterwards.
+        with triton.knobs.runtime.scope():
+            triton.knobs.runtime.interpret = True
+            mod = _InterpretedModule(importlib.import_module(f"{_INTERP_PACKAGE}.{name}"))
+    _loaded[key] = mod
+    return mod
+
+
+def kda_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    *,
+    state_slots: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    **launch: Any,
+) -> tuple[torch.Tensor, KdaRecords]:
+    """Triton `ops.verify.kda_verify`: ``W`` rows per sequence from the committed state, which is not written.
+
+    Args:
+        q: ``[N, W, H, K]`` (or ``[W, H, K]``) L2-normalised queries (any float dtype and strides).
+        k: ``[N, W, H, K]`` L2-normalised keys.
+        v: ``[N, W, H, V]``.
+        g: ``[N, W, H, K]`` log decay.
+        beta: ``[N, W, H]``.
+        scale: query scale.
+        state: ``[N, H, K, V]`` (or ``[H, K, V]``) committed state, or with ``state_slots`` the pool
+            ``[S, H, K, V]``; read as FP32, never modified.
+        state_slots: optional ``[N]`` integer slot of each sequence in ``state`` (on its device).
+        fresh: optional ``[N]`` bool: those sequences start from zeros (their state is not read).
+        **launch: ``out=(o, u)`` persistent output buffers, ``block_v``, ``num_warps`` (see ``verify.py``).
+
+    Returns:
+        ``(o [N, W, H, V] FP32, records)``; ``records.g``/``records.k`` alias ``g``/``k`` when FP32.
+    """
+    mod = kernel_module("verify", q.device)
+    return mod.kda_verify(q, k, v, g, beta, scale, state, state_slots=state_slots, fresh=fresh, **launch)
+
+
+def kda_commit(
+    state: torch.Tensor,
+    records: KdaRecords,
+    num_accepted: Sequence[int] | torch.Tensor | int,
+    *,
+    state_slots: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    **launch: Any,
+) -> torch.Tensor:
+    """Triton `ops.verify.kda_commit`: replay the first ``a`` records of each sequence into its state, in place.
+
+    Args:
+        state: ``[N, H, K, V]`` (or ``[H, K, V]``) state the verify pass started from, or with ``state_slots``
+            the pool ``[S, H, K, V]``; updated in place (``a = 0`` and not fresh: not written at all).
+        records: `KdaRecords` of that verify pass (from either implementation).
+        num_accepted: ``a`` per sequence (host list, ``[N]`` device tensor read without a sync, or one int).
+        state_slots: optional ``[N]`` integer slot of each sequence in ``state``.
+        fresh: optional ``[N]`` bool: start from zeros; the slot is written even when ``a = 0``.
+        **launch: ``block_v``, ``num_warps``.
+
+    Returns:
+        ``state``.
+    """
+    mod = kernel_module("verify", state.device)
+    return mod.kda_commit(state, records, num_accepted, state_slots=state_slots, fresh=fresh, **launch)
