@@ -23,8 +23,8 @@ Usage (on a CUDA machine, from the repository root)::
 
     python3 benchmarks/bench_kda_verify.py [--quick] [--sweep] [--dtype bfloat16] [--json PATH]
 
-``--sweep`` also times other launch shapes (``block_v`` x ``num_warps``). Without CUDA it prints a message
-and exits 0.
+``--sweep`` also times other launch shapes (``block_v`` x ``num_warps``, and no row-loop prefetch). Without
+CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -203,15 +203,16 @@ def bench_case(
     else:
         case.note += "fla-core not importable "
 
-    if sweep:
-        for bv in (8, 16, 32, 64):
-            for nw in (2, 4, 8):
-                try:
-                    calls = [partial(s.step, pool, block_v=bv, num_warps=nw) for s in sets]
-                    case.sweep[f"bv{bv} w{nw}"] = _graph_us(calls, quick)
-                except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
-                    print(f"    sweep bv{bv} w{nw}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     bv_default = KK.kernel_module("verify", dev).choose_block_v(N * H, V, dev)
+    if sweep:
+        shapes = [(bv, nw, 2) for bv in (8, 16, 32, 64) for nw in (2, 4, 8)] + [(bv_default, 4, 1)]
+        for bv, nw, st in shapes:
+            label = f"bv{bv} w{nw} s{st}"
+            try:
+                calls = [partial(s.step, pool, block_v=bv, num_warps=nw, num_stages=st) for s in sets]
+                case.sweep[label] = _graph_us(calls, quick)
+            except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
+                print(f"    sweep {label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     case.note += f"G={G} bv={bv_default}"
     return case
 
@@ -223,7 +224,7 @@ def _fmt(x: float | None, w: int = 8, p: int = 1) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--sweep", action="store_true", help="also time block_v x num_warps launch shapes")
+    parser.add_argument("--sweep", action="store_true", help="also time other launch shapes")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="input dtype")
     parser.add_argument("--json", default=None, help="also write the cases as JSON to this path")
     args = parser.parse_args(argv)
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             for label, us in c.sweep.items():
-                print(f"      sweep {label:<10} {us:8.1f} us  x{us / c.floor_us:5.2f} floor", flush=True)
+                print(f"      sweep {label:<13} {us:8.1f} us  x{us / c.floor_us:5.2f} floor", flush=True)
             torch.cuda.empty_cache()
     if failed:
         print(f"failed cases (N, W): {failed}")

@@ -77,6 +77,11 @@ def test_verify_commit_vs_reference(W: int, dtype: torch.dtype) -> None:
     assert _report(f"verify o W={W} {dtype}", o, o_ref) < RTOL
     assert _report(f"verify u W={W} {dtype}", rec.u, rec_ref.u) < RTOL
     assert rec.g.dtype == torch.float32 and torch.equal(rec.g, rec_ref.g) and torch.equal(rec.k, rec_ref.k)
+    # Launch shapes (value block, warps, row-loop prefetch) change the schedule, not the math.
+    for kw in ({"num_stages": 1}, {"block_v": 16, "num_warps": 2}, {"block_v": 64, "num_warps": 8}):
+        o_kw, rec_kw = KK.kda_verify(q, k, v, g, beta, SCALE, pool, state_slots=slots, fresh=fresh, **kw)
+        assert _report(f"verify o W={W} {dtype} {kw}", o_kw, o_ref) < RTOL
+        assert _report(f"verify u W={W} {dtype} {kw}", rec_kw.u, rec_ref.u) < RTOL
 
     a = torch.tensor([W, 0, 1, 0, W, W // 2, min(2, W), W], device=dev)
     got = pool.clone()
@@ -84,6 +89,9 @@ def test_verify_commit_vs_reference(W: int, dtype: torch.dtype) -> None:
     ref = pool.clone()
     R.kda_commit(ref, rec_ref, a, state_slots=slots, fresh=fresh, backend="torch")
     assert _report(f"commit state W={W} {dtype}", got[slots], ref[slots]) < RTOL
+    got_kw = pool.clone()
+    KK.kda_commit(got_kw, rec, a, state_slots=slots, fresh=fresh, block_v=16, num_warps=2, num_stages=1)
+    assert _report(f"commit state W={W} {dtype} bv16 w2 s1", got_kw[slots], ref[slots]) < RTOL
     assert torch.equal(got[slots[1]], torch.zeros(H, K, V, device=dev))  # fresh, a = 0: zeroed
     assert torch.equal(_bits(got[slots[3]]), _bits(pool[slots[3]]))  # a = 0: bit-identical
     others = torch.ones(S, dtype=torch.bool, device=dev)

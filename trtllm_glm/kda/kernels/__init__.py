@@ -104,7 +104,8 @@ def kda_verify(
             ``[S, H, K, V]``; read as FP32, never modified.
         state_slots: optional ``[N]`` integer slot of each sequence in ``state`` (on its device).
         fresh: optional ``[N]`` bool: those sequences start from zeros (their state is not read).
-        **launch: ``out=(o, u)`` persistent output buffers, ``block_v``, ``num_warps`` (see ``verify.py``).
+        **launch: ``out=(o, u)`` persistent output buffers, ``block_v``, ``num_warps``, ``num_stages`` (see
+            ``verify.py``).
 
     Returns:
         ``(o [N, W, H, V] FP32, records)``; ``records.g``/``records.k`` alias ``g``/``k`` when FP32.
@@ -131,7 +132,7 @@ def kda_commit(
         num_accepted: ``a`` per sequence (host list, ``[N]`` device tensor read without a sync, or one int).
         state_slots: optional ``[N]`` integer slot of each sequence in ``state``.
         fresh: optional ``[N]`` bool: start from zeros; the slot is written even when ``a = 0``.
-        **launch: ``block_v``, ``num_warps``.
+        **launch: ``block_v``, ``num_warps``, ``num_stages``.
 
     Returns:
         ``state``.

@@ -89,6 +89,7 @@ def _kda_verify_kernel(
     BV: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -116,7 +117,8 @@ def _kda_verify_kernel(
     p_b = beta_ptr + n * sb_n + h * sb_h
     p_o = o_ptr + n * so_n + h * so_h + ov
     p_u = u_ptr + n * su_n + h * su_h + ov
-    for t in range(W):
+    # STAGES = 2: the pipeliner prefetches row t + 1's inputs (cp.async) while row t computes, as fla does.
+    for t in tl.range(0, W, num_stages=STAGES):
         b_q = tl.load(p_q + t * sq_w, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * sk_w, mask=mk, other=0.0).to(tl.float32)
         b_g = tl.load(p_g + t * sg_w, mask=mk, other=0.0).to(tl.float32)
@@ -166,6 +168,7 @@ def _kda_commit_kernel(
     BV: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -196,7 +199,7 @@ def _kda_commit_kernel(
     p_k = k_ptr + n * sk_n + h * sk_h + ok * sk_k
     p_u = u_ptr + n * su_n + h * su_h + ov * su_v
     # Run-time trip count: only the accepted rows' records are read.
-    for t in range(a):
+    for t in tl.range(0, a, num_stages=STAGES):
         b_g = tl.load(p_g + t * sg_w, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * sk_w, mask=mk, other=0.0).to(tl.float32)
         b_u = tl.load(p_u + t * su_w, mask=mv, other=0.0).to(tl.float32)
@@ -266,6 +269,7 @@ def kda_verify(
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, KdaRecords]:
     """Kernel version of `ops.verify.kda_verify` (same outputs to FP32 rounding; state never written).
 
@@ -288,6 +292,7 @@ def kda_verify(
             strides with a unit last one; fixed addresses for graph capture); every element is written.
         block_v: value channels per program (default: `choose_block_v`).
         num_warps: warps per program.
+        num_stages: software-pipeline depth of the row loop (1: no prefetch).
 
     Returns:
         ``(o [N, W, H, V] FP32, records)`` (``o [W, H, V]`` for one unbatched sequence).
@@ -348,6 +353,7 @@ def kda_verify(
             BV=bv,
             HAS_SLOTS=state_slots is not None,
             HAS_FRESH=fresh is not None,
+            STAGES=num_stages,
             num_warps=num_warps,
         )
     return (o[0] if single else o), records
@@ -362,6 +368,7 @@ def kda_commit(
     fresh: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Kernel version of `ops.verify.kda_commit`: fold the first ``a`` records into the state, in place.
 
@@ -379,6 +386,7 @@ def kda_commit(
             written even with ``a = 0``.
         block_v: value channels per program (default: `choose_block_v`).
         num_warps: warps per program.
+        num_stages: software-pipeline depth of the row loop (1: no prefetch).
 
     Returns:
         ``state`` (the same tensor).
@@ -423,6 +431,7 @@ def kda_commit(
         BV=bv,
         HAS_SLOTS=state_slots is not None,
         HAS_FRESH=fresh is not None,
+        STAGES=num_stages,
         num_warps=num_warps,
     )
     return state
