@@ -10,6 +10,7 @@ See docs/architecture.md for the exact plane shapes.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,14 @@ class Glm5NextCacheManager:
         self._pages: dict[int, list[int]] = {}
         self._slot: dict[int, int] = {}
         self._num_tokens: dict[int, int] = {}
+        # Block reuse (docs/design.md §6.4): sealed pages are registered under a content key. A sealed page
+        # is shared read-only by every request that holds it (reference count); at zero holders it stays
+        # cached (LRU, reclaimed only when the free list is empty) until a new allocation evicts it.
+        self._key_page: dict[bytes, int] = {}
+        self._page_key: dict[int, bytes] = {}
+        self._page_refs: dict[int, int] = {}
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self.num_evicted_pages = 0
 
     @staticmethod
     def estimate_bytes(
@@ -157,23 +166,42 @@ class Glm5NextCacheManager:
 
     # --------------------------------------------------------------------------------------------
     # Request lifetime
-    def add_request(self, request_id: int, num_tokens: int = 0) -> int:
-        """Give the request a zeroed state slot and pages for ``num_tokens``; returns the slot."""
+    def add_request(self, request_id: int, num_tokens: int = 0, shared_pages: Sequence[int] = ()) -> int:
+        """Give the request a zeroed state slot and pages for ``num_tokens``; returns the slot.
+
+        Args:
+            request_id: the request.
+            num_tokens: tokens its pages must hold now.
+            shared_pages: sealed pages (`seal_page`) the request starts with, in logical order: its first
+                ``len(shared_pages)`` logical pages (a prefix hit). They are shared read-only.
+
+        Raises:
+            CapacityError: no free slot or too few pages (nothing is taken then).
+            StateError: the request is already here, or a shared page is not a sealed page.
+        """
         if request_id in self._slot:
             raise StateError(f"request {request_id} already holds state slot {self._slot[request_id]}")
+        for p in shared_pages:
+            if p not in self._page_key:
+                raise StateError(f"page {p} is not a sealed page and cannot be shared")
         if not self.state.num_free_slots:
             raise CapacityError(
                 f"no free state slot for request {request_id}: all {self.max_num_requests} slots are in use"
             )
-        need = self.pages_needed(num_tokens)
-        if need > len(self._free_pages):
+        # Cached pages about to be shared must not count as room for the rest.
+        reclaim = sum(1 for p in shared_pages if p in self._cached)
+        need = self.pages_needed(num_tokens) - len(shared_pages)
+        if need > self.num_free_pages - reclaim:
             raise CapacityError(
                 f"request {request_id} needs {need} pages for {num_tokens} tokens but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free"
+                f"{self.num_free_pages - reclaim} of {self.num_pages} are free"
             )
         slot = self.state.acquire()
         self._slot[request_id] = slot
-        self._pages[request_id] = []
+        for p in shared_pages:
+            self._cached.pop(p, None)
+            self._page_refs[p] = self._page_refs.get(p, 0) + 1
+        self._pages[request_id] = list(shared_pages)
         self._num_tokens[request_id] = 0
         self.reset_state_slot(slot)
         self.ensure_capacity(request_id, num_tokens)
@@ -182,19 +210,103 @@ class Glm5NextCacheManager:
     def ensure_capacity(self, request_id: int, num_tokens: int) -> list[int]:
         """Grow the request's page list to hold ``num_tokens`` tokens; returns the new page ids.
 
-        All-or-nothing: on a capacity error no page is taken.
+        All-or-nothing: on a capacity error no page is taken. Free pages go first, then cached sealed
+        pages nobody holds, least recently released first (their content keys are dropped).
         """
         pages = self._get_pages(request_id)
         need = self.pages_needed(num_tokens) - len(pages)
-        if need > len(self._free_pages):
+        if need > self.num_free_pages:
             raise CapacityError(
                 f"request {request_id} needs {need} more pages for {num_tokens} tokens but only "
-                f"{len(self._free_pages)} of {self.num_pages} are free"
+                f"{self.num_free_pages} of {self.num_pages} are free"
             )
-        new = [self._free_pages.pop() for _ in range(max(need, 0))]
+        new = [self._take_page() for _ in range(max(need, 0))]
         pages.extend(new)
         self._num_tokens[request_id] = max(self._num_tokens[request_id], num_tokens)
         return new
+
+    def _take_page(self) -> int:
+        if self._free_pages:
+            return self._free_pages.pop()
+        page, _ = self._cached.popitem(last=False)
+        del self._key_page[self._page_key.pop(page)]
+        self._page_refs.pop(page, None)
+        self.num_evicted_pages += 1
+        return page
+
+    def _release_page(self, page: int) -> None:
+        if page in self._page_key:
+            self._page_refs[page] -= 1
+            if self._page_refs[page] == 0:
+                del self._page_refs[page]
+                self._cached[page] = None  # most recently released last
+        else:
+            self._free_pages.append(page)
+
+    # --------------------------------------------------------------------------------------------
+    # Block reuse
+    def seal_page(self, request_id: int, logical_page: int, key: bytes) -> bool:
+        """Register the request's ``logical_page`` under the content ``key`` so later requests can share it.
+
+        The caller guarantees the page's content is final (every row of every plane stored here that a
+        sharer reads: docs/design.md §6.4). A page already sealed, or a key already held by another page
+        (the same content computed twice), is left as it is.
+
+        Returns:
+            Whether the page was registered now.
+        """
+        pages = self._get_pages(request_id)
+        page = pages[logical_page]
+        if page in self._page_key or key in self._key_page:
+            return False
+        self._key_page[key] = page
+        self._page_key[page] = key
+        self._page_refs[page] = 1
+        return True
+
+    def lookup_pages(self, keys: Sequence[bytes]) -> list[int]:
+        """Sealed pages of the longest prefix of ``keys`` that is cached here (page ids, logical order)."""
+        out = []
+        for k in keys:
+            p = self._key_page.get(k)
+            if p is None:
+                break
+            out.append(p)
+        return out
+
+    def is_sealed(self, page: int) -> bool:
+        """Whether ``page`` is a sealed (shareable, read-only) page."""
+        return page in self._page_key
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Sealed pages no request holds (kept for reuse; reclaimed when the free list runs out)."""
+        return len(self._cached)
+
+    def page_planes(self) -> dict[str, torch.Tensor]:
+        """Byte views ``[L, num_pages, bytes_per_page_of_plane]`` of every paged plane.
+
+        Each plane has its own bytes per page (latent rows, FP8 keys, scales); a page copy indexes each
+        view by page id, so it is strided by that plane's page size and never by a region's size.
+        """
+        return {
+            name: t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
+            for name, t in (("latent", self.latent), ("index_k", self.index_k), ("index_scale", self.index_scale))
+        }
+
+    def copy_page_out(self, page: int) -> dict[str, torch.Tensor]:
+        """A copy of ``page`` in every plane (every layer): plane name -> ``[L, bytes_per_page]`` uint8."""
+        return {name: v[:, page].clone() for name, v in self.page_planes().items()}
+
+    def copy_page_in(self, page: int, data: dict[str, torch.Tensor]) -> None:
+        """Write a `copy_page_out` copy into ``page`` (a private page of the caller's request)."""
+        if page in self._page_key:
+            raise StateError(f"page {page} is sealed (shared, read-only)")
+        views = self.page_planes()
+        if set(views) != set(data) or any(views[k][:, page].shape != v.shape for k, v in data.items()):
+            raise StateError("page copy does not match this manager's page geometry")
+        for k, v in data.items():
+            views[k][:, page].copy_(v)
 
     def set_num_tokens(self, request_id: int, num_tokens: int) -> None:
         """Record the committed length (may shrink after rejected drafts); pages are kept."""
@@ -208,7 +320,8 @@ class Glm5NextCacheManager:
         pages = self._pages.pop(request_id, None)
         if pages is None:
             raise StateError(f"request {request_id} is not in the cache")
-        self._free_pages.extend(reversed(pages))
+        for p in reversed(pages):
+            self._release_page(p)
         self.state.release(self._slot.pop(request_id))
         del self._num_tokens[request_id]
 
@@ -242,7 +355,8 @@ class Glm5NextCacheManager:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        """Pages a request can take now: free ones plus cached sealed pages nobody holds."""
+        return len(self._free_pages) + len(self._cached)
 
     @property
     def num_free_slots(self) -> int:

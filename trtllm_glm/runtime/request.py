@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,12 @@ class Request:
     # Prompt rows whose context logits / prompt logprobs are recorded (a resumed request recomputes its
     # prompt; those rows are not recorded twice).
     prompt_rows_recorded: int = 0
+    # Prefix caching: prompt tokens restored from a checkpoint at admission (not computed), the match
+    # found for the next admission (cleared if the request is not admitted), and the content keys of the
+    # request's pages computed so far (docs/design.md §6.4).
+    num_cached_tokens: int = 0
+    prefix_hit: Any = None
+    page_keys: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

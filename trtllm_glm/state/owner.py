@@ -327,20 +327,30 @@ class RequestStateOwner:
                 planes do not match this owner's (nothing is written then).
         """
         self._check(slot)
-        if endpoint is not None and endpoint != snap.endpoint:
-            raise StateError(f"snapshot holds {snap.endpoint} committed tokens, restore asked for endpoint {endpoint}")
+        self.check_snapshot(snap, endpoint)
         planes = self._slot_planes()
-        if set(planes) != set(snap.planes) or any(
-            planes[k][:, slot].shape != v.shape or planes[k].dtype != v.dtype for k, v in snap.planes.items()
-        ):
-            raise StateError("snapshot planes do not match this state owner's geometry")
-        if (snap.draft_hidden is None) != (self.draft_hidden is None):
-            raise StateError("snapshot and state owner disagree on tracking the draft hidden")
         for k, v in snap.planes.items():
             planes[k][:, slot].copy_(v)
         if self.draft_hidden is not None and snap.draft_hidden is not None:
             self.draft_hidden[slot].copy_(snap.draft_hidden)
         self._committed[slot] = snap.endpoint
+
+    def check_snapshot(self, snap: StateSnapshot, endpoint: int | None = None) -> None:
+        """Raise `StateError` unless `restore` would accept ``snap`` at ``endpoint`` (writes nothing).
+
+        Args:
+            snap: a snapshot.
+            endpoint: the committed length the caller would resume at (``None``: the snapshot's own).
+        """
+        if endpoint is not None and endpoint != snap.endpoint:
+            raise StateError(f"snapshot holds {snap.endpoint} committed tokens, restore asked for endpoint {endpoint}")
+        planes = self._slot_planes()
+        if set(planes) != set(snap.planes) or any(
+            planes[k][:, 0].shape != v.shape or planes[k].dtype != v.dtype for k, v in snap.planes.items()
+        ):
+            raise StateError("snapshot planes do not match this state owner's geometry")
+        if (snap.draft_hidden is None) != (self.draft_hidden is None):
+            raise StateError("snapshot and state owner disagree on tracking the draft hidden")
 
     def _check(self, slot: Any) -> int:
         s = int(slot)

@@ -1,0 +1,210 @@
+"""Prefix caching: content keys of sealed pages and recurrent-state checkpoints (docs/design.md §6.4).
+
+A KDA model cannot resume from shared pages alone: the recurrent and conv state, the indexer tail rings
+and the drafter's state at the shared prefix's end must be restored too. So reuse has two parts:
+
+* **Sealed pages** (`Glm5NextCacheManager.seal_page`): a full page whose content is final is registered
+  under a content key and shared read-only by later requests with the same tokens.
+* **Checkpoints** (`Checkpoint`): taken after a step that ends a prefill chunk at an endpoint ``E = kP + r``:
+  the byte copy of the request's state slot (KDA recurrent + conv state, every tail ring and its
+  rollback planes, the draft's last hidden, the committed length), of its partial page ``k`` when
+  ``r != 0``, and the keys of its ``k`` full pages. A later request whose tokens ``0..E`` match restores
+  the checkpoint, shares the ``k`` pages and computes from ``E`` on.
+
+Why keys cover one token past the page: the MTP layer's row at position ``i`` pairs the target hidden of
+row ``i`` with token ``i + 1``, so the draft rows of page ``j`` (positions ``jP .. jP + P - 1``) depend on
+tokens up to ``(j + 1) P``. The key of page ``j`` therefore hashes tokens ``0 .. (j + 1) P`` (chained), and a
+checkpoint at ``E`` is keyed by tokens ``0 .. E``: a request that shares the page's tokens but not the next
+one gets its own copy of the page, whose last draft row it computes itself. (The design reference puts the
+draft rows one page later — draft logical page ``j`` in request page ``j + 1`` — and copies the draft pages
+not fully inside shared pages; keying one token further keeps every draft row of a shared page valid for
+every sharer, so no draft page needs a copy beyond the partial page ``k``.) The same keys serve plain
+decoding, where the extra token only delays sealing by one token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..state import StateSnapshot
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointStore",
+    "PrefixStats",
+    "chain_key",
+    "checkpoint_key",
+    "extend_page_keys",
+    "page_keys",
+]
+
+_ROOT = b"trtllm_glm.prefix.v1"
+
+
+def _digest(prev: bytes, tokens: Sequence[int]) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
+    return h.digest()
+
+
+def page_keys(tokens: Sequence[int], page_size: int, limit: int | None = None) -> list[bytes]:
+    """Chained content keys of the sealable pages of ``tokens``.
+
+    Page ``j``'s key hashes the previous key and tokens ``jP .. (j + 1) P`` (one past the page), so a page has
+    a key only when token ``(j + 1) P`` exists.
+
+    Args:
+        tokens: the sequence.
+        page_size: ``P``.
+        limit: at most this many keys.
+
+    Returns:
+        ``[k]`` keys of pages ``0 .. k - 1``.
+    """
+    return extend_page_keys([], tokens, page_size, limit)
+
+
+def extend_page_keys(keys: list[bytes], tokens: Sequence[int], page_size: int, limit: int | None = None) -> list[bytes]:
+    """Extend ``keys`` (the keys of ``tokens``' first pages) in place, up to ``limit`` keys; returns it."""
+    n = (len(tokens) - 1) // page_size if tokens else 0
+    if limit is not None:
+        n = min(n, limit)
+    prev = keys[-1] if keys else _ROOT
+    for j in range(len(keys), n):
+        prev = _digest(prev, tokens[j * page_size : (j + 1) * page_size + 1])
+        keys.append(prev)
+    return keys
+
+
+def chain_key(keys: Sequence[bytes], k: int) -> bytes:
+    """The key that stands for pages ``0 .. k - 1`` (the last one's chained key; a root for ``k = 0``)."""
+    return keys[k - 1] if k else _ROOT
+
+
+def checkpoint_key(keys: Sequence[bytes], tokens: Sequence[int], endpoint: int, page_size: int) -> tuple:
+    """The key of a checkpoint at ``endpoint``: its full pages' last key and tokens ``kP .. endpoint``."""
+    k = endpoint // page_size
+    return (chain_key(keys, k), tuple(tokens[k * page_size : endpoint + 1]))
+
+
+@dataclass
+class Checkpoint:
+    """What restoring a request at ``endpoint`` needs beyond its shared pages.
+
+    Attributes:
+        endpoint: committed length ``E = kP + r``.
+        page_keys: keys of the ``k`` full pages the request shares.
+        target: the target slot's state copy.
+        target_partial: copy of target page ``k`` (plane -> ``[L, bytes_per_page]``) when ``r != 0``.
+        draft: the separate draft manager's slot copy (None in shared mode and without MTP).
+        draft_partial: copy of draft page ``k`` when ``r != 0`` (separate mode).
+    """
+
+    endpoint: int
+    page_keys: tuple[bytes, ...]
+    target: StateSnapshot
+    target_partial: dict[str, torch.Tensor] | None = None
+    draft: StateSnapshot | None = None
+    draft_partial: dict[str, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the checkpoint holds."""
+        n = self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)
+        for part in (self.target_partial, self.draft_partial):
+            if part is not None:
+                n += sum(t.numel() * t.element_size() for t in part.values())
+        return n
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache counters of one executor.
+
+    Attributes:
+        queries: admissions that looked for a prefix.
+        hits: admissions that restored a checkpoint.
+        reused_tokens: prompt tokens not computed thanks to hits.
+        checkpoints_taken: checkpoints stored.
+        checkpoints_evicted: checkpoints dropped by the budget (LRU).
+        rejected: checkpoints discarded at restore because they failed validation (the request recomputed).
+    """
+
+    queries: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    checkpoints_taken: int = 0
+    checkpoints_evicted: int = 0
+    rejected: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class CheckpointStore:
+    """Checkpoints by key, with their own budget and LRU eviction (pages are never evicted for them).
+
+    Args:
+        max_checkpoints: at most this many (``0`` disables checkpoints).
+        max_bytes: at most this many device bytes over all checkpoints (``None``: no byte limit).
+    """
+
+    max_checkpoints: int = 64
+    max_bytes: int | None = None
+    _items: OrderedDict = field(default_factory=OrderedDict)
+    _by_chain: dict = field(default_factory=dict)
+    nbytes: int = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._items
+
+    def get(self, key: tuple) -> Checkpoint | None:
+        """The checkpoint under ``key`` (marked most recently used), or None."""
+        ck = self._items.get(key)
+        if ck is not None:
+            self._items.move_to_end(key)
+        return ck
+
+    def put(self, key: tuple, ck: Checkpoint) -> int:
+        """Store ``ck`` under ``key`` and evict least recently used ones over budget; returns how many left.
+
+        A checkpoint larger than the whole byte budget is not stored.
+        """
+        if self.max_checkpoints <= 0 or (self.max_bytes is not None and ck.nbytes > self.max_bytes):
+            return 0
+        self.discard(key)
+        self._items[key] = ck
+        self._by_chain.setdefault(key[0], set()).add(key)
+        self.nbytes += ck.nbytes
+        evicted = 0
+        while len(self._items) > self.max_checkpoints or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            self.discard(next(iter(self._items)))
+            evicted += 1
+        return evicted
+
+    def discard(self, key: tuple) -> None:
+        """Drop the checkpoint under ``key`` if any."""
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+            group = self._by_chain[key[0]]
+            group.discard(key)
+            if not group:
+                del self._by_chain[key[0]]
+
+    def candidates(self, chain: bytes) -> list[tuple]:
+        """Keys of the checkpoints whose full pages are the pages ``chain`` stands for."""
+        return list(self._by_chain.get(chain, ()))
+
+    def keys(self) -> list[tuple]:
+        return list(self._items)
