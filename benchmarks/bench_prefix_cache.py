@@ -72,12 +72,12 @@ def main() -> None:
         taken: list[float] = []
         take = ex.prefix._take
 
-        def timed_take(*a, _take=take, **kw):
+        def timed_take(*a, _take=take, _taken=taken, **kw):
             sync()
             t = time.perf_counter()
             _take(*a, **kw)
             sync()
-            taken.append(time.perf_counter() - t)
+            _taken.append(time.perf_counter() - t)
 
         ex.prefix._take = timed_take  # type: ignore[method-assign]
         cold, _ = ttft(ex, prompt, sync)

@@ -433,3 +433,24 @@ def test_failed_generation_is_500_or_an_error_event() -> None:
         wait_idle(eng)
     finally:
         eng.stop(drain_timeout=0)
+
+
+def test_prefix_cache_metrics_count_hits(app) -> None:
+    """A repeated long prompt restores a checkpoint: queries, hits and reused tokens move on /metrics."""
+    names = ("trtllm:prefix_cache_queries_total", "trtllm:prefix_cache_hits_total",
+             "trtllm:prefix_cache_reused_tokens_total")  # fmt: skip
+    before = {n: metric(app, n) for n in names}
+    prompt = "def f(x):\n    return x * 2\n" * 3  # 84 byte tokens: checkpoints at page boundaries
+
+    async def main():
+        async with client(app) as c:
+            for tail in ("a", "b"):
+                r = await c.post("/v1/completions", json={"prompt": prompt + tail, "max_tokens": 2})
+                assert r.status_code == 200
+
+    run(main())
+    after = {n: metric(app, n) for n in names}
+    assert after["trtllm:prefix_cache_queries_total"] - before["trtllm:prefix_cache_queries_total"] == 2
+    assert after["trtllm:prefix_cache_hits_total"] - before["trtllm:prefix_cache_hits_total"] == 1
+    assert after["trtllm:prefix_cache_reused_tokens_total"] - before["trtllm:prefix_cache_reused_tokens_total"] >= 64
+    assert app.state.engine.stats()["prefix_cache_hits"] >= 1

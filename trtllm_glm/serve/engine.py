@@ -191,6 +191,7 @@ class AsyncEngine:
         self._streams: dict[int, list[_Track]] = {}  # id(stream) -> its tracks
         self._outbox: dict[int, tuple[ResultStream, list[Delta]]] = {}
         self._last_preemptions = self.executor.num_preemptions
+        self._last_prefix = (0, 0, 0)
         self._last_steps = self.executor.num_steps
         self._step_errors = 0
         self._stats: dict[str, Any] = {}
@@ -233,7 +234,7 @@ class AsyncEngine:
 
         Keys: ``live`` (generations submitted, not finished), ``running``, ``waiting`` (executor queue plus
         inbox), ``pages_used``, ``pages_total``, ``free_state_slots``, ``draft_pages_used``, ``num_steps``,
-        ``num_preemptions``, ``step_errors``.
+        ``num_preemptions``, ``step_errors``, ``prefix_cache_hits``, ``prefix_cache_reused_tokens``.
         """
         with self._cv:
             out = dict(self._stats)
@@ -509,6 +510,12 @@ class AsyncEngine:
         if pre > 0:
             m.preemptions.inc(pre)
         self._last_preemptions = ex.num_preemptions
+        if ex.prefix is not None:
+            st, last = ex.prefix.stats, self._last_prefix
+            m.prefix_queries.inc(st.queries - last[0])
+            m.prefix_hits.inc(st.hits - last[1])
+            m.prefix_reused_tokens.inc(st.reused_tokens - last[2])
+            self._last_prefix = (st.queries, st.hits, st.reused_tokens)
         self._publish_stats()
         s = self._stats
         m.running.set(s["running"])
@@ -535,4 +542,6 @@ class AsyncEngine:
                 "num_steps": ex.num_steps,
                 "num_preemptions": ex.num_preemptions,
                 "step_errors": self._step_errors,
+                "prefix_cache_hits": ex.prefix.stats.hits if ex.prefix is not None else 0,
+                "prefix_cache_reused_tokens": ex.prefix.stats.reused_tokens if ex.prefix is not None else 0,
             }

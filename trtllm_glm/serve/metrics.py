@@ -70,6 +70,15 @@ class ServeMetrics:
             p + "draft_kv_cache_pages_used", "Pages in use in a separate MTP draft pool (0 without one).", registry=r
         )
         self.preemptions = Counter(p + "num_preemptions", "Requests preempted (pages freed, recomputed).", registry=r)
+        self.prefix_queries = Counter(
+            p + "prefix_cache_queries", "Admitted requests that looked up the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            p + "prefix_cache_hits", "Admitted requests that restored a prefix checkpoint.", registry=r
+        )
+        self.prefix_reused_tokens = Counter(
+            p + "prefix_cache_reused_tokens", "Prompt tokens restored from the prefix cache, not computed.", registry=r
+        )
         self.engine_steps = Counter(p + "engine_steps", "Executor steps run.", registry=r)
         self.step_errors = Counter(
             p + "engine_step_errors", "Executor steps that raised (their requests failed).", registry=r
