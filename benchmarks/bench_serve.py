@@ -186,8 +186,11 @@ async def main_async(args: argparse.Namespace, url: str) -> list[dict[str, Any]]
         r = await c.get(f"{url}/health")
         if r.status_code != 200:
             raise SystemExit(f"bench_serve: {url}/health answered {r.status_code}")
-        # Warm-up: one request, not measured.
-        await one_request(c, url, args.model, "warm-up", min(4, args.max_tokens))
+        # Warm-up, not measured: a burst at each concurrency level, so that first-use kernel compilation
+        # and autotuning (per batch shape on a GPU) stay out of the measured levels.
+        for conc in args.concurrency:
+            prompts = [f"Request {i}: tell me about sparse attention. " * (1 + i % 3) for i in range(conc)]
+            await asyncio.gather(*(one_request(c, url, args.model, p, min(8, args.max_tokens)) for p in prompts))
     out = []
     for conc in args.concurrency:
         n = args.num_requests or max(8, 2 * conc)
