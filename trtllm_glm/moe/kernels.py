@@ -260,7 +260,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     """
     if INTERPRETED or topk_ids.device.type == "cuda":
         return _moe_align(topk_ids, num_experts, block_m)
-    from trtllm_glm.attention.sparse.glm_kpool.kernels import _interpreting
+    from trtllm_glm.triton_interp import interpreting as _interpreting
 
     mod = _interpreted_module()
     with _interpreting():
@@ -497,7 +497,7 @@ def fused_moe(
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.
-    from trtllm_glm.attention.sparse.glm_kpool.kernels import _interpreting
+    from trtllm_glm.triton_interp import interpreting as _interpreting
 
     mod = _interpreted_module()
     with _interpreting():

@@ -10,8 +10,7 @@ a commit of ``a = 0`` leaves the state's bits untouched. ``kernels/verify.py`` h
 
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
 interpreted copy of the same kernel source, imported under its own module name with Triton's interpreter
-switched on only for that import (the scheme of `trtllm_glm.attention.sparse.glm_kpool.kernels`, whose
-launch scope `_interpreting` and module proxy `_InterpretedModule` are reused here). So a CPU test and a
+switched on only for that import (`trtllm_glm.triton_interp`, shared with the indexer kernels). So a CPU test and a
 GPU test can run in one pytest process, whatever ``TRITON_INTERPRET`` says. Triton is imported lazily, on
 the first call. The interpreter's bf16 arithmetic is not IEEE: the kernels upcast right after loading, and
 CPU tests check numerics in FP32 / FP16.
@@ -19,63 +18,28 @@ CPU tests check numerics in FP32 / FP16.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from trtllm_glm.kda.ops.verify import KdaRecords
+from trtllm_glm.triton_interp import KernelPackage
 
 __all__ = ["kda_verify", "kda_commit", "kernel_module"]
 
-_INTERP_PACKAGE = f"{__name__}._interpreted"
-_loaded: dict[tuple[str, bool], Any] = {}
-
-
-def _interpreted_package() -> types.ModuleType:
-    """A package alias over this directory whose submodules are imported with the interpreter on.
-
-    (glm_kpool's helper of the same name is bound to its own directory, hence this twin.)
-    """
-    pkg = sys.modules.get(_INTERP_PACKAGE)
-    if pkg is None:
-        pkg = types.ModuleType(_INTERP_PACKAGE)
-        pkg.__path__ = list(__path__)  # type: ignore[attr-defined]
-        pkg.__package__ = _INTERP_PACKAGE
-        sys.modules[_INTERP_PACKAGE] = pkg
-    return pkg
+# CPU tensors run an interpreted copy of the same module (trtllm_glm/triton_interp.py).
+_PACKAGE = KernelPackage(__name__, __path__)
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
     """The kernel module ``name`` (``"verify"``) built for ``device``, for launch knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process runs with
-    ``TRITON_INTERPRET=1``); other devices an interpreted copy behind a proxy whose callables run inside
-    glm_kpool's `_interpreting` scope.
+    ``TRITON_INTERPRET=1``); other devices an interpreted copy whose callables run inside
+    `trtllm_glm.triton_interp.interpreting`.
     """
-    interpret = torch.device(device).type != "cuda"
-    key = (name, interpret)
-    mod = _loaded.get(key)
-    if mod is not None:
-        return mod
-    if not interpret:
-        mod = importlib.import_module(f"{__name__}.{name}")
-    else:
-        import triton
-
-        from trtllm_glm.attention.sparse.glm_kpool.kernels import _InterpretedModule
-
-        _interpreted_package()
-        # triton.jit picks compiled or interpreted functions when the module is imported; the knob scope
-        # restores the previous setting afterwards.
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = True
-            mod = _InterpretedModule(importlib.import_module(f"{_INTERP_PACKAGE}.{name}"))
-    _loaded[key] = mod
-    return mod
+    return _PACKAGE.module(name, device)
 
 
 def kda_verify(

@@ -13,12 +13,13 @@ out-of-range pool id is skipped rather than read or written out of bounds). Rows
 contiguous in the batch with consecutive positions, as the reference requires.
 
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same kernel source (Triton's interpreter, as under ``TRITON_INTERPRET=1``). The
-interpreted copy is imported under its own module name with the interpreter switched on only for that
-import, and its launches run inside `_interpreting`, which lets ``triton.language``'s own jit functions
-(``tl.max``, ``tl.sum``, ``tl.sort``, decorated for compilation when triton was imported) be interpreted
-too. So the choice depends neither on the process environment nor on import order, and a CPU test and a
-GPU test can run in one pytest process. Triton is imported lazily, on the first call.
+interpreted copy of the same kernel source (Triton's interpreter, as under ``TRITON_INTERPRET=1``),
+imported under its own module name with the interpreter switched on only for that import; its launches
+run inside `interpreting`, which lets ``triton.language``'s own jit functions (``tl.max``, ``tl.sum``,
+``tl.sort``, decorated for compilation when triton was imported) be interpreted too (the mechanism is
+shared by every kernel package: trtllm_glm/triton_interp.py). So the choice depends neither on the
+process environment nor on import order, and a CPU test and a GPU test can run in one pytest process.
+Triton is imported lazily, on the first call.
 
 Numerics (docs/architecture.md, "Indexer numerics"): FP8 pools, their scales, tail rings, latent rows,
 quantised queries and selections are bit-identical to the reference (so are the fp32 FWHT and pooling
@@ -29,18 +30,12 @@ rounding, not bit for bit. NOTES.md beside this file has the byte/FLOP floors an
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import sys
-import threading
-import types
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.triton_interp import InterpretedModule, KernelPackage, interpreting
 
 if TYPE_CHECKING:
     from trtllm_glm.state.tail_ring import DecodeTailRing
@@ -63,107 +58,21 @@ __all__ = [
     "kernel_module",
 ]
 
-_INTERP_PACKAGE = f"{__name__}._interpreted"
-_loaded: dict[tuple[str, bool], Any] = {}
-
-
-def _interpreted_package() -> types.ModuleType:
-    """A package alias over this directory whose submodules are imported with the interpreter on."""
-    pkg = sys.modules.get(_INTERP_PACKAGE)
-    if pkg is None:
-        pkg = types.ModuleType(_INTERP_PACKAGE)
-        pkg.__path__ = list(__path__)  # type: ignore[attr-defined]
-        pkg.__package__ = _INTERP_PACKAGE
-        sys.modules[_INTERP_PACKAGE] = pkg
-    return pkg
+# CPU tensors run an interpreted copy of the same modules (trtllm_glm/triton_interp.py).
+_PACKAGE = KernelPackage(__name__, __path__)
+# Older names, kept for the modules and tests that use them.
+_interpreting = interpreting
+_InterpretedModule = InterpretedModule
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
     """The kernel module ``name`` (e.g. ``"score"``) built for ``device``, for tuning knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process itself runs with
-    ``TRITON_INTERPRET=1``). Other devices get the interpreted copy, behind a thin proxy whose callables
-    run inside `_interpreting`.
+    ``TRITON_INTERPRET=1``). Other devices get the interpreted copy, whose callables run inside
+    `trtllm_glm.triton_interp.interpreting`.
     """
-    interpret = torch.device(device).type != "cuda"
-    key = (name, interpret)
-    mod = _loaded.get(key)
-    if mod is not None:
-        return mod
-    if not interpret:
-        mod = importlib.import_module(f"{__name__}.{name}")
-    else:
-        import triton
-
-        _interpreted_package()
-        # triton.jit decides between compiled and interpreted functions when a module is imported; the knob
-        # scope restores the previous setting (and TRITON_INTERPRET) afterwards. _common is imported inside
-        # the scope too, as the relative import of the interpreted package.
-        with triton.knobs.runtime.scope():
-            triton.knobs.runtime.interpret = True
-            mod = _InterpretedModule(importlib.import_module(f"{_INTERP_PACKAGE}.{name}"))
-    _loaded[key] = mod
-    return mod
-
-
-_interp_lock = threading.RLock()
-_interp_depth = 0
-_interp_fns: dict[int, Any] = {}
-
-
-@contextlib.contextmanager
-def _interpreting() -> Iterator[None]:
-    """Run interpreted launches, letting compiled-mode ``@triton.jit`` helpers be called from them.
-
-    When triton was imported without ``TRITON_INTERPRET``, the standard library's jit functions (``tl.max``,
-    ``tl.sum``, ``tl.sort``, ...) are compiled-mode objects whose ``__call__`` only raises. Inside this
-    scope that ``__call__`` runs the function through the interpreter instead, which is exactly what
-    importing triton under ``TRITON_INTERPRET=1`` would have produced. Compiled kernels never go through
-    ``__call__`` (the code generator inlines nested jit functions itself), so the patch cannot change them;
-    it is undone when the outermost scope exits. The lock serialises interpreted launches, which patch
-    ``triton.language`` globally anyway.
-    """
-    global _interp_depth
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    with _interp_lock:
-        original = JITFunction.__call__
-        if _interp_depth == 0:
-
-            def _call(self: Any, *args: Any, **kwargs: Any) -> Any:
-                fn = _interp_fns.get(id(self))
-                if fn is None:
-                    fn = _interp_fns[id(self)] = InterpretedFunction(self.fn)
-                return fn(*args, **kwargs)
-
-            JITFunction.__call__ = _call  # type: ignore[method-assign]
-        _interp_depth += 1
-        try:
-            yield
-        finally:
-            _interp_depth -= 1
-            if _interp_depth == 0:
-                JITFunction.__call__ = original  # type: ignore[method-assign]
-
-
-class _InterpretedModule:
-    """Proxy of an interpreted kernel module: calling any of its callables enters `_interpreting`."""
-
-    def __init__(self, module: types.ModuleType) -> None:
-        self._module = module
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._module, name)
-        if not callable(attr) or isinstance(attr, type):
-            return attr
-
-        @functools.wraps(attr)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            with _interpreting():
-                return attr(*args, **kwargs)
-
-        return call
+    return _PACKAGE.module(name, device)
 
 
 def _run(module: str, device: torch.device | str, fn: str, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,136 @@
+"""Running Triton kernels on CPU tensors through Triton's interpreter, next to compiled ones on CUDA.
+
+Every kernel package (`attention.sparse.glm_kpool.kernels`, `kda.kernels`) serves CUDA tensors from its
+normally imported modules and every other device (the CPU) from an *interpreted copy* of the same source:
+the modules imported a second time, under an alias package, with Triton's interpreter switched on only
+for that import (`KernelPackage.module`). Launches of the copy run inside `interpreting`, which lets
+``triton.language``'s own jit functions (``tl.max``, ``tl.sum``, ``tl.sort``, decorated for compilation
+when triton was imported) run interpreted too. So the choice depends neither on the process environment
+nor on import order, and a CPU test and a GPU test can run in one pytest process. Triton is imported
+lazily, on the first interpreted call.
+
+The interpreter's bf16 arithmetic and fp8 casts are not IEEE: kernels upcast right after loading and
+round to the e4m3 grid in fp32 before casting; CPU tests check numerics in fp32 / fp16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import sys
+import threading
+import types
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["InterpretedModule", "KernelPackage", "interpreting"]
+
+_lock = threading.RLock()
+_depth = 0
+_fns: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def interpreting() -> Iterator[None]:
+    """Run interpreted launches, letting compiled-mode ``@triton.jit`` helpers be called from them.
+
+    When triton was imported without ``TRITON_INTERPRET``, the standard library's jit functions are
+    compiled-mode objects whose ``__call__`` only raises. Inside this scope that ``__call__`` runs the
+    function through the interpreter instead, which is exactly what importing triton under
+    ``TRITON_INTERPRET=1`` would have produced. Compiled kernels never go through ``__call__`` (the code
+    generator inlines nested jit functions itself), so the patch cannot change them; it is undone when the
+    outermost scope exits. The lock serialises interpreted launches, which patch ``triton.language``
+    globally anyway.
+    """
+    global _depth
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    with _lock:
+        original = JITFunction.__call__
+        if _depth == 0:
+
+            def _call(self: Any, *args: Any, **kwargs: Any) -> Any:
+                fn = _fns.get(id(self))
+                if fn is None:
+                    fn = _fns[id(self)] = InterpretedFunction(self.fn)
+                return fn(*args, **kwargs)
+
+            JITFunction.__call__ = _call  # type: ignore[method-assign]
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+            if _depth == 0:
+                JITFunction.__call__ = original  # type: ignore[method-assign]
+
+
+class InterpretedModule:
+    """Proxy of an interpreted kernel module: calling any of its callables enters `interpreting`."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._module, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with interpreting():
+                return attr(*args, **kwargs)
+
+        return call
+
+
+class KernelPackage:
+    """The kernel modules of one package, compiled for CUDA and interpreted for every other device.
+
+    Args:
+        name: the package's module name (``__name__`` of its ``__init__``).
+        path: the package's ``__path__``.
+    """
+
+    def __init__(self, name: str, path: Sequence[str]) -> None:
+        self.name = name
+        self.path = list(path)
+        self._alias = f"{name}._interpreted"
+        self._loaded: dict[tuple[str, bool], Any] = {}
+
+    def _alias_package(self) -> types.ModuleType:
+        """A package alias over the same directory whose submodules are imported with the interpreter on."""
+        pkg = sys.modules.get(self._alias)
+        if pkg is None:
+            pkg = types.ModuleType(self._alias)
+            pkg.__path__ = list(self.path)  # type: ignore[attr-defined]
+            pkg.__package__ = self._alias
+            sys.modules[self._alias] = pkg
+        return pkg
+
+    def module(self, name: str, device: torch.device | str) -> Any:
+        """Kernel module ``name`` built for ``device``: the imported module on CUDA (compiled, unless the
+        process runs with ``TRITON_INTERPRET=1``), else the interpreted copy behind an `InterpretedModule`."""
+        interpret = torch.device(device).type != "cuda"
+        key = (name, interpret)
+        mod = self._loaded.get(key)
+        if mod is not None:
+            return mod
+        if not interpret:
+            mod = importlib.import_module(f"{self.name}.{name}")
+        else:
+            import triton
+
+            self._alias_package()
+            # triton.jit decides between compiled and interpreted functions when a module is imported; the
+            # knob scope restores the previous setting (and TRITON_INTERPRET) afterwards. Relative imports of
+            # the copy (helpers beside it) resolve inside the alias package, so they are interpreted too.
+            with triton.knobs.runtime.scope():
+                triton.knobs.runtime.interpret = True
+                mod = InterpretedModule(importlib.import_module(f"{self._alias}.{name}"))
+        self._loaded[key] = mod
+        return mod
