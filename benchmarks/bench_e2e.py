@@ -12,6 +12,9 @@ verify cost curve; ``transformers`` runs the reference's ``generate`` on the sam
 
 Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
 ``--preset tiny --device cpu`` runs the same code path on the CPU (a smoke test; numbers mean little).
+``--cuda-graphs on`` (or ``both``: eager, then graphs, in one run) replays decode / verify steps as CUDA
+graphs (every batch size up to the case's, padding on), captured before the case's timing starts; the
+``graphs`` column says which, ``capture_s`` what the capture took.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
@@ -90,7 +94,7 @@ def count_launches_and_syncs(step) -> tuple[int, int]:
     launches = syncs = 0
     for e in prof.events():
         n = e.name
-        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx"):
+        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch"):
             launches += 1
         elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") or (n == "cudaMemcpyAsync" and "DtoH" in str(e)):
             syncs += 1
@@ -152,16 +156,22 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
-             prompts: list[list[int]] | None = None):  # fmt: skip
+             prompts: list[list[int]] | None = None, graphs: bool = False):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
+    ``graphs``: CUDA graphs of every batch size up to ``batch`` (padding on), all captured before timing.
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
+    gcfg = CudaGraphConfig(batch_sizes=default_batch_sizes(batch), enable_padding=True) if graphs else None
     cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 80), max_batch_size=batch,
-                         max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16)  # fmt: skip
+                         max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16,
+                         cuda_graph_config=gcfg)  # fmt: skip
     ex = make_executor(model, cfg, mode, continuation, seed)
+    t_cap = time.perf_counter()
+    ex.capture_cuda_graphs()
+    capture_s = time.perf_counter() - t_cap
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids = [prompts[i % len(prompts)] if prompts is not None
@@ -190,7 +200,13 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     toks = sum(len(r.output_ids) for r in reqs) - tok0
     rounds = sum(r.num_verify_rounds for r in reqs)
     mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
+    gstats = ex.graph_runner.stats if ex.graph_runner is not None else None
     return {
+        "capture_s": capture_s,
+        "graph_replays": gstats.replays if gstats else 0,
+        "graph_eager_steps": gstats.eager_steps if gstats else 0,
+        "graph_pool_mb": gstats.pool_bytes / 2**20 if gstats else 0.0,
+        "graph_failed": {str(k): v[:200] for k, v in gstats.failed.items()} if gstats else {},
         "step_ms": 1e3 * dt / max(steps, 1),
         "tokens_per_s": toks / dt if dt > 0 else float("nan"),
         # Whole requests: prefill + decode (the one profiled step is not timed; run a warm-up case first so
@@ -300,12 +316,13 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
     model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device=args.device).eval()
     prompts = held_out_prompt_ids(max(args.batch), args.prompt_len)
     rows = []
+    graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     for B in args.batch:
         plain_out = None
-        for mode in args.modes:
-            run_case(model, mode, B, 0, 8, args.device, prompts=prompts)  # warm-up
-            r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts)
-            if mode == "plain":
+        for mode, graphs in [(m, g) for g in graph_modes for m in args.modes]:
+            run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs)  # warm-up
+            r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs)
+            if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = {"identical": 0, "near_tie": 0, "diverged": 0}
             for i in range(B if plain_out is not None else 0):
@@ -317,7 +334,9 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "mean_accepted": r["mean_accepted"], "launches_per_step": r["launches_per_step"],
                    "syncs_per_step": r["syncs_per_step"], "vs_plain": lossless,
                    "prompt_tokens": [len(prompts[i % len(prompts)]) for i in range(B)][:4], "gen": args.gen,
-                   "dtype": args.dtype, "graphs": False}  # fmt: skip
+                   "dtype": args.dtype, "graphs": graphs, "capture_s": r["capture_s"],
+                   "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
+                   "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"]}  # fmt: skip
             rows.append(row)
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     return rows
@@ -335,6 +354,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--cuda-graphs", choices=["off", "on", "both"], default="off",
+        help="decode / verify steps as CUDA graphs (both: eager, then graphs); --trained only",
+    )  # fmt: skip
     ap.add_argument(
         "--trained", action="store_true", help="the preset's shipped weights (e.g. small) on held-out stdlib prompts"
     )

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Glm5NextForCausalLM": "trtllm_glm.models.glm5_next",
     "LLM": "trtllm_glm.runtime.llm",
     "KvCacheConfig": "trtllm_glm.runtime.llm",
+    "CudaGraphConfig": "trtllm_glm.runtime.cuda_graph",
     "RequestOutput": "trtllm_glm.runtime.llm",
     "SamplingParams": "trtllm_glm.runtime.sampling",
     "MTPDecodingConfig": "trtllm_glm.speculative.config",
@@ -21,6 +22,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "CudaGraphConfig",
     "Glm5NextCacheManager",
     "Glm5NextConfig",
     "Glm5NextForCausalLM",
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from .cache.manager import Glm5NextCacheManager
     from .config import Glm5NextConfig
     from .models.glm5_next import Glm5NextForCausalLM
+    from .runtime.cuda_graph import CudaGraphConfig
     from .runtime.llm import LLM, KvCacheConfig, RequestOutput
     from .runtime.sampling import SamplingParams
     from .speculative.config import MTPDecodingConfig, NGramDecodingConfig

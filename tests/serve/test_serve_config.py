@@ -62,7 +62,7 @@ def test_ngram_and_empty_file(tmp_path: Path) -> None:
     ("options", "message"),
     [
         ({"max_batch_sizes": 4}, "unknown key 'max_batch_sizes'"),
-        ({"cuda_graph_config": {}}, "unknown key 'cuda_graph_config'"),
+        ({"cuda_graph_config": {"padding": True}}, "cuda_graph_config: unknown key 'padding'"),
         ({"tokenizer": "x"}, "unknown key 'tokenizer'"),
         ({"enable_chunked_prefill": False}, "enable_chunked_prefill: only True"),
         ({"kv_cache_config": {"page_size": 16}}, "kv_cache_config: unknown key 'page_size'"),

@@ -64,6 +64,12 @@ class AttentionMetadata:
         positions_t ``[N]`` int64, row_seq_t ``[N]`` int64, state_slots_t ``[B]`` int64,
         past_lens_t ``[B]`` int64, q_lens_t ``[B]`` int64, kv_lens_t ``[B]`` int64,
         cu_seqlens_t ``[B + 1]`` int64.
+
+    CUDA-graph padding (docs/design.md §5): ``prepare(..., num_padding_seqs=n)`` marks the last ``n``
+    sequences as padding of a captured batch size. Their rows get ``row_seq = -1`` (every sparse kernel
+    and the tail-ring rollback skip such rows, so they write no page, pool or ring), and the KDA layers
+    run them on the state slot they name (the executor's reserved padding slot). `trim_padding` drops
+    them from the host description after the step ran.
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_tokens: int, device: torch.device | str = "cpu") -> None:
@@ -82,6 +88,11 @@ class AttentionMetadata:
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
+        # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
+        # captured verify graph reads the same address every replay.
+        self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
+        self._acc_staging = HostStaging({"acc": (self._acc_buf.shape, i64)}, pin_memory=pin)
+        self.num_padding_seqs = 0
         self.request_ids: list[int] = []
         self.q_lens: list[int] = []
         self.past_lens: list[int] = []
@@ -104,6 +115,7 @@ class AttentionMetadata:
         q_lens: Sequence[int],
         state_slots: Sequence[int],
         num_decode_seqs: int,
+        num_padding_seqs: int = 0,
     ) -> None:
         """Describe this step's batch and refresh the device buffers in place.
 
@@ -113,6 +125,7 @@ class AttentionMetadata:
             q_lens: ``[B]`` rows of each sequence this step (>= 1).
             state_slots: ``[B]`` state slot of each request.
             num_decode_seqs: how many leading sequences are decode/verify rows (the rest are prefill).
+            num_padding_seqs: how many trailing sequences are CUDA-graph padding (``row_seq = -1``).
         """
         B = len(request_ids)
         if not (len(past_lens) == len(q_lens) == len(state_slots) == B):
@@ -123,6 +136,8 @@ class AttentionMetadata:
             raise ValueError(f"num_decode_seqs={num_decode_seqs} outside [0, {B}]")
         if any(q <= 0 for q in q_lens) or any(p < 0 for p in past_lens):
             raise ValueError("q_lens must be >= 1 and past_lens >= 0")
+        if not 0 <= num_padding_seqs <= B:
+            raise ValueError(f"num_padding_seqs={num_padding_seqs} outside [0, {B}]")
         N = sum(q_lens)
         if self.max_num_tokens < N:
             raise TableWidthError(f"{N} tokens exceed max_num_tokens={self.max_num_tokens}")
@@ -139,6 +154,7 @@ class AttentionMetadata:
         self.num_decode_tokens = cu[num_decode_seqs]
         self.num_tokens = N
         self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
+        self.num_padding_seqs = num_padding_seqs
         self.spec = SpecMetadata()
 
         host = self._staging.acquire()
@@ -152,9 +168,55 @@ class AttentionMetadata:
             row_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), sh[2, :B])
             th[1, :N] = row_seq
             th[0, :N] = sh[1, :B][row_seq] + (torch.arange(N, dtype=torch.int64) - sh[4, :B][row_seq])
+            if num_padding_seqs:
+                th[1, cu[B - num_padding_seqs] : N] = -1
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
         self._staging.release()
+
+    def set_num_accepted(self, counts: Sequence[int]) -> None:
+        """Set ``spec.num_accepted_t`` ``[num_seqs]`` from per-sequence counts (padding entries get 0).
+
+        The counts go into a persistent buffer (one non-blocking copy), never a fresh tensor, so a graph
+        captured with them reads the live values on replay.
+
+        Args:
+            counts: ``[n]`` with ``n <= num_seqs`` accepted rows of each leading sequence's previous step.
+        """
+        if len(counts) > self.num_seqs:
+            raise ValueError(f"{len(counts)} accepted counts for {self.num_seqs} sequences")
+        host = self._acc_staging.acquire()["acc"]
+        host.zero_()
+        if counts:
+            host[: len(counts)] = torch.tensor(list(counts), dtype=torch.int64)
+        self._acc_buf.copy_(host, non_blocking=True)
+        self._acc_staging.release()
+        self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
+
+    def trim_padding(self) -> None:
+        """Drop the padding sequences from the host description (the device buffers keep them).
+
+        After a padded (captured) step the executor commits and samples only the real sequences; the
+        device views (``state_slots_t`` ...) then cover the real prefix as well.
+        """
+        n = self.num_padding_seqs
+        if not n:
+            return
+        B = self.num_seqs - n
+        self.request_ids = self.request_ids[:B]
+        self.q_lens = self.q_lens[:B]
+        self.past_lens = self.past_lens[:B]
+        self.state_slots = self.state_slots[:B]
+        self.cu_seqlens = self.cu_seqlens[: B + 1]
+        self.num_seqs = B
+        self.num_decode_seqs = min(self.num_decode_seqs, B)
+        self.num_decode_tokens = self.cu_seqlens[self.num_decode_seqs]
+        self.num_tokens = self.cu_seqlens[-1]
+        self.max_kv_len = max((p + q for p, q in zip(self.past_lens, self.q_lens)), default=0)
+        self.num_padding_seqs = 0
+        self.spec.verify_seqs = [b for b in self.spec.verify_seqs if b < B]
+        if self.spec.num_accepted_t is not None:
+            self.spec.num_accepted_t = self.spec.num_accepted_t[:B]
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -187,4 +249,4 @@ class AttentionMetadata:
 
     def graph_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent tensors a captured graph may read, by name (for address checks)."""
-        return {"seq_buf": self._seq_buf, "tok_buf": self._tok_buf}
+        return {"seq_buf": self._seq_buf, "tok_buf": self._tok_buf, "acc_buf": self._acc_buf}

@@ -149,7 +149,10 @@ class KdaLayerRecords:
 
 
 def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
-    slots = [batch.state_slots[b] for b in seqs]
+    # CUDA-graph padding sequences (trailing, `AttentionMetadata.num_padding_seqs`) all share the executor's
+    # reserved padding slot on purpose: whatever they write there is never read by a real request.
+    n_real = batch.num_seqs - getattr(batch, "num_padding_seqs", 0)
+    slots = [batch.state_slots[b] for b in seqs if b < n_real]
     if len(set(slots)) != len(slots):
         raise ValueError(f"state slots repeat within one KDA batch: {slots}")
 
@@ -329,13 +332,22 @@ class KimiDeltaAttention(nn.Module):
         weight: torch.Tensor,
     ) -> None:
         dev = x.device
-        rows = torch.tensor([batch.cu_seqlens[b] for b in seqs], dtype=torch.int64, device=dev)
+        first = [batch.cu_seqlens[b] for b in seqs]
+        n = len(first)
+        # A pure decode step (rows 0..n-1 in order) takes slices: no index tensor built from a host list, so
+        # the step has no host-to-device copy and can be captured in a CUDA graph.
+        rows: torch.Tensor | slice = (
+            slice(0, n) if first == list(range(n)) else torch.tensor(first, dtype=torch.int64, device=dev)
+        )
         slots = self._slots(batch, seqs, dev)
         y, conv_new = causal_conv1d_update(x[rows], state.conv.index_select(0, slots), weight)
         state.conv.index_copy_(0, slots, conv_new.to(state.conv.dtype))
         q, k, v = self._split(y)
         od = kda_decode_inplace(q, k, v, g[rows], beta[rows], self.scale, state.recurrent, slots, backend=self.backend)
-        o.index_copy_(0, rows, od)
+        if isinstance(rows, slice):
+            o[rows] = od
+        else:
+            o.index_copy_(0, rows, od)
 
     def _prefill(
         self,
@@ -401,13 +413,26 @@ class KimiDeltaAttention(nn.Module):
         widths = [batch.q_lens[b] for b in seqs]
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         slots = self._slots(batch, seqs, dev)
-        fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
         Wm = max(widths, default=0)
-        # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
-        idx = [[batch.cu_seqlens[b] + min(j, w - 1) for j in range(Wm)] for b, w in zip(seqs, widths)]
-        valid_h = [[j < w for j in range(Wm)] for w in widths]
-        ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(len(seqs), Wm)
-        valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(len(seqs), Wm)
+        n = len(seqs)
+        # A uniform verify step (every sequence Wm rows, back to back from row 0, none fresh) builds its
+        # index tensors on the device: no host list copies, no masked gathers, so it can be captured.
+        uniform = (
+            n > 0
+            and all(batch.cu_seqlens[b] == j * Wm and w == Wm for j, (b, w) in enumerate(zip(seqs, widths)))
+            and all(batch.past_lens[b] > 0 for b in seqs)
+        )
+        if uniform:
+            fresh = torch.zeros(n, dtype=torch.bool, device=dev)
+            ridx = torch.arange(n * Wm, dtype=torch.int64, device=dev).view(n, Wm)
+            valid = torch.ones(n, Wm, dtype=torch.bool, device=dev)
+        else:
+            fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
+            # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
+            idx = [[batch.cu_seqlens[b] + min(j, w - 1) for j in range(Wm)] for b, w in zip(seqs, widths)]
+            valid_h = [[j < w for j in range(Wm)] for w in widths]
+            ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(n, Wm)
+            valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(n, Wm)
         vmask = valid.unsqueeze(-1)
         x_rows = torch.where(vmask, x[ridx], 0.0)
         conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
@@ -417,7 +442,10 @@ class KimiDeltaAttention(nn.Module):
         gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
         br = torch.where(vmask, beta[ridx], 0.0)
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
-        o.index_copy_(0, ridx[valid], ov[valid])
+        if uniform:  # every row valid: no boolean-mask gather (it would sync on the mask's size)
+            o[: n * Wm] = ov.reshape(n * Wm, *ov.shape[2:])
+        else:
+            o.index_copy_(0, ridx[valid], ov[valid])
         records = KdaLayerRecords(
             seq_ids=seqs,
             widths=widths,
@@ -462,7 +490,9 @@ class KimiDeltaAttention(nn.Module):
             return self.forward(hidden, batch, state), None
         # Projections and the output gate/norm/projection run once for all rows; only the mixers differ.
         inputs = self._inputs(hidden)
-        o, records = self._verify_o(hidden, _only(batch, verify), state, inputs)
+        # All sequences verify (e.g. a captured verify step): the batch itself, padding marks included.
+        vbatch = batch if len(verify) == batch.num_seqs else _only(batch, verify)
+        o, records = self._verify_o(hidden, vbatch, state, inputs)
         rest = set(range(batch.num_seqs)) - verify
         if rest:
             o_rest = self._forward_o(hidden, _only(batch, rest), state, inputs)

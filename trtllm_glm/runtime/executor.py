@@ -17,8 +17,16 @@ from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
+from .cuda_graph import (
+    PADDING_PAST_LEN,
+    PADDING_REQUEST_ID,
+    CudaGraphConfig,
+    CudaGraphRunner,
+    GraphOutputs,
+    greedy_and_gap,
+)
 from .request import FinishReason, Request, RequestState
-from .sampling import Sampler, SamplingParams, token_logprobs, top2_gap
+from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import ScheduledSeq, Scheduler
 
 __all__ = ["Executor", "ExecutorConfig"]
@@ -35,6 +43,7 @@ class ExecutorConfig:
         max_num_tokens: flat rows per step.
         max_seq_len: longest sequence (prompt + output); sets the slot-table width.
         prefill_chunk_size: cap on a prefill chunk (``None``: token budget only).
+        cuda_graph_config: CUDA graphs of decode / verify steps (``None``: eager; ignored off CUDA).
     """
 
     tokens_per_block: int = 16
@@ -43,6 +52,7 @@ class ExecutorConfig:
     max_num_tokens: int = 512
     max_seq_len: int = 2048
     prefill_chunk_size: int | None = None
+    cuda_graph_config: CudaGraphConfig | None = None
 
 
 class Executor:
@@ -61,6 +71,8 @@ class Executor:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         P = cfg.tokens_per_block
+        # CUDA graphs pad batches with sequences that run on one reserved state slot (cuda_graph.py).
+        self._use_graphs = cfg.cuda_graph_config is not None and self._graphs_supported()
         self.manager = self._make_manager(include_mtp_layer=self._target_stores_mtp_layer())
         # A sequence can never outgrow the whole page pool either.
         self.max_seq_len = min(cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P)
@@ -72,6 +84,20 @@ class Executor:
             select_width=self._select_width(),
             device=self.device,
         )
+        self.graph_runner: CudaGraphRunner | None = None
+        self._step_out: GraphOutputs | None = None
+        if self._use_graphs:
+            assert cfg.cuda_graph_config is not None
+            self._padding_slot = self.manager.add_request(PADDING_REQUEST_ID, 0)
+            self.graph_runner = CudaGraphRunner(
+                model,
+                self.meta,
+                self.manager,
+                cfg.cuda_graph_config,
+                self._graph_widths(),
+                self._prepare_graph_step,
+                emulate=self.device.type != "cuda",
+            )
         self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
         self.sampler = Sampler()
         self.seed = seed
@@ -95,7 +121,7 @@ class Executor:
         kw = dict(
             num_pages=-(-self.cfg.max_tokens // P),
             tokens_per_block=P,
-            max_num_requests=self.cfg.max_batch_size,
+            max_num_requests=self.cfg.max_batch_size + int(self._use_graphs),
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
         )
@@ -211,11 +237,66 @@ class Executor:
     def on_preempt(self, req: Request) -> None:
         """Hook for subclasses that keep more per-request state (drafters)."""
 
+    # --------------------------------------------------------------------------------------------
+    # CUDA graphs (cuda_graph.py)
+    def _graphs_supported(self) -> bool:
+        """Whether this executor can run CUDA graphs (a CUDA device; tests emulate them on the CPU)."""
+        return self.device.type == "cuda"
+
+    def _graph_widths(self) -> tuple[int, ...]:
+        """Row widths of the steps captured as graphs (plain decoding: width one)."""
+        return (1,)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture every graph now (otherwise each is captured on its first use). No-op without graphs."""
+        if self.graph_runner is not None:
+            self.graph_runner.capture_all()
+
+    def _prepare_graph_step(self, plan: list[ScheduledSeq], P: int, W: int) -> None:
+        """Describe ``plan`` (uniform width ``W``) padded to ``P`` sequences on the padding slot."""
+        pad = P - len(plan)
+        rids = [s.request.request_id for s in plan]
+        self.meta.prepare(
+            rids + [PADDING_REQUEST_ID] * pad,
+            past_lens=[s.request.num_computed for s in plan] + [PADDING_PAST_LEN] * pad,
+            q_lens=[W] * P,
+            num_decode_seqs=P,
+            state_slots=self.manager.get_batch_state_slots(rids) + [self._padding_slot] * pad,
+            num_padding_seqs=pad,
+        )
+        self._before_forward(plan)
+        if W > 1:
+            self.meta.spec.verify_seqs = list(range(P))
+
+    def _sample_rows(self, hidden: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, list[list[float]]]:
+        """FP32 logits ``[n, V]`` of ``rows`` and, on the host, each one's (greedy id, top-2 gap).
+
+        A replayed step already holds both (in-graph argmax and gap): only the one device-to-host copy.
+        """
+        out = self._step_out
+        if out is not None:
+            host = out.host_rows()
+            if rows == list(range(len(rows))):
+                return out.logits[: len(rows)], host[: len(rows)]
+            return out.logits[torch.tensor(rows, device=self.device)], [host[i] for i in rows]
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            return logits, greedy_and_gap(logits).tolist()
+
     def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
         """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
         ids: list[int] = []
         for s in plan:
             ids.extend(self._rows_for(s))
+        self._step_out = None
+        runner = self.graph_runner
+        if runner is not None and all(s.is_decode for s in plan):
+            key = runner.key([s.num_rows for s in plan])
+            if key is not None:
+                with torch.inference_mode():
+                    self._step_out = runner.replay(key, plan, ids)
+                return self._step_out.hidden
+            runner.stats.eager_steps += 1
         n_dec = sum(1 for s in plan if s.is_decode)
         self.meta.prepare(
             [s.request.request_id for s in plan],
@@ -278,12 +359,13 @@ class Executor:
                 to_sample.append((r, row - 1))
         finished: list[Request] = []
         if to_sample:
-            idx = torch.tensor([i for _, i in to_sample], device=self.device)
-            with torch.inference_mode():
-                logits = self.model.compute_logits(hidden[idx])
+            logits, packed = self._sample_rows(hidden, [i for _, i in to_sample])
             reqs = [r for r, _ in to_sample]
-            toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
-            gaps = top2_gap(logits).tolist()
+            gaps = [g for _, g in packed]
+            if all(r.params.greedy for r in reqs):
+                toks = [int(t) for t, _ in packed]
+            else:
+                toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             for j, (r, t, gp) in enumerate(zip(reqs, toks, gaps)):
                 if self._emit(r, [t], [gp], logits[j : j + 1]):
                     finished.append(r)

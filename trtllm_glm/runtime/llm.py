@@ -10,6 +10,7 @@ import torch
 
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
 from .request import Request
 from .sampling import Logprob, SamplingParams
@@ -95,6 +96,8 @@ class LLM:
             `SMALL_MODEL_PARAMS` parameters, where torch's default threading costs far more than it
             gains: the tiny preset runs ~15x faster on one thread of a 2-core machine), else torch's
             default.
+        cuda_graph_config: CUDA graphs of decode / verify steps (`CudaGraphConfig`, or a mapping of its
+            fields); on by default, as in TensorRT-LLM; ``None`` turns them off. Ignored on the CPU.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class LLM:
         tokenizer: object | None = None,
         speculative_config: object | None = None,
         num_threads: int | None = None,
+        cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         kv = kv_cache_config or KvCacheConfig()
         if isinstance(model, Glm5NextForCausalLM):
@@ -134,6 +138,9 @@ class LLM:
             max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len,
             prefill_chunk_size=prefill_chunk_size,
+            cuda_graph_config=CudaGraphConfig.from_value(cuda_graph_config)
+            if torch.device(self.device).type == "cuda"
+            else None,
         )
         self.seed = seed
         self.speculative_config = speculative_config

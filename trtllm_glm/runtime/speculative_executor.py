@@ -29,7 +29,6 @@ from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
 from ..speculative.mtp import MTPDrafter
 from .executor import Executor, ExecutorConfig
 from .request import Request
-from .sampling import top2_gap
 from .scheduler import ScheduledSeq
 
 __all__ = ["SpeculativeExecutor", "SpecState"]
@@ -157,10 +156,14 @@ class SpeculativeExecutor(Executor):
             rows = rows + drafts
         return rows
 
+    def _graph_widths(self) -> tuple[int, ...]:
+        # Width-one rounds and full verify rounds; anything else (a budget-cut round) runs eagerly.
+        return (1, 1 + self.spec.max_draft_len)
+
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
         self.meta.spec.verify_seqs = [i for i, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
-        acc = [self.state[s.request.request_id].last_accepted for s in plan]
-        self.meta.spec.num_accepted_t = torch.tensor(acc, dtype=torch.int64, device=self.device)
+        # A persistent buffer (a captured verify graph reads its address), padding entries 0.
+        self.meta.set_num_accepted([self.state[s.request.request_id].last_accepted for s in plan])
 
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
         # Rows whose logits are needed: every verify row, and the last row of sequences that end here.
@@ -180,10 +183,9 @@ class SpeculativeExecutor(Executor):
             row += s.num_rows
         logits = gaps = greedy = None
         if need:
-            with torch.inference_mode():
-                logits = self.model.compute_logits(hidden[torch.tensor(need, device=self.device)])
-            gaps = top2_gap(logits).tolist()
-            greedy = logits.argmax(-1).tolist()
+            logits, packed = self._sample_rows(hidden, need)
+            greedy = [int(t) for t, _ in packed]
+            gaps = [g for _, g in packed]
 
         num_accepted = [0] * len(plan)
         committed = [0] * len(plan)
@@ -276,3 +278,22 @@ class SpeculativeExecutor(Executor):
             )
             row += s.num_rows
         self.drafter.draft(seqs, hidden)
+        if self.graph_runner is not None:
+            _pad_drafts(seqs)
+
+
+def _pad_drafts(seqs: list[DraftSeq]) -> None:
+    """Fill each live request's drafts up to the width it asked for (CUDA graphs replay uniform widths).
+
+    A short proposal (an n-gram match near the end of the text, no match at all) would make the step's
+    widths differ and the step run eagerly. Filler drafts (the last draft, or the last token, repeated) are
+    verified like any other: accepted only where they equal the target's greedy token, so the output is
+    unchanged; only the acceptance statistics count them as proposals.
+    """
+    for s in seqs:
+        if not s.live or s.want <= 0:
+            continue
+        d = s.state.drafts
+        if len(d) < s.want:
+            fill = d[-1] if d else s.tokens[-1]
+            s.state.drafts = list(d) + [fill] * (s.want - len(d))

@@ -15,6 +15,9 @@ Example::
       num_nextn_predict_layers: 3
       draft_kv_mode: separate
     enable_chunked_prefill: true  # accepted: prefill is always chunked
+    cuda_graph_config:            # default on (CUDA only); null turns graphs off
+      batch_sizes: [1, 2, 4, 8, 16, 32]
+      enable_padding: true
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
 mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
@@ -119,6 +122,13 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
             from ..runtime.llm import KvCacheConfig
 
             out[k] = None if v is None else _dataclass_from(KvCacheConfig, v, where)
+        elif k == "cuda_graph_config":
+            from ..runtime.cuda_graph import CudaGraphConfig
+
+            try:
+                out[k] = CudaGraphConfig.from_value(v)
+            except (TypeError, ValueError) as e:  # the message names cuda_graph_config (and the field)
+                raise ConfigError(f"{source}: {e}") from None
         elif k == "speculative_config":
             try:
                 out[k] = _speculative(v)

@@ -111,6 +111,9 @@ class GlmKpoolMetadata(AttentionMetadata):
             {"table": (self.target_slot_table.shape, torch.int32)}, pin_memory=self.device.type == "cuda"
         )
         self.selection_buf = torch.full((max_num_tokens, select_width), -1, dtype=torch.int32, device=self.device)
+        # Set while a CUDA graph is captured: the score width baked into the graph must hold any later
+        # replay's pools, so it is the table's capacity rather than this step's longest sequence.
+        self.graph_max_pools: int | None = None
 
         # Draft domain: allocated here, once, so that a graph captured with the draft binding reads a
         # fixed address that every later pre-replay prepare refreshes in place.
@@ -144,6 +147,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         q_lens: Sequence[int],
         num_decode_seqs: int,
         state_slots: Sequence[int] | None = None,
+        num_padding_seqs: int = 0,
     ) -> None:
         """Describe the step and refresh lengths, positions, state slots and the slot table in place.
 
@@ -152,7 +156,10 @@ class GlmKpoolMetadata(AttentionMetadata):
             past_lens: ``[B]`` cached tokens before this step.
             q_lens: ``[B]`` rows per sequence this step.
             num_decode_seqs: leading decode/verify sequences.
-            state_slots: ``[B]`` state slots; defaults to the manager's.
+            state_slots: ``[B]`` state slots; defaults to the manager's. Required with padding.
+            num_padding_seqs: trailing CUDA-graph padding sequences: not in the manager (their ids are
+                ignored), an all ``-1`` slot-table row, rows with ``row_seq = -1``; ``state_slots`` names
+                the slot their KDA rows may scribble on (the executor's reserved padding slot).
 
         Raises:
             StateError: a draft binding is active (restore it first; filling now would put the draft
@@ -163,10 +170,13 @@ class GlmKpoolMetadata(AttentionMetadata):
                 "prepare() called while a draft binding is active; call restore_after_draft_forward() first"
             )
         mgr = self.kv_cache_manager
+        if num_padding_seqs and state_slots is None:
+            raise ValueError("padded prepare() needs explicit state_slots (the padding slot included)")
+        real = list(request_ids)[: len(request_ids) - num_padding_seqs]
         if state_slots is None:
-            state_slots = mgr.get_batch_state_slots(request_ids)
-        tables = mgr.get_batch_slot_tables(request_ids)
-        for rid, p, q, row in zip(request_ids, past_lens, q_lens, tables):
+            state_slots = mgr.get_batch_state_slots(real)
+        tables = mgr.get_batch_slot_tables(real)
+        for rid, p, q, row in zip(real, past_lens, q_lens, tables):
             need = mgr.pages_needed(p + q)
             if need > self.max_pages_per_seq:
                 raise TableWidthError(
@@ -175,7 +185,7 @@ class GlmKpoolMetadata(AttentionMetadata):
                 )
             if need > len(row):
                 raise TableWidthError(f"request {rid} has {len(row)} pages allocated but {need} are needed")
-        super().prepare(request_ids, past_lens, q_lens, state_slots, num_decode_seqs)
+        super().prepare(request_ids, past_lens, q_lens, state_slots, num_decode_seqs, num_padding_seqs)
         self._fill_table(self.target_slot_table, tables)
 
     def _fill_table(self, dst: torch.Tensor, tables: Sequence[Sequence[int]]) -> None:
@@ -371,8 +381,19 @@ class GlmKpoolMetadata(AttentionMetadata):
 
     @property
     def max_pools(self) -> int:
-        """Upper bound on complete pools any row of this step can see (host-known)."""
+        """Upper bound on complete pools any row of this step can see (host-known).
+
+        While ``graph_max_pools`` is set (graph capture) it is that fixed bound instead: scores of pools a
+        row cannot see yet are ``-inf`` and never selected, so the selection is the same.
+        """
+        if self.graph_max_pools is not None:
+            return self.graph_max_pools
         return self.max_kv_len // 4
+
+    @property
+    def graph_pool_capacity(self) -> int:
+        """Complete pools a sequence of the widest slot-table row can have (a bound for captured graphs)."""
+        return self.max_num_pages_tokens // 4
 
     def graph_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent tensors a captured graph may read, by name.

@@ -1,0 +1,253 @@
+"""CUDA-graph runtime pieces that need no GPU: `CudaGraphConfig`, the padding plan, padded metadata, the
+reserved padding slot, the runner bypassed on the CPU, the serve YAML key, and the padded step itself
+(emulated: the runner runs it eagerly, with the Triton kernels interpreted) against plain eager runs.
+
+The real capture / replay runs in ``test_cuda_graph_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_glm.cache.manager import Glm5NextCacheManager
+from trtllm_glm.config import ConfigError, Glm5NextConfig
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import (
+    PADDING_REQUEST_ID,
+    CudaGraphConfig,
+    default_batch_sizes,
+    padded_batch_size,
+)
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+
+pytestmark = pytest.mark.cpu_only
+
+
+# ------------------------------------------------------------------------------------------------
+# Config and padding plan
+def test_config_defaults_and_sizes() -> None:
+    c = CudaGraphConfig()
+    assert (c.batch_sizes, c.max_batch_size, c.enable_padding) == (None, 0, False)
+    assert default_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert default_batch_sizes(3) == [1, 2, 3]
+    # max_batch_size 0 follows the executor; rows beyond max_num_tokens are dropped per width.
+    assert c.capture_sizes(16, 512, 1) == [1, 2, 4, 8, 16]
+    assert c.capture_sizes(16, 40, 4) == [1, 2, 4, 8]
+    assert CudaGraphConfig(max_batch_size=4).capture_sizes(16, 512, 1) == [1, 2, 4]
+    s = CudaGraphConfig(batch_sizes=[8, 1, 4, 4], enable_padding=True)
+    assert s.batch_sizes == [1, 4, 8] and s.max_batch_size == 8
+    assert s.capture_sizes(6, 512, 1) == [1, 4]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"batch_sizes": []},
+        {"batch_sizes": [0, 2]},
+        {"batch_sizes": [1.5]},
+        {"batch_sizes": [True]},
+        {"max_batch_size": -1},
+        {"batch_sizes": [1, 2], "max_batch_size": 4},
+        {"enable_padding": 1},
+    ],
+)
+def test_config_rejects(kw: dict) -> None:
+    with pytest.raises(ValueError):
+        CudaGraphConfig(**kw)
+
+
+def test_config_from_value() -> None:
+    assert CudaGraphConfig.from_value(None) is None
+    c = CudaGraphConfig(batch_sizes=[2])
+    assert CudaGraphConfig.from_value(c) is c
+    assert CudaGraphConfig.from_value({"batch_sizes": [1, 2], "enable_padding": True}) == CudaGraphConfig(
+        batch_sizes=[1, 2], enable_padding=True
+    )
+    with pytest.raises(ValueError, match="unknown key 'padding'"):
+        CudaGraphConfig.from_value({"padding": True})
+    with pytest.raises(TypeError):
+        CudaGraphConfig.from_value([1, 2])
+
+
+def test_padded_batch_size() -> None:
+    sizes = [1, 2, 4, 8]
+    assert [padded_batch_size(b, sizes, True) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert [padded_batch_size(b, sizes, False) for b in (1, 3, 4, 9)] == [1, None, 4, None]
+    assert padded_batch_size(0, sizes, True) is None
+
+
+def test_serve_yaml_key() -> None:
+    from trtllm_glm.serve.config import llm_options_from_dict
+
+    out = llm_options_from_dict({"cuda_graph_config": {"batch_sizes": [1, 2, 4], "enable_padding": True}})
+    assert out["cuda_graph_config"] == CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)
+    assert llm_options_from_dict({"cuda_graph_config": None})["cuda_graph_config"] is None
+    with pytest.raises(ConfigError, match="cuda_graph_config"):
+        llm_options_from_dict({"cuda_graph_config": {"batch_size": [1]}})
+    with pytest.raises(ConfigError, match="cuda_graph_config"):
+        llm_options_from_dict({"cuda_graph_config": {"batch_sizes": [0]}})
+
+
+def test_exported() -> None:
+    import trtllm_glm
+
+    assert trtllm_glm.CudaGraphConfig is CudaGraphConfig
+
+
+# ------------------------------------------------------------------------------------------------
+# Padded metadata
+def _meta(cfg: Glm5NextConfig):
+    from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+
+    mgr = Glm5NextCacheManager(cfg, num_pages=8, tokens_per_block=8, max_num_requests=4)
+    meta = GlmKpoolMetadata(kv_cache_manager=mgr, max_num_seqs=4, max_num_tokens=16, max_pages_per_seq=4,
+                            select_width=cfg.index_select_width)  # fmt: skip
+    return mgr, meta
+
+
+def test_padded_prepare_and_trim() -> None:
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    mgr, meta = _meta(cfg)
+    pad_slot = mgr.add_request(PADDING_REQUEST_ID, 0)
+    s0, s1 = mgr.add_request(10, 12), mgr.add_request(11, 5)
+    addrs = {k: v.data_ptr() for k, v in meta.graph_buffers().items()}
+    # Two real verify sequences of width 2 padded to 4 sequences.
+    meta.prepare([10, 11, -1, -1], past_lens=[10, 3, 4, 4], q_lens=[2] * 4, num_decode_seqs=4,
+                 state_slots=[s0, s1, pad_slot, pad_slot], num_padding_seqs=2)  # fmt: skip
+    assert meta.row_seq_t.tolist() == [0, 0, 1, 1, -1, -1, -1, -1]
+    assert meta.positions_t.tolist() == [10, 11, 3, 4, 4, 5, 4, 5]
+    assert meta.state_slots_t.tolist() == [s0, s1, pad_slot, pad_slot]
+    table = meta.slot_table_t.tolist()
+    assert table[2] == table[3] == [-1] * 4
+    assert table[0][:2] == mgr.get_batch_slot_tables([10])[0]
+    meta.set_num_accepted([3, 1])
+    acc = meta.spec.num_accepted_t
+    assert acc.tolist() == [3, 1, 0, 0] and acc.data_ptr() == meta.graph_buffers()["acc_buf"].data_ptr()
+    meta.spec.verify_seqs = [0, 1, 2, 3]
+    meta.trim_padding()
+    assert (meta.num_seqs, meta.num_tokens, meta.num_padding_seqs) == (2, 4, 0)
+    assert meta.state_slots == [s0, s1] and meta.cu_seqlens == [0, 2, 4] and meta.spec.verify_seqs == [0, 1]
+    assert meta.state_slots_t.tolist() == [s0, s1] and meta.spec.num_accepted_t.tolist() == [3, 1]
+    assert {k: v.data_ptr() for k, v in meta.graph_buffers().items()} == addrs
+    with pytest.raises(ValueError, match="explicit state_slots"):
+        meta.prepare([10, -1], past_lens=[10, 4], q_lens=[1, 1], num_decode_seqs=2, num_padding_seqs=1)
+    # The graph-capture bound on pools covers any sequence the table can hold.
+    assert meta.graph_pool_capacity == 4 * 8 // 4
+    meta.graph_max_pools = meta.graph_pool_capacity
+    assert meta.max_pools == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# Executors
+def _model() -> Glm5NextForCausalLM:
+    # One KDA and one sparse layer (plus MTP): the interpreted kernels are what costs time here.
+    return Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+
+
+EX_CFG = dict(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
+
+
+def test_runner_bypassed_on_cpu() -> None:
+    ex = Executor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(enable_padding=True)))
+    assert ex.graph_runner is None
+    assert ex.manager.max_num_requests == 4 and ex.manager.num_free_slots == 4
+    ex.capture_cuda_graphs()  # a no-op
+
+
+def test_llm_default_on_but_ignored_on_cpu() -> None:
+    import inspect
+
+    from trtllm_glm.runtime.llm import LLM
+
+    assert inspect.signature(LLM.__init__).parameters["cuda_graph_config"].default == CudaGraphConfig()
+    llm = LLM("tiny", device="cpu", max_batch_size=2, max_seq_len=64)
+    assert llm.executor_config.cuda_graph_config is None and llm.executor.graph_runner is None
+    out = LLM("tiny", device="cpu", max_batch_size=2, max_seq_len=64, cuda_graph_config=None).generate(
+        [1, 2, 3], SamplingParams(max_tokens=3)
+    )
+    assert len(out.outputs[0].token_ids) == 3
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Executors whose runner pads and replays eagerly on the CPU (Triton k-pool kernels interpreted)."""
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+
+
+def _run(ex: Executor, prompts: list[list[int]], max_tokens: list[int], join_after: int | None = None):
+    """Greedy run; the last prompt joins after ``join_after`` steps (slots and pages get reused)."""
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    late = reqs.pop() if join_after is not None else None
+    if late is not None:
+        ex.waiting.remove(late)
+    steps = 0
+    while ex.has_work or late is not None:
+        if late is not None and steps == join_after:
+            ex.waiting.append(late)
+            reqs.append(late)
+            late = None
+        ex.step()
+        steps += 1
+    return reqs
+
+
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8, 1, 2, 3, 8, 8, 1], [7, 1, 7, 1, 7]]
+
+
+def _assert_same(ref, got) -> None:
+    for a, b in zip(ref, got):
+        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
+        assert d is None or d.excused, f"request {a.request_id}: {d}"
+
+
+@pytest.mark.parametrize("mode", ["plain", "ngram", "mtp"])
+def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
+    """Batches of 3 padded to 4 (and 1 -> 1), requests leaving and one joining: same tokens as eager; the
+    padding slot is never a request's, unallocated pages stay untouched."""
+    model = _model()
+
+    def make(graphs: bool) -> Executor:
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True)
+                             if graphs else None)  # fmt: skip
+        if mode == "plain":
+            return Executor(model, cfg)
+        spec = (
+            NGramDecodingConfig(max_draft_len=2) if mode == "ngram" else MTPDecodingConfig(num_nextn_predict_layers=2)
+        )
+        return SpeculativeExecutor(model, cfg, spec)
+
+    max_tokens = [4, 6, 3, 4]
+    ref = _run(make(False), PROMPTS, max_tokens, join_after=2)
+    ex = make(True)
+    assert ex.graph_runner is not None and ex.graph_runner.emulate
+    pad = ex._padding_slot
+    assert ex.manager.max_num_requests == 5 and ex.manager.get_state_slot(PADDING_REQUEST_ID) == pad
+    seen_slots: set[int] = set()
+    seen_pages: set[int] = set()
+    orig_step = ex.step
+
+    def step():
+        for r in ex.running:
+            seen_slots.add(ex.manager.get_state_slot(r.request_id))
+            seen_pages.update(ex.manager.get_batch_slot_tables([r.request_id])[0])
+        return orig_step()
+
+    ex.step = step  # type: ignore[method-assign]
+    got = _run(ex, PROMPTS, max_tokens, join_after=2)
+    _assert_same(ref, got)
+    assert pad not in seen_slots
+    assert ex.graph_runner.stats.replays > 0
+    # Padding rows write no page: every page no request ever held is still all zeros.
+    mgr = ex.manager
+    untouched = sorted(set(range(mgr.num_pages)) - seen_pages)
+    assert untouched and seen_pages
+    for plane in (mgr.latent, mgr.index_scale, mgr.index_k.view(torch.uint8)):
+        assert int(plane[:, untouched].float().abs().sum()) == 0
+    assert mgr.num_free_slots == mgr.max_num_requests - 1  # the padding slot stays reserved

@@ -1,0 +1,400 @@
+"""CUDA graphs of the decode and verify forwards (TensorRT-LLM's ``CudaGraphConfig``).
+
+A pure-decode step (every sequence one row) and a speculative verify step (every sequence ``1 + K`` rows)
+are captured once per (padded batch size ``P``, width ``W``) and replayed afterwards: input ids -> final
+hidden ``[P * W, D]``, FP32 logits ``[P * W, V]`` and, packed for one device-to-host copy, each row's greedy
+token and top-2 logit gap ``[P * W, 2]``. Steps with any prefill rows, mixed widths or a batch larger than
+the largest captured size run eagerly.
+
+Padding (docs/design.md §5): a batch of ``B`` sequences is padded to the next captured size with ``P - B``
+trailing sequences that
+
+* have ``row_seq = -1`` on every row, so the sparse-MLA kernels (latent rows, pools, scores, attention) and
+  the tail-ring rollback skip them: they read and write no page, pool or ring of any request;
+* name the executor's reserved *padding state slot* (taken from the cache manager at construction through
+  its ordinary ``add_request``, under `PADDING_REQUEST_ID`, so no real request can ever hold it): the KDA
+  layers' in-place decode / verify records touch only that slot;
+* have an all ``-1`` slot-table row and token id 0.
+
+Their outputs are garbage that nothing reads: the executor samples and commits only the first ``B``
+sequences (`AttentionMetadata.trim_padding`), and the verify records the KDA layers left are re-registered
+cut to those ``B`` sequences.
+
+Capture: a graph is captured on the first step that needs it (or all of them up front with
+`CudaGraphRunner.capture_all`), from a batch made only of padding sequences, so warm-up and capture never
+touch a real request's state. Every graph shares one memory pool. Buffers a graph reads (metadata, input
+ids) are persistent and refreshed in place before each replay; a `GraphAddressGuard` checks their
+addresses before every replay (a dictionary of a handful of pointers: cheap enough to keep on).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..attention.graph_check import GraphAddressGuard
+from ..attention.metadata import HostStaging
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CudaGraphConfig",
+    "CudaGraphRunner",
+    "GraphOutputs",
+    "PADDING_REQUEST_ID",
+    "PADDING_PAST_LEN",
+    "default_batch_sizes",
+    "padded_batch_size",
+]
+
+# The cache manager's id of the request that holds the padding state slot (executor ids are >= 0).
+PADDING_REQUEST_ID = -1
+# Cached length the padding sequences claim: > 0 so that the KDA layers take the decode / verify path (a
+# zero would mean a fresh prefill). Their rows are skipped by every sparse kernel, so the value is free.
+PADDING_PAST_LEN = 4
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """TensorRT-LLM's default capture sizes: 1, 2, 4, then multiples of 8, up to ``max_batch_size``."""
+    sizes = [s for s in (1, 2, 4) if s <= max_batch_size]
+    sizes += list(range(8, max_batch_size + 1, 8))
+    if max_batch_size not in sizes:
+        sizes.append(max_batch_size)
+    return sorted(set(sizes))
+
+
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """Which decode / verify batch sizes run as CUDA graphs (TensorRT-LLM's names and defaults).
+
+    Attributes:
+        batch_sizes: batch sizes to capture; ``None``: `default_batch_sizes` of ``max_batch_size``.
+        max_batch_size: largest size captured when ``batch_sizes`` is None (0: the executor's
+            ``max_batch_size``). With ``batch_sizes`` given it is their maximum.
+        enable_padding: pad a batch to the next captured size (otherwise only exact sizes replay).
+
+    Sizes above the executor's ``max_batch_size``, or whose rows (``size * width``) exceed its
+    ``max_num_tokens``, are dropped for that executor. Graphs only run on CUDA; elsewhere the config is
+    ignored.
+    """
+
+    batch_sizes: list[int] | None = None
+    max_batch_size: int = 0
+    enable_padding: bool = False
+
+    def __post_init__(self) -> None:
+        mbs = self.max_batch_size
+        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
+            raise ValueError(f"cuda_graph_config.max_batch_size must be an int >= 0, got {mbs!r}")
+        if not isinstance(self.enable_padding, bool):
+            raise ValueError(f"cuda_graph_config.enable_padding must be a bool, got {self.enable_padding!r}")
+        if self.batch_sizes is not None:
+            sizes = list(self.batch_sizes)
+            bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+            if not sizes or bad:
+                raise ValueError(
+                    f"cuda_graph_config.batch_sizes must be a non-empty list of ints >= 1, got {self.batch_sizes!r}"
+                )
+            sizes = sorted(set(sizes))
+            if mbs and mbs != sizes[-1]:
+                raise ValueError(f"cuda_graph_config.max_batch_size={mbs} disagrees with max(batch_sizes)={sizes[-1]}")
+            object.__setattr__(self, "batch_sizes", sizes)
+            object.__setattr__(self, "max_batch_size", sizes[-1])
+
+    @classmethod
+    def from_value(cls, value: Any) -> CudaGraphConfig | None:
+        """A config from a `CudaGraphConfig`, a mapping of its fields (YAML), or None (graphs off).
+
+        Raises:
+            ValueError: unknown keys or invalid values.
+        """
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"cuda_graph_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+            return cls(**value)
+        raise TypeError(f"cuda_graph_config must be a CudaGraphConfig, a mapping or None, got {type(value).__name__}")
+
+    def capture_sizes(self, executor_max_batch_size: int, max_num_tokens: int, width: int) -> list[int]:
+        """The batch sizes captured for rows of ``width`` under an executor's limits (ascending)."""
+        top = self.max_batch_size or executor_max_batch_size
+        sizes = self.batch_sizes if self.batch_sizes is not None else default_batch_sizes(top)
+        return [s for s in sizes if s <= executor_max_batch_size and s * width <= max_num_tokens]
+
+
+def padded_batch_size(batch: int, sizes: Sequence[int], enable_padding: bool) -> int | None:
+    """The captured size a batch of ``batch`` sequences replays at, or None (eager).
+
+    Args:
+        batch: real sequences of the step (>= 1).
+        sizes: captured sizes, ascending.
+        enable_padding: allow a larger captured size (else only ``batch`` itself).
+    """
+    if batch < 1:
+        return None
+    if not enable_padding:
+        return batch if batch in sizes else None
+    for s in sizes:
+        if s >= batch:
+            return s
+    return None
+
+
+@dataclass
+class GraphOutputs:
+    """What one replay (or eager step) leaves for sampling.
+
+    Attributes:
+        hidden: ``[n, D]`` final hidden of the real rows (a view of the graph's output buffer).
+        logits: ``[n, V]`` FP32 logits of the real rows (a view; overwritten by the next replay).
+        packed: ``[n, 2]`` float64 (greedy token id, top-2 logit gap) per real row, on the device.
+    """
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    packed: torch.Tensor
+    _host: list[list[float]] | None = None
+
+    def host_rows(self) -> list[list[float]]:
+        """``packed`` on the host (the step's one device-to-host copy; cached)."""
+        if self._host is None:
+            self._host = self.packed.tolist()
+        return self._host
+
+
+def greedy_and_gap(logits: torch.Tensor) -> torch.Tensor:
+    """``[n, V]`` logits -> ``[n, 2]`` float64 (argmax id, top-2 gap): one tensor, one host copy.
+
+    The argmax is `Sampler`'s greedy choice (``torch.argmax``: the first maximum) and the gap is
+    `sampling.top2_gap`'s; token ids are exact in float64.
+    """
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    gap = top[:, 0] - top[:, 1]
+    return torch.stack([torch.argmax(logits, dim=-1).to(torch.float64), gap.to(torch.float64)], dim=1)
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    packed: torch.Tensor
+    records: dict[int, Any]
+    guard: GraphAddressGuard
+    capture_s: float
+    pool_bytes: int
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    """Counters of a `CudaGraphRunner` (for logs and the benchmark).
+
+    Attributes:
+        replays: steps that ran as a graph replay.
+        eager_steps: decode / verify steps that ran eagerly (no captured size or width fits).
+        captures: graphs captured.
+        capture_s: wall seconds spent warming up and capturing.
+        pool_bytes: device bytes reserved by the graphs' shared memory pool (growth over captures).
+        per_graph: (size, width) -> capture seconds and pool growth of that capture.
+        failed: (size, width) whose capture raised, with the error; those steps run eagerly (logged).
+    """
+
+    replays: int = 0
+    eager_steps: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+    per_graph: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
+    failed: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+def _trim_records(rec: Any, n: int, state_slots: list[int]) -> Any:
+    """A KDA layer's verify records cut to the first ``n`` (real) sequences of a padded step."""
+    kda = rec.kda
+    kda_n = dataclasses.replace(kda, **{f.name: getattr(kda, f.name)[:n] for f in dataclasses.fields(kda)})
+    return dataclasses.replace(
+        rec,
+        seq_ids=list(range(n)),
+        widths=list(rec.widths[:n]),
+        state_slots=list(state_slots),
+        slots_t=rec.slots_t[:n],
+        fresh=rec.fresh[:n],
+        x_rows=rec.x_rows[:n],
+        kda=kda_n,
+        num_seqs=n,
+    )
+
+
+class CudaGraphRunner:
+    """Captures and replays the model forward of uniform-width decode / verify steps.
+
+    Args:
+        model: the target model.
+        meta: the executor's metadata (its persistent buffers are what the graphs read).
+        manager: the target cache manager (its state owner holds the KDA verify records).
+        config: which sizes to capture.
+        widths: row widths to capture (1, and ``1 + K`` for a speculative executor).
+        prepare: ``prepare(plan, P, W)`` describes a step padded to ``P`` sequences of width ``W`` in
+            ``meta`` (``plan`` empty: padding only) and sets its speculative fields; the executor's.
+        emulate: run the padded step eagerly instead of capturing (tests of the padding on the CPU, where
+            the Triton kernels run interpreted); every other part of a replay is the same.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        meta: Any,
+        manager: Any,
+        config: CudaGraphConfig,
+        widths: Sequence[int],
+        prepare: Callable[[Sequence[Any], int, int], None],
+        *,
+        emulate: bool = False,
+    ) -> None:
+        self.model = model
+        self.meta = meta
+        self.manager = manager
+        self.config = config
+        self.device = meta.device
+        self.sizes = {w: config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, w) for w in sorted(set(widths))}
+        self._prepare = prepare
+        self.input_ids = torch.zeros(meta.max_num_tokens, dtype=torch.int64, device=self.device)
+        self._ids_staging = HostStaging(
+            {"ids": (self.input_ids.shape, torch.int64)}, pin_memory=self.device.type == "cuda"
+        )
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.pool: Any = None
+        self.stats = GraphStats()
+        self.emulate = emulate
+        self.enabled = emulate or (self.device.type == "cuda" and torch.cuda.is_available())
+
+    # --------------------------------------------------------------------------------------------
+    def key(self, widths: Sequence[int]) -> tuple[int, int] | None:
+        """The (padded size, width) a step of decode sequences with these row counts replays, or None."""
+        if not self.enabled or not widths:
+            return None
+        W = widths[0]
+        if W not in self.sizes or any(w != W for w in widths):
+            return None
+        P = padded_batch_size(len(widths), self.sizes[W], self.config.enable_padding)
+        if P is None or (P, W) in self.stats.failed:
+            return None
+        if (P, W) not in self.graphs and not self.emulate and not self._try_capture((P, W)):
+            return None
+        return (P, W)
+
+    def _try_capture(self, key: tuple[int, int]) -> bool:
+        """Capture ``key``; on failure log it, remember it (eager from now on) and return False."""
+        try:
+            self.capture(key)
+        except Exception as e:  # noqa: BLE001 - any capture failure must leave the step runnable eagerly
+            self.stats.failed[key] = f"{type(e).__name__}: {e}"
+            self.manager.state.discard_pending()
+            logger.warning("CUDA graph capture of (batch %d, width %d) failed, running it eagerly: %s", *key, e)
+            return False
+        return True
+
+    def capture_all(self) -> None:
+        """Capture every (size, width) now (start-up), rather than on first use."""
+        for W, sizes in self.sizes.items():
+            for P in sizes:
+                if (P, W) not in self.graphs and (P, W) not in self.stats.failed:
+                    self._try_capture((P, W))
+
+    def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.model(ids, self.meta, self.manager)
+        logits = self.model.compute_logits(hidden)
+        return hidden, logits, greedy_and_gap(logits)
+
+    def capture(self, key: tuple[int, int]) -> None:
+        """Warm up and capture the graph of ``key`` on a batch made only of padding sequences."""
+        P, W = key
+        N = P * W
+        meta, state = self.meta, self.manager.state
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        # Cached blocks would make the growth look smaller (capture itself empties the cache).
+        torch.cuda.empty_cache()
+        pool_before = torch.cuda.memory_reserved(self.device)
+        ids = self.input_ids[:N]
+        ids.zero_()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        meta.graph_max_pools = meta.graph_pool_capacity
+        try:
+            self._prepare([], P, W)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                # Warm-up: Triton compilation / autotuning and cuBLAS set-up happen outside the capture.
+                # Padding rows only: the padding slot is the only state written.
+                self._body(ids)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.synchronize(self.device)
+            state.discard_pending()
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                hidden, logits, packed = self._body(ids)
+            # The KDA layers' verify records of the captured step: tensors the graph rewrites on replay.
+            records = dict(state._pending)
+            state.discard_pending()
+        finally:
+            meta.graph_max_pools = None
+        guard = GraphAddressGuard()
+        guard.capture(meta)
+        torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        grown = torch.cuda.memory_reserved(self.device) - pool_before
+        self.graphs[key] = _Graph(graph, hidden, logits, packed, records, guard, dt, grown)
+        self.stats.captures += 1
+        self.stats.capture_s += dt
+        self.stats.pool_bytes += grown
+        self.stats.per_graph[key] = {"capture_s": dt, "bytes": float(grown)}
+
+    def replay(self, key: tuple[int, int], plan: Sequence[Any], ids: Sequence[int]) -> GraphOutputs:
+        """Run the step ``plan`` (``ids``: its ``B * W`` input tokens) through the graph of ``key``.
+
+        Prepares the padded metadata, refreshes the input ids in place, replays, re-registers the KDA
+        verify records for the real sequences and trims the padding off the host metadata.
+
+        Returns:
+            The real rows' hidden, logits and packed (greedy, gap), views of the graph's buffers.
+        """
+        P, W = key
+        if key not in self.graphs and not self.emulate:
+            self.capture(key)
+        g = self.graphs.get(key)
+        B, N = len(plan), P * W
+        n = len(ids)
+        self._prepare(plan, P, W)
+        slots = list(self.meta.state_slots[:B])
+        host = self._ids_staging.acquire()["ids"]
+        host[:n] = torch.tensor(list(ids), dtype=torch.int64)
+        host[n:N] = 0
+        self.input_ids[:N].copy_(host[:N], non_blocking=True)
+        self._ids_staging.release()
+        state = self.manager.state
+        state.discard_pending()
+        if g is None:  # emulation: the padded step, eagerly
+            hidden, logits, packed = self._body(self.input_ids[:N])
+            records = dict(state._pending)
+        else:
+            g.guard.check(self.meta)
+            g.graph.replay()
+            g.replays += 1
+            hidden, logits, packed, records = g.hidden, g.logits, g.packed, g.records
+        for idx, rec in records.items():
+            state.record_verify(idx, _trim_records(rec, B, slots))
+        self.meta.trim_padding()
+        self.stats.replays += 1
+        return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n])
