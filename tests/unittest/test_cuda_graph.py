@@ -218,9 +218,10 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
                              if graphs else None)  # fmt: skip
         if mode == "plain":
             return Executor(model, cfg)
-        spec = (
-            NGramDecodingConfig(max_draft_len=2) if mode == "ngram" else MTPDecodingConfig(num_nextn_predict_layers=2)
-        )
+        if mode == "ngram":
+            return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2))
+        # The separate draft manager: the chained steps' padding also goes through the draft binding.
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
         return SpeculativeExecutor(model, cfg, spec)
 
     max_tokens = [4, 6, 3, 4]
@@ -251,3 +252,7 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
     for plane in (mgr.latent, mgr.index_scale, mgr.index_k.view(torch.uint8)):
         assert int(plane[:, untouched].float().abs().sum()) == 0
     assert mgr.num_free_slots == mgr.max_num_requests - 1  # the padding slot stays reserved
+    if mode == "mtp":
+        # The chained MTP steps went through the padded path and drafted exactly what eager drafts.
+        assert ex.drafter.chain_graphs is not None and ex.drafter.chain_graphs.replays > 0
+        assert [r.num_accepted_total for r in got] == [r.num_accepted_total for r in ref]

@@ -47,6 +47,7 @@ __all__ = [
     "CudaGraphConfig",
     "CudaGraphRunner",
     "GraphOutputs",
+    "MtpChainGraphs",
     "PADDING_REQUEST_ID",
     "PADDING_PAST_LEN",
     "default_batch_sizes",
@@ -398,3 +399,184 @@ class CudaGraphRunner:
         self.meta.trim_padding()
         self.stats.replays += 1
         return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n])
+
+
+@dataclass
+class _DraftGraph:
+    graph: Any
+    hidden: torch.Tensor
+    tokens: torch.Tensor
+    guard: GraphAddressGuard
+
+
+class MtpChainGraphs:
+    """CUDA graphs of the MTP drafter's chained steps (one decode row per sequence), per padded size.
+
+    A chained step maps each sequence's previous draft token and hidden to the next hidden and its greedy
+    draft: ``mtp_forward`` + LM head + argmax, all inside the graph (one device-to-host copy per step).
+    Inputs live in persistent buffers refreshed before each replay: tokens ``[P]``, hidden ``[P, D]`` and,
+    with selection sharing, step 0's pool ids ``[P, topk_pools]`` and window starts ``[P]``. Padding follows
+    the target graphs (`CudaGraphRunner`): ``row_seq = -1`` rows, the target's padding state slot, nothing
+    written. The draft domain (a separate draft manager's slot table and state slots) is bound around both
+    capture and replay by `draft_replay`, whose pre-replay call fills the persistent draft buffers; the
+    address guard accepts exactly those declared swaps. A draft is only a proposal the target verifies, so
+    even a wrong draft cannot change the output, only the acceptance.
+
+    Args:
+        runner: the target graphs' runner (its metadata, config, memory pool and stats).
+        model: the target model (its MTP layer and LM head).
+        draft_manager: the manager holding the MTP plane (the target manager in shared mode).
+        mtp_plane: the MTP plane's index in ``draft_manager``.
+        separate: whether ``draft_manager`` is a separate manager (bind the draft domain).
+        share_selection: chained steps reuse step 0's selection (index_share_for_mtp_iteration).
+        padding_slot: the target manager's padding state slot.
+        replay_scope: ``replay_scope(meta, draft_manager)`` context binding the draft domain (`draft_replay`).
+    """
+
+    def __init__(
+        self,
+        runner: CudaGraphRunner,
+        model: Any,
+        draft_manager: Any,
+        mtp_plane: int,
+        *,
+        separate: bool,
+        share_selection: bool,
+        padding_slot: int,
+        replay_scope: Callable[..., Any],
+    ) -> None:
+        self.runner = runner
+        self.model = model
+        self.meta = runner.meta
+        self.draft_manager = draft_manager
+        self.mtp_plane = mtp_plane
+        self.separate = separate
+        self.share_selection = share_selection
+        self.padding_slot = padding_slot
+        self.replay_scope = replay_scope
+        meta, dev = self.meta, self.meta.device
+        self.sizes = runner.config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, 1)
+        B = meta.max_num_seqs
+        D = model.config.hidden_size
+        dtype = next(model.parameters()).dtype
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(B, D, dtype=dtype, device=dev)
+        self.pool_ids = torch.full((B, model.config.index_topk_pools), -1, dtype=torch.int32, device=dev)
+        self.window_start = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, _DraftGraph] = {}
+        self.failed: dict[int, str] = {}
+        self.replays = 0
+
+    def key(self, n: int) -> int | None:
+        """The padded size a chained step of ``n`` sequences replays at (capturing it first), or None."""
+        if not self.runner.enabled:
+            return None
+        P = padded_batch_size(n, self.sizes, self.runner.config.enable_padding)
+        if P is None or P in self.failed:
+            return None
+        if P not in self.graphs and not self.runner.emulate:
+            try:
+                self._capture(P)
+            except Exception as e:  # noqa: BLE001 - the chained step then runs eagerly
+                self.failed[P] = f"{type(e).__name__}: {e}"
+                logger.warning("CUDA graph capture of the MTP chained step (batch %d) failed: %s", P, e)
+                return None
+        return P
+
+    def _prepare(self, rids: Sequence[int], past: Sequence[int], P: int) -> None:
+        pad = P - len(rids)
+        mgr = self.runner.manager
+        self.meta.prepare(
+            list(rids) + [PADDING_REQUEST_ID] * pad,
+            past_lens=list(past) + [PADDING_PAST_LEN] * pad,
+            q_lens=[1] * P,
+            num_decode_seqs=P,
+            state_slots=mgr.get_batch_state_slots(list(rids)) + [self.padding_slot] * pad,
+            num_padding_seqs=pad,
+        )
+        if self.share_selection:
+            self.meta.spec.shared_pool_ids = self.pool_ids[:P]
+            self.meta.spec.shared_window_start = self.window_start[:P]
+
+    def _body(self, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.mtp_forward(self.tokens[:P], self.hidden[:P], self.meta, self.draft_manager, self.mtp_plane)
+        return h, torch.argmax(self.model.compute_logits(h), dim=-1)
+
+    def _scope(self) -> Any:
+        return self.replay_scope(self.meta, self.draft_manager if self.separate else None)
+
+    def _capture(self, P: int) -> None:
+        meta = self.meta
+        t0 = time.perf_counter()
+        self.tokens[:P].zero_()
+        self.hidden[:P].zero_()
+        self.pool_ids[:P].fill_(-1)
+        self.window_start[:P].zero_()
+        self._prepare([], [], P)
+        meta.graph_max_pools = max(meta.graph_pool_capacity, meta.max_draft_pages_per_seq * meta.page_size // 4)
+        try:
+            with torch.inference_mode(), self._scope():
+                stream = torch.cuda.Stream(meta.device)
+                stream.wait_stream(torch.cuda.current_stream(meta.device))
+                with torch.cuda.stream(stream):
+                    self._body(P)  # warm-up outside the capture; padding rows write nothing
+                torch.cuda.current_stream(meta.device).wait_stream(stream)
+                torch.cuda.synchronize(meta.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.runner.pool):
+                    hidden, tokens = self._body(P)
+                guard = GraphAddressGuard()
+                guard.capture(meta)
+        finally:
+            meta.graph_max_pools = None
+        self.graphs[P] = _DraftGraph(graph, hidden, tokens, guard)
+        dt = time.perf_counter() - t0
+        st = self.runner.stats
+        st.captures += 1
+        st.capture_s += dt
+        st.per_graph[(P, 0)] = {"capture_s": dt, "bytes": 0.0}
+
+    def run(
+        self,
+        P: int,
+        rids: Sequence[int],
+        past: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        shared: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One chained step of ``n = len(rids)`` sequences through the graph of size ``P``.
+
+        Args:
+            P: from `key`.
+            rids: the sequences' request ids.
+            past: ``[n]`` position of each sequence's row.
+            tokens: ``[n]`` previous draft tokens.
+            hidden: ``[n, D]`` previous hidden rows.
+            shared: ``(pool_ids [n, topk_pools], window_start [n])`` with selection sharing, else None.
+
+        Returns:
+            ``(hidden [n, D]`` (a view of the graph's output), the ``n`` greedy drafts on the host).
+        """
+        n = len(rids)
+        self._prepare(rids, past, P)
+        self.tokens[:n].copy_(tokens)
+        self.tokens[n:P].zero_()
+        self.hidden[:n].copy_(hidden)
+        self.hidden[n:P].zero_()
+        if shared is not None:
+            self.pool_ids[:n].copy_(shared[0])
+            self.pool_ids[n:P].fill_(-1)
+            self.window_start[:n].copy_(shared[1])
+            self.window_start[n:P].zero_()
+        g = self.graphs.get(P)
+        with torch.inference_mode(), self._scope():
+            if g is None:  # emulation: the padded step, eagerly
+                h, toks = self._body(P)
+            else:
+                g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
+                g.graph.replay()
+                h, toks = g.hidden, g.tokens
+        self.meta.trim_padding()
+        self.replays += 1
+        return h[:n], toks[:n].tolist()

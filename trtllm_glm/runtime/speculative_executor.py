@@ -26,7 +26,9 @@ from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
+from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
+from .cuda_graph import MtpChainGraphs
 from .executor import Executor, ExecutorConfig
 from .request import Request
 from .scheduler import ScheduledSeq
@@ -93,6 +95,12 @@ class SpeculativeExecutor(Executor):
                 model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
                 share_selection=self.share_mtp_selection,
             )  # fmt: skip
+            if self.graph_runner is not None:
+                drafter.chain_graphs = MtpChainGraphs(
+                    self.graph_runner, model, self.draft_manager, self.mtp_plane,
+                    separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
+                    padding_slot=self._padding_slot, replay_scope=draft_replay,
+                )  # fmt: skip
         assert drafter is not None
         self.drafter: Drafter = drafter
         self.state: dict[int, SpecState] = {}

@@ -12,6 +12,7 @@ reaches through the draft slot table (`draft_replay`, docs/design.md §6.1).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -57,6 +58,8 @@ class MTPDrafter(Drafter):
         self.max_draft_len = max_draft_len
         self.share_selection = share_selection
         self.device = manager.device
+        # CUDA graphs of the chained steps (`runtime.cuda_graph.MtpChainGraphs`), set by the executor.
+        self.chain_graphs: Any = None
         # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
         draft_manager.state.enable_speculative_rows(mtp_plane)
         draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
@@ -119,7 +122,7 @@ class MTPDrafter(Drafter):
         h_last = out[last]
         pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
         with torch.inference_mode():
-            d = self.model.compute_logits(h_last).argmax(-1)
+            d = self.model.compute_logits(h_last).argmax(-1).tolist()  # one host copy, not one per request
         drafting = [j for j, s in enumerate(cat) if s.want >= 1]
         for j in drafting:
             cat[j].state.drafts = [int(d[j])]
@@ -142,11 +145,14 @@ class MTPDrafter(Drafter):
                     # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
                     ws = torch.tensor([4 * (s.num_computed // 4) for s in reqs], dtype=torch.int64, device=self.device)
                     shared = (pools0[torch.tensor(active, device=self.device)], ws)
-                h = self._mtp_step(
-                    reqs, [s.num_computed + c - 1 for s in reqs], [1] * len(reqs), tok, h, decode=True, shared=shared
-                )
-                with torch.inference_mode():
-                    nd = self.model.compute_logits(h).argmax(-1).tolist()
+                past = [s.num_computed + c - 1 for s in reqs]
+                key = self.chain_graphs.key(len(reqs)) if self.chain_graphs is not None else None
+                if key is not None:
+                    h, nd = self.chain_graphs.run(key, [s.request_id for s in reqs], past, tok, h, shared)
+                else:
+                    h = self._mtp_step(reqs, past, [1] * len(reqs), tok, h, decode=True, shared=shared)
+                    with torch.inference_mode():
+                        nd = self.model.compute_logits(h).argmax(-1).tolist()
                 keep = []
                 for k, s in enumerate(reqs):
                     s.state.drafts.append(int(nd[k]))

@@ -284,8 +284,11 @@ class GlmKpoolMetadata(AttentionMetadata):
         # During capture the draft manager is not even asked: the batch being captured may be a warm-up
         # batch, and the pre-replay call validates and fills the real one.
         fill = not shared and not capturing
+        # CUDA-graph padding sequences (trailing) have no pages anywhere: empty rows, slot 0 (their rows
+        # have row_seq = -1, so no kernel reads either).
+        n_real = len(rids) - self.num_padding_seqs
         if fill or swap_lengths:
-            tables = mgr.get_batch_slot_tables(rids)
+            tables = mgr.get_batch_slot_tables(rids[:n_real])
             width = self.max_pages_per_seq if shared else self.max_draft_pages_per_seq
             for rid, p, q, row in zip(rids, past, ql, tables):
                 if len(row) > width:
@@ -299,7 +302,8 @@ class GlmKpoolMetadata(AttentionMetadata):
                         f"request {rid} has {len(row)} {'target' if shared else 'draft'} pages allocated but "
                         f"{need} are needed for {p + q} tokens"
                     )
-            slots = mgr.get_batch_state_slots(rids) if fill else []
+            slots = mgr.get_batch_state_slots(rids[:n_real]) + [0] * (len(rids) - n_real) if fill else []
+            tables = tables + [[]] * (len(rids) - n_real)
         host_batch = None
         if swap_lengths:
             # A shallow snapshot of every attribute: `prepare` reassigns (never mutates) its host fields, and
