@@ -93,6 +93,7 @@ class AttentionMetadata:
         self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
         self._acc_staging = HostStaging({"acc": (self._acc_buf.shape, i64)}, pin_memory=pin)
         self.num_padding_seqs = 0
+        self.valid_q_lens: list[int] | None = None
         self.request_ids: list[int] = []
         self.q_lens: list[int] = []
         self.past_lens: list[int] = []
@@ -116,6 +117,7 @@ class AttentionMetadata:
         state_slots: Sequence[int],
         num_decode_seqs: int,
         num_padding_seqs: int = 0,
+        valid_q_lens: Sequence[int] | None = None,
     ) -> None:
         """Describe this step's batch and refresh the device buffers in place.
 
@@ -126,6 +128,8 @@ class AttentionMetadata:
             state_slots: ``[B]`` state slot of each request.
             num_decode_seqs: how many leading sequences are decode/verify rows (the rest are prefill).
             num_padding_seqs: how many trailing sequences are CUDA-graph padding (``row_seq = -1``).
+            valid_q_lens: optional ``[B]`` real rows of each sequence (``<= q_lens``); the rest of its rows are
+                padding of a captured width (``row_seq = -1``). Page checks use these.
         """
         B = len(request_ids)
         if not (len(past_lens) == len(q_lens) == len(state_slots) == B):
@@ -138,6 +142,10 @@ class AttentionMetadata:
             raise ValueError("q_lens must be >= 1 and past_lens >= 0")
         if not 0 <= num_padding_seqs <= B:
             raise ValueError(f"num_padding_seqs={num_padding_seqs} outside [0, {B}]")
+        if valid_q_lens is not None and (
+            len(valid_q_lens) != B or any(not 0 <= v <= q for v, q in zip(valid_q_lens, q_lens))
+        ):
+            raise ValueError("valid_q_lens must have one entry per sequence, each in [0, q_len]")
         N = sum(q_lens)
         if self.max_num_tokens < N:
             raise TableWidthError(f"{N} tokens exceed max_num_tokens={self.max_num_tokens}")
@@ -155,6 +163,7 @@ class AttentionMetadata:
         self.num_tokens = N
         self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
         self.num_padding_seqs = num_padding_seqs
+        self.valid_q_lens = list(valid_q_lens) if valid_q_lens is not None else None
         self.spec = SpecMetadata()
 
         host = self._staging.acquire()
@@ -170,6 +179,10 @@ class AttentionMetadata:
             th[0, :N] = sh[1, :B][row_seq] + (torch.arange(N, dtype=torch.int64) - sh[4, :B][row_seq])
             if num_padding_seqs:
                 th[1, cu[B - num_padding_seqs] : N] = -1
+            if valid_q_lens is not None:
+                for b, (v, q) in enumerate(zip(valid_q_lens, q_lens)):
+                    if v < q:
+                        th[1, cu[b] + v : cu[b + 1]] = -1
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
         self._staging.release()
@@ -214,6 +227,8 @@ class AttentionMetadata:
         self.num_tokens = self.cu_seqlens[-1]
         self.max_kv_len = max((p + q for p, q in zip(self.past_lens, self.q_lens)), default=0)
         self.num_padding_seqs = 0
+        if self.valid_q_lens is not None:
+            self.valid_q_lens = self.valid_q_lens[:B]
         self.spec.verify_seqs = [b for b in self.spec.verify_seqs if b < B]
         if self.spec.num_accepted_t is not None:
             self.spec.num_accepted_t = self.spec.num_accepted_t[:B]

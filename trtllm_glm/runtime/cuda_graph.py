@@ -407,6 +407,7 @@ class _DraftGraph:
     hidden: torch.Tensor
     tokens: torch.Tensor
     guard: GraphAddressGuard
+    pools: torch.Tensor | None = None
 
 
 class MtpChainGraphs:
@@ -431,6 +432,9 @@ class MtpChainGraphs:
         share_selection: chained steps reuse step 0's selection (index_share_for_mtp_iteration).
         padding_slot: the target manager's padding state slot.
         replay_scope: ``replay_scope(meta, draft_manager)`` context binding the draft domain (`draft_replay`).
+        max_draft_len: ``K``; with it the catch-up step (each sequence's ``1 .. K + 1`` committed rows, run
+            as prefill rows) is captured too, at width ``K + 1``: a sequence's rows past its committed count
+            are padding rows (``row_seq = -1``, `AttentionMetadata.prepare`'s ``valid_q_lens``).
     """
 
     def __init__(
@@ -444,6 +448,7 @@ class MtpChainGraphs:
         share_selection: bool,
         padding_slot: int,
         replay_scope: Callable[..., Any],
+        max_draft_len: int = 0,
     ) -> None:
         self.runner = runner
         self.model = model
@@ -466,22 +471,39 @@ class MtpChainGraphs:
         self.graphs: dict[int, _DraftGraph] = {}
         self.failed: dict[int, str] = {}
         self.replays = 0
+        # Catch-up step: width K + 1 per sequence; graphs keyed by -P (apart from the chained ones).
+        self.width = 1 + max_draft_len if max_draft_len > 0 else 0
+        W = max(self.width, 1)
+        self.catch_sizes = runner.config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, W) if self.width else []
+        self.c_tokens = torch.zeros(B * W, dtype=torch.int64, device=dev)
+        self.c_hidden = torch.zeros(B * W, D, dtype=dtype, device=dev)
+        self.catchup_replays = 0
 
     def key(self, n: int) -> int | None:
         """The padded size a chained step of ``n`` sequences replays at (capturing it first), or None."""
         if not self.runner.enabled:
             return None
-        P = padded_batch_size(n, self.sizes, self.runner.config.enable_padding)
-        if P is None or P in self.failed:
+        return self._ready(padded_batch_size(n, self.sizes, self.runner.config.enable_padding))
+
+    def catchup_key(self, committed: Sequence[int]) -> int | None:
+        """The graph key (``-P``) a catch-up of these committed counts replays at, or None (eager)."""
+        if not self.runner.enabled or not self.width or not committed or max(committed) > self.width:
             return None
-        if P not in self.graphs and not self.runner.emulate:
+        P = padded_batch_size(len(committed), self.catch_sizes, self.runner.config.enable_padding)
+        return None if P is None else self._ready(-P)
+
+    def _ready(self, key: int | None) -> int | None:
+        if key is None or key in self.failed:
+            return None
+        if key not in self.graphs and not self.runner.emulate:
             try:
-                self._capture(P)
-            except Exception as e:  # noqa: BLE001 - the chained step then runs eagerly
-                self.failed[P] = f"{type(e).__name__}: {e}"
-                logger.warning("CUDA graph capture of the MTP chained step (batch %d) failed: %s", P, e)
+                self._capture(key)
+            except Exception as e:  # noqa: BLE001 - the step then runs eagerly
+                self.failed[key] = f"{type(e).__name__}: {e}"
+                what = "catch-up" if key < 0 else "chained"
+                logger.warning("CUDA graph capture of the MTP %s step (batch %d) failed: %s", what, abs(key), e)
                 return None
-        return P
+        return key
 
     def _prepare(self, rids: Sequence[int], past: Sequence[int], P: int) -> None:
         pad = P - len(rids)
@@ -498,43 +520,72 @@ class MtpChainGraphs:
             self.meta.spec.shared_pool_ids = self.pool_ids[:P]
             self.meta.spec.shared_window_start = self.window_start[:P]
 
-    def _body(self, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.model.mtp_forward(self.tokens[:P], self.hidden[:P], self.meta, self.draft_manager, self.mtp_plane)
+    def _prepare_catchup(self, rids: Sequence[int], starts: Sequence[int], committed: Sequence[int], P: int) -> None:
+        pad, W = P - len(rids), self.width
+        mgr = self.runner.manager
+        self.meta.prepare(
+            list(rids) + [PADDING_REQUEST_ID] * pad,
+            past_lens=list(starts) + [PADDING_PAST_LEN] * pad,
+            q_lens=[W] * P,
+            num_decode_seqs=0,  # the catch-up rows are prefill rows, as in the eager drafter
+            state_slots=mgr.get_batch_state_slots(list(rids)) + [self.padding_slot] * pad,
+            num_padding_seqs=pad,
+            valid_q_lens=list(committed) + [0] * pad,
+        )
+
+    def _body(self, key: int) -> tuple[torch.Tensor, ...]:
+        if key < 0:
+            n = -key * self.width
+            h = self.model.mtp_forward(
+                self.c_tokens[:n], self.c_hidden[:n], self.meta, self.draft_manager, self.mtp_plane
+            )
+            pools = self.meta.spec.last_pool_ids
+            if pools is None:  # selection sharing reads step 0's pools; a shared plane might not score
+                pools = torch.full((n, 1), -1, dtype=torch.int32, device=h.device)
+            return h, torch.argmax(self.model.compute_logits(h), dim=-1), pools
+        h = self.model.mtp_forward(self.tokens[:key], self.hidden[:key], self.meta, self.draft_manager, self.mtp_plane)
         return h, torch.argmax(self.model.compute_logits(h), dim=-1)
 
     def _scope(self) -> Any:
         return self.replay_scope(self.meta, self.draft_manager if self.separate else None)
 
-    def _capture(self, P: int) -> None:
+    def _capture(self, key: int) -> None:
         meta = self.meta
         t0 = time.perf_counter()
-        self.tokens[:P].zero_()
-        self.hidden[:P].zero_()
-        self.pool_ids[:P].fill_(-1)
-        self.window_start[:P].zero_()
-        self._prepare([], [], P)
+        if key < 0:
+            self.c_tokens.zero_()
+            self.c_hidden.zero_()
+            self._prepare_catchup([], [], [], -key)
+        else:
+            P = key
+            self.tokens[:P].zero_()
+            self.hidden[:P].zero_()
+            self.pool_ids[:P].fill_(-1)
+            self.window_start[:P].zero_()
+            self._prepare([], [], P)
         meta.graph_max_pools = max(meta.graph_pool_capacity, meta.max_draft_pages_per_seq * meta.page_size // 4)
         try:
             with torch.inference_mode(), self._scope():
                 stream = torch.cuda.Stream(meta.device)
                 stream.wait_stream(torch.cuda.current_stream(meta.device))
                 with torch.cuda.stream(stream):
-                    self._body(P)  # warm-up outside the capture; padding rows write nothing
+                    self._body(key)  # warm-up outside the capture; padding rows write nothing
                 torch.cuda.current_stream(meta.device).wait_stream(stream)
                 torch.cuda.synchronize(meta.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.runner.pool):
-                    hidden, tokens = self._body(P)
+                    out = self._body(key)
                 guard = GraphAddressGuard()
                 guard.capture(meta)
         finally:
             meta.graph_max_pools = None
-        self.graphs[P] = _DraftGraph(graph, hidden, tokens, guard)
+        self.graphs[key] = _DraftGraph(graph, out[0], out[1], guard, out[2] if len(out) > 2 else None)
         dt = time.perf_counter() - t0
         st = self.runner.stats
         st.captures += 1
         st.capture_s += dt
-        st.per_graph[(P, 0)] = {"capture_s": dt, "bytes": 0.0}
+        # Keyed (size, 0) for chained steps and (size, -width) for catch-up steps in the runner's table.
+        st.per_graph[(abs(key), -self.width if key < 0 else 0)] = {"capture_s": dt, "bytes": 0.0}
 
     def run(
         self,
@@ -572,7 +623,7 @@ class MtpChainGraphs:
         g = self.graphs.get(P)
         with torch.inference_mode(), self._scope():
             if g is None:  # emulation: the padded step, eagerly
-                h, toks = self._body(P)
+                h, toks = self._body(P)[:2]
             else:
                 g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
                 g.graph.replay()
@@ -580,3 +631,58 @@ class MtpChainGraphs:
         self.meta.trim_padding()
         self.replays += 1
         return h[:n], toks[:n].tolist()
+
+    def run_catchup(
+        self,
+        key: int,
+        rids: Sequence[int],
+        starts: Sequence[int],
+        committed: Sequence[int],
+        tokens: Sequence[int],
+        hidden: torch.Tensor,
+        src_rows: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """The catch-up step of ``n`` sequences through the graph of ``key`` (from `catchup_key`).
+
+        Args:
+            key: ``-P``.
+            rids: ``[n]`` request ids.
+            starts: ``[n]`` first position of each sequence's rows.
+            committed: ``[n]`` rows of each sequence (``1 .. K + 1``).
+            tokens: ``sum(committed)`` token ``i + 1`` of each row, sequence after sequence.
+            hidden: the target step's final hidden ``[N, D]``.
+            src_rows: ``sum(committed)`` the row of ``hidden`` paired with each token.
+
+        Returns:
+            ``(h_last [n, D], pools_last [n, topk_pools] or None, drafts)``: the MTP output of each sequence's
+            last row, step 0's selection of that row (with selection sharing) and its greedy draft.
+        """
+        P, W = -key, self.width
+        self._prepare_catchup(rids, starts, committed, P)
+        tok = [0] * (P * W)
+        src = [src_rows[0]] * (P * W)  # padding rows copy some real row: finite, and never read back
+        last: list[int] = []
+        flat = 0
+        for j, a in enumerate(committed):
+            for i in range(a):
+                tok[j * W + i] = tokens[flat + i]
+                src[j * W + i] = src_rows[flat + i]
+            flat += a
+            last.append(j * W + a - 1)
+        dev = self.meta.device
+        self.c_tokens[: P * W].copy_(torch.tensor(tok, dtype=torch.int64))
+        self.c_hidden[: P * W].copy_(hidden[torch.tensor(src, device=dev)])
+        g = self.graphs.get(key)
+        with torch.inference_mode(), self._scope():
+            if g is None:  # emulation
+                h, toks, pools = self._body(key)
+            else:
+                g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
+                g.graph.replay()
+                h, toks, pools = g.hidden, g.tokens, g.pools
+        self.meta.trim_padding()
+        self.catchup_replays += 1
+        last_t = torch.tensor(last, device=dev)
+        all_toks = toks[: P * W].tolist()
+        pools_last = pools[last_t] if self.share_selection and pools is not None else None
+        return h[last_t], pools_last, [int(all_toks[i]) for i in last]

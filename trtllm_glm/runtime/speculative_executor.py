@@ -99,7 +99,7 @@ class SpeculativeExecutor(Executor):
                 drafter.chain_graphs = MtpChainGraphs(
                     self.graph_runner, model, self.draft_manager, self.mtp_plane,
                     separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
-                    padding_slot=self._padding_slot, replay_scope=draft_replay,
+                    padding_slot=self._padding_slot, replay_scope=draft_replay, max_draft_len=K,
                 )  # fmt: skip
         assert drafter is not None
         self.drafter: Drafter = drafter

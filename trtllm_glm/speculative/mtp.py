@@ -105,24 +105,34 @@ class MTPDrafter(Drafter):
             toks.extend(s.tokens[start + 1 : s.num_computed + 1])
         if not cat:
             return
-        prev_h = hidden[torch.cat(rows_h).to(self.device)]
-        nxt = torch.tensor(toks, dtype=torch.int64, device=self.device)
-        out = self._mtp_step(
-            cat, [s.num_computed - len(rh) for s, rh in zip(cat, rows_h)], [len(rh) for rh in rows_h], nxt, prev_h,
-            decode=False,
-        )  # fmt: skip
+        committed = [len(rh) for rh in rows_h]
+        starts = [s.num_computed - c for s, c in zip(cat, committed)]
+        src_rows = torch.cat(rows_h)
+        key = self.chain_graphs.catchup_key(committed) if self.chain_graphs is not None else None
+        if key is not None:
+            # Captured catch-up (each sequence padded to K + 1 rows): the same rows, one replay.
+            h_last, pools0, d = self.chain_graphs.run_catchup(
+                key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows.tolist()
+            )
+            last_src = torch.tensor([s.row_offset + c - 1 for s, c in zip(cat, committed)], device=self.device)
+            prev_last = hidden[last_src]
+        else:
+            prev_h = hidden[src_rows.to(self.device)]
+            nxt = torch.tensor(toks, dtype=torch.int64, device=self.device)
+            out = self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
+            last = torch.tensor([sum(committed[: j + 1]) - 1 for j in range(len(cat))], device=self.device)
+            prev_last = prev_h[last]
+            h_last = out[last]
+            pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
+            with torch.inference_mode():
+                d = self.model.compute_logits(h_last).argmax(-1).tolist()  # one host copy, not one per request
         for s in cat:
             s.state.mtp_len = s.num_computed
-        last = torch.tensor([sum(len(x) for x in rows_h[: j + 1]) - 1 for j in range(len(cat))], device=self.device)
         draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
         if self.separate:
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
-            dm.state.commit_verified(draft_ids, [len(rh) for rh in rows_h])
-        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_h[last])
-        h_last = out[last]
-        pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
-        with torch.inference_mode():
-            d = self.model.compute_logits(h_last).argmax(-1).tolist()  # one host copy, not one per request
+            dm.state.commit_verified(draft_ids, committed)
+        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_last)
         drafting = [j for j, s in enumerate(cat) if s.want >= 1]
         for j in drafting:
             cat[j].state.drafts = [int(d[j])]

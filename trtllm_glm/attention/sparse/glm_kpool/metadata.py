@@ -148,6 +148,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         num_decode_seqs: int,
         state_slots: Sequence[int] | None = None,
         num_padding_seqs: int = 0,
+        valid_q_lens: Sequence[int] | None = None,
     ) -> None:
         """Describe the step and refresh lengths, positions, state slots and the slot table in place.
 
@@ -160,6 +161,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             num_padding_seqs: trailing CUDA-graph padding sequences: not in the manager (their ids are
                 ignored), an all ``-1`` slot-table row, rows with ``row_seq = -1``; ``state_slots`` names
                 the slot their KDA rows may scribble on (the executor's reserved padding slot).
+            valid_q_lens: optional ``[B]`` real rows per sequence (the rest padding of a captured width).
 
         Raises:
             StateError: a draft binding is active (restore it first; filling now would put the draft
@@ -176,7 +178,8 @@ class GlmKpoolMetadata(AttentionMetadata):
         if state_slots is None:
             state_slots = mgr.get_batch_state_slots(real)
         tables = mgr.get_batch_slot_tables(real)
-        for rid, p, q, row in zip(real, past_lens, q_lens, tables):
+        q_real = valid_q_lens if valid_q_lens is not None else q_lens
+        for rid, p, q, row in zip(real, past_lens, q_real, tables):
             need = mgr.pages_needed(p + q)
             if need > self.max_pages_per_seq:
                 raise TableWidthError(
@@ -185,7 +188,7 @@ class GlmKpoolMetadata(AttentionMetadata):
                 )
             if need > len(row):
                 raise TableWidthError(f"request {rid} has {len(row)} pages allocated but {need} are needed")
-        super().prepare(request_ids, past_lens, q_lens, state_slots, num_decode_seqs, num_padding_seqs)
+        super().prepare(request_ids, past_lens, q_lens, state_slots, num_decode_seqs, num_padding_seqs, valid_q_lens)
         self._fill_table(self.target_slot_table, tables)
 
     def _fill_table(self, dst: torch.Tensor, tables: Sequence[Sequence[int]]) -> None:
@@ -277,6 +280,8 @@ class GlmKpoolMetadata(AttentionMetadata):
         rids = self.request_ids
         past = list(past_lens) if past_lens is not None else self.past_lens
         ql = list(q_lens) if q_lens is not None else self.q_lens
+        # Page checks count real rows only (rows past a sequence's valid length are padding).
+        q_real = list(q_lens) if q_lens is not None else (self.valid_q_lens or self.q_lens)
         nd = num_decode_seqs if num_decode_seqs is not None else self.num_decode_seqs
         if len(past) != len(rids) or len(ql) != len(rids):
             raise ValueError(f"draft past_lens/q_lens must have one entry per sequence ({len(rids)})")
@@ -290,7 +295,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         if fill or swap_lengths:
             tables = mgr.get_batch_slot_tables(rids[:n_real])
             width = self.max_pages_per_seq if shared else self.max_draft_pages_per_seq
-            for rid, p, q, row in zip(rids, past, ql, tables):
+            for rid, p, q, row in zip(rids, past, q_real, tables):
                 if len(row) > width:
                     what = (
                         "slot table is max_pages_per_seq" if shared else "draft slot table is max_draft_pages_per_seq"
