@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +168,10 @@ class CheckpointStore:
     def __contains__(self, key: tuple) -> bool:
         return key in self._items
 
+    def __iter__(self) -> Iterator[tuple]:
+        """Keys, least recently used first (a copy: safe to discard while iterating)."""
+        return iter(list(self._items))
+
     def get(self, key: tuple) -> Checkpoint | None:
         """The checkpoint under ``key`` (marked most recently used), or None."""
         ck = self._items.get(key)
@@ -205,6 +209,3 @@ class CheckpointStore:
     def candidates(self, chain: bytes) -> list[tuple]:
         """Keys of the checkpoints whose full pages are the pages ``chain`` stands for."""
         return list(self._by_chain.get(chain, ()))
-
-    def keys(self) -> list[tuple]:
-        return list(self._items)
