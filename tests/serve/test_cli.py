@@ -108,9 +108,9 @@ def test_options_are_checked_before_the_model_is_built(monkeypatch, capsys) -> N
 
 def test_serve_config_errors_and_setup(tmp_path: Path, monkeypatch, capsys) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("max_batch_size: 4\ncuda_graph_config: {}\n")
+    bad.write_text("max_batch_size: 4\ncuda_graph_configs: {}\n")
     rc, _, err = run_cli(["serve", "tiny", "--config", str(bad)], capsys)
-    assert rc == 2 and "unknown key 'cuda_graph_config'" in err and len(err.strip().splitlines()) == 1
+    assert rc == 2 and "unknown key 'cuda_graph_configs'" in err and len(err.strip().splitlines()) == 1
 
     good = tmp_path / "good.yaml"
     good.write_text(

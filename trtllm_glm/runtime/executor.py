@@ -15,6 +15,7 @@ import torch
 
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
+from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
 from .cuda_graph import (
@@ -25,6 +26,7 @@ from .cuda_graph import (
     GraphOutputs,
     greedy_and_gap,
 )
+from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import ScheduledSeq, Scheduler
@@ -44,6 +46,12 @@ class ExecutorConfig:
         max_seq_len: longest sequence (prompt + output); sets the slot-table width.
         prefill_chunk_size: cap on a prefill chunk (``None``: token budget only).
         cuda_graph_config: CUDA graphs of decode / verify steps (``None``: eager; ignored off CUDA).
+        enable_block_reuse: prefix caching: shared sealed pages plus recurrent-state checkpoints
+            (docs/design.md §6.4).
+        checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
+            before each prompt's end); best a multiple of ``tokens_per_block``.
+        max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
+        checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit).
     """
 
     tokens_per_block: int = 16
@@ -53,6 +61,10 @@ class ExecutorConfig:
     max_seq_len: int = 2048
     prefill_chunk_size: int | None = None
     cuda_graph_config: CudaGraphConfig | None = None
+    enable_block_reuse: bool = False
+    checkpoint_interval: int | None = None
+    max_checkpoints: int = 64
+    checkpoint_max_bytes: int | None = None
 
 
 class Executor:
@@ -107,6 +119,14 @@ class Executor:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
+        self.prefix: PrefixCache | None = None
+        if cfg.enable_block_reuse:
+            self.prefix = PrefixCache(
+                self,
+                checkpoint_interval=cfg.checkpoint_interval,
+                max_checkpoints=cfg.max_checkpoints,
+                max_bytes=cfg.checkpoint_max_bytes,
+            )
 
     def _select_width(self) -> int:
         """Columns of the metadata's selection buffer (subclasses may attend wider windows)."""
@@ -170,7 +190,34 @@ class Executor:
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
         self.num_steps += 1
         rows = self._forward(plan)
-        return self._advance(plan, rows)
+        finished = self._advance(plan, rows)
+        self._after_step(plan)
+        return finished
+
+    def _after_step(self, plan: list[ScheduledSeq]) -> None:
+        """Seal final pages and take checkpoints (prefix caching), after the step is fully committed."""
+        if self.prefix is not None:
+            self.prefix.after_step(plan, self.draft_history_len)
+
+    # --------------------------------------------------------------------------------------------
+    # Drafter hooks of prefix caching (the speculative executor overrides them)
+    @property
+    def separate_draft_manager(self) -> Glm5NextCacheManager | None:
+        """A draft cache manager apart from the target's, whose pages and slot checkpoints follow the target's."""
+        return None
+
+    def draft_history_len(self, req: Request) -> int:
+        """Positions the drafter's per-position cache covers for ``req`` (all computed ones without one)."""
+        return req.num_computed
+
+    def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None:
+        """Restore the drafter's state of a request admitted from checkpoint ``ck``."""
+
+    def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None:
+        """Add the drafter's state of ``req`` to checkpoint ``ck`` being taken."""
+
+    def seal_draft_page(self, req: Request, logical_page: int, key: bytes) -> None:
+        """Seal the drafter's copy of a page the target just sealed."""
 
     def _plan(self, decode_width: dict[int, int] | None = None) -> list[ScheduledSeq]:
         """Schedule and make room in the cache.
@@ -180,8 +227,12 @@ class Executor:
         step (older requests always make progress, so nothing thrashes). Waiting requests are admitted
         only into free room, in arrival order, and never cause a preemption.
         """
+        if self.prefix is not None:
+            self.prefix.match(list(self.waiting))
         while True:
             plan = self.scheduler.schedule(self.running, self.waiting, decode_width)
+            if self.prefix is not None:
+                plan = self.prefix.cut(plan)
             planned: list[ScheduledSeq] = []
             admitted: list[Request] = []
             victim = None
@@ -194,7 +245,7 @@ class Executor:
                         admission_closed = True
                         continue
                     try:
-                        self.manager.add_request(r.request_id, need)
+                        self._admit(r, need)
                     except CapacityError:
                         admission_closed = True
                         continue
@@ -214,10 +265,26 @@ class Executor:
                     self.waiting.remove(r)
                     r.state = RequestState.RUNNING
                     self.running.append(r)
+                    if self.prefix is not None:
+                        self.prefix.admitted(r)
+                if self.prefix is not None:
+                    for r in self.waiting:
+                        self.prefix.unmatch(r)
                 return planned
             for r in admitted:
                 self.manager.free_request(r.request_id)
+                self.on_unadmit(r)
             self._preempt(victim)
+
+    def _admit(self, r: Request, num_tokens: int) -> None:
+        """Give a waiting request its slot and pages (restoring its prefix match, if any)."""
+        if self.prefix is not None:
+            self.prefix.admit(r, num_tokens)
+        else:
+            self.manager.add_request(r.request_id, num_tokens)
+
+    def on_unadmit(self, req: Request) -> None:
+        """Hook: ``req`` was admitted in a planning round that then preempted; its target cache is freed."""
 
     def _pick_victim(self, newer_than: Request) -> Request | None:
         cands = [r for r in self.running if r.arrival > newer_than.arrival]
@@ -228,6 +295,7 @@ class Executor:
         self.manager.free_request(req.request_id)
         self.running.remove(req)
         req.num_computed = 0
+        req.num_cached_tokens = 0
         req.state = RequestState.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

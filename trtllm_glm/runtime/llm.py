@@ -28,16 +28,33 @@ class KvCacheConfig:
         tokens_per_block: tokens per page (multiple of 4).
         max_tokens: tokens the page pool holds over all requests (``None``: ``max_batch_size *
             max_seq_len``, every request at full length).
+        enable_block_reuse: prefix caching (TensorRT-LLM's name): requests whose prompt starts like an
+            earlier one's share its full pages and restore a recurrent-state checkpoint instead of
+            recomputing (docs/design.md §6.4). On by default.
+        checkpoint_interval: prompt tokens between checkpoints (``None``: one checkpoint per prompt, at
+            its last page boundary).
+        max_checkpoints: checkpoints kept (least recently used evicted first).
+        checkpoint_max_bytes: device bytes the checkpoints may hold (``None``: no byte limit).
     """
 
     tokens_per_block: int = 16
     max_tokens: int | None = None
+    enable_block_reuse: bool = True
+    checkpoint_interval: int | None = None
+    max_checkpoints: int = 64
+    checkpoint_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
             raise ValueError(f"tokens_per_block must be a positive multiple of 4, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.checkpoint_interval is not None and self.checkpoint_interval <= 0:
+            raise ValueError(f"checkpoint_interval must be positive, got {self.checkpoint_interval}")
+        if self.max_checkpoints < 0:
+            raise ValueError(f"max_checkpoints must be >= 0, got {self.max_checkpoints}")
+        if self.checkpoint_max_bytes is not None and self.checkpoint_max_bytes <= 0:
+            raise ValueError(f"checkpoint_max_bytes must be positive, got {self.checkpoint_max_bytes}")
 
 
 @dataclass
@@ -73,6 +90,8 @@ class RequestOutput:
     finished: bool = True
     # [prompt_len, vocab] FP32 logits of the prompt rows (SamplingParams.return_context_logits), else None.
     context_logits: torch.Tensor | None = None
+    # Prompt tokens restored from the prefix cache instead of computed (TensorRT-LLM's name).
+    num_cached_tokens: int = 0
 
 
 class LLM:
@@ -141,6 +160,10 @@ class LLM:
             cuda_graph_config=CudaGraphConfig.from_value(cuda_graph_config)
             if torch.device(self.device).type == "cuda"
             else None,
+            enable_block_reuse=kv.enable_block_reuse,
+            checkpoint_interval=kv.checkpoint_interval,
+            max_checkpoints=kv.max_checkpoints,
+            checkpoint_max_bytes=kv.checkpoint_max_bytes,
         )
         self.seed = seed
         self.speculative_config = speculative_config
@@ -241,7 +264,9 @@ class LLM:
             else None,
         )
         ctx = torch.cat(r.context_logits) if r.params.return_context_logits and r.context_logits else None
-        return RequestOutput(r.request_id, prompt, list(r.prompt_ids), [comp], context_logits=ctx)
+        return RequestOutput(
+            r.request_id, prompt, list(r.prompt_ids), [comp], context_logits=ctx, num_cached_tokens=r.num_cached_tokens
+        )
 
 
 SMALL_MODEL_PARAMS = 50_000_000

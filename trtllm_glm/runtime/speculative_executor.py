@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.manager import Glm5NextCacheManager
+from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
@@ -137,6 +138,60 @@ class SpeculativeExecutor(Executor):
     def _free_draft(self, req: Request) -> None:
         self.drafter.release(req.request_id)
 
+    def on_unadmit(self, req: Request) -> None:
+        self.on_preempt(req)
+
+    # --------------------------------------------------------------------------------------------
+    # Prefix caching: the drafter's side of checkpoints (docs/design.md §6.4)
+    @property
+    def separate_draft_manager(self) -> Glm5NextCacheManager | None:
+        dm = self.draft_manager
+        return dm if dm is not None and dm is not self.manager else None
+
+    def draft_history_len(self, req: Request) -> int:
+        if not self.use_mtp:
+            return req.num_computed
+        st = self.state.get(req.request_id)
+        return 0 if st is None or st.mtp_disabled else st.mtp_len
+
+    def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None:
+        st = self.state[req.request_id]
+        st.drafts, st.last_accepted = [], 0
+        if not self.use_mtp:
+            return
+        dm = self.separate_draft_manager
+        if dm is not None:
+            assert ck.draft is not None
+            dm.add_request(req.request_id, ck.endpoint, shared_pages=draft_pages)
+            try:
+                dm.state.restore(dm.get_state_slot(req.request_id), ck.draft, endpoint=ck.endpoint)
+                if ck.draft_partial is not None:
+                    dm.copy_page_in(dm.get_batch_slot_tables([req.request_id])[0][len(draft_pages)], ck.draft_partial)
+            except BaseException:
+                dm.free_request(req.request_id)
+                raise
+        # The MTP history (its rows in the shared / copied pages, ring and last hidden in the slot) is at E.
+        st.mtp_len, st.mtp_disabled = ck.endpoint, False
+
+    def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None:
+        dm = self.separate_draft_manager
+        if dm is None or not self.use_mtp:
+            return
+        E, P = ck.endpoint, dm.page_size
+        ck.draft = dm.state.snapshot(dm.get_state_slot(req.request_id), E)
+        if E % P:
+            ck.draft_partial = dm.copy_page_out(dm.get_batch_slot_tables([req.request_id])[0][E // P])
+
+    def seal_draft_page(self, req: Request, logical_page: int, key: bytes) -> None:
+        dm = self.separate_draft_manager
+        if (
+            dm is not None
+            and self.use_mtp
+            and dm.has_request(req.request_id)
+            and logical_page < len(dm.get_batch_slot_tables([req.request_id])[0])
+        ):
+            dm.seal_page(req.request_id, logical_page, key)
+
     def _finish(self, req: Request) -> None:
         super()._finish(req)
         self._free_draft(req)
@@ -154,7 +209,9 @@ class SpeculativeExecutor(Executor):
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
         self.num_steps += 1
         hidden = self._forward(plan)
-        return self._advance(plan, hidden)
+        finished = self._advance(plan, hidden)
+        self._after_step(plan)
+        return finished
 
     def _rows_for(self, s: ScheduledSeq) -> list[int]:
         rows = super()._rows_for(s)
