@@ -266,3 +266,32 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
         chain = ex.drafter.chain_graphs
         assert chain is not None and chain.replays > 0 and chain.catchup_replays > 0
         assert [r.num_accepted_total for r in got] == [r.num_accepted_total for r in ref]
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_emulated_graphs_with_prefix_hits_match_eager(emulated, mode: str) -> None:
+    """Prefix caching under (emulated) graph replay: requests restored from checkpoints join padded graph
+    batches; tokens equal an eager run without reuse."""
+    model = _model()
+    stem = [4, 8, 15, 16, 23, 42, 7, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 1, 4, 9]  # 20 tokens: 2 full pages
+    prompts = [stem + [6, 6], stem + [7], stem[:17] + [9, 9, 9], [3, 3, 3, 1, 2]]
+    max_tokens = [5, 4, 6, 5]
+
+    def make(graphs: bool, reuse: bool) -> Executor:
+        cfg = ExecutorConfig(**EX_CFG, enable_block_reuse=reuse, checkpoint_interval=8,
+                             cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True)
+                             if graphs else None)  # fmt: skip
+        if mode == "plain":
+            return Executor(model, cfg)
+        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
+
+    emulated(False)
+    ref = _run(make(False, False), prompts, max_tokens)
+    emulated(True)
+    ex = make(True, True)
+    warm = ex.add_request(stem + [1], SamplingParams(max_tokens=2, ignore_eos=True))
+    ex.run_until_done()
+    got = _run(ex, prompts, max_tokens, join_after=1)
+    _assert_same(ref, got)
+    assert warm.output_ids and ex.prefix.stats.hits >= 3 and ex.graph_runner.stats.replays > 0
+    assert sum(r.num_cached_tokens for r in got) >= 3 * 16
