@@ -27,6 +27,7 @@ import torch
 
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams
 from trtllm_glm.cache.manager import Glm5NextCacheManager
+from trtllm_glm.errors import CapacityError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.request import Request
@@ -399,3 +400,29 @@ def test_page_copies_are_strided_by_each_planes_page_bytes() -> None:
         assert torch.equal(v[:, 4], before[k][:, 2]), k
         for p in (0, 1, 2, 3):
             assert torch.equal(v[:, p], before[k][:, p]), f"{k}: page {p} overwritten"
+
+
+def test_a_match_whose_pages_were_reclaimed_waits_and_recomputes(model) -> None:
+    """Between `match` and admission an allocation can reclaim a cached page of the match (a running request
+    growing in the same planning round): admission must refuse it without taking anything, and the request
+    is planned afresh at the next step."""
+    P = 8
+    rng = random.Random(8)
+    a = [rng.randrange(256) for _ in range(3 * P + 2)]
+    hot = make(model, "mtp2", P=P, max_tokens=6 * P)
+    ra = hot.add_request(a, greedy(2))
+    hot.run_until_done()
+    assert hot.manager.num_cached_pages >= 3
+    rb = hot.add_request(a, greedy(2))
+    hot.prefix.match(list(hot.waiting))
+    assert rb.prefix_hit is not None
+    # Another holder takes every free and cached page: the match's pages are reclaimed.
+    hot.manager.add_request(999, hot.manager.num_free_pages * P)
+    free_before = hot.manager.num_free_pages
+    with pytest.raises(CapacityError, match="reclaimed"):
+        hot.prefix.admit(rb, rb.num_computed + 2)
+    assert not hot.manager.has_request(rb.request_id) and hot.manager.num_free_pages == free_before
+    hot.manager.free_request(999)
+    hot.prefix.unmatch(rb)
+    hot.run_until_done()
+    assert rb.num_cached_tokens == 0 and rb.output_ids == ra.output_ids

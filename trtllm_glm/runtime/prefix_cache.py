@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint, CheckpointStore, PrefixStats, chain_key, checkpoint_key, extend_page_keys
-from ..errors import StateError
+from ..errors import CapacityError, StateError
 from .request import Request
 from .scheduler import ScheduledSeq
 
@@ -44,6 +44,7 @@ class PrefixMatch:
 
     key: tuple
     checkpoint: Checkpoint
+    keys: list[bytes]
     pages: list[int]
     draft_pages: list[int]
 
@@ -140,7 +141,8 @@ class PrefixCache:
                 self.store.discard(key)
                 self.stats.rejected += 1
                 continue
-            return PrefixMatch(key, ck, pages[:k], list(draft_pages[:k]) if draft_pages is not None else [])
+            dp = list(draft_pages[:k]) if draft_pages is not None else []
+            return PrefixMatch(key, ck, list(keys[:k]), pages[:k], dp)
         return None
 
     def _valid(self, ck: Checkpoint, endpoint: int, keys: list[bytes]) -> bool:
@@ -164,13 +166,20 @@ class PrefixCache:
         """Add ``r`` to the cache manager for ``num_tokens`` tokens, restoring its match if it has one.
 
         Raises:
-            CapacityError: no room (nothing is taken then; the match stays for a later try).
+            CapacityError: no room, or a page of the match was reclaimed since `match` (nothing is taken
+                then; the request waits and is matched again at the next step).
         """
         m: PrefixMatch | None = r.prefix_hit
         mgr = self.manager
         if m is None:
             mgr.add_request(r.request_id, num_tokens)
             return
+        # An allocation earlier in this planning round (a running request growing, another admission) may
+        # have reclaimed a cached page of the match: then it cannot be admitted from the match now. The
+        # caller treats this like a full cache (the request waits; the next step matches it afresh).
+        dm = self.ex.separate_draft_manager
+        if mgr.lookup_pages(m.keys) != m.pages or (dm is not None and dm.lookup_pages(m.keys) != m.draft_pages):
+            raise CapacityError(f"request {r.request_id}: pages of its prefix match were reclaimed")
         ck = m.checkpoint
         mgr.add_request(r.request_id, num_tokens, shared_pages=m.pages)
         try:
