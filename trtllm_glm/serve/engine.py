@@ -200,9 +200,12 @@ class AsyncEngine:
     # --------------------------------------------------------------------------------------------
     # Lifecycle (any thread)
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Capture the executor's CUDA graphs (if any) and start the engine thread (idempotent)."""
         if self._thread is not None:
             return
+        # Capture every CUDA graph before serving (no-op without graphs, e.g. on the CPU): lazily captured
+        # graphs would stall the first requests of each batch size.
+        self.executor.capture_cuda_graphs()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="trtllm-glm-engine", daemon=True)
         self._thread.start()
