@@ -426,3 +426,30 @@ def test_a_match_whose_pages_were_reclaimed_waits_and_recomputes(model) -> None:
     hot.prefix.unmatch(rb)
     hot.run_until_done()
     assert rb.num_cached_tokens == 0 and rb.output_ids == ra.output_ids
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp3", "mtp2-sep"])
+def test_prompt_end_checkpoint_serves_the_next_turn(model, mode: str) -> None:
+    """Multi-turn: turn 2 = turn 1's prompt + its answer + more. With prompt-end checkpoints turn 2 reuses all
+    of turn 1's prompt (the key includes the first answer token), and answers exactly like a cold run."""
+    P = 8
+    rng = random.Random(9)
+    turn1 = [rng.randrange(256) for _ in range(3 * P + 5)]
+    hot = make(model, mode, P=P, checkpoint_prompt_end=True)
+    r1 = hot.add_request(turn1, greedy(6))
+    hot.run_until_done()
+    turn2 = turn1 + r1.output_ids + [rng.randrange(256) for _ in range(7)]
+    r2 = hot.add_request(turn2, greedy(6))
+    hot.run_until_done()
+    cold = make(model, mode, P=P, checkpoint_prompt_end=True)  # empty cache, same chunking
+    c2 = cold.add_request(turn2, greedy(6))
+    cold.run_until_done()
+    assert r2.num_cached_tokens == len(turn1)
+    assert r2.output_ids == c2.output_ids
+    # Without prompt-end checkpoints turn 2 reuses only up to turn 1's last page boundary.
+    off = make(model, mode, P=P)
+    off.add_request(turn1, greedy(6))
+    off.run_until_done()
+    o2 = off.add_request(turn2, greedy(6))
+    off.run_until_done()
+    assert o2.num_cached_tokens == (len(turn1) - 1) // P * P

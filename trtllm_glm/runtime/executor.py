@@ -52,6 +52,7 @@ class ExecutorConfig:
             before each prompt's end); best a multiple of ``tokens_per_block``.
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
         checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit).
+        checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
     """
 
     tokens_per_block: int = 16
@@ -65,6 +66,7 @@ class ExecutorConfig:
     checkpoint_interval: int | None = None
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | None = None
+    checkpoint_prompt_end: bool = False
 
 
 class Executor:
@@ -124,6 +126,7 @@ class Executor:
             self.prefix = PrefixCache(
                 self,
                 checkpoint_interval=cfg.checkpoint_interval,
+                prompt_end=cfg.checkpoint_prompt_end,
                 max_checkpoints=cfg.max_checkpoints,
                 max_bytes=cfg.checkpoint_max_bytes,
             )

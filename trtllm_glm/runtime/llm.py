@@ -35,6 +35,9 @@ class KvCacheConfig:
             its last page boundary).
         max_checkpoints: checkpoints kept (least recently used evicted first).
         checkpoint_max_bytes: device bytes the checkpoints may hold (``None``: no byte limit).
+        checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
+            a conversation (this prompt + the answer + more) reuses the whole prompt. Off by default: it
+            doubles the checkpoints per request.
     """
 
     tokens_per_block: int = 16
@@ -43,6 +46,7 @@ class KvCacheConfig:
     checkpoint_interval: int | None = None
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | None = None
+    checkpoint_prompt_end: bool = False
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
@@ -164,6 +168,7 @@ class LLM:
             checkpoint_interval=kv.checkpoint_interval,
             max_checkpoints=kv.max_checkpoints,
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
+            checkpoint_prompt_end=kv.checkpoint_prompt_end,
         )
         self.seed = seed
         self.speculative_config = speculative_config

@@ -56,6 +56,8 @@ class PrefixCache:
         executor: the executor (its managers, requests and drafter hooks).
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before the prompt's end).
+        prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
+            that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
         max_checkpoints: checkpoint count budget (LRU).
         max_bytes: checkpoint byte budget (LRU; ``None``: count only).
     """
@@ -65,6 +67,7 @@ class PrefixCache:
         executor: Executor,
         *,
         checkpoint_interval: int | None,
+        prompt_end: bool = False,
         max_checkpoints: int,
         max_bytes: int | None,
     ) -> None:
@@ -75,6 +78,7 @@ class PrefixCache:
         self.ex = executor
         self.page_size = executor.manager.page_size
         self.interval = checkpoint_interval
+        self.prompt_end = prompt_end
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
         self._warned_short = False
@@ -93,7 +97,7 @@ class PrefixCache:
             out.add(last // self.page_size * self.page_size)
         if self.interval is not None:
             out.update(range(self.interval, last + 1, self.interval))
-        if not out and not self._warned_short:
+        if not out and not self.prompt_end and not self._warned_short:
             self._warned_short = True
             log.warning(
                 "prefix caching: a prompt of %d tokens gets no checkpoint (prompts need more than "
@@ -242,7 +246,8 @@ class PrefixCache:
                 self.manager.seal_page(r.request_id, j, keys[j])
                 self.ex.seal_draft_page(r, j, keys[j])
             E = r.num_computed
-            if s.is_decode or len(r.prompt_ids) <= E or done < E or E not in self.endpoints(r):
+            at_end = self.prompt_end and len(r.prompt_ids) == E  # the first output token is in the key
+            if s.is_decode or done < E or not (at_end or (len(r.prompt_ids) > E and E in self.endpoints(r))):
                 continue
             if n_final < E // P:
                 continue  # a full page is not sealable yet (cannot happen: E < len(tokens))
