@@ -40,6 +40,7 @@ import torch
 
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
+from ..transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -671,7 +672,7 @@ class MtpChainGraphs:
             last.append(j * W + a - 1)
         dev = self.meta.device
         self.c_tokens[: P * W].copy_(torch.tensor(tok, dtype=torch.int64))
-        self.c_hidden[: P * W].copy_(hidden[torch.tensor(src, device=dev)])
+        self.c_hidden[: P * W].copy_(hidden[to_device(src, dev)])
         g = self.graphs.get(key)
         with torch.inference_mode(), self._scope():
             if g is None:  # emulation
@@ -682,7 +683,7 @@ class MtpChainGraphs:
                 h, toks, pools = g.hidden, g.tokens, g.pools
         self.meta.trim_padding()
         self.catchup_replays += 1
-        last_t = torch.tensor(last, device=dev)
+        last_t = to_device(last, dev)
         all_toks = toks[: P * W].tolist()
         pools_last = pools[last_t] if self.share_selection and pools is not None else None
         return h[last_t], pools_last, [int(all_toks[i]) for i in last]

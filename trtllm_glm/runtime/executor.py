@@ -18,6 +18,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
+from ..transfer import to_device
 from .cuda_graph import (
     PADDING_PAST_LEN,
     PADDING_REQUEST_ID,
@@ -349,9 +350,9 @@ class Executor:
             host = out.host_rows()
             if rows == list(range(len(rows))):
                 return out.logits[: len(rows)], host[: len(rows)]
-            return out.logits[torch.tensor(rows, device=self.device)], [host[i] for i in rows]
+            return out.logits[to_device(rows, self.device)], [host[i] for i in rows]
         with torch.inference_mode():
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
             return logits, greedy_and_gap(logits).tolist()
 
     def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
@@ -376,7 +377,7 @@ class Executor:
             num_decode_seqs=n_dec,
         )
         self._before_forward(plan)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        input_ids = to_device(ids, self.device, torch.int64)
         with torch.inference_mode():
             hidden = self.model(input_ids, self.meta, self.manager)
         self._record_prompt(plan, hidden)

@@ -20,6 +20,7 @@ from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
+from ..transfer import to_device
 from .drafters import Drafter, DraftSeq
 from .interface import draft_replay
 
@@ -114,13 +115,13 @@ class MTPDrafter(Drafter):
             h_last, pools0, d = self.chain_graphs.run_catchup(
                 key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows.tolist()
             )
-            last_src = torch.tensor([s.row_offset + c - 1 for s, c in zip(cat, committed)], device=self.device)
+            last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
             prev_last = hidden[last_src]
         else:
             prev_h = hidden[src_rows.to(self.device)]
-            nxt = torch.tensor(toks, dtype=torch.int64, device=self.device)
+            nxt = to_device(toks, self.device, torch.int64)
             out = self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
-            last = torch.tensor([sum(committed[: j + 1]) - 1 for j in range(len(cat))], device=self.device)
+            last = to_device([sum(committed[: j + 1]) - 1 for j in range(len(cat))], self.device)
             prev_last = prev_h[last]
             h_last = out[last]
             pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
@@ -132,7 +133,7 @@ class MTPDrafter(Drafter):
         if self.separate:
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
             dm.state.commit_verified(draft_ids, committed)
-        dm.state.record_draft_hidden(torch.tensor(draft_ids, device=self.device), prev_last)
+        dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
         drafting = [j for j, s in enumerate(cat) if s.want >= 1]
         for j in drafting:
             cat[j].state.drafts = [int(d[j])]
@@ -144,17 +145,17 @@ class MTPDrafter(Drafter):
             [dm.get_state_slot(cat[j].request_id) for j in chain], dtype=torch.int64, device=self.device
         )
         with dm.state.speculative_rows(self.mtp_plane, slots):
-            h = h_last[torch.tensor(chain, device=self.device)]
+            h = h_last[to_device(chain, self.device)]
             active = list(chain)
             c = 1
             while active:
                 reqs = [cat[j] for j in active]
-                tok = torch.tensor([s.state.drafts[-1] for s in reqs], device=self.device)
+                tok = to_device([s.state.drafts[-1] for s in reqs], self.device)
                 shared = None
                 if pools0 is not None:
                     # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
-                    ws = torch.tensor([4 * (s.num_computed // 4) for s in reqs], dtype=torch.int64, device=self.device)
-                    shared = (pools0[torch.tensor(active, device=self.device)], ws)
+                    ws = to_device([4 * (s.num_computed // 4) for s in reqs], self.device, torch.int64)
+                    shared = (pools0[to_device(active, self.device)], ws)
                 past = [s.num_computed + c - 1 for s in reqs]
                 key = self.chain_graphs.key(len(reqs)) if self.chain_graphs is not None else None
                 if key is not None:
@@ -169,7 +170,7 @@ class MTPDrafter(Drafter):
                     if len(s.state.drafts) < s.want:
                         keep.append(k)
                 active = [active[k] for k in keep]
-                h = h[torch.tensor(keep, dtype=torch.int64, device=self.device)] if keep else h[:0]
+                h = h[to_device(keep, self.device, torch.int64)] if keep else h[:0]
                 c += 1
 
     def _mtp_step(
