@@ -1,9 +1,10 @@
 """Host-to-device copies of small index lists without a stream synchronisation.
 
 ``torch.tensor(values, device="cuda")`` copies synchronously: the host waits for the stream to drain, one
-sync per call, and the speculative loop builds a dozen such index tensors per round. A copy from pageable
-host memory issued with ``non_blocking=True`` is staged by the driver right away (the temporary host
-tensor may be freed at once) and ordered on the current stream, so it is as correct and does not wait.
+sync per call, and the speculative loop builds a dozen such index tensors per round. Here the values go
+into pinned host memory (torch's caching host allocator) and are copied with ``non_blocking=True``: the
+copy is ordered on the current stream, torch keeps the pinned block until the copy has completed, and
+the host does not wait (from pageable memory the driver may still synchronise).
 """
 
 from __future__ import annotations
@@ -28,5 +29,6 @@ def to_device(
     Returns:
         ``[len(values)]`` tensor on ``device``.
     """
-    t = torch.tensor(values, dtype=dtype)
-    return t if torch.device(device).type == "cpu" else t.to(device, non_blocking=True)
+    if torch.device(device).type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
