@@ -453,3 +453,30 @@ def test_prompt_end_checkpoint_serves_the_next_turn(model, mode: str) -> None:
     o2 = off.add_request(turn2, greedy(6))
     off.run_until_done()
     assert o2.num_cached_tokens == (len(turn1) - 1) // P * P
+
+
+def test_no_memory_for_a_checkpoint_skips_it_and_serves_on(model, caplog) -> None:
+    P = 8
+    rng = random.Random(10)
+    a = [rng.randrange(256) for _ in range(3 * P + 2)]
+    hot = make(model, "mtp2", P=P, interval=P)
+    real = hot.manager.state.snapshot
+    calls = {"n": 0}
+
+    def snapshot(slot, endpoint):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("no room (test)")
+        return real(slot, endpoint)
+
+    hot.manager.state.snapshot = snapshot  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="trtllm_glm.runtime.prefix_cache"):
+        ra = hot.add_request(a, greedy(5))
+        hot.run_until_done()
+    st = hot.prefix.stats
+    # Endpoints 8, 16, 24: the second fails (and makes room by dropping the first), the third is taken.
+    assert st.checkpoints_skipped == 1 and st.checkpoints_taken == 2 and st.checkpoints_evicted == 1
+    assert any("out of device memory" in r.message for r in caplog.records)
+    rb = hot.add_request(a, greedy(5))
+    hot.run_until_done()
+    assert rb.output_ids == ra.output_ids and rb.num_cached_tokens == 3 * P

@@ -133,6 +133,7 @@ class PrefixStats:
         checkpoints_taken: checkpoints stored.
         checkpoints_evicted: checkpoints dropped by the budget (LRU).
         rejected: checkpoints discarded at restore because they failed validation (the request recomputed).
+        checkpoints_skipped: checkpoints not taken for lack of device memory.
     """
 
     queries: int = 0
@@ -141,6 +142,7 @@ class PrefixStats:
     checkpoints_taken: int = 0
     checkpoints_evicted: int = 0
     rejected: int = 0
+    checkpoints_skipped: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint, CheckpointStore, PrefixStats, chain_key, checkpoint_key, extend_page_keys
 from ..errors import CapacityError, StateError
@@ -82,6 +84,7 @@ class PrefixCache:
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
         self._warned_short = False
+        self._warned_oom = False
 
     @property
     def manager(self) -> Glm5NextCacheManager:
@@ -260,12 +263,26 @@ class PrefixCache:
         mgr, P, E = self.manager, self.page_size, r.num_computed
         k = E // P
         pages = mgr.get_batch_slot_tables([r.request_id])[0]
-        ck = Checkpoint(
-            endpoint=E,
-            page_keys=tuple(keys),
-            target=mgr.state.snapshot(mgr.get_state_slot(r.request_id), E),
-            target_partial=mgr.copy_page_out(pages[k]) if E % P else None,
-        )
-        self.ex.checkpoint_draft(r, ck)
+        try:
+            ck = Checkpoint(
+                endpoint=E,
+                page_keys=tuple(keys),
+                target=mgr.state.snapshot(mgr.get_state_slot(r.request_id), E),
+                target_partial=mgr.copy_page_out(pages[k]) if E % P else None,
+            )
+            self.ex.checkpoint_draft(r, ck)
+        except torch.OutOfMemoryError:
+            # Checkpoints are an optimisation: without room for one, drop the oldest and serve on.
+            self.stats.checkpoints_skipped += 1
+            if len(self.store):
+                self.store.discard(next(iter(self.store)))
+                self.stats.checkpoints_evicted += 1
+            if not self._warned_oom:
+                self._warned_oom = True
+                log.warning(
+                    "prefix caching: out of device memory for a checkpoint (%d held, %.1f MB); skipped. Set "
+                    "KvCacheConfig.checkpoint_max_bytes to bound them", len(self.store), self.store.nbytes / 1e6,
+                )  # fmt: skip
+            return
         self.stats.checkpoints_evicted += self.store.put(key, ck)
         self.stats.checkpoints_taken += 1
