@@ -139,6 +139,7 @@ def test_restore_is_byte_exact_at_every_endpoint(model, P: int, mode: str) -> No
     hot.add_request(prompt_a, greedy(2))
     hot.run_until_done()
     assert hot.prefix.stats.checkpoints_taken == len(ends)
+    drafts_hot = spy_drafts(hot)
     for E in ends:
         # B shares tokens 0..E with A, then differs: it can restore exactly the checkpoint at E.
         prompt_b = prompt_a[: E + 1] + [(prompt_a[E + 1] + 1) % 256, 7, 9]
@@ -151,7 +152,6 @@ def test_restore_is_byte_exact_at_every_endpoint(model, P: int, mode: str) -> No
         cold.run_until_done()
 
         rb = hot.add_request(prompt_b, greedy(3))
-        drafts_hot = spy_drafts(hot)
         hot._plan()  # admission restores the checkpoint; nothing is computed yet
         assert rb.num_computed == E and rb.num_cached_tokens == E
         for m, ws, wr in zip(managers(hot), want_slot, want_rows):
@@ -330,12 +330,12 @@ def test_checkpoint_budget_is_lru_and_apart_from_pages(model) -> None:
         hot.run_until_done()
     st = hot.prefix.stats
     assert len(hot.prefix.store) == 2 and st.checkpoints_evicted == st.checkpoints_taken - 2
-    # The two most recent prompts hit, the oldest is gone.
-    assert hot.add_request(prompts[0], greedy(2)) and True
+    # The oldest prompt's checkpoint is gone (its rerun evicts prompt 2's); the most recent one still hits.
+    r0 = hot.add_request(prompts[0], greedy(2))
     hot.run_until_done()
     r3 = hot.add_request(prompts[3], greedy(2))
     hot.run_until_done()
-    assert r3.num_cached_tokens == 3 * P and st.hits == 1
+    assert r0.num_cached_tokens == 0 and r3.num_cached_tokens == 3 * P and st.hits == 1
     # Byte budget: a budget below one checkpoint keeps none.
     tiny = make(model, "plain", P=P, checkpoint_max_bytes=16)
     tiny.add_request(prompts[0], greedy(2))

@@ -300,6 +300,7 @@ class Executor:
         self.running.remove(req)
         req.num_computed = 0
         req.num_cached_tokens = 0
+        req.pages_sealed = 0
         req.state = RequestState.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -245,9 +245,11 @@ class PrefixCache:
             done = min(r.num_computed, history(r))
             keys = extend_page_keys(r.page_keys, r.tokens, P, done // P)
             n_final = min(len(keys), done // P)
-            for j in range(n_final):
+            # Only pages that became final since the last step: this runs for every sequence every step.
+            for j in range(r.pages_sealed, n_final):
                 self.manager.seal_page(r.request_id, j, keys[j])
                 self.ex.seal_draft_page(r, j, keys[j])
+            r.pages_sealed = max(r.pages_sealed, n_final)
             E = r.num_computed
             at_end = self.prompt_end and len(r.prompt_ids) == E  # the first output token is in the key
             if s.is_decode or done < E or not (at_end or (len(r.prompt_ids) > E and E in self.endpoints(r))):

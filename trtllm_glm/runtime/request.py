@@ -66,6 +66,8 @@ class Request:
     num_cached_tokens: int = 0
     prefix_hit: Any = None
     page_keys: list[bytes] = field(default_factory=list)
+    # Logical pages of the current allocation already offered for sealing (reset when pages are freed).
+    pages_sealed: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
