@@ -1,0 +1,106 @@
+"""Where the host waits for the GPU during a decode step: every synchronising call, by source line.
+
+Runs a few steady-state decode steps of the executor under ``torch.cuda.set_sync_debug_mode("warn")``
+(torch then warns at every call that synchronises the host with the device: ``.item()``, ``.tolist()``,
+``.cpu()``, ``torch.tensor(list, device=cuda)`` from pageable memory, blocking copies, ...) and reports,
+per mode, the syncs per step and the project source line (``trtllm_glm/...``) that caused each.
+
+Usage (GPU): ``python benchmarks/sync_sites.py --preset small --modes plain mtp3 ngram7 --batch 4
+--cuda-graphs``; the trained ``small`` preset's weights are used when it ships them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import traceback
+import warnings
+
+import torch
+
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+
+
+def project_frame(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frame inside the package (``file:line function``), else the innermost frame."""
+    for fr in reversed(stack):
+        if "trtllm_glm" in fr.filename and "sync_sites" not in fr.filename:
+            return f"{fr.filename.split('trtllm_glm', 1)[1].lstrip('/')}:{fr.lineno} {fr.name}"
+    fr = stack[-1]
+    return f"{fr.filename}:{fr.lineno} {fr.name}"
+
+
+def sync_sites(step, steps: int) -> tuple[float, collections.Counter]:
+    """Run ``step`` ``steps`` times with sync warnings on; (syncs per step, Counter of sites)."""
+    sites: collections.Counter = collections.Counter()
+    orig = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+        if "synchroniz" in str(message).lower():
+            sites[project_frame(traceback.extract_stack()[:-1])] += 1
+
+    warnings.showwarning = record
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            for _ in range(steps):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = orig
+    return sum(sites.values()) / steps, sites
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--modes", nargs="+", default=["plain", "mtp3", "ngram7"])
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cuda-graphs", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sync_sites needs CUDA (host syncs do not exist on the CPU)")
+    model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device="cuda").eval()
+    rows = []
+    for mode in args.modes:
+        B = args.batch
+        gcfg = CudaGraphConfig(batch_sizes=default_batch_sizes(B), enable_padding=True) if args.cuda_graphs else None
+        cfg = ExecutorConfig(tokens_per_block=64, max_tokens=B * 1024, max_batch_size=B, max_num_tokens=2048,
+                             max_seq_len=900, cuda_graph_config=gcfg)  # fmt: skip
+        if mode == "plain":
+            ex = Executor(model, cfg)
+        elif mode.startswith("mtp"):
+            ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:])))
+        else:
+            ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
+        ex.capture_cuda_graphs()
+        g = torch.Generator().manual_seed(0)
+        for _ in range(B):
+            prompt = torch.randint(0, model.config.vocab_size, (300,), generator=g).tolist()
+            ex.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        for _ in range(6):  # prefill and warm-up
+            ex.step()
+        per_step, sites = sync_sites(ex.step, args.steps)
+        row = {"mode": mode, "batch": B, "graphs": args.cuda_graphs, "syncs_per_step": per_step,
+               "sites": {k: v / args.steps for k, v in sites.most_common()}}  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
