@@ -15,14 +15,23 @@ Per block (attention or FFN), with ``fn [(2 + S) * S, S * D]``, ``base [(2 + S) 
 
 This is the reference's (``transformers`` ``Glm5NextTextHyperConnection``) order of operations, kept
 exactly so that logits match it to FP32 rounding.
+
+The functions below are the plain torch reference (any device). `mhc_block` runs one block either through
+them or through the fused Triton kernels of `trtllm_glm.mhc` (three launches instead of ~60, no host sync,
+CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_backend`).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block"]
+__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block", "mhc_backend", "MHC_BACKEND_ENV"]
+
+MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
+MHC_BACKENDS = ("auto", "torch", "triton")
 
 
 def mhc_weights(
@@ -84,6 +93,33 @@ def mhc_expand(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
     )
 
 
+def mhc_backend(streams: torch.Tensor, *params: torch.Tensor, backend: str | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for one `mhc_block` call (a decision from devices and flags only).
+
+    ``backend`` (default: ``TRTLLM_GLM_MHC_BACKEND``, else ``"auto"``): ``"torch"``, the reference functions;
+    ``"triton"``, the fused kernels on any device (the CPU runs them through Triton's interpreter);
+    ``"auto"``, the kernels for CUDA streams when no gradient is needed (they have no backward), the
+    reference otherwise (the CPU, training).
+
+    Args:
+        streams: ``[N, S, D]`` residual streams.
+        *params: the block's ``fn``, ``base``, ``scale`` (their ``requires_grad`` matters under autograd).
+        backend: overrides the environment.
+
+    Returns:
+        ``"torch"`` or ``"triton"``.
+    """
+    choice = backend if backend is not None else os.environ.get(MHC_BACKEND_ENV, "auto")
+    if choice not in MHC_BACKENDS:
+        raise ValueError(f"mHC backend must be one of {MHC_BACKENDS}, got {choice!r}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *params))
+    if choice == "auto":
+        return "triton" if streams.is_cuda and not needs_grad else "torch"
+    if choice == "triton" and needs_grad:
+        raise RuntimeError("mHC: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
+    return choice
+
+
 def mhc_block(
     streams: torch.Tensor,
     block,
@@ -94,8 +130,20 @@ def mhc_block(
     norm_eps: float,
     hc_eps: float,
     sinkhorn_iters: int,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """One whole mHC-wrapped block: ``block`` maps the collapsed ``[N, D]`` input to its ``[N, D]`` output."""
+    """One whole mHC-wrapped block: ``block`` maps the collapsed ``[N, D]`` input to its ``[N, D]`` output.
+
+    ``backend`` (default from ``TRTLLM_GLM_MHC_BACKEND``, see `mhc_backend`) picks the reference functions or
+    the fused kernels (`trtllm_glm.mhc.mhc_pre` before the block, `trtllm_glm.mhc.mhc_post` after it).
+    """
+    if mhc_backend(streams, fn, base, scale, backend=backend) == "triton":
+        from trtllm_glm import mhc as kernels
+
+        x_in, post, comb = kernels.mhc_pre(
+            streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+        )
+        return kernels.mhc_post(streams, block(x_in), post, comb)
     pre, post, comb = mhc_weights(
         streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
     )

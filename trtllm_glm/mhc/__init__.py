@@ -1,0 +1,79 @@
+"""Fused mHC (manifold-constrained hyper-connections) kernels for the CUDA decode path.
+
+The torch reference is `trtllm_glm.modules.mhc` (``mhc_weights``, ``mhc_collapse``, ``mhc_expand``,
+``mhc_block``); `kernels` holds the Triton version of one block in three launches instead of ~60:
+`mhc_pre` (RMS, mixing logits, sigmoids, softmax + Sinkhorn on the ``[S, S]`` tile, collapse) and `mhc_post`
+(expand). ``mhc_block`` dispatches to them (``TRTLLM_GLM_MHC_BACKEND``).
+
+Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
+interpreted copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source.
+Triton is imported lazily, on the first call: importing this package needs only torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trtllm_glm.triton_interp import KernelPackage
+
+__all__ = ["mhc_pre", "mhc_post", "kernel_module"]
+
+_PACKAGE = KernelPackage(__name__, __path__)
+
+
+def kernel_module(device: torch.device | str) -> Any:
+    """`kernels` built for ``device``: compiled on CUDA, an interpreted copy elsewhere."""
+    return _PACKAGE.module("kernels", device)
+
+
+def mhc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    **launch: Any,
+) -> tuple[torch.Tensor, ...]:
+    """Fused weights + Sinkhorn + collapse of one block (`kernels.mhc_pre`).
+
+    Args:
+        streams: ``[N, S, D]`` residual streams.
+        fn: ``[(2 + S) * S, S * D]`` projection.
+        base: ``[(2 + S) * S]`` bias.
+        scale: ``[3]`` logit scales.
+        norm_eps: RMS epsilon.
+        hc_eps: mHC epsilon.
+        sinkhorn_iters: Sinkhorn iterations.
+        **launch: ``return_pre``, ``out``, ``split``, ``block_n``, ``block_k``, ``block_d``, ``num_warps``.
+
+    Returns:
+        ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)`` (``pre`` after ``x_in`` with
+        ``return_pre=True``).
+    """
+    mod = kernel_module(streams.device)
+    return mod.mhc_pre(
+        streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, **launch
+    )
+
+
+def mhc_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, **launch: Any
+) -> torch.Tensor:
+    """Fused expand (`kernels.mhc_post`): ``[N, S, D]`` = ``post ⊗ block_out + combᵀ @ streams``.
+
+    Args:
+        streams: ``[N, S, D]``.
+        block_out: ``[N, D]``.
+        post: ``[N, S]`` fp32.
+        comb: ``[N, S, S]`` fp32.
+        **launch: ``out``, ``block_d``, ``num_warps``.
+
+    Returns:
+        New streams ``[N, S, D]`` in the streams' dtype.
+    """
+    return kernel_module(streams.device).mhc_post(streams, block_out, post, comb, **launch)

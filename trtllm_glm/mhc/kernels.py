@@ -1,0 +1,410 @@
+"""Triton kernels of one mHC-wrapped block: `mhc_pre` (weights, Sinkhorn, collapse) and `mhc_post` (expand).
+
+Drop-in for the torch reference of `trtllm_glm.modules.mhc` (``mhc_weights`` + ``mhc_collapse``, and
+``mhc_expand``). Three launches per block instead of ~60 (the 20-iteration Sinkhorn alone is ~80 tiny torch
+ops), all sizes from shapes only and no host sync, so a block can be captured in a CUDA graph:
+
+1. ``_mix_partial_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT)``: split-K partial mixing logits. The flattened
+   streams ``x [N, S*D]`` times ``fnᵀ [S*D, M]`` (``M = (2 + S) * S``) in IEEE fp32 (``tl.dot`` with
+   ``input_precision="ieee"``: the reference's ``F.linear`` is fp32, TF32 would lose ~3 digits), plus the
+   partial sum of squares of ``x`` for the weightless RMS, both written to a workspace
+   ``[SPLIT, N, M_PAD]`` (the sum of squares in the spare column ``M``). A program covers ``BLOCK_N`` tokens
+   and a contiguous run of ``BLOCK_K``-wide units (one stream's ``d`` range each: ``D`` may be any size,
+   tiles are masked), so ``fn`` (1.5 MB at the real geometry) is read once per token block, and split over
+   enough programs to fill the GPU at decode sizes (one program reading all of ``fn`` would take ~10 µs).
+2. ``_pre_finish_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: each program sums its token's partials in a fixed
+   order (deterministic, no atomics), applies the RMS scale, the sigmoids, the softmax and the Sinkhorn
+   normalisation on the ``[S, S]`` tile in registers, in the reference's order (softmax ``+ hc_eps``, one
+   column normalisation, then ``iters - 1`` (row, column) pairs, every denominator ``+ hc_eps``), and
+   collapses its ``BLOCK_D`` slice: ``x_in = sum_s pre[s] * streams[s]`` (fp32 products summed over ``s``
+   in order, cast once to the streams' dtype). The ``[S, S]`` work is repeated by the ``cdiv(D, BLOCK_D)``
+   programs of a token (a few hundred flops, in parallel); the first one stores ``post`` and ``comb``.
+3. ``_post_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: ``new[s] = post[s] * out + sum_j comb[j, s] *
+   streams[j]`` with the reference's dtype handling (``mhc_expand``): ``post``, ``comb`` and ``block_out``
+   are rounded to the streams' dtype first, the product ``post * out`` and the ``[S, S] @ [S, D]`` mix are
+   each rounded to it (bf16 elementwise product; bf16 matmul with fp32 accumulation), then added and rounded.
+
+Numerics: FP32 in registers throughout. Sums run in a different order than torch's (split-K, sum of
+squares), and ``exp`` / ``rsqrt`` are the GPU's fast versions, so ``pre``/``post``/``comb`` agree with the
+reference to a few FP32 ulps (not bit for bit); ``x_in`` and the new streams then agree in bf16 except for a
+rare one-ulp flip where an FP32 value sits on a rounding boundary.
+
+Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
+this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
+arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["mhc_pre", "mhc_post", "pre_launch_config"]
+
+
+@triton.jit
+def _mix_partial_kernel(
+    x_ptr,
+    fn_ptr,
+    ws_ptr,
+    N,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_fm,
+    stride_wsp,
+    stride_wn,
+    units_per_prog,
+    n_units,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    mm = tl.arange(0, M_PAD)
+    m_ok = mm < M
+    kk = tl.arange(0, BLOCK_K)
+    d_blocks = tl.cdiv(D, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xn
+    # fn is read as the dot's B operand [BLOCK_K, M_PAD] (k runs along memory).
+    fn_cols = fn_ptr + mm[None, :].to(tl.int64) * stride_fm
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u0 = pid_k * units_per_prog
+    u1 = tl.minimum(u0 + units_per_prog, n_units)
+    for u in range(u0, u1):
+        # A unit is one stream's BLOCK_K-wide d range: column s * D + d of the flattened streams.
+        s = u // d_blocks
+        d = (u - s * d_blocks) * BLOCK_K + kk
+        d_ok = d < D
+        x = tl.load(x_rows + s * stride_xs + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_cols + (s * D + d)[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        sq += tl.sum(x * x, axis=1)
+    # Column M (always padding: fn is masked there, so the dot left it 0) carries the sum of squares.
+    acc = tl.where(mm[None, :] == M, sq[:, None], acc)
+    tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _pre_finish_kernel(
+    x_ptr,
+    ws_ptr,
+    base_ptr,
+    scale_ptr,
+    xin_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    D,
+    n_split,
+    inv_k,
+    stride_xn,
+    stride_xs,
+    stride_in,
+    stride_wsp,
+    stride_wn,
+    norm_eps,
+    hc_eps,
+    sinkhorn_iters,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_PRE: tl.constexpr,
+):
+    n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    # The token's mixing logits and sum of squares: its partials summed in split order.
+    sp = tl.arange(0, SPLIT_PAD)
+    mm = tl.arange(0, M_PAD)
+    part = tl.load(
+        ws_ptr + sp[:, None] * stride_wsp + n * stride_wn + mm[None, :], mask=(sp < n_split)[:, None], other=0.0
+    )
+    mix = tl.sum(part, axis=0)
+    sumsq = tl.sum(tl.where(mm == M, mix, 0.0), axis=0)
+    # rsqrt(mean(x^2) + eps); the reference multiplies x by it before the (linear) projection.
+    r = 1.0 / tl.sqrt(sumsq * inv_k + norm_eps)
+    sc_pre = tl.load(scale_ptr).to(tl.float32)
+    sc_post = tl.load(scale_ptr + 1).to(tl.float32)
+    sc_comb = tl.load(scale_ptr + 2).to(tl.float32)
+
+    ss = tl.arange(0, S_PAD)
+    s_ok = ss < S
+    # Entries of the [M_PAD] register vector picked by masked sums (registers cannot be indexed).
+    pre_w = tl.sum(tl.where((mm[None, :] == ss[:, None]) & s_ok[:, None], mix[None, :], 0.0), axis=1) * r
+    post_w = tl.sum(tl.where((mm[None, :] == (ss + S)[:, None]) & s_ok[:, None], mix[None, :], 0.0), axis=1) * r
+    pre_b = tl.load(base_ptr + ss, mask=s_ok, other=0.0).to(tl.float32)
+    post_b = tl.load(base_ptr + S + ss, mask=s_ok, other=0.0).to(tl.float32)
+    pre = 1.0 / (1.0 + tl.exp(-(pre_w * sc_pre + pre_b))) + hc_eps
+    post = 2.0 * (1.0 / (1.0 + tl.exp(-(post_w * sc_post + post_b))))
+
+    # comb[j, s]: weight of input stream j in output stream s; padding (j or s >= S) is kept at exactly 0.
+    jj = ss[:, None]
+    kk = ss[None, :]
+    c_ok = (jj < S) & (kk < S)
+    c_idx = 2 * S + jj * S + kk
+    comb_w = tl.sum(tl.where((mm[None, None, :] == c_idx[:, :, None]) & c_ok[:, :, None], mix[None, None, :], 0.0), 2)
+    comb_b = tl.load(base_ptr + c_idx, mask=c_ok, other=0.0).to(tl.float32)
+    logits = comb_w * r * sc_comb + comb_b
+    # Softmax over s (the reference's dim -1); padded columns are -inf, padded rows stay finite and are zeroed.
+    logits = tl.where(kk < S, logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    comb = tl.where(c_ok, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+
+    if pid_d == 0:
+        tl.store(post_ptr + n * S + ss, post, mask=s_ok)
+        tl.store(comb_ptr + n * (S * S) + jj * S + kk, comb, mask=c_ok)
+        if WRITE_PRE:
+            tl.store(pre_ptr + n * S + ss, pre, mask=s_ok)
+
+    # Collapse of this program's d slice: fp32 products summed over s in order, cast once.
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    x_row = x_ptr + n.to(tl.int64) * stride_xn
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        p_s = tl.sum(tl.where(ss == s, pre, 0.0), axis=0)
+        xs = tl.load(x_row + s * stride_xs + d, mask=d_ok, other=0.0).to(tl.float32)
+        acc += p_s * xs
+    tl.store(xin_ptr + n.to(tl.int64) * stride_in + d, acc.to(xin_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _post_kernel(
+    x_ptr,
+    bo_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_bn,
+    stride_on,
+    stride_os,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    ss = tl.arange(0, S_PAD)
+    s_ok = ss < S
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n64 = n.to(tl.int64)
+    # The reference casts the fp32 weights and the block output to the streams' dtype first.
+    post = tl.load(post_ptr + n * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+    bo = tl.load(bo_ptr + n64 * stride_bn + d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+    acc = tl.zeros((S_PAD, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(S):
+        c_j = tl.load(comb_ptr + n * (S * S) + j * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+        x_j = tl.load(x_ptr + n64 * stride_xn + j * stride_xs + d, mask=d_ok, other=0.0).to(tl.float32)
+        acc += c_j[:, None] * x_j[None, :]
+    # Two tensors of the streams' dtype (elementwise product, matmul), then their sum in that dtype.
+    y = (post[:, None] * bo[None, :]).to(dt).to(tl.float32) + acc.to(dt).to(tl.float32)
+    tl.store(
+        out_ptr + n64 * stride_on + ss[:, None] * stride_os + d[None, :],
+        y.to(dt),
+        mask=s_ok[:, None] & d_ok[None, :],
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, enough to exercise the split-K path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def pre_launch_config(
+    n: int, s: int, d: int, device: torch.device, *, split: int | None = None, block_n: int | None = None,
+    block_k: int = 32
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """Launch shape of ``_mix_partial_kernel`` from the shapes alone (graph safe).
+
+    Args:
+        n: tokens.
+        s: streams.
+        d: hidden size.
+        device: where it runs (the SM count sets the split).
+        split: requested K split (capped to the number of units), default ~2 programs per SM, at most 128.
+        block_n: tokens per program (power of two >= 16; the dot needs 16 rows), default by ``n``.
+        block_k: width of a unit (power of two >= 16). The fp32 dot runs on the FMA units, each thread
+            holding whole ``block_k`` strips of both operands: 32 keeps it at ~100 registers for 16 rows
+            (64 needs ~170 and, at 64 rows, spills).
+
+    Returns:
+        ``(block_n, block_k, split, units_per_program)``; ``split * units_per_program >= units`` and every
+        program has at least one unit.
+    """
+    if block_n is None:
+        block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
+    units = s * triton.cdiv(d, block_k)
+    tblocks = triton.cdiv(max(n, 1), block_n)
+    if split is None:
+        split = min(128, max(1, (2 * _num_sms(device)) // tblocks))
+    split = max(1, min(split, units))
+    upp = triton.cdiv(units, split)
+    return block_n, block_k, triton.cdiv(units, upp), upp
+
+
+def _check_streams(streams: torch.Tensor) -> torch.Tensor:
+    if streams.dim() != 3:
+        raise ValueError(f"streams must be [N, S, D], got {tuple(streams.shape)}")
+    if streams.stride(-1) != 1:
+        streams = streams.contiguous()
+    return streams
+
+
+def mhc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    return_pre: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int = 32,
+    block_d: int = 1024,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Fused ``mhc_weights`` + ``mhc_collapse`` of `trtllm_glm.modules.mhc`.
+
+    Args:
+        streams: ``[N, S, D]`` residual streams (any float dtype; last dim contiguous, else copied).
+        fn: ``[(2 + S) * S, S * D]`` projection (read as fp32).
+        base: ``[(2 + S) * S]`` bias.
+        scale: ``[3]`` scales of the pre, post and comb logits.
+        norm_eps: epsilon of the weightless RMS norm over the flattened streams.
+        hc_eps: floor added to pre and comb and to every Sinkhorn denominator.
+        sinkhorn_iters: Sinkhorn iterations (the reference's count: one column normalisation, then
+            ``sinkhorn_iters - 1`` (row, column) pairs).
+        return_pre: also return ``pre [N, S]`` fp32 (tests).
+        out: optional ``(x_in, post, comb)`` buffers to write (e.g. a graph's static outputs).
+        split / block_n / block_k: launch shape of the split-K projection (`pre_launch_config`).
+        block_d: hidden slice per program of the collapse (power of two).
+        num_warps: warps per program of the projection (default 4, 8 from 32 tokens per program: keeps
+            the FMA dot under ~130 registers); the finishing kernel uses 4.
+
+    Returns:
+        ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)``, with ``pre`` inserted
+        after ``x_in`` when ``return_pre``.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    m = (2 + s) * s
+    if fn.shape != (m, s * d) or base.shape != (m,) or scale.numel() < 3:
+        raise ValueError(
+            f"mhc_pre: fn {tuple(fn.shape)} / base {tuple(base.shape)} / scale {tuple(scale.shape)} do not match "
+            f"{s} streams of {d}"
+        )
+    dev = streams.device
+    if fn.stride(-1) != 1:
+        fn = fn.contiguous()
+    base = base.contiguous()
+    scale = scale.contiguous()
+    if out is None:
+        x_in = torch.empty(n, d, dtype=streams.dtype, device=dev)
+        post = torch.empty(n, s, dtype=torch.float32, device=dev)
+        comb = torch.empty(n, s, s, dtype=torch.float32, device=dev)
+    else:
+        x_in, post, comb = out
+        if x_in.shape != (n, d) or x_in.stride(-1) != 1 or x_in.dtype != streams.dtype:
+            raise ValueError("mhc_pre: out x_in must be [N, D] of the streams' dtype, last dim contiguous")
+        if post.shape != (n, s) or comb.shape != (n, s, s) or not (post.is_contiguous() and comb.is_contiguous()):
+            raise ValueError("mhc_pre: out post / comb must be contiguous [N, S] / [N, S, S]")
+        if post.dtype != torch.float32 or comb.dtype != torch.float32:
+            raise ValueError("mhc_pre: out post / comb must be fp32")
+    pre = torch.empty(n, s, dtype=torch.float32, device=dev) if return_pre else post
+    if n > 0:
+        bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k)
+        m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
+        s_pad = max(2, triton.next_power_of_2(s))
+        ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
+        _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
+            streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
+            upp, s * triton.cdiv(d, bk),
+            M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4),
+        )  # fmt: skip
+        _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
+            streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
+            streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
+            float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            S=s, S_PAD=s_pad, M=m, M_PAD=m_pad, SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d,
+            WRITE_PRE=return_pre, num_warps=4,
+        )  # fmt: skip
+    if return_pre:
+        return x_in, pre, post, comb
+    return x_in, post, comb
+
+
+def mhc_post(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_d: int = 1024,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Fused ``mhc_expand``: new streams ``post ⊗ block_out + combᵀ @ streams`` in the streams' dtype.
+
+    Args:
+        streams: ``[N, S, D]`` the block's input streams.
+        block_out: ``[N, D]`` the block's output (any float dtype; rounded to the streams' dtype first).
+        post: ``[N, S]`` fp32 from `mhc_pre`.
+        comb: ``[N, S, S]`` fp32 from `mhc_pre` (``comb[n, j, s]``: input ``j`` to output ``s``).
+        out: optional ``[N, S, D]`` buffer (streams' dtype, last dim contiguous); may be ``streams`` itself
+            (in place: each program reads its token's ``[S, BLOCK_D]`` slice before writing that same slice).
+        block_d: hidden slice per program (power of two).
+        num_warps: warps per program.
+
+    Returns:
+        ``[N, S, D]`` in the streams' dtype.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    if block_out.shape != (n, d) or post.shape != (n, s) or comb.shape != (n, s, s):
+        raise ValueError(
+            f"mhc_post: block_out {tuple(block_out.shape)} / post {tuple(post.shape)} / comb {tuple(comb.shape)} "
+            f"do not match streams {tuple(streams.shape)}"
+        )
+    if block_out.stride(-1) != 1:
+        block_out = block_out.contiguous()
+    post = post.contiguous()
+    comb = comb.contiguous()
+    if out is None:
+        out = torch.empty(n, s, d, dtype=streams.dtype, device=streams.device)
+    elif out.shape != (n, s, d) or out.dtype != streams.dtype or out.stride(-1) != 1:
+        raise ValueError("mhc_post: out must be [N, S, D] of the streams' dtype, last dim contiguous")
+    if n > 0:
+        _post_kernel[(n, triton.cdiv(d, block_d))](
+            streams, block_out, post, comb, out, d,
+            streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, num_warps=num_warps,
+        )  # fmt: skip
+    return out
