@@ -20,8 +20,8 @@ Usage (on a CUDA machine, from the repository root)::
 
     PYTHONPATH=. python3 benchmarks/bench_mhc.py [--quick] [--sweep] [--json PATH]
 
-``--sweep`` also times other launch shapes of the projection kernel (split, block_k). Without CUDA it
-prints a message and exits 0.
+``--sweep`` also times other launch shapes (the projection's split and block_k, the hidden slice per
+program of the collapse and of the expand). Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -126,9 +126,11 @@ class _Bench:
         for i in range(CHAIN):
             self.K.mhc_pre(streams, self.fns[i], self.bases[i], self.scales[i], **KW, **launch)
 
-    def post_chain(self, streams: torch.Tensor, x_in: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> None:
+    def post_chain(
+        self, streams: torch.Tensor, x_in: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, **launch
+    ) -> None:
         for _ in range(CHAIN):
-            self.K.mhc_post(streams, x_in, post, comb)
+            self.K.mhc_post(streams, x_in, post, comb, **launch)
 
     def case(self, n: int) -> None:
         R, q = self.R, self.quick
@@ -154,6 +156,11 @@ class _Bench:
             for split, bk in ((32, 32), (64, 32), (256, 32), (128, 64), (128, 16)):
                 t = _graph_us([partial(self.pre_chain, streams, split=split, block_k=bk)], q) / CHAIN
                 self.record(f"  pre split={split} bk={bk}", n, t, "pre")
+            for bd in (256, 512, 2048):
+                t = _graph_us([partial(self.pre_chain, streams, block_d=bd)], q) / CHAIN
+                self.record(f"  pre block_d={bd}", n, t, "pre")
+                t = _graph_us([partial(self.post_chain, streams, x_in, post, comb, block_d=bd)], q) / CHAIN
+                self.record(f"  post block_d={bd}", n, t, "post")
 
 
 def main(argv: list[str] | None = None) -> int:
