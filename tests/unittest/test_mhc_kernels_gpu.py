@@ -54,11 +54,14 @@ def test_real_geometry_vs_reference(n: int, dtype: torch.dtype) -> None:
         want_pre, want_post, want_comb = R.mhc_weights(streams, fn, base, scale, **KW)
         want_x = R.mhc_collapse(streams, want_pre)
         want_new = R.mhc_expand(streams, block_out, want_post, want_comb)
-        # Same weights through the reference expand: isolates the expand kernel's own rounding.
-        want_new_same_w = R.mhc_expand(streams, block_out, post, comb)
         # Same weights through the reference: isolates the collapse / expand kernels' own rounding.
         want_x_same_w = R.mhc_collapse(streams, pre)
         want_new_same_w = R.mhc_expand(streams, block_out, post, comb)
+        # The expand's rounding model, exactly: weights and block output rounded to the streams' dtype, the
+        # product and the 4-term mix (exact in fp64) each rounded to it, then their sum.
+        term1 = (post.to(dtype).double()[..., None] * block_out.to(dtype).double()[:, None, :]).to(dtype)
+        term2 = torch.einsum("njs,njd->nsd", comb.to(dtype).double(), streams.double()).to(dtype)
+        want_new_model = (term1.float() + term2.float()).to(dtype)
         x2, post2, comb2 = K.mhc_pre(streams, fn, base, scale, **KW)
     torch.cuda.synchronize()
     for t in (x_in, post, comb, new):
@@ -67,11 +70,12 @@ def test_real_geometry_vs_reference(n: int, dtype: torch.dtype) -> None:
     e_x, e_new = _max_rel(x_in, want_x), _max_rel(new, want_new)
     neq_x = (x_in != want_x_same_w).float().mean().item()
     neq_new = (new != want_new_same_w).float().mean().item()
+    neq_model = (new != want_new_model).float().mean().item()
     spread = (want_comb - 1.0 / S).abs().max().item()
     print(
         f"\nN={n} {str(dtype)[6:]}: weights max rel {e_w:.1e}; vs reference: x_in max rel {e_x:.1e}, "
-        f"streams max rel {e_new:.1e}; at equal weights {neq_x:.3%} / {neq_new:.3%} of values differ; "
-        f"comb spread {spread:.2f}"
+        f"streams max rel {e_new:.1e}; at equal weights {neq_x:.3%} / {neq_new:.3%} of values differ "
+        f"({neq_model:.4%} from the rounding model); comb spread {spread:.2f}"
     )
     assert spread > 0.1, "Sinkhorn should have something to do"
     torch.testing.assert_close(pre, want_pre, rtol=1e-4, atol=1e-5)
@@ -81,11 +85,15 @@ def test_real_geometry_vs_reference(n: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(x_in, want_x, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(new, want_new, rtol=1e-4, atol=1e-4)
     else:
-        # bf16: exact but for one-ulp flips where an fp32 value sits on a rounding boundary (the last fp32
-        # bits of the weights, the order of the 4-term sums); a flipped weight moves a whole row by an ulp.
+        # bf16: the collapse is exact but for one-ulp flips where an fp32 value sits on a rounding boundary
+        # (measured on the H200: 0.003% of values at equal weights). The expand follows the rounding model
+        # (fp32 accumulation of the 4-term mix, rounded once); the reference's bf16 bmm (cuBLAS, which may
+        # reduce in bf16) differs from it by about an ulp in 16-23% of values (H200, 2026-11-30), so against
+        # the reference it is a tolerance, not an equality.
         torch.testing.assert_close(x_in, want_x_same_w, rtol=1.6e-2, atol=0.07)
         torch.testing.assert_close(new, want_new_same_w, rtol=1.6e-2, atol=0.13)
-        assert neq_x < 0.01 and neq_new < 0.01
+        assert neq_x < 0.01
+        assert neq_model < 1e-3
         torch.testing.assert_close(x_in, want_x, rtol=1.6e-2, atol=0.25)
         torch.testing.assert_close(new, want_new, rtol=1.6e-2, atol=0.25)
     assert torch.equal(x2, x_in) and torch.equal(post2, post) and torch.equal(comb2, comb), "not deterministic"
