@@ -25,9 +25,25 @@ ops), all sizes from shapes only and no host sync, so a block can be captured in
    each rounded to it (bf16 elementwise product; bf16 matmul with fp32 accumulation), then added and rounded.
 
 Numerics: FP32 in registers throughout. Sums run in a different order than torch's (split-K, sum of
-squares), and ``exp`` / ``rsqrt`` are the GPU's fast versions, so ``pre``/``post``/``comb`` agree with the
-reference to a few FP32 ulps (not bit for bit); ``x_in`` and the new streams then agree in bf16 except for a
-rare one-ulp flip where an FP32 value sits on a rounding boundary.
+squares), and ``exp`` / division are the GPU's fast versions, so ``pre``/``post``/``comb`` agree with the
+reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N = 2048), not bit for bit. In bf16
+``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32 value sits on a rounding
+boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix accumulated in
+FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16) differs from
+it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value), i.e. the kernel is the more
+accurate of the two.
+
+Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
+``benchmarks/results/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
+/ 128 against 232 / 272 / 300 / 337 µs for the graph-replayed torch reference. ``mhc_post`` is near the
+copy ceiling at N = 128 (3.1 µs, 73%) and ~1.7 µs (launch-bound) at N = 1. ``mhc_pre`` (12.4 µs at N = 1,
+29.5 µs at N = 128) is latency-bound, ~20-30x its byte floor: the split is already at its best
+(128 programs; 32: 27 µs, 64: 17 µs, 256: 12.8 µs) and ``block_k`` / ``block_d`` change it by < 1 µs, so the
+time is the serial chain of two dependent launches (partials, then one program per token and slice that
+reduces them, runs the Sinkhorn and loads the streams). Likely next steps, not measured: issue the
+collapse's stream loads before the weights (they do not depend on them), fuse the projection partials of
+block ``i + 1`` into block ``i``'s expand (its programs already hold the new streams of their slice: one
+launch less per block), or finish in the last-arriving projection program (a completion counter).
 
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
