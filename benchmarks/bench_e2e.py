@@ -55,33 +55,71 @@ def copy_ceiling_gbs(device: str) -> float:
     return 10 * 2 * x.numel() * 4 / (a.elapsed_time(b) * 1e-3) / 1e9
 
 
-def floor_bytes(cfg: Glm5NextConfig, model: Glm5NextForCausalLM, rows: int, batch: int, context: int) -> int:
-    """Bytes one decode/verify step of ``rows`` rows over ``batch`` requests must read at least.
+def _weight_bytes(model: Glm5NextForCausalLM, mtp: bool) -> tuple[int, int]:
+    """(dense bytes, routed-expert bytes) of the trunk (``mtp=False``) or of the MTP layer.
 
-    Dense weights once; of each MoE layer only the experts the step's tokens can reach (expected
-    distinct experts for ``rows`` tokens of uniform top-k routing); KDA states read and written; per
-    sparse layer the selected latent rows of every row plus the FP8 pool entries it scores.
+    The input embedding is left out: a step reads only its rows' embeddings (counted by the caller).
     """
-    total = 0
-    expert_bytes = 0
+    dense = experts = 0
     for name, p in model.named_parameters():
-        if name.startswith("mtp."):
+        if name.startswith("mtp.") != mtp or name.endswith("embed_tokens.weight"):
             continue
         if ".experts." in name:
-            expert_bytes += p.numel() * p.element_size()
+            experts += p.numel() * p.element_size()
         else:
-            total += p.numel() * p.element_size()
+            dense += p.numel() * p.element_size()
+    return dense, experts
+
+
+def floor_bytes(
+    cfg: Glm5NextConfig, model: Glm5NextForCausalLM, rows: int, batch: int, context: int, mtp_steps: int = 0
+) -> int:
+    """Bytes one decode/verify step of ``rows`` rows over ``batch`` requests must read at least.
+
+    Dense weights once (the LM head included; of the embedding only the rows' entries); of each MoE layer
+    only the experts the step's tokens can reach (expected distinct experts for ``rows`` tokens of uniform
+    top-k routing); KDA states read and written; per sparse layer the selected latent rows of every row
+    plus the FP8 pool entries it scores. ``mtp_steps`` MTP forwards (an MTP round: the catch-up over the
+    committed rows, then chained steps of one row per request) add the MTP layer's weights each time (its
+    dense part and the experts that ``batch`` tokens reach; the catch-up's extra rows are not counted).
+    """
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-    if n_moe:
-        reached = E * (1 - (1 - k / E) ** rows)
-        total += int(expert_bytes * reached / E)
+
+    def reached(n: int) -> float:
+        return E * (1 - (1 - k / E) ** n) / E
+
+    dense, expert_bytes = _weight_bytes(model, mtp=False)
+    emb = cfg.hidden_size * next(model.parameters()).element_size()
+    total = dense + rows * emb + int(expert_bytes * reached(rows))
     kda_state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
     total += 2 * kda_state * batch * len(cfg.kda_layer_ids)
     sel = min(context, cfg.index_select_width)
     per_sparse = rows * sel * cfg.kv_lora_rank * 2 + batch * (context // 4) * 132
     total += per_sparse * len(cfg.sparse_layer_ids)
+    if mtp_steps:
+        m_dense, m_experts = _weight_bytes(model, mtp=True)
+        total += mtp_steps * (
+            m_dense + batch * emb + int(m_experts * reached(batch)) + batch * sel * cfg.kv_lora_rank * 2
+        )
     return total
+
+
+def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` device kernels that took the most time in one call of ``step``: (name, µs, calls).
+
+    Kernels replayed from a CUDA graph are recorded too (CUPTI), so this also breaks down a graph step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            by_name.setdefault(e.name[:90], []).append(e.device_time_total)
+    rows = sorted(((k, sum(v), len(v)) for k, v in by_name.items()), key=lambda r: -r[1])
+    return [(k, round(t, 1), c) for k, t, c in rows[:n]]
 
 
 def count_launches_and_syncs(step) -> tuple[int, int]:
@@ -156,11 +194,12 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
-             prompts: list[list[int]] | None = None, graphs: bool = False):  # fmt: skip
+             prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
     ``graphs``: CUDA graphs of every batch size up to ``batch`` (padding on), all captured before timing.
+    ``profile_kernels``: also list that many of the costliest kernels of one steady step (``top_kernels``).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -189,6 +228,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
             ex.step()
     warm_s = time.perf_counter() - t_start - prefill_s
     launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
+    kernels = top_kernels(ex.step, profile_kernels) if profile_kernels and ex.has_work and device == "cuda" else []
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     steps, t0 = 0, time.perf_counter()
@@ -217,6 +257,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "mean_accepted": mean_acc,
         "launches_per_step": launches,
         "syncs_per_step": syncs,
+        "top_kernels": kernels,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
     }
@@ -384,6 +425,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile-kernels", type=int, default=0, help="list the N costliest kernels of one step")
     ap.add_argument(
         "--tie-tol", type=float, default=None,
         help="top-2 logit gap at or below which a divergence is a near tie (default 1e-3 in fp32, 0.125 otherwise)",
@@ -427,17 +469,26 @@ def main() -> None:
                     if mode.startswith("oracle") and plain is None:
                         plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs)
                     cont = plain["outputs"] if plain is not None else None
-                    # Short warm-up of the same case: kernel compilation and first touch stay out of the timing.
-                    run_case(model, mode, B, args.prompt_len, 4, args.device, continuation=cont, graphs=graphs)
+                    # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
+                    # An oracle's warm-up runs the whole length and its own output becomes the continuation:
+                    # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
+                    # a continuation that parted from the verify path's greedy tokens would be rejected
+                    # whatever the chosen acceptance.
+                    warm = run_case(model, mode, B, args.prompt_len, args.gen if mode.startswith("oracle") else 4,
+                                    args.device, continuation=cont, graphs=graphs)  # fmt: skip
+                    if mode.startswith("oracle"):
+                        cont = warm["outputs"]
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
-                                 graphs=graphs)  # fmt: skip
+                                 graphs=graphs, profile_kernels=args.profile_kernels)  # fmt: skip
                     if mode == "plain":
                         plain = plain or r
                         plain_step[graphs] = r["step_ms"]
                     # A step verifies 1 + K rows per request (K = the mode's draft count).
                     k = draft_len(mode)
-                    fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen)
-                    floor_ms = fl / (bw * 1e9 / 2) * 1e3 if bw == bw else float("nan")
+                    fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
+                                     mtp_steps=k if mode.startswith("mtp") else 0)  # fmt: skip
+                    # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
+                    floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
                     row = {"layers": L, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
                            "step_ms": r["step_ms"], "floor_ms": floor_ms, "ratio_to_floor": r["step_ms"] / floor_ms,
                            "step_vs_plain": r["step_ms"] / plain_step[graphs] if graphs in plain_step else None,
@@ -446,7 +497,8 @@ def main() -> None:
                            "graphs": graphs, "capture_s": r["capture_s"], "graph_replays": r["graph_replays"],
                            "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
                            "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
-                           "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen}  # fmt: skip
+                           "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
+                           "top_kernels": r["top_kernels"]}  # fmt: skip
                     rows_out.append(row)
                     emit(row)
             if args.transformers:

@@ -295,3 +295,36 @@ def test_emulated_graphs_with_prefix_hits_match_eager(emulated, mode: str) -> No
     _assert_same(ref, got)
     assert warm.output_ids and ex.prefix.stats.hits >= 3 and ex.graph_runner.stats.replays > 0
     assert sum(r.num_cached_tokens for r in got) >= 3 * 16
+
+
+def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
+    """Requests whose budget leaves room for fewer than K drafts (their last rounds) are padded to the full
+    verify width, so one of them does not send the batch's step down the eager path; the filler is never
+    accepted, so tokens and acceptance counts equal an unpadded eager run (with the fix removed, the
+    budget-cut rounds run eagerly and ``eager_steps`` counts them)."""
+    from trtllm_glm.speculative.drafters import OracleDrafter
+
+    model = _model()
+    max_tokens = [9, 5, 7, 6]
+    emulated(False)
+    plain = _run(Executor(model, ExecutorConfig(**EX_CFG)), PROMPTS, max_tokens)
+    cont = {i: r.output_ids for i, r in enumerate(plain)}
+
+    def make(graphs: bool) -> SpeculativeExecutor:
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)
+                             if graphs else None)  # fmt: skip
+        # Every third output position corrupted: accepted runs of 0-2 drafts, so requests reach their
+        # budgets at different rounds.
+        drafter = OracleDrafter(cont, lambda i, j: (i + j) % 3 == 0, vocab_size=model.config.vocab_size)
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3), drafter=drafter)
+
+    ref = _run(make(False), PROMPTS, max_tokens)
+    emulated(True)
+    ex = make(True)
+    got = _run(ex, PROMPTS, max_tokens)
+    _assert_same(ref, got)
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+    assert [r.num_accepted_total for r in got] == [r.num_accepted_total for r in ref]
+    assert [r.accepted_per_position for r in got] == [r.accepted_per_position for r in ref]
+    st = ex.graph_runner.stats
+    assert st.replays > 0 and st.eager_steps == 0, (st.replays, st.eager_steps)

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ..config import Glm5NextConfig
 from ..state import KdaLayerState
+from ..transfer import to_device
 from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
@@ -131,7 +132,7 @@ class KdaLayerRecords:
         if not records.seq_ids:
             return
         if isinstance(num_accepted, torch.Tensor):
-            ids = torch.tensor(records.seq_ids, dtype=torch.int64, device=num_accepted.device)
+            ids = to_device(records.seq_ids, num_accepted.device, torch.int64)
             a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)[ids]
         else:
             if len(num_accepted) != records.num_seqs:
@@ -140,6 +141,10 @@ class KdaLayerRecords:
             bad = [(b, n, w) for b, n, w in zip(records.seq_ids, a, records.widths) if not 0 <= n <= w]
             if bad:
                 raise ValueError(f"num_accepted out of range (seq, accepted, width): {bad}")
+            if records.slots_t.device.type != "cpu":
+                # Checked on the host above; on the device through pinned memory, without a stream sync
+                # (the ops would otherwise build the tensor synchronously, twice per layer and round).
+                a = to_device(a, records.slots_t.device, torch.int64)
         slots, fresh = records.slots_t, records.fresh
         conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
         conv_commit(conv, records.x_rows, a)

@@ -608,7 +608,7 @@ class MtpChainGraphs:
             shared: ``(pool_ids [n, topk_pools], window_start [n])`` with selection sharing, else None.
 
         Returns:
-            ``(hidden [n, D]`` (a view of the graph's output), the ``n`` greedy drafts on the host).
+            ``(hidden [n, D]`` (a view of the graph's output), ``[n]`` int64 greedy drafts on the device).
         """
         n = len(rids)
         self._prepare(rids, past, P)
@@ -631,7 +631,8 @@ class MtpChainGraphs:
                 h, toks = g.hidden, g.tokens
         self.meta.trim_padding()
         self.replays += 1
-        return h[:n], toks[:n].tolist()
+        # The drafts stay on the device (the next replay overwrites the graph's buffer: a copy, no sync).
+        return h[:n], toks[:n].clone()
 
     def run_catchup(
         self,
@@ -656,7 +657,8 @@ class MtpChainGraphs:
 
         Returns:
             ``(h_last [n, D], pools_last [n, topk_pools] or None, drafts)``: the MTP output of each sequence's
-            last row, step 0's selection of that row (with selection sharing) and its greedy draft.
+            last row, step 0's selection of that row (with selection sharing) and its greedy draft
+            (``[n]`` int64 on the device).
         """
         P, W = -key, self.width
         self._prepare_catchup(rids, starts, committed, P)
@@ -671,7 +673,7 @@ class MtpChainGraphs:
             flat += a
             last.append(j * W + a - 1)
         dev = self.meta.device
-        self.c_tokens[: P * W].copy_(torch.tensor(tok, dtype=torch.int64))
+        self.c_tokens[: P * W].copy_(to_device(tok, dev, torch.int64))
         self.c_hidden[: P * W].copy_(hidden[to_device(src, dev)])
         g = self.graphs.get(key)
         with torch.inference_mode(), self._scope():
@@ -684,6 +686,5 @@ class MtpChainGraphs:
         self.meta.trim_padding()
         self.catchup_replays += 1
         last_t = to_device(last, dev)
-        all_toks = toks[: P * W].tolist()
         pools_last = pools[last_t] if self.share_selection and pools is not None else None
-        return h[last_t], pools_last, [int(all_toks[i]) for i in last]
+        return h[last_t], pools_last, toks[last_t]

@@ -261,14 +261,18 @@ class SpeculativeExecutor(Executor):
             off, cnt = spans[i]
             if s.is_decode and s.num_rows > 1:
                 drafts = st.drafts
+                # Filler drafts (`_pad_drafts`) are verified but never accepted: they may run past the
+                # request's budget and the draft cache's capacity.
+                proposed = len(drafts) if st.num_proposed is None else st.num_proposed
                 a = 1
-                while a <= len(drafts) and drafts[a - 1] == greedy[off + a - 1]:
+                while a <= proposed and drafts[a - 1] == greedy[off + a - 1]:
                     a += 1
                 emitted = drafts[: a - 1] + [greedy[off + a - 1]]
                 num_accepted[i] = committed[i] = a
-                r.num_verify_rounds += 1
-                r.num_accepted_total += a
-                for j in range(len(drafts)):
+                if proposed:  # all filler: a width-one round as far as the statistics go
+                    r.num_verify_rounds += 1
+                    r.num_accepted_total += a
+                for j in range(proposed):
                     if j >= len(r.proposed_per_position):
                         r.proposed_per_position.append(0)
                         r.accepted_per_position.append(0)
@@ -292,6 +296,7 @@ class SpeculativeExecutor(Executor):
                     if self._emit(r, [tok], gaps[off : off + 1], logits[off : off + 1]):  # type: ignore[index]
                         finished.append(r)
             st.drafts = []
+            st.num_proposed = None
         # Folds the verified KDA records (if any) and advances every slot's committed length.
         self.model.commit_kda(self.meta, self.manager, num_accepted)
         for r in finished:
@@ -344,21 +349,42 @@ class SpeculativeExecutor(Executor):
             row += s.num_rows
         self.drafter.draft(seqs, hidden)
         if self.graph_runner is not None:
-            _pad_drafts(seqs)
+            _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
+                               for _, s in live})  # fmt: skip
+
+    def _padded_len(self, r: Request, k: int) -> int:
+        """Draft slots of ``r``'s next round when CUDA graphs replay full-width verify steps.
+
+        A round cut short by the request's budget (its last few tokens) or by a short proposal would make
+        the step's widths differ, and one such request sends the whole batch's step down the eager path.
+        Such rounds are padded to the full width where the context and the cache allow it.
+        """
+        K = self.max_draft_len
+        if k >= K or not r.params.greedy or not r.is_decode:
+            return k
+        kp = min(K, self.max_seq_len - len(r.tokens) - 1)
+        if kp <= k:
+            return k
+        try:  # the filler rows need pages like any verify row; without them the round stays short
+            self.manager.ensure_capacity(r.request_id, len(r.tokens) + kp)
+        except CapacityError:
+            return k
+        return kp
 
 
-def _pad_drafts(seqs: list[DraftSeq]) -> None:
-    """Fill each live request's drafts up to the width it asked for (CUDA graphs replay uniform widths).
+def _pad_drafts(seqs: list[DraftSeq], width: dict[int, int]) -> None:
+    """Fill each live request's drafts up to ``width[request_id]`` slots (graphs replay uniform widths).
 
-    A short proposal (an n-gram match near the end of the text, no match at all) would make the step's
-    widths differ and the step run eagerly. Filler drafts (the last draft, or the last token, repeated) are
-    verified like any other: accepted only where they equal the target's greedy token, so the output is
-    unchanged; only the acceptance statistics count them as proposals.
+    Filler (the last draft, or the last token, repeated) is verified like any draft but never accepted
+    (`DraftState.num_proposed` marks where it starts), so the output, the acceptance statistics and every
+    cache length are those of the unpadded round; the filler rows only cost compute.
     """
     for s in seqs:
-        if not s.live or s.want <= 0:
+        if not s.live:
             continue
+        n = width.get(s.request_id, 0)
         d = s.state.drafts
-        if len(d) < s.want:
+        s.state.num_proposed = len(d)
+        if len(d) < n:
             fill = d[-1] if d else s.tokens[-1]
-            s.state.drafts = list(d) + [fill] * (s.want - len(d))
+            s.state.drafts = list(d) + [fill] * (n - len(d))

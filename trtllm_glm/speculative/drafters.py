@@ -26,6 +26,7 @@ class DraftState:
     last_accepted: int = 0  # rows accepted in the previous verify round (tail-ring cross-check)
     index: int = 0  # submission index (oracle drafters key on it)
     mtp_disabled: bool = False  # the draft pool could not hold its history: width-one from here on
+    num_proposed: int | None = None  # drafts the drafter proposed; the rest of ``drafts`` is graph filler
 
 
 @dataclass

@@ -118,7 +118,7 @@ class MTPDrafter(Drafter):
             last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
             prev_last = hidden[last_src]
         else:
-            prev_h = hidden[src_rows.to(self.device)]
+            prev_h = hidden[to_device(src_rows.tolist(), self.device)]
             nxt = to_device(toks, self.device, torch.int64)
             out = self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
             last = to_device([sum(committed[: j + 1]) - 1 for j in range(len(cat))], self.device)
@@ -126,7 +126,7 @@ class MTPDrafter(Drafter):
             h_last = out[last]
             pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
             with torch.inference_mode():
-                d = self.model.compute_logits(h_last).argmax(-1).tolist()  # one host copy, not one per request
+                d = self.model.compute_logits(h_last).argmax(-1)
         for s in cat:
             s.state.mtp_len = s.num_computed
         draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
@@ -134,28 +134,57 @@ class MTPDrafter(Drafter):
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
             dm.state.commit_verified(draft_ids, committed)
         dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
-        drafting = [j for j, s in enumerate(cat) if s.want >= 1]
-        for j in drafting:
-            cat[j].state.drafts = [int(d[j])]
-        chain = [j for j in drafting if cat[j].want >= 2]
-        if not chain:
-            return
-        # 2. Chained drafts: speculative rows; the state owner restores the MTP tail ring afterwards.
-        slots = torch.tensor(
-            [dm.get_state_slot(cat[j].request_id) for j in chain], dtype=torch.int64, device=self.device
-        )
+        # The drafts stay on the device until the round is drafted: one host copy for all of them (each
+        # chained step needs only the previous step's tokens, which it reads on the device).
+        pieces: list[tuple[list[int], torch.Tensor]] = [(list(range(len(cat))), d)]
+        chain = [j for j, s in enumerate(cat) if s.want >= 2]
+        if chain:
+            self._chain(cat, chain, h_last, d, pools0, pieces)
+        flat = torch.cat([t.reshape(-1) for _, t in pieces]).tolist()
+        pos = 0
+        for s in cat:
+            s.state.drafts = []
+        for idx, _ in pieces:
+            for j in idx:
+                if len(cat[j].state.drafts) < cat[j].want:
+                    cat[j].state.drafts.append(int(flat[pos]))
+                pos += 1
+
+    def _chain(
+        self,
+        cat: list[DraftSeq],
+        chain: list[int],
+        h_last: torch.Tensor,
+        d: torch.Tensor,
+        pools0: torch.Tensor | None,
+        pieces: list[tuple[list[int], torch.Tensor]],
+    ) -> None:
+        """Chained drafts 2 .. want of the sequences ``cat[j]``, ``j`` in ``chain``, appended to ``pieces``.
+
+        Speculative rows: the state owner restores the MTP tail ring afterwards.
+
+        Args:
+            cat: the round's caught-up sequences.
+            chain: indices into ``cat`` of those wanting two drafts or more.
+            h_last: ``[len(cat), D]`` MTP output of each sequence's last committed row.
+            d: ``[len(cat)]`` int64 first drafts (device).
+            pools0: ``[len(cat), topk_pools]`` step 0's selections (selection sharing), else None.
+            pieces: ``(indices into cat, [len(indices)] device drafts)`` per chained step, appended in order.
+        """
+        dm = self.draft_manager
+        slots = to_device([dm.get_state_slot(cat[j].request_id) for j in chain], self.device, torch.int64)
         with dm.state.speculative_rows(self.mtp_plane, slots):
-            h = h_last[to_device(chain, self.device)]
+            sel = to_device(chain, self.device, torch.int64)
+            h, tok = h_last[sel], d[sel]
             active = list(chain)
             c = 1
             while active:
                 reqs = [cat[j] for j in active]
-                tok = to_device([s.state.drafts[-1] for s in reqs], self.device)
                 shared = None
                 if pools0 is not None:
                     # Step 0 ran at position num_computed - 1; its open pool starts at 4 * (num_computed // 4).
                     ws = to_device([4 * (s.num_computed // 4) for s in reqs], self.device, torch.int64)
-                    shared = (pools0[to_device(active, self.device)], ws)
+                    shared = (pools0[to_device(active, self.device, torch.int64)], ws)
                 past = [s.num_computed + c - 1 for s in reqs]
                 key = self.chain_graphs.key(len(reqs)) if self.chain_graphs is not None else None
                 if key is not None:
@@ -163,14 +192,14 @@ class MTPDrafter(Drafter):
                 else:
                     h = self._mtp_step(reqs, past, [1] * len(reqs), tok, h, decode=True, shared=shared)
                     with torch.inference_mode():
-                        nd = self.model.compute_logits(h).argmax(-1).tolist()
-                keep = []
-                for k, s in enumerate(reqs):
-                    s.state.drafts.append(int(nd[k]))
-                    if len(s.state.drafts) < s.want:
-                        keep.append(k)
+                        nd = self.model.compute_logits(h).argmax(-1)
+                pieces.append((list(active), nd))
+                # After step c a sequence has c + 1 drafts.
+                keep = [k for k, s in enumerate(reqs) if c + 1 < s.want]
                 active = [active[k] for k in keep]
-                h = h[to_device(keep, self.device, torch.int64)] if keep else h[:0]
+                if keep:
+                    ksel = to_device(keep, self.device, torch.int64)
+                    h, tok = h[ksel], nd[ksel]
                 c += 1
 
     def _mtp_step(
