@@ -15,9 +15,12 @@ by the kernel's eager time. Each kernel's output is checked against the referenc
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_sparse_kernels.py [--quick] [--sweep] [--json PATH]
+    PYTHONPATH=. python benchmarks/bench_sparse_kernels.py [--quick] [--sweep] [--json PATH] [--only mla|topk]
+        [--rows 1,16,64,128] [--variants "default,triton bw64 s2"] [--no-torch]
 
-``--sweep`` also times alternative launch shapes (tuning). Without CUDA it prints a message and exits 0.
+``--sweep`` also times alternative launch shapes (tuning): every entry of ``MLA_VARIANTS`` unless
+``--variants`` names some, plus other split counts and combine shapes at 16 / 64 rows and the combine alone.
+Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -110,6 +113,9 @@ class _Ctx:
         self.dev, self.quick, self.sweep, self.ceiling = dev, quick, sweep, ceiling
         self.K, self.R = kernels, ops
         self.rows: list[Row] = []
+        self.mla_rows: tuple[int, ...] = MLA_ROWS
+        self.mla_variants: list[str] = []
+        self.time_torch = True
 
     def record(
         self, name: str, nbytes: float, t_eager: float, t_graph: float | None, t_ref: float | None, note: str = ""
@@ -153,44 +159,61 @@ def _mla_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+# Launch shapes timed by --sweep (name -> keywords of kernels.sparse_mla.sparse_mla_attention). "default" is
+# what the wrapper runs: the Gluon kernel on sm_90 with bf16 (kernels/sparse_mla.py, `gluon_eligible`).
+MLA_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "gluon bw64": dict(impl="gluon", block_w=64),
+    "gluon bw64 p-reg": dict(impl="gluon", block_w=64, gluon_p_smem=False),
+    "gluon bw32": dict(impl="gluon", block_w=32),
+    "gluon bw32 nb3": dict(impl="gluon", block_w=32, gluon_nbuf=3),
+    "gluon bw16": dict(impl="gluon", block_w=16),
+    # Diagnostics (wrong results by design): the same kernel without its products / without its copies.
+    "diag bw64 no-mma": dict(impl="gluon", block_w=64, gluon_diag=1),
+    "diag bw64 no-copy": dict(impl="gluon", block_w=64, gluon_diag=2),
+    "diag bw32 no-mma": dict(impl="gluon", block_w=32, gluon_diag=1),
+    "diag bw32 no-copy": dict(impl="gluon", block_w=32, gluon_diag=2),
+    "triton bw64 s2": dict(impl="triton", block_w=64, num_stages=2),
+    "triton bw32 s7": dict(impl="triton", block_w=32, num_stages=7),
+}
+# Extra split counts / combine shapes (default impl) timed by --sweep at these row counts.
+MLA_SPLITS = {16: (4, 9, 11, 17), 64: (1, 4)}
+MLA_COMBINE_BH = {16: (2, 4, 16)}
+
+
+def _mla_block_w(mod, kw: dict, q: torch.Tensor, cache: torch.Tensor) -> int:
+    """Entries per tile of the launch that ``kw`` selects (for the split-count note)."""
+    impl = kw.get("impl") or ("gluon" if mod.gluon_eligible(q, cache) and mod._DEFAULT_IMPL != "triton" else "triton")
+    return kw.get("block_w", mod._GLUON_BLOCK_W if impl == "gluon" else mod._BLOCK_W)
+
+
 def bench_sparse_mla(cx: _Ctx) -> None:
-    """Sparse MLA, N = 1, 16, 64, 128 rows; default launch shape, then (with --sweep) alternatives."""
+    """Sparse MLA at the row counts of ``cx.mla_rows``; default launch, then (with --sweep) alternatives."""
     K, R, dev = cx.K, cx.R, cx.dev
     data = _MlaData(dev, max(MLA_ROWS))
     mod = K.kernel_module("sparse_mla", dev)
-    variants: list[tuple[str, dict]] = [("default", {})]
-    if cx.sweep:
-        variants += [
-            ("bw32 s2", dict(block_w=32)),
-            ("bw32 s3", dict(block_w=32, num_stages=3)),
-            ("bw16 s4", dict(block_w=16, num_stages=4)),
-            ("bh32 bw64", dict(block_h=32, block_w=64)),
-        ]
-    for n_rows in MLA_ROWS:
+    names = cx.mla_variants or (list(MLA_VARIANTS) if cx.sweep else ["default"])
+    for n_rows in cx.mla_rows:
         nbytes = n_rows * WIDTH * RANK * 2
         q, sel, rs = data.batch(n_rows, 0)
         args = (q, data.cache, sel, rs, data.table, P, SCALE)
         ref = R.sparse_mla_attention(*args)
         ref32 = R.sparse_mla_attention(q.float(), data.cache.float(), sel, rs, data.table, P, SCALE)
-        t_ref = _bench(partial(R.sparse_mla_attention, *args), cx.quick, slow=True)
+        ref_err = _mla_err(ref, ref32)
+        t_ref = _bench(partial(R.sparse_mla_attention, *args), cx.quick, slow=True) if cx.time_torch else None
         sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
         batches = [data.batch(n_rows, s * n_rows) for s in range(sets)]
-        splits_default = mod.choose_splits(n_rows, H, WIDTH, dev, 64, 64)
-        sweep_here = [("default", {})] if n_rows == 1 else variants
-        extra = []
-        if cx.sweep and n_rows in (16, 64):
-            # Twice / half the default split count (load balance vs combine traffic).
-            extra = [
-                (f"splits x2 ({2 * splits_default})", dict(splits=2 * splits_default)),
-                (f"splits /2 ({max(1, splits_default // 2)})", dict(splits=max(1, splits_default // 2))),
-            ]
-        for label, kw in sweep_here + extra:
+        todo = [(name, MLA_VARIANTS[name]) for name in names if n_rows != 1 or name in ("default", "triton bw64 s2")]
+        if cx.sweep:
+            todo += [(f"splits={sp}", dict(splits=sp)) for sp in MLA_SPLITS.get(n_rows, ())]
+            todo += [(f"combine bh{cb}", dict(combine_block_h=cb)) for cb in MLA_COMBINE_BH.get(n_rows, ())]
+        for label, kw in todo:
             try:
-                out = mod.sparse_mla_attention(*args, **kw)
+                out = torch.full_like(q, float("nan"))
+                mod.sparse_mla_attention(*args, out=out, **kw)
                 err = _mla_err(out, ref32)
-                ref_err = _mla_err(ref, ref32)
-                if not err < 8e-3:
-                    raise AssertionError(f"relative error {err:.2e} vs fp32 reference")
+                # Timed even when wrong (marked), so that a broken variant still shows what it would cost.
+                bad = "" if err < 8e-3 else (" (diagnostic)" if "gluon_diag" in kw else " WRONG")
                 t_k = _bench(partial(mod.sparse_mla_attention, *args, **kw), cx.quick)
                 outs = [torch.empty_like(b[0]) for b in batches]
                 calls = [
@@ -198,15 +221,52 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                     for b, o in zip(batches, outs)
                 ]
                 t_g = _graph_us(calls, cx.quick)
-                bw = kw.get("block_w", 64)
-                asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, kw.get("block_h", 64), bw))
+                bw = _mla_block_w(mod, kw, q, data.cache)
+                asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, 64, bw))
+                label = label if "block_w" in kw or label != "default" else f"default (bw{bw})"
                 n_splits = mod.split_layout(WIDTH, bw, asked)[1]
-                note = f"splits={n_splits} err {err:.1e} (torch bf16 {ref_err:.1e})"
+                note = f"splits={n_splits} err {err:.1e} (torch bf16 {ref_err:.1e}){bad}"
                 cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, t_ref, note)
             except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
                 print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        if cx.sweep and n_rows == 16:
+            _bench_combine_only(cx, mod, n_rows)
         del batches
         torch.cuda.empty_cache()
+
+
+def _bench_combine_only(cx: _Ctx, mod, n_rows: int) -> None:
+    """The split combine alone (graph replay) at the default split count: its share of the op's time."""
+    splits = mod.split_layout(WIDTH, 64, mod.choose_splits(n_rows, H, WIDTH, cx.dev, 64, 64))[1]
+    o_part = torch.randn(n_rows, splits, H, RANK, device=cx.dev)
+    lse = torch.randn(n_rows, splits, H, device=cx.dev)
+    out = torch.empty(n_rows, H, RANK, device=cx.dev, dtype=torch.bfloat16)
+    for cb in (8, 2):
+
+        def launch(cb: int = cb) -> None:
+            mod._combine_kernel[(H // cb, n_rows)](
+                o_part,
+                lse,
+                out,
+                H,
+                splits,
+                *o_part.stride()[:3],
+                *lse.stride()[:2],
+                *out.stride()[:2],
+                R=RANK,
+                BLOCK_H=cb,
+                RP=RANK,
+                SP=triton_next_pow2(splits),
+                num_warps=4,
+            )
+
+        t_g = _graph_us([launch] * 20, cx.quick)
+        nbytes = o_part.numel() * 4 + lse.numel() * 4 + out.numel() * 2
+        cx.record(f"sparse_mla combine only N={n_rows} bh{cb}", nbytes, t_g, t_g, None, f"splits={splits}")
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
 
 
 def bench_topk(cx: _Ctx) -> None:
@@ -250,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--sweep", action="store_true", help="also time alternative launch shapes")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    parser.add_argument("--only", choices=("mla", "topk"), default=None, help="run one section only")
+    parser.add_argument("--rows", default=None, help="sparse MLA row counts, comma-separated (default 1,16,64,128)")
+    parser.add_argument(
+        "--variants", default=None, help=f"sparse MLA launch shapes, comma-separated, of: {', '.join(MLA_VARIANTS)}"
+    )
+    parser.add_argument("--no-torch", action="store_true", help="skip timing the torch reference")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_sparse_kernels: CUDA is not available; nothing to benchmark.")
@@ -263,8 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = _copy_ceiling(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     cx = _Ctx(dev, args.quick, args.sweep, ceiling)
+    if args.rows:
+        cx.mla_rows = tuple(int(x) for x in args.rows.split(","))
+    if args.variants:
+        cx.mla_variants = [v.strip() for v in args.variants.split(",")]
+        unknown = [v for v in cx.mla_variants if v not in MLA_VARIANTS]
+        if unknown:
+            parser.error(f"unknown variants {unknown}")
+    cx.time_torch = not args.no_torch
     failed = []
-    for section in (bench_sparse_mla, bench_topk):
+    sections = {"mla": (bench_sparse_mla,), "topk": (bench_topk,), None: (bench_sparse_mla, bench_topk)}[args.only]
+    for section in sections:
         try:
             section(cx)
             print(f"done: {section.__name__}", flush=True)

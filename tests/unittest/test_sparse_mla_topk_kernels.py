@@ -176,6 +176,17 @@ def test_sparse_mla_order_of_selection_is_irrelevant() -> None:
     assert ((out - shuffled).abs().max() / out.abs().max()).item() < 2e-6
 
 
+def test_sparse_mla_gluon_kernel_is_gpu_only() -> None:
+    """Off sm_90 (here: the interpreter) the Triton kernel serves every call; asking for the Gluon one fails."""
+    case = _MlaCase(6, n_heads=4, rank=16, page_size=8, lens=[20], row_seq=[0], width=16)
+    mod = K.kernel_module("sparse_mla", "cpu")
+    assert not mod.gluon_eligible(case.q, case.cache)
+    with pytest.raises(ValueError, match="Gluon"):
+        mod.sparse_mla_attention(*case.args(), impl="gluon")
+    with pytest.raises(ValueError, match="impl"):
+        mod.sparse_mla_attention(*case.args(), impl="cuda")
+
+
 # ------------------------------------------------------------------------------------------------
 # Pool top-k
 def _scores(n_rows: int, max_pools: int, g: torch.Generator, *, ties: bool) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Triton sparse MLA and pool top-k kernels (compiled, CUDA) against the torch reference at GLM geometry.
 
 Sparse MLA: 64 heads x kv_lora 512, page size 64, selection width 2051 (2048 pool tokens + 3 tail), bf16
-latent cache and queries, up to 128 query rows. The cache starts as NaN everywhere except the rows of live
+latent cache and queries, up to 128 query rows; the default kernel (the Gluon one on sm_90) and each kernel
+explicitly. The cache starts as NaN everywhere except the rows of live
 tokens, pages are permuted and the slot table is wider than needed, ``-1`` is scattered through the
 selection and some rows select nothing. Outputs are poisoned before each call. Tolerance: the kernel rounds
 the probabilities to bf16 for the second product (FlashAttention-style) and the output to bf16, so it is
@@ -97,39 +98,93 @@ def test_sparse_mla_matches_reference_at_glm_geometry(n_rows: int) -> None:
     assert max_err < 1.5e-2 and row_err < 6e-3
 
 
-def test_sparse_mla_split_layouts_and_fp32_agree() -> None:
-    """Any split count gives the same result; the fp32 path (IEEE products) matches the reference tightly."""
+# Launch shapes of kernels.sparse_mla.sparse_mla_attention checked explicitly, whatever the default is.
+_MLA_KERNELS = {
+    "gluon-bw64": dict(impl="gluon", block_w=64),
+    "gluon-bw64-preg": dict(impl="gluon", block_w=64, gluon_p_smem=False),
+    "gluon-bw32": dict(impl="gluon", block_w=32),
+    "gluon-bw16": dict(impl="gluon", block_w=16),
+    "triton": dict(impl="triton"),
+}
+
+
+def _kernel_kwargs(name: str, q: torch.Tensor, cache: torch.Tensor) -> dict:
+    kw = _MLA_KERNELS[name]
+    if kw["impl"] == "gluon" and not K.kernel_module("sparse_mla", "cuda").gluon_eligible(q, cache):
+        pytest.skip("the Gluon kernel needs sm_90")
+    return kw
+
+
+@pytest.mark.parametrize("kernel", list(_MLA_KERNELS))
+@pytest.mark.parametrize("n_rows", [16, 128])
+def test_sparse_mla_each_kernel_matches_reference(kernel: str, n_rows: int) -> None:
+    """Each kernel / launch shape, with padding rows, empty rows and many skipped entries."""
+    mod = K.kernel_module("sparse_mla", "cuda")
+    scene = _MlaScene(11 + n_rows, lens=[5000, 2051, 9000, 700, 3001, 12345, 2100, 64])
+    g = torch.Generator().manual_seed(100 + n_rows)
+    row_seq = torch.randint(0, len(scene.lens), (n_rows,), generator=g).tolist()
+    row_seq[3] = -1  # a padding row
+    q, sel, rs = scene.batch(row_seq, empty=(1,), holes=0.2)
+    rs[3] = -1
+    kw = _kernel_kwargs(kernel, q, scene.cache)
+    ref = R.sparse_mla_attention(q.float(), scene.cache.float(), sel, rs.clamp(min=0), scene.table, P, SCALE)
+    ref[3] = 0.0
+    out = torch.full_like(q, float("nan"))
+    mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, out=out, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "unwritten output or a poisoned cache row was read"
+    for i in (1, 3):
+        assert torch.equal(out[i], torch.zeros_like(out[i])), f"row {i} must be zeros"
+    max_err, row_err = _mla_error(out, ref)
+    print(f"[sparse-mla-gpu] {kernel} N={n_rows}: max abs err / max |ref| {max_err:.2e}, worst row rel {row_err:.2e}")
+    assert max_err < 1.5e-2 and row_err < 6e-3
+
+
+@pytest.mark.parametrize("kernel", ["default", "gluon-bw64", "gluon-bw32"])
+def test_sparse_mla_split_layouts_agree(kernel: str) -> None:
+    """Any split count (one split: the direct-output path; more splits than tiles) gives the same result."""
     scene = _MlaScene(3, lens=[4000, 2500, 6000])
     q, sel, rs = scene.batch([0, 1, 2, 0, 2, 1], empty=(4,), holes=0.3)
+    kw = {} if kernel == "default" else _kernel_kwargs(kernel, q, scene.cache)
     ref = R.sparse_mla_attention(q.float(), scene.cache.float(), sel, rs, scene.table, P, SCALE)
     mod = K.kernel_module("sparse_mla", "cuda")
     for splits in (1, 3, 16, 80):
-        out = mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, splits=splits)
+        out = mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, splits=splits, **kw)
         max_err, row_err = _mla_error(out, ref)
-        print(f"[sparse-mla-gpu] splits={splits}: {max_err:.2e} {row_err:.2e}")
+        print(f"[sparse-mla-gpu] {kernel} splits={splits}: {max_err:.2e} {row_err:.2e}")
         assert max_err < 1.5e-2 and row_err < 6e-3, f"splits={splits}"
-    out32 = K.sparse_mla_attention(q.float(), scene.cache.float(), sel, rs, scene.table, P, SCALE)
+
+
+def test_sparse_mla_fp32_path_is_tight() -> None:
+    """fp32 inputs take the Triton kernel's IEEE products and match the reference to fp32 rounding."""
+    scene = _MlaScene(3, lens=[4000, 2500, 6000], dtype=torch.float32)
+    q, sel, rs = scene.batch([0, 1, 2, 0, 2, 1], empty=(4,), holes=0.3)
+    ref = R.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE)
+    out32 = K.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE)
     max_err, row_err = _mla_error(out32, ref)
     print(f"[sparse-mla-gpu] fp32: {max_err:.2e} {row_err:.2e}")
     assert max_err < 1e-5
 
 
-def test_sparse_mla_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("kernel", ["default", "gluon-bw64", "gluon-bw32"])
+def test_sparse_mla_cuda_graph_replay(kernel: str) -> None:
     scene = _MlaScene(4, lens=[3000, 8000])
     q, sel, rs = scene.batch([0, 1, 1, 0, 1, 0, 0, 1])
+    kw = {} if kernel == "default" else _kernel_kwargs(kernel, q, scene.cache)
+    mod = K.kernel_module("sparse_mla", "cuda")
     out = torch.empty_like(q)
-    K.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, out=out)  # compile outside capture
+    mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, out=out, **kw)  # compile first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        K.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, out=out)
+        mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, out=out, **kw)
     q2, sel2, rs2 = scene.batch([1, 0, 1, 1, 0, 0, 1, 0], empty=(2,))
     q.copy_(q2)
     sel.copy_(sel2)
     rs.copy_(rs2)
     out.fill_(float("nan"))
     graph.replay()
-    eager = K.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE)
+    eager = mod.sparse_mla_attention(q, scene.cache, sel, rs, scene.table, P, SCALE, **kw)
     torch.cuda.synchronize()
     assert torch.equal(out, eager), "graph replay differs from an eager call on the same inputs"
 

@@ -1,18 +1,28 @@
-"""Triton kernel: sparse MLA decode/verify attention over selected latent rows (`ops.sparse_mla_attention`).
+"""Sparse MLA decode/verify attention over selected latent rows (`ops.sparse_mla_attention`): Triton + Gluon.
 
 Absorbed (MQA) form: every head of a query row attends over the same selected latent rows, so each latent
-row is read once per query row and shared by all heads of a program. Split-K (flash-decoding) layout:
+row is read once per query row and shared by all heads of a program. Split-K (flash-decoding) layout, grid
+``(head blocks, splits, N)``: a program owns ``BLOCK_H`` heads of one row and a contiguous range of
+``rows_per_split`` entries of ``sel``. Per tile of ``BLOCK_W`` entries it gathers the latent rows through
+the slot table (entries ``< 0``, bad pages and padding rows are masked: no load), takes ``S = Q C^T`` and
+``O += P C`` on the tensor cores with an online (running max) softmax in fp32, and writes the normalised
+partial output and its log2-sum-exp; with one split it writes the final output directly and no combine
+runs. Two kernels implement that program:
 
-* ``_split_kernel``, grid ``(head blocks, splits, N)``: a program owns ``BLOCK_H`` heads of one row and a
-  contiguous range of ``rows_per_split`` entries of ``sel``. Per tile of ``BLOCK_W`` entries it gathers the
-  latent rows through the slot table (entries ``< 0``, bad pages and padding rows are masked: no load),
-  takes ``S = Q C^T`` and ``O += P C`` on the tensor cores with an online (running max) softmax in fp32,
-  and writes the normalised partial output and its log2-sum-exp. With one split it writes the final
-  output directly and no combine runs. The loop is left to Triton's software pipeliner (two stages: the
-  selection, page and row loads of the next tile become asynchronous copies).
-* ``_combine_kernel``, grid ``(head blocks, N)``: weights the partials by ``2 ** (lse_s - max lse)`` and
-  writes the output in ``q_abs``'s dtype. A row with nothing selected has every ``lse = -inf`` and gets
-  zeros, as in the reference.
+* ``_gluon_split_kernel`` (Gluon, Triton's explicit-layout dialect; sm_90 with bf16/fp16 and R = 512, see
+  `gluon_eligible`; the default there): all 64 heads, 8 warps, 64-entry tiles. Its schedule is written
+  out: the latent rows of tile ``t + 1`` are gathered by 16-byte ``cp.async`` copies into the second of two
+  shared-memory buffers at the top of step ``t`` (a whole step ahead of their use), the page lookups run one
+  tile ahead of the copies and the selection loads two, and both products split their N across the two
+  warpgroups (``S`` by entries, ``O`` by latent columns: each warpgroup keeps ``O[:, 256-column half]`` in
+  registers). Shared memory: Q 64 KB + 2 x 64 KB tiles + P 8 KB. ``block_w`` 32 / 16 with deeper rings
+  (4 / 8 tiles) exist for tuning (slower on the H200, kernels/NOTES.md).
+* ``_split_kernel`` (Triton; every other case: fp32, other GPUs, the CPU interpreter): the same program
+  with the loop left to Triton's software pipeliner.
+
+``_combine_kernel``, grid ``(head blocks, N)``, weights the partials by ``2 ** (lse_s - max lse)`` and
+writes the output in ``q_abs``'s dtype. A row with nothing selected has every ``lse = -inf`` and gets zeros,
+as in the reference.
 
 The split count depends only on shapes (rows, heads, selection width, multiprocessor count), and the
 partial buffers are allocated from shapes only, so the op has no host synchronisation and can be captured
@@ -20,10 +30,11 @@ in a CUDA graph.
 
 Numerics: on CUDA with bf16/fp16 queries and cache (the model's case) both products run on the tensor
 cores with fp32 accumulation; ``Q C^T`` is exact per product (bf16 x bf16 fits fp32), the probabilities
-are rounded to the cache dtype for ``P C`` (as FlashAttention does), so outputs agree with the fp32
-reference to about one unit of the output dtype's last place. With fp32 inputs, mixed dtypes or under the
-interpreter (CPU), everything is fp32 with IEEE dot products (bf16 values are upcast right after loading:
-the interpreter's bf16 arithmetic is not IEEE).
+are rounded to the cache dtype for ``P C`` (as FlashAttention does), the softmax and the combine are fp32,
+so outputs agree with the fp32 reference to about one unit of the output dtype's last place (both kernels
+alike). With fp32 inputs, mixed dtypes or under the interpreter (CPU), everything is fp32 with IEEE dot
+products in the Triton kernel (bf16 values are upcast right after loading: the interpreter's bf16
+arithmetic is not IEEE).
 
 Defensive differences from the reference (which raises): a selected token whose page is missing from the
 slot table or out of range, and rows with ``row_seq < 0``, are skipped instead.
@@ -32,6 +43,7 @@ slot table or out of range, and rows with ``row_seq < 0``, are skipped instead.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -39,19 +51,39 @@ import triton.language as tl
 
 from ._common import INTERPRETED
 
-__all__ = ["sparse_mla_attention", "choose_splits", "split_layout"]
+try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; the Hopper kernel below needs it.
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+    _HAVE_GLUON = True
+except ImportError:  # pragma: no cover - older triton: the Triton kernel serves every case
+    _HAVE_GLUON = False
+
+__all__ = ["sparse_mla_attention", "choose_splits", "split_layout", "gluon_eligible"]
 
 _LOG2E = 1.4426950408889634
 
-# Default launch shape for the GLM geometry (64 heads x 512 latent): all heads in one program, so every
-# gathered latent row is read from memory exactly once per query row. 64 entries per tile: the fastest
-# shape measured on the H200 (kernels/NOTES.md; per-tile costs dominate, so wider tiles win while they fit:
-# 197 KB of shared memory, a few spilled registers).
+# Triton kernel's default launch shape for the GLM geometry (64 heads x 512 latent): all heads in one
+# program, so every gathered latent row is read from memory exactly once per query row. 64 entries per tile:
+# its fastest shape measured on the H200 (kernels/NOTES.md; 197 KB of shared memory; deeper pipelines with
+# 32-entry tiles were slower).
 _BLOCK_H = 64
 _BLOCK_W = 64
 _NUM_WARPS = 8
 _NUM_STAGES = 2
 _COMBINE_BLOCK_H = 8
+# The Hopper (Gluon) kernel's launch shape: all 64 heads, two warpgroups, BLOCK_W-entry tiles in a ring of
+# the most buffers that fit beside Q in shared memory (copies run NBUF - 1 tiles ahead of the products).
+# 64-entry tiles with two buffers measured fastest on the H200 (32 / 16 entries with 4 / 8 buffers: slower).
+_GLUON_BLOCK_H = 64
+_GLUON_BLOCK_W = 64
+_GLUON_NUM_WARPS = 8
+_GLUON_NBUF = {64: 2, 32: 4, 16: 8}
+# Operational switch, read once at import: "auto" (the Gluon kernel where `gluon_eligible`, the default) or
+# "triton" (never the Gluon kernel).
+_DEFAULT_IMPL = os.environ.get("TRTLLM_GLM_SPARSE_MLA_IMPL", "auto")
 
 
 @triton.jit
@@ -207,6 +239,208 @@ def _combine_kernel(
     )
 
 
+if _HAVE_GLUON:
+
+    @gluon.jit
+    def _gl_load_tok(sel_row, w, w_hi):
+        # Entries past the split read as -1 (skipped).
+        return gl.load(sel_row + w, mask=w < w_hi, other=-1)
+
+    @gluon.jit
+    def _gl_load_page(table_row, tok, tok_hi, PAGE: gl.constexpr):
+        # Skipped entries, pages past the table and a padding row's (empty) table give page = -1.
+        return gl.load(table_row + tok // PAGE, mask=(tok >= 0) & (tok < tok_hi), other=-1)
+
+    @gluon.jit
+    def _gl_gather(dst, kv_ptr, ok_dst, tok, page, rr, num_pages, stride_kp, stride_kr, PAGE: gl.constexpr):
+        # Asynchronous 16-byte copies of one tile's latent rows, one commit group per tile; masked rows are
+        # zero-filled in shared memory without a global read. Each row's validity goes beside it (softmax mask).
+        ok = (page >= 0) & (page < num_pages)
+        off = page.to(gl.int64) * stride_kp + (tok % PAGE) * stride_kr
+        cp.async_copy_global_to_shared(dst, kv_ptr + off[:, None] + rr[None, :], mask=ok[:, None])
+        cp.commit_group()
+        ok_dst.store(ok.to(gl.int8))
+
+    @gluon.jit
+    def _gluon_split_kernel(
+        q_ptr,
+        kv_ptr,
+        sel_ptr,
+        seq_ptr,
+        table_ptr,
+        o_ptr,
+        lse_ptr,
+        H,
+        W,
+        num_pages,
+        table_width,
+        rows_per_split,
+        stride_qn,
+        stride_qh,
+        stride_kp,
+        stride_kr,
+        stride_sn,
+        stride_tb,
+        stride_on,
+        stride_os,
+        stride_oh,
+        stride_ln,
+        stride_ls,
+        qk_scale,
+        R: gl.constexpr,
+        PAGE: gl.constexpr,
+        BLOCK_H: gl.constexpr,
+        BLOCK_W: gl.constexpr,
+        NBUF: gl.constexpr,
+        FINAL: gl.constexpr,
+        P_IN_SMEM: gl.constexpr,
+        DIAG: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        WG: gl.constexpr = num_warps // 4
+        # Gathers: 16 bytes per thread, 8 threads per 128-byte row segment, 4 rows per warp.
+        GATHER: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, GATHER)
+        COLS: gl.constexpr = gl.SliceLayout(0, GATHER)
+        # Both products split N across the warpgroups: S = Q C^T by entries, O = P C by latent columns
+        # (each warpgroup owns O[:, half], 128 fp32 registers per thread).
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_W // WG, 16]
+        )
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, R // WG, 16]
+        )
+        KV_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_W, R], dt)
+        Q_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, R], dt)
+        P_SH: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_W], dt)
+        OK_SH: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+
+        hb = gl.program_id(0)
+        split = gl.program_id(1)
+        n = gl.program_id(2)
+        n64 = n.to(gl.int64)
+        # Shared memory: Q (64 KB), a ring of NBUF latent tiles (NBUF x BLOCK_W KB) with their row validity,
+        # and P (BLOCK_W / 8 KB) if P_IN_SMEM.
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_H, R], Q_SH)
+        kv_smem = gl.allocate_shared_memory(dt, [NBUF, BLOCK_W, R], KV_SH)
+        ok_smem = gl.allocate_shared_memory(gl.int8, [NBUF, BLOCK_W], OK_SH)
+        if P_IN_SMEM:
+            p_smem = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_W], P_SH)
+        hq = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
+        rr = gl.arange(0, R, layout=COLS)
+        cp.async_copy_global_to_shared(
+            q_smem, q_ptr + n64 * stride_qn + hq[:, None] * stride_qh + rr[None, :], mask=(hq < H)[:, None]
+        )
+
+        w_lo = split * rows_per_split
+        w_hi = gl.minimum(w_lo + rows_per_split, W)
+        n_tiles = gl.cdiv(w_hi - w_lo, BLOCK_W)
+        wr = w_lo + gl.arange(0, BLOCK_W, layout=ROWS)
+        sel_row = sel_ptr + n64 * stride_sn
+        # The first selection entries go out before the sequence id (independent loads, in flight together).
+        tok = _gl_load_tok(sel_row, wr, w_hi)
+        tok_next = _gl_load_tok(sel_row, wr + BLOCK_W, w_hi)
+        seq = gl.load(seq_ptr + n).to(gl.int64)
+        table_row = table_ptr + seq * stride_tb
+        tok_hi = gl.where(seq >= 0, table_width * PAGE, 0)
+        page = _gl_load_page(table_row, tok, tok_hi, PAGE)
+
+        # Prologue: tiles 0 .. NBUF - 2 in flight (tile 0 with Q), one commit group per tile. Throughout, the
+        # page lookups run one tile ahead of the copies and the selection loads two tiles ahead, so that the
+        # copies never wait for a dependent load in the loop.
+        for i in gl.static_range(NBUF - 1):
+            if DIAG == 2:
+                cp.commit_group()
+            else:
+                _gl_gather(
+                    kv_smem.index(i), kv_ptr, ok_smem.index(i), tok, page, rr, num_pages, stride_kp, stride_kr, PAGE
+                )
+            tok = tok_next
+            page = _gl_load_page(table_row, tok, tok_hi, PAGE)
+            tok_next = _gl_load_tok(sel_row, wr + (i + 2) * BLOCK_W, w_hi)
+
+        m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, S_L))
+        o = gl.zeros([BLOCK_H, R], gl.float32, layout=O_L)
+        s_zero = gl.zeros([BLOCK_H, BLOCK_W], gl.float32, layout=S_L)
+        for t in range(n_tiles):
+            cur = t % NBUF
+            # Tile t has landed (this thread's copies; NBUF - 2 later tiles may still fly). The fence hands
+            # the copies to the tensor cores' async proxy; the barrier makes every thread's copies visible and
+            # proves that both warpgroups are done with tile t - 1, whose slot the next copy reuses.
+            cp.wait_group(NBUF - 2)
+            fence_async_shared()
+            gl.thread_barrier()
+            # Tile t + NBUF - 1 goes in flight; then the page lookup of the tile after it and the selection of
+            # the one after that (plain loads: their latency hides behind this step's products).
+            nxt = (t + NBUF - 1) % NBUF
+            if DIAG == 2:
+                cp.commit_group()
+            else:
+                _gl_gather(
+                    kv_smem.index(nxt),
+                    kv_ptr,
+                    ok_smem.index(nxt),
+                    tok,
+                    page,
+                    rr,
+                    num_pages,
+                    stride_kp,
+                    stride_kr,
+                    PAGE,
+                )
+            kv = kv_smem.index(cur)
+            if DIAG == 1:
+                s = s_zero
+            else:
+                s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            tok = tok_next
+            page = _gl_load_page(table_row, tok, tok_hi, PAGE)
+            tok_next = _gl_load_tok(sel_row, wr + (t + NBUF + 1) * BLOCK_W, w_hi)
+            ok = ok_smem.index(cur).load(gl.SliceLayout(0, S_L)) != 0
+            if DIAG != 1:
+                s = warpgroup_mma_wait(0, deps=(s,))
+            s = gl.where(ok[None, :], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            # Until a head has seen a selected entry its max is -inf; shift by 0 then (no inf - inf NaN).
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_use)
+            p = gl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if DIAG == 1:
+                o = o + gl.convert_layout(gl.sum(p, axis=1), gl.SliceLayout(1, O_L))[:, None]
+            elif P_IN_SMEM:
+                p_smem.store(p.to(dt))
+                fence_async_shared()
+                gl.thread_barrier()
+                o = warpgroup_mma(p_smem, kv, o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o,))
+            else:
+                # Each warpgroup needs all of P as its register operand: the layout conversion exchanges the
+                # two halves through shared memory (generic proxy, so no proxy fence while copies fly).
+                p_op = gl.convert_layout(p.to(dt), gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
+                o = warpgroup_mma(p_op, kv, o, is_async=True)
+                o = warpgroup_mma_wait(0, deps=(o,))
+        cp.wait_group(0)  # the last copies (fully masked)
+        has = l_i > 0.0
+        inv_l = gl.convert_layout(1.0 / gl.where(has, l_i, 1.0), gl.SliceLayout(1, O_L))
+        has_o = gl.convert_layout(has, gl.SliceLayout(1, O_L))
+        o = gl.where(has_o[:, None], o * inv_l[:, None], 0.0)
+        ho = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_L))
+        ro = gl.arange(0, R, layout=gl.SliceLayout(0, O_L))
+        o_ptrs = o_ptr + n64 * stride_on + split * stride_os + ho[:, None] * stride_oh + ro[None, :]
+        if FINAL:
+            gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(ho < H)[:, None])
+        else:
+            gl.store(o_ptrs, o, mask=(ho < H)[:, None])
+            lse = gl.where(has, m_i + gl.log2(gl.where(has, l_i, 1.0)), float("-inf"))
+            hl = hb * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, S_L))
+            gl.store(lse_ptr + n64 * stride_ln + split * stride_ls + hl, lse, mask=hl < H)
+
+
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -254,6 +488,38 @@ def split_layout(width: int, block_w: int, splits: int) -> tuple[int, int]:
     return rows_per_split, triton.cdiv(width, rows_per_split)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def gluon_eligible(q_abs: torch.Tensor, latent_cache: torch.Tensor) -> bool:
+    """Whether the Hopper kernel (`_gluon_split_kernel`) can serve these tensors.
+
+    It needs Gluon, an sm_90 device, bf16 or fp16 queries and cache of one dtype, a 512-wide latent (its
+    layouts and its 205 KB of shared memory are sized for it) and 16-byte aligned rows (the gathers are
+    16-byte ``cp.async`` copies). Everything else goes to the Triton kernel.
+
+    Args:
+        q_abs: ``[N, H, R]`` absorbed queries.
+        latent_cache: ``[num_pages, P, R]`` latent plane.
+
+    Returns:
+        True when the Gluon kernel applies.
+    """
+    if not _HAVE_GLUON or INTERPRETED or q_abs.device.type != "cuda":
+        return False
+    index = q_abs.device.index if q_abs.device.index is not None else torch.cuda.current_device()
+    if _capability(index) != (9, 0):
+        return False
+    if q_abs.dtype not in (torch.bfloat16, torch.float16) or latent_cache.dtype != q_abs.dtype:
+        return False
+    if q_abs.shape[-1] != 512:
+        return False
+    strides = (q_abs.stride(0), q_abs.stride(1), latent_cache.stride(0), latent_cache.stride(1))
+    return all(st % 16 == 0 for st in strides) and q_abs.data_ptr() % 16 == 0 and latent_cache.data_ptr() % 16 == 0
+
+
 def sparse_mla_attention(
     q_abs: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -265,11 +531,15 @@ def sparse_mla_attention(
     *,
     out: torch.Tensor | None = None,
     splits: int | None = None,
+    impl: str | None = None,
     block_h: int | None = None,
     block_w: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = _NUM_STAGES,
+    num_stages: int | None = None,
     combine_block_h: int = _COMBINE_BLOCK_H,
+    gluon_nbuf: int | None = None,
+    gluon_p_smem: bool = True,
+    gluon_diag: int = 0,
 ) -> torch.Tensor:
     """Sparse MLA over selected latent rows; see the package's `sparse_mla_attention`.
 
@@ -283,13 +553,21 @@ def sparse_mla_attention(
         softmax_scale: logit scale.
         out: optional ``[N, H, R]`` buffer of ``q_abs``'s dtype to write into.
         splits: split count over ``W`` (default: `choose_splits`); tuning only.
-        block_h, block_w, num_warps, num_stages, combine_block_h: launch shape; tuning only.
+        impl: ``"gluon"`` (the Hopper kernel; the default where `gluon_eligible`) or ``"triton"``; tuning
+            and tests only.
+        block_h, block_w, num_warps, num_stages, combine_block_h: launch shape (the Gluon kernel takes
+            ``block_w`` in 16 / 32 / 64 and always runs 64 heads on 8 warps); tuning only.
+        gluon_nbuf: Gluon kernel: tiles in its shared-memory ring (default: the most that fit); tuning only.
+        gluon_p_smem: Gluon kernel: pass P to the second product through shared memory (else through
+            registers, exchanged by a layout conversion); tuning only.
+        gluon_diag: Gluon kernel, benchmark diagnostics only (wrong results): 1 skips both products, 2 skips
+            the latent-row copies.
 
     Returns:
         ``[N, H, R]`` latent outputs in ``q_abs``'s dtype.
 
     Raises:
-        ValueError: shapes, dtypes or layouts disagree.
+        ValueError: shapes, dtypes or layouts disagree, or ``impl="gluon"`` where it does not apply.
     """
     if q_abs.dim() != 3:
         raise ValueError(f"q_abs must be [N, H, R], got {tuple(q_abs.shape)}")
@@ -318,8 +596,21 @@ def sparse_mla_attention(
     if width == 0:
         return out.zero_()
 
+    if impl is None:
+        impl = "gluon" if _DEFAULT_IMPL != "triton" and gluon_eligible(q_abs, latent_cache) else "triton"
+    elif impl == "gluon" and not gluon_eligible(q_abs, latent_cache):
+        raise ValueError("the Gluon sparse MLA kernel needs sm_90, bf16/fp16, R = 512 and 16-byte aligned rows")
+    elif impl not in ("gluon", "triton"):
+        raise ValueError(f"impl must be 'gluon' or 'triton', got {impl!r}")
+    use_gluon = impl == "gluon"
     fp32 = INTERPRETED or q_abs.dtype != latent_cache.dtype or latent_cache.dtype == torch.float32
-    if fp32 and not INTERPRETED:
+    if use_gluon:
+        block_h, num_warps = _GLUON_BLOCK_H, _GLUON_NUM_WARPS
+        block_w = block_w or _GLUON_BLOCK_W
+        if block_w not in _GLUON_NBUF:
+            raise ValueError(f"the Gluon kernel takes block_w in {sorted(_GLUON_NBUF)}, got {block_w}")
+        nbuf = gluon_nbuf or _GLUON_NBUF[block_w]
+    elif fp32 and not INTERPRETED:
         # IEEE fp32 products run on the FMA units with the operands in registers: small tiles, or the
         # compiler spills (this is the exactness path, not the fast one).
         block_h = block_h or 16
@@ -332,6 +623,8 @@ def sparse_mla_attention(
         block_w = _BLOCK_W
     if num_warps is None:
         num_warps = _NUM_WARPS if block_h >= 64 else 4
+    if num_stages is None:
+        num_stages = _NUM_STAGES
     rp = triton.next_power_of_2(rank)
     if splits is None:
         splits = choose_splits(n_rows, n_heads, width, q_abs.device, block_h, block_w)
@@ -341,90 +634,78 @@ def sparse_mla_attention(
     dst = out
     if INTERPRETED and out.dtype == torch.bfloat16:
         dst = torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    common = dict(
-        R=rank,
-        PAGE=page_size,
-        BLOCK_H=block_h,
-        BLOCK_W=block_w,
-        RP=rp,
-        FP32=fp32,
-        num_warps=num_warps,
-        num_stages=num_stages,
+    if splits == 1:
+        o_buf, lse_buf = dst, dst
+        o_strides = (dst.stride(0), 0, dst.stride(1))
+        lse_strides = (0, 0)
+    else:
+        o_buf = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_abs.device)
+        lse_buf = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_abs.device)
+        o_strides = (o_buf.stride(0), o_buf.stride(1), o_buf.stride(2))
+        lse_strides = (lse_buf.stride(0), lse_buf.stride(1))
+    args = (
+        q_abs,
+        latent_cache,
+        sel,
+        row_seq,
+        slot_table,
+        o_buf,
+        lse_buf,
+        n_heads,
+        width,
+        latent_cache.shape[0],
+        slot_table.shape[1],
+        rows_per_split,
+        q_abs.stride(0),
+        q_abs.stride(1),
+        latent_cache.stride(0),
+        latent_cache.stride(1),
+        sel.stride(0),
+        slot_table.stride(0),
+        *o_strides,
+        *lse_strides,
+        float(softmax_scale) * _LOG2E,
     )
     grid = (head_blocks, splits, n_rows)
-    qk_scale = float(softmax_scale) * _LOG2E
-    if splits == 1:
-        _split_kernel[grid](
-            q_abs,
-            latent_cache,
-            sel,
-            row_seq,
-            slot_table,
-            dst,
-            dst,
-            n_heads,
-            width,
-            latent_cache.shape[0],
-            slot_table.shape[1],
-            rows_per_split,
-            q_abs.stride(0),
-            q_abs.stride(1),
-            latent_cache.stride(0),
-            latent_cache.stride(1),
-            sel.stride(0),
-            slot_table.stride(0),
-            dst.stride(0),
-            0,
-            dst.stride(1),
-            0,
-            0,
-            qk_scale,
-            FINAL=True,
-            **common,
+    if use_gluon:
+        _gluon_split_kernel[grid](
+            *args,
+            R=rank,
+            PAGE=page_size,
+            BLOCK_H=block_h,
+            BLOCK_W=block_w,
+            NBUF=nbuf,
+            FINAL=splits == 1,
+            P_IN_SMEM=gluon_p_smem,
+            DIAG=gluon_diag,
+            num_warps=num_warps,
         )
     else:
-        o_part = torch.empty(n_rows, splits, n_heads, rank, dtype=torch.float32, device=q_abs.device)
-        lse_part = torch.empty(n_rows, splits, n_heads, dtype=torch.float32, device=q_abs.device)
         _split_kernel[grid](
-            q_abs,
-            latent_cache,
-            sel,
-            row_seq,
-            slot_table,
-            o_part,
-            lse_part,
-            n_heads,
-            width,
-            latent_cache.shape[0],
-            slot_table.shape[1],
-            rows_per_split,
-            q_abs.stride(0),
-            q_abs.stride(1),
-            latent_cache.stride(0),
-            latent_cache.stride(1),
-            sel.stride(0),
-            slot_table.stride(0),
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
-            qk_scale,
-            FINAL=False,
-            **common,
+            *args,
+            R=rank,
+            PAGE=page_size,
+            BLOCK_H=block_h,
+            BLOCK_W=block_w,
+            RP=rp,
+            FINAL=splits == 1,
+            FP32=fp32,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
+    if splits > 1:
         cb = min(combine_block_h, triton.next_power_of_2(n_heads))
         _combine_kernel[(triton.cdiv(n_heads, cb), n_rows)](
-            o_part,
-            lse_part,
+            o_buf,
+            lse_buf,
             dst,
             n_heads,
             splits,
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse_part.stride(0),
-            lse_part.stride(1),
+            o_buf.stride(0),
+            o_buf.stride(1),
+            o_buf.stride(2),
+            lse_buf.stride(0),
+            lse_buf.stride(1),
             dst.stride(0),
             dst.stride(1),
             R=rank,
