@@ -434,8 +434,10 @@ class MtpChainGraphs:
         padding_slot: the target manager's padding state slot.
         replay_scope: ``replay_scope(meta, draft_manager)`` context binding the draft domain (`draft_replay`).
         max_draft_len: ``K``; with it the catch-up step (each sequence's ``1 .. K + 1`` committed rows, run
-            as prefill rows) is captured too, at width ``K + 1``: a sequence's rows past its committed count
-            are padding rows (``row_seq = -1``, `AttentionMetadata.prepare`'s ``valid_q_lens``).
+            as prefill rows) is captured too, per padded size and width ``W = max(committed)`` (rows are
+            computed whether real or not: a round that accepted little catches up on fewer): a sequence's
+            rows past its committed count are padding rows (``row_seq = -1``, `AttentionMetadata.prepare`'s
+            ``valid_q_lens``).
     """
 
     def __init__(
@@ -472,7 +474,8 @@ class MtpChainGraphs:
         self.graphs: dict[int, _DraftGraph] = {}
         self.failed: dict[int, str] = {}
         self.replays = 0
-        # Catch-up step: width K + 1 per sequence; graphs keyed by -P (apart from the chained ones).
+        # Catch-up steps: width up to K + 1 per sequence; graphs keyed by `_catch_key` (negative, apart
+        # from the chained steps' sizes).
         self.width = 1 + max_draft_len if max_draft_len > 0 else 0
         W = max(self.width, 1)
         self.catch_sizes = runner.config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, W) if self.width else []
@@ -487,11 +490,20 @@ class MtpChainGraphs:
         return self._ready(padded_batch_size(n, self.sizes, self.runner.config.enable_padding))
 
     def catchup_key(self, committed: Sequence[int]) -> int | None:
-        """The graph key (``-P``) a catch-up of these committed counts replays at, or None (eager)."""
+        """The graph key a catch-up of these committed counts replays at (`_catch_key` of the padded size
+        and the largest count), or None (eager)."""
         if not self.runner.enabled or not self.width or not committed or max(committed) > self.width:
             return None
         P = padded_batch_size(len(committed), self.catch_sizes, self.runner.config.enable_padding)
-        return None if P is None else self._ready(-P)
+        return None if P is None else self._ready(self._catch_key(P, max(committed)))
+
+    def _catch_key(self, P: int, W: int) -> int:
+        """A catch-up graph's key: negative, one per (padded size ``P``, width ``W`` in ``1 .. K + 1``)."""
+        return -(P * (self.width + 1) + W)
+
+    def _catch_shape(self, key: int) -> tuple[int, int]:
+        """``(P, W)`` of a catch-up key."""
+        return divmod(-key, self.width + 1)
 
     def _ready(self, key: int | None) -> int | None:
         if key is None or key in self.failed:
@@ -521,8 +533,10 @@ class MtpChainGraphs:
             self.meta.spec.shared_pool_ids = self.pool_ids[:P]
             self.meta.spec.shared_window_start = self.window_start[:P]
 
-    def _prepare_catchup(self, rids: Sequence[int], starts: Sequence[int], committed: Sequence[int], P: int) -> None:
-        pad, W = P - len(rids), self.width
+    def _prepare_catchup(
+        self, rids: Sequence[int], starts: Sequence[int], committed: Sequence[int], P: int, W: int
+    ) -> None:
+        pad = P - len(rids)
         mgr = self.runner.manager
         self.meta.prepare(
             list(rids) + [PADDING_REQUEST_ID] * pad,
@@ -536,7 +550,8 @@ class MtpChainGraphs:
 
     def _body(self, key: int) -> tuple[torch.Tensor, ...]:
         if key < 0:
-            n = -key * self.width
+            P, W = self._catch_shape(key)
+            n = P * W
             h = self.model.mtp_forward(
                 self.c_tokens[:n], self.c_hidden[:n], self.meta, self.draft_manager, self.mtp_plane
             )
@@ -556,7 +571,7 @@ class MtpChainGraphs:
         if key < 0:
             self.c_tokens.zero_()
             self.c_hidden.zero_()
-            self._prepare_catchup([], [], [], -key)
+            self._prepare_catchup([], [], [], *self._catch_shape(key))
         else:
             P = key
             self.tokens[:P].zero_()
@@ -586,7 +601,8 @@ class MtpChainGraphs:
         st.captures += 1
         st.capture_s += dt
         # Keyed (size, 0) for chained steps and (size, -width) for catch-up steps in the runner's table.
-        st.per_graph[(abs(key), -self.width if key < 0 else 0)] = {"capture_s": dt, "bytes": 0.0}
+        size, width = self._catch_shape(key) if key < 0 else (key, 0)
+        st.per_graph[(size, -width)] = {"capture_s": dt, "bytes": 0.0}
 
     def run(
         self,
@@ -647,7 +663,7 @@ class MtpChainGraphs:
         """The catch-up step of ``n`` sequences through the graph of ``key`` (from `catchup_key`).
 
         Args:
-            key: ``-P``.
+            key: from `catchup_key`.
             rids: ``[n]`` request ids.
             starts: ``[n]`` first position of each sequence's rows.
             committed: ``[n]`` rows of each sequence (``1 .. K + 1``).
@@ -660,8 +676,8 @@ class MtpChainGraphs:
             last row, step 0's selection of that row (with selection sharing) and its greedy draft
             (``[n]`` int64 on the device).
         """
-        P, W = -key, self.width
-        self._prepare_catchup(rids, starts, committed, P)
+        P, W = self._catch_shape(key)
+        self._prepare_catchup(rids, starts, committed, P, W)
         tok = [0] * (P * W)
         src = [src_rows[0]] * (P * W)  # padding rows copy some real row: finite, and never read back
         last: list[int] = []

@@ -111,7 +111,7 @@ class MTPDrafter(Drafter):
         src_rows = torch.cat(rows_h)
         key = self.chain_graphs.catchup_key(committed) if self.chain_graphs is not None else None
         if key is not None:
-            # Captured catch-up (each sequence padded to K + 1 rows): the same rows, one replay.
+            # Captured catch-up (each sequence padded to the round's largest count): the same rows, one replay.
             h_last, pools0, d = self.chain_graphs.run_catchup(
                 key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows.tolist()
             )
