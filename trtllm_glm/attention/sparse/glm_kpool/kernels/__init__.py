@@ -391,7 +391,9 @@ def sparse_mla_attention(
     Split-K over the selected entries plus a combine step (``sparse_mla.py``); fp32 online softmax. On CUDA
     with bf16/fp16 inputs the two products run on the tensor cores (probabilities rounded to the input
     dtype), so outputs agree with the fp32 reference to about one unit in the last place of the output
-    dtype; with fp32 inputs (and on the CPU interpreter) everything is fp32.
+    dtype; with fp32 inputs (and on the CPU interpreter) everything is fp32. On sm_90 with bf16/fp16 and
+    ``R = 512`` a Gluon kernel (explicit ``cp.async`` ring, copies a whole tile ahead) runs instead of the
+    Triton one (``TRTLLM_GLM_SPARSE_MLA_IMPL=triton`` at import keeps the Triton kernel); ``NOTES.md``.
 
     Args:
         q_abs: ``[N, H, R]`` absorbed queries.
