@@ -105,7 +105,8 @@ def floor_bytes(
 
 
 def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
-    """The ``n`` device kernels that took the most time in one call of ``step``: (name, µs, calls).
+    """The ``n`` device kernels that took the most time in one call of ``step``: (name, µs, calls), after a
+    first row with the sum over every kernel (GPU busy time and kernel count; the step time minus it is idle).
 
     Kernels replayed from a CUDA graph are recorded too (CUPTI), so this also breaks down a graph step.
     """
@@ -119,7 +120,8 @@ def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
             by_name.setdefault(e.name[:90], []).append(e.device_time_total)
     rows = sorted(((k, sum(v), len(v)) for k, v in by_name.items()), key=lambda r: -r[1])
-    return [(k, round(t, 1), c) for k, t, c in rows[:n]]
+    every = ("(all kernels: busy time, count)", sum(r[1] for r in rows), sum(r[2] for r in rows))
+    return [(k, round(t, 1), c) for k, t, c in [every, *rows[:n]]]
 
 
 def count_launches_and_syncs(step) -> tuple[int, int]:
