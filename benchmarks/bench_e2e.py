@@ -234,11 +234,15 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     steps, t0 = 0, time.perf_counter()
+    per_step = []  # host clock per step (each step ends with its one device-to-host copy of the tokens)
     while ex.has_work:
+        ts = time.perf_counter()
         ex.step()
+        per_step.append(time.perf_counter() - ts)
         steps += 1
     sync()
     dt = time.perf_counter() - t0
+    per_step.sort()
     toks = sum(len(r.output_ids) for r in reqs) - tok0
     rounds = sum(r.num_verify_rounds for r in reqs)
     mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
@@ -250,6 +254,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "graph_pool_mb": gstats.pool_bytes / 2**20 if gstats else 0.0,
         "graph_failed": {str(k): v[:200] for k, v in gstats.failed.items()} if gstats else {},
         "step_ms": 1e3 * dt / max(steps, 1),
+        "step_ms_median": 1e3 * per_step[len(per_step) // 2] if per_step else float("nan"),
+        "step_ms_max": 1e3 * per_step[-1] if per_step else float("nan"),
         "tokens_per_s": toks / dt if dt > 0 else float("nan"),
         # Whole requests: prefill + decode (the one profiled step is not timed; run a warm-up case first so
         # that first-use kernel compilation is not in here).
@@ -492,7 +498,9 @@ def main() -> None:
                     # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
                     floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
                     row = {"layers": L, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
-                           "step_ms": r["step_ms"], "floor_ms": floor_ms, "ratio_to_floor": r["step_ms"] / floor_ms,
+                           "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
+                           "step_ms_max": r["step_ms_max"], "floor_ms": floor_ms,
+                           "ratio_to_floor": r["step_ms"] / floor_ms,
                            "step_vs_plain": r["step_ms"] / plain_step[graphs] if graphs in plain_step else None,
                            "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
                            "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],

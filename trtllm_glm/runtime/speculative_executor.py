@@ -110,6 +110,13 @@ class SpeculativeExecutor(Executor):
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture every target graph and, with MTP, every chained and catch-up draft graph now."""
+        super().capture_cuda_graphs()
+        chain = getattr(self.drafter, "chain_graphs", None)
+        if chain is not None:
+            chain.capture_all()
+
     @property
     def share_mtp_selection(self) -> bool:
         """Whether chained MTP steps reuse step 0's pool selection (index_share_for_mtp_iteration)."""
