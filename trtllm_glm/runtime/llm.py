@@ -121,6 +121,7 @@ class LLM:
             default.
         cuda_graph_config: CUDA graphs of decode / verify steps (`CudaGraphConfig`, or a mapping of its
             fields); on by default, as in TensorRT-LLM; ``None`` turns them off. Ignored on the CPU.
+            Every graph (target decode / verify, MTP draft steps) is captured while the LLM is built.
     """
 
     def __init__(
@@ -173,6 +174,8 @@ class LLM:
         self.seed = seed
         self.speculative_config = speculative_config
         self.executor = self._make_executor()
+        # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
+        self.executor.capture_cuda_graphs()
 
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
