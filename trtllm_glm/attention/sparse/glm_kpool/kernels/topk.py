@@ -1,25 +1,52 @@
-"""Triton kernel: top-k complete pools per row (`ops.select_topk_pools`).
+"""Triton kernels: top-k complete pools per row (`ops.select_topk_pools`).
 
-One program per row. The row's scores become order-preserving int32 keys (float bits with the magnitude
-bits of negatives flipped; ``-0.0`` folded onto ``+0.0`` and every NaN onto the largest key, so that the
-order is exactly ``torch.sort``'s; pools at or beyond the row's complete-pool count get the smallest key
-and are never counted). Then:
+Semantics (identical ids to the reference): row ``n`` keeps its ``take = min(topk, n_c)`` best complete
+pools, ``n_c = (pos + 1) // 4`` (clamped to the score columns: the reference raises instead), under the
+total order (score desc, pool id asc); ids come out ascending, then ``-1`` padding. Scores become
+order-preserving int32 keys (float bits with the magnitude bits of negatives flipped; ``-0.0`` folded onto
+``+0.0`` and every NaN onto the largest key, so the order is exactly ``torch.sort``'s); pools at or beyond
+``n_c`` get ``INT_MIN``, which no valid key equals, and are never counted. Every selection below is "the
+keys ``> kth`` plus the first ``need`` keys ``== kth`` in pool order"; one packed prefix sum of the two
+indicators gives each chosen key its output column, so ids come out ascending without a sort. No host
+synchronisation; scratch comes from the caching allocator with sizes from shapes only (CUDA-graph safe).
 
-1. Threshold search: the largest key ``K`` with ``count(key >= K) >= take`` (``take = min(topk, n_c)``),
-   by bisection of an integer interval of keys. It starts at ``[smallest strided-group maximum, row
-   maximum]`` (see the kernel: a valid lower end far above the row minimum) and stops early when a probe
-   counts exactly ``take`` keys at or above it (then no tie needs breaking). Each probe is one
-   compare-and-count over the row held in registers; random scores need about 12 to 20 probes, not 32.
-2. Selection and compaction in one scan: every key ``> K``, then the first ``take - count(key > K)`` keys
-   equal to ``K`` in pool order (ties go to the lower pool id, as the reference's stable sort does). A
-   joint inclusive prefix sum of the two indicator vectors gives each chosen pool its output column, so
-   ids come out ascending without a sort. Columns ``take .. topk - 1`` get ``-1``.
+Chunked path (default whenever a row spans at least two chunks, e.g. 32768 or 8192 pools), two launches:
 
-Rows longer than ``BLOCK`` pools (``max_pools > 32768`` by default) are processed in ``NCHUNK`` chunks that
-are re-read from memory (L2) for every probe; at the model's sizes the row fits one chunk and is read once.
+1. ``_chunk_kernel``, grid ``(C, N)``: program ``(c, n)`` holds chunk ``c`` of row ``n`` (``chunk`` pools,
+   4096 by default) in registers and finds a threshold ``t`` with ``take_c <= count(key >= t) <= slots``
+   (``take_c = min(take, valid pools of the chunk)``; ``slots`` = ``2 * next_pow2(topk)`` by default). The
+   window makes this search short (a few probes instead of the ~12 an exact k-th needs): it stops at the
+   first probe that lands in it. Only when a tie straddles the window (no such ``t``) does it resolve the
+   chunk's exact top ``take_c`` (ties to the lower id). It writes the chosen keys and pool ids, in pool
+   order, to the chunk's ``slots`` candidate slots (``INT_MIN`` in the unused ones) and ``t`` as a lower
+   bound for the row's threshold (``count(candidates >= t) >= take`` when the chunk holds ``take`` of them).
+2. ``_merge_kernel``, grid ``(N,)``: loads the row's ``C * slots`` candidates (slot order is pool order:
+   chunk after chunk, each in pool order), finds the exact threshold of the top ``take`` among them and
+   writes the ids. Exact: every member of the row's top ``take`` is in its chunk's top ``take_c`` under the
+   same total order, and every chunk's candidates include its top ``take_c``; the merge breaks ties by slot,
+   i.e. by pool id. Its search starts from the larger of the chunks' lower bounds and the smallest maximum
+   of ``next_pow2(topk)`` strided slot groups (chunk 0 fills slots ``0 .. take - 1``, so that many groups
+   are non-empty; the row kernel's bound below).
 
-Defensive difference from the reference (which raises): a row whose complete-pool count exceeds the score
-columns uses all columns. No host synchronisation, no allocation besides the output.
+Threshold search (``search=``): ``"snap"`` (default, `_threshold_snap`): each probe ``t`` reduces the count
+of keys ``>= t``, the smallest key ``>= t`` and the largest key ``< t`` in one reduction; the bracket's ends
+move onto actual keys (a tied k-th place ends the search at once) and the next probe interpolates the counts
+(safeguarded by bisection). ``"bisect"`` (`_threshold`): bisection of the int32 key interval, one count per
+probe, stopped as soon as a probe lands in the window (for the merge: counts exactly ``take``). Coarse
+scores (ties at the k-th place) take the bisection up to ~30 probes, the snapping search ~5.
+
+Row path (``method="row"``, or ``block=``/``sub=``; the only path when a row fits one chunk), `_topk_kernel`:
+one program per row, the row in registers. Threshold search: the largest key ``K`` with ``count(key >= K)
+>= take`` by bisection of ``[smallest strided-group maximum, row maximum]`` (``next_pow2(topk)`` groups,
+pool ``i`` in group ``i % GROUPS``: every group holding a valid pool has one at or above its maximum, so at
+least ``take`` pools lie at or above the smallest one), stopped early when a probe counts exactly ``take``;
+then one packed scan per sub-block of ``SUB`` pools. Rows longer than ``BLOCK`` pools are re-read per probe.
+With one program per row, N rows take the time of one (~17 passes of ~1.9 us over a 32768-pool row).
+
+Measured on the H200 (CUDA-graph replay, top 512, full rows; benchmarks/results/topk_h200_2026-11-30.log):
+16 rows x 32768 pools 19.5 us with this default (snap search; the row kernel 34.5 us, torch 159 us); with
+``search="bisect"`` 17.5 us, plus ``pdl=True`` 17.0 us. Kernel time (profiler) 6.7 + 12.6 us (snap), 6.0 +
+10.1 us (bisect): the merge pass dominates.
 """
 
 from __future__ import annotations
@@ -27,10 +54,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["select_topk_pools"]
+from ._common import INTERPRETED
+
+__all__ = ["chunked_shape", "select_topk_pools"]
 
 _MAX_BLOCK = 32768
+_DEFAULT_CHUNK = 4096
+_DEFAULT_SEARCH = "snap"
 _INT_MIN = tl.constexpr(-2147483648)
 _INT_MAX = tl.constexpr(2147483647)
 
@@ -177,14 +209,263 @@ def _topk_kernel(
         _emit(row_ptr, out_row, n_c, max_pools, kth, need, SUB, EVEN)
 
 
+# --------------------------------------------------------------------------------------------------------
+# Chunked path: several programs per row (see the module docstring).
+
+
+@triton.jit
+def _threshold(keys, take, win, lo, hi, BIG: tl.constexpr):
+    """Threshold over keys held in registers: ``(kth, need)`` such that the keys ``> kth`` plus the first
+    ``need`` keys ``== kth`` (in pool order) are between ``take`` and ``win`` keys that include the top
+    ``take`` under (key desc, pool asc).
+
+    Bisection of the integer interval ``[lo, hi]`` (int64: ``hi - lo`` can exceed the int32 range) for the
+    largest ``K`` with ``count(key >= K) >= take``, stopped early as soon as a probe counts between ``take``
+    and ``win`` keys at or above it (then every key at or above the probe is taken and no tie is broken).
+    Requires ``0 < take <= count(key >= lo)``, ``hi`` the largest key and ``BIG > win``.
+    """
+    lo64 = lo.to(tl.int64)
+    hi64 = hi.to(tl.int64)
+    # c_lo = count(key >= lo) once a probe has moved lo (BIG before: unknown); c_hi = count(key > hi).
+    c_lo = take - take + BIG
+    c_hi = take - take
+    found = take - take
+    while lo64 < hi64:
+        mid = lo64 + (hi64 - lo64 + 1) // 2
+        cnt = tl.sum((keys >= mid.to(tl.int32)).to(tl.int32), axis=0)
+        ge = cnt >= take
+        hit = ge & (cnt <= win)
+        lo64 = tl.where(ge, mid, lo64)
+        c_lo = tl.where(ge, cnt, c_lo)
+        hi64 = tl.where(hit, mid, tl.where(ge, hi64, mid - 1))
+        c_hi = tl.where(ge, c_hi, cnt)
+        found = found | hit.to(tl.int32)
+    # Early stop: every key >= kth (at most win) is taken. Otherwise lo == hi == K: count(key > K) = c_hi <
+    # take; all keys == K fit if count(key >= K) = c_lo <= win, else the first take - c_hi of them.
+    need = tl.where(found != 0, win, tl.where(c_lo <= win, c_lo - c_hi, take - c_hi))
+    return lo64.to(tl.int32), need
+
+
+@triton.jit
+def _sum_min_max(n0, a0, b0, n1, a1, b1):
+    return n0 + n1, tl.minimum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
+def _threshold_snap(keys, take, win, lo, hi, BIG: tl.constexpr):
+    """`_threshold`'s contract, with fewer probes: each probe ``t`` also finds the smallest key ``>= t`` and
+    the largest key ``< t`` (one three-way reduction), and the bracket's ends move onto those actual keys.
+    Then exact ties end the search at once (the bracket holds one distinct key), and the next probe can be
+    placed by linear interpolation of the counts at the bracket's ends (aiming at ``take + 0.5`` keys);
+    an interpolation step that does not halve the bracket is followed by a bisection step.
+
+    Requires ``0 < take <= count(key >= lo)`` with ``lo`` an actual key, ``hi`` the largest key, ``BIG > win``.
+    """
+    lo64 = lo.to(tl.int64)
+    hi64 = hi.to(tl.int64)
+    # c_lo = count(key >= lo) once a probe has moved lo (BIG before: unknown); c_hi = count(key > hi).
+    c_lo = take - take + BIG
+    c_hi = take - take
+    found = take - take
+    bis = take - take + 1
+    # c_hi == take - 1 means the answer is hi: count(key >= hi) >= c_hi + 1 and count(key > hi) < take.
+    while (lo64 < hi64) & (found == 0) & (c_hi != take - 1):
+        w = hi64 - lo64
+        frac = ((c_lo - take).to(tl.float32) + 0.5) / (c_lo - c_hi).to(tl.float32)
+        mid_i = tl.minimum(tl.maximum(lo64 + (frac * (w + 1).to(tl.float32)).to(tl.int64), lo64 + 1), hi64)
+        mid = tl.where((bis != 0) | (c_lo == BIG), lo64 + (w + 1) // 2, mid_i)
+        t = mid.to(tl.int32)
+        ge = keys >= t
+        cnt, succ, pred = tl.reduce(
+            (ge.to(tl.int32), tl.where(ge, keys, _INT_MAX), tl.where(ge, _INT_MIN, keys)), 0, _sum_min_max
+        )
+        up = cnt >= take
+        found = found | (up & (cnt <= win)).to(tl.int32)
+        new_lo = tl.where(up, succ.to(tl.int64), lo64)
+        new_hi = tl.where(up, hi64, pred.to(tl.int64))
+        c_lo = tl.where(up, cnt, c_lo)
+        c_hi = tl.where(up, c_hi, cnt)
+        bis = ((bis == 0) & ((new_hi - new_lo) * 2 > w)).to(tl.int32)
+        lo64 = new_lo
+        hi64 = new_hi
+    # found: every key >= lo (at most win) is taken. Otherwise the answer K is hi (lo == hi, or c_hi == take
+    # - 1): the keys > K (c_hi < take of them) and the first take - c_hi keys == K.
+    kth = tl.where(found != 0, lo64, hi64).to(tl.int32)
+    need = tl.where(found != 0, win, take - c_hi)
+    return kth, need
+
+
+@triton.jit
+def _slots(keys, kth, need):
+    """Output slot of each chosen key (keys ``> kth``, then the first ``need`` keys ``== kth``, in order),
+    the chosen mask and the number chosen. One scan of both indicators packed in one int32: the count of
+    keys ``> kth`` in the low 16 bits, of keys ``== kth`` in the high 16 (block sizes are at most 32768)."""
+    gt = keys > kth
+    eq = keys == kth
+    packed = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+    inc = tl.cumsum(packed, axis=0)
+    eq_inc = (inc >> 16) & 0xFFFF
+    chosen = gt | (eq & (eq_inc <= need))
+    col = (inc & 0xFFFF) + tl.minimum(eq_inc, need) - 1
+    tot = tl.sum(packed, axis=0)
+    n_sel = (tot & 0xFFFF) + tl.minimum((tot >> 16) & 0xFFFF, need)
+    return col, chosen, n_sel
+
+
+@triton.jit
+def _chunk_kernel(
+    scores_ptr,
+    pos_ptr,
+    ckey_ptr,
+    cid_ptr,
+    thr_ptr,
+    max_pools,
+    topk,
+    stride_s,
+    BLOCK: tl.constexpr,
+    NCHUNK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    """Pass 1, program (chunk c, row n): a superset of the chunk's top ``take`` (at most SLOTS keys)."""
+    if PDL:
+        # The merge pass may be scheduled now; it waits for this grid's completion before reading.
+        gdc_launch_dependents()
+    c = tl.program_id(0)
+    n64 = tl.program_id(1).to(tl.int64)
+    pos = tl.load(pos_ptr + n64).to(tl.int64)
+    n_c = tl.minimum(tl.maximum((pos + 1) // 4, 0), max_pools).to(tl.int32)
+    take = tl.minimum(n_c, topk)
+    base = c * BLOCK
+    valid = tl.minimum(tl.maximum(n_c - base, 0), BLOCK)
+    take_c = tl.minimum(take, valid)
+    keys = _keys(scores_ptr + n64 * stride_s, base, n_c, max_pools, BLOCK, EVEN)
+    # take_c == valid (including 0): every valid pool of the chunk is a candidate (invalid keys are INT_MIN).
+    kth = take_c - take_c + _INT_MIN
+    need = take_c - take_c
+    if take_c < valid:
+        hi = tl.max(keys, axis=0)
+        if GROUPS > 0:
+            # The strided-group bound of the row kernel: at least min(GROUPS, valid) >= take_c keys lie at or
+            # above the smallest maximum of the GROUPS strided groups that hold a valid pool.
+            gmax = tl.max(tl.reshape(keys, (BLOCK // GROUPS, GROUPS)), axis=0)
+            lo = tl.min(tl.where(gmax == _INT_MIN, _INT_MAX, gmax), axis=0)
+        else:
+            lo = tl.min(tl.where(keys == _INT_MIN, _INT_MAX, keys), axis=0)
+        if SNAP:
+            kth, need = _threshold_snap(keys, take_c, SLOTS, lo, hi, BLOCK + 1)
+        else:
+            kth, need = _threshold(keys, take_c, SLOTS, lo, hi, BLOCK + 1)
+    col, chosen, n_sel = _slots(keys, kth, need)
+    dst = (n64 * NCHUNK + c) * SLOTS
+    tl.store(ckey_ptr + dst + col, keys, mask=chosen)
+    tl.store(cid_ptr + dst + col, base + tl.arange(0, BLOCK), mask=chosen)
+    j = tl.arange(0, SLOTS)
+    # Unused slots get the smallest key, which the merge pass never takes (every valid key is larger).
+    tl.store(ckey_ptr + dst + j, tl.full([SLOTS], _INT_MIN, tl.int32), mask=j >= n_sel)
+    # A lower bound for the row's threshold from a chunk that holds take candidates at or above kth.
+    tl.store(thr_ptr + n64 * NCHUNK + c, tl.where(take_c == take, kth, _INT_MIN))
+
+
+@triton.jit
+def _merge_kernel(
+    pos_ptr,
+    ckey_ptr,
+    cid_ptr,
+    thr_ptr,
+    out_ptr,
+    max_pools,
+    topk,
+    stride_o,
+    NCHUNK: tl.constexpr,
+    CPOW: tl.constexpr,
+    SLOTS: tl.constexpr,
+    CAND: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FILL: tl.constexpr,
+    PDL: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    """Pass 2, program n: the exact top ``take`` of the row's candidates, ascending ids, ``-1`` padding."""
+    if PDL:
+        # Launched early (programmatic dependent launch): wait for the chunk pass to complete and flush.
+        gdc_wait()
+    n64 = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + n64).to(tl.int64)
+    n_c = tl.minimum(tl.maximum((pos + 1) // 4, 0), max_pools).to(tl.int32)
+    take = tl.minimum(n_c, topk)
+    out_row = out_ptr + n64 * stride_o
+    for j0 in range(0, topk, FILL):
+        j = j0 + tl.arange(0, FILL)
+        tl.store(out_row + j, tl.full([FILL], -1, tl.int32), mask=(j >= take) & (j < topk))
+    if take > 0:
+        j = tl.arange(0, CAND)
+        src = n64 * (NCHUNK * SLOTS)
+        if CAND == NCHUNK * SLOTS:
+            keys = tl.load(ckey_ptr + src + j)
+        else:
+            keys = tl.load(ckey_ptr + src + j, mask=j < NCHUNK * SLOTS, other=_INT_MIN)
+        # Candidates sit chunk after chunk, each chunk's in ascending pool order: slot order is pool order.
+        cj = tl.arange(0, CPOW)
+        lo = tl.max(tl.load(thr_ptr + n64 * NCHUNK + cj, mask=cj < NCHUNK, other=_INT_MIN), axis=0)
+        hi = tl.max(keys, axis=0)
+        # Strided groups of slots (slot s in group s % GROUPS): chunk 0 holds take candidates in slots
+        # 0 .. take - 1 (it has at least min(n_c, BLOCK) >= take valid pools), so at least take groups are
+        # non-empty and the smallest non-empty group maximum is a valid lower end as well.
+        gmax = tl.max(tl.reshape(keys, (CAND // GROUPS, GROUPS)), axis=0)
+        lo = tl.maximum(lo, tl.min(tl.where(gmax == _INT_MIN, _INT_MAX, gmax), axis=0))
+        if SNAP:
+            kth, need = _threshold_snap(keys, take, take, lo, hi, CAND + 1)
+        else:
+            kth, need = _threshold(keys, take, take, lo, hi, CAND + 1)
+        col, chosen, n_sel = _slots(keys, kth, need)
+        ids = tl.load(cid_ptr + src + j, mask=chosen, other=0)
+        tl.store(out_row + col, ids, mask=chosen)
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(max(int(x), 1))
+
+
+def chunked_shape(
+    max_pools: int, topk_pools: int, chunk: int | None = None, slots: int | None = None
+) -> tuple[int, int, int] | None:
+    """``(chunk, n_chunks, slots)`` of the chunked path for these shapes, or ``None`` when it does not apply.
+
+    The path needs at least two chunks of a power-of-two size ``>= next_pow2(topk_pools)`` and at most
+    32768 candidate slots per row. Defaults: ``chunk`` = 4096 pools (at least ``next_pow2(topk_pools)``),
+    ``slots`` = ``2 * next_pow2(topk_pools)`` per chunk when that fits, else ``next_pow2(topk_pools)``.
+    """
+    takep = _pow2(topk_pools)
+    if chunk is None:
+        chunk = max(_DEFAULT_CHUNK, takep)
+    n_chunks = triton.cdiv(max(max_pools, 1), chunk)
+    if slots is None:
+        slots = 2 * takep if n_chunks * 2 * takep <= _MAX_BLOCK else takep
+    if n_chunks < 2 or chunk < takep or slots < takep or n_chunks * slots > _MAX_BLOCK or chunk > _MAX_BLOCK:
+        return None
+    if chunk & (chunk - 1) or slots & (slots - 1):
+        return None
+    return chunk, n_chunks, slots
+
+
 def select_topk_pools(
     scores: torch.Tensor,
     positions: torch.Tensor,
     topk_pools: int,
     *,
     out: torch.Tensor | None = None,
-    block: int | None = None,
+    method: str | None = None,
+    chunk: int | None = None,
+    slots: int | None = None,
     num_warps: int | None = None,
+    merge_warps: int | None = None,
+    pdl: bool | None = None,
+    search: str | None = None,
+    block: int | None = None,
     sub: int | None = None,
 ) -> torch.Tensor:
     """Top ``min(topk_pools, (pos + 1) // 4)`` complete pools per row; see the package's `select_topk_pools`.
@@ -194,16 +475,26 @@ def select_topk_pools(
         positions: ``[N]`` int token positions.
         topk_pools: pools to keep per row.
         out: optional ``[N, topk_pools]`` int32 buffer to write into (every column is written).
-        block: pools per chunk (power of two; default ``min(next_pow2(max_pools), 32768)``); tuning only.
-        num_warps: warps per program; tuning only.
-        sub: pools per sub-block of the final emit pass (power of two, at most 32768; default 16 per thread);
+        method: ``"chunked"`` (several programs per row, two launches) or ``"row"`` (one program per row);
+            default: chunked whenever `chunked_shape` allows it (``max_pools`` above one chunk).
+        chunk: pools per chunk program of the chunked path (power of two ``>= next_pow2(topk_pools)``);
             tuning only.
+        slots: candidate slots per chunk (power of two ``>= next_pow2(topk_pools)``); tuning only.
+        num_warps: warps per program (the chunk pass of the chunked path); tuning only.
+        merge_warps: warps per program of the merge pass; tuning only.
+        pdl: launch the merge pass with programmatic dependent launch (CUDA, sm_90+); tuning only.
+        search: threshold search of the chunked path: ``"snap"`` (default; `_threshold_snap`) or ``"bisect"``
+            (`_threshold`), or ``"CHUNK/MERGE"`` (e.g. ``"bisect/snap"``) for one per pass; tuning only.
+        block: row path only: pools per register block (power of two; default ``min(next_pow2(max_pools),
+            32768)``); giving it (or ``sub``) selects the row path; tuning only.
+        sub: row path only: pools per sub-block of the final emit pass (power of two, at most 32768;
+            default 16 per thread); tuning only.
 
     Returns:
         ``[N, topk_pools]`` int32 pool ids in ascending order, then ``-1`` padding.
 
     Raises:
-        ValueError: shapes, dtypes or layouts disagree.
+        ValueError: shapes, dtypes or layouts disagree, or a tuning argument is invalid.
     """
     if scores.dim() != 2 or scores.dtype != torch.float32 or positions.shape != (scores.shape[0],):
         raise ValueError(
@@ -219,6 +510,80 @@ def select_topk_pools(
         raise ValueError(f"out must be [N={n_rows}, {topk_pools}] int32, got {tuple(out.shape)} {out.dtype}")
     if n_rows == 0 or topk_pools == 0:
         return out
+    if method is None:
+        method = "row" if block is not None or sub is not None else "auto"
+    if method not in ("auto", "row", "chunked"):
+        raise ValueError(f"method must be 'row' or 'chunked', got {method!r}")
+    shape = None if method == "row" else chunked_shape(max_pools, topk_pools, chunk, slots)
+    if method == "chunked" and shape is None:
+        raise ValueError(f"no chunked launch for {max_pools} pools, topk {topk_pools}, chunk {chunk}, slots {slots}")
+    if shape is None:
+        return _select_rows(scores, positions, topk_pools, out, block, num_warps, sub)
+    chunk, n_chunks, slots = shape
+    takep = _pow2(topk_pools)
+    cand = _pow2(n_chunks * slots)
+    pdl = bool(pdl) and not INTERPRETED
+    modes = (search or _DEFAULT_SEARCH).split("/")
+    if len(modes) not in (1, 2) or any(m not in ("snap", "bisect") for m in modes):
+        raise ValueError(f"search must be 'snap', 'bisect' or 'CHUNK/MERGE' of those, got {search!r}")
+    snap_chunk, snap_merge = modes[0] == "snap", modes[-1] == "snap"
+    # Scratch from the caching allocator (sizes from shapes only, so the call can be captured in a graph).
+    ckey = torch.empty(n_rows, n_chunks, slots, dtype=torch.int32, device=scores.device)
+    cid = torch.empty_like(ckey)
+    thr = torch.empty(n_rows, n_chunks, dtype=torch.int32, device=scores.device)
+    _chunk_kernel[(n_chunks, n_rows)](
+        scores,
+        positions,
+        ckey,
+        cid,
+        thr,
+        max_pools,
+        topk_pools,
+        scores.stride(0),
+        BLOCK=chunk,
+        NCHUNK=n_chunks,
+        SLOTS=slots,
+        GROUPS=takep if takep <= chunk // 2 else 0,
+        EVEN=max_pools % chunk == 0,
+        PDL=pdl,
+        SNAP=snap_chunk,
+        num_warps=num_warps or min(max(chunk // 1024, 1), 8),
+    )
+    merge_kw = {"launch_pdl": True} if pdl else {}
+    _merge_kernel[(n_rows,)](
+        positions,
+        ckey,
+        cid,
+        thr,
+        out,
+        max_pools,
+        topk_pools,
+        out.stride(0),
+        NCHUNK=n_chunks,
+        CPOW=_pow2(n_chunks),
+        SLOTS=slots,
+        CAND=cand,
+        GROUPS=takep,
+        FILL=min(1024, takep),
+        PDL=pdl,
+        SNAP=snap_merge,
+        num_warps=merge_warps or min(max(cand // 1024, 4), 8),
+        **merge_kw,
+    )
+    return out
+
+
+def _select_rows(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    topk_pools: int,
+    out: torch.Tensor,
+    block: int | None,
+    num_warps: int | None,
+    sub: int | None,
+) -> torch.Tensor:
+    """The row path: one `_topk_kernel` program per row."""
+    n_rows, max_pools = scores.shape
     if block is None:
         block = min(triton.next_power_of_2(max(max_pools, 16)), _MAX_BLOCK)
     if num_warps is None:
