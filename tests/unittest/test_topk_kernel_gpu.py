@@ -22,10 +22,11 @@ pytestmark = pytest.mark.gpu
 TOPK_POOLS = 512
 
 VARIANTS = {
-    "default": {},
-    "bisect": {"search": "bisect"},
+    "default": {},  # chunked, bisection, programmatic dependent launch of the merge pass (sm_90+)
+    "no-pdl": {"pdl": False},
+    "snap": {"search": "snap", "pdl": False},
+    "snap-pdl": {"search": "snap"},
     "bisect/snap": {"search": "bisect/snap"},
-    "pdl": {"pdl": True},
     "slots512": {"slots": 512},
     "chunk2048": {"chunk": 2048},
     "chunk8192": {"chunk": 8192, "num_warps": 8},
@@ -76,7 +77,7 @@ def test_package_entry_point() -> None:
     assert torch.equal(out, R.select_topk_pools(scores, positions, TOPK_POOLS))
 
 
-@pytest.mark.parametrize("variant", ["default", "pdl"])
+@pytest.mark.parametrize("variant", ["default", "no-pdl", "snap"])
 def test_cuda_graph_replay(variant: str) -> None:
     """Captured once (scratch from the graph's pool), replayed on new scores and positions."""
     mod = K.kernel_module("topk", "cuda")

@@ -28,12 +28,17 @@ Chunked path (default whenever a row spans at least two chunks, e.g. 32768 or 81
    of ``next_pow2(topk)`` strided slot groups (chunk 0 fills slots ``0 .. take - 1``, so that many groups
    are non-empty; the row kernel's bound below).
 
-Threshold search (``search=``): ``"snap"`` (default, `_threshold_snap`): each probe ``t`` reduces the count
-of keys ``>= t``, the smallest key ``>= t`` and the largest key ``< t`` in one reduction; the bracket's ends
-move onto actual keys (a tied k-th place ends the search at once) and the next probe interpolates the counts
-(safeguarded by bisection). ``"bisect"`` (`_threshold`): bisection of the int32 key interval, one count per
-probe, stopped as soon as a probe lands in the window (for the merge: counts exactly ``take``). Coarse
-scores (ties at the k-th place) take the bisection up to ~30 probes, the snapping search ~5.
+Threshold search (``search=``): ``"bisect"`` (default, `_threshold`): bisection of the int32 key interval,
+one count (one block reduction) per probe, stopped as soon as a probe lands in the window (for the merge:
+counts exactly ``take``). ``"snap"`` (`_threshold_snap`): each probe ``t`` reduces the count of keys ``>= t``,
+the smallest key ``>= t`` and the largest key ``< t`` in one reduction; the bracket's ends move onto actual
+keys (a tied k-th place ends the search at once) and the next probe interpolates the counts (safeguarded by
+bisection): fewer probes (in a CPU simulation ~9 instead of ~12 on continuous scores, ~5 instead of up to
+~30 with ties at the k-th place) but twice the instructions per probe (SASS: ~316 vs ~141 per iteration).
+The merge pass launches with programmatic dependent launch on sm_90+ (``pdl=``): it is scheduled while the
+chunk pass runs and waits (``griddepcontrol.wait``) before its first load, which overlaps the second
+launch's latency with the chunk pass (also inside a CUDA graph; measured: -0.4 to -0.7 us, +0.3 us at 64 x
+8192).
 
 Row path (``method="row"``, or ``block=``/``sub=``; the only path when a row fits one chunk), `_topk_kernel`:
 one program per row, the row in registers. Threshold search: the largest key ``K`` with ``count(key >= K)
@@ -43,13 +48,41 @@ least ``take`` pools lie at or above the smallest one), stopped early when a pro
 then one packed scan per sub-block of ``SUB`` pools. Rows longer than ``BLOCK`` pools are re-read per probe.
 With one program per row, N rows take the time of one (~17 passes of ~1.9 us over a 32768-pool row).
 
-Measured on the H200 (CUDA-graph replay, top 512, full rows; benchmarks/results/topk_h200_2026-11-30.log):
-16 rows x 32768 pools 19.5 us with this default (snap search; the row kernel 34.5 us, torch 159 us); with
-``search="bisect"`` 17.5 us, plus ``pdl=True`` 17.0 us. Kernel time (profiler) 6.7 + 12.6 us (snap), 6.0 +
-10.1 us (bisect): the merge pass dominates.
+Measured on the H200 (one run: benchmarks/results/topk_h200_2026-11-30.log; CUDA-graph replay of 16 calls
+on rotating inputs, per call, top 512 of full rows), default launch = chunk 4096, 1024 slots, 4 / 8 warps:
+
+==========================  =====================  ==========  ==============  =========
+case                        chunked bisect + PDL   snap, no    row kernel      torch
+                            (this default)         PDL                         (graph)
+==========================  =====================  ==========  ==============  =========
+16 rows x 32768, randn      17.0 us                19.5 us     34.5 us         159 us
+64 rows x 32768, randn      27.4 us                30.9 us     38.2 us         292 us
+16 rows x 8192, randn       11.0 us                12.5 us     12.3 us         128 us
+64 rows x 8192, randn       13.0 us                13.4 us     13.3 us         159 us
+==========================  =====================  ==========  ==============  =========
+
+(bisect without PDL: 17.5 / 28.1 / 11.7 / 12.7 us.) Snap search, no PDL: 1 row x 32768 16.3 us (row kernel
+29.9); indexer-like ``relu-sum`` scores 18.8 us (34.6); coarse scores with ties at the k-th place 14.9 us
+(row kernel 41.5). Kernel time (profiler, 16 x 32768): chunk pass 6.0 us + merge pass 10.1 us (bisect),
+6.7 + 12.6 us (snap): the merge, one program per row over 8192 candidate slots, dominates. If its ~12
+probes take most of it, a probe costs ~0.6 us (inferred, not profiled), several times its ~141 instructions
+per thread: each probe is a block reduction with three barriers, so latency rather than ALU is the likely
+limit.
+Eager calls (do_bench, launch included) take 45-55 us: two Triton launches and three allocations from
+Python; CUDA graphs remove that.
+
+Other launch shapes in the same run (snap search, no PDL; 16 / 64 rows x 32768; the 4096 / 1024-slot
+shape: 19.5 / 30.9 us): 2048-pool chunks 21.0-27.5 / 35.5-37.8 us (16 chunks x 1024 slots doubles the
+merge's candidates), 16 merge warps 21.5 / 32.9, 8 chunk-pass warps 19.8 / 32.8, 4 merge warps 19.4 /
+31.0, an exact chunk pass (``slots=512``) 18.0 / 32.9, 8192-pool chunks (8 warps; merge over 4096 slots, 4
+warps) 18.6 / 29.6: the last is worth measuring with bisect + PDL. Next steps: cut the merge's per-probe
+latency (several thresholds counted in one packed reduction per pass; fewer barriers), or fewer merge
+candidates.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -62,7 +95,7 @@ __all__ = ["chunked_shape", "select_topk_pools"]
 
 _MAX_BLOCK = 32768
 _DEFAULT_CHUNK = 4096
-_DEFAULT_SEARCH = "snap"
+_DEFAULT_SEARCH = "bisect"
 _INT_MIN = tl.constexpr(-2147483648)
 _INT_MAX = tl.constexpr(2147483647)
 
@@ -426,6 +459,12 @@ def _merge_kernel(
         tl.store(out_row + col, ids, mask=chosen)
 
 
+@functools.cache
+def _has_pdl(index: int | None) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``) exists from compute capability 9.0 on."""
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(max(int(x), 1))
 
@@ -482,9 +521,10 @@ def select_topk_pools(
         slots: candidate slots per chunk (power of two ``>= next_pow2(topk_pools)``); tuning only.
         num_warps: warps per program (the chunk pass of the chunked path); tuning only.
         merge_warps: warps per program of the merge pass; tuning only.
-        pdl: launch the merge pass with programmatic dependent launch (CUDA, sm_90+); tuning only.
-        search: threshold search of the chunked path: ``"snap"`` (default; `_threshold_snap`) or ``"bisect"``
-            (`_threshold`), or ``"CHUNK/MERGE"`` (e.g. ``"bisect/snap"``) for one per pass; tuning only.
+        pdl: launch the merge pass with programmatic dependent launch (default: on CUDA devices of compute
+            capability 9.0 or newer; never under the interpreter); tuning only.
+        search: threshold search of the chunked path: ``"bisect"`` (default; `_threshold`) or ``"snap"``
+            (`_threshold_snap`), or ``"CHUNK/MERGE"`` (e.g. ``"bisect/snap"``) for one per pass; tuning only.
         block: row path only: pools per register block (power of two; default ``min(next_pow2(max_pools),
             32768)``); giving it (or ``sub``) selects the row path; tuning only.
         sub: row path only: pools per sub-block of the final emit pass (power of two, at most 32768;
@@ -522,6 +562,8 @@ def select_topk_pools(
     chunk, n_chunks, slots = shape
     takep = _pow2(topk_pools)
     cand = _pow2(n_chunks * slots)
+    if pdl is None:
+        pdl = scores.device.type == "cuda" and _has_pdl(scores.device.index)
     pdl = bool(pdl) and not INTERPRETED
     modes = (search or _DEFAULT_SEARCH).split("/")
     if len(modes) not in (1, 2) or any(m not in ("snap", "bisect") for m in modes):
