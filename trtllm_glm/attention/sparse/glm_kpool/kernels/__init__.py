@@ -360,8 +360,9 @@ def select_topk_pools(
     """Kernel version of `ops.select_topk_pools` (identical ids): top ``min(topk_pools, (pos + 1) // 4)`` pools.
 
     Ties go to the lower pool id and ids come out ascending, then ``-1``, exactly as the reference
-    (``-0.0`` ties ``+0.0`` and NaN ranks first, as in ``torch.sort``). One program per row; see
-    ``topk.py`` for the threshold search.
+    (``-0.0`` ties ``+0.0`` and NaN ranks first, as in ``torch.sort``). Rows longer than one chunk (4096
+    pools) take two passes: one program per (row, chunk) keeps a candidate superset of the chunk's top-k,
+    then one program per row selects exactly; shorter rows one program per row. See ``topk.py``.
 
     Args:
         scores: ``[N, max_pools]`` fp32 scores.
