@@ -67,8 +67,8 @@ def _bench(fn: Callable[[], object], quick: bool, slow: bool = False) -> float:
     return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200, return_mode="median") * 1e3
 
 
-def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
-    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median of several replays)."""
+def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
+    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median over ``reps`` replays)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -85,7 +85,7 @@ def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
     torch.cuda.synchronize()
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10 if quick else 30):
+    for _ in range(reps):
         start.record()
         graph.replay()
         end.record()
@@ -94,6 +94,10 @@ def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
     del graph
     times.sort()
     return times[len(times) // 2]
+
+
+def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
+    return graph_us(calls, 10 if quick else 30)
 
 
 def _copy_ceiling(dev: torch.device, quick: bool) -> float:

@@ -31,10 +31,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from functools import partial
 
 import torch
+from bench_sparse_kernels import graph_us  # same directory: the scripts run from benchmarks/
 
 TOPK_POOLS = 512
 # The issue-8 target case first (a run cut short by a time limit still has it).
@@ -51,35 +51,6 @@ def _scores(dist: str, n_rows: int, max_pools: int, g: torch.Generator, dev: tor
     if dist == "coarse":
         return torch.round(torch.randn(n_rows, max_pools, device=dev, generator=g) * 4) / 4
     raise ValueError(dist)
-
-
-def _graph_us(calls: list[Callable[[], object]], reps: int) -> float:
-    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median over ``reps`` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:  # warm-up (compilation, allocator) outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    times.sort()
-    return times[len(times) // 2]
 
 
 # Launch shapes of the chunked path compared by the sweep: (chunk, slots, chunk-pass warps, merge warps).
@@ -233,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                         bad = [i for i, (o, r) in enumerate(zip(outs, refs, strict=True)) if not torch.equal(o, r)]
                         if bad:
                             raise AssertionError(f"ids differ from the reference in sets {bad}")
-                    row["graph_us"] = _graph_us(calls, reps)
+                    row["graph_us"] = graph_us(calls, reps)
                     if label == "new":
                         row["eager_us"] = do_bench(calls[0], warmup=10, rep=40 if args.quick else 100) * 1e3
                     eager = f"  eager {row['eager_us']:6.1f} us" if "eager_us" in row else ""
