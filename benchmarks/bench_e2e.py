@@ -6,8 +6,9 @@ weights, and runs batches of ``--prompt-len``-token prompts through the executor
 mode) it reports the steady-state decode step: time per step, tokens per second, launches and host syncs
 per step (torch profiler), the bytes a step must read at least (weights touched + caches) and the ratio
 of the step time to that floor at the copy bandwidth measured in the same run. Modes: ``plain``,
-``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and ``oracleA`` (7 drafts from a
-replay of the plain run, each right with probability ``A``, e.g. ``oracle0.7``), which traces the
+``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and ``oracleA`` (7 drafts, or K
+with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output, each right with probability
+``A``), which traces the
 verify cost curve; ``transformers`` runs the reference's ``generate`` on the same weights for scale.
 
 Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
@@ -98,9 +99,11 @@ def floor_bytes(
     total += per_sparse * len(cfg.sparse_layer_ids)
     if mtp_steps:
         m_dense, m_experts = _weight_bytes(model, mtp=True)
-        total += mtp_steps * (
-            m_dense + batch * emb + int(m_experts * reached(batch)) + batch * sel * cfg.kv_lora_rank * 2
-        )
+        head = model.lm_head.weight
+        # The MTP layer's own weights, the LM head it shares with the trunk (each draft step reads it again),
+        # and the selected latent rows of its sparse attention.
+        per_mtp = m_dense + head.numel() * head.element_size() + batch * emb + int(m_experts * reached(batch))
+        total += mtp_steps * (per_mtp + batch * sel * cfg.kv_lora_rank * 2)
     return total
 
 
@@ -122,6 +125,30 @@ def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
     rows = sorted(((k, sum(v), len(v)) for k, v in by_name.items()), key=lambda r: -r[1])
     every = ("(all kernels: busy time, count)", sum(r[1] for r in rows), sum(r[2] for r in rows))
     return [(k, round(t, 1), c) for k, t, c in [every, *rows[:n]]]
+
+
+def host_profile(ex, steps: int, n: int) -> list[tuple[str, float, float]]:
+    """Where the host spends a step: the ``n`` package functions with the most cumulative time over up to
+    ``steps`` steps (cProfile), as (``file:line function``, ms per step, calls per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    done = 0
+    prof.enable()
+    while done < steps and ex.has_work:
+        ex.step()
+        done += 1
+    prof.disable()
+    if not done:
+        return []
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
+    rows = []
+    for (f, line, name), (_, calls, _, cum, _) in st.items():
+        if "trtllm_glm" in f:
+            rows.append((f"{f.split('trtllm_glm/')[-1]}:{line} {name}", 1e3 * cum / done, calls / done))
+    rows.sort(key=lambda r: -r[1])
+    return [(k, round(ms, 3), round(c, 1)) for k, ms, c in rows[:n]]
 
 
 def count_launches_and_syncs(step) -> tuple[int, int]:
@@ -183,7 +210,7 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
     if mode.startswith("ngram"):
         return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
     if mode.startswith("oracle"):
-        acc = float(mode[6:])
+        acc = float(mode[6:].split("k")[0])
         rng = random.Random(seed)
         wrong = {}
 
@@ -191,17 +218,19 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
             return wrong.setdefault((i, j), rng.random() >= acc)
 
         drafter = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
-        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=7), drafter=drafter)
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=draft_len(mode)), drafter=drafter)
     raise ValueError(f"unknown mode {mode!r}")
 
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
-             prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0):  # fmt: skip
+             prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
+             profile_host: int = 0):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
     ``graphs``: CUDA graphs of every batch size up to ``batch`` (padding on), all captured before timing.
     ``profile_kernels``: also list that many of the costliest kernels of one steady step (``top_kernels``).
+    ``profile_host``: also list that many package functions by host time over three steps (``host_profile``).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -231,6 +260,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     warm_s = time.perf_counter() - t_start - prefill_s
     launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
     kernels = top_kernels(ex.step, profile_kernels) if profile_kernels and ex.has_work and device == "cuda" else []
+    host = host_profile(ex, 3, profile_host) if profile_host else []
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     steps, t0 = 0, time.perf_counter()
@@ -266,6 +296,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "launches_per_step": launches,
         "syncs_per_step": syncs,
         "top_kernels": kernels,
+        "host_profile": host,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
     }
@@ -348,12 +379,15 @@ def emit(row: dict) -> None:
 
 
 def draft_len(mode: str) -> int:
-    """Drafts per round of a mode (``mtp3`` -> 3, ``ngram7`` -> 7, oracle modes 7, plain 0)."""
+    """Drafts per round of a mode (``mtp3`` -> 3, ``ngram7`` -> 7, ``oracle0.7`` -> 7, ``oracle0.7k3`` -> 3,
+    plain 0)."""
     if mode.startswith("mtp"):
         return int(mode[3:])
     if mode.startswith("ngram"):
         return int(mode[5:])
-    return 7 if mode.startswith("oracle") else 0
+    if mode.startswith("oracle"):
+        return int(mode.split("k")[1]) if "k" in mode else 7
+    return 0
 
 
 def lossless_summary(plain: dict | None, r: dict, batch: int, tol: float) -> dict:
@@ -426,7 +460,10 @@ def main() -> None:
     ap.add_argument("--preset", default="glm-5.3-flash")
     ap.add_argument("--layers", type=int, nargs="+", default=[4])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--modes", nargs="+", default=["plain", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9"])
+    ap.add_argument(
+        "--modes", nargs="+",
+        default=["plain", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9", "oracle0.7k3"],
+    )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -434,6 +471,9 @@ def main() -> None:
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-kernels", type=int, default=0, help="list the N costliest kernels of one step")
+    ap.add_argument(
+        "--profile-host", type=int, default=0, help="list the N package functions with the most host time per step"
+    )
     ap.add_argument(
         "--tie-tol", type=float, default=None,
         help="top-2 logit gap at or below which a divergence is a near tie (default 1e-3 in fp32, 0.125 otherwise)",
@@ -487,7 +527,8 @@ def main() -> None:
                     if mode.startswith("oracle"):
                         cont = warm["outputs"]
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
-                                 graphs=graphs, profile_kernels=args.profile_kernels)  # fmt: skip
+                                 graphs=graphs, profile_kernels=args.profile_kernels,
+                                 profile_host=args.profile_host)  # fmt: skip
                     if mode == "plain":
                         plain = plain or r
                         plain_step[graphs] = r["step_ms"]
@@ -508,7 +549,7 @@ def main() -> None:
                            "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
                            "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
                            "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
-                           "top_kernels": r["top_kernels"]}  # fmt: skip
+                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"]}  # fmt: skip
                     rows_out.append(row)
                     emit(row)
             if args.transformers:
