@@ -328,3 +328,24 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
     assert [r.accepted_per_position for r in got] == [r.accepted_per_position for r in ref]
     st = ex.graph_runner.stats
     assert st.replays > 0 and st.eager_steps == 0, (st.replays, st.eager_steps)
+
+
+def test_catchup_graph_per_width(emulated) -> None:
+    """The MTP catch-up replays at (padded size, the round's largest committed count), not always K + 1 rows
+    per sequence: keys round-trip, differ per width, and a round that accepted nothing catches up on one row."""
+    spec = MTPDecodingConfig(num_nextn_predict_layers=3)
+    ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
+        batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
+    chain = ex.drafter.chain_graphs
+    assert chain is not None and chain.width == 4
+    keys = {}
+    for P in (1, 2, 4):
+        for W in range(1, 5):
+            k = chain._catch_key(P, W)
+            assert k < 0 and chain._catch_shape(k) == (P, W)
+            keys[(P, W)] = k
+    assert len(set(keys.values())) == len(keys)
+    assert chain._catch_shape(chain.catchup_key([1])) == (1, 1)
+    assert chain._catch_shape(chain.catchup_key([1, 2, 1])) == (4, 2)
+    assert chain._catch_shape(chain.catchup_key([4, 1])) == (2, 4)
+    assert chain.catchup_key([5]) is None  # more rows than K + 1: eager
