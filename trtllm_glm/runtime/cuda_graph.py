@@ -373,9 +373,7 @@ class CudaGraphRunner:
             The real rows' hidden, logits and packed (greedy, gap), views of the graph's buffers.
         """
         P, W = key
-        if key not in self.graphs and not self.emulate:
-            self.capture(key)
-        g = self.graphs.get(key)
+        g = self.graphs.get(key)  # captured by `key` (None only when emulating)
         B, N = len(plan), P * W
         n = len(ids)
         self._prepare(plan, P, W)

@@ -189,7 +189,7 @@ class Executor:
     # One step
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that finished in it."""
-        plan = self._plan()
+        plan = self._plan(self._decode_widths())
         if not plan:
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
         self.num_steps += 1
@@ -197,6 +197,10 @@ class Executor:
         finished = self._advance(plan, rows)
         self._after_step(plan)
         return finished
+
+    def _decode_widths(self) -> dict[int, int] | None:
+        """Rows per running decode request this step (``None``: one each; speculation verifies more)."""
+        return None
 
     def _after_step(self, plan: list[ScheduledSeq]) -> None:
         """Seal final pages and take checkpoints (prefix caching), after the step is fully committed."""

@@ -209,16 +209,8 @@ class SpeculativeExecutor(Executor):
         self.state.pop(req.request_id, None)
 
     # --------------------------------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        widths = {r.request_id: 1 + len(self.state[r.request_id].drafts) for r in self.running if r.is_decode}
-        plan = self._plan(widths)
-        if not plan:
-            raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
-        self.num_steps += 1
-        hidden = self._forward(plan)
-        finished = self._advance(plan, hidden)
-        self._after_step(plan)
-        return finished
+    def _decode_widths(self) -> dict[int, int]:
+        return {r.request_id: 1 + len(self.state[r.request_id].drafts) for r in self.running if r.is_decode}
 
     def _rows_for(self, s: ScheduledSeq) -> list[int]:
         rows = super()._rows_for(s)
@@ -229,7 +221,7 @@ class SpeculativeExecutor(Executor):
         return rows
 
     def _graph_widths(self) -> tuple[int, ...]:
-        # Width-one rounds and full verify rounds; anything else (a budget-cut round) runs eagerly.
+        # Width-one rounds and full verify rounds (short rounds are padded to full width: `_pad_drafts`).
         return (1, 1 + self.spec.max_draft_len)
 
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
