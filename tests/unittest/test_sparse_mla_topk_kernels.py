@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from topk_checks import check_topk, topk_scores
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
@@ -189,35 +190,13 @@ def test_sparse_mla_gluon_kernel_is_gpu_only() -> None:
 
 # ------------------------------------------------------------------------------------------------
 # Pool top-k
-def _scores(n_rows: int, max_pools: int, g: torch.Generator, *, ties: bool) -> torch.Tensor:
-    s = torch.randn(n_rows, max_pools, generator=g)
-    if ties:
-        # Coarse values: many exact ties, including across the k-th place; plus signed zeros.
-        s = torch.round(s * 3) / 3
-        s[:, ::7] = 0.0
-        s[:, 3::7] = -0.0
-    return s
-
-
-def _check_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int, **kw) -> None:
-    ref = R.select_topk_pools(scores, positions, topk)
-    out = torch.randint(-50, 50, (scores.shape[0], topk), generator=_gen(99), dtype=torch.int32)
-    if kw:
-        got = K.kernel_module("topk", "cpu").select_topk_pools(scores, positions, topk, out=out, **kw)
-    else:
-        got = K.select_topk_pools(scores, positions, topk, out=out)
-    assert got.data_ptr() == out.data_ptr()
-    bad = (got != ref).any(dim=1).nonzero().flatten().tolist()
-    assert not bad, f"rows {bad} differ: kernel {got[bad[0]].tolist()} reference {ref[bad[0]].tolist()}"
-
-
 @pytest.mark.parametrize(("max_pools", "topk", "ties"), [(64, 8, False), (200, 16, True), (512, 64, True)])
 def test_select_topk_pools_matches_reference(max_pools: int, topk: int, ties: bool) -> None:
     g = _gen(10 + max_pools)
     # pos < 3 (no complete pool), exactly topk pools, fewer than topk, every alignment mod 4, all pools.
     positions = torch.tensor([0, 2, 3, 4 * topk - 1, 4 * topk + 1, 4 * (topk // 2) + 2, 4 * max_pools - 1, 4 * 37])
-    scores = _scores(positions.numel(), max_pools, g, ties=ties)
-    _check_topk(scores, positions, topk)
+    scores = topk_scores(positions.numel(), max_pools, g, ties=ties)
+    check_topk(scores, positions, topk)
 
 
 def test_select_topk_pools_all_equal_and_special_values() -> None:
@@ -237,17 +216,17 @@ def test_select_topk_pools_all_equal_and_special_values() -> None:
     scores[6, 5::11] = float("nan")
     scores[6, 9::13] = -float("nan")
     positions = torch.full((7,), 4 * max_pools - 1)
-    _check_topk(scores, positions, topk)
+    check_topk(scores, positions, topk)
 
 
 def test_select_topk_pools_ignores_scores_beyond_complete_pools() -> None:
     """Huge scores on incomplete pools (and garbage in the padding columns) must never be chosen."""
     g = _gen(21)
-    scores = _scores(4, 128, g, ties=True)
+    scores = topk_scores(4, 128, g, ties=True)
     positions = torch.tensor([4 * 50 + 2, 4 * 10 + 3, 1, 4 * 127 + 3])
     for i, p in enumerate(positions.tolist()):
         scores[i, (p + 1) // 4 :] = 1e9
-    _check_topk(scores, positions, 32)
+    check_topk(scores, positions, 32)
 
 
 @pytest.mark.parametrize(("block", "sub"), [(64, 16), (128, 128)])
@@ -256,14 +235,14 @@ def test_select_topk_pools_chunked_rows(block: int, sub: int) -> None:
     g = _gen(22 + block)
     max_pools = 300  # not a multiple of the block: masked loads
     positions = torch.tensor([4 * max_pools - 1, 4 * 170 + 1, 4 * 40, 2, 4 * 260 + 3])
-    scores = _scores(positions.numel(), max_pools, g, ties=True)
-    _check_topk(scores, positions, 48, block=block, sub=sub, num_warps=2)
+    scores = topk_scores(positions.numel(), max_pools, g, ties=True)
+    check_topk(scores, positions, 48, block=block, sub=sub, num_warps=2)
 
 
-def test_select_topk_pools_topk_wider_than_scores() -> None:
+def test_select_topk_pools_topk_wider_thantopk_scores() -> None:
     g = _gen(23)
-    scores = _scores(3, 20, g, ties=False)
-    _check_topk(scores, torch.tensor([79, 30, 5]), 32)
+    scores = topk_scores(3, 20, g, ties=False)
+    check_topk(scores, torch.tensor([79, 30, 5]), 32)
 
 
 # ------------------------------------------------------------------------------------------------

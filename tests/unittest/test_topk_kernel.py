@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from topk_checks import check_topk, topk_scores
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
@@ -33,26 +34,6 @@ def _topk_module():
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _scores(n_rows: int, max_pools: int, g: torch.Generator, *, ties: bool) -> torch.Tensor:
-    """``[n_rows, max_pools]`` fp32 scores; with ``ties``, coarse values (many exact ties) and signed zeros."""
-    s = torch.randn(n_rows, max_pools, generator=g)
-    if ties:
-        s = torch.round(s * 3) / 3
-        s[:, ::7] = 0.0
-        s[:, 3::7] = -0.0
-    return s
-
-
-def _check(scores: torch.Tensor, positions: torch.Tensor, topk: int, **kw) -> None:
-    """Kernel ids equal the reference's in every row; the poisoned ``out`` is the returned tensor."""
-    ref = R.select_topk_pools(scores, positions, topk)
-    out = torch.randint(-50, 50, (scores.shape[0], topk), generator=_gen(99), dtype=torch.int32)
-    got = _topk_module().select_topk_pools(scores, positions, topk, out=out, **kw)
-    assert got.data_ptr() == out.data_ptr()
-    bad = (got != ref).any(dim=1).nonzero().flatten().tolist()
-    assert not bad, f"rows {bad} differ: kernel {got[bad[0]].tolist()} reference {ref[bad[0]].tolist()}"
 
 
 def _positions(max_pools: int, topk: int, chunk: int) -> torch.Tensor:
@@ -78,9 +59,9 @@ def test_chunked_matches_reference(
 ) -> None:
     g = _gen(max_pools + topk + chunk)
     positions = _positions(max_pools, topk, chunk)
-    scores = _scores(positions.numel(), max_pools, g, ties=ties)
+    scores = topk_scores(positions.numel(), max_pools, g, ties=ties)
     kw = dict(method="chunked", chunk=chunk, slots=slots, num_warps=1, merge_warps=1, search=search)
-    _check(scores, positions, topk, **kw)
+    check_topk(scores, positions, topk, **kw)
 
 
 @pytest.mark.parametrize("search", ["snap", "bisect"])
@@ -102,7 +83,7 @@ def test_chunked_special_values(search: str) -> None:
     scores[7] = torch.randn(max_pools, generator=g)
     scores[7, 100:] = 9.0  # the whole top-k tied, all in the last chunks
     positions = torch.full((8,), 4 * max_pools - 1)
-    _check(scores, positions, topk, method="chunked", chunk=64, num_warps=1, merge_warps=1, search=search)
+    check_topk(scores, positions, topk, method="chunked", chunk=64, num_warps=1, merge_warps=1, search=search)
 
 
 @pytest.mark.parametrize("search", ["snap", "bisect", "bisect/snap", "snap/bisect"])
@@ -118,18 +99,18 @@ def test_chunked_tie_overflow_in_a_chunk(search: str) -> None:
     scores[2, 200:] = 7.0  # 56 equal keys in chunk 3, plus more above in chunk 0
     scores[2, :4] = 8.0
     positions = torch.full((3,), 4 * max_pools - 1)
-    _check(scores, positions, topk, method="chunked", chunk=64, num_warps=1, merge_warps=1, search=search)
+    check_topk(scores, positions, topk, method="chunked", chunk=64, num_warps=1, merge_warps=1, search=search)
 
 
 def test_chunked_ignores_scores_beyond_complete_pools() -> None:
     """Huge scores on incomplete pools (including whole chunks past the complete count) are never chosen."""
     g = _gen(7)
     max_pools = 256
-    scores = _scores(4, max_pools, g, ties=True)
+    scores = topk_scores(4, max_pools, g, ties=True)
     positions = torch.tensor([4 * 70 + 2, 4 * 10 + 3, 1, 4 * 129 + 3])
     for i, p in enumerate(positions.tolist()):
         scores[i, (p + 1) // 4 :] = 1e9
-    _check(scores, positions, 16, method="chunked", chunk=64, num_warps=1, merge_warps=1)
+    check_topk(scores, positions, 16, method="chunked", chunk=64, num_warps=1, merge_warps=1)
 
 
 def test_default_dispatch_and_row_path() -> None:
@@ -137,10 +118,10 @@ def test_default_dispatch_and_row_path() -> None:
     g = _gen(8)
     max_pools, topk = 320, 16
     positions = _positions(max_pools, topk, 64)
-    scores = _scores(positions.numel(), max_pools, g, ties=True)
+    scores = topk_scores(positions.numel(), max_pools, g, ties=True)
     mod = _topk_module()
     assert mod.chunked_shape(max_pools, topk, chunk=64) == (64, 5, 32)
-    _check(scores, positions, topk, method="row")
+    check_topk(scores, positions, topk, method="row")
     ref = R.select_topk_pools(scores, positions, topk)
     out = torch.full((positions.numel(), topk), -7, dtype=torch.int32)
     assert torch.equal(K.select_topk_pools(scores, positions, topk, out=out), ref)
