@@ -12,11 +12,14 @@ import torch
 
 from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import ConfigError, Glm5NextConfig
+from trtllm_glm.errors import StateError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import (
     PADDING_REQUEST_ID,
     CudaGraphConfig,
+    accepted_counts,
     default_batch_sizes,
+    greedy_and_gap,
     padded_batch_size,
 )
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -349,3 +352,35 @@ def test_catchup_graph_per_width(emulated) -> None:
     assert chain._catch_shape(chain.catchup_key([1, 2, 1])) == (4, 2)
     assert chain._catch_shape(chain.catchup_key([4, 1])) == (2, 4)
     assert chain.catchup_key([5]) is None  # more rows than K + 1: eager
+
+
+def test_accepted_counts_on_device() -> None:
+    """The verify graph's acceptance: the longest confirmed prefix plus the root, never past the real drafts
+    (filler that happens to equal the target's argmax is still rejected), padding sequences accept one row."""
+    #                  root, drafts...          the target's argmax after each row
+    ids = torch.tensor([[5, 7, 8, 9], [5, 7, 8, 9], [5, 7, 7, 7], [1, 2, 3, 4], [0, 0, 0, 0]])
+    greedy = torch.tensor([[7, 8, 9, 4], [7, 6, 9, 4], [7, 7, 7, 7], [2, 3, 4, 0], [0, 0, 0, 0]])
+    proposed = torch.tensor([3, 3, 1, 0, 0])
+    # all three drafts / the second draft fails / filler 7s equal the argmax / nothing proposed / padding
+    assert accepted_counts(ids, greedy, proposed).tolist() == [4, 2, 2, 1, 1]
+    assert accepted_counts(ids, greedy, torch.tensor([3, 3, 3, 3, 3])).tolist() == [4, 2, 4, 4, 4]
+    logits = torch.randn(5, 11)
+    packed = greedy_and_gap(logits, torch.tensor([1, 2, 3, 4, 5]))
+    assert packed[:, 0].tolist() == logits.argmax(-1).tolist() and packed[:, 2].tolist() == [1, 2, 3, 4, 5]
+    assert greedy_and_gap(logits)[:, 2].tolist() == [1.0] * 5
+
+
+def test_emulated_verify_graph_commit_disagreement_raises(emulated, monkeypatch) -> None:
+    """The verify graph folds the KDA records with its own counts; if the host's acceptance ever differed,
+    the state would no longer match the output, so the step raises instead of going on."""
+    import trtllm_glm.runtime.cuda_graph as cg
+
+    emulated(True)
+    cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2], enable_padding=True))
+    ex = SpeculativeExecutor(_model(), cfg, NGramDecodingConfig(max_draft_len=2))
+    # Here n-gram proposes nothing (all filler): the host accepts one row, the forged counts say two.
+    monkeypatch.setattr(cg, "accepted_counts", lambda ids, greedy, proposed: torch.full_like(proposed, 2))
+    ex.add_request(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    with pytest.raises(StateError, match="verify graph accepted"):
+        for _ in range(12):
+            ex.step()

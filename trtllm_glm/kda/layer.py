@@ -132,8 +132,12 @@ class KdaLayerRecords:
         if not records.seq_ids:
             return
         if isinstance(num_accepted, torch.Tensor):
-            ids = to_device(records.seq_ids, num_accepted.device, torch.int64)
-            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)[ids]
+            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)
+            if a.numel() != records.num_seqs:
+                raise ValueError(f"num_accepted has {a.numel()} entries for {records.num_seqs} sequences")
+            if records.seq_ids != list(range(records.num_seqs)):
+                # (A verify graph verifies every sequence: no index copy there, so the commit captures.)
+                a = a[to_device(records.seq_ids, a.device, torch.int64)]
         else:
             if len(num_accepted) != records.num_seqs:
                 raise ValueError(f"num_accepted has {len(num_accepted)} entries for {records.num_seqs} sequences")

@@ -3,8 +3,15 @@
 A pure-decode step (every sequence one row) and a speculative verify step (every sequence ``1 + K`` rows)
 are captured once per (padded batch size ``P``, width ``W``) and replayed afterwards: input ids -> final
 hidden ``[P * W, D]``, FP32 logits ``[P * W, V]`` and, packed for one device-to-host copy, each row's greedy
-token and top-2 logit gap ``[P * W, 2]``. Steps with any prefill rows, mixed widths or a batch larger than
-the largest captured size run eagerly.
+token, top-2 logit gap and its sequence's accepted count ``[P * W, 3]``. Steps with any prefill rows, mixed
+widths or a batch larger than the largest captured size run eagerly.
+
+A verify graph (``W > 1``) also accepts and commits on the device: each sequence's accepted count is one
+plus the longest prefix of its drafts that the target's argmax confirms, capped at the drafts the host
+marked as proposed (`CudaGraphRunner.set_proposed`; filler past them is never accepted), and the KDA
+layers' verify records are folded into their state slots with those counts inside the graph
+(`RequestStateOwner.fold_pending`). The host then only advances the committed lengths, after checking
+that its own acceptance of the copied greedy tokens agrees (docs/design.md §5).
 
 Padding (docs/design.md §5): a batch of ``B`` sequences is padded to the next captured size with ``P - B``
 trailing sequences that
@@ -17,8 +24,8 @@ trailing sequences that
 * have an all ``-1`` slot-table row and token id 0.
 
 Their outputs are garbage that nothing reads: the executor samples and commits only the first ``B``
-sequences (`AttentionMetadata.trim_padding`), and the verify records the KDA layers left are re-registered
-cut to those ``B`` sequences.
+sequences (`AttentionMetadata.trim_padding`). In a verify graph they propose nothing, accept one row and
+fold it into the padding slot, which no request reads.
 
 Capture: a graph is captured on the first step that needs it (or all of them up front with
 `CudaGraphRunner.capture_all`), from a batch made only of padding sequences, so warm-up and capture never
@@ -158,12 +165,15 @@ class GraphOutputs:
     Attributes:
         hidden: ``[n, D]`` final hidden of the real rows (a view of the graph's output buffer).
         logits: ``[n, V]`` FP32 logits of the real rows (a view; overwritten by the next replay).
-        packed: ``[n, 2]`` float64 (greedy token id, top-2 logit gap) per real row, on the device.
+        packed: ``[n, 3]`` float64 (greedy token id, top-2 logit gap, the row's sequence's accepted count)
+            per real row, on the device.
+        width: rows per sequence ``W``; with ``W > 1`` the verify records were committed in the graph.
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor
     packed: torch.Tensor
+    width: int = 1
     _host: list[list[float]] | None = None
 
     def host_rows(self) -> list[list[float]]:
@@ -172,16 +182,53 @@ class GraphOutputs:
             self._host = self.packed.tolist()
         return self._host
 
+    @property
+    def committed_on_device(self) -> bool:
+        """Whether the step's KDA verify records were already folded (a verify graph)."""
+        return self.width > 1
 
-def greedy_and_gap(logits: torch.Tensor) -> torch.Tensor:
-    """``[n, V]`` logits -> ``[n, 2]`` float64 (argmax id, top-2 gap): one tensor, one host copy.
+    def accepted_counts(self) -> list[int]:
+        """``[B]`` accepted rows per real sequence, as the device counted them (1 for width-one steps)."""
+        rows = self.host_rows()
+        return [int(rows[i][2]) for i in range(0, len(rows), self.width)]
+
+
+def greedy_and_gap(logits: torch.Tensor, accepted: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, V]`` logits -> ``[n, 3]`` float64 (argmax id, top-2 gap, accepted): one tensor, one host copy.
 
     The argmax is `Sampler`'s greedy choice (``torch.argmax``: the first maximum) and the gap is
-    `sampling.top2_gap`'s; token ids are exact in float64.
+    `sampling.top2_gap`'s; token ids and counts are exact in float64.
+
+    Args:
+        logits: ``[n, V]``.
+        accepted: optional ``[n]`` the accepted count of each row's sequence (default 1: no drafts).
     """
     top = torch.topk(logits.float(), 2, dim=-1).values
     gap = top[:, 0] - top[:, 1]
-    return torch.stack([torch.argmax(logits, dim=-1).to(torch.float64), gap.to(torch.float64)], dim=1)
+    greedy = torch.argmax(logits, dim=-1).to(torch.float64)
+    acc = torch.ones_like(greedy) if accepted is None else accepted.to(torch.float64)
+    return torch.stack([greedy, gap.to(torch.float64), acc], dim=1)
+
+
+def accepted_counts(ids: torch.Tensor, greedy: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance of ``P`` verify sequences of ``W`` rows, on the device (no host sync).
+
+    Row 0 of a sequence is its last committed token and rows ``1 ..`` its drafts; draft ``j`` is accepted
+    when it equals the target's argmax after row ``j - 1`` and every earlier draft was accepted. Drafts
+    at or past ``proposed`` (filler, `DraftState.num_proposed`) are never accepted.
+
+    Args:
+        ids: ``[P, W]`` int64 input tokens.
+        greedy: ``[P, W]`` int64 target argmax of each row.
+        proposed: ``[P]`` int64 real drafts per sequence (``0 .. W - 1``).
+
+    Returns:
+        ``[P]`` int64 accepted rows (root + accepted drafts, ``1 .. W``).
+    """
+    W = ids.shape[1]
+    ok = ids[:, 1:] == greedy[:, :-1]
+    ok = ok & (torch.arange(W - 1, device=ids.device).view(1, -1) < proposed.view(-1, 1))
+    return 1 + ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 @dataclass
@@ -190,7 +237,6 @@ class _Graph:
     hidden: torch.Tensor
     logits: torch.Tensor
     packed: torch.Tensor
-    records: dict[int, Any]
     guard: GraphAddressGuard
     capture_s: float
     pool_bytes: int
@@ -218,23 +264,6 @@ class GraphStats:
     pool_bytes: int = 0
     per_graph: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
     failed: dict[tuple[int, int], str] = field(default_factory=dict)
-
-
-def _trim_records(rec: Any, n: int, state_slots: list[int]) -> Any:
-    """A KDA layer's verify records cut to the first ``n`` (real) sequences of a padded step."""
-    kda = rec.kda
-    kda_n = dataclasses.replace(kda, **{f.name: getattr(kda, f.name)[:n] for f in dataclasses.fields(kda)})
-    return dataclasses.replace(
-        rec,
-        seq_ids=list(range(n)),
-        widths=list(rec.widths[:n]),
-        state_slots=list(state_slots),
-        slots_t=rec.slots_t[:n],
-        fresh=rec.fresh[:n],
-        x_rows=rec.x_rows[:n],
-        kda=kda_n,
-        num_seqs=n,
-    )
 
 
 class CudaGraphRunner:
@@ -270,10 +299,13 @@ class CudaGraphRunner:
         self.device = meta.device
         self.sizes = {w: config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, w) for w in sorted(set(widths))}
         self._prepare = prepare
-        self.input_ids = torch.zeros(meta.max_num_tokens, dtype=torch.int64, device=self.device)
-        self._ids_staging = HostStaging(
-            {"ids": (self.input_ids.shape, torch.int64)}, pin_memory=self.device.type == "cuda"
-        )
+        # One persistent input buffer, refreshed by one host-to-device copy per replay: each sequence's
+        # proposed draft count (verify acceptance), then the input ids.
+        S = meta.max_num_seqs
+        self._inputs = torch.zeros(S + meta.max_num_tokens, dtype=torch.int64, device=self.device)
+        self.num_proposed = self._inputs[:S]
+        self.input_ids = self._inputs[S:]
+        self._staging = HostStaging({"in": (self._inputs.shape, torch.int64)}, pin_memory=self.device.type == "cuda")
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool: Any = None
         self.stats = GraphStats()
@@ -313,23 +345,29 @@ class CudaGraphRunner:
                 if (P, W) not in self.graphs and (P, W) not in self.stats.failed:
                     self._try_capture((P, W))
 
-    def _body(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _body(self, P: int, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's forward, logits, greedy choice and, for a verify step, acceptance and KDA commit."""
+        ids = self.input_ids[: P * W]
         hidden = self.model(ids, self.meta, self.manager)
         logits = self.model.compute_logits(hidden)
-        return hidden, logits, greedy_and_gap(logits)
+        if W == 1:
+            return hidden, logits, greedy_and_gap(logits)
+        greedy = torch.argmax(logits, dim=-1)
+        acc = accepted_counts(ids.view(P, W), greedy.view(P, W), self.num_proposed[:P])
+        # Folded here so the commit runs inside the graph; the host advances the lengths afterwards.
+        self.manager.state.fold_pending(acc)
+        return hidden, logits, greedy_and_gap(logits, acc.repeat_interleave(W))
 
     def capture(self, key: tuple[int, int]) -> None:
         """Warm up and capture the graph of ``key`` on a batch made only of padding sequences."""
         P, W = key
-        N = P * W
         meta, state = self.meta, self.manager.state
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         # Cached blocks would make the growth look smaller (capture itself empties the cache).
         torch.cuda.empty_cache()
         pool_before = torch.cuda.memory_reserved(self.device)
-        ids = self.input_ids[:N]
-        ids.zero_()
+        self._inputs.zero_()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         meta.graph_max_pools = meta.graph_pool_capacity
@@ -340,15 +378,13 @@ class CudaGraphRunner:
             with torch.cuda.stream(stream), torch.inference_mode():
                 # Warm-up: Triton compilation / autotuning and cuBLAS set-up happen outside the capture.
                 # Padding rows only: the padding slot is the only state written.
-                self._body(ids)
+                self._body(P, W)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             state.discard_pending()
             graph = torch.cuda.CUDAGraph()
             with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-                hidden, logits, packed = self._body(ids)
-            # The KDA layers' verify records of the captured step: tensors the graph rewrites on replay.
-            records = dict(state._pending)
+                hidden, logits, packed = self._body(P, W)
             state.discard_pending()
         finally:
             meta.graph_max_pools = None
@@ -357,47 +393,60 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         grown = torch.cuda.memory_reserved(self.device) - pool_before
-        self.graphs[key] = _Graph(graph, hidden, logits, packed, records, guard, dt, grown)
+        self.graphs[key] = _Graph(graph, hidden, logits, packed, guard, dt, grown)
         self.stats.captures += 1
         self.stats.capture_s += dt
         self.stats.pool_bytes += grown
         self.stats.per_graph[key] = {"capture_s": dt, "bytes": float(grown)}
 
-    def replay(self, key: tuple[int, int], plan: Sequence[Any], ids: Sequence[int]) -> GraphOutputs:
+    def replay(
+        self, key: tuple[int, int], plan: Sequence[Any], ids: Sequence[int], proposed: Sequence[int] | None = None
+    ) -> GraphOutputs:
         """Run the step ``plan`` (``ids``: its ``B * W`` input tokens) through the graph of ``key``.
 
-        Prepares the padded metadata, refreshes the input ids in place, replays, re-registers the KDA
-        verify records for the real sequences and trims the padding off the host metadata.
+        Prepares the padded metadata, refreshes the inputs in place, replays and trims the padding off the
+        host metadata. A verify step (``W > 1``) leaves its KDA records folded with the device's accepted
+        counts; the caller advances the committed lengths (`RequestStateOwner.commit_verified`).
+
+        Args:
+            key: ``(P, W)`` from `key`.
+            plan: the ``B`` scheduled decode sequences.
+            ids: ``[B * W]`` input tokens (root, then drafts, per sequence).
+            proposed: ``[B]`` real drafts per sequence (the rest of its ``W - 1`` are filler); required
+                when ``W > 1``.
 
         Returns:
-            The real rows' hidden, logits and packed (greedy, gap), views of the graph's buffers.
+            The real rows' hidden, logits and packed (greedy, gap, accepted), views of the graph's buffers.
         """
         P, W = key
         g = self.graphs.get(key)  # captured by `key` (None only when emulating)
         B, N = len(plan), P * W
         n = len(ids)
+        if W > 1 and (proposed is None or len(proposed) != B or any(not 0 <= k < W for k in proposed)):
+            raise ValueError(f"a verify replay needs {B} proposed-draft counts in [0, {W - 1}], got {proposed}")
         self._prepare(plan, P, W)
-        slots = list(self.meta.state_slots[:B])
-        host = self._ids_staging.acquire()["ids"]
-        host[:n] = torch.tensor(list(ids), dtype=torch.int64)
-        host[n:N] = 0
-        self.input_ids[:N].copy_(host[:N], non_blocking=True)
-        self._ids_staging.release()
+        S = self.num_proposed.numel()
+        host = self._staging.acquire()["in"]
+        host[:P] = 0
+        if W > 1:
+            host[:B] = torch.tensor(list(proposed), dtype=torch.int64)  # type: ignore[arg-type]
+        host[S : S + n] = torch.tensor(list(ids), dtype=torch.int64)
+        host[S + n : S + N] = 0
+        # One copy: the counts and ids sit at both ends of it (the rows between are not read).
+        self._inputs[: S + N].copy_(host[: S + N], non_blocking=True)
+        self._staging.release()
         state = self.manager.state
         state.discard_pending()
         if g is None:  # emulation: the padded step, eagerly
-            hidden, logits, packed = self._body(self.input_ids[:N])
-            records = dict(state._pending)
+            hidden, logits, packed = self._body(P, W)
         else:
             g.guard.check(self.meta)
             g.graph.replay()
             g.replays += 1
-            hidden, logits, packed, records = g.hidden, g.logits, g.packed, g.records
-        for idx, rec in records.items():
-            state.record_verify(idx, _trim_records(rec, B, slots))
+            hidden, logits, packed = g.hidden, g.logits, g.packed
         self.meta.trim_padding()
         self.stats.replays += 1
-        return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n])
+        return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n], width=W)
 
 
 @dataclass

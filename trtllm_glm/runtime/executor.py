@@ -346,7 +346,7 @@ class Executor:
             self.meta.spec.verify_seqs = list(range(P))
 
     def _sample_rows(self, hidden: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, list[list[float]]]:
-        """FP32 logits ``[n, V]`` of ``rows`` and, on the host, each one's (greedy id, top-2 gap).
+        """FP32 logits ``[n, V]`` of ``rows`` and, on the host, each one's (greedy id, top-2 gap, accepted).
 
         A replayed step already holds both (in-graph argmax and gap): only the one device-to-host copy.
         """
@@ -371,7 +371,7 @@ class Executor:
             key = runner.key([s.num_rows for s in plan])
             if key is not None:
                 with torch.inference_mode():
-                    self._step_out = runner.replay(key, plan, ids)
+                    self._step_out = runner.replay(key, plan, ids, self._proposed(plan))
                 return self._step_out.hidden
             runner.stats.eager_steps += 1
         n_dec = sum(1 for s in plan if s.is_decode)
@@ -419,6 +419,10 @@ class Executor:
         r = s.request
         return r.tokens[r.num_computed : r.num_computed + s.num_rows]
 
+    def _proposed(self, plan: list[ScheduledSeq]) -> list[int] | None:
+        """Real drafts per sequence of a verify step (None: plain decoding has none)."""
+        return None
+
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
         """Hook: runs after ``prepare()`` and before the model (speculative verify sets its fields here)."""
 
@@ -438,9 +442,9 @@ class Executor:
         if to_sample:
             logits, packed = self._sample_rows(hidden, [i for _, i in to_sample])
             reqs = [r for r, _ in to_sample]
-            gaps = [g for _, g in packed]
+            gaps = [p[1] for p in packed]
             if all(r.params.greedy for r in reqs):
-                toks = [int(t) for t, _ in packed]
+                toks = [int(p[0]) for p in packed]
             else:
                 toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             for j, (r, t, gp) in enumerate(zip(reqs, toks, gaps)):

@@ -23,7 +23,7 @@ import torch
 
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
-from ..errors import CapacityError
+from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
@@ -224,6 +224,13 @@ class SpeculativeExecutor(Executor):
         # Width-one rounds and full verify rounds (short rounds are padded to full width: `_pad_drafts`).
         return (1, 1 + self.spec.max_draft_len)
 
+    def _proposed(self, plan: list[ScheduledSeq]) -> list[int]:
+        out = []
+        for s in plan:
+            st = self.state[s.request.request_id]
+            out.append(len(st.drafts) if st.num_proposed is None else st.num_proposed)
+        return out
+
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
         self.meta.spec.verify_seqs = [i for i, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
         # A persistent buffer (a captured verify graph reads its address), padding entries 0.
@@ -248,8 +255,8 @@ class SpeculativeExecutor(Executor):
         logits = gaps = greedy = None
         if need:
             logits, packed = self._sample_rows(hidden, need)
-            greedy = [int(t) for t, _ in packed]
-            gaps = [g for _, g in packed]
+            greedy = [int(p[0]) for p in packed]
+            gaps = [p[1] for p in packed]
 
         num_accepted = [0] * len(plan)
         committed = [0] * len(plan)
@@ -296,7 +303,15 @@ class SpeculativeExecutor(Executor):
                         finished.append(r)
             st.drafts = []
             st.num_proposed = None
-        # Folds the verified KDA records (if any) and advances every slot's committed length.
+        out = self._step_out
+        if out is not None and out.committed_on_device and out.accepted_counts() != num_accepted:
+            # The graph already folded the KDA records with its own counts: any difference is corrupted state.
+            raise StateError(
+                f"the verify graph accepted {out.accepted_counts()} rows but the host {num_accepted}; "
+                "the KDA state no longer matches the output"
+            )
+        # Folds the verified KDA records (if any; a verify graph folded them already) and advances every
+        # slot's committed length.
         self.model.commit_kda(self.meta, self.manager, num_accepted)
         for r in finished:
             self._finish(r)

@@ -239,11 +239,22 @@ class RequestStateOwner:
         """
         if len(slots) != len(num_accepted):
             raise ValueError(f"{len(slots)} slots but {len(num_accepted)} accepted counts")
+        self.fold_pending(num_accepted)
+        for s, a in zip(slots, num_accepted):
+            self._committed[self._check(s)] += int(a)
+
+    def fold_pending(self, num_accepted: Sequence[int] | torch.Tensor) -> None:
+        """Fold this step's verify records into the KDA states and drop them; the lengths stay.
+
+        A verify CUDA graph calls it with the device's accepted counts (no host sync, so it is captured);
+        the host later calls `commit_verified` with the same counts, which then only advances the lengths.
+
+        Args:
+            num_accepted: ``[B]`` rows committed per batch sequence (host list or device tensor).
+        """
         for kda_idx in sorted(self._pending):
             self._pending[kda_idx].commit(num_accepted, self.kda_layer_state(kda_idx))
         self._pending = {}
-        for s, a in zip(slots, num_accepted):
-            self._committed[self._check(s)] += int(a)
 
     def record_draft_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
         """Store ``hidden[j]`` as the draft's last hidden of ``slots[j]`` (no-op when not tracked).
