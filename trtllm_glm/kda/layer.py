@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..config import Glm5NextConfig
+from ..norm import norm_backend, row_norm
 from ..state import KdaLayerState
 from ..transfer import to_device
 from .batch import KdaBatch, KdaBatchLike
@@ -82,7 +83,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x, gate [..., dim]`` -> ``[..., dim]`` FP32."""
+        """``x, gate [..., dim]`` -> ``[..., dim]`` FP32 (one fused kernel for CUDA inference: `trtllm_glm.norm`)."""
+        if norm_backend(x, gate, self.weight) == "triton":
+            return row_norm(x, self.eps, weight=self.weight, gate=gate, out_dtype=torch.float32)
         x = x.float()
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return y * self.weight.float() * torch.sigmoid(gate.float())

@@ -1,9 +1,12 @@
-"""Normalisation layers shared by the model's blocks."""
+"""Normalisation layers shared by the model's blocks (torch reference; CUDA inference runs the fused kernel
+of `trtllm_glm.norm`, chosen by ``TRTLLM_GLM_NORM_BACKEND``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ..norm import norm_backend, row_norm
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -16,6 +19,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         weight: ``[D]``.
         eps: variance epsilon.
     """
+    if norm_backend(x, weight) == "triton":
+        return row_norm(x, eps, weight=weight)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * weight.float()).to(x.dtype)

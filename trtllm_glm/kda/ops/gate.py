@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ...norm import norm_backend, row_norm
+
 __all__ = ["kda_gate", "l2_normalize", "L2NORM_EPS"]
 
 # Added to the squared norm before the reciprocal square root; the same epsilon fla-core uses in its
@@ -42,5 +44,7 @@ def l2_normalize(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     Returns:
         ``[..., D]`` FP32.
     """
+    if norm_backend(x) == "triton":
+        return row_norm(x, eps, mean=False, out_dtype=torch.float32)
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

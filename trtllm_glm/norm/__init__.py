@@ -1,0 +1,83 @@
+"""Fused row normalisations for the CUDA decode path: RMSNorm, gated RMSNorm and L2 normalisation.
+
+The torch references are `trtllm_glm.modules.norm.rms_norm`, `trtllm_glm.kda.layer.GatedRMSNorm` and
+`trtllm_glm.kda.ops.gate.l2_normalize`; each is ~6-11 small torch kernels (casts, square, mean, add,
+rsqrt, products, sigmoid), and a decode step calls them ~20 times. `kernels.row_norm` does any of them in
+one launch. The callers dispatch through `norm_backend` (``TRTLLM_GLM_NORM_BACKEND``).
+
+Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
+interpreted copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source.
+Triton is imported lazily, on the first call: importing this package needs only torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from trtllm_glm.triton_interp import KernelPackage
+
+__all__ = ["NORM_BACKEND_ENV", "kernel_module", "norm_backend", "row_norm"]
+
+NORM_BACKEND_ENV = "TRTLLM_GLM_NORM_BACKEND"
+NORM_BACKENDS = ("auto", "torch", "triton")
+
+_PACKAGE = KernelPackage(__name__, __path__)
+
+
+def kernel_module(device: torch.device | str) -> Any:
+    """`kernels` built for ``device``: compiled on CUDA, an interpreted copy elsewhere."""
+    return _PACKAGE.module("kernels", device)
+
+
+def norm_backend(*tensors: torch.Tensor | None, backend: str | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for one normalisation call (decided from devices and flags only).
+
+    ``backend`` (default: ``TRTLLM_GLM_NORM_BACKEND``, else ``"auto"``): ``"torch"``, the references;
+    ``"triton"``, the kernel on any device (the CPU runs it through Triton's interpreter); ``"auto"``, the
+    kernel for CUDA tensors when no gradient is needed (it has no backward), the reference otherwise.
+
+    Args:
+        *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
+        backend: overrides the environment.
+    """
+    choice = backend if backend is not None else os.environ.get(NORM_BACKEND_ENV, "auto")
+    if choice not in NORM_BACKENDS:
+        raise ValueError(f"norm backend must be one of {NORM_BACKENDS}, got {choice!r}")
+    ts = [t for t in tensors if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    if choice == "auto":
+        return "triton" if ts and ts[0].is_cuda and not needs_grad else "torch"
+    if choice == "triton" and needs_grad:
+        raise RuntimeError("norm: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
+    return choice
+
+
+def row_norm(
+    x: torch.Tensor,
+    eps: float,
+    *,
+    weight: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    mean: bool = True,
+    out_dtype: torch.dtype | None = None,
+    **launch: Any,
+) -> torch.Tensor:
+    """``x * rsqrt(mean_or_sum(x^2) + eps) [* weight] [* sigmoid(gate)]`` over the last dim (`kernels.row_norm`).
+
+    Args:
+        x: ``[..., D]`` any float dtype (at most three dims; the last must be contiguous).
+        eps: added to the statistic.
+        weight: optional ``[D]`` scale.
+        gate: optional ``[..., D]`` gate logits, shaped like ``x``.
+        mean: mean of squares (RMSNorm) or sum (L2 normalisation).
+        out_dtype: result dtype (default ``x``'s).
+        **launch: ``out`` (preallocated result), ``num_warps``.
+
+    Returns:
+        ``[..., D]`` in ``out_dtype``.
+    """
+    mod = kernel_module(x.device)
+    return mod.row_norm(x, eps, weight=weight, gate=gate, mean=mean, out_dtype=out_dtype, **launch)

@@ -1,0 +1,121 @@
+"""One Triton kernel for the row normalisations of the decode path (`trtllm_glm.norm.row_norm`).
+
+``_row_norm_kernel``, grid ``(R,)`` over the rows of ``x`` viewed as ``[A, B, D]`` (two leading strides, so
+views such as the per-head slices of a split projection need no copy): one program loads a row, upcasts it
+to FP32 (the interpreter's bf16 arithmetic is wrong, and the references compute in FP32), reduces the sum
+of squares (divided by ``D`` for RMSNorm), scales by ``rsqrt(stat + eps)``, then by the weight and by
+``sigmoid(gate)`` when given, in the references' order, and stores once in the output dtype.
+
+Numerics: the sum runs in a different order than torch's reduction, so results agree with the references
+to a few FP32 ulps, not bit for bit (then rounded to the output dtype, where a value on a rounding boundary
+may flip one ulp).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["row_norm"]
+
+
+@triton.jit
+def _row_norm_kernel(
+    x_ptr,
+    w_ptr,
+    g_ptr,
+    o_ptr,
+    B,
+    D,
+    sxa,
+    sxb,
+    sga,
+    sgb,
+    soa,
+    sob,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    MEAN: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0)
+    a = row // B
+    b = row % B
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    x = tl.load(x_ptr + a * sxa + b * sxb + offs, mask=m, other=0.0).to(tl.float32)
+    stat = tl.sum(x * x, axis=0)
+    if MEAN:
+        stat = stat / D
+    y = x * (1.0 / tl.sqrt(stat + eps))
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        gt = tl.load(g_ptr + a * sga + b * sgb + offs, mask=m, other=0.0).to(tl.float32)
+        y = y * (1.0 / (1.0 + tl.exp(-gt)))
+    tl.store(o_ptr + a * soa + b * sob + offs, y.to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _as3d(t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.dim() > 3 or t.dim() == 0:
+        raise ValueError(f"{what} must have 1 to 3 dims, got shape {tuple(t.shape)}")
+    while t.dim() < 3:
+        t = t.unsqueeze(0)
+    if t.stride(-1) != 1:
+        raise ValueError(f"{what}'s last dim must be contiguous, got strides {t.stride()}")
+    return t
+
+
+def row_norm(
+    x: torch.Tensor,
+    eps: float,
+    *,
+    weight: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    mean: bool = True,
+    out_dtype: torch.dtype | None = None,
+    out: torch.Tensor | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """``x * rsqrt(mean_or_sum(x^2) + eps) [* weight] [* sigmoid(gate)]`` over the last dim, one launch.
+
+    Args:
+        x: ``[..., D]`` (1 to 3 dims, last dim contiguous) any float dtype.
+        eps: added to the statistic.
+        weight: optional ``[D]`` scale.
+        gate: optional gate logits shaped like ``x`` (last dim contiguous).
+        mean: divide the sum of squares by ``D`` (RMSNorm) or not (L2 normalisation).
+        out_dtype: result dtype (default ``x``'s).
+        out: optional preallocated result shaped like ``x`` (last dim contiguous); wins over ``out_dtype``.
+        num_warps: warps per row program (default from ``D``).
+
+    Returns:
+        ``[..., D]`` in ``out_dtype`` (``out`` when given, else a new contiguous tensor).
+    """
+    D = x.shape[-1]
+    if weight is not None and weight.shape != (D,):
+        raise ValueError(f"weight must be [{D}], got {tuple(weight.shape)}")
+    if gate is not None and gate.shape != x.shape:
+        raise ValueError(f"gate must be shaped like x {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    elif out.shape != x.shape:
+        raise ValueError(f"out must be shaped like x {tuple(x.shape)}, got {tuple(out.shape)}")
+    if x.numel() == 0:
+        return out
+    x3, o3 = _as3d(x, "x"), _as3d(out, "out")
+    g3 = _as3d(gate, "gate") if gate is not None else x3
+    w = weight.contiguous() if weight is not None else x3
+    A, B = x3.shape[0], x3.shape[1]
+    block = triton.next_power_of_2(D)
+    warps = num_warps or max(1, min(8, block // 256))
+    _row_norm_kernel[(A * B,)](
+        x3, w, g3, o3, B, D,
+        x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), o3.stride(0), o3.stride(1),
+        float(eps),
+        HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK_D=block,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
