@@ -68,7 +68,7 @@ def row_norm(
     """``x * rsqrt(mean_or_sum(x^2) + eps) [* weight] [* sigmoid(gate)]`` over the last dim (`kernels.row_norm`).
 
     Args:
-        x: ``[..., D]`` any float dtype (at most three dims; the last must be contiguous).
+        x: ``[..., D]`` any float dtype (the last dim contiguous).
         eps: added to the statistic.
         weight: optional ``[D]`` scale.
         gate: optional ``[..., D]`` gate logits, shaped like ``x``.

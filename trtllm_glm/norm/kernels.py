@@ -1,10 +1,11 @@
 """One Triton kernel for the row normalisations of the decode path (`trtllm_glm.norm.row_norm`).
 
 ``_row_norm_kernel``, grid ``(R,)`` over the rows of ``x`` viewed as ``[A, B, D]`` (two leading strides, so
-views such as the per-head slices of a split projection need no copy): one program loads a row, upcasts it
-to FP32 (the interpreter's bf16 arithmetic is wrong, and the references compute in FP32), reduces the sum
-of squares (divided by ``D`` for RMSNorm), scales by ``rsqrt(stat + eps)``, then by the weight and by
-``sigmoid(gate)`` when given, in the references' order, and stores once in the output dtype.
+views such as the per-head slices of a split projection need no copy; more leading dims are merged): one
+program loads a row, upcasts it to FP32 (the interpreter's bf16 arithmetic is wrong, and the references
+compute in FP32), reduces the sum of squares (divided by ``D`` for RMSNorm), scales by ``rsqrt(stat + eps)``,
+then by the weight and by ``sigmoid(gate)`` when given, in the references' order, and stores once in the
+output dtype.
 
 Numerics: the sum runs in a different order than torch's reduction, so results agree with the references
 to a few FP32 ulps, not bit for bit (then rounded to the output dtype, where a value on a rounding boundary
@@ -58,9 +59,18 @@ def _row_norm_kernel(
     tl.store(o_ptr + a * soa + b * sob + offs, y.to(o_ptr.dtype.element_ty), mask=m)
 
 
-def _as3d(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.dim() > 3 or t.dim() == 0:
-        raise ValueError(f"{what} must have 1 to 3 dims, got shape {tuple(t.shape)}")
+def _as3d(t: torch.Tensor, what: str, *, copy_ok: bool = True) -> torch.Tensor:
+    """``t [..., D]`` as ``[A, B, D]``: leading dims beyond two are merged (a copy only if they must be)."""
+    if t.dim() == 0:
+        raise ValueError(f"{what} must have at least one dim")
+    if t.dim() > 3:
+        if copy_ok:
+            t = t.reshape(-1, *t.shape[-2:])
+        else:
+            try:
+                t = t.view(-1, *t.shape[-2:])
+            except RuntimeError as e:
+                raise ValueError(f"{what}'s leading dims cannot be merged without a copy: {e}") from None
     while t.dim() < 3:
         t = t.unsqueeze(0)
     if t.stride(-1) != 1:
@@ -82,7 +92,8 @@ def row_norm(
     """``x * rsqrt(mean_or_sum(x^2) + eps) [* weight] [* sigmoid(gate)]`` over the last dim, one launch.
 
     Args:
-        x: ``[..., D]`` (1 to 3 dims, last dim contiguous) any float dtype.
+        x: ``[..., D]`` any float dtype, last dim contiguous (up to two leading strides are read in place;
+            more leading dims are merged, by a copy if their strides need one).
         eps: added to the statistic.
         weight: optional ``[D]`` scale.
         gate: optional gate logits shaped like ``x`` (last dim contiguous).
@@ -105,7 +116,7 @@ def row_norm(
         raise ValueError(f"out must be shaped like x {tuple(x.shape)}, got {tuple(out.shape)}")
     if x.numel() == 0:
         return out
-    x3, o3 = _as3d(x, "x"), _as3d(out, "out")
+    x3, o3 = _as3d(x, "x"), _as3d(out, "out", copy_ok=False)
     g3 = _as3d(gate, "gate") if gate is not None else x3
     w = weight.contiguous() if weight is not None else x3
     A, B = x3.shape[0], x3.shape[1]
