@@ -273,7 +273,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     sync()
     dt = time.perf_counter() - t0
     per_step.sort()
-    replay = graph_replay_ms(ex, (batch, 1 + draft_len(mode))) if graphs and device == "cuda" else float("nan")
+    nan = float("nan")
+    replay, launch = graph_replay_ms(ex, (batch, 1 + draft_len(mode))) if graphs and device == "cuda" else (nan, nan)
     toks = sum(len(r.output_ids) for r in reqs) - tok0
     rounds = sum(r.num_verify_rounds for r in reqs)
     mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
@@ -288,6 +289,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "step_ms_median": 1e3 * per_step[len(per_step) // 2] if per_step else float("nan"),
         "step_ms_max": 1e3 * per_step[-1] if per_step else float("nan"),
         "replay_ms": replay,
+        "launch_ms": launch,
         "tokens_per_s": toks / dt if dt > 0 else float("nan"),
         # Whole requests: prefill + decode (the one profiled step is not timed; run a warm-up case first so
         # that first-use kernel compilation is not in here).
@@ -304,25 +306,31 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     }
 
 
-def graph_replay_ms(ex, key: tuple[int, int], n: int = 30) -> float:
-    """Device time of the target graph ``key`` replayed back to back (no host work between replays).
+def graph_replay_ms(ex, key: tuple[int, int], n: int = 30) -> tuple[float, float]:
+    """Device time of the target graph ``key`` replayed back to back, and the host time of one launch.
 
-    The step's GPU timeline: kernels plus the gaps between them, which the profiler's busy time leaves out.
-    A step's time minus this is host work the GPU waits for. Run after the timed decode (replays rewrite
-    the state of the last step's requests, which are finished by then).
+    The first is the step's GPU timeline: kernels plus the gaps between them, which the profiler's busy
+    time leaves out; a step's time minus it is host work the GPU waits for. The second is what the host
+    spends in one ``replay()`` call (enqueueing the graph), part of that host work. Run after the timed
+    decode (replays rewrite the state of the last step's requests, which are finished by then).
+
+    Returns:
+        ``(replay_ms, launch_ms)``; NaNs when the graph was not captured.
     """
     g = ex.graph_runner.graphs.get(key) if ex.graph_runner is not None else None
     if g is None:
-        return float("nan")
+        return float("nan"), float("nan")
     g.graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
+    t0 = time.perf_counter()
     for _ in range(n):
         g.graph.replay()
+    launch = (time.perf_counter() - t0) / n
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
+    return start.elapsed_time(end) / n, 1e3 * launch
 
 
 def run_transformers(model_cfg: Glm5NextConfig, ours: Glm5NextForCausalLM, batch: int, prompt_len: int, gen: int):
@@ -564,7 +572,8 @@ def main() -> None:
                     base = plain_step.get(graphs)
                     row = {"layers": L, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
                            "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
-                           "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"], "floor_ms": floor_ms,
+                           "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
+                           "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
                            "ratio_to_floor": r["step_ms"] / floor_ms,
                            "step_vs_plain": r["step_ms"] / base[0] if base else None,
                            # What step_vs_plain would be with both steps at their floors: verify rows reach
