@@ -181,7 +181,9 @@ def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm
 
     with torch.device("meta"):
         m = Glm5NextForCausalLM(cfg)
-    m = m.to_empty(device=device).to(resolve_dtype(dtype))
+    # Cast on the meta device first: materialising FP32 and then casting would need 1.5x the model's bytes
+    # (the 8-layer slice would not fit in 141 GB).
+    m = m.to(resolve_dtype(dtype)).to_empty(device=device)
     m.keep_fp32_params_()
     g = torch.Generator(device=device).manual_seed(seed)
     std = cfg.initializer_range
