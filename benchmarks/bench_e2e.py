@@ -265,6 +265,9 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     host = host_profile(ex, 3, profile_host) if profile_host else []
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
+    runner = ex.graph_runner
+    if runner is not None and device == "cuda":
+        runner.timing = []  # two events per replay: the GPU time of the timed steps
     steps, t0 = 0, time.perf_counter()
     per_step = []  # host clock per step (each step ends with its one device-to-host copy of the tokens)
     while ex.has_work:
@@ -275,8 +278,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     sync()
     dt = time.perf_counter() - t0
     per_step.sort()
-    nan = float("nan")
-    replay, launch = graph_replay_ms(ex, (batch, 1 + draft_len(mode))) if graphs and device == "cuda" else (nan, nan)
+    replay, launch = graph_times(runner.timing if runner is not None and runner.timing else [])
     toks = sum(len(r.output_ids) for r in reqs) - tok0
     rounds = sum(r.num_verify_rounds for r in reqs)
     mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
@@ -308,31 +310,21 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     }
 
 
-def graph_replay_ms(ex, key: tuple[int, int], n: int = 30) -> tuple[float, float]:
-    """Device time of the target graph ``key`` replayed back to back, and the host time of one launch.
+def graph_times(timing: list) -> tuple[float, float]:
+    """Mean GPU time of the graph replays a run timed (`CudaGraphRunner.timing`) and the host time of one launch.
 
-    The first is the step's GPU timeline: kernels plus the gaps between them, which the profiler's busy
-    time leaves out; a step's time minus it is host work the GPU waits for. The second is what the host
-    spends in one ``replay()`` call (enqueueing the graph), part of that host work. Run after the timed
-    decode (replays rewrite the state of the last step's requests, which are finished by then).
+    The first is a step's GPU timeline (kernels plus the gaps between them, which the profiler's busy time
+    leaves out) on the run's own data; a step's time minus it is host work the GPU waits for. The second is
+    what the host spends in one ``replay()`` call (enqueueing the graph), part of that host work.
 
     Returns:
-        ``(replay_ms, launch_ms)``; NaNs when the graph was not captured.
+        ``(replay_ms, launch_ms)``; NaNs when nothing was replayed.
     """
-    g = ex.graph_runner.graphs.get(key) if ex.graph_runner is not None else None
-    if g is None:
+    if not timing:
         return float("nan"), float("nan")
-    g.graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        g.graph.replay()
-    launch = (time.perf_counter() - t0) / n
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n, 1e3 * launch
+    gpu = sum(a.elapsed_time(b) for _, a, b in timing) / len(timing)
+    return gpu, 1e3 * sum(t for t, _, _ in timing) / len(timing)
 
 
 def run_transformers(model_cfg: Glm5NextConfig, ours: Glm5NextForCausalLM, batch: int, prompt_len: int, gen: int):

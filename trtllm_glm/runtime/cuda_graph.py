@@ -309,6 +309,9 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool: Any = None
         self.stats = GraphStats()
+        # Benchmarks set a list here: each replay then appends (host seconds in replay(), start event, end
+        # event) so the GPU time of real steps can be read after a run (events cost a few µs; off by default).
+        self.timing: list[tuple[float, Any, Any]] | None = None
         self.emulate = emulate
         self.enabled = emulate or (self.device.type == "cuda" and torch.cuda.is_available())
 
@@ -441,7 +444,16 @@ class CudaGraphRunner:
             hidden, logits, packed = self._body(P, W)
         else:
             g.guard.check(self.meta)
-            g.graph.replay()
+            if self.timing is None:
+                g.graph.replay()
+            else:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+                t0 = time.perf_counter()
+                g.graph.replay()
+                launch = time.perf_counter() - t0
+                ev1.record()
+                self.timing.append((launch, ev0, ev1))
             g.replays += 1
             hidden, logits, packed = g.hidden, g.logits, g.packed
         self.meta.trim_padding()
