@@ -569,11 +569,11 @@ def main() -> None:
                            "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
                            "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
                            "ratio_to_floor": r["step_ms"] / floor_ms,
-                           "step_vs_plain": r["step_ms"] / base[0] if base else None,
+                           "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
                            # What step_vs_plain would be with both steps at their floors: verify rows reach
                            # more experts, so a verify step's floor is above a width-one step's.
-                           "floor_vs_plain": floor_ms / base[1] if base else None,
-                           "speedup_vs_plain": r["tokens_per_s"] / base[2] if base else None,
+                           "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
+                           "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
                            "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
                            "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
                            "graphs": graphs, "capture_s": r["capture_s"], "graph_replays": r["graph_replays"],
