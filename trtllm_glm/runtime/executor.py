@@ -458,10 +458,13 @@ class Executor:
     def stop_reason(self, req: Request, token: int) -> FinishReason | None:
         """Why emitting ``token`` (already appended) ends ``req``, if it does."""
         p = req.params
-        # end_id (when set) replaces the model's EOS ids; ignore_eos disables both.
-        if token in p.stop_ids(self.config.eos_token_ids):
+        if req.stop_id_set is None:
+            # end_id (when set) replaces the model's EOS ids; ignore_eos disables both. Built once per
+            # request: a set per emitted token is measurable host time at large batches.
+            req.stop_id_set = p.stop_ids(self.config.eos_token_ids)
+        if token in req.stop_id_set:
             return FinishReason.STOP
-        if len(req.output_ids) >= p.max_tokens or len(req.tokens) >= self.max_seq_len:
+        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_seq_len:
             return FinishReason.LENGTH
         return None
 

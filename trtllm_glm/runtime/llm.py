@@ -233,7 +233,7 @@ class LLM:
             ex.step()
             steps += 1
             if progress is not None:
-                progress(sum(len(r.output_ids) for r in reqs), steps)
+                progress(sum(r.num_output for r in reqs), steps)
         outs = [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
         return outs[0] if single else outs
 

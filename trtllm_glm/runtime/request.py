@@ -68,6 +68,8 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list)
     # Logical pages of the current allocation already offered for sealing (reset when pages are freed).
     pages_sealed: int = 0
+    # The ids that finish this request (`SamplingParams.stop_ids` with the model's EOS), set on first use.
+    stop_id_set: set[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -78,6 +80,11 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_output(self) -> int:
+        """``len(output_ids)`` without copying them."""
+        return len(self.tokens) - len(self.prompt_ids)
 
     @property
     def num_pending(self) -> int:

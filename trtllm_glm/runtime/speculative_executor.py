@@ -329,7 +329,7 @@ class SpeculativeExecutor(Executor):
         if self.spec.draft_len_fn is not None:
             k = max(0, min(k, int(self.spec.draft_len_fn(r))))
         # The bonus token is always emitted: never verify past the request's budget or the context.
-        k = min(k, r.params.max_tokens - len(r.output_ids) - 1, self.max_seq_len - len(r.tokens) - 1)
+        k = min(k, r.params.max_tokens - r.num_output - 1, self.max_seq_len - len(r.tokens) - 1)
         if k <= 0:
             return 0
         try:  # The verify rows need pages; without them this round is width one.
@@ -351,7 +351,7 @@ class SpeculativeExecutor(Executor):
                     # A request that finished this step has no state left; drafters skip it.
                     state=self.state.get(r.request_id) or DraftState(),
                     tokens=r.tokens,
-                    num_output=len(r.output_ids),
+                    num_output=r.num_output,
                     num_computed=r.num_computed,
                     committed=committed[i],
                     row_offset=row,
