@@ -6,10 +6,12 @@ weights, and runs batches of ``--prompt-len``-token prompts through the executor
 mode) it reports the steady-state decode step: time per step, tokens per second, launches and host syncs
 per step (torch profiler), the bytes a step must read at least (weights touched + caches) and the ratio
 of the step time to that floor at the copy bandwidth measured in the same run. Modes: ``plain``,
-``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and ``oracleA`` (7 drafts, or K
-with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output, each right with probability
-``A``), which traces the
-verify cost curve; ``transformers`` runs the reference's ``generate`` on the same weights for scale.
+``overlap`` (plain decoding with the overlap scheduler: each step launched before the previous one is read
+back; needs graphs), ``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and
+``oracleA`` (7 drafts, or K with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output,
+each right with probability ``A``), which traces the verify cost curve; ``transformers`` runs the
+reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
+step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
 Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
 ``--preset tiny --device cpu`` runs the same code path on the CPU (a smoke test; numbers mean little).
@@ -21,6 +23,7 @@ graphs (every batch size up to the case's, padding on), captured before the case
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -207,6 +210,8 @@ def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
     if mode == "plain":
         return Executor(model, cfg)
+    if mode == "overlap":  # plain decoding with the overlap scheduler (ExecutorConfig.overlap_scheduler)
+        return Executor(model, dataclasses.replace(cfg, overlap_scheduler=True))
     if mode.startswith("mtp"):
         return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:])))
     if mode.startswith("ngram"):
@@ -487,7 +492,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument(
         "--modes", nargs="+",
-        default=["plain", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9", "oracle0.7k3"],
+        default=["plain", "overlap", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9", "oracle0.7k3"],
     )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=48)

@@ -384,3 +384,60 @@ def test_emulated_verify_graph_commit_disagreement_raises(emulated, monkeypatch)
     with pytest.raises(StateError, match="verify graph accepted"):
         for _ in range(12):
             ex.step()
+
+
+def test_emulated_overlap_scheduler_matches_plain_steps(emulated) -> None:
+    """The overlap scheduler (each steady decode step launched before the previous one is read back)
+    gives every request the tokens and finish reason of ordinary steps, with requests that stop on a stop
+    token nobody could foresee (the step launched after it is dropped), budgets that end at different
+    steps, a request joining mid-run (no launch-ahead while it waits) and one aborted while a step is in
+    flight; afterwards every slot and page is free again."""
+    model = _model()
+    prompts = [[5, 9, 2, 7, 5, 9], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8, 8, 1, 2], [7, 1, 7, 1, 7]]
+    max_tokens = [12, 9, 14, 10]
+
+    def make(overlap: bool) -> Executor:
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        return Executor(model, cfg)
+
+    emulated(True)  # every run pads through the kernels (the torch ops do not skip padding rows)
+    free = _run(make(False), prompts, max_tokens)
+    # Request 0 stops on the token it emits 4th, request 2 on its 6th: stop tokens met mid-run.
+    stops = {0: free[0].output_ids[3], 2: free[2].output_ids[5]}
+
+    def run(overlap: bool, abort_at: int | None):
+        ex = make(overlap)
+        reqs = []
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            sp = SamplingParams(max_tokens=m, ignore_eos=True, stop_token_ids=[stops[i]] if i in stops else None)
+            reqs.append(ex.add_request(p, sp))
+        late = reqs.pop()
+        ex.waiting.remove(late)
+        steps = 0
+        while ex.has_work or late is not None:
+            if late is not None and steps == 5:
+                ex.waiting.append(late)
+                reqs.append(late)
+                late = None
+            if abort_at is not None and steps == abort_at:
+                ex.abort_request(reqs[1].request_id)
+            ex.step()
+            steps += 1
+        return ex, reqs
+
+    _, ref = run(False, None)
+    ex, got = run(True, None)
+    assert ex.num_overlapped_steps >= 10, ex.num_overlapped_steps
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    assert ref[0].finish_reason.value == "stop" and len(ref[0].output_ids) == 4
+    mgr = ex.manager
+    assert mgr.num_free_slots == mgr.max_num_requests - 1 and mgr.num_free_pages == mgr.num_pages
+    # An abort while a step is in flight: the others are unaffected, the aborted one holds a prefix.
+    ex, got = run(True, 8)
+    assert ex.num_overlapped_steps > 0 and got[1].finish_reason.value == "abort"
+    assert got[1].output_ids == ref[1].output_ids[: len(got[1].output_ids)]
+    assert [r.output_ids for i, r in enumerate(got) if i != 1] == [r.output_ids for i, r in enumerate(ref) if i != 1]
+    assert ex.manager.num_free_pages == ex.manager.num_pages
+    assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1

@@ -55,6 +55,7 @@ __all__ = [
     "CudaGraphConfig",
     "CudaGraphRunner",
     "GraphOutputs",
+    "HostResults",
     "MtpChainGraphs",
     "PADDING_REQUEST_ID",
     "PADDING_PAST_LEN",
@@ -312,6 +313,8 @@ class CudaGraphRunner:
         # Benchmarks set a list here: each replay then appends (host seconds in replay(), start event, end
         # event) so the GPU time of real steps can be read after a run (events cost a few µs; off by default).
         self.timing: list[tuple[float, Any, Any]] | None = None
+        self._result_bufs: list[torch.Tensor] | None = None
+        self._result_turn = 0
         self.emulate = emulate
         self.enabled = emulate or (self.device.type == "cuda" and torch.cuda.is_available())
 
@@ -422,7 +425,6 @@ class CudaGraphRunner:
             The real rows' hidden, logits and packed (greedy, gap, accepted), views of the graph's buffers.
         """
         P, W = key
-        g = self.graphs.get(key)  # captured by `key` (None only when emulating)
         B, N = len(plan), P * W
         n = len(ids)
         if W > 1 and (proposed is None or len(proposed) != B or any(not 0 <= k < W for k in proposed)):
@@ -438,10 +440,15 @@ class CudaGraphRunner:
         # One copy: the counts and ids sit at both ends of it (the rows between are not read).
         self._inputs[: S + N].copy_(host[: S + N], non_blocking=True)
         self._staging.release()
-        state = self.manager.state
-        state.discard_pending()
+        hidden, logits, packed = self._launch(key)
+        return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n], width=W)
+
+    def _launch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Replay ``key`` on the prepared metadata and inputs (eagerly when emulating); full-size outputs."""
+        g = self.graphs.get(key)  # captured by `key` (None only when emulating)
+        self.manager.state.discard_pending()
         if g is None:  # emulation: the padded step, eagerly
-            hidden, logits, packed = self._body(P, W)
+            out = self._body(*key)
         else:
             g.guard.check(self.meta)
             if self.timing is None:
@@ -455,10 +462,68 @@ class CudaGraphRunner:
                 ev1.record()
                 self.timing.append((launch, ev0, ev1))
             g.replays += 1
-            hidden, logits, packed = g.hidden, g.logits, g.packed
+            out = (g.hidden, g.logits, g.packed)
         self.meta.trim_padding()
         self.stats.replays += 1
-        return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n], width=W)
+        return out
+
+    def replay_chained(self, key: tuple[int, int], plan: Sequence[Any], prev: GraphOutputs) -> GraphOutputs:
+        """Replay a width-one step whose input tokens are ``prev``'s greedy tokens, still on the device.
+
+        The overlap scheduler launches step ``N + 1`` before the host has read step ``N``: the metadata
+        and the tokens are written on the stream after ``N``'s replay (which has read its own by then), so
+        nothing waits for the host. ``prev`` must hold one row per sequence of ``plan``, in order.
+
+        Args:
+            key: ``(P, 1)`` from `key`.
+            plan: the ``B`` decode sequences (each ``ScheduledSeq.past_len`` set to its length after ``N``).
+            prev: step ``N``'s outputs (``B`` rows).
+
+        Returns:
+            As `replay`.
+        """
+        P, W = key
+        B = len(plan)
+        if W != 1 or prev.width != 1 or prev.packed.shape[0] != B:
+            raise ValueError(f"a chained replay needs width one and {B} previous rows, got {key} and {prev.width}")
+        self._prepare(plan, P, W)
+        # Float64 token ids are exact; the cast copy is ordered after the previous replay that wrote them.
+        self.input_ids[:B].copy_(prev.packed[:, 0])
+        self.input_ids[B:P].zero_()
+        hidden, logits, packed = self._launch(key)
+        return GraphOutputs(hidden=hidden[:B], logits=logits[:B], packed=packed[:B], width=W)
+
+    def results_to_host(self, out: GraphOutputs) -> HostResults:
+        """Start copying ``out.packed`` to the host without waiting (`HostResults.wait` collects it).
+
+        Two pinned buffers alternate: at most one step's results wait to be read while the next is copied.
+        """
+        n = out.packed.shape[0]
+        if self.device.type != "cuda":
+            return HostResults(out.packed.clone(), None)
+        if self._result_bufs is None:
+            shape = (self.input_ids.numel(), out.packed.shape[1])
+            self._result_bufs = [torch.empty(shape, dtype=out.packed.dtype, pin_memory=True) for _ in range(2)]
+        buf = self._result_bufs[self._result_turn][:n]
+        self._result_turn ^= 1
+        buf.copy_(out.packed, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return HostResults(buf, ev)
+
+
+@dataclass
+class HostResults:
+    """A step's packed results on their way to the host (`CudaGraphRunner.results_to_host`)."""
+
+    buf: torch.Tensor
+    event: Any
+
+    def wait(self) -> list[list[float]]:
+        """Block until the copy is done; the rows as lists (greedy id, gap, accepted)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf.tolist()
 
 
 @dataclass

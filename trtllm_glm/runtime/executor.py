@@ -25,6 +25,7 @@ from .cuda_graph import (
     CudaGraphConfig,
     CudaGraphRunner,
     GraphOutputs,
+    HostResults,
     greedy_and_gap,
 )
 from .prefix_cache import PrefixCache
@@ -54,6 +55,10 @@ class ExecutorConfig:
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
         checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit).
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
+        overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
+            back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
+            works. Only with CUDA graphs, greedy requests without per-token outputs, no prefix caching and
+            no speculation; other steps run as before. Off by default until measured on the GPU.
     """
 
     tokens_per_block: int = 16
@@ -68,6 +73,17 @@ class ExecutorConfig:
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | None = None
     checkpoint_prompt_end: bool = False
+    overlap_scheduler: bool = False
+
+
+@dataclass
+class _InFlight:
+    """A step the overlap scheduler launched and has not read back: its plan, state slots and results."""
+
+    plan: list[ScheduledSeq]
+    slots: list[int]
+    out: GraphOutputs
+    results: HostResults
 
 
 class Executor:
@@ -78,6 +94,9 @@ class Executor:
         cfg: cache and batch sizes.
         seed: base seed for requests without their own sampling seed.
     """
+
+    # Whether `ExecutorConfig.overlap_scheduler` applies (speculative rounds need their tokens first).
+    supports_overlap = True
 
     def __init__(self, model: Glm5NextForCausalLM, cfg: ExecutorConfig, *, seed: int = 0) -> None:
         self.model = model
@@ -122,6 +141,9 @@ class Executor:
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0
+        # The overlap scheduler's launched-but-unread step (`_InFlight`) and how many steps it launched ahead.
+        self._inflight: _InFlight | None = None
+        self.num_overlapped_steps = 0
         self.prefix: PrefixCache | None = None
         if cfg.enable_block_reuse:
             self.prefix = PrefixCache(
@@ -179,7 +201,7 @@ class Executor:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._inflight)
 
     def run_until_done(self) -> None:
         while self.has_work:
@@ -188,14 +210,75 @@ class Executor:
     # --------------------------------------------------------------------------------------------
     # One step
     def step(self) -> list[Request]:
-        """Run one batch; returns the requests that finished in it."""
+        """Run one batch; returns the requests that finished in it.
+
+        With the overlap scheduler a steady decode step may be left running when this returns; the next
+        call launches the step after it and only then reads it back (its finished requests return then).
+        """
+        if self._inflight is not None:
+            return self._step_overlapped()
         plan = self._plan(self._decode_widths())
         if not plan:
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
         self.num_steps += 1
         rows = self._forward(plan)
+        if self._step_out is not None and self._may_launch_ahead(plan):
+            assert self.graph_runner is not None
+            out = self._step_out
+            self._inflight = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
+            return []
         finished = self._advance(plan, rows)
         self._after_step(plan)
+        return finished
+
+    # --------------------------------------------------------------------------------------------
+    # Overlap scheduler
+    def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether the step after ``plan`` can be launched before ``plan``'s tokens are read back.
+
+        It must be the same requests one row further: plain greedy decoding of every running request,
+        nobody waiting to be admitted, no request that reaches its length limit with this step (a stop
+        token is not known ahead: a request that stops here has its next row computed and dropped), no
+        per-token outputs that read the logits, and no prefix caching (its checkpoints snapshot the state
+        at the step's end, which the next step would already have moved).
+        """
+        if not (self.cfg.overlap_scheduler and self.supports_overlap and self.prefix is None and not self.waiting):
+            return False
+        if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != 1 for s in plan):
+            return False
+        for s in plan:
+            r, p = s.request, s.request.params
+            if r.finished or not p.greedy or p.logprobs is not None or p.return_generation_logits:
+                return False
+            if r.num_output + 1 >= p.max_tokens or len(r.tokens) + 1 >= self.max_seq_len:
+                return False
+        return True
+
+    def _step_overlapped(self) -> list[Request]:
+        """Launch the step after the one in flight (when it may), then read the one in flight back."""
+        cur = self._inflight
+        assert cur is not None and self.graph_runner is not None
+        nxt: _InFlight | None = None
+        if self._may_launch_ahead(cur.plan):  # (false once a request of the plan has finished)
+            # Each request one row further: its length after the step in flight, and room for one more row.
+            plan = [ScheduledSeq(s.request, 1, True, past_len=s.start + 1) for s in cur.plan]
+            key = self.graph_runner.key([1] * len(plan))
+            try:
+                for s in plan:
+                    self.manager.ensure_capacity(s.request.request_id, s.start + 1)
+            except CapacityError:
+                key = None
+            if key is not None:
+                self.num_steps += 1
+                with torch.inference_mode():
+                    out = self.graph_runner.replay_chained(key, plan, cur.out)
+                nxt = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
+                self.num_overlapped_steps += 1
+        self._inflight = nxt
+        cur.out._host = cur.results.wait()
+        self._step_out = cur.out
+        finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
+        self._after_step(cur.plan)
         return finished
 
     def _decode_widths(self) -> dict[int, int] | None:
@@ -335,7 +418,7 @@ class Executor:
         rids = [s.request.request_id for s in plan]
         self.meta.prepare(
             rids + [PADDING_REQUEST_ID] * pad,
-            past_lens=[s.request.num_computed for s in plan] + [PADDING_PAST_LEN] * pad,
+            past_lens=[s.start for s in plan] + [PADDING_PAST_LEN] * pad,
             q_lens=[W] * P,
             num_decode_seqs=P,
             state_slots=self.manager.get_batch_state_slots(rids) + [self._padding_slot] * pad,
@@ -426,16 +509,26 @@ class Executor:
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
         """Hook: runs after ``prepare()`` and before the model (speculative verify sets its fields here)."""
 
-    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
-        """Commit the rows, sample where a sequence's pending rows ended, retire finished requests."""
+    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor, slots: list[int] | None = None) -> list[Request]:
+        """Commit the rows, sample where a sequence's pending rows ended, retire finished requests.
+
+        ``slots`` are the step's state slots (default: the metadata's; a step read back late passes its own).
+        A request that finished before its step was read back (aborted, or stopped by the step before,
+        with this one launched ahead) is skipped: its rows are dropped.
+        """
         to_sample: list[tuple[Request, int]] = []
+        live = [not s.request.finished for s in plan]
         # Every row of a plain step is committed: the state owner advances each slot's committed length.
-        self.manager.state.commit_verified(self.meta.state_slots, [s.num_rows for s in plan])
+        self.manager.state.commit_verified(
+            self.meta.state_slots if slots is None else slots, [s.num_rows * ok for s, ok in zip(plan, live)]
+        )
         row = 0
-        for s in plan:
+        for s, ok in zip(plan, live):
             r = s.request
-            r.num_computed += s.num_rows
             row += s.num_rows
+            if not ok:
+                continue
+            r.num_computed += s.num_rows
             if r.num_computed == len(r.tokens):
                 to_sample.append((r, row - 1))
         finished: list[Request] = []

@@ -12,11 +12,21 @@ __all__ = ["ScheduledSeq", "Scheduler"]
 
 @dataclass
 class ScheduledSeq:
-    """One sequence of a step: ``num_rows`` rows starting at ``request.num_computed``."""
+    """One sequence of a step: ``num_rows`` rows starting at ``request.num_computed``.
+
+    ``past_len`` overrides that start for a step launched before the previous one was read back (the
+    overlap scheduler: the request's host length is one behind then).
+    """
 
     request: Request
     num_rows: int
     is_decode: bool
+    past_len: int | None = None
+
+    @property
+    def start(self) -> int:
+        """Cached tokens before this step's rows."""
+        return self.request.num_computed if self.past_len is None else self.past_len
 
 
 class Scheduler:
