@@ -52,6 +52,9 @@ class SpeculativeExecutor(Executor):
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
     """
 
+    # A round's drafts come from its tokens: the next round cannot be launched before they are read.
+    supports_overlap = False
+
     def __init__(
         self,
         model: Glm5NextForCausalLM,
