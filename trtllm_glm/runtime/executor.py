@@ -57,8 +57,8 @@ class ExecutorConfig:
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
-            works. Only with CUDA graphs, greedy requests without per-token outputs, no prefix caching and
-            no speculation; other steps run as before. Off by default until measured on the GPU.
+            works. Only with CUDA graphs, greedy requests without per-token outputs and no speculation;
+            other steps run as before. Off by default until measured on the GPU.
     """
 
     tokens_per_block: int = 16
@@ -238,11 +238,13 @@ class Executor:
 
         It must be the same requests one row further: plain greedy decoding of every running request,
         nobody waiting to be admitted, no request that reaches its length limit with this step (a stop
-        token is not known ahead: a request that stops here has its next row computed and dropped), no
-        per-token outputs that read the logits, and no prefix caching (its checkpoints snapshot the state
-        at the step's end, which the next step would already have moved).
+        token is not known ahead: a request that stops here has its next row computed and dropped), and no
+        per-token outputs that read the logits. Prefix caching may stay on: after a decode step it only
+        seals pages that became full, and the step launched ahead writes the next position, which is never
+        on such a page (checkpoints are taken after prefill chunks only, and admissions wait for a step
+        that was read back, as nobody may be waiting here).
         """
-        if not (self.cfg.overlap_scheduler and self.supports_overlap and self.prefix is None and not self.waiting):
+        if not (self.cfg.overlap_scheduler and self.supports_overlap and not self.waiting):
             return False
         if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != 1 for s in plan):
             return False
