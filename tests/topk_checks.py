@@ -19,6 +19,23 @@ def topk_scores(n_rows: int, max_pools: int, g: torch.Generator, *, ties: bool) 
     return s
 
 
+def special_scores(max_pools: int, g: torch.Generator) -> torch.Tensor:
+    """``[7, max_pools]`` rows that stress ordering: all equal (ties decided by id alone), +-0.0, +-inf among
+    huge values, subnormals, all negative, and NaNs of both signs (first, as in ``torch.sort``)."""
+    scores = torch.zeros(7, max_pools)
+    scores[1] = 1.5
+    scores[2] = torch.where(torch.rand(max_pools, generator=g) < 0.5, 0.0, -0.0)
+    scores[3] = torch.randn(max_pools, generator=g) * 1e30
+    scores[3, ::5] = float("inf")
+    scores[3, 1::5] = float("-inf")
+    scores[4] = torch.randn(max_pools, generator=g) * 1e-38  # subnormals
+    scores[5] = -torch.rand(max_pools, generator=g)  # all negative
+    scores[6] = torch.randn(max_pools, generator=g)
+    scores[6, 5::11] = float("nan")
+    scores[6, 9::13] = -float("nan")
+    return scores
+
+
 def check_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int, **kw) -> None:
     """Kernel ids equal the reference's in every row, written into a poisoned ``out`` that is returned.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from topk_checks import check_topk, topk_scores
+from topk_checks import check_topk, special_scores, topk_scores
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
@@ -204,17 +204,7 @@ def test_select_topk_pools_all_equal_and_special_values() -> None:
     ``torch.sort``)."""
     g = _gen(20)
     max_pools, topk = 96, 24
-    scores = torch.zeros(7, max_pools)
-    scores[1] = 1.5
-    scores[2] = torch.where(torch.rand(max_pools, generator=g) < 0.5, 0.0, -0.0)
-    scores[3] = torch.randn(max_pools, generator=g) * 1e30
-    scores[3, ::5] = float("inf")
-    scores[3, 1::5] = float("-inf")
-    scores[4] = torch.randn(max_pools, generator=g) * 1e-38  # subnormals
-    scores[5] = -torch.rand(max_pools, generator=g)  # all negative
-    scores[6] = torch.randn(max_pools, generator=g)
-    scores[6, 5::11] = float("nan")
-    scores[6, 9::13] = -float("nan")
+    scores = special_scores(max_pools, g)
     positions = torch.full((7,), 4 * max_pools - 1)
     check_topk(scores, positions, topk)
 

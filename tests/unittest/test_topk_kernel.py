@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from topk_checks import check_topk, topk_scores
+from topk_checks import check_topk, special_scores, topk_scores
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
@@ -69,19 +69,9 @@ def test_chunked_special_values(search: str) -> None:
     """All-equal rows (ties decided by id alone, across chunks), +-0.0, +-inf, huge/tiny magnitudes, NaN."""
     g = _gen(5)
     max_pools, topk = 192, 16
-    scores = torch.zeros(8, max_pools)
-    scores[1] = 1.5
-    scores[2] = torch.where(torch.rand(max_pools, generator=g) < 0.5, 0.0, -0.0)
-    scores[3] = torch.randn(max_pools, generator=g) * 1e30
-    scores[3, ::5] = float("inf")
-    scores[3, 1::5] = float("-inf")
-    scores[4] = torch.randn(max_pools, generator=g) * 1e-38  # subnormals
-    scores[5] = -torch.rand(max_pools, generator=g)  # all negative
-    scores[6] = torch.randn(max_pools, generator=g)
-    scores[6, 5::11] = float("nan")
-    scores[6, 9::13] = -float("nan")
-    scores[7] = torch.randn(max_pools, generator=g)
-    scores[7, 100:] = 9.0  # the whole top-k tied, all in the last chunks
+    tied = torch.randn(1, max_pools, generator=g)
+    tied[0, 100:] = 9.0  # the whole top-k tied, all in the last chunks
+    scores = torch.cat([special_scores(max_pools, g), tied])
     positions = torch.full((8,), 4 * max_pools - 1)
     check_topk(scores, positions, topk, method="chunked", chunk=64, num_warps=1, merge_warps=1, search=search)
 

@@ -194,7 +194,9 @@ class GraphOutputs:
         return [int(rows[i][2]) for i in range(0, len(rows), self.width)]
 
 
-def greedy_and_gap(logits: torch.Tensor, accepted: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_and_gap(
+    logits: torch.Tensor, accepted: torch.Tensor | None = None, greedy: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[n, V]`` logits -> ``[n, 3]`` float64 (argmax id, top-2 gap, accepted): one tensor, one host copy.
 
     The argmax is `Sampler`'s greedy choice (``torch.argmax``: the first maximum) and the gap is
@@ -203,12 +205,13 @@ def greedy_and_gap(logits: torch.Tensor, accepted: torch.Tensor | None = None) -
     Args:
         logits: ``[n, V]``.
         accepted: optional ``[n]`` the accepted count of each row's sequence (default 1: no drafts).
+        greedy: optional ``[n]`` ``torch.argmax(logits, -1)`` when the caller already has it.
     """
     top = torch.topk(logits.float(), 2, dim=-1).values
     gap = top[:, 0] - top[:, 1]
-    greedy = torch.argmax(logits, dim=-1).to(torch.float64)
-    acc = torch.ones_like(greedy) if accepted is None else accepted.to(torch.float64)
-    return torch.stack([greedy, gap.to(torch.float64), acc], dim=1)
+    ids = (torch.argmax(logits, dim=-1) if greedy is None else greedy).to(torch.float64)
+    acc = torch.ones_like(ids) if accepted is None else accepted.to(torch.float64)
+    return torch.stack([ids, gap.to(torch.float64), acc], dim=1)
 
 
 def accepted_counts(ids: torch.Tensor, greedy: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
@@ -362,7 +365,7 @@ class CudaGraphRunner:
         acc = accepted_counts(ids.view(P, W), greedy.view(P, W), self.num_proposed[:P])
         # Folded here so the commit runs inside the graph; the host advances the lengths afterwards.
         self.manager.state.fold_pending(acc)
-        return hidden, logits, greedy_and_gap(logits, acc.repeat_interleave(W))
+        return hidden, logits, greedy_and_gap(logits, acc.repeat_interleave(W), greedy)
 
     def capture(self, key: tuple[int, int]) -> None:
         """Warm up and capture the graph of ``key`` on a batch made only of padding sequences."""

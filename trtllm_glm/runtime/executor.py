@@ -462,7 +462,7 @@ class Executor:
         n_dec = sum(1 for s in plan if s.is_decode)
         self.meta.prepare(
             [s.request.request_id for s in plan],
-            past_lens=[s.request.num_computed for s in plan],
+            past_lens=[s.start for s in plan],
             q_lens=[s.num_rows for s in plan],
             num_decode_seqs=n_dec,
         )

@@ -208,16 +208,7 @@ def _topk_kernel(
     if take > 0:
         keys = _keys(row_ptr, 0, n_c, max_pools, BLOCK, EVEN)
         if NCHUNK == 1:
-            hi = tl.max(keys, axis=0)
-            if GROUPS > 0:
-                # Tighter start: split the row into GROUPS >= topk strided groups (pool i in group i % GROUPS).
-                # Every group holding a valid pool has one at or above its own maximum, so at least
-                # min(GROUPS, n_c) >= take pools lie at or above the smallest group maximum: a valid lower
-                # end that is far above the row's minimum (it saves about a third of the probes).
-                gmax = tl.max(tl.reshape(keys, (BLOCK // GROUPS, GROUPS)), axis=0)
-                lo = tl.min(tl.where(gmax == _INT_MIN, _INT_MAX, gmax), axis=0)
-            else:
-                lo = tl.min(tl.where(keys == _INT_MIN, _INT_MAX, keys), axis=0)
+            lo, hi = _search_bounds(keys, BLOCK, GROUPS)
         else:
             hi = _INT_MIN
             lo = _INT_MAX
@@ -244,6 +235,25 @@ def _topk_kernel(
 
 # --------------------------------------------------------------------------------------------------------
 # Chunked path: several programs per row (see the module docstring).
+
+
+@triton.jit
+def _search_bounds(keys, BLOCK: tl.constexpr, GROUPS: tl.constexpr):
+    """``(lo, hi)`` int32 bounds of a threshold search over one block of keys (invalid ones ``INT_MIN``).
+
+    ``hi`` is the largest key. ``lo`` is the smallest valid key, or with ``GROUPS > 0`` a tighter start:
+    split the block into ``GROUPS >= take`` strided groups (key ``i`` in group ``i % GROUPS``); every group
+    holding a valid key has one at or above its own maximum, so at least ``min(GROUPS, valid) >= take`` keys
+    lie at or above the smallest group maximum, a valid lower end far above the minimum (it saves about a
+    third of the probes).
+    """
+    hi = tl.max(keys, axis=0)
+    if GROUPS > 0:
+        gmax = tl.max(tl.reshape(keys, (BLOCK // GROUPS, GROUPS)), axis=0)
+        lo = tl.min(tl.where(gmax == _INT_MIN, _INT_MAX, gmax), axis=0)
+    else:
+        lo = tl.min(tl.where(keys == _INT_MIN, _INT_MAX, keys), axis=0)
+    return lo, hi
 
 
 @triton.jit
@@ -380,14 +390,7 @@ def _chunk_kernel(
     kth = take_c - take_c + _INT_MIN
     need = take_c - take_c
     if take_c < valid:
-        hi = tl.max(keys, axis=0)
-        if GROUPS > 0:
-            # The strided-group bound of the row kernel: at least min(GROUPS, valid) >= take_c keys lie at or
-            # above the smallest maximum of the GROUPS strided groups that hold a valid pool.
-            gmax = tl.max(tl.reshape(keys, (BLOCK // GROUPS, GROUPS)), axis=0)
-            lo = tl.min(tl.where(gmax == _INT_MIN, _INT_MAX, gmax), axis=0)
-        else:
-            lo = tl.min(tl.where(keys == _INT_MIN, _INT_MAX, keys), axis=0)
+        lo, hi = _search_bounds(keys, BLOCK, GROUPS)
         if SNAP:
             kth, need = _threshold_snap(keys, take_c, SLOTS, lo, hi, BLOCK + 1)
         else:
