@@ -32,6 +32,7 @@ def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
         seed: 3
         prefill_chunk_size: null
         enable_chunked_prefill: true
+        disable_overlap_scheduler: true
         kv_cache_config:
           tokens_per_block: 8
           max_tokens: 512
@@ -49,6 +50,7 @@ def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
     assert "enable_chunked_prefill" not in opts
     llm = LLM(model="tiny", **opts)
     assert llm.executor_config.max_batch_size == 4 and llm.executor_config.tokens_per_block == 8
+    assert opts["disable_overlap_scheduler"] is True and not llm.executor_config.overlap_scheduler
     assert type(llm.executor).__name__ == "SpeculativeExecutor"
 
 
@@ -78,6 +80,7 @@ def test_ngram_and_empty_file(tmp_path: Path) -> None:
         ({"max_batch_size": True}, "max_batch_size: expected an int"),
         ({"max_seq_len": 0}, "max_seq_len: must be >= 1"),
         ({"dtype": 16}, "dtype: expected a string"),
+        ({"disable_overlap_scheduler": "no"}, "disable_overlap_scheduler: expected true or false"),
     ],
 )
 def test_bad_options_name_the_key(options: dict, message: str) -> None:

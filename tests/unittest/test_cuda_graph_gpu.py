@@ -186,3 +186,21 @@ def test_overlap_scheduler_matches_graph_steps(model) -> None:
     assert ex.num_overlapped_steps > 0
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert ex.manager.num_free_pages == ex.manager.num_pages
+
+
+def test_llm_api_overlaps_by_default(model) -> None:
+    """The LLM API launches steady decode steps ahead by default (TensorRT-LLM's default) and gives the
+    tokens of ``disable_overlap_scheduler=True``; a sampled request in the batch stops the launching ahead
+    while it runs (and its seeded tokens match too)."""
+    from trtllm_glm import LLM, SamplingParams as SP
+
+    greedy = [SP(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    mixed = [*greedy[:3], SP(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)]
+    outs = {}
+    for disable in (False, True):
+        llm = LLM(model, max_batch_size=4, max_seq_len=256, disable_overlap_scheduler=disable,
+                  cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
+        outs[disable] = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)] for p in (greedy, mixed)]
+        launched = llm.executor.num_overlapped_steps
+        assert (launched > 0) != disable, launched
+    assert outs[False] == outs[True]

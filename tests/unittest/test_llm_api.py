@@ -110,3 +110,10 @@ def test_cuda_without_cuda_is_a_clear_error() -> None:
         pytest.skip("CUDA is available here")
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         LLM(model="tiny", device="cuda")
+
+
+def test_overlap_scheduler_on_by_default_and_validated(llm) -> None:
+    # TensorRT-LLM's default: overlap on unless disable_overlap_scheduler (it only acts with CUDA graphs).
+    assert llm.executor_config.overlap_scheduler
+    with pytest.raises(TypeError, match="disable_overlap_scheduler must be a bool"):
+        LLM("tiny", disable_overlap_scheduler="yes")

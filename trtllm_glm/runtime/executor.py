@@ -58,7 +58,8 @@ class ExecutorConfig:
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
             works. Only with CUDA graphs, greedy requests without per-token outputs and no speculation;
-            other steps run as before. Off by default until measured on the GPU.
+            other steps run as before. Off here by default; the LLM API turns it on (unless
+            ``disable_overlap_scheduler``), as TensorRT-LLM does.
     """
 
     tokens_per_block: int = 16

@@ -122,6 +122,11 @@ class LLM:
         cuda_graph_config: CUDA graphs of decode / verify steps (`CudaGraphConfig`, or a mapping of its
             fields); on by default, as in TensorRT-LLM; ``None`` turns them off. Ignored on the CPU.
             Every graph (target decode / verify, MTP draft steps) is captured while the LLM is built.
+        disable_overlap_scheduler: turn off the overlap scheduler (TensorRT-LLM's name and default: on).
+            With it, a steady greedy decode step is launched before the previous step's tokens are read
+            back, so the host's share of a step hides behind the GPU's (CUDA graphs only; speculative
+            decoding, sampling, logprobs and steps that admit requests run one at a time as before).
+            Tokens and outputs are the same either way.
     """
 
     def __init__(
@@ -140,7 +145,10 @@ class LLM:
         speculative_config: object | None = None,
         num_threads: int | None = None,
         cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig(),  # noqa: B008 - frozen, shared safely
+        disable_overlap_scheduler: bool = False,
     ) -> None:
+        if not isinstance(disable_overlap_scheduler, bool):
+            raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
         kv = kv_cache_config or KvCacheConfig()
         if isinstance(model, Glm5NextForCausalLM):
             self.model = model.eval()
@@ -170,6 +178,7 @@ class LLM:
             max_checkpoints=kv.max_checkpoints,
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
             checkpoint_prompt_end=kv.checkpoint_prompt_end,
+            overlap_scheduler=not disable_overlap_scheduler,
         )
         self.seed = seed
         self.speculative_config = speculative_config

@@ -18,6 +18,7 @@ Example::
     cuda_graph_config:            # default on (CUDA only); null turns graphs off
       batch_sizes: [1, 2, 4, 8, 16, 32]
       enable_padding: true
+    disable_overlap_scheduler: false  # default: greedy decode steps overlap the host's work (graphs only)
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
 mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
@@ -45,6 +46,7 @@ _NOT_FROM_FILE = {"self", "model", "tokenizer"}
 _INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed"}
 _OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads"}
 _OPTIONAL_STR_KEYS = {"dtype", "device"}
+_BOOL_KEYS = {"disable_overlap_scheduler"}
 
 
 def _llm_keys() -> list[str]:
@@ -141,6 +143,10 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
                 out[k] = v
             else:
                 raise ConfigError(f"{where}: expected an int, got {v!r}")
+        elif k in _BOOL_KEYS:
+            if not isinstance(v, bool):
+                raise ConfigError(f"{where}: expected true or false, got {v!r}")
+            out[k] = v
         elif k in _OPTIONAL_STR_KEYS:
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{where}: expected a string, got {v!r}")
