@@ -192,7 +192,9 @@ def test_llm_api_overlaps_by_default(model) -> None:
     """The LLM API launches steady decode steps ahead by default (TensorRT-LLM's default) and gives the
     tokens of ``disable_overlap_scheduler=True``; a sampled request in the batch stops the launching ahead
     while it runs (and its seeded tokens match too)."""
-    from trtllm_glm import LLM, SamplingParams as SP
+    from trtllm_glm import LLM
+
+    SP = SamplingParams
 
     greedy = [SP(max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
     mixed = [*greedy[:3], SP(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)]

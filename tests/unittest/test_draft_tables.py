@@ -259,7 +259,7 @@ def test_failed_prepare_leaves_target_binding_intact(setup, monkeypatch, failure
     meta.spec.verify_seqs = [1]
     lengths: dict[str, Any] = {}
     if failure == "get_tables_raises":
-        monkeypatch.setattr(drf, "get_batch_slot_tables", _raise)
+        monkeypatch.setattr(drf, "page_lists", _raise)
         expected: type[Exception] = RuntimeError
     elif failure == "row_too_wide":
         drf.ensure_capacity(A, (MAX_DRAFT_PAGES + 1) * P)

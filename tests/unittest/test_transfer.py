@@ -31,3 +31,27 @@ def test_copy_is_ordered_on_the_stream_and_does_not_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.tolist() == [19, 20, 21]
+
+
+@pytest.mark.gpu
+def test_ring_reuse_waits_for_copies_in_flight(monkeypatch) -> None:
+    """A tiny ring (two halves of 32 values) wraps every few lists while the stream is far behind the host:
+    each half is refilled only after the copies from it ran, so every list lands as written (without the
+    wait, later lists overwrite pinned values before their copies run)."""
+    from trtllm_glm import transfer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setitem(transfer._rings, dev, transfer._PinnedRing(numel=64))
+    big = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+    got, want = [], []
+    for i in range(60):
+        if i % 10 == 0:
+            big = big @ big.T * 1e-3  # the copies queue behind this
+        vals = [i * 100 + j for j in range(7)]
+        got.append(to_device(vals, dev))
+        want.append(vals)
+    assert [t.tolist() for t in got] == want
+    # Lists the ring does not take (too long, floats) still arrive.
+    assert to_device(list(range(5000)), dev)[-1].item() == 4999
+    assert to_device([0.5, 1.5], dev).dtype == torch.float32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..errors import TableWidthError
@@ -23,6 +24,10 @@ class HostStaging:
     A pinned buffer must not be rewritten while an earlier non-blocking copy from it may still be in
     flight; alternating two sets and waiting on the event of the copy issued two steps ago makes reuse
     safe without a per-step device sync.
+
+    Each set is also seen as numpy arrays (`arrays`, the same memory): the host fills staging through
+    them, because a numpy op on a few dozen ints costs ~1 µs where a torch op costs ~5-10 µs, and a step
+    description is a dozen such ops (`AttentionMetadata.prepare` went from ~80 to ~15 µs).
     """
 
     def __init__(self, specs: dict[str, tuple[torch.Size, torch.dtype]], *, pin_memory: bool) -> None:
@@ -30,6 +35,7 @@ class HostStaging:
             {k: torch.zeros(shape, dtype=dt, pin_memory=pin_memory) for k, (shape, dt) in specs.items()}
             for _ in range(2)
         ]
+        self._arrays = [{k: t.numpy() for k, t in s.items()} for s in self._sets]
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if pin_memory else None
         self._recorded = [False, False]
         self._cur = 0
@@ -39,6 +45,10 @@ class HostStaging:
         if self._events is not None and self._recorded[self._cur]:
             self._events[self._cur].synchronize()
         return self._sets[self._cur]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Numpy views of the set `acquire` returned (call `acquire` first: it waits for the set)."""
+        return self._arrays[self._cur]
 
     def release(self) -> None:
         """Mark the copies from the current set as issued and switch sets."""
@@ -167,22 +177,24 @@ class AttentionMetadata:
         self.spec = SpecMetadata()
 
         host = self._staging.acquire()
-        sh, th = host["seq"], host["tok"]
-        sh[0, :B] = torch.tensor(self.state_slots, dtype=torch.int64)
-        sh[1, :B] = torch.tensor(self.past_lens, dtype=torch.int64)
-        sh[2, :B] = torch.tensor(self.q_lens, dtype=torch.int64)
+        arr = self._staging.arrays()
+        sh, th = arr["seq"], arr["tok"]
+        sh[0, :B] = self.state_slots
+        sh[1, :B] = self.past_lens
+        sh[2, :B] = self.q_lens
         sh[3, :B] = sh[1, :B] + sh[2, :B]
-        sh[4, : B + 1] = torch.tensor(cu, dtype=torch.int64)
+        sh[4, : B + 1] = cu
         if N:
-            row_seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int64), sh[2, :B])
+            row_seq = np.repeat(np.arange(B, dtype=np.int64), sh[2, :B])
             th[1, :N] = row_seq
-            th[0, :N] = sh[1, :B][row_seq] + (torch.arange(N, dtype=torch.int64) - sh[4, :B][row_seq])
+            th[0, :N] = (sh[1, :B] - sh[4, :B])[row_seq] + np.arange(N, dtype=np.int64)
             if num_padding_seqs:
                 th[1, cu[B - num_padding_seqs] : N] = -1
             if valid_q_lens is not None:
                 for b, (v, q) in enumerate(zip(valid_q_lens, q_lens)):
                     if v < q:
                         th[1, cu[b] + v : cu[b + 1]] = -1
+        sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
         self._staging.release()
@@ -199,9 +211,9 @@ class AttentionMetadata:
         if len(counts) > self.num_seqs:
             raise ValueError(f"{len(counts)} accepted counts for {self.num_seqs} sequences")
         host = self._acc_staging.acquire()["acc"]
-        host.zero_()
-        if counts:
-            host[: len(counts)] = torch.tensor(list(counts), dtype=torch.int64)
+        arr = self._acc_staging.arrays()["acc"]
+        arr[:] = 0
+        arr[: len(counts)] = counts
         self._acc_buf.copy_(host, non_blocking=True)
         self._acc_staging.release()
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]

@@ -349,6 +349,11 @@ class Glm5NextCacheManager:
         """Raw page ids of each request, logical page order (TensorRT-LLM's name)."""
         return [list(self._get_pages(r)) for r in request_ids]
 
+    def page_lists(self, request_ids: Sequence[int]) -> list[list[int]]:
+        """Like `get_batch_slot_tables` without the copies: the manager's own lists, to read at once and
+        never modify (the metadata writes them into its staging every step)."""
+        return [self._get_pages(r) for r in request_ids]
+
     def num_tokens(self, request_id: int) -> int:
         self._get_pages(request_id)
         return self._num_tokens[request_id]

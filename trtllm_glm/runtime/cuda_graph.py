@@ -435,11 +435,12 @@ class CudaGraphRunner:
         self._prepare(plan, P, W)
         S = self.num_proposed.numel()
         host = self._staging.acquire()["in"]
-        host[:P] = 0
+        arr = self._staging.arrays()["in"]
+        arr[:P] = 0
         if W > 1:
-            host[:B] = torch.tensor(list(proposed), dtype=torch.int64)  # type: ignore[arg-type]
-        host[S : S + n] = torch.tensor(list(ids), dtype=torch.int64)
-        host[S + n : S + N] = 0
+            arr[:B] = proposed
+        arr[S : S + n] = ids
+        arr[S + n : S + N] = 0
         # One copy: the counts and ids sit at both ends of it (the rows between are not read).
         self._inputs[: S + N].copy_(host[: S + N], non_blocking=True)
         self._staging.release()
