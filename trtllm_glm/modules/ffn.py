@@ -105,9 +105,15 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
         # A parameter (not a buffer) so that `.to(dtype)` and state_dict loading treat it like HF does.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)
+        # Routing after the logits: None follows TRTLLM_GLM_ROUTER_BACKEND (`trtllm_glm.moe.router.route`).
+        self.backend: str | None = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route tokens.
+
+        The logits are one fp32 GEMM; the rest goes through `trtllm_glm.moe.router.route`: one Triton launch
+        for CUDA inference with ``n_group == 1``, else `route_reference` (``backend`` or
+        ``TRTLLM_GLM_ROUTER_BACKEND`` override the choice). Both give the same ids in the same order.
 
         Args:
             x: ``[N, hidden]``.
@@ -116,24 +122,20 @@ class MoEGate(nn.Module):
             ``(topk_ids, topk_weights)``: ``[N, top_k]`` int64 expert ids, ordered by biased score
             (descending, ties to the lower id), and ``[N, top_k]`` fp32 combine weights.
         """
+        # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
+        from ..moe.router import route
+
         logits = F.linear(x.float(), self.weight.float())
-        scores = torch.sigmoid(logits)
-        choice = scores + self.e_score_correction_bias.float()
-        if self.n_group > 1:
-            n = choice.shape[0]
-            grouped = choice.view(n, self.n_group, -1)
-            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            keep = torch.sort(group_score, dim=-1, descending=True, stable=True).indices[:, : self.topk_group]
-            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~mask[:, :, None].expand_as(grouped).reshape(n, -1), float("-inf"))
-        # torch.topk does not specify tie order; a stable descending sort keeps lower ids first.
-        _, order = torch.sort(choice, dim=-1, descending=True, stable=True)
-        topk_ids = order[:, : self.top_k]
-        weights = scores.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            # The epsilon only matters if every selected sigmoid underflowed to zero.
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_ids, weights * self.routed_scaling_factor
+        return route(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+            self.n_group,
+            self.topk_group,
+            backend=self.backend,
+        )
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
