@@ -214,13 +214,17 @@ class Glm5NextCacheManager:
         pages nobody holds, least recently released first (their content keys are dropped).
         """
         pages = self._get_pages(request_id)
-        need = self.pages_needed(num_tokens) - len(pages)
+        need = -(-num_tokens // self.page_size) - len(pages)
+        if need <= 0:  # the common case (a decode step inside its last page): nothing to take
+            if num_tokens > self._num_tokens[request_id]:
+                self._num_tokens[request_id] = num_tokens
+            return []
         if need > self.num_free_pages:
             raise CapacityError(
                 f"request {request_id} needs {need} more pages for {num_tokens} tokens but only "
                 f"{self.num_free_pages} of {self.num_pages} are free"
             )
-        new = [self._take_page() for _ in range(max(need, 0))]
+        new = [self._take_page() for _ in range(need)]
         pages.extend(new)
         self._num_tokens[request_id] = max(self._num_tokens[request_id], num_tokens)
         return new

@@ -87,6 +87,12 @@ class Request:
         return len(self.tokens) - len(self.prompt_ids)
 
     @property
+    def wants_logits(self) -> bool:
+        """Whether emitted tokens need their distributions (logprobs or generation logits)."""
+        p = self.params
+        return p.logprobs is not None or p.return_generation_logits
+
+    @property
     def num_pending(self) -> int:
         """Rows not yet in the cache."""
         return len(self.tokens) - self.num_computed

@@ -289,7 +289,8 @@ class SpeculativeExecutor(Executor):
                     r.accepted_per_position[j] += int(j < a - 1)
                 st.last_accepted = a
                 r.num_computed += a
-                if self._emit(r, emitted, gaps[off : off + a], logits[off : off + a]):  # type: ignore[index]
+                lg = logits[off : off + a] if r.wants_logits else None  # type: ignore[index]
+                if self._emit(r, emitted, gaps[off : off + a], lg):  # type: ignore[index]
                     finished.append(r)
             else:
                 committed[i] = s.num_rows
@@ -302,7 +303,8 @@ class SpeculativeExecutor(Executor):
                         tok = int(
                             self.sampler.sample(logits[off : off + 1], [r.params], [r.generator]).item()  # type: ignore[index]
                         )
-                    if self._emit(r, [tok], gaps[off : off + 1], logits[off : off + 1]):  # type: ignore[index]
+                    lg = logits[off : off + 1] if r.wants_logits else None  # type: ignore[index]
+                    if self._emit(r, [tok], gaps[off : off + 1], lg):  # type: ignore[index]
                         finished.append(r)
             st.drafts = []
             st.num_proposed = None
