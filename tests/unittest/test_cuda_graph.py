@@ -374,12 +374,16 @@ def test_emulated_verify_graph_commit_disagreement_raises(emulated, monkeypatch)
     """The verify graph folds the KDA records with its own counts; if the host's acceptance ever differed,
     the state would no longer match the output, so the step raises instead of going on."""
     import trtllm_glm.runtime.cuda_graph as cg
+    from trtllm_glm.speculative.drafters import OracleDrafter
 
     emulated(True)
+    model = _model()
     cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2], enable_padding=True))
-    ex = SpeculativeExecutor(_model(), cfg, NGramDecodingConfig(max_draft_len=2))
-    # Here n-gram proposes nothing (all filler): the host accepts one row, the forged counts say two.
-    monkeypatch.setattr(cg, "accepted_counts", lambda ids, greedy, proposed: torch.full_like(proposed, 2))
+    plain = _run(Executor(model, ExecutorConfig(**EX_CFG)), PROMPTS[:1], [12])
+    # Every draft wrong: the host accepts one row per round, the forged counts say all of them.
+    drafter = OracleDrafter({0: plain[0].output_ids}, lambda i, j: True, vocab_size=model.config.vocab_size)
+    ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2), drafter=drafter)
+    monkeypatch.setattr(cg, "accepted_counts", lambda ids, greedy, proposed: proposed + 1)
     ex.add_request(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True))
     with pytest.raises(StateError, match="verify graph accepted"):
         for _ in range(12):
@@ -461,3 +465,57 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
         d = compare_greedy(a.output_ids[:6], a.logit_gaps[:6], b.output_ids)
         assert d is None or d.excused, d
     assert spec.num_overlapped_steps == 0 and spec.graph_runner.stats.replays > 0
+
+
+def test_emulated_sampled_requests_ride_the_verify_graph(emulated) -> None:
+    """Sampled requests (never drafted for) in a batch with drafting greedy ones are padded to the verify
+    width with filler and sample from their first row, so the batch's rounds replay instead of running
+    eagerly; tokens equal an eager speculative run (greedy: the near-tie rule; sampled: the same seeded
+    draws), and rounds where nobody drafts stay width one. With sampled requests left unpadded, the mixed
+    rounds run eagerly (``eager_steps``)."""
+    model = _model()
+    params = [SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=9, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.7, top_k=5, seed=3, ignore_eos=True)]  # fmt: skip
+
+    from trtllm_glm.speculative.drafters import OracleDrafter
+
+    emulated(False)
+    plain = _run(Executor(model, ExecutorConfig(**EX_CFG)), PROMPTS, [sp.max_tokens for sp in params])
+    cont = {i: r.output_ids for i, r in enumerate(plain)}
+
+    def run(graphs: bool) -> tuple[SpeculativeExecutor, list]:
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)
+                             if graphs else None)  # fmt: skip
+        # The greedy requests' drafts replay their plain continuations, every third position corrupted.
+        drafter = OracleDrafter(cont, lambda i, j: (i + j) % 3 == 0, vocab_size=model.config.vocab_size)
+        ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2), drafter=drafter)
+        if graphs:
+            replay = ex.graph_runner.replay
+
+            def record(key, plan, *args):
+                keys.append((key, sum(r.params.greedy for r in ex.running)))
+                return replay(key, plan, *args)
+
+            ex.graph_runner.replay = record
+        reqs = [ex.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        ex.run_until_done()
+        return ex, reqs
+
+    keys: list = []
+
+    _, ref = run(False)
+    emulated(True)
+    ex, got = run(True)
+    for a, b, sp in zip(ref, got, params):
+        if sp.greedy:
+            _assert_same([a], [b])
+        else:
+            assert a.output_ids == b.output_ids and len(b.output_ids) == sp.max_tokens
+    assert sum(r.num_verify_rounds for r in got if r.params.greedy) > 0
+    st = ex.graph_runner.stats
+    assert st.replays > 0 and st.eager_steps == 0, (st.replays, st.eager_steps)
+    # Verify-width rounds while greedy requests draft; width one once only the sampled request is left.
+    assert any(w == 3 for (_, w), _ in keys) and keys[-1][1] == 0
+    assert all(w == 1 for (_, w), n_greedy in keys if n_greedy == 0)

@@ -277,6 +277,9 @@ class SpeculativeExecutor(Executor):
                 while a <= proposed and drafts[a - 1] == greedy[off + a - 1]:
                     a += 1
                 emitted = drafts[: a - 1] + [greedy[off + a - 1]]
+                if not r.params.greedy:  # filler only (sampled requests get no drafts): row 0, sampled
+                    assert proposed == 0
+                    emitted = [int(self.sampler.sample(logits[off : off + 1], [r.params], [r.generator]).item())]  # type: ignore[index]
                 num_accepted[i] = committed[i] = a
                 if proposed:  # all filler: a width-one round as far as the statistics go
                     r.num_verify_rounds += 1
@@ -367,19 +370,24 @@ class SpeculativeExecutor(Executor):
             )
             row += s.num_rows
         self.drafter.draft(seqs, hidden)
-        if self.graph_runner is not None:
+        # With graphs, a round where anybody verifies drafts pads every live decode request to the full
+        # width (sampled requests and greedy ones without drafts included: filler only, never accepted), so
+        # that one of them does not send the batch's step down the eager path. A round where nobody drafts
+        # stays width one.
+        if self.graph_runner is not None and any(s.live and s.state.drafts for s in seqs):
             _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
                                for _, s in live})  # fmt: skip
 
     def _padded_len(self, r: Request, k: int) -> int:
         """Draft slots of ``r``'s next round when CUDA graphs replay full-width verify steps.
 
-        A round cut short by the request's budget (its last few tokens) or by a short proposal would make
-        the step's widths differ, and one such request sends the whole batch's step down the eager path.
-        Such rounds are padded to the full width where the context and the cache allow it.
+        A round cut short by the request's budget (its last few tokens) or by a short proposal, and a
+        sampled request (never drafted for), would make the step's widths differ, and one such request sends
+        the whole batch's step down the eager path. Such rounds are padded to the full width where the
+        context and the cache allow it.
         """
         K = self.max_draft_len
-        if k >= K or not r.params.greedy or not r.is_decode:
+        if k >= K or not r.is_decode:
             return k
         kp = min(K, self.max_seq_len - len(r.tokens) - 1)
         if kp <= k:
