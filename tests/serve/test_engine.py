@@ -195,3 +195,46 @@ def test_graceful_stop_lets_inflight_requests_finish() -> None:
 
     ds = run(main())
     assert ds[-1].finish_reason == "length" and len(tokens(ds)) == 5
+
+
+def test_overlap_scheduler_under_the_serving_loop(monkeypatch) -> None:
+    """The overlap scheduler (the LLM API's default with CUDA graphs) under the engine thread, graphs
+    emulated on the CPU: concurrent callers get their solo tokens, a stop string aborts a request while its
+    next step is already launched, and every page and state slot comes back."""
+    import dataclasses
+
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor
+
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    llm = make_llm(max_batch_size=4)
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [list(b"hello"), list(b"the engine"), list(b"abcabcabc")]
+    refs = [llm.generate(p, long).outputs[0] for p in prompts]
+    # Exact sizes 1-4: no padding rows, so the torch k-pool ops are enough here.
+    llm.executor_config = dataclasses.replace(
+        llm.executor_config, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4]), overlap_scheduler=True
+    )
+    llm.executor = llm._make_executor()
+    text = refs[2].text
+    stop = next(c for c in text[2:] if c.isascii() and c.isprintable())
+    cut = text.index(stop, 2)
+    eng = AsyncEngine(llm)
+    eng.start()
+    try:
+
+        async def main():
+            gens = [GenerationRequest(p, long) for p in prompts[:2]]
+            return await asyncio.gather(
+                *(collect(eng, [g]) for g in gens), collect(eng, [GenerationRequest(prompts[2], long, stop=[stop])])
+            )
+
+        (a,), (b,), (c,) = run(main())
+        for ds, ref in zip((a, b), refs):
+            assert tokens(ds) == ref.token_ids and ds[-1].finish_reason == "length"
+        assert "".join(d.text for d in c) == text[:cut] and c[-1].finish_reason == "stop"
+        s = wait_idle(eng)
+        assert s["free_state_slots"] == 4
+        assert eng.executor.num_overlapped_steps > 0 and eng.executor.graph_runner.stats.replays > 0
+    finally:
+        eng.stop(drain_timeout=0)

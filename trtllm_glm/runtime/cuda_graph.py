@@ -348,7 +348,9 @@ class CudaGraphRunner:
         return True
 
     def capture_all(self) -> None:
-        """Capture every (size, width) now (start-up), rather than on first use."""
+        """Capture every (size, width) now (start-up), rather than on first use (emulation: nothing to do)."""
+        if self.emulate:
+            return
         for W, sizes in self.sizes.items():
             for P in sizes:
                 if (P, W) not in self.graphs and (P, W) not in self.stats.failed:
