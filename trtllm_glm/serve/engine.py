@@ -191,7 +191,10 @@ class AsyncEngine:
         self._streams: dict[int, list[_Track]] = {}  # id(stream) -> its tracks
         self._outbox: dict[int, tuple[ResultStream, list[Delta]]] = {}
         self._last_preemptions = self.executor.num_preemptions
-        self._last_prefix = (0, 0, 0)
+        # Counters export what the engine's own requests did: whatever the executor counted before it (say
+        # `LLM.generate` calls) is the starting point, as for steps and preemptions.
+        st = self.executor.prefix.stats if self.executor.prefix is not None else None
+        self._last_prefix = (st.queries, st.hits, st.reused_tokens) if st is not None else (0, 0, 0)
         self._last_steps = self.executor.num_steps
         self._step_errors = 0
         self._stats: dict[str, Any] = {}
