@@ -102,23 +102,23 @@ class MTPDrafter(Drafter):
                     self.release(s.request_id)
                     continue
             cat.append(s)
-            rows_h.append(torch.arange(s.row_offset, s.row_offset + s.committed))
+            rows_h.append(range(s.row_offset, s.row_offset + s.committed))
             toks.extend(s.tokens[start + 1 : s.num_computed + 1])
         if not cat:
             return
         committed = [len(rh) for rh in rows_h]
         starts = [s.num_computed - c for s, c in zip(cat, committed)]
-        src_rows = torch.cat(rows_h)
+        src_rows = [i for rh in rows_h for i in rh]  # host ints: torch ops on the CPU cost ~5 µs each
         key = self.chain_graphs.catchup_key(committed) if self.chain_graphs is not None else None
         if key is not None:
             # Captured catch-up (each sequence padded to the round's largest count): the same rows, one replay.
             h_last, pools0, d = self.chain_graphs.run_catchup(
-                key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows.tolist()
+                key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows
             )
             last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
             prev_last = hidden[last_src]
         else:
-            prev_h = hidden[to_device(src_rows.tolist(), self.device)]
+            prev_h = hidden[to_device(src_rows, self.device)]
             nxt = to_device(toks, self.device, torch.int64)
             out = self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
             last = to_device([sum(committed[: j + 1]) - 1 for j in range(len(cat))], self.device)
