@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 import threading
 import types
@@ -26,11 +27,42 @@ from typing import Any
 
 import torch
 
-__all__ = ["InterpretedModule", "KernelPackage", "interpreting"]
+__all__ = ["InterpretedModule", "KernelPackage", "interpreting", "kernel_backend"]
+
+KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 _lock = threading.RLock()
 _depth = 0
 _fns: dict[int, Any] = {}
+
+
+def kernel_backend(what: str, env_var: str, tensors: Sequence[torch.Tensor | None], backend: str | None) -> str:
+    """``"torch"`` or ``"triton"`` for one call of a fused op with a torch reference (devices and flags only).
+
+    ``backend`` (default: the environment variable ``env_var``, else ``"auto"``): ``"torch"``, the reference;
+    ``"triton"``, the kernel on any device (the CPU runs it through Triton's interpreter); ``"auto"``, the
+    kernel for CUDA tensors when no gradient is needed (kernels have no backward), the reference otherwise.
+
+    Args:
+        what: the op's name for messages (``"norm"``, ``"router"``, ``"mHC"``).
+        env_var: the environment variable that picks the backend.
+        tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
+        backend: overrides the environment.
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: ``"triton"`` forced while a gradient is needed.
+    """
+    choice = backend if backend is not None else os.environ.get(env_var, "auto")
+    if choice not in KERNEL_BACKENDS:
+        raise ValueError(f"{what} backend must be one of {KERNEL_BACKENDS}, got {choice!r}")
+    ts = [t for t in tensors if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+    if choice == "auto":
+        return "triton" if ts and ts[0].is_cuda and not needs_grad else "torch"
+    if choice == "triton" and needs_grad:
+        raise RuntimeError(f"{what}: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
+    return choice
 
 
 @contextlib.contextmanager

@@ -23,15 +23,14 @@ CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_back
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from ..triton_interp import kernel_backend
 
 __all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block", "mhc_backend", "MHC_BACKEND_ENV"]
 
 MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
-MHC_BACKENDS = ("auto", "torch", "triton")
 
 
 def mhc_weights(
@@ -109,15 +108,7 @@ def mhc_backend(streams: torch.Tensor, *params: torch.Tensor, backend: str | Non
     Returns:
         ``"torch"`` or ``"triton"``.
     """
-    choice = backend if backend is not None else os.environ.get(MHC_BACKEND_ENV, "auto")
-    if choice not in MHC_BACKENDS:
-        raise ValueError(f"mHC backend must be one of {MHC_BACKENDS}, got {choice!r}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (streams, *params))
-    if choice == "auto":
-        return "triton" if streams.is_cuda and not needs_grad else "torch"
-    if choice == "triton" and needs_grad:
-        raise RuntimeError("mHC: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
-    return choice
+    return kernel_backend("mHC", MHC_BACKEND_ENV, (streams, *params), backend)
 
 
 def mhc_block(

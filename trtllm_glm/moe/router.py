@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from trtllm_glm.triton_interp import KernelPackage
+from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = ["ROUTER_BACKEND_ENV", "fused_route", "kernel_module", "route", "route_reference", "router_backend"]
 
 ROUTER_BACKEND_ENV = "TRTLLM_GLM_ROUTER_BACKEND"
-ROUTER_BACKENDS = ("auto", "torch", "triton")
 
 _PACKAGE = KernelPackage(__package__ or "trtllm_glm.moe", [os.path.dirname(os.path.abspath(__file__))])
 
@@ -94,16 +93,7 @@ def router_backend(*tensors: torch.Tensor | None, backend: str | None = None) ->
         *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
     """
-    choice = backend if backend is not None else os.environ.get(ROUTER_BACKEND_ENV, "auto")
-    if choice not in ROUTER_BACKENDS:
-        raise ValueError(f"router backend must be one of {ROUTER_BACKENDS}, got {choice!r}")
-    ts = [t for t in tensors if t is not None]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-    if choice == "auto":
-        return "triton" if ts and ts[0].is_cuda and not needs_grad else "torch"
-    if choice == "triton" and needs_grad:
-        raise RuntimeError("router: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
-    return choice
+    return kernel_backend("router", ROUTER_BACKEND_ENV, tensors, backend)
 
 
 def fused_route(

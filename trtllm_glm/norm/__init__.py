@@ -12,17 +12,15 @@ Triton is imported lazily, on the first call: importing this package needs only 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from trtllm_glm.triton_interp import KernelPackage
+from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = ["NORM_BACKEND_ENV", "kernel_module", "norm_backend", "row_norm"]
 
 NORM_BACKEND_ENV = "TRTLLM_GLM_NORM_BACKEND"
-NORM_BACKENDS = ("auto", "torch", "triton")
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -43,16 +41,7 @@ def norm_backend(*tensors: torch.Tensor | None, backend: str | None = None) -> s
         *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
     """
-    choice = backend if backend is not None else os.environ.get(NORM_BACKEND_ENV, "auto")
-    if choice not in NORM_BACKENDS:
-        raise ValueError(f"norm backend must be one of {NORM_BACKENDS}, got {choice!r}")
-    ts = [t for t in tensors if t is not None]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-    if choice == "auto":
-        return "triton" if ts and ts[0].is_cuda and not needs_grad else "torch"
-    if choice == "triton" and needs_grad:
-        raise RuntimeError("norm: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
-    return choice
+    return kernel_backend("norm", NORM_BACKEND_ENV, tensors, backend)
 
 
 def row_norm(
