@@ -9,7 +9,9 @@ of the step time to that floor at the copy bandwidth measured in the same run. M
 ``overlap`` (plain decoding with the overlap scheduler: each step launched before the previous one is read
 back; needs graphs), ``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and
 ``oracleA`` (7 drafts, or K with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output,
-each right with probability ``A``), which traces the verify cost curve; ``transformers`` runs the
+each right with probability ``A``), which traces the verify cost curve; a ``+mix`` suffix (``oracle0.7k3+mix``)
+makes every second request sampled (temperature 0.8, seeded; never drafted for, so it rides the verify
+graphs as filler), and the lossless check then covers the greedy half; ``transformers`` runs the
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
@@ -207,7 +209,23 @@ def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm
     return m.eval()
 
 
+MIX = "+mix"
+
+
+def base_mode(mode: str) -> str:
+    """A mode without its ``+mix`` suffix (every second request sampled)."""
+    return mode[: -len(MIX)] if mode.endswith(MIX) else mode
+
+
+def request_params(mode: str, i: int, gen: int) -> SamplingParams:
+    """Request ``i``'s sampling: greedy, or seeded sampling for odd ``i`` under a ``+mix`` mode."""
+    if mode.endswith(MIX) and i % 2:
+        return SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, seed=i)
+    return SamplingParams(max_tokens=gen, ignore_eos=True)
+
+
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
+    mode = base_mode(mode)
     if mode == "plain":
         return Executor(model, cfg)
     if mode == "overlap":  # plain decoding with the overlap scheduler (ExecutorConfig.overlap_scheduler)
@@ -253,7 +271,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     vocab = model.config.vocab_size
     ids = [prompts[i % len(prompts)] if prompts is not None
            else torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for i in range(batch)]  # fmt: skip
-    reqs = [ex.add_request(p, SamplingParams(max_tokens=gen, ignore_eos=True)) for p in ids]
+    reqs = [ex.add_request(p, request_params(mode, i, gen)) for i, p in enumerate(ids)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     t_start = time.perf_counter()
@@ -312,6 +330,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "host_profile": host,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
+        "greedy": [i for i, r in enumerate(reqs) if r.params.greedy],
     }
 
 
@@ -411,6 +430,7 @@ def emit(row: dict) -> None:
 def draft_len(mode: str) -> int:
     """Drafts per round of a mode (``mtp3`` -> 3, ``ngram7`` -> 7, ``oracle0.7`` -> 7, ``oracle0.7k3`` -> 3,
     plain 0)."""
+    mode = base_mode(mode)
     if mode.startswith("mtp"):
         return int(mode[3:])
     if mode.startswith("ngram"):
@@ -429,7 +449,7 @@ def lossless_summary(plain: dict | None, r: dict, batch: int, tol: float) -> dic
     out = {"identical": 0, "near_tie": 0, "diverged": 0, "gaps": []}
     if plain is None:
         return out
-    for i in range(batch):
+    for i in r.get("greedy", range(batch)):  # sampled requests (``+mix``) have no greedy reference
         d = compare_greedy(plain["outputs"][i], plain["gaps"][i], r["outputs"][i], tol=tol)
         out["identical" if d is None else "near_tie" if d.excused else "diverged"] += 1
         if d is not None:
