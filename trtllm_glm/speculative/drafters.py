@@ -89,9 +89,33 @@ class ParallelDrafter(Drafter):
                 seq.state.drafts = list(self.propose_seq(seq)[: seq.want])
 
 
+class _NGramIndex:
+    """The latest start of every ``min_n .. max_n``-gram of a growing token list that ends before its last
+    token: exactly the occurrences `NGramDrafter.propose` scans for, kept up to date as tokens are appended.
+
+    ``end`` is how many positions have their ending n-grams indexed; with ``T`` tokens, positions up to
+    ``T - 2`` are (an n-gram starting at ``s <= T - 1 - n``: it starts before a length-``n`` suffix does).
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.end = 0
+
+    def extend(self, toks: Sequence[int]) -> None:
+        for e in range(self.end, len(toks) - 1):
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                self.latest[tuple(toks[e - n + 1 : e + 1])] = e - n + 1  # later starts overwrite: the latest
+        self.end = max(self.end, len(toks) - 1)
+
+
 class NGramDrafter(ParallelDrafter):
     """Prompt lookup: match the longest suffix (``max_n`` down to ``min_n`` tokens) against earlier text
     and propose what followed its most recent earlier occurrence.
+
+    `propose` is the plain scan (the reference: O(context) per call, ~0.2 ms at 512 tokens and ~3.5 ms at 8K
+    when nothing matches); the executor's calls (`propose_seq`) look the suffixes up in a per-request index
+    (`_NGramIndex`) extended by the tokens appended since the last call, with the same result.
 
     Args:
         max_draft_len: most drafts per proposal.
@@ -103,6 +127,26 @@ class NGramDrafter(ParallelDrafter):
         self.max_draft_len = max_draft_len
         self.max_n = max_n
         self.min_n = min_n
+        self._index: dict[int, _NGramIndex] = {}
+
+    def release(self, request_id: int) -> None:
+        self._index.pop(request_id, None)
+
+    def propose_indexed(self, request_id: int, tokens: Sequence[int], k: int) -> list[int]:
+        """`propose` through ``request_id``'s index (built on first use; ``tokens`` may only grow)."""
+        k = min(k, self.max_draft_len)
+        T = len(tokens)
+        if k <= 0 or T < 2:
+            return []
+        idx = self._index.get(request_id)
+        if idx is None or idx.end > T - 1:  # new, or a token list that shrank: index it afresh
+            idx = self._index[request_id] = _NGramIndex(self.min_n, self.max_n)
+        idx.extend(tokens)
+        for n in range(min(self.max_n, T - 1), self.min_n - 1, -1):
+            s = idx.latest.get(tuple(tokens[T - n :]))
+            if s is not None:
+                return list(tokens[s + n : s + n + k])
+        return []
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``min(k, max_draft_len)`` drafts following ``tokens`` (empty when nothing matches)."""
@@ -122,7 +166,7 @@ class NGramDrafter(ParallelDrafter):
         return []
 
     def propose_seq(self, seq: DraftSeq) -> list[int]:
-        return self.propose(seq.tokens, seq.want)
+        return self.propose_indexed(seq.request_id, seq.tokens, seq.want)
 
 
 class OracleDrafter(ParallelDrafter):
