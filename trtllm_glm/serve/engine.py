@@ -410,11 +410,12 @@ class AsyncEngine:
 
     def _collect_one(self, t: _Track, now: float) -> None:
         r = t.req
-        out = r.output_ids
+        # Indexed in place: `output_ids` copies every output token, per request and step.
+        toks, base = r.tokens, len(r.prompt_ids)
         want_lp = r.params.logprobs is not None
-        d = Delta(index=t.index, num_prompt_tokens=len(r.prompt_ids), logprobs=[] if want_lp else None)
-        while t.consumed < len(out) and not t.proc.stopped:
-            tok = out[t.consumed]
+        d = Delta(index=t.index, num_prompt_tokens=base, logprobs=[] if want_lp else None)
+        while t.consumed < len(toks) - base and not t.proc.stopped:
+            tok = toks[base + t.consumed]
             d.text_offsets.append(t.proc.decoded_len)
             d.text += t.proc.add(tok)
             d.token_ids.append(tok)
