@@ -94,3 +94,44 @@ def test_speculative_fields_live_apart_and_prepare_replaces_them() -> None:
     assert meta.spec.verify_seqs == [0]
     meta.prepare([5], past_lens=[11], q_lens=[1], num_decode_seqs=1)
     assert meta.spec is not old and meta.spec.verify_seqs == [] and old.verify_seqs == [0]
+
+
+def test_incremental_table_rows_match_full_writes() -> None:
+    """`_TableRows` (rows written only where they changed, per staging set) leaves each set exactly as the
+    full write `_write_rows` would: page lists growing, requests freed and re-allocated with lists of the
+    same length (new objects), the batch reordered, shrinking and growing; both sets alternate. With the
+    identity check dropped (lists compared by length alone), a re-allocated row keeps stale pages."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from trtllm_glm.attention.metadata import HostStaging
+    from trtllm_glm.attention.sparse.glm_kpool.metadata import _TableRows, _write_rows
+
+    rng = random.Random(3)
+    R, W = 6, 12
+    staging = HostStaging({"table": ((R, W), torch.int32)}, pin_memory=False)
+    rows = _TableRows(staging, "table")
+    live: dict[int, list[int]] = {}
+    next_page = iter(range(10_000))
+    for step in range(300):
+        for rid in list(live):
+            if rng.random() < 0.1:  # freed; a new allocation may take the same id and length
+                n = len(live.pop(rid))
+                if rng.random() < 0.5:
+                    live[rid] = [next(next_page) for _ in range(n)]
+            elif rng.random() < 0.3 and len(live[rid]) < W:
+                live[rid].append(next(next_page))
+        while len(live) < R and rng.random() < 0.5:
+            live[rng.randrange(100)] = [next(next_page) for _ in range(rng.randrange(0, 4))]
+        batch = rng.sample(sorted(live), k=rng.randrange(0, len(live) + 1))
+        if step % 7 == 0:
+            batch.sort()  # the same order again: appends only
+        tables = [live[r] for r in batch]
+        staging.acquire()
+        rows.write(tables)
+        want = np.zeros((R, W), dtype=np.int32)
+        _write_rows(want, tables)
+        assert np.array_equal(staging.arrays()["table"], want), step
+        staging.release()

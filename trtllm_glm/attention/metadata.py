@@ -46,6 +46,15 @@ class HostStaging:
             self._events[self._cur].synchronize()
         return self._sets[self._cur]
 
+    @property
+    def index(self) -> int:
+        """Which of the two sets `acquire` returns now (0 or 1)."""
+        return self._cur
+
+    def all_arrays(self) -> list[dict[str, np.ndarray]]:
+        """Numpy views of both sets (for initialising them)."""
+        return self._arrays
+
     def arrays(self) -> dict[str, np.ndarray]:
         """Numpy views of the set `acquire` returned (call `acquire` first: it waits for the set)."""
         return self._arrays[self._cur]
