@@ -185,3 +185,26 @@ def test_top2_gap() -> None:
     assert torch.equal(Sampler.top2_gap(logits), gap)
     with pytest.raises(ValueError):
         top2_gap(torch.randn(2, 1))
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "temperature"), [(0, 1.0, 1.0), (0, 0.9, 0.7), (17, 1.0, 1.3), (5, 0.5, 1.0), (0, 0.05, 2.0)]
+)
+def test_draw_inverts_the_filtered_distribution(top_k, top_p, temperature) -> None:
+    """The sync-free draw picks, at a uniform ``u``, the kept token whose cumulative interval holds ``u``:
+    checked at the middle of each of the first kept tokens' intervals against `filtered_probs` (the
+    reference filter), so the top-p mask keeps exactly the reference's prefix in the reference's order."""
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    for seed in range(3):
+        row = _logits(1, 2000 + seed, scale=3.0)[0]
+        row[5] = row[9] = row.max() - 0.25  # a tie near the top: lower id first
+        ids, probs = Sampler.filtered_probs(row, p)
+        c = torch.cumsum(probs.double(), 0)
+        lo = torch.cat([c.new_zeros(1), c[:-1]])
+        for k in range(min(len(ids), 40)):
+            if probs[k] < 1e-5:
+                continue  # an interval too thin to aim at in fp32
+            u = torch.tensor(float((lo[k] + c[k]) / 2 / c[-1]), dtype=torch.float64)
+            assert int(Sampler._sample_row(row, p, u)) == int(ids[k]), (seed, k)
+        # The top of the range: the last kept token (never one past it).
+        assert int(Sampler._sample_row(row, p, torch.tensor(1.0 - 1e-12, dtype=torch.float64))) == int(ids[-1])
