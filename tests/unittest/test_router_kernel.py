@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 from model_harness import ModelHarness
+from router_checks import count_fused_route_calls
 
-from trtllm_glm.moe import router as R
 from trtllm_glm.moe.router import ROUTER_BACKEND_ENV, fused_route, route, route_reference, router_backend
 
 pytestmark = [
@@ -236,14 +236,7 @@ def test_backend_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="backend"):
         router_backend(x, backend="cuda")
 
-    calls: list[int] = []
-    real = R.fused_route
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(R, "fused_route", counting)
+    calls = count_fused_route_calls(monkeypatch)
     g = torch.Generator().manual_seed(14)
     bias = torch.randn(16, generator=g) * 0.1
     logits = _random_logits(3, 16, 4, bias, g)
@@ -297,14 +290,7 @@ def test_model_with_the_kernel_matches_reference(monkeypatch: pytest.MonkeyPatch
 
     model = Glm5NextForCausalLM.from_pretrained("tiny", dtype="float32", device="cpu").eval()
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=256, max_batch_size=2, max_num_tokens=64, max_seq_len=64)
-    calls: list[int] = []
-    real = R.fused_route
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(R, "fused_route", counting)
+    calls = count_fused_route_calls(monkeypatch)
     prompt = [5, 9, 2, 7, 5, 11, 3]
 
     def run(backend: str):

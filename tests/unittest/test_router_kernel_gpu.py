@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from router_checks import count_fused_route_calls
 
 from trtllm_glm.moe import router as R
 from trtllm_glm.moe.router import fused_route, route_reference
@@ -94,14 +95,7 @@ def test_module_auto_dispatch_uses_the_kernel(monkeypatch: pytest.MonkeyPatch) -
     from trtllm_glm.modules.ffn import MoEGate
 
     monkeypatch.delenv(R.ROUTER_BACKEND_ENV, raising=False)
-    calls: list[int] = []
-    real = R.fused_route
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(R, "fused_route", counting)
+    calls = count_fused_route_calls(monkeypatch)
     gate = MoEGate(HIDDEN, E, TOP_K, True, SCALING)
     gate.reset_parameters(torch.Generator().manual_seed(0), 0.02)
     gate = gate.cuda()
