@@ -199,8 +199,9 @@ def test_graceful_stop_lets_inflight_requests_finish() -> None:
 
 def test_overlap_scheduler_under_the_serving_loop(monkeypatch) -> None:
     """The overlap scheduler (the LLM API's default with CUDA graphs) under the engine thread, graphs
-    emulated on the CPU: concurrent callers get their solo tokens, a stop string aborts a request while its
-    next step is already launched, and every page and state slot comes back."""
+    emulated on the CPU: concurrent callers get their solo tokens (a seeded sampled one included), a stop
+    string aborts a request while its next step is already launched, and every page and state slot comes
+    back."""
     import dataclasses
 
     from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -209,8 +210,10 @@ def test_overlap_scheduler_under_the_serving_loop(monkeypatch) -> None:
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
     llm = make_llm(max_batch_size=4)
     long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, seed=21, ignore_eos=True)
     prompts = [list(b"hello"), list(b"the engine"), list(b"abcabcabc")]
-    refs = [llm.generate(p, long).outputs[0] for p in prompts]
+    kinds = [long, sampled, long]  # a seeded sampled request among greedy ones
+    refs = [llm.generate(p, sp).outputs[0] for p, sp in zip(prompts, kinds)]
     # Exact sizes 1-4: no padding rows, so the torch k-pool ops are enough here.
     llm.executor_config = dataclasses.replace(
         llm.executor_config, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4]), overlap_scheduler=True
@@ -224,7 +227,7 @@ def test_overlap_scheduler_under_the_serving_loop(monkeypatch) -> None:
     try:
 
         async def main():
-            gens = [GenerationRequest(p, long) for p in prompts[:2]]
+            gens = [GenerationRequest(p, sp) for p, sp in zip(prompts[:2], kinds)]
             return await asyncio.gather(
                 *(collect(eng, [g]) for g in gens), collect(eng, [GenerationRequest(prompts[2], long, stop=[stop])])
             )

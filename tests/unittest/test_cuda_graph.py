@@ -7,6 +7,8 @@ The real capture / replay runs in ``test_cuda_graph_gpu.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -465,6 +467,43 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
         d = compare_greedy(a.output_ids[:6], a.logit_gaps[:6], b.output_ids)
         assert d is None or d.excused, d
     assert spec.num_overlapped_steps == 0 and spec.graph_runner.stats.replays > 0
+
+
+def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
+    """Sampled requests under the overlap scheduler: each step's draws are made on the device right after
+    its replay (the launched-ahead step takes them as input ids), in the order an ordinary step's read-back
+    makes them, so seeded outputs equal ordinary graph steps', a sampled stop token included; steps still
+    launch ahead with sampled requests in the batch. Without the draws (the greedy tokens fed ahead), the
+    sampled requests' outputs differ."""
+    model = _model()
+    prompts = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8, 8, 1, 2], [7, 1, 7, 1, 7]]
+    params = [SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=1.1, top_p=0.8, seed=8, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.7, top_k=6, seed=9, ignore_eos=True)]  # fmt: skip
+
+    def run(overlap: bool, stop: dict[int, int] | None = None):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if stop and i in stop:
+                sp = dataclasses.replace(sp, stop_token_ids=[stop[i]])
+            reqs.append(ex.add_request(p, sp))
+        ex.run_until_done()
+        return ex, reqs
+
+    emulated(True)
+    _, ref = run(False)
+    stop = {0: ref[0].output_ids[5]}  # a sampled token ends request 0 mid-run
+    _, ref = run(False, stop)
+    ex, got = run(True, stop)
+    assert ex.num_overlapped_steps >= 5, ex.num_overlapped_steps
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    assert ref[0].finish_reason.value == "stop" and len(set(ref[2].output_ids)) > 1
+    assert ex.manager.num_free_pages == ex.manager.num_pages
 
 
 def test_emulated_sampled_requests_ride_the_verify_graph(emulated) -> None:

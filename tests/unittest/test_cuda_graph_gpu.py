@@ -190,8 +190,8 @@ def test_overlap_scheduler_matches_graph_steps(model) -> None:
 
 def test_llm_api_overlaps_by_default(model) -> None:
     """The LLM API launches steady decode steps ahead by default (TensorRT-LLM's default) and gives the
-    tokens of ``disable_overlap_scheduler=True``; a sampled request in the batch stops the launching ahead
-    while it runs (and its seeded tokens match too)."""
+    tokens of ``disable_overlap_scheduler=True``, with a seeded sampled request in the batch (drawn on the
+    device before the next step is launched) as well."""
     from trtllm_glm import LLM
 
     SP = SamplingParams

@@ -169,12 +169,15 @@ class GraphOutputs:
         packed: ``[n, 3]`` float64 (greedy token id, top-2 logit gap, the row's sequence's accepted count)
             per real row, on the device.
         width: rows per sequence ``W``; with ``W > 1`` the verify records were committed in the graph.
+        chosen: ``packed``'s first column holds each row's chosen token (sampled rows drawn on the device
+            already, by the overlap scheduler) rather than the greedy one.
     """
 
     hidden: torch.Tensor
     logits: torch.Tensor
     packed: torch.Tensor
     width: int = 1
+    chosen: bool = False
     _host: list[list[float]] | None = None
 
     def host_rows(self) -> list[list[float]]:

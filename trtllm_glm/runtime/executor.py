@@ -57,9 +57,9 @@ class ExecutorConfig:
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
-            works. Only with CUDA graphs, greedy requests without per-token outputs and no speculation;
-            other steps run as before. Off here by default; the LLM API turns it on (unless
-            ``disable_overlap_scheduler``), as TensorRT-LLM does.
+            works. Only with CUDA graphs, requests without per-token outputs (sampled ones draw on the
+            device right after the replay) and no speculation; other steps run as before. Off here by
+            default; the LLM API turns it on (unless ``disable_overlap_scheduler``), as TensorRT-LLM does.
     """
 
     tokens_per_block: int = 16
@@ -225,7 +225,7 @@ class Executor:
         rows = self._forward(plan)
         if self._step_out is not None and self._may_launch_ahead(plan):
             assert self.graph_runner is not None
-            out = self._step_out
+            out = self._choose_tokens(plan, self._step_out)
             self._inflight = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
             return []
         finished = self._advance(plan, rows)
@@ -237,13 +237,15 @@ class Executor:
     def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
         """Whether the step after ``plan`` can be launched before ``plan``'s tokens are read back.
 
-        It must be the same requests one row further: plain greedy decoding of every running request,
-        nobody waiting to be admitted, no request that reaches its length limit with this step (a stop
-        token is not known ahead: a request that stops here has its next row computed and dropped), and no
-        per-token outputs that read the logits. Prefix caching may stay on: after a decode step it only
-        seals pages that became full, and the step launched ahead writes the next position, which is never
-        on such a page (checkpoints are taken after prefill chunks only, and admissions wait for a step
-        that was read back, as nobody may be waiting here).
+        It must be the same requests one row further: plain decoding of every running request, nobody
+        waiting to be admitted, no request that reaches its length limit with this step (a stop token is
+        not known ahead: a request that stops here has its next row computed and dropped), and no per-token
+        outputs that read the logits (the next replay overwrites them). Sampled requests draw their tokens
+        on the device right after the step's replay (`_choose_tokens`), in the order an ordinary step's
+        read-back would, so seeded outputs are the same. Prefix caching may stay on: after a decode step it
+        only seals pages that became full, and the step launched ahead writes the next position, which is
+        never on such a page (checkpoints are taken after prefill chunks only, and admissions wait for a
+        step that was read back, as nobody may be waiting here).
         """
         if not (self.cfg.overlap_scheduler and self.supports_overlap and not self.waiting):
             return False
@@ -251,7 +253,7 @@ class Executor:
             return False
         for s in plan:
             r, p = s.request, s.request.params
-            if r.finished or not p.greedy or p.logprobs is not None or p.return_generation_logits:
+            if r.finished or p.logprobs is not None or p.return_generation_logits:
                 return False
             if r.num_output + 1 >= p.max_tokens or len(r.tokens) + 1 >= self.max_seq_len:
                 return False
@@ -274,7 +276,7 @@ class Executor:
             if key is not None:
                 self.num_steps += 1
                 with torch.inference_mode():
-                    out = self.graph_runner.replay_chained(key, plan, cur.out)
+                    out = self._choose_tokens(plan, self.graph_runner.replay_chained(key, plan, cur.out))
                 nxt = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
                 self.num_overlapped_steps += 1
         self._inflight = nxt
@@ -283,6 +285,23 @@ class Executor:
         finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
         self._after_step(cur.plan)
         return finished
+
+    def _choose_tokens(self, plan: list[ScheduledSeq], out: GraphOutputs) -> GraphOutputs:
+        """``out`` with each row's token chosen on the device (a step launched ahead feeds the next one).
+
+        Greedy-only steps keep the graph's argmax. Otherwise the sampler runs now, on the replay's logits
+        (the next replay overwrites them; the stream orders this before it), drawing from each request's
+        generator in row order as an ordinary step's read-back would; its tokens replace the first column
+        of a copy of ``packed`` (``chosen``), which the next replay takes as its input ids and the
+        read-back uses as the step's tokens.
+        """
+        reqs = [s.request for s in plan]
+        if all(r.params.greedy for r in reqs):
+            return out
+        with torch.inference_mode():
+            toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            packed = torch.cat([toks.to(out.packed.dtype)[:, None], out.packed[:, 1:]], dim=1)
+        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True)
 
     def _decode_widths(self) -> dict[int, int] | None:
         """Rows per running decode request this step (``None``: one each; speculation verifies more)."""
@@ -539,8 +558,9 @@ class Executor:
             logits, packed = self._sample_rows(hidden, [i for _, i in to_sample])
             reqs = [r for r, _ in to_sample]
             gaps = [p[1] for p in packed]
-            if all(r.params.greedy for r in reqs):
-                toks = [int(p[0]) for p in packed]
+            out = self._step_out
+            if (out is not None and out.chosen) or all(r.params.greedy for r in reqs):
+                toks = [int(p[0]) for p in packed]  # greedy, or drawn already (`_choose_tokens`)
             else:
                 toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             for j, (r, t, gp) in enumerate(zip(reqs, toks, gaps)):

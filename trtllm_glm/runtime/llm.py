@@ -123,10 +123,10 @@ class LLM:
             fields); on by default, as in TensorRT-LLM; ``None`` turns them off. Ignored on the CPU.
             Every graph (target decode / verify, MTP draft steps) is captured while the LLM is built.
         disable_overlap_scheduler: turn off the overlap scheduler (TensorRT-LLM's name and default: on).
-            With it, a steady greedy decode step is launched before the previous step's tokens are read
-            back, so the host's share of a step hides behind the GPU's (CUDA graphs only; speculative
-            decoding, sampling, logprobs and steps that admit requests run one at a time as before).
-            Tokens and outputs are the same either way.
+            With it, a steady decode step is launched before the previous step's tokens are read back,
+            so the host's share of a step hides behind the GPU's (CUDA graphs only; sampled rows draw on
+            the device first; speculative decoding, logprobs and steps that admit requests run one at a
+            time as before). Tokens and outputs are the same either way (seeded samples included).
     """
 
     def __init__(
