@@ -18,7 +18,7 @@ Example::
     cuda_graph_config:            # default on (CUDA only); null turns graphs off
       batch_sizes: [1, 2, 4, 8, 16, 32]
       enable_padding: true
-    disable_overlap_scheduler: false  # default: greedy decode steps overlap the host's work (graphs only)
+    disable_overlap_scheduler: false  # default: decode steps overlap the host's work (graphs only)
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
 mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
