@@ -299,7 +299,9 @@ class Executor:
         if all(r.params.greedy for r in reqs):
             return out
         with torch.inference_mode():
-            toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs])
+            # The graph's argmax serves the greedy rows (no second pass over the vocabulary).
+            greedy = out.packed[:, 0].long()
+            toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs], greedy)
             packed = torch.cat([toks.to(out.packed.dtype)[:, None], out.packed[:, 1:]], dim=1)
         return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True)
 

@@ -188,6 +188,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        greedy: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Pick the next token of every row.
 
@@ -205,6 +206,8 @@ class Sampler:
             logits: ``[B, V]`` (fp32 expected; other float dtypes are upcast).
             params: ``B`` sampling parameters.
             generators: ``B`` CPU generators or ``None`` (global RNG); only non-greedy rows consume draws.
+            greedy: optional ``[B]`` int64 ``torch.argmax(logits, -1)`` when the caller has it already (a
+                replayed graph computed it).
 
         Returns:
             ``[B]`` int64 token ids on ``logits``' device.
@@ -215,7 +218,10 @@ class Sampler:
         if len(params) != B or len(generators) != B:
             raise ValueError(f"got {B} logit rows but {len(params)} params and {len(generators)} generators")
         logits = logits.float()
-        out = torch.argmax(logits, dim=-1) if B > 0 else torch.empty(0, dtype=torch.long, device=logits.device)
+        if greedy is not None:
+            out = greedy.clone()
+        else:
+            out = torch.argmax(logits, dim=-1) if B > 0 else torch.empty(0, dtype=torch.long, device=logits.device)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             # One uniform per sampled row, in row order, then one copy of them all to the logits' device.
@@ -237,36 +243,39 @@ class Sampler:
             ``(ids [n], probs [n])``: the kept token ids in descending-probability order (ties to the
             lower id) and their renormalised probabilities (fp32, summing to 1).
         """
+        ids, probs, keep = Sampler._kept(row, p)
+        if keep is not None:
+            n = int(keep.sum().item())  # a prefix: the mass before a token only grows
+            ids, probs = ids[:n], probs[:n] / probs[:n].sum()
+        return ids, probs
+
+    @staticmethod
+    def _kept(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Temperature and top-k: ``(ids [n], probs [n], keep [n] or None)``, the top-k tokens in descending
+        order (ties to the lower id) with their softmax, and the top-p mask (``None`` without top-p): token
+        ``j`` stays while the mass strictly before it is ``< top_p`` (the smallest prefix reaching it, at
+        least one token). No host sync."""
         scaled = row.float() / p.temperature
         vals, ids = torch.sort(scaled, descending=True, stable=True)
-        n = vals.shape[0]
-        if p.top_k > 0:
-            n = min(n, p.top_k)
+        n = vals.shape[0] if p.top_k <= 0 else min(vals.shape[0], p.top_k)
         probs = torch.softmax(vals[:n], dim=-1)
+        keep = None
         if p.top_p < 1.0:
-            # Keep token j while the mass strictly before it is < top_p: the smallest prefix reaching top_p.
-            before = torch.cumsum(probs, dim=-1)
-            before = torch.cat([before.new_zeros(1), before[:-1]])
-            n = max(1, int((before < p.top_p).sum().item()))
-            probs = probs[:n] / probs[:n].sum()
-        return ids[:n], probs
+            c = torch.cumsum(probs, dim=-1)
+            keep = torch.cat([c.new_zeros(1), c[:-1]]) < p.top_p
+            keep[0] = True
+        return ids[:n], probs, keep
 
     @staticmethod
     def _sample_row(row: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> torch.Tensor:
         """One token of ``row`` ``[V]`` under ``p``, at the uniform ``u`` (0-d fp64 in [0, 1), ``row``'s device).
 
-        The filtering of `filtered_probs` without its host sync: the top-p cut is a mask on the sorted
-        probabilities (the same comparisons), and the kept mass is inverted at ``u`` times its total.
+        The filtering of `filtered_probs` without its host sync: the top-p cut stays a mask on the sorted
+        probabilities, and the kept mass is inverted at ``u`` times its total.
         """
-        scaled = row.float() / p.temperature
-        vals, ids = torch.sort(scaled, descending=True, stable=True)
-        n = vals.shape[0] if p.top_k <= 0 else min(vals.shape[0], p.top_k)
-        probs = torch.softmax(vals[:n], dim=-1)
-        if p.top_p < 1.0:
-            c = torch.cumsum(probs, dim=-1)
-            keep = torch.cat([c.new_zeros(1), c[:-1]]) < p.top_p
-            keep[0] = True
+        ids, probs, keep = Sampler._kept(row, p)
+        if keep is not None:
             probs = probs * keep
         c = torch.cumsum(probs.double(), dim=-1)
-        j = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True).clamp_(max=n - 1)
+        j = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True).clamp_(max=ids.shape[0] - 1)
         return ids[j][0]
