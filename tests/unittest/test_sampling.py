@@ -204,7 +204,33 @@ def test_draw_inverts_the_filtered_distribution(top_k, top_p, temperature) -> No
         for k in range(min(len(ids), 40)):
             if probs[k] < 1e-5:
                 continue  # an interval too thin to aim at in fp32
-            u = torch.tensor(float((lo[k] + c[k]) / 2 / c[-1]), dtype=torch.float64)
-            assert int(Sampler._sample_row(row, p, u)) == int(ids[k]), (seed, k)
+            u = float((lo[k] + c[k]) / 2 / c[-1])
+            assert int(Sampler._draw(row[None], [p], [u])) == int(ids[k]), (seed, k)
         # The top of the range: the last kept token (never one past it).
-        assert int(Sampler._sample_row(row, p, torch.tensor(1.0 - 1e-12, dtype=torch.float64))) == int(ids[-1])
+        assert int(Sampler._draw(row[None], [p], [1.0 - 1e-12])) == int(ids[-1])
+
+
+def test_rows_drawn_together_match_rows_drawn_alone() -> None:
+    """A batch of differently filtered rows (temperature, top-k, top-p, ties) draws, row for row, what each
+    row draws alone at the same uniform: the batched filter lets no row see another's parameters."""
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=17),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=2.0, top_k=5, top_p=0.5),
+        SamplingParams(temperature=0.5, top_p=0.05),
+    ]
+    rows = _logits(len(params), 77, scale=3.0)
+    rows[2, 4] = rows[2, 8] = rows[2].max() + 0.5
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        u = torch.rand(len(params), dtype=torch.float64, generator=g).tolist()
+        together = Sampler._draw(rows, params, u).tolist()
+        alone = [int(Sampler._draw(rows[i : i + 1], [p], [u[i]])) for i, p in enumerate(params)]
+        assert together == alone
+    # In a mixed batch the greedy rows keep their argmax and the sampled ones land inside their filters.
+    mixed = [SamplingParams(), *params[:2], SamplingParams(top_k=1)]
+    out = Sampler().sample(rows[:4], mixed, [make_generator(SamplingParams(seed=i)) for i in range(4)]).tolist()
+    assert out[0] == int(rows[0].argmax()) and out[3] == int(rows[3].argmax())
+    assert out[1] in Sampler.filtered_probs(rows[1], params[0])[0].tolist()
+    assert out[2] in Sampler.filtered_probs(rows[2], params[1])[0].tolist()

@@ -192,15 +192,15 @@ class Sampler:
     ) -> torch.Tensor:
         """Pick the next token of every row.
 
-        Greedy rows take the argmax (``torch.argmax`` returns the first maximum, i.e. the lower id). Other
-        rows are processed one at a time (so that no batched reduction can make a row depend on its
-        neighbours): ``logits / T``, keep the ``top_k`` best (stable order, ties to the lower id), keep the
-        smallest prefix whose renormalised mass reaches ``top_p`` (at least one token), then invert the kept
-        tokens' cumulative distribution at one uniform drawn from the row's CPU generator (in row order).
-        One number per row comes from the CPU, so a seed gives the same draw on every device (short of the
-        uniform landing within rounding of a boundary), and nothing waits for the device: the filtering,
-        the cumulative sums and the search stay where the logits are. (A multinomial draw on the CPU, as
-        before, costs ~3 ms per row at a 155K vocabulary: it draws one exponential per token.)
+        Greedy rows take the argmax (``torch.argmax`` returns the first maximum, i.e. the lower id). The other
+        rows are filtered together (`_filter`: ``logits / T``, keep the ``top_k`` best in stable order, ties to
+        the lower id, then the smallest prefix whose renormalised mass reaches ``top_p``, at least one token;
+        every operation is row-wise, so no row depends on its neighbours), and each inverts its kept tokens'
+        cumulative distribution at one uniform drawn from the row's CPU generator (in row order). One number
+        per row comes from the CPU, so a seed gives the same draw on every device (short of the uniform
+        landing within rounding of a boundary), and nothing waits for the device: the filtering, the
+        cumulative sums and the search stay where the logits are, in a fixed number of launches however many
+        rows sample. (A multinomial draw on the CPU, as before, costs ~3 ms per row at a 155K vocabulary.)
 
         Args:
             logits: ``[B, V]`` (fp32 expected; other float dtypes are upcast).
@@ -224,16 +224,19 @@ class Sampler:
             out = torch.argmax(logits, dim=-1) if B > 0 else torch.empty(0, dtype=torch.long, device=logits.device)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            # One uniform per sampled row, in row order, then one copy of them all to the logits' device.
-            draws = [torch.rand((), dtype=torch.float64, generator=generators[i]).item() for i in rows]
-            u = to_device(draws, logits.device, torch.float64)  # pinned, non-blocking: no stream sync
-            for k, i in enumerate(rows):
-                out[i] = self._sample_row(logits[i], params[i], u[k])
+            # One uniform per sampled row, in row order (the generators are the requests' own).
+            u = [torch.rand((), dtype=torch.float64, generator=generators[i]).item() for i in rows]
+            sub = [params[i] for i in rows]
+            if len(rows) == B:
+                out = self._draw(logits, sub, u)
+            else:
+                idx = to_device(rows, logits.device)
+                out.index_copy_(0, idx, self._draw(logits.index_select(0, idx), sub, u))
         return out
 
     @staticmethod
     def filtered_probs(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-        """Temperature, top-k and top-p on one row.
+        """Temperature, top-k and top-p on one row (the reference view of `_filter`; it syncs once).
 
         Args:
             row: ``[V]`` fp32 logits.
@@ -243,39 +246,63 @@ class Sampler:
             ``(ids [n], probs [n])``: the kept token ids in descending-probability order (ties to the
             lower id) and their renormalised probabilities (fp32, summing to 1).
         """
-        ids, probs, keep = Sampler._kept(row, p)
-        if keep is not None:
-            n = int(keep.sum().item())  # a prefix: the mass before a token only grows
-            ids, probs = ids[:n], probs[:n] / probs[:n].sum()
-        return ids, probs
+        ids, probs, keep = Sampler._filter(row[None], [p], Sampler._row_params([p], [0.0], row.device))
+        n = int(keep.sum().item())  # a prefix: the mass before a token only grows
+        return ids[0, :n], probs[0, :n] / probs[0, :n].sum()
 
     @staticmethod
-    def _kept(row: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Temperature and top-k: ``(ids [n], probs [n], keep [n] or None)``, the top-k tokens in descending
-        order (ties to the lower id) with their softmax, and the top-p mask (``None`` without top-p): token
-        ``j`` stays while the mass strictly before it is ``< top_p`` (the smallest prefix reaching it, at
-        least one token). No host sync."""
-        scaled = row.float() / p.temperature
-        vals, ids = torch.sort(scaled, descending=True, stable=True)
-        n = vals.shape[0] if p.top_k <= 0 else min(vals.shape[0], p.top_k)
-        probs = torch.softmax(vals[:n], dim=-1)
-        keep = None
-        if p.top_p < 1.0:
-            c = torch.cumsum(probs, dim=-1)
-            keep = torch.cat([c.new_zeros(1), c[:-1]]) < p.top_p
-            keep[0] = True
-        return ids[:n], probs, keep
+    def _row_params(params: Sequence[SamplingParams], u: Sequence[float], device: torch.device) -> torch.Tensor:
+        """``[R, 4]`` fp64 on ``device`` (one copy): per row the uniform, temperature, top-p (``inf`` when off,
+        so that rounding of a full cumulative sum cannot cut the tail) and top-k (the vocabulary when off)."""
+        vals: list[float] = []
+        for p, x in zip(params, u):
+            vals += [x, p.temperature, p.top_p if p.top_p < 1.0 else math.inf, p.top_k if p.top_k > 0 else math.inf]
+        return to_device(vals, device, torch.float64).view(-1, 4)
 
     @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, u: torch.Tensor) -> torch.Tensor:
-        """One token of ``row`` ``[V]`` under ``p``, at the uniform ``u`` (0-d fp64 in [0, 1), ``row``'s device).
+    def _filter(
+        rows: torch.Tensor, params: Sequence[SamplingParams], rp: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Temperature, top-k and top-p on ``rows`` ``[R, V]``, all rows at once and without a host sync.
 
-        The filtering of `filtered_probs` without its host sync: the top-p cut stays a mask on the sorted
-        probabilities, and the kept mass is inverted at ``u`` times its total.
+        Every operation is row-wise, so a row's result does not depend on the others in the batch.
+
+        Args:
+            rows: ``[R, V]`` logits.
+            params: ``R`` non-greedy parameters (only to skip the masks nobody asked for).
+            rp: ``[R, 4]`` from `_row_params`.
+
+        Returns:
+            ``(ids [R, V], probs [R, V], keep [R, V])``: each row's tokens in descending order (ties to the
+            lower id), the softmax of the top-k (0 past it), and the kept mask (top-k and top-p; a prefix of
+            at least one token: token ``j`` stays while the mass strictly before it is ``< top_p``).
         """
-        ids, probs, keep = Sampler._kept(row, p)
-        if keep is not None:
-            probs = probs * keep
-        c = torch.cumsum(probs.double(), dim=-1)
-        j = torch.searchsorted(c, (u * c[-1]).reshape(1), right=True).clamp_(max=ids.shape[0] - 1)
-        return ids[j][0]
+        scaled = rows.float() / rp[:, 1:2].float()
+        vals, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+        pos = torch.arange(vals.shape[1], device=vals.device, dtype=torch.float64)
+        keep = pos[None, :] < rp[:, 3:4]
+        if any(p.top_k > 0 for p in params):
+            vals = vals.masked_fill(~keep, -math.inf)
+        probs = torch.softmax(vals, dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            c = torch.cumsum(probs, dim=-1)
+            before = torch.cat([c.new_zeros(c.shape[0], 1), c[:, :-1]], dim=1)
+            keep &= before < rp[:, 2:3]  # the first token always stays: 0 < top_p
+        return ids, probs, keep
+
+    @staticmethod
+    def _draw(rows: torch.Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> torch.Tensor:
+        """One token per row of ``rows`` ``[R, V]``, each at its uniform in ``u`` (``R`` floats in [0, 1)).
+
+        The filtering of `filtered_probs` without its host sync: the kept mass is inverted at ``u`` times its
+        total (a cumulative sum and a search per row), for all rows in a fixed number of launches.
+
+        Returns:
+            ``[R]`` int64 token ids on ``rows``' device.
+        """
+        rp = Sampler._row_params(params, u, rows.device)
+        ids, probs, keep = Sampler._filter(rows, params, rp)
+        c = torch.cumsum((probs * keep).double(), dim=-1)
+        j = torch.searchsorted(c, rp[:, 0:1] * c[:, -1:], right=True)
+        j = torch.minimum(j, keep.sum(dim=-1, keepdim=True) - 1)  # u * total rounding up to the total
+        return ids.gather(1, j)[:, 0]

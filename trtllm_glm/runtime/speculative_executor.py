@@ -29,6 +29,7 @@ from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, Specula
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
+from ..transfer import to_device
 from .cuda_graph import MtpChainGraphs
 from .executor import Executor, ExecutorConfig
 from .request import Request
@@ -260,6 +261,18 @@ class SpeculativeExecutor(Executor):
             logits, packed = self._sample_rows(hidden, need)
             greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
+            # Sampled requests (never drafted for; verify filler only): row 0 of each, drawn together in plan
+            # order (the order the requests' own generators are consumed in), one read-back for all.
+            drawn = [(i, spans[i][0]) for i, s in enumerate(plan) if spans[i][1] and not s.request.params.greedy]
+            if drawn:
+                rows = to_device([off for _, off in drawn], logits.device)
+                toks = self.sampler.sample(
+                    logits.index_select(0, rows),
+                    [plan[i].request.params for i, _ in drawn],
+                    [plan[i].request.generator for i, _ in drawn],
+                ).tolist()
+                for (i, off), t in zip(drawn, toks):
+                    greedy[off] = t
 
         num_accepted = [0] * len(plan)
         committed = [0] * len(plan)
@@ -276,10 +289,8 @@ class SpeculativeExecutor(Executor):
                 a = 1
                 while a <= proposed and drafts[a - 1] == greedy[off + a - 1]:
                     a += 1
+                assert proposed == 0 or r.params.greedy  # a sampled request's row 0 holds its draw
                 emitted = drafts[: a - 1] + [greedy[off + a - 1]]
-                if not r.params.greedy:  # filler only (sampled requests get no drafts): row 0, sampled
-                    assert proposed == 0
-                    emitted = [int(self.sampler.sample(logits[off : off + 1], [r.params], [r.generator]).item())]  # type: ignore[index]
                 num_accepted[i] = committed[i] = a
                 if proposed:  # all filler: a width-one round as far as the statistics go
                     r.num_verify_rounds += 1
@@ -301,11 +312,7 @@ class SpeculativeExecutor(Executor):
                 r.num_computed += s.num_rows
                 st.last_accepted = 0
                 if cnt:
-                    tok = greedy[off]
-                    if not r.params.greedy:
-                        tok = int(
-                            self.sampler.sample(logits[off : off + 1], [r.params], [r.generator]).item()  # type: ignore[index]
-                        )
+                    tok = greedy[off]  # the draw of a sampled request
                     lg = logits[off : off + 1] if r.wants_logits else None  # type: ignore[index]
                     if self._emit(r, [tok], gaps[off : off + 1], lg):  # type: ignore[index]
                         finished.append(r)
