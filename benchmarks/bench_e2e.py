@@ -11,7 +11,8 @@ back; needs graphs), ``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup
 ``oracleA`` (7 drafts, or K with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output,
 each right with probability ``A``), which traces the verify cost curve; a ``+mix`` suffix (``oracle0.7k3+mix``)
 makes every second request sampled (temperature 0.8, seeded; never drafted for, so it rides the verify
-graphs as filler), and the lossless check then covers the greedy half; ``transformers`` runs the
+graphs as filler), and the lossless check then covers the greedy half; a ``+mcN`` suffix sets the
+speculative config's ``max_concurrency=N`` (batches above N run width one); ``transformers`` runs the
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
@@ -209,31 +210,46 @@ def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm
     return m.eval()
 
 
-MIX = "+mix"
+def mode_parts(mode: str) -> tuple[str, bool, int | None]:
+    """``(base, mix, max_concurrency)`` of a mode: ``oracle0.7k3+mix+mc32`` -> ``("oracle0.7k3", True, 32)``.
+
+    ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``.
+    """
+    base, *flags = mode.split("+")
+    mix, mc = False, None
+    for f in flags:
+        if f == "mix":
+            mix = True
+        elif f.startswith("mc") and f[2:].isdigit():
+            mc = int(f[2:])
+        else:
+            raise ValueError(f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix or +mcN)")
+    return base, mix, mc
 
 
 def base_mode(mode: str) -> str:
-    """A mode without its ``+mix`` suffix (every second request sampled)."""
-    return mode[: -len(MIX)] if mode.endswith(MIX) else mode
+    """A mode without its suffixes."""
+    return mode_parts(mode)[0]
 
 
 def request_params(mode: str, i: int, gen: int) -> SamplingParams:
     """Request ``i``'s sampling: greedy, or seeded sampling for odd ``i`` under a ``+mix`` mode."""
-    if mode.endswith(MIX) and i % 2:
+    if mode_parts(mode)[1] and i % 2:
         return SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, seed=i)
     return SamplingParams(max_tokens=gen, ignore_eos=True)
 
 
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
-    mode = base_mode(mode)
+    mode, _, mc = mode_parts(mode)
     if mode == "plain":
         return Executor(model, cfg)
     if mode == "overlap":  # plain decoding with the overlap scheduler (ExecutorConfig.overlap_scheduler)
         return Executor(model, dataclasses.replace(cfg, overlap_scheduler=True))
     if mode.startswith("mtp"):
-        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:])))
+        spec = MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:]), max_concurrency=mc)
+        return SpeculativeExecutor(model, cfg, spec)
     if mode.startswith("ngram"):
-        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:]), max_concurrency=mc))
     if mode.startswith("oracle"):
         acc = float(mode[6:].split("k")[0])
         rng = random.Random(seed)
@@ -243,7 +259,8 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
             return wrong.setdefault((i, j), rng.random() >= acc)
 
         drafter = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
-        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=draft_len(mode)), drafter=drafter)
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=draft_len(mode), max_concurrency=mc),
+                                   drafter=drafter)  # fmt: skip
     raise ValueError(f"unknown mode {mode!r}")
 
 

@@ -190,6 +190,56 @@ def test_width_one_and_wide_rounds_interleave(model) -> None:
     assert_lossless(refs, tests)
 
 
+def _speculation_tracker(mc: int):
+    """An ``each_step`` hook checking `max_concurrency`: a round drafted while more than ``mc`` requests ran
+    verifies nothing; returns the hook and the per-step log ``(running after the step, verify rounds)``."""
+    log: list[tuple[int, int]] = []
+
+    def hook(ex, reqs) -> None:
+        verified = sum(r.num_verify_rounds for r in reqs)
+        if log and log[-1][0] > mc:
+            assert verified == log[-1][1], "a round verified drafts above max_concurrency"
+        log.append((len(ex.running), verified))
+
+    return hook, log
+
+
+@pytest.mark.parametrize("spec_kind", ["oracle", "mtp-shared", "mtp-separate"])
+def test_max_concurrency_speculates_only_in_small_batches(model, spec_kind) -> None:
+    """Above ``max_concurrency`` running requests, rounds are width one; once requests finish and the batch
+    shrinks, speculation resumes (the MTP layer kept catching up meanwhile, so it drafts again rather than
+    giving up on a gap in its history), and the output stays the plain greedy one."""
+    ps = prompts(4, 57)
+    budgets = [6, 9, 14, 30]  # requests finish one by one: the batch shrinks 4 -> 3 -> 2 -> 1
+    ref_ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=2048, max_batch_size=8,
+                                            max_num_tokens=512, max_seq_len=128))  # fmt: skip
+    refs = [ref_ex.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(ps, budgets)]
+    ref_ex.run_until_done()
+    mc = 2
+    drafter = None
+    if spec_kind == "oracle":
+        spec = NGramDecodingConfig(max_draft_len=3, max_concurrency=mc)
+        drafter = OracleDrafter({i: r.output_ids for i, r in enumerate(refs)}, lambda i, j: False)
+    else:
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode=spec_kind[4:], max_concurrency=mc)
+    cfg = ExecutorConfig(tokens_per_block=4, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    ex = SpeculativeExecutor(model, cfg, spec, drafter=drafter)
+    hook, log = _speculation_tracker(mc)
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(ps, budgets)]
+    while ex.has_work:
+        ex.step()
+        hook(ex, reqs)
+        assert not any(ex.state[r.request_id].mtp_disabled for r in ex.running)
+    assert_lossless(refs, reqs)
+    assert [len(r.output_ids) for r in reqs] == budgets
+    assert ex.num_unspeculated_rounds > 0
+    # Speculation resumed for the requests that outlived the large batch.
+    assert reqs[2].num_verify_rounds > 0 and reqs[3].num_verify_rounds > 0
+    assert reqs[0].num_verify_rounds == 0  # it finished while four requests ran
+    if spec_kind == "oracle":
+        assert reqs[3].num_accepted_total > reqs[3].num_verify_rounds  # perfect drafts were accepted
+
+
 def test_separate_draft_pool_smaller_and_shifted(model) -> None:
     ps = prompts(4, 41)
     refs = reference(model, ps)
@@ -231,6 +281,11 @@ def test_bad_speculative_configs(model) -> None:
         NGramDecodingConfig(max_draft_len=8)
     with pytest.raises(ValueError, match="draft_kv_mode"):
         MTPDecodingConfig(draft_kv_mode="both")
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="max_concurrency"):
+            NGramDecodingConfig(max_concurrency=bad)
+        with pytest.raises(ValueError, match="max_concurrency"):
+            MTPDecodingConfig(max_concurrency=bad)
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])

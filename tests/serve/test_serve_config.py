@@ -57,6 +57,8 @@ def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
 def test_ngram_and_empty_file(tmp_path: Path) -> None:
     spec = llm_options_from_dict({"speculative_config": {"decoding_type": "ngram", "max_draft_len": 5}})
     assert spec["speculative_config"] == NGramDecodingConfig(max_draft_len=5)
+    spec = llm_options_from_dict({"speculative_config": {"decoding_type": "MTP", "max_concurrency": 8}})
+    assert spec["speculative_config"] == MTPDecodingConfig(max_concurrency=8)
     assert load_llm_options(write(tmp_path, "# nothing\n")) == {}
 
 
@@ -75,6 +77,7 @@ def test_ngram_and_empty_file(tmp_path: Path) -> None:
         ({"speculative_config": {"decoding_type": "Eagle"}}, "decoding_type: expected MTP or NGram"),
         ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}, "unknown key 'max_draft_len'"),
         ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 9}}, "max_draft_len must be in"),
+        ({"speculative_config": {"decoding_type": "MTP", "max_concurrency": 0}}, "max_concurrency must be"),
         ({"speculative_config": {"decoding_type": "MTP", "draft_len_fn": 1}}, "unknown key 'draft_len_fn'"),
         ({"max_batch_size": "8"}, "max_batch_size: expected an int"),
         ({"max_batch_size": True}, "max_batch_size: expected an int"),

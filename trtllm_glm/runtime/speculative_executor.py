@@ -110,6 +110,8 @@ class SpeculativeExecutor(Executor):
         self.drafter: Drafter = drafter
         self.state: dict[int, SpecState] = {}
         self._n_submitted = 0
+        # Rounds run width one because the batch exceeded `max_concurrency`.
+        self.num_unspeculated_rounds = 0
 
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
@@ -271,7 +273,7 @@ class SpeculativeExecutor(Executor):
                     [plan[i].request.params for i, _ in drawn],
                     [plan[i].request.generator for i, _ in drawn],
                 ).tolist()
-                for (i, off), t in zip(drawn, toks):
+                for (_, off), t in zip(drawn, toks):
                     greedy[off] = t
 
         num_accepted = [0] * len(plan)
@@ -356,7 +358,14 @@ class SpeculativeExecutor(Executor):
     def _draft(
         self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq], committed: list[int], hidden: torch.Tensor
     ) -> None:
-        want = {s.request.request_id: self._draft_len(s.request) for _, s in live}
+        mc = self.spec.max_concurrency
+        if mc is not None and len(self.running) > mc:
+            # Too many requests for speculation to pay: a width-one round (drafters still see every sequence,
+            # so the MTP layer keeps catching up and can draft again once the batch shrinks).
+            want = {s.request.request_id: 0 for _, s in live}
+            self.num_unspeculated_rounds += 1
+        else:
+            want = {s.request.request_id: self._draft_len(s.request) for _, s in live}
         seqs, row = [], 0
         for i, s in enumerate(plan):
             r = s.request

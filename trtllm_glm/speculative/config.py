@@ -18,6 +18,14 @@ class _SpecBase:
     # Per-request adaptive width: called with the request each round, returns the drafts to propose
     # (0 = a width-one round); None keeps the configured maximum. Each width is its own graph shape.
     draft_len_fn: Callable[[object], int] | None = None
+    # TensorRT-LLM's ``DecodingBaseConfig.max_concurrency``: rounds whose decode batch holds more requests
+    # than this run width one (no drafts); None speculates at every batch size.
+    max_concurrency: int | None = None
+
+    def _check_common(self) -> None:
+        mc = self.max_concurrency
+        if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc <= 0):
+            raise ValueError(f"max_concurrency must be None or a positive int, got {mc!r}")
 
     @property
     def max_draft_len(self) -> int:  # pragma: no cover - overridden
@@ -37,6 +45,9 @@ class MTPDecodingConfig(_SpecBase):
             attend every token since step 0's open pool instead of re-running the indexer's scoring;
             ``None`` takes the model config's ``index_share_for_mtp_iteration``. Drafts only: output
             stays lossless either way.
+        max_concurrency: speculate only while the decode batch holds at most this many requests (None:
+            always). Above it a round drafts nothing and verifies nothing, but the MTP layer still catches up
+            on each committed token, so drafting resumes as soon as the batch shrinks.
     """
 
     num_nextn_predict_layers: int = 1
@@ -45,6 +56,7 @@ class MTPDecodingConfig(_SpecBase):
     index_share_for_mtp_iteration: bool | None = None
 
     def __post_init__(self) -> None:
+        self._check_common()
         if not 1 <= self.num_nextn_predict_layers <= MAX_MTP_DRAFTS:
             raise ValueError(
                 f"num_nextn_predict_layers must be in [1, {MAX_MTP_DRAFTS}], got {self.num_nextn_predict_layers}"
@@ -69,6 +81,8 @@ class NGramDecodingConfig(_SpecBase):
         max_draft_len: drafts per round (1..7).
         max_matching_ngram_size: longest suffix tried first.
         min_matching_ngram_size: shortest suffix accepted as a match.
+        max_concurrency: speculate only while the decode batch holds at most this many requests (None:
+            always); larger batches run plain width-one rounds, where verifying drafts costs more than it saves.
     """
 
     max_draft_len: int = 4  # type: ignore[assignment]
@@ -76,6 +90,7 @@ class NGramDecodingConfig(_SpecBase):
     min_matching_ngram_size: int = 1
 
     def __post_init__(self) -> None:
+        self._check_common()
         if not 1 <= self.max_draft_len <= MAX_PARALLEL_DRAFTS:
             raise ValueError(f"max_draft_len must be in [1, {MAX_PARALLEL_DRAFTS}], got {self.max_draft_len}")
         if not 1 <= self.min_matching_ngram_size <= self.max_matching_ngram_size:
