@@ -47,8 +47,8 @@ from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
     causal_conv1d_ref,
-    causal_conv1d_update,
     conv_commit,
+    conv_decode,
     conv_verify,
     kda_commit,
     kda_decode_inplace,
@@ -352,9 +352,8 @@ class KimiDeltaAttention(nn.Module):
             slice(0, n) if first == list(range(n)) else torch.tensor(first, dtype=torch.int64, device=dev)
         )
         slots = self._slots(batch, seqs, dev)
-        y, conv_new = causal_conv1d_update(x[rows], state.conv.index_select(0, slots), weight)
-        state.conv.index_copy_(0, slots, conv_new.to(state.conv.dtype))
-        q, k, v = self._split(y)
+        # Conv update, SiLU and the q/k norms: one kernel on CUDA (`ops.conv.conv_decode`).
+        q, k, v = conv_decode(x[rows], state.conv, weight, slots, self.num_heads, self.head_k_dim, self.head_v_dim)
         od = kda_decode_inplace(q, k, v, g[rows], beta[rows], self.scale, state.recurrent, slots, backend=self.backend)
         if isinstance(rows, slice):
             o[rows] = od

@@ -26,14 +26,14 @@ import torch
 from trtllm_glm.kda.ops.verify import KdaRecords
 from trtllm_glm.triton_interp import KernelPackage
 
-__all__ = ["kda_verify", "kda_commit", "kernel_module"]
+__all__ = ["conv_decode", "kda_verify", "kda_commit", "kernel_module"]
 
 # CPU tensors run an interpreted copy of the same module (trtllm_glm/triton_interp.py).
 _PACKAGE = KernelPackage(__name__, __path__)
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
-    """The kernel module ``name`` (``"verify"``) built for ``device``, for launch knobs and tests.
+    """The kernel module ``name`` (``"verify"``, ``"conv"``) built for ``device``, for launch knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process runs with
     ``TRITON_INTERPRET=1``); other devices an interpreted copy whose callables run inside
@@ -103,3 +103,32 @@ def kda_commit(
     """
     mod = kernel_module("verify", state.device)
     return mod.kda_commit(state, records, num_accepted, state_slots=state_slots, fresh=fresh, **launch)
+
+
+def conv_decode(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float,
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `ops.conv.conv_decode_reference` in one launch (``conv.py`` has the kernel design).
+
+    Args:
+        x: ``[n, C]`` new conv inputs, ``C = H * (2K + V)``.
+        conv_state: ``[S, C, W - 1]`` state pool, updated in place at ``slots``.
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` integer state slots.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        eps: added to each q / k head's squared norm.
+        **launch: ``num_warps``.
+
+    Returns:
+        ``(q [n, H, K], k [n, H, K], v [n, H, V])`` FP32.
+    """
+    mod = kernel_module("conv", x.device)
+    return mod.conv_decode(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps, **launch)

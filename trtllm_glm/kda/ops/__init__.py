@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .backend import fla_kda_available, kda_decode, kda_decode_inplace, kda_prefill, resolve_backend
 from .chunk import chunk_kda
-from .conv import causal_conv1d_ref, causal_conv1d_update, conv_commit, conv_verify
+from .conv import causal_conv1d_ref, causal_conv1d_update, conv_commit, conv_decode, conv_decode_reference, conv_verify
 from .gate import kda_gate, l2_normalize
 from .recurrent import recurrent_kda, recurrent_kda_step
 from .verify import KdaRecords, kda_commit, kda_verify
@@ -15,6 +15,8 @@ __all__ = [
     "causal_conv1d_update",
     "chunk_kda",
     "conv_commit",
+    "conv_decode",
+    "conv_decode_reference",
     "conv_verify",
     "fla_kda_available",
     "kda_commit",

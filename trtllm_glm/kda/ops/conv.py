@@ -7,12 +7,27 @@ current input and tap ``0`` the input ``W - 1`` rows back; the state ``[C, W - 1
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d_ref", "causal_conv1d_update", "conv_verify", "conv_commit"]
+from ...triton_interp import kernel_backend
+from .gate import L2NORM_EPS
+
+__all__ = [
+    "CONV_BACKEND_ENV",
+    "causal_conv1d_ref",
+    "causal_conv1d_update",
+    "conv_decode",
+    "conv_decode_reference",
+    "conv_verify",
+    "conv_commit",
+]
+
+# Picks `conv_decode`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
+CONV_BACKEND_ENV = "TRTLLM_GLM_KDA_CONV_BACKEND"
 
 
 def _conv_windows(xx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, T: int) -> torch.Tensor:
@@ -74,6 +89,67 @@ def causal_conv1d_update(
     xx = torch.cat([conv_state.float(), x.float().unsqueeze(-1)], dim=-1)  # [N, C, W]
     y = _conv_windows(xx.transpose(-1, -2), weight, bias, 1).squeeze(-2)
     return y, xx[..., 1:].contiguous()
+
+
+def conv_decode_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = L2NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A KDA decode step's front half: each row's short-conv update with SiLU, split into heads, q/k L2 norm.
+
+    Args:
+        x: ``[n, C]`` one new conv input row per sequence, ``C = H * (2K + V)`` (channels ``q | k | v``).
+        conv_state: ``[S, C, W - 1]`` state pool; the rows' slots are updated in place (window shifted by one,
+            the new input last), no other slot is written.
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` int64 distinct state slot of each row, on ``conv_state``'s device.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        eps: added to the squared norm of each query / key head.
+
+    Returns:
+        ``(q [n, H, K], k [n, H, K], v [n, H, V])`` FP32; ``q`` and ``k`` are ``y / sqrt(sum(y^2) + eps)`` per head.
+    """
+    n = x.shape[0]
+    H, K, V = num_heads, head_k_dim, head_v_dim
+    y, new_state = causal_conv1d_update(x, conv_state.index_select(0, slots), weight)
+    conv_state.index_copy_(0, slots, new_state.to(conv_state.dtype))
+    q, k, v = y.split([H * K, H * K, H * V], dim=-1)
+    q, k = (t.reshape(n, H, K) for t in (q, k))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    return q, k, v.reshape(n, H, V)
+
+
+def conv_decode(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    eps: float = L2NORM_EPS,
+    *,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_decode_reference`, in one Triton launch (`trtllm_glm.kda.kernels.conv_decode`) for CUDA tensors.
+
+    ``backend`` (default ``TRTLLM_GLM_KDA_CONV_BACKEND``, else auto): ``"torch"``, ``"triton"`` (on the CPU
+    through Triton's interpreter) or ``"auto"``; ``TRTLLM_GLM_KDA_BACKEND=torch`` (the KDA torch-everything
+    switch) also selects the reference. Same arguments and results as the reference.
+    """
+    choice = kernel_backend("KDA conv", CONV_BACKEND_ENV, [x], backend)
+    if choice == "triton" and (backend is not None or os.environ.get("TRTLLM_GLM_KDA_BACKEND") != "torch"):
+        from ..kernels import conv_decode as kernel
+
+        return kernel(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
+    return conv_decode_reference(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
 
 
 def conv_verify(
