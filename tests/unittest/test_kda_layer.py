@@ -283,3 +283,57 @@ def test_verify_commit_batch_mixed_widths() -> None:
     _close(st.conv, ref.conv)
     with pytest.raises(ValueError):
         layer.commit(rec, [5, 1, 1, 1], st)
+
+
+def test_fused_weights_same_outputs_names_and_loads() -> None:
+    """`fuse_weights` re-homes the input projections and conv taps into one storage each: outputs of prefill,
+    decode and verify stay those of the separate weights (to FP32 rounding), names / shapes / state_dict do
+    not change, an in-place load writes through the views, a replaced parameter falls back to the separate
+    path, and a cast re-fuses."""
+    ref = _layer(11)
+    fused = _layer(11)
+    fused.fuse_weights()
+    assert fused._in_fused is not None and fused._in_fused.intact() and fused._conv_fused.intact()
+    assert fused.q_proj.weight.data_ptr() == fused._in_fused.weight.data_ptr()
+    assert {k: v.shape for k, v in fused.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert all(torch.equal(fused.state_dict()[k], v) for k, v in ref.state_dict().items())
+    st_r, st_f = _state(ref, 3), _state(ref, 3)
+    hidden = _hidden(7, 30)
+    for q_lens, past in (([4, 3], [0, 2]), ([1, 1], [4, 5])):  # prefill chunks, then decode rows
+        _close(_run(fused, st_f, hidden[: sum(q_lens)], q_lens, past, [5, 2]),
+               _run(ref, st_r, hidden[: sum(q_lens)], q_lens, past, [5, 2]))  # fmt: skip
+    _close(st_f.recurrent, st_r.recurrent)
+    _close(st_f.conv, st_r.conv)
+    vb = KdaBatch.build([3], [6], [5])
+    o_f, _ = fused.forward_verify(hidden[:3], vb, _clone(st_f))
+    o_r, _ = ref.forward_verify(hidden[:3], vb, _clone(st_r))
+    _close(o_f, o_r)
+    # An in-place load (load_state_dict copies into the parameters) reaches the fused storage.
+    other = _layer(12)
+    fused.load_state_dict(other.state_dict())
+    assert fused._in_fused.intact()
+    assert torch.equal(fused._in_fused.weight[: fused.q_proj.weight.shape[0]], other.q_proj.weight)
+    st_a, st_b = _state(ref, 4), _state(ref, 4)
+    _close(_run(fused, st_a, hidden[:2], [1, 1], [3, 3], [0, 1]), _run(other, st_b, hidden[:2], [1, 1], [3, 3], [0, 1]))
+    # A replaced parameter: that group is no longer fused, and the separate path is used (still correct).
+    fused.k_proj.weight = torch.nn.Parameter(other.k_proj.weight.clone() * 2)
+    other.k_proj.weight = torch.nn.Parameter(other.k_proj.weight.clone() * 2)
+    assert not fused._in_fused.intact()
+    st_a, st_b = _state(ref, 5), _state(ref, 5)
+    _close(_run(fused, st_a, hidden[:2], [1, 1], [3, 3], [0, 1]), _run(other, st_b, hidden[:2], [1, 1], [3, 3], [0, 1]))
+    fused.fuse_weights()  # rebuilt from the current parameters
+    assert fused._in_fused.intact() and torch.equal(fused.k_proj.weight, other.k_proj.weight)
+    # A cast gives new storage: the layer fuses again, and no longer holds the old tensors.
+    old_ptr = fused._in_fused.weight.data_ptr()
+    fused.to(torch.float64)
+    assert fused._in_fused.intact() and fused._in_fused.weight.dtype == torch.float64
+    assert fused._in_fused.weight.data_ptr() != old_ptr and fused._conv_fused.intact()
+    assert fused.q_proj.weight.dtype == torch.float64
+
+
+def test_fuse_weights_is_idempotent() -> None:
+    layer = _layer(1)
+    layer.fuse_weights()
+    ptrs = (layer._in_fused.weight.data_ptr(), layer._conv_fused.weight.data_ptr())
+    layer.fuse_weights()  # graphs captured on the first storage stay valid
+    assert (layer._in_fused.weight.data_ptr(), layer._conv_fused.weight.data_ptr()) == ptrs

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..config import Glm5NextConfig
 from ..norm import norm_backend, row_norm
@@ -169,6 +170,41 @@ def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
         raise ValueError(f"state slots repeat within one KDA batch: {slots}")
 
 
+# Parameter groups `KimiDeltaAttention.fuse_weights` puts into one storage each (modules with ``.weight``).
+_FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
+_FUSED_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+@dataclass
+class _Fused:
+    """One storage ``weight`` whose row blocks are the ``.weight`` parameters of ``modules`` (views)."""
+
+    weight: torch.Tensor
+    modules: list[nn.Module]
+    sizes: list[int]
+    ptrs: list[int]
+
+    @classmethod
+    def build(cls, modules: list[nn.Module]) -> _Fused | None:
+        """Concatenate the modules' weights (dim 0) and re-point each parameter at its block; ``None`` (left
+        as they are) when dtypes, devices or trailing shapes differ."""
+        ws = [m.weight for m in modules]
+        if len({(w.dtype, w.device, tuple(w.shape[1:])) for w in ws}) != 1:
+            return None
+        fused = torch.cat([w.detach() for w in ws], dim=0)
+        sizes, a = [], 0
+        for m, w in zip(modules, ws):
+            n = w.shape[0]
+            m.weight = nn.Parameter(fused[a : a + n], requires_grad=w.requires_grad)
+            sizes.append(n)
+            a += n
+        return cls(fused, list(modules), sizes, [m.weight.data_ptr() for m in modules])
+
+    def intact(self) -> bool:
+        """Whether every parameter is still its view (none was replaced since `build`)."""
+        return all(m.weight.data_ptr() == p for m, p in zip(self.modules, self.ptrs))
+
+
 class KimiDeltaAttention(nn.Module):
     """KDA token mixer of one layer (see the module docstring for the weights and numerics).
 
@@ -220,6 +256,9 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(R, H * V, bias=False, **fk)
         self.o_norm = GatedRMSNorm(V, config.rms_norm_eps, **fk)
         self.o_proj = nn.Linear(H * V, D, bias=False, **fk)
+        # `fuse_weights`: one storage for the weights that read `hidden` (one GEMM) and one for the conv taps.
+        self._in_fused: _Fused | None = None
+        self._conv_fused: _Fused | None = None
         self.reset_parameters(torch.Generator().manual_seed(0), config.initializer_range)
 
     @property
@@ -255,20 +294,64 @@ class KimiDeltaAttention(nn.Module):
                 fill(p, randn(p.shape, std))
 
     # ----------------------------------------------------------------------------------------------
+    # Weight layout
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Give the weights that multiply ``hidden`` (``q/k/v_proj``, ``f_a_proj``, ``b_proj``, ``g_a_proj``)
+        one storage, and the three conv tap tensors another, the parameters becoming views into them.
+
+        A decode step then runs one GEMM instead of six (and no concatenation) and reads the taps without a
+        copy: at batch 1 each launch of a small GEMM costs about as much as the bytes it reads. Names,
+        shapes and ``state_dict`` are unchanged, and in-place loads write through the views. A parameter
+        replaced later (``load_state_dict(assign=True)``, ``p.data = ...``) is noticed and that group falls
+        back to separate GEMMs; ``module.to(...)`` and other ``_apply`` casts re-fuse. Numerics: the same
+        products, possibly in another GEMM kernel (last-bit differences in low precision).
+        """
+        # Idempotent: a group still fused keeps its storage (CUDA graphs captured on it stay valid). Ordinary
+        # tensors even when called under inference mode: parameters must stay usable outside it.
+        with torch.inference_mode(False):
+            if self._in_fused is None or not self._in_fused.intact():
+                self._in_fused = _Fused.build([getattr(self, n) for n in _FUSED_IN])
+            if self._conv_fused is None or not self._conv_fused.intact():
+                self._conv_fused = _Fused.build([getattr(self, n) for n in _FUSED_CONV])
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # A cast / move gives every parameter new storage: drop the old fused tensors (they would keep the old
+        # storage alive) and fuse again.
+        fused = self._in_fused is not None or self._conv_fused is not None
+        self._in_fused = self._conv_fused = None
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_weights()
+        return out
+
+    # ----------------------------------------------------------------------------------------------
     # Pieces shared by every path
     def _conv_weight(self) -> torch.Tensor:
         """``[C, W]`` FP32 taps in conv-state channel order (q, k, v)."""
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
+        f = self._conv_fused
+        if f is not None and f.intact():
+            w = f.weight
+        else:
+            w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
         return w.squeeze(1).float()
 
-    def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``hidden [N, D]`` -> conv inputs ``x [N, C]``, log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32)."""
+    def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``hidden [N, D]`` -> conv inputs ``x [N, C]``, log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32) and,
+        with fused weights, the output gate's low-rank input ``g_a_proj(hidden)`` (else ``None``)."""
         N = hidden.shape[0]
-        x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
-        g_raw = self.f_b_proj(self.f_a_proj(hidden)).view(N, self.num_heads, self.head_k_dim)
+        f = self._in_fused
+        if f is not None and f.intact():
+            # Columns q | k | v (the conv channels, already in order), f_a, b, g_a.
+            x, fa, b, ga = F.linear(hidden, f.weight).split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+            x = x.float()
+        else:
+            x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
+            fa, b, ga = self.f_a_proj(hidden), self.b_proj(hidden), None
+        g_raw = self.f_b_proj(fa).view(N, self.num_heads, self.head_k_dim)
         g = kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(hidden).float())
-        return x, g, beta
+        beta = torch.sigmoid(b.float())
+        return x, g, beta, ga
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv outputs ``[..., C]`` -> L2-normalised ``q, k [..., H, K]`` and ``v [..., H, V]``."""
@@ -281,10 +364,13 @@ class KimiDeltaAttention(nn.Module):
             v.reshape(*lead, H, V),
         )
 
-    def _output(self, hidden: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """``o [N, H, V]`` FP32 -> gated RMSNorm -> ``o_proj`` -> ``[N, D]`` in ``hidden``'s dtype."""
+    def _output(self, hidden: torch.Tensor, o: torch.Tensor, ga: torch.Tensor | None = None) -> torch.Tensor:
+        """``o [N, H, V]`` FP32 -> gated RMSNorm -> ``o_proj`` -> ``[N, D]`` in ``hidden``'s dtype (``ga``:
+        ``g_a_proj(hidden)`` when the fused input GEMM computed it already)."""
         N = hidden.shape[0]
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(N, self.num_heads, self.head_v_dim)
+        if ga is None:
+            ga = self.g_a_proj(hidden)
+        gate = self.g_b_proj(ga).view(N, self.num_heads, self.head_v_dim)
         y = self.o_norm(o, gate).reshape(N, -1)
         return self.o_proj(y.to(self.o_proj.weight.dtype)).to(hidden.dtype)
 
@@ -312,14 +398,15 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``[N, D]``.
         """
-        return self._output(hidden, self._forward_o(hidden, batch, state, self._inputs(hidden)))
+        inputs = self._inputs(hidden)
+        return self._output(hidden, self._forward_o(hidden, batch, state, inputs), inputs[3])
 
     def _forward_o(
         self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple
     ) -> torch.Tensor:
         """`forward` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
-        x, g, beta = inputs
+        x, g, beta, _ = inputs
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
@@ -410,15 +497,16 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``(out [N, D], records)``; pass the records to `commit` once acceptance is known.
         """
-        o, records = self._verify_o(hidden, batch, state, self._inputs(hidden))
-        return self._output(hidden, o), records
+        inputs = self._inputs(hidden)
+        o, records = self._verify_o(hidden, batch, state, inputs)
+        return self._output(hidden, o, inputs[3]), records
 
     def _verify_o(
         self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple
     ) -> tuple[torch.Tensor, KdaLayerRecords]:
         """`forward_verify` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
-        x, g, beta = inputs
+        x, g, beta, _ = inputs
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
         widths = [batch.q_lens[b] for b in seqs]
@@ -511,7 +599,7 @@ class KimiDeltaAttention(nn.Module):
             for b in verify:
                 is_v[batch.cu_seqlens[b] : batch.cu_seqlens[b] + batch.q_lens[b]] = True
             o = torch.where(is_v[:, None, None], o, o_rest)
-        return self._output(hidden, o), records
+        return self._output(hidden, o, inputs[3]), records
 
 
 def _only(batch: KdaBatchLike, keep: set[int]) -> KdaBatch:

@@ -327,6 +327,13 @@ class Glm5NextForCausalLM(nn.Module):
         return m.eval()
 
     @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Fuse each KDA layer's input projections and conv taps into one storage each
+        (`KimiDeltaAttention.fuse_weights`); idempotent. Executors call it on CUDA before capturing graphs."""
+        for m in self.modules():
+            if isinstance(m, KimiDeltaAttention):
+                m.fuse_weights()
+
     def keep_fp32_params_(self) -> None:
         """Return the `FP32_PARAM_SUFFIXES` parameters to FP32 after a cast of the whole model."""
         for name, p in self.named_parameters():

@@ -105,6 +105,10 @@ class Executor:
         self.cfg = cfg
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self.device.type == "cuda":
+            # Fewer launches per KDA layer (one input GEMM, taps without a copy); before any graph capture.
+            # The CPU keeps separate GEMMs: its results stay bit for bit what they were.
+            model.fuse_weights()
         P = cfg.tokens_per_block
         # CUDA graphs pad batches with sequences that run on one reserved state slot (cuda_graph.py).
         self._use_graphs = cfg.cuda_graph_config is not None and self._graphs_supported()
