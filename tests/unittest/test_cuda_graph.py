@@ -506,6 +506,73 @@ def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
     assert ex.manager.num_free_pages == ex.manager.num_pages
 
 
+def test_emulated_overlap_while_max_concurrency_keeps_speculation_off(emulated) -> None:
+    """With ``max_concurrency`` exceeded, a drafter without model state runs plain width-one rounds, and the
+    overlap scheduler launches them ahead like plain decoding (also right after verify rounds, whose
+    accepted counts the first launched-ahead step inherits unread); as requests finish and the batch shrinks to
+    ``max_concurrency``, launching ahead stops and speculation resumes. Tokens equal the same run without the
+    overlap scheduler (greedy and seeded sampled requests alike: the sampled draws are made once, on the
+    device, not again at the read-back), and the greedy ones the plain greedy tokens; every slot and page is
+    free afterwards. An MTP drafter (model state) never launches ahead."""
+    from trtllm_glm.speculative.drafters import OracleDrafter
+
+    model = _model()
+    prompts = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8, 8, 1, 2], [7, 1, 7, 1, 7]]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=10, ignore_eos=True),
+              SamplingParams(max_tokens=18, ignore_eos=True)]  # fmt: skip
+    emulated(True)
+    plain = Executor(model, ExecutorConfig(**EX_CFG))
+    ref = [plain.add_request(p, sp) for p, sp in zip(prompts, params)]
+    plain.run_until_done()
+    cont = {i: r.output_ids for i, r in enumerate(ref)}
+
+    def run(overlap: bool, spec_cfg=None):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        oracle = spec_cfg is None
+        if oracle:
+            spec_cfg = NGramDecodingConfig(max_draft_len=2, max_concurrency=2)
+            ex = SpeculativeExecutor(model, cfg, spec_cfg, drafter=OracleDrafter(cont, lambda i, j: False))
+        else:
+            ex = SpeculativeExecutor(model, cfg, spec_cfg)
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
+        # Requests 0 and 2 join late: the first rounds speculate (two requests), then the batch grows past
+        # max_concurrency right after verify rounds (accepted counts in the metadata), then shrinks again.
+        late = [reqs[0], reqs[2]]
+        for r in late:
+            ex.waiting.remove(r)
+        overlapped_with, steps, early = [], 0, 0
+        while ex.has_work or late:
+            if steps == 4:
+                early = reqs[3].num_verify_rounds
+                ex.waiting.extend(late)
+                late = []
+            before = ex.num_overlapped_steps
+            n = len(ex.running)
+            ex.step()
+            steps += 1
+            if ex.num_overlapped_steps > before:
+                overlapped_with.append(n)
+        assert early > 0 or not oracle  # request 3 speculated before the late joiners came
+        return ex, reqs, overlapped_with
+
+    _, base, _ = run(False)
+    ex, got, overlapped_with = run(True)
+    assert ex.num_overlapped_steps >= 3, ex.num_overlapped_steps
+    assert min(overlapped_with) > 2  # only while the batch exceeded max_concurrency
+    assert [r.output_ids for r in got] == [r.output_ids for r in base]
+    assert got[3].num_verify_rounds > 0 and got[3].num_accepted_total > got[3].num_verify_rounds  # resumed
+    for i in (0, 2, 3):
+        d = compare_greedy(ref[i].output_ids, ref[i].logit_gaps, got[i].output_ids)
+        assert d is None or d.excused, (i, d)
+    assert ex.manager.num_free_pages == ex.manager.num_pages
+    assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
+    mtp, _, _ = run(True, MTPDecodingConfig(num_nextn_predict_layers=2, max_concurrency=1))
+    assert mtp.num_overlapped_steps == 0 and mtp.num_unspeculated_rounds > 0
+
+
 def test_emulated_sampled_requests_ride_the_verify_graph(emulated) -> None:
     """Sampled requests (never drafted for) in a batch with drafting greedy ones are padded to the verify
     width with filler and sample from their first row, so the batch's rounds replay instead of running

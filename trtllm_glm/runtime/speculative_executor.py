@@ -26,7 +26,7 @@ from ..cache.prefix import Checkpoint
 from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
-from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter
+from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
@@ -53,8 +53,9 @@ class SpeculativeExecutor(Executor):
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
     """
 
-    # A round's drafts come from its tokens: the next round cannot be launched before they are read.
-    supports_overlap = False
+    # A round's drafts come from its tokens, so a speculating round cannot be launched before the previous
+    # one is read; `_may_launch_ahead` allows it only while `max_concurrency` keeps speculation off.
+    supports_overlap = True
 
     def __init__(
         self,
@@ -242,7 +243,34 @@ class SpeculativeExecutor(Executor):
         # A persistent buffer (a captured verify graph reads its address), padding entries 0.
         self.meta.set_num_accepted([self.state[s.request.request_id].last_accepted for s in plan])
 
-    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> list[Request]:
+    def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
+        """The overlap scheduler's test, for the rounds where speculation is off because the batch exceeds
+        ``max_concurrency``: width-one rounds of a drafter that needs no model state (the MTP layer catches
+        up on every step's hidden rows, so its rounds are never launched ahead) with no drafts pending.
+
+        The step launched ahead reuses the in-flight step's accepted counts (`_before_forward` reads them
+        before that step is read back). They only cross-check a tail-ring rollback, and a width-one step
+        after a width-one step rolls nothing back, so a stale count there is never read.
+        """
+        mc = self.spec.max_concurrency
+        if mc is None or len(self.running) <= mc or not isinstance(self.drafter, ParallelDrafter):
+            return False
+        if any(s.request.request_id not in self.state or self.state[s.request.request_id].drafts for s in plan):
+            return False
+        return super()._may_launch_ahead(plan)
+
+    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor, slots: list[int] | None = None) -> list[Request]:
+        if slots is not None:
+            # A width-one step read back late (the overlap scheduler, `_may_launch_ahead`): the plain commit,
+            # sampling and retirement, then this round's drafting decision as after any step.
+            finished = super()._advance(plan, hidden, slots=slots)
+            for s in plan:
+                st = self.state.get(s.request.request_id)
+                if st is not None:
+                    st.last_accepted, st.drafts, st.num_proposed = 0, [], None
+            live = [(i, s) for i, s in enumerate(plan) if not s.request.finished]
+            self._draft(live, plan, [s.num_rows for s in plan], hidden)
+            return finished
         # Rows whose logits are needed: every verify row, and the last row of sequences that end here.
         need: list[int] = []
         spans: list[tuple[int, int]] = []  # per seq: (offset into `need`, count)
