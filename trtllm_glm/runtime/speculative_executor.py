@@ -287,21 +287,23 @@ class SpeculativeExecutor(Executor):
                 spans.append((len(need), 0))
             row += s.num_rows
         logits = gaps = greedy = None
+        # Sampled requests (never drafted for; verify filler only): row 0 of each, drawn together in plan
+        # order (the order the requests' own generators are consumed in), one read-back for all. After a
+        # replay the draws are queued before the host waits for the step's results, so the GPU runs them
+        # right behind the graph instead of after the host has read it back.
+        drawn = [(i, spans[i][0]) for i, s in enumerate(plan) if spans[i][1] and not s.request.params.greedy]
+        early = (
+            self._draw(plan, drawn, self._step_out.logits, [need[off] for _, off in drawn])
+            if (drawn and self._step_out is not None)
+            else None
+        )
         if need:
             logits, packed = self._sample_rows(hidden, need)
             greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
-            # Sampled requests (never drafted for; verify filler only): row 0 of each, drawn together in plan
-            # order (the order the requests' own generators are consumed in), one read-back for all.
-            drawn = [(i, spans[i][0]) for i, s in enumerate(plan) if spans[i][1] and not s.request.params.greedy]
             if drawn:
-                rows = to_device([off for _, off in drawn], logits.device)
-                toks = self.sampler.sample(
-                    logits.index_select(0, rows),
-                    [plan[i].request.params for i, _ in drawn],
-                    [plan[i].request.generator for i, _ in drawn],
-                ).tolist()
-                for (_, off), t in zip(drawn, toks):
+                toks = early if early is not None else self._draw(plan, drawn, logits, [off for _, off in drawn])
+                for (_, off), t in zip(drawn, toks.tolist()):
                     greedy[off] = t
 
         num_accepted = [0] * len(plan)
@@ -363,6 +365,17 @@ class SpeculativeExecutor(Executor):
         live = [(i, s) for i, s in enumerate(plan) if not s.request.finished]
         self._draft(live, plan, committed, hidden)
         return finished
+
+    def _draw(
+        self, plan: list[ScheduledSeq], drawn: list[tuple[int, int]], logits: torch.Tensor, rows: list[int]
+    ) -> torch.Tensor:
+        """Tokens of the sampled sequences ``plan[i]`` (``i`` from ``drawn``) from ``logits[rows]``, on the device."""
+        with torch.inference_mode():
+            return self.sampler.sample(
+                logits.index_select(0, to_device(rows, logits.device)),
+                [plan[i].request.params for i, _ in drawn],
+                [plan[i].request.generator for i, _ in drawn],
+            )
 
     # --------------------------------------------------------------------------------------------
     # Drafting for the next round
