@@ -191,6 +191,7 @@ class AsyncEngine:
         self._streams: dict[int, list[_Track]] = {}  # id(stream) -> its tracks
         self._outbox: dict[int, tuple[ResultStream, list[Delta]]] = {}
         self._last_preemptions = self.executor.num_preemptions
+        self._last_unspeculated = getattr(self.executor, "num_unspeculated_rounds", 0)
         # Counters export what the engine's own requests did: whatever the executor counted before it (say
         # `LLM.generate` calls) is the starting point, as for steps and preemptions.
         st = self.executor.prefix.stats if self.executor.prefix is not None else None
@@ -517,6 +518,10 @@ class AsyncEngine:
         if pre > 0:
             m.preemptions.inc(pre)
         self._last_preemptions = ex.num_preemptions
+        unspec = getattr(ex, "num_unspeculated_rounds", 0)
+        if unspec > self._last_unspeculated:
+            m.spec_unspeculated_rounds.inc(unspec - self._last_unspeculated)
+        self._last_unspeculated = unspec
         if ex.prefix is not None:
             st, last = ex.prefix.stats, self._last_prefix
             m.prefix_queries.inc(st.queries - last[0])

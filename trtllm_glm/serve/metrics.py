@@ -92,6 +92,11 @@ class ServeMetrics:
         self.spec_num_accepted_tokens = Counter(
             p + "spec_decode_num_accepted_tokens", "Draft tokens accepted (bonus tokens not counted).", registry=r
         )
+        self.spec_unspeculated_rounds = Counter(
+            p + "spec_decode_num_unspeculated_rounds",
+            "Rounds run without drafts because the batch exceeded the speculative config's max_concurrency.",
+            registry=r,
+        )
         self.spec_accepted_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by draft position (0-based).",
             ["position"], registry=r,
