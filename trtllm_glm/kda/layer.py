@@ -41,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Glm5NextConfig
+from ..modules.weight_views import FusedWeights
 from ..norm import norm_backend, row_norm
 from ..state import KdaLayerState
 from ..transfer import to_device
@@ -175,36 +176,6 @@ _FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
 _FUSED_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
-@dataclass
-class _Fused:
-    """One storage ``weight`` whose row blocks are the ``.weight`` parameters of ``modules`` (views)."""
-
-    weight: torch.Tensor
-    modules: list[nn.Module]
-    sizes: list[int]
-    ptrs: list[int]
-
-    @classmethod
-    def build(cls, modules: list[nn.Module]) -> _Fused | None:
-        """Concatenate the modules' weights (dim 0) and re-point each parameter at its block; ``None`` (left
-        as they are) when dtypes, devices or trailing shapes differ."""
-        ws = [m.weight for m in modules]
-        if len({(w.dtype, w.device, tuple(w.shape[1:])) for w in ws}) != 1:
-            return None
-        fused = torch.cat([w.detach() for w in ws], dim=0)
-        sizes, a = [], 0
-        for m, w in zip(modules, ws):
-            n = w.shape[0]
-            m.weight = nn.Parameter(fused[a : a + n], requires_grad=w.requires_grad)
-            sizes.append(n)
-            a += n
-        return cls(fused, list(modules), sizes, [m.weight.data_ptr() for m in modules])
-
-    def intact(self) -> bool:
-        """Whether every parameter is still its view (none was replaced since `build`)."""
-        return all(m.weight.data_ptr() == p for m, p in zip(self.modules, self.ptrs))
-
-
 class KimiDeltaAttention(nn.Module):
     """KDA token mixer of one layer (see the module docstring for the weights and numerics).
 
@@ -257,8 +228,8 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(V, config.rms_norm_eps, **fk)
         self.o_proj = nn.Linear(H * V, D, bias=False, **fk)
         # `fuse_weights`: one storage for the weights that read `hidden` (one GEMM) and one for the conv taps.
-        self._in_fused: _Fused | None = None
-        self._conv_fused: _Fused | None = None
+        self._in_fused: FusedWeights | None = None
+        self._conv_fused: FusedWeights | None = None
         self.reset_parameters(torch.Generator().manual_seed(0), config.initializer_range)
 
     @property
@@ -311,9 +282,9 @@ class KimiDeltaAttention(nn.Module):
         # tensors even when called under inference mode: parameters must stay usable outside it.
         with torch.inference_mode(False):
             if self._in_fused is None or not self._in_fused.intact():
-                self._in_fused = _Fused.build([getattr(self, n) for n in _FUSED_IN])
+                self._in_fused = FusedWeights.build([getattr(self, n) for n in _FUSED_IN])
             if self._conv_fused is None or not self._conv_fused.intact():
-                self._conv_fused = _Fused.build([getattr(self, n) for n in _FUSED_CONV])
+                self._conv_fused = FusedWeights.build([getattr(self, n) for n in _FUSED_CONV])
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # A cast / move gives every parameter new storage: drop the old fused tensors (they would keep the old

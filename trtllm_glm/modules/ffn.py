@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import Glm5NextConfig
 from .init import init_linear_
+from .weight_views import same_memory
 
 __all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "FUSED_MAX_ROWS"]
 
@@ -239,7 +240,7 @@ class MoE(nn.Module):
         inter = self.intermediate_size
         for e, (g, u, d) in enumerate(self._expert_weights()):
             for t, ref in ((g, w13[e, :inter]), (u, w13[e, inter:]), (d, w2[e])):
-                if not _same_memory(t, ref):
+                if not same_memory(t, ref):
                     return False
         return True
 
@@ -297,9 +298,9 @@ class MoE(nn.Module):
         for e in (0, len(self.experts) - 1):
             ex = self.experts[e]
             if not (
-                _same_memory(ex.gate_proj.weight, w13[e, :inter])
-                and _same_memory(ex.up_proj.weight, w13[e, inter:])
-                and _same_memory(ex.down_proj.weight, w2[e])
+                same_memory(ex.gate_proj.weight, w13[e, :inter])
+                and same_memory(ex.up_proj.weight, w13[e, inter:])
+                and same_memory(ex.down_proj.weight, w2[e])
             ):
                 return False
         return True
@@ -414,17 +415,6 @@ class MoE(nn.Module):
             expert.reset_parameters(generator, std)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(generator, std)
-
-
-def _same_memory(t: torch.Tensor, ref: torch.Tensor) -> bool:
-    """``t`` covers exactly ``ref``'s elements (same address, layout, dtype and device)."""
-    return (
-        t.data_ptr() == ref.data_ptr()
-        and t.shape == ref.shape
-        and t.stride() == ref.stride()
-        and t.dtype == ref.dtype
-        and t.device == ref.device
-    )
 
 
 def _as_stacked(parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor | None:

@@ -293,7 +293,7 @@ class SpeculativeExecutor(Executor):
         # right behind the graph instead of after the host has read it back.
         drawn = [(i, spans[i][0]) for i, s in enumerate(plan) if spans[i][1] and not s.request.params.greedy]
         early = (
-            self._draw(plan, drawn, self._step_out.logits, [need[off] for _, off in drawn])
+            self._draw_sampled(plan, drawn, self._step_out.logits, [need[off] for _, off in drawn])
             if (drawn and self._step_out is not None)
             else None
         )
@@ -302,7 +302,9 @@ class SpeculativeExecutor(Executor):
             greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
             if drawn:
-                toks = early if early is not None else self._draw(plan, drawn, logits, [off for _, off in drawn])
+                toks = early
+                if toks is None:
+                    toks = self._draw_sampled(plan, drawn, logits, [off for _, off in drawn])
                 for (_, off), t in zip(drawn, toks.tolist()):
                     greedy[off] = t
 
@@ -366,7 +368,7 @@ class SpeculativeExecutor(Executor):
         self._draft(live, plan, committed, hidden)
         return finished
 
-    def _draw(
+    def _draw_sampled(
         self, plan: list[ScheduledSeq], drawn: list[tuple[int, int]], logits: torch.Tensor, rows: list[int]
     ) -> torch.Tensor:
         """Tokens of the sampled sequences ``plan[i]`` (``i`` from ``drawn``) from ``logits[rows]``, on the device."""
