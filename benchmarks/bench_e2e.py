@@ -133,6 +133,42 @@ def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
     return [(k, round(t, 1), c) for k, t, c in [every, *rows[:n]]]
 
 
+# Aten ops that only re-describe memory (no kernel launch).
+_VIEW_OPS = ("view", "_unsafe_view", "t", "detach", "detach_", "slice", "select", "as_strided", "expand",
+             "unsqueeze", "squeeze", "permute", "transpose", "alias", "split", "split_with_sizes", "unbind",
+             "empty", "empty_strided", "empty_like", "lift_fresh", "narrow", "reshape", "chunk", "sym_size",
+             "is_same_size", "new_empty", "new_empty_strided", "resolve_conj", "resolve_neg", "set_")  # fmt: skip
+
+
+def op_sites(step, n: int) -> list[tuple[str, int]]:
+    """The torch ops of one call of ``step`` by call site: the ``n`` busiest (``op @ file:line function`` of the
+    innermost ``trtllm_glm`` frame, calls), after a first row with the total. Each such op is about one kernel
+    launch, so this shows where a step's small launches come from (Triton launches are not torch ops and are
+    not counted). Only eager steps have call sites: a replayed graph is one launch.
+    """
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count: dict[str, int] = {}
+
+    class _Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            op = func.overloadpacket.__name__
+            if op not in _VIEW_OPS:
+                frames = [f for f in traceback.extract_stack() if "trtllm_glm/" in f.filename]
+                f = frames[-1] if frames else None
+                site = f"{f.filename.split('trtllm_glm/')[-1]}:{f.lineno} {f.name}" if f else "?"
+                key = f"{op} @ {site}"
+                count[key] = count.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _Sites():
+        step()
+    rows = sorted(count.items(), key=lambda r: -r[1])
+    return [("(all torch ops)", sum(count.values())), *rows[:n]]
+
+
 def host_profile(ex, steps: int, n: int) -> list[tuple[str, float, float]]:
     """Where the host spends a step: the ``n`` package functions with the most cumulative time over up to
     ``steps`` steps (cProfile), as (``file:line function``, ms per step, calls per step)."""
@@ -266,13 +302,15 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
-             profile_host: int = 0):  # fmt: skip
+             profile_host: int = 0, profile_sites: int = 0):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
     ``graphs``: CUDA graphs of every batch size up to ``batch`` (padding on), all captured before timing.
     ``profile_kernels``: also list that many of the costliest kernels of one steady step (``top_kernels``).
     ``profile_host``: also list that many package functions by host time over three steps (``host_profile``).
+    ``profile_sites``: also list that many call sites of one steady step's torch ops (`op_sites`; an eager
+    step: run with graphs off).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -303,6 +341,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
     kernels = top_kernels(ex.step, profile_kernels) if profile_kernels and ex.has_work and device == "cuda" else []
     host = host_profile(ex, 3, profile_host) if profile_host else []
+    sites = op_sites(ex.step, profile_sites) if profile_sites and ex.has_work else []
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     runner = ex.graph_runner
@@ -345,6 +384,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "syncs_per_step": syncs,
         "top_kernels": kernels,
         "host_profile": host,
+        "op_sites": sites,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
         "greedy": [i for i, r in enumerate(reqs) if r.params.greedy],
@@ -539,6 +579,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-kernels", type=int, default=0, help="list the N costliest kernels of one step")
     ap.add_argument(
+        "--profile-sites", type=int, default=0,
+        help="list the N call sites with the most torch ops (~ kernel launches) in one eager step",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile-host", type=int, default=0, help="list the N package functions with the most host time per step"
     )
     ap.add_argument(
@@ -595,7 +639,7 @@ def main() -> None:
                         cont = warm["outputs"]
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
                                  graphs=graphs, profile_kernels=args.profile_kernels,
-                                 profile_host=args.profile_host)  # fmt: skip
+                                 profile_host=args.profile_host, profile_sites=args.profile_sites)  # fmt: skip
                     # A step verifies 1 + K rows per request (K = the mode's draft count).
                     k = draft_len(mode)
                     fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
@@ -622,7 +666,8 @@ def main() -> None:
                            "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
                            "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
                            "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
-                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"]}  # fmt: skip
+                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
+                           "op_sites": r["op_sites"]}  # fmt: skip
                     rows_out.append(row)
                     emit(row)
             if args.transformers:

@@ -64,3 +64,20 @@ def test_conv_decode_replays_in_a_cuda_graph() -> None:
         for a, b in zip(out, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state, ref_state, equal_nan=True, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n", [1, 16, 64, 2048])
+def test_gate_kernel_at_real_sizes(n: int) -> None:
+    """`kda_gate_beta` (H = 64, K = 128) on bf16 logits against the FP32 reference, from strided views."""
+    from trtllm_glm.kda.ops import kda_gate_beta, kda_gate_beta_reference
+
+    H, K = 64, 128
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    out = (torch.randn(n, H * K + H + 7, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    g_raw, b = out[:, : H * K], out[:, H * K : H * K + H]
+    A_log = torch.randn(H, device="cuda", generator=gen)
+    dt_bias = torch.randn(H * K, device="cuda", generator=gen)
+    g, beta = kda_gate_beta(g_raw, b, A_log, dt_bias, -5.0, backend="triton")
+    rg, rbeta = kda_gate_beta_reference(g_raw, b, A_log, dt_bias, -5.0)
+    torch.testing.assert_close(g, rg, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(beta, rbeta, rtol=2e-6, atol=2e-6)

@@ -54,7 +54,7 @@ from .ops import (
     conv_verify,
     kda_commit,
     kda_decode_inplace,
-    kda_gate,
+    kda_gate_beta,
     kda_prefill,
     kda_verify,
     l2_normalize,
@@ -308,20 +308,20 @@ class KimiDeltaAttention(nn.Module):
         return w.squeeze(1).float()
 
     def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``hidden [N, D]`` -> conv inputs ``x [N, C]``, log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32) and,
-        with fused weights, the output gate's low-rank input ``g_a_proj(hidden)`` (else ``None``)."""
-        N = hidden.shape[0]
+        """``hidden [N, D]`` -> conv inputs ``x [N, C]`` (FP32, or the projection's dtype with fused weights),
+        log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32) and, with fused weights, the output gate's low-rank
+        input ``g_a_proj(hidden)`` (else ``None``)."""
         f = self._in_fused
         if f is not None and f.intact():
             # Columns q | k | v (the conv channels, already in order), f_a, b, g_a.
+            # x stays in the GEMM's dtype: the decode kernel upcasts as it loads, the other paths where they
+            # gather their rows (exact either way; one cast launch less per decode step).
             x, fa, b, ga = F.linear(hidden, f.weight).split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
-            x = x.float()
         else:
             x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
             fa, b, ga = self.f_a_proj(hidden), self.b_proj(hidden), None
-        g_raw = self.f_b_proj(fa).view(N, self.num_heads, self.head_k_dim)
-        g = kda_gate(g_raw, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b.float())
+        # One launch on CUDA (`ops.gate.kda_gate_beta`), ten small ones in torch.
+        g, beta = kda_gate_beta(self.f_b_proj(fa), b, self.A_log, self.dt_bias, self.lower_bound)
         return x, g, beta, ga
 
     def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -378,12 +378,15 @@ class KimiDeltaAttention(nn.Module):
         """`forward` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
         x, g, beta, _ = inputs
-        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
         dec = [b for b in seqs if batch.q_lens[b] == 1 and batch.past_lens[b] > 0]
         pre = [b for b in seqs if not (batch.q_lens[b] == 1 and batch.past_lens[b] > 0)]
         weight = self._conv_weight()
+        if not pre and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec)):
+            # Every row is one decode row, in order: the decode output is o (no zero fill, no copy).
+            return self._decode(x, g, beta, None, batch, dec, state, weight)
+        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         if dec:
             self._decode(x, g, beta, o, batch, dec, state, weight)
         if pre:
@@ -395,12 +398,14 @@ class KimiDeltaAttention(nn.Module):
         x: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        o: torch.Tensor,
+        o: torch.Tensor | None,
         batch: KdaBatchLike,
         seqs: list[int],
         state: KdaLayerState,
         weight: torch.Tensor,
-    ) -> None:
+    ) -> torch.Tensor:
+        """The recurrent step of the decode rows of ``seqs``: written into their rows of ``o``, or, with
+        ``o`` None (every row of the batch is one of them, in order), returned as ``o [N, H, V]`` FP32."""
         dev = x.device
         first = [batch.cu_seqlens[b] for b in seqs]
         n = len(first)
@@ -413,10 +418,13 @@ class KimiDeltaAttention(nn.Module):
         # Conv update, SiLU and the q/k norms: one kernel on CUDA (`ops.conv.conv_decode`).
         q, k, v = conv_decode(x[rows], state.conv, weight, slots, self.num_heads, self.head_k_dim, self.head_v_dim)
         od = kda_decode_inplace(q, k, v, g[rows], beta[rows], self.scale, state.recurrent, slots, backend=self.backend)
+        if o is None:
+            return od
         if isinstance(rows, slice):
             o[rows] = od
         else:
             o.index_copy_(0, rows, od)
+        return o
 
     def _prefill(
         self,
@@ -434,7 +442,7 @@ class KimiDeltaAttention(nn.Module):
         for b in seqs:
             s, n, slot = batch.cu_seqlens[b], batch.q_lens[b], batch.state_slots[b]
             prev = state.conv[slot] if batch.past_lens[b] > 0 else None
-            y, conv_new = causal_conv1d_ref(x[s : s + n], prev, weight)
+            y, conv_new = causal_conv1d_ref(x[s : s + n].float(), prev, weight)
             state.conv[slot].copy_(conv_new)
             ys.append(y)
             row_ids.append(torch.arange(s, s + n, dtype=torch.int64))
@@ -504,7 +512,7 @@ class KimiDeltaAttention(nn.Module):
             ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(n, Wm)
             valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(n, Wm)
         vmask = valid.unsqueeze(-1)
-        x_rows = torch.where(vmask, x[ridx], 0.0)
+        x_rows = torch.where(vmask, x[ridx].float(), 0.0)
         conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
         y = conv_verify(x_rows, conv0, self._conv_weight())
         q, k, v = self._split(y)

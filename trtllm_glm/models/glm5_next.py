@@ -328,10 +328,11 @@ class Glm5NextForCausalLM(nn.Module):
 
     @torch.no_grad()
     def fuse_weights(self) -> None:
-        """Fuse each KDA layer's input projections and conv taps into one storage each
-        (`KimiDeltaAttention.fuse_weights`); idempotent. Executors call it on CUDA before capturing graphs."""
+        """Give every submodule that can fuse its weights one storage per group of weights read by one GEMM
+        (each submodule's ``fuse_weights``, e.g. `KimiDeltaAttention.fuse_weights`); idempotent. Executors call
+        it on CUDA before capturing graphs."""
         for m in self.modules():
-            if isinstance(m, KimiDeltaAttention):
+            if m is not self and callable(getattr(m, "fuse_weights", None)):
                 m.fuse_weights()
 
     def keep_fp32_params_(self) -> None:

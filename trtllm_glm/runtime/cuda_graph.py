@@ -47,6 +47,7 @@ import torch
 
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
+from ..logits import greedy_pack
 from ..transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -210,9 +211,11 @@ def greedy_and_gap(
         accepted: optional ``[n]`` the accepted count of each row's sequence (default 1: no drafts).
         greedy: optional ``[n]`` ``torch.argmax(logits, -1)`` when the caller already has it.
     """
+    if greedy is None:  # two launches on CUDA (`trtllm_glm.logits`), the same values
+        return greedy_pack(logits, accepted)[1]
     top = torch.topk(logits.float(), 2, dim=-1).values
     gap = top[:, 0] - top[:, 1]
-    ids = (torch.argmax(logits, dim=-1) if greedy is None else greedy).to(torch.float64)
+    ids = greedy.to(torch.float64)
     acc = torch.ones_like(ids) if accepted is None else accepted.to(torch.float64)
     return torch.stack([ids, gap.to(torch.float64), acc], dim=1)
 
@@ -366,11 +369,12 @@ class CudaGraphRunner:
         logits = self.model.compute_logits(hidden)
         if W == 1:
             return hidden, logits, greedy_and_gap(logits)
-        greedy = torch.argmax(logits, dim=-1)
+        greedy, packed = greedy_pack(logits)
         acc = accepted_counts(ids.view(P, W), greedy.view(P, W), self.num_proposed[:P])
         # Folded here so the commit runs inside the graph; the host advances the lengths afterwards.
         self.manager.state.fold_pending(acc)
-        return hidden, logits, greedy_and_gap(logits, acc.repeat_interleave(W), greedy)
+        packed[:, 2] = acc.repeat_interleave(W)
+        return hidden, logits, packed
 
     def capture(self, key: tuple[int, int]) -> None:
         """Warm up and capture the graph of ``key`` on a batch made only of padding sequences."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..logits import greedy_top2
 from ..transfer import to_device
 
 __all__ = ["SamplingParams", "Sampler", "Logprob", "top2_gap", "make_generator", "token_logprobs"]
@@ -173,8 +174,7 @@ def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """
     if logits.dim() != 2 or logits.shape[1] < 2:
         raise ValueError(f"top2_gap needs logits of shape [B, V>=2], got {tuple(logits.shape)}")
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    return top[:, 0] - top[:, 1]
+    return greedy_top2(logits)[1]
 
 
 class Sampler:

@@ -26,14 +26,14 @@ import torch
 from trtllm_glm.kda.ops.verify import KdaRecords
 from trtllm_glm.triton_interp import KernelPackage
 
-__all__ = ["conv_decode", "kda_verify", "kda_commit", "kernel_module"]
+__all__ = ["conv_decode", "kda_gate_beta", "kda_verify", "kda_commit", "kernel_module"]
 
 # CPU tensors run an interpreted copy of the same module (trtllm_glm/triton_interp.py).
 _PACKAGE = KernelPackage(__name__, __path__)
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
-    """The kernel module ``name`` (``"verify"``, ``"conv"``) built for ``device``, for launch knobs and tests.
+    """The kernel module ``name`` (``"verify"``, ``"conv"``, ``"gate"``) for ``device``, for launch knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process runs with
     ``TRITON_INTERPRET=1``); other devices an interpreted copy whose callables run inside
@@ -132,3 +132,22 @@ def conv_decode(
     """
     mod = kernel_module("conv", x.device)
     return mod.conv_decode(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps, **launch)
+
+
+def kda_gate_beta(
+    g_raw: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float, **launch: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `ops.gate.kda_gate_beta_reference` in one launch (``gate.py`` has the kernel design).
+
+    Args:
+        g_raw: ``[N, H * K]`` gate logits.
+        b: ``[N, H]`` beta logits.
+        A_log: ``[H]`` per-head log rate.
+        dt_bias: ``[H * K]`` per-channel bias.
+        lower_bound: negative bound of the log decay.
+        **launch: ``block``, ``num_warps``.
+
+    Returns:
+        ``(g [N, H, K], beta [N, H])`` FP32.
+    """
+    return kernel_module("gate", g_raw.device).kda_gate_beta(g_raw, b, A_log, dt_bias, lower_bound, **launch)

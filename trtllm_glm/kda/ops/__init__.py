@@ -5,7 +5,7 @@ from __future__ import annotations
 from .backend import fla_kda_available, kda_decode, kda_decode_inplace, kda_prefill, resolve_backend
 from .chunk import chunk_kda
 from .conv import causal_conv1d_ref, causal_conv1d_update, conv_commit, conv_decode, conv_decode_reference, conv_verify
-from .gate import kda_gate, l2_normalize
+from .gate import kda_gate, kda_gate_beta, kda_gate_beta_reference, l2_normalize
 from .recurrent import recurrent_kda, recurrent_kda_step
 from .verify import KdaRecords, kda_commit, kda_verify
 
@@ -23,6 +23,8 @@ __all__ = [
     "kda_decode",
     "kda_decode_inplace",
     "kda_gate",
+    "kda_gate_beta",
+    "kda_gate_beta_reference",
     "kda_prefill",
     "kda_verify",
     "l2_normalize",

@@ -1,0 +1,111 @@
+"""The greedy / top-2 gap kernels (`trtllm_glm.logits`) under Triton's interpreter against the torch
+reference (``torch.argmax`` and ``torch.topk(k=2)``), and their use in the runtime's packed step results.
+
+Rows are fresh random logits with planted hard cases: a repeated maximum (gap 0, the first column wins) in
+different partials and in one tile, the maximum in the last column, NaNs (first NaN column, NaN gap),
+-inf entries, a row of one value. Outputs are poisoned first where the caller can pass them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_glm.logits import LOGITS_BACKEND_ENV, greedy_pack, greedy_top2, greedy_top2_reference, logits_backend
+from trtllm_glm.runtime.cuda_graph import greedy_and_gap
+from trtllm_glm.runtime.sampling import top2_gap
+
+
+def _logits(n: int, v: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=g) * 4
+    if n > 1:
+        x[1, 3] = x[1, v - 2] = 100.0  # a repeated maximum, far apart: two partials hold it
+    if n > 2:
+        x[2, v - 1] = 100.0  # the maximum in the last column
+    if n > 3:
+        x[3, 7] = x[3, 8] = 90.0  # a repeated maximum within one tile
+    if n > 4:
+        x[4, 5] = float("nan")  # NaN: torch's argmax and topk propagate it
+        x[4, 2] = float("nan")
+    if n > 5:
+        x[5, : v // 2] = float("-inf")
+    if n > 6:
+        x[6] = 1.5  # one value everywhere
+    return x.to(dtype)
+
+
+def _same(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor]) -> None:
+    assert got[0].dtype == torch.int64 and got[1].dtype == torch.float32
+    assert torch.equal(got[0], ref[0])
+    # Exact: the kernel compares and subtracts once, as the reference does.
+    assert torch.equal(torch.nan_to_num(got[1], nan=-7.0), torch.nan_to_num(ref[1], nan=-7.0))
+
+
+@pytest.mark.parametrize("n,v", [(1, 5000), (7, 777), (9, 4099), (2, 20), (16, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_greedy_top2_matches_reference(n: int, v: int, dtype: torch.dtype) -> None:
+    x = _logits(n, v, seed=n * v, dtype=dtype)
+    _same(greedy_top2(x, backend="triton"), greedy_top2_reference(x))
+
+
+@pytest.mark.parametrize("split", [1, 2, 3, 7, 64])
+def test_every_split_gives_the_same_answer(split: int) -> None:
+    from trtllm_glm.logits import kernel_module
+
+    x = _logits(8, 3001, seed=split)
+    got = kernel_module("cpu").greedy_top2(x, split=split, block=128)
+    _same(got, greedy_top2_reference(x))
+
+
+def test_packed_rows_and_accepted_counts() -> None:
+    x = _logits(6, 2000, seed=3)
+    acc = torch.tensor([1, 4, 4, 4, 4, 2])
+    ids, packed = greedy_pack(x, acc, backend="triton")
+    r_ids, r_packed = greedy_pack(x, acc, backend="torch")
+    assert packed.dtype == torch.float64 and packed.shape == (6, 3)
+    assert torch.equal(ids, r_ids)
+    assert torch.equal(torch.nan_to_num(packed, nan=-7.0), torch.nan_to_num(r_packed, nan=-7.0))
+    _, ones = greedy_pack(x[:3], backend="triton")
+    assert ones[:, 2].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_two_columns() -> None:
+    x = torch.tensor([[1.0, 2.0], [3.0, 3.0], [5.0, -1.0]])
+    _same(greedy_top2(x, backend="triton"), greedy_top2_reference(x))
+
+
+def test_strided_rows_and_empty_batch() -> None:
+    big = _logits(5, 3000, seed=4)
+    view = big[:, :2500]  # row stride 3000, columns contiguous
+    _same(greedy_top2(view, backend="triton"), greedy_top2_reference(view))
+    ids, gap = greedy_top2(torch.randn(0, 50), backend="triton")
+    assert ids.shape == (0,) and gap.shape == (0,)
+
+
+def test_runtime_packing_and_gap_use_the_same_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = _logits(7, 1234, seed=5)
+    monkeypatch.setenv(LOGITS_BACKEND_ENV, "triton")
+    kern_packed, kern_gap = greedy_and_gap(x), top2_gap(x)
+    monkeypatch.setenv(LOGITS_BACKEND_ENV, "torch")
+    ref_packed, ref_gap = greedy_and_gap(x), top2_gap(x)
+    assert torch.equal(torch.nan_to_num(kern_packed, nan=-7.0), torch.nan_to_num(ref_packed, nan=-7.0))
+    assert torch.equal(torch.nan_to_num(kern_gap, nan=-7.0), torch.nan_to_num(ref_gap, nan=-7.0))
+
+
+def test_bad_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="V >= 2"):
+        greedy_top2(torch.randn(3, 1))
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        greedy_top2(torch.randn(10))
+    with pytest.raises(ValueError, match="float"):
+        greedy_top2(torch.ones(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="accepted"):
+        greedy_pack(torch.randn(2, 5), torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="backend"):
+        logits_backend(torch.randn(2, 5), "fast")
+
+
+def test_auto_backend_keeps_the_cpu_on_the_reference() -> None:
+    assert logits_backend(torch.randn(2, 5)) == "torch"
+    assert logits_backend(torch.randn(2, 5), "triton") == "triton"

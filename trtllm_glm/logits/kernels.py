@@ -1,0 +1,202 @@
+"""Triton kernels of `trtllm_glm.logits`: each row's greedy token and top-2 logit gap in two launches.
+
+``torch.argmax`` plus ``torch.topk(k=2)`` over a 155K vocabulary costs about ten launches per decode step on
+CUDA (topk is a multi-pass radix select: ~40 µs at batch 1 on an H200, against ~0.15 µs to read one row of
+fp32 logits), and packing their results for the host (`greedy_and_gap`) four more. Here:
+
+1. ``_partial_kernel``, grid ``(N, SPLIT)``: program ``(n, s)`` scans a contiguous run of columns of row
+   ``n`` in ``BLOCK``-wide tiles, keeping the largest value ``m1``, the first column holding it ``i1``, the
+   largest of the rest ``m2`` (a repeated maximum makes ``m2 == m1``) and the first NaN column. The run is
+   ``cdiv(V, SPLIT)`` columns, with ``SPLIT`` from the shapes only (enough programs to cover the GPU at
+   decode sizes), so the launch is graph safe.
+2. ``_finish_kernel``, grid ``(cdiv(N, BLOCK_N),)``: merges a row's ``SPLIT`` partials (``i1``: the lowest
+   column among the partials holding the maximum; ``m2``: the best of the winner's ``m2`` and every other
+   partial's ``m1``), and writes the requested outputs: the ids (int64), the gaps (fp32) and/or the packed
+   ``[N, 3]`` float64 rows ``(id, gap, accepted)`` the runtime copies to the host in one transfer.
+
+Semantics are those of the torch reference (`trtllm_glm.logits.greedy_top2_reference`): the id is the first
+maximum (``torch.argmax``), the gap ``top1 - top2`` of the two largest values counted with multiplicity
+(``torch.topk``), both in fp32 (logits of another float dtype are upcast on load). A row holding a NaN gets
+the first NaN's column and a NaN gap, as torch's NaN-propagating argmax and topk do. Exact: no rounding is
+involved, so the kernel and the reference agree bit for bit.
+
+Where it runs: CUDA tensors go to the compiled kernels, other devices to an interpreted copy of this module
+(`trtllm_glm.triton_interp`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["greedy_top2", "split_for"]
+
+# Larger than any column index (int32 columns: vocabularies below 2**31).
+_NONE = 2**31 - 1
+
+
+@triton.jit
+def _partial_kernel(
+    x_ptr,
+    val_ptr,
+    idx_ptr,
+    V,
+    cols_per_prog,
+    stride_xn,
+    NPART,
+    BLOCK: tl.constexpr,
+):
+    n = tl.program_id(0)
+    s = tl.program_id(1)
+    nsplit = tl.num_programs(1)
+    start = s * cols_per_prog
+    end = tl.minimum(start + cols_per_prog, V)
+    row = x_ptr + n.to(tl.int64) * stride_xn
+    offs = tl.arange(0, BLOCK)
+    m1 = float("-inf")
+    m2 = float("-inf")
+    i1 = _NONE
+    inan = _NONE
+    for b in range(start, end, BLOCK):
+        cols = b + offs
+        ok = cols < end
+        x = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        isnan = x != x
+        inan = tl.minimum(inan, tl.min(tl.where(isnan & ok, cols, _NONE), axis=0))
+        x = tl.where(isnan, float("-inf"), x)
+        bm = tl.max(x, axis=0)
+        # Masked columns hold -inf too, but come after every real column of the tile: min picks a real one.
+        bi = tl.min(tl.where(x == bm, cols, _NONE), axis=0)
+        b2 = tl.max(tl.where(cols == bi, float("-inf"), x), axis=0)
+        # Tiles run in column order, so on an equal maximum the earlier column stays (the first maximum).
+        take = (bm > m1) | (i1 == _NONE)
+        m2 = tl.where(take, tl.maximum(m1, b2), tl.maximum(m2, bm))
+        i1 = tl.where(take, bi, i1)
+        m1 = tl.where(take, bm, m1)
+    p = n * nsplit + s
+    tl.store(val_ptr + p, m1)
+    tl.store(val_ptr + NPART + p, m2)
+    tl.store(idx_ptr + p, i1)
+    tl.store(idx_ptr + NPART + p, inan)
+
+
+@triton.jit
+def _finish_kernel(
+    val_ptr,
+    idx_ptr,
+    ids_ptr,
+    gap_ptr,
+    packed_ptr,
+    acc_ptr,
+    N,
+    NSPLIT,
+    NPART,
+    BLOCK_N: tl.constexpr,
+    SPLIT_PAD: tl.constexpr,
+    WRITE_IDS: tl.constexpr,
+    WRITE_GAP: tl.constexpr,
+    WRITE_PACKED: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sp = tl.arange(0, SPLIT_PAD)
+    r_ok = rows < N
+    ok = r_ok[:, None] & (sp < NSPLIT)[None, :]
+    p = rows[:, None] * NSPLIT + sp[None, :]
+    m1 = tl.load(val_ptr + p, mask=ok, other=float("-inf"))
+    m2 = tl.load(val_ptr + NPART + p, mask=ok, other=float("-inf"))
+    i1 = tl.load(idx_ptr + p, mask=ok, other=_NONE)
+    inan = tl.load(idx_ptr + NPART + p, mask=ok, other=_NONE)
+    gm = tl.max(m1, axis=1)
+    # Columns of different partials are disjoint: the lowest column among the maxima is the first maximum.
+    gi = tl.min(tl.where(m1 == gm[:, None], i1, _NONE), axis=1)
+    win = i1 == gi[:, None]
+    g2 = tl.max(tl.where(win, m2, m1), axis=1)
+    gap = gm - g2
+    fn = tl.min(inan, axis=1)
+    has_nan = fn != _NONE
+    ids = tl.where(has_nan, fn, gi)
+    gap = tl.where(has_nan, float("nan"), gap)
+    if WRITE_IDS:
+        tl.store(ids_ptr + rows, ids.to(tl.int64), mask=r_ok)
+    if WRITE_GAP:
+        tl.store(gap_ptr + rows, gap, mask=r_ok)
+    if WRITE_PACKED:
+        if HAS_ACC:
+            acc = tl.load(acc_ptr + rows, mask=r_ok, other=0).to(tl.float64)
+        else:
+            acc = tl.full((BLOCK_N,), 1.0, tl.float64)
+        base = packed_ptr + rows.to(tl.int64) * 3
+        tl.store(base, ids.to(tl.float64), mask=r_ok)
+        tl.store(base + 1, gap.to(tl.float64), mask=r_ok)
+        tl.store(base + 2, acc, mask=r_ok)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, enough to exercise the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_for(n: int, v: int, device: torch.device, block: int) -> int:
+    """Programs per row of ``_partial_kernel`` (shapes only): about two waves of the GPU's SMs in all, at
+    least one tile of ``block`` columns each, at most 1024 (the finish kernel holds a row's partials)."""
+    want = triton.cdiv(2 * _num_sms(device), max(n, 1))
+    return max(1, min(want, triton.cdiv(v, block), 1024))
+
+
+def greedy_top2(
+    logits: torch.Tensor,
+    *,
+    want_ids: bool = True,
+    want_gap: bool = True,
+    packed: torch.Tensor | None = None,
+    accepted: torch.Tensor | None = None,
+    split: int | None = None,
+    block: int = 1024,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Greedy ids and top-2 gaps of ``logits`` rows (see the module docstring), two launches.
+
+    Args:
+        logits: ``[N, V]`` float, last dim contiguous.
+        want_ids: return the ``[N]`` int64 ids.
+        want_gap: return the ``[N]`` fp32 gaps.
+        packed: optional ``[N, 3]`` float64 output, written with ``(id, gap, accepted)`` per row.
+        accepted: optional ``[N]`` integer counts for ``packed``'s last column (default 1).
+        split: programs per row (default `split_for`).
+        block: columns per tile.
+
+    Returns:
+        ``(ids or None, gap or None)``.
+    """
+    N, V = logits.shape
+    dev = logits.device
+    ids = torch.empty(N, dtype=torch.int64, device=dev) if want_ids else None
+    gap = torch.empty(N, dtype=torch.float32, device=dev) if want_gap else None
+    if N == 0:
+        return ids, gap
+    nsplit = split or split_for(N, V, dev, block)
+    cols = triton.cdiv(triton.cdiv(V, nsplit), block) * block
+    nsplit = triton.cdiv(V, cols)  # no empty programs
+    npart = N * nsplit
+    vals = torch.empty(2 * npart, dtype=torch.float32, device=dev)
+    idxs = torch.empty(2 * npart, dtype=torch.int32, device=dev)
+    _partial_kernel[(N, nsplit)](logits, vals, idxs, V, cols, logits.stride(0), npart, BLOCK=block, num_warps=4)
+    block_n = 4
+    dummy = vals  # unused pointer arguments (their stores are compiled out)
+    _finish_kernel[(triton.cdiv(N, block_n),)](
+        vals, idxs,
+        ids if ids is not None else dummy,
+        gap if gap is not None else dummy,
+        packed if packed is not None else dummy,
+        accepted if accepted is not None else dummy,
+        N, nsplit, npart,
+        BLOCK_N=block_n, SPLIT_PAD=max(2, triton.next_power_of_2(nsplit)),
+        WRITE_IDS=ids is not None, WRITE_GAP=gap is not None, WRITE_PACKED=packed is not None,
+        HAS_ACC=accepted is not None, num_warps=1 if nsplit <= 32 else 4,
+    )  # fmt: skip
+    return ids, gap
