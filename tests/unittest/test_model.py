@@ -204,3 +204,56 @@ def test_bf16_model_keeps_fp32_router_and_gate_constants(tmp_path) -> None:
     p2 = dict(m2.named_parameters())
     assert p2["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert all(torch.equal(params[k], p2[k]) for k in params)
+
+
+def _prefill_then_decode(m: Glm5NextForCausalLM, toks: list[int]) -> torch.Tensor:
+    h = ModelHarness(m)
+    pre = h.prefill_logits(0, toks[:-2], [5, 20])
+    dec = [m.compute_logits(h.step([(0, [t])], num_decode_seqs=1)) for t in toks[-2:]]
+    return torch.cat([pre, *dec])
+
+
+def test_fuse_weights_keeps_outputs_names_and_loads() -> None:
+    """`Glm5NextForCausalLM.fuse_weights` fuses every layer that can (the KDA layers' and the sparse layers'
+    input projections, the MTP layer's included): outputs, names and state_dict are unchanged, in-place loads
+    write through, and a replaced parameter makes that layer fall back to its separate GEMMs."""
+    from trtllm_glm.attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
+
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    cfg.index_topk = 64  # every pool selected: equal logits need equal selections (see `model`)
+    ref = Glm5NextForCausalLM.from_config(cfg, seed=1)
+    fused = Glm5NextForCausalLM.from_config(cfg, seed=1)
+    fused.fuse_weights()
+    sparse = [m for m in fused.modules() if isinstance(m, GlmKpoolSparseMLA)]
+    assert len(sparse) >= 2 and all(m._in_fused is not None and m._in_fused.intact() for m in sparse)
+    with_indexer = next(m for m in sparse if m.indexer is not None)
+    storage = with_indexer._in_fused.weight
+    assert with_indexer.q_a_proj.weight.data_ptr() == storage.data_ptr()
+    gate = with_indexer.indexer.index_kpool_compress_gate
+    assert gate.data_ptr() == storage[-gate.shape[0] :].data_ptr()
+    sd_ref, sd_fused = ref.state_dict(), fused.state_dict()
+    assert sd_ref.keys() == sd_fused.keys() and all(torch.equal(sd_fused[k], v) for k, v in sd_ref.items())
+    toks = prompt(30, seed=4)
+    torch.testing.assert_close(_prefill_then_decode(fused, toks), _prefill_then_decode(ref, toks), rtol=0, atol=ATOL)
+    fused.fuse_weights()  # idempotent: the same storage
+    assert with_indexer._in_fused.weight.data_ptr() == storage.data_ptr()
+
+    # In-place loads reach the fused storage.
+    other = Glm5NextForCausalLM.from_config(cfg, seed=2)
+    fused.load_state_dict(other.state_dict())
+    assert with_indexer._in_fused.intact() and with_indexer._in_fused.weight.data_ptr() == storage.data_ptr()
+    torch.testing.assert_close(_prefill_then_decode(fused, toks), _prefill_then_decode(other, toks), rtol=0, atol=ATOL)
+    # A replaced parameter: that layer computes with the new one through its separate GEMMs.
+    # (q_a_proj, perturbed: a rescale would vanish in its RMSNorm, and with every pool selected the indexer
+    # weights do not reach the logits.)
+    w = with_indexer.q_a_proj.weight.detach()
+    new_w = torch.nn.Parameter(w + torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * w.std())
+    with_indexer.q_a_proj.weight = new_w
+    assert not with_indexer._in_fused.intact()
+    name = next(n for n, m in fused.named_modules() if m is with_indexer)
+    other.get_submodule(name).q_a_proj.weight = torch.nn.Parameter(new_w.detach().clone())
+    torch.testing.assert_close(_prefill_then_decode(fused, toks), _prefill_then_decode(other, toks), rtol=0, atol=ATOL)
+    # A cast re-fuses.
+    fused.to(torch.float64)
+    assert all(m._in_fused is not None and m._in_fused.intact() for m in sparse)
+    assert with_indexer._in_fused.weight.dtype == torch.float64

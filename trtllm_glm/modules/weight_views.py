@@ -24,25 +24,38 @@ def same_memory(t: torch.Tensor, ref: torch.Tensor) -> bool:
 
 @dataclass
 class FusedWeights:
-    """One storage ``weight`` whose row blocks (``sizes`` rows each, in order) are the ``.weight`` parameters of
-    ``modules``: each parameter is a view of its block (`build`) until something replaces it (`intact`)."""
+    """One storage ``weight`` whose row blocks (``sizes`` rows each, in order) are parameters of ``modules``
+    (attribute ``names[i]`` of module ``i``, ``.weight`` by default): each parameter is a view of its block
+    (`build`) until something replaces it (`intact`)."""
 
     weight: torch.Tensor
     modules: list[nn.Module]
     sizes: list[int]
+    names: list[str] | None = None
+
+    def _names(self) -> list[str]:
+        return self.names or ["weight"] * len(self.modules)
 
     @classmethod
-    def build(cls, modules: list[nn.Module]) -> FusedWeights | None:
-        """Concatenate the modules' weights (dim 0) into new storage and re-point each parameter at its block;
-        ``None`` (parameters left as they are) when dtypes, devices or trailing shapes differ."""
-        ws = [m.weight for m in modules]
+    def build(cls, modules: list[nn.Module], names: list[str] | None = None) -> FusedWeights | None:
+        """Concatenate the modules' parameters (dim 0) into new storage and re-point each at its block;
+        ``None`` (parameters left as they are) when dtypes, devices or trailing shapes differ.
+
+        Args:
+            modules: the owners, in block order.
+            names: each owner's parameter attribute (default ``"weight"`` for all).
+        """
+        names = list(names) if names is not None else ["weight"] * len(modules)
+        if len(names) != len(modules):
+            raise ValueError(f"{len(modules)} modules but {len(names)} parameter names")
+        ws = [getattr(m, n) for m, n in zip(modules, names)]
         if len({(w.dtype, w.device, tuple(w.shape[1:])) for w in ws}) != 1:
             return None
         fused = torch.cat([w.detach() for w in ws], dim=0)
         sizes = [w.shape[0] for w in ws]
-        out = cls(fused, list(modules), sizes)
-        for m, w, block in zip(modules, ws, out.blocks()):
-            m.weight = nn.Parameter(block, requires_grad=w.requires_grad)
+        out = cls(fused, list(modules), sizes, None if all(n == "weight" for n in names) else names)
+        for m, n, w, block in zip(modules, names, ws, out.blocks()):
+            setattr(m, n, nn.Parameter(block, requires_grad=w.requires_grad))
         return out
 
     def blocks(self) -> list[torch.Tensor]:
@@ -51,4 +64,4 @@ class FusedWeights:
 
     def intact(self) -> bool:
         """Whether every parameter is still exactly its block (none was replaced or re-homed since `build`)."""
-        return all(same_memory(m.weight, b) for m, b in zip(self.modules, self.blocks()))
+        return all(same_memory(getattr(m, n), b) for m, n, b in zip(self.modules, self._names(), self.blocks()))

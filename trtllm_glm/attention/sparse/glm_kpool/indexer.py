@@ -54,15 +54,28 @@ class GlmKpoolIndexer(nn.Module):
         ape = self.index_kpool_compress_ape
         ape.copy_(torch.randn(ape.shape, generator=generator))
 
-    def keys(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Normalised index keys and pooling gate logits, both FP32 ``[N, 128]``."""
-        k = F.layer_norm(
-            self.wk(h).float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6
-        )
-        return k, F.linear(h, self.index_kpool_compress_gate.to(h.dtype)).float()
+    def keys(
+        self, h: torch.Tensor, projected: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised index keys and pooling gate logits, both FP32 ``[N, 128]``.
+
+        Args:
+            h: ``[N, hidden]`` layer input rows.
+            projected: ``(wk(h), h @ index_kpool_compress_gate^T)`` when the caller's fused GEMM computed them.
+        """
+        if projected is None:
+            projected = (self.wk(h), F.linear(h, self.index_kpool_compress_gate.to(h.dtype)))
+        raw_k, gate = projected
+        k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
+        return k, gate.float()
 
     def forward(
-        self, h: torch.Tensor, q_lora: torch.Tensor, meta: GlmKpoolMetadata, cache: KpoolLayerCache
+        self,
+        h: torch.Tensor,
+        q_lora: torch.Tensor,
+        meta: GlmKpoolMetadata,
+        cache: KpoolLayerCache,
+        projected: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Write this step's index keys into ``cache`` and select attention columns.
 
@@ -71,13 +84,14 @@ class GlmKpoolIndexer(nn.Module):
             q_lora: ``[N, q_lora]`` normalised MLA query low-rank rows.
             meta: the step's metadata (positions, slot table, state slots).
             cache: this layer's cache planes.
+            projected: the raw key and pooling-gate projections of ``h`` (`keys`), when already computed.
 
         Returns:
             ``[N, index_topk + 3]`` int32 selected token positions, -1 padded.
         """
         N = h.shape[0]
         ops = kpool_ops(h.device)
-        key, gate = self.keys(h)
+        key, gate = self.keys(h, projected)
         ape = self.index_kpool_compress_ape.float()
         pos, rs = meta.positions_t, meta.row_seq_t
         table, slots = meta.slot_table_t, meta.state_slots_t

@@ -5,11 +5,13 @@ pooled FP8 indexer.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ....cache.manager import KpoolLayerCache
 from ....config import Glm5NextConfig
 from ....modules.norm import RMSNorm
+from ....modules.weight_views import FusedWeights
 from .backend import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
@@ -45,6 +47,48 @@ class GlmKpoolSparseMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora, H * (self.qk_nope + self.v_head), bias=False)
         self.o_proj = nn.Linear(H * self.v_head, D, bias=False)
         self.indexer = None if shared_indexer else GlmKpoolIndexer(config)
+        # `fuse_weights`: the projections of the layer input in one storage (not a parameter or buffer).
+        self._in_fused: FusedWeights | None = None
+
+    def _fused_parts(self) -> tuple[list[nn.Module], list[str]]:
+        mods: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
+        names = ["weight", "weight"]
+        if self.indexer is not None:
+            mods += [self.indexer.wk, self.indexer]
+            names += ["weight", "index_kpool_compress_gate"]
+        return mods, names
+
+    def fuse_weights(self) -> None:
+        """Give the weights that multiply the layer input (``q_a_proj``, ``kv_a_proj_with_mqa`` and the
+        indexer's ``wk`` and pooling gate) one storage, the parameters becoming views into it: one GEMM per
+        step instead of four. Names, shapes and ``state_dict`` are unchanged and in-place loads write through
+        the views; a parameter replaced later is noticed (`FusedWeights.intact`) and the layer falls back to
+        separate GEMMs; casts re-fuse. Idempotent (CUDA graphs captured on the storage stay valid). Weights of
+        different dtypes are left unfused.
+        """
+        with torch.inference_mode(False):
+            if self._in_fused is None or not self._in_fused.intact():
+                self._in_fused = FusedWeights.build(*self._fused_parts())
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # A cast / move gives every parameter new storage: drop the fused tensor and fuse again.
+        fused = self._in_fused is not None
+        self._in_fused = None
+        out = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_weights()
+        return out
+
+    def _input_projections(
+        self, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``h [N, D]`` -> ``q_a_proj(h)``, ``kv_a_proj_with_mqa(h)`` and, with fused weights and an indexer,
+        the indexer's raw key and pooling-gate projections (else ``None``): one GEMM when fused."""
+        f = self._in_fused
+        if f is not None and f.intact():
+            parts = F.linear(h, f.weight).split(f.sizes, dim=-1)
+            return parts[0], parts[1], (parts[2], parts[3]) if len(parts) == 4 else None
+        return self.q_a_proj(h), self.kv_a_proj_with_mqa(h), None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -71,8 +115,9 @@ class GlmKpoolSparseMLA(nn.Module):
             ``[N, hidden]`` attention output.
         """
         N = h.shape[0]
-        q_lora = self.q_a_layernorm(self.q_a_proj(h))
-        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(h))
+        qa, kva, index_in = self._input_projections(h)
+        q_lora = self.q_a_layernorm(qa)
+        latent = self.kv_a_layernorm(kva)
         kpool_ops(h.device).write_latent_rows(
             cache.latent,
             latent.to(cache.latent.dtype),
@@ -82,7 +127,7 @@ class GlmKpoolSparseMLA(nn.Module):
             cache.page_size,
         )
         if self.indexer is not None:
-            sel = self.indexer(h, q_lora, meta, cache)
+            sel = self.indexer(h, q_lora, meta, cache, projected=index_in)
         else:
             # Shared layer: the previous full layer's selection of these same rows is still in the buffer.
             sel = meta.selection_buf[:N]
