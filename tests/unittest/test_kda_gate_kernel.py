@@ -74,3 +74,14 @@ def test_bad_shapes_are_refused() -> None:
         kda_gate_beta(g_raw, b, A_log[:3], dt_bias, -5.0)
     with pytest.raises(ValueError, match="g_raw"):
         kda_gate_beta(g_raw, b[:1], A_log, dt_bias, -5.0)
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    """The compiled path (Triton's interpreter does not compile)."""
+    from triton_compile import KernelSpec, compile_sm90
+
+    sig = dict(g_raw_ptr="*bf16", b_ptr="*bf16", a_log_ptr="*fp32", dt_bias_ptr="*fp32", g_ptr="*fp32",
+               beta_ptr="*fp32", stride_gn="i32", stride_bn="i32", lower_bound="fp32")  # fmt: skip
+    const = {"H": 64, "K": 128, "BLOCK": 1024, "H_PAD": 64}
+    results = compile_sm90([KernelSpec("trtllm_glm.kda.kernels.gate", "_gate_beta_kernel", sig, const)])
+    assert all(r["ok"] for r in results), results

@@ -35,7 +35,7 @@ import triton.language as tl
 __all__ = ["greedy_top2", "split_for"]
 
 # Larger than any column index (int32 columns: vocabularies below 2**31).
-_NONE = 2**31 - 1
+_NONE = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -56,10 +56,10 @@ def _partial_kernel(
     end = tl.minimum(start + cols_per_prog, V)
     row = x_ptr + n.to(tl.int64) * stride_xn
     offs = tl.arange(0, BLOCK)
-    m1 = float("-inf")
-    m2 = float("-inf")
-    i1 = _NONE
-    inan = _NONE
+    m1 = tl.full((), float("-inf"), tl.float32)
+    m2 = tl.full((), float("-inf"), tl.float32)
+    i1 = tl.full((), _NONE, tl.int32)
+    inan = tl.full((), _NONE, tl.int32)
     for b in range(start, end, BLOCK):
         cols = b + offs
         ok = cols < end
