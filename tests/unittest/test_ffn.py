@@ -1,4 +1,4 @@
-"""GatedMLP / MoE / make_ffn against explicit per-token references."""
+"""GatedMLP / MoE / make_ffn against explicit per-token references; GatedMLP's fused gate|up weights."""
 
 from __future__ import annotations
 
@@ -7,7 +7,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+import trtllm_glm.act as act
+import trtllm_glm.modules.ffn as ffn
+from trtllm_glm.act import SWIGLU_BACKEND_ENV
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.modules.ffn import GatedMLP, MoE, make_ffn
 
@@ -209,3 +213,167 @@ def test_silu_matches_reference_formula() -> None:
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     wrong = mlp.down_proj(mlp.gate_proj(x) * F.silu(mlp.up_proj(x)))
     assert not torch.allclose(mlp(x), wrong)
+
+
+# ------------------------------------------------------------------------------------------------------
+# GatedMLP.fuse_weights: gate and up weights as views of one [2I, H] storage, one GEMM in the forward
+# ------------------------------------------------------------------------------------------------------
+def _mlp(seed: int = 3, hidden: int = 24, inter: int = 40, limit: float | None = 1.5) -> GatedMLP:
+    # A small limit for unit-scale activations: the clamps act on many elements.
+    mlp = GatedMLP(hidden, inter, limit)
+    mlp.reset_parameters(torch.Generator().manual_seed(seed), 0.5)
+    return mlp
+
+
+def _x(n: int = 6, hidden: int = 24, seed: int = 11) -> torch.Tensor:
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Wrap the SwiGLU dispatch GatedMLP calls on its fused path; each call appends its backend argument."""
+    calls: list[str | None] = []
+    real = ffn.swiglu
+
+    def counting(gate_up, limit, backend=None, **kw):  # type: ignore[no-untyped-def]
+        calls.append(backend)
+        return real(gate_up, limit, backend, **kw)
+
+    monkeypatch.setattr(ffn, "swiglu", counting)
+    return calls
+
+
+def test_fuse_weights_keeps_names_and_is_idempotent() -> None:
+    mlp = _mlp()
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    gate_param, up_param = mlp.gate_proj.weight, mlp.up_proj.weight
+    mlp.fuse_weights()
+    f = mlp._gate_up
+    assert f is not None and f.weight.shape == (80, 24) and f.intact()
+    after = mlp.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    # The parameters are views of the fused storage: gate rows, then up rows.
+    w = f.weight
+    assert mlp.gate_proj.weight.data_ptr() == w.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == w[40:].data_ptr()
+    assert isinstance(mlp.up_proj.weight, nn.Parameter) and mlp.up_proj.weight.requires_grad
+    assert gate_param.requires_grad and up_param.requires_grad
+    # The fused tensor is no parameter or buffer of the module.
+    assert all(t.data_ptr() != w.data_ptr() or t.shape != w.shape for t in mlp.parameters())
+    assert list(mlp.buffers()) == []
+    # Idempotent: a second call keeps the storage (CUDA graphs captured on it stay valid).
+    mlp.fuse_weights()
+    assert mlp._gate_up is f and mlp.gate_proj.weight.data_ptr() == w.data_ptr()
+
+
+@pytest.mark.parametrize("how", ["argument", "env", "torch"])
+@pytest.mark.parametrize("limit", [1.5, None])
+def test_fused_forward_matches_unfused(monkeypatch: pytest.MonkeyPatch, how: str, limit: float | None) -> None:
+    ref, mlp = _mlp(limit=limit), _mlp(limit=limit)
+    x = _x().reshape(2, 3, 24)  # leading dims are flattened and restored
+    with torch.no_grad():
+        want = ref(x)
+    mlp.fuse_weights()
+    calls = _count_fused_calls(monkeypatch)
+    monkeypatch.delenv(SWIGLU_BACKEND_ENV, raising=False)
+    if how == "argument":
+        mlp.backend = "triton"
+    elif how == "env":
+        monkeypatch.setenv(SWIGLU_BACKEND_ENV, "triton")
+    kernel_calls: list[int] = []
+    real_kernel_module = act.kernel_module
+    monkeypatch.setattr(act, "kernel_module", lambda d: kernel_calls.append(1) or real_kernel_module(d))
+    with torch.no_grad():
+        got = mlp(x)
+    assert len(calls) == 1  # one fused GEMM + one SwiGLU dispatch
+    assert len(kernel_calls) == (0 if how == "torch" else 1)
+    assert got.shape == want.shape
+    if how == "torch":
+        # Same reference arithmetic on the halves of one GEMM: equal up to the GEMM's blocking.
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["parameter", "assign_load"])
+def test_replaced_parameter_is_detected_and_falls_back(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    mlp, other = _mlp(seed=3), _mlp(seed=4)
+    mlp.fuse_weights()
+    f = mlp._gate_up
+    if how == "parameter":
+        mlp.up_proj.weight = nn.Parameter(other.up_proj.weight.detach().clone())
+    else:
+        mlp.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    assert not f.intact()
+    # The fused storage still holds the old weights: using it would give the old module's output.
+    want_mod = _mlp(seed=3)
+    want_mod.load_state_dict(mlp.state_dict())
+    calls = _count_fused_calls(monkeypatch)
+    x = _x()
+    with torch.no_grad():
+        assert torch.equal(mlp(x), want_mod(x))  # exactly the separate-GEMM code
+    assert calls == []
+    # Fusing again picks up the new weights, in new storage.
+    mlp.fuse_weights()
+    assert mlp._gate_up is not f and mlp._gate_up.intact()
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), want_mod(x), rtol=1e-6, atol=1e-6)
+    assert len(calls) == 1
+
+
+def test_to_dtype_refuses_and_noop_conversions_keep_storage() -> None:
+    ref, mlp = _mlp(), _mlp()
+    mlp.fuse_weights()
+    ptr = mlp._gate_up.weight.data_ptr()
+    mlp.to(torch.float32)  # changes nothing: the fused storage stays
+    assert mlp._gate_up.intact() and mlp._gate_up.weight.data_ptr() == ptr
+    mlp.to(torch.float64)
+    f = mlp._gate_up
+    assert f is not None and f.intact() and f.weight.dtype == torch.float64 and f.weight.data_ptr() != ptr
+    assert mlp.gate_proj.weight.dtype == torch.float64 and mlp.gate_proj.weight.data_ptr() == f.weight.data_ptr()
+    ref.to(torch.float64)
+    x = _x().double()
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), ref(x), rtol=1e-12, atol=1e-12)
+
+
+def test_in_place_load_state_dict_writes_through_the_views() -> None:
+    mlp, other = _mlp(seed=3), _mlp(seed=5)
+    mlp.fuse_weights()
+    f = mlp._gate_up
+    mlp.load_state_dict(other.state_dict())
+    assert mlp._gate_up is f and f.intact()
+    assert torch.equal(f.weight, torch.cat([other.gate_proj.weight, other.up_proj.weight]))
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), other(x), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_path_steps_aside_for_gradients() -> None:
+    ref, mlp = _mlp(), _mlp()
+    mlp.fuse_weights()
+    x = _x()
+    ref(x).square().sum().backward()
+    mlp(x).square().sum().backward()
+    # The fused tensor is no parameter: a GEMM on it would leave these gradients None.
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        got, want = getattr(mlp, name).weight.grad, getattr(ref, name).weight.grad
+        assert got is not None and torch.equal(got, want)
+
+
+def test_moe_fuses_its_shared_experts_only() -> None:
+    cfg = _cfg(n_shared_experts=2)
+    m = _moe(cfg, seed=6)
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = m(x)
+    w13, _ = m.stacked_expert_weights()
+    # What Glm5NextForCausalLM.fuse_weights does: every submodule with a fuse_weights.
+    for sub in m.modules():
+        if callable(getattr(sub, "fuse_weights", None)):
+            sub.fuse_weights()
+    # The routed experts stay views of the MoE's stacked tensors (fusing them would re-home every expert).
+    assert all(ex._gate_up is None for ex in m.experts)
+    assert m._stack_is_current() and m.stacked_expert_weights()[0].data_ptr() == w13.data_ptr()
+    assert m.shared_experts is not None and m.shared_experts._gate_up is not None
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, rtol=1e-6, atol=1e-6)

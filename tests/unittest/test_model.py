@@ -237,6 +237,12 @@ def test_fuse_weights_keeps_outputs_names_and_loads() -> None:
     torch.testing.assert_close(_prefill_then_decode(fused, toks), _prefill_then_decode(ref, toks), rtol=0, atol=ATOL)
     fused.fuse_weights()  # idempotent: the same storage
     assert with_indexer._in_fused.weight.data_ptr() == storage.data_ptr()
+    # Where gradients are wanted, the separate GEMMs run (the fused tensor is no parameter).
+    with torch.enable_grad():
+        qa, _, _ = with_indexer._input_projections(torch.randn(3, cfg.hidden_size))
+        qa.sum().backward()
+    assert with_indexer.q_a_proj.weight.grad is not None
+    with_indexer.q_a_proj.weight.grad = None
 
     # In-place loads reach the fused storage.
     other = Glm5NextForCausalLM.from_config(cfg, seed=2)

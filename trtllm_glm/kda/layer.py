@@ -301,7 +301,7 @@ class KimiDeltaAttention(nn.Module):
     def _conv_weight(self) -> torch.Tensor:
         """``[C, W]`` FP32 taps in conv-state channel order (q, k, v)."""
         f = self._conv_fused
-        if f is not None and f.intact():
+        if f is not None and f.usable():
             w = f.weight
         else:
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
@@ -312,7 +312,7 @@ class KimiDeltaAttention(nn.Module):
         log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32) and, with fused weights, the output gate's low-rank
         input ``g_a_proj(hidden)`` (else ``None``)."""
         f = self._in_fused
-        if f is not None and f.intact():
+        if f is not None and f.usable():
             # Columns q | k | v (the conv channels, already in order), f_a, b, g_a.
             # x stays in the GEMM's dtype: the decode kernel upcasts as it loads, the other paths where they
             # gather their rows (exact either way; one cast launch less per decode step).

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..act import swiglu
 from ..config import Glm5NextConfig
 from .init import init_linear_
-from .weight_views import same_memory
+from .weight_views import FusedWeights, same_memory
 
 __all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "FUSED_MAX_ROWS"]
 
@@ -39,24 +40,80 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
 class GatedMLP(nn.Module):
     """Clamped SwiGLU MLP: ``down(silu(min(gate(x), L)) * clamp(up(x), -L, L))``, no biases.
 
+    After `fuse_weights` the gate and up weights are views of one ``[2I, H]`` storage and a forward is one GEMM,
+    one SwiGLU launch (`trtllm_glm.act.swiglu`) and the down GEMM, instead of three GEMMs and four elementwise
+    kernels; until then (and on the CPU, where executors never fuse) it is the plain three-GEMM code.
+
     Args:
         hidden_size: model width.
         intermediate_size: inner width.
         swiglu_limit: the clamp ``L`` (``None``: plain SwiGLU).
+        fusable: whether `fuse_weights` may give gate and up one storage. `MoE` passes ``False`` for its routed
+            experts: their weights are already views of the MoE's stacked tensors, which fusing would re-home.
+
+    Attributes:
+        backend: SwiGLU backend of the fused path (``None`` follows ``TRTLLM_GLM_SWIGLU_BACKEND``, see
+            `trtllm_glm.act.swiglu_backend`).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None, *, fusable: bool = True
+    ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
+        self.fusable = fusable
+        self.backend: str | None = None
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        # `fuse_weights`: gate rows then up rows in one storage. A plain attribute (no parameter or buffer), so
+        # state dicts and `Module._apply` only ever see the two parameters.
+        self._gate_up: FusedWeights | None = None
+
+    @torch.no_grad()
+    def fuse_weights(self) -> None:
+        """Give ``gate_proj.weight`` and ``up_proj.weight`` one ``[2I, H]`` storage, the parameters becoming views.
+
+        A forward then runs one GEMM for both (at decode batch sizes each launch costs about as much as the bytes
+        it reads). Names, shapes and ``state_dict`` are unchanged, and in-place loads write through the views. A
+        parameter replaced later (``load_state_dict(assign=True)``, ``p.data = ...``) is noticed and the forward
+        falls back to separate GEMMs until `fuse_weights` runs again; ``module.to(...)`` and other ``_apply``
+        casts re-fuse. A no-op when not `fusable` or when the two weights differ in dtype or device. Numerics: the
+        same products, possibly in another GEMM kernel (last-bit differences in low precision).
+        """
+        if not self.fusable:
+            return
+        # Idempotent: a fused pair keeps its storage (CUDA graphs captured on it stay valid). Ordinary tensors
+        # even when called under inference mode: parameters must stay usable outside it.
+        with torch.inference_mode(False):
+            if self._gate_up is None or not self._gate_up.intact():
+                self._gate_up = FusedWeights.build([self.gate_proj, self.up_proj])
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        old = self._gate_up
+        out = super()._apply(fn, recurse)
+        if old is not None and not old.intact():
+            # A cast or move gave the parameters new storage: release the old fused tensor before fusing again
+            # (it would keep the old storage alive). A conversion that changed nothing keeps the fused storage.
+            self._gate_up = None
+            self.fuse_weights()
+        return out
+
+    def _fused_weight(self) -> torch.Tensor | None:
+        """The ``[2I, H]`` gate|up weight when the fused path applies, else ``None``."""
+        f = self._gate_up
+        return f.weight if f is not None and f.usable() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x ``[..., hidden]``. Returns ``[..., hidden]`` in ``x``'s dtype."""
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        w = self._fused_weight()
+        if w is None:
+            return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
+        gate_up = F.linear(x.reshape(-1, x.shape[-1]), w)
+        h = swiglu(gate_up, self.swiglu_limit, self.backend)
+        return self.down_proj(h).reshape(*x.shape[:-1], self.hidden_size)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -211,8 +268,10 @@ class MoE(nn.Module):
             config.topk_group,
         )
         lim = config.swiglu_limit
+        # Not fusable: each expert's gate and up weights are views of the stacked tensors below.
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, lim) for _ in range(config.n_routed_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size, lim, fusable=False)
+            for _ in range(config.n_routed_experts)
         )
         self.shared_experts: GatedMLP | None = None
         if config.n_shared_experts > 0:

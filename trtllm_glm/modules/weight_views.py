@@ -62,6 +62,13 @@ class FusedWeights:
         """The row blocks of ``weight``, one per module."""
         return list(self.weight.split(self.sizes, dim=0))
 
+    def usable(self) -> bool:
+        """Whether a forward may multiply by ``weight``: `intact`, and no gradient is wanted for the parameters
+        (``weight`` is no parameter: a GEMM on it would give them none)."""
+        if torch.is_grad_enabled() and any(getattr(m, n).requires_grad for m, n in zip(self.modules, self._names())):
+            return False
+        return self.intact()
+
     def intact(self) -> bool:
         """Whether every parameter is still exactly its block (none was replaced or re-homed since `build`)."""
         return all(same_memory(getattr(m, n), b) for m, n, b in zip(self.modules, self._names(), self.blocks()))

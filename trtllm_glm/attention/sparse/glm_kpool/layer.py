@@ -85,7 +85,7 @@ class GlmKpoolSparseMLA(nn.Module):
         """``h [N, D]`` -> ``q_a_proj(h)``, ``kv_a_proj_with_mqa(h)`` and, with fused weights and an indexer,
         the indexer's raw key and pooling-gate projections (else ``None``): one GEMM when fused."""
         f = self._in_fused
-        if f is not None and f.intact():
+        if f is not None and f.usable():
             parts = F.linear(h, f.weight).split(f.sizes, dim=-1)
             return parts[0], parts[1], (parts[2], parts[3]) if len(parts) == 4 else None
         return self.q_a_proj(h), self.kv_a_proj_with_mqa(h), None

@@ -1,0 +1,137 @@
+"""One Triton kernel for the clamped SwiGLU after a fused gate|up GEMM (`trtllm_glm.act.swiglu`).
+
+``_swiglu_kernel``, grid ``(N, cdiv(I, BLOCK))``: a program loads ``BLOCK`` gate columns and the matching up
+columns (``I`` further along the same row) of ``gate_up [N, 2I]``, upcasts both to fp32 right after loading
+(the interpreter's bf16 arithmetic is wrong), and computes ``silu(min(gate, L)) * clamp(up, -L, L)`` in
+registers; one store of ``[N, I]`` in the input dtype.
+
+Numerics: the same operations, in the same precision and with the same roundings, as the torch reference
+(`trtllm_glm.modules.ffn.clamped_swiglu`) on CUDA, so results are the reference's bit for bit there:
+
+* the clamps: torch compares against the limit converted to fp32 and writes the limit converted to the tensor's
+  dtype; for values of that dtype this is a comparison with the limit rounded to the dtype, which is what the
+  kernel receives (`_limit_in`), so clamped values are exact and NaN passes through unchanged;
+* ``silu``: torch's CUDA kernel computes ``x / (1 + expf(-x))`` in fp32 (its "opmath" type for bf16 / fp16)
+  with CUDA's accurate ``expf`` and an IEEE division, then rounds once to the input dtype. The kernel does the
+  same with libdevice's ``expf`` and ``div_rn`` (Triton's default ``tl.exp`` is an approximation and its ``/``
+  is not correctly rounded), then rounds to the input dtype and back to fp32;
+* the product: torch multiplies two bf16 tensors in fp32 and rounds once to bf16; the kernel multiplies the two
+  fp32 values (each exactly a bf16 / fp16 value, so the fp32 product is exact but for underflow) and rounds
+  once on the store. For fp32 inputs the intermediate rounding is a no-op and the sequence is torch's fp32 one.
+
+Under Triton's interpreter (the CPU) the exponential is numpy's, which differs from torch's CPU ``exp`` by an
+ulp for some inputs: CPU results agree with the reference to an ulp, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Absolute: the interpreted copy of this module lives in an alias package without the package's own names.
+from trtllm_glm.act import check_gate_up
+
+__all__ = ["INTERPRETED", "swiglu"]
+
+# Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors, and the
+# interpreter cannot call libdevice.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _silu(x, PRECISE_EXP: tl.constexpr):
+    # torch's CUDA silu for fp32 / bf16 / fp16: `x / (1 + expf(-x))` in fp32, correctly rounded division.
+    if PRECISE_EXP:
+        e = libdevice.exp(-x)
+    else:
+        e = tl.exp(-x)
+    return tl.math.div_rn(x, 1.0 + e)
+
+
+@triton.jit
+def _swiglu_kernel(
+    gu_ptr,
+    out_ptr,
+    I,
+    stride_gu,
+    stride_out,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # int64 row offsets: N * 2I exceeds 2**31 elements for long prefills of the 12288-wide dense MLP.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < I
+    src = gu_ptr + row * stride_gu
+    g = tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(src + I + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        # `where` on `>` / `<` keeps NaN (every comparison with it is false), as torch's clamp does.
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u < -limit, -limit, u)
+        u = tl.where(u > limit, limit, u)
+    # Round silu to the input dtype as torch's silu kernel does before the multiplication.
+    s = _silu(g, PRECISE_EXP).to(gu_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@functools.lru_cache(maxsize=64)
+def _limit_in(limit: float, dtype: torch.dtype) -> float:
+    """``limit`` rounded to fp32, then to ``dtype`` (torch's conversions of a clamp's scalar bound), as a float."""
+    return float(torch.tensor(float(limit), dtype=torch.float32).to(dtype).float().item())
+
+
+def swiglu(
+    gate_up: torch.Tensor,
+    limit: float | None,
+    *,
+    out: torch.Tensor | None = None,
+    block: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``silu(min(gate, L)) * clamp(up, -L, L)`` over the halves of ``gate_up``, one launch.
+
+    Graph safe: the launch depends on shapes and strides only (no host sync); nothing is allocated but the
+    result, and not even that when ``out`` is given.
+
+    Args:
+        gate_up: ``[N, 2I]`` fp32 / fp16 / bf16, gate columns ``[:, :I]`` then up ``[:, I:]``; any row stride,
+            columns contiguous.
+        limit: the clamp ``L`` (``None``: plain SwiGLU).
+        out: optional preallocated ``[N, I]`` result (same dtype and device; any row stride, columns
+            contiguous).
+        block: columns per program (a power of two; default ``min(1024, next_pow2(I))``).
+        num_warps: warps per program.
+
+    Returns:
+        ``[N, I]`` in ``gate_up``'s dtype (``out`` when given).
+
+    Raises:
+        ValueError: bad shapes (`trtllm_glm.act.check_gate_up`), an unsupported dtype, or non-contiguous columns.
+    """
+    inter = check_gate_up(gate_up, out)
+    if gate_up.dtype not in _DTYPES:
+        raise ValueError(f"swiglu: dtype must be one of {_DTYPES}, got {gate_up.dtype}")
+    if out is None:
+        out = torch.empty(gate_up.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    for name, t in (("gate_up", gate_up), ("out", out)):
+        if t.stride(1) != 1:
+            raise ValueError(f"swiglu: {name}'s columns must be contiguous, got strides {t.stride()}")
+    blk = block or min(1024, triton.next_power_of_2(inter))
+    lim = 0.0 if limit is None else _limit_in(limit, gate_up.dtype)
+    grid = (gate_up.shape[0], triton.cdiv(inter, blk))
+    _swiglu_kernel[grid](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), lim,
+        HAS_LIMIT=limit is not None, PRECISE_EXP=not INTERPRETED, BLOCK=blk, num_warps=num_warps,
+    )  # fmt: skip
+    return out
