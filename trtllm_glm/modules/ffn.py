@@ -463,7 +463,7 @@ class MoE(nn.Module):
         else:
             out = torch.zeros(0, self.hidden_size, dtype=torch.float32, device=x.device)
         if self.shared_experts is not None:
-            out += self.shared_experts(x2).float()
+            out.add_(self.shared_experts(x2))  # fp32 += bf16 in one launch (the add upcasts; same values)
         return out.to(x.dtype).reshape(shape)
 
     @torch.no_grad()
