@@ -31,8 +31,8 @@ reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N = 2048
 boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix accumulated in
 FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16) differs from
 it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
-mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; that
-check was added after the H200 run and has not run there yet).
+mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it
+passed on the H200 on 2026-12-01).
 
 Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
 ``benchmarks/results/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
@@ -41,10 +41,16 @@ copy ceiling at N = 128 (3.1 µs, 73%) and ~1.7 µs (launch-bound) at N = 1. ``m
 29.5 µs at N = 128) is latency-bound, ~20-30x its byte floor: the split is already at its best
 (128 programs; 32: 27 µs, 64: 17 µs, 256: 12.8 µs) and ``block_k`` / ``block_d`` change it by < 1 µs, so the
 time is the serial chain of two dependent launches (partials, then one program per token and slice that
-reduces them, runs the Sinkhorn and loads the streams). Likely next steps, not measured: issue the
-collapse's stream loads before the weights (they do not depend on them), fuse the projection partials of
-block ``i + 1`` into block ``i``'s expand (its programs already hold the new streams of their slice: one
-launch less per block), or finish in the last-arriving projection program (a completion counter).
+reduces them, runs the Sinkhorn and loads the streams). The launch boundary is not the cost: finishing in the
+same launch was built and measured on the H200 (2026-12-01, ``mhc_pre`` alone in a graph, bf16, S = 4,
+D = 4096) and dropped as slower. With ticketed work items joined by completion counters (release / acquire,
+self-resetting, bit-identical results): 12.95 vs 12.35 µs at N = 1, 17.9 vs 12.6 at N = 16, 124 vs 29 at
+N = 128 (the counters' round trips cost more than a kernel boundary inside a graph). With the last-arriving
+projection program finishing everything: 12.95 vs 12.42 at N = 1, 75 at N = 16. What costs is the finishing
+chain itself, ~4-4.7 µs per token (partials load, 20 Sinkhorn iterations of reductions over the ``[S, S]``
+tile, stream loads). Likely next steps, not measured: keep the ``[S, S]`` tile in one thread's registers (no
+cross-thread exchange in the Sinkhorn), issue the collapse's stream loads before the weights, or fuse block
+``i + 1``'s projection partials into block ``i``'s expand.
 
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
