@@ -57,6 +57,21 @@ def test_gated_rms_norm_matches_reference(dtype: torch.dtype) -> None:
     _close(got, ref, torch.float32 if dtype == torch.float32 else dtype)
 
 
+def test_gated_rms_norm_out_dtype_is_one_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KDA output norm writes the o_proj dtype directly: both backends equal the FP32 result rounded once."""
+    N, H, V = 3, 4, 64
+    norm = GatedRMSNorm(V, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.3 * torch.randn(V, generator=torch.Generator().manual_seed(2)))
+    x, gate = _x((N, H, V), torch.float32, 3), 2.0 * _x((N, H, V), torch.float32, 4)
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(NORM_BACKEND_ENV, backend)
+        with torch.no_grad():
+            fp32, half = norm(x, gate), norm(x, gate, torch.float16)
+        assert half.dtype == torch.float16
+        assert torch.equal(half, fp32.to(torch.float16))
+
+
 def test_l2_normalize_of_a_split_view_matches_reference() -> None:
     """``q`` and ``k`` of the KDA layer are per-head views of one conv output ``[N, 3 * H * K]``: strides
     ``(3HK, K, 1)``, read in place."""

@@ -84,13 +84,15 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``x, gate [..., dim]`` -> ``[..., dim]`` FP32 (one fused kernel for CUDA inference: `trtllm_glm.norm`)."""
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``x, gate [..., dim]`` -> ``[..., dim]`` in ``out_dtype`` (one fused kernel for CUDA inference:
+        `trtllm_glm.norm`). The math is FP32 either way; another ``out_dtype`` is one rounding of that result,
+        in the kernel's store rather than a separate cast."""
         if norm_backend(x, gate, self.weight) == "triton":
-            return row_norm(x, self.eps, weight=self.weight, gate=gate, out_dtype=torch.float32)
+            return row_norm(x, self.eps, weight=self.weight, gate=gate, out_dtype=out_dtype)
         x = x.float()
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return y * self.weight.float() * torch.sigmoid(gate.float())
+        return (y * self.weight.float() * torch.sigmoid(gate.float())).to(out_dtype)
 
 
 @dataclass
@@ -342,8 +344,8 @@ class KimiDeltaAttention(nn.Module):
         if ga is None:
             ga = self.g_a_proj(hidden)
         gate = self.g_b_proj(ga).view(N, self.num_heads, self.head_v_dim)
-        y = self.o_norm(o, gate).reshape(N, -1)
-        return self.o_proj(y.to(self.o_proj.weight.dtype)).to(hidden.dtype)
+        y = self.o_norm(o, gate, self.o_proj.weight.dtype).reshape(N, -1)
+        return self.o_proj(y).to(hidden.dtype)
 
     @staticmethod
     def _slots(batch: KdaBatchLike, seqs: list[int], device: torch.device) -> torch.Tensor:

@@ -198,26 +198,18 @@ class GraphOutputs:
         return [int(rows[i][2]) for i in range(0, len(rows), self.width)]
 
 
-def greedy_and_gap(
-    logits: torch.Tensor, accepted: torch.Tensor | None = None, greedy: torch.Tensor | None = None
-) -> torch.Tensor:
+def greedy_and_gap(logits: torch.Tensor, accepted: torch.Tensor | None = None) -> torch.Tensor:
     """``[n, V]`` logits -> ``[n, 3]`` float64 (argmax id, top-2 gap, accepted): one tensor, one host copy.
 
     The argmax is `Sampler`'s greedy choice (``torch.argmax``: the first maximum) and the gap is
-    `sampling.top2_gap`'s; token ids and counts are exact in float64.
+    `sampling.top2_gap`'s; token ids and counts are exact in float64. Two launches on CUDA
+    (`trtllm_glm.logits.greedy_pack`).
 
     Args:
         logits: ``[n, V]``.
         accepted: optional ``[n]`` the accepted count of each row's sequence (default 1: no drafts).
-        greedy: optional ``[n]`` ``torch.argmax(logits, -1)`` when the caller already has it.
     """
-    if greedy is None:  # two launches on CUDA (`trtllm_glm.logits`), the same values
-        return greedy_pack(logits, accepted)[1]
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    gap = top[:, 0] - top[:, 1]
-    ids = greedy.to(torch.float64)
-    acc = torch.ones_like(ids) if accepted is None else accepted.to(torch.float64)
-    return torch.stack([ids, gap.to(torch.float64), acc], dim=1)
+    return greedy_pack(logits, accepted)[1]
 
 
 def accepted_counts(ids: torch.Tensor, greedy: torch.Tensor, proposed: torch.Tensor) -> torch.Tensor:
