@@ -107,7 +107,8 @@ class KdaLayerRecords:
         widths: rows verified per sequence.
         state_slots: their state slots (host).
         slots_t: ``[n]`` int64 the same slots on the device.
-        fresh: ``[n]`` bool, sequences with ``past_len == 0`` (start from zero state, not the slot's).
+        fresh: ``[n]`` bool, sequences with ``past_len == 0`` (start from zero state, not the slot's); ``None``
+            when none is (a uniform verify step).
         x_rows: ``[n, Wm, C]`` FP32 conv inputs of the rows (for the convolution shift).
         kda: per-row decay, key and correction (`KdaRecords`, ``[n, Wm, ...]``).
         num_seqs: ``num_seqs`` of the verify batch (``num_accepted`` is indexed by batch sequence).
@@ -117,7 +118,7 @@ class KdaLayerRecords:
     widths: list[int]
     state_slots: list[int]
     slots_t: torch.Tensor
-    fresh: torch.Tensor
+    fresh: torch.Tensor | None
     x_rows: torch.Tensor
     kda: KdaRecords
     num_seqs: int
@@ -157,7 +158,9 @@ class KdaLayerRecords:
                 # (the ops would otherwise build the tensor synchronously, twice per layer and round).
                 a = to_device(a, records.slots_t.device, torch.int64)
         slots, fresh = records.slots_t, records.fresh
-        conv = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+        conv = state.conv.index_select(0, slots)
+        if fresh is not None:
+            conv = torch.where(fresh.view(-1, 1, 1), 0.0, conv)
         conv_commit(conv, records.x_rows, a)
         state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
         # Slot-indexed: the Triton commit updates the pool in place (no gather/scatter copies).
@@ -491,21 +494,23 @@ class KimiDeltaAttention(nn.Module):
         seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
         _check_slots(batch, seqs)
         widths = [batch.q_lens[b] for b in seqs]
-        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         slots = self._slots(batch, seqs, dev)
         Wm = max(widths, default=0)
         n = len(seqs)
-        # A uniform verify step (every sequence Wm rows, back to back from row 0, none fresh) builds its
-        # index tensors on the device: no host list copies, no masked gathers, so it can be captured.
+        # A uniform verify step (every sequence Wm rows, back to back from row 0, none fresh) takes its rows as
+        # views: no index tensors, gathers or masks (each a launch), no host list copies, so it can be captured.
         uniform = (
             n > 0
             and all(batch.cu_seqlens[b] == j * Wm and w == Wm for j, (b, w) in enumerate(zip(seqs, widths)))
             and all(batch.past_lens[b] > 0 for b in seqs)
         )
+        fresh: torch.Tensor | None
         if uniform:
-            fresh = torch.zeros(n, dtype=torch.bool, device=dev)
-            ridx = torch.arange(n * Wm, dtype=torch.int64, device=dev).view(n, Wm)
-            valid = torch.ones(n, Wm, dtype=torch.bool, device=dev)
+            fresh = None  # nobody starts from zero: the slots are read as they are
+            R = n * Wm
+            x_rows = x[:R].float().view(n, Wm, -1)
+            conv0 = state.conv.index_select(0, slots)
+            gr, br = g[:R].view(n, Wm, *g.shape[1:]), beta[:R].view(n, Wm, *beta.shape[1:])
         else:
             fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
             # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
@@ -513,19 +518,23 @@ class KimiDeltaAttention(nn.Module):
             valid_h = [[j < w for j in range(Wm)] for w in widths]
             ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(n, Wm)
             valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(n, Wm)
-        vmask = valid.unsqueeze(-1)
-        x_rows = torch.where(vmask, x[ridx].float(), 0.0)
-        conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+            vmask = valid.unsqueeze(-1)
+            x_rows = torch.where(vmask, x[ridx].float(), 0.0)
+            conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
+            # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
+            gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
+            br = torch.where(vmask, beta[ridx], 0.0)
         y = conv_verify(x_rows, conv0, self._conv_weight())
         q, k, v = self._split(y)
-        # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
-        gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
-        br = torch.where(vmask, beta[ridx], 0.0)
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
-        if uniform:  # every row valid: no boolean-mask gather (it would sync on the mask's size)
-            o[: n * Wm] = ov.reshape(n * Wm, *ov.shape[2:])
+        if uniform and R == N:  # the verify output is o (no zero fill, no copy)
+            o = ov.reshape(N, *ov.shape[2:])
         else:
-            o.index_copy_(0, ridx[valid], ov[valid])
+            o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+            if uniform:  # every row valid: no boolean-mask gather (it would sync on the mask's size)
+                o[:R] = ov.reshape(R, *ov.shape[2:])
+            else:
+                o.index_copy_(0, ridx[valid], ov[valid])
         records = KdaLayerRecords(
             seq_ids=seqs,
             widths=widths,
