@@ -30,3 +30,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Kernels the CPU tests ran through Triton's interpreter are also compiled for the H200 (sm_90, no GPU needed):
+# the interpreter never compiles, so a kernel can pass every interpreted test and fail to build on the GPU.
+# Per test module, the distinct launches (argument types and constexpr values) are compiled in a fresh process
+# at teardown; a failure errors the module's last test. TRTLLM_GLM_SKIP_COMPILE_CHECK=1 turns it off.
+_COMPILED: set[str] = set()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreted_kernels_compile_for_sm90():
+    if torch.cuda.is_available() or os.environ.get("TRTLLM_GLM_SKIP_COMPILE_CHECK") == "1":
+        yield
+        return
+    from triton_compile import compile_sm90, recording
+
+    with recording() as rec:
+        yield
+    new = [s for k, s in rec.specs.items() if k not in _COMPILED]
+    problems = [f"launch not described: {u}" for u in dict.fromkeys(rec.unsupported)]
+    if new:
+        for spec, res in zip(new, compile_sm90(new)):
+            _COMPILED.add(spec.key)
+            if not res["ok"]:
+                problems.append(f"{spec.module}.{spec.kernel} {spec.constexprs}: {res['error'][:2000]}")
+    if problems:
+        pytest.fail("kernels that do not compile for sm_90:\n" + "\n".join(problems), pytrace=False)
