@@ -508,9 +508,9 @@ class KimiDeltaAttention(nn.Module):
         if uniform:
             fresh = None  # nobody starts from zero: the slots are read as they are
             R = n * Wm
-            x_rows = x[:R].float().view(n, Wm, -1)
+            x_rows = x[:R].float().reshape(n, Wm, -1)
             conv0 = state.conv.index_select(0, slots)
-            gr, br = g[:R].view(n, Wm, *g.shape[1:]), beta[:R].view(n, Wm, *beta.shape[1:])
+            gr, br = g[:R].reshape(n, Wm, *g.shape[1:]), beta[:R].reshape(n, Wm, *beta.shape[1:])
         else:
             fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
             # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
