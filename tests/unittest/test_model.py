@@ -259,7 +259,19 @@ def test_fuse_weights_keeps_outputs_names_and_loads() -> None:
     name = next(n for n, m in fused.named_modules() if m is with_indexer)
     other.get_submodule(name).q_a_proj.weight = torch.nn.Parameter(new_w.detach().clone())
     torch.testing.assert_close(_prefill_then_decode(fused, toks), _prefill_then_decode(other, toks), rtol=0, atol=ATOL)
-    # A cast re-fuses.
+    # A conversion that changes nothing keeps every fused storage (graphs captured on it stay valid) ...
+    from trtllm_glm.kda.layer import KimiDeltaAttention
+
+    kda = next(m for m in fused.modules() if isinstance(m, KimiDeltaAttention))
+    fused.fuse_weights()
+
+    def addresses() -> tuple[int, ...]:
+        return tuple(f.weight.data_ptr() for f in (with_indexer._in_fused, kda._in_fused, kda._conv_fused))
+
+    kept = addresses()
+    fused.to(torch.float32)
+    assert addresses() == kept
+    # ... and a cast re-fuses.
     fused.to(torch.float64)
     assert all(m._in_fused is not None and m._in_fused.intact() for m in sparse)
     assert with_indexer._in_fused.weight.dtype == torch.float64

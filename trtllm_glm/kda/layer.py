@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import Glm5NextConfig
-from ..modules.weight_views import FusedWeights
+from ..modules.weight_views import FusedWeights, refuse_stale
 from ..norm import norm_backend, row_norm
 from ..state import KdaLayerState
 from ..transfer import to_device
@@ -283,22 +283,13 @@ class KimiDeltaAttention(nn.Module):
         back to separate GEMMs; ``module.to(...)`` and other ``_apply`` casts re-fuse. Numerics: the same
         products, possibly in another GEMM kernel (last-bit differences in low precision).
         """
-        # Idempotent: a group still fused keeps its storage (CUDA graphs captured on it stay valid). Ordinary
-        # tensors even when called under inference mode: parameters must stay usable outside it.
-        with torch.inference_mode(False):
-            if self._in_fused is None or not self._in_fused.intact():
-                self._in_fused = FusedWeights.build([getattr(self, n) for n in _FUSED_IN])
-            if self._conv_fused is None or not self._conv_fused.intact():
-                self._conv_fused = FusedWeights.build([getattr(self, n) for n in _FUSED_CONV])
+        # Idempotent (`FusedWeights.ensure`): a group still fused keeps its storage.
+        self._in_fused = FusedWeights.ensure(self._in_fused, [getattr(self, n) for n in _FUSED_IN])
+        self._conv_fused = FusedWeights.ensure(self._conv_fused, [getattr(self, n) for n in _FUSED_CONV])
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        # A cast / move gives every parameter new storage: drop the old fused tensors (they would keep the old
-        # storage alive) and fuse again.
-        fused = self._in_fused is not None or self._conv_fused is not None
-        self._in_fused = self._conv_fused = None
         out = super()._apply(fn, recurse)
-        if fused:
-            self.fuse_weights()
+        refuse_stale(self, ("_in_fused", "_conv_fused"))
         return out
 
     # ----------------------------------------------------------------------------------------------

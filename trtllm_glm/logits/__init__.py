@@ -70,8 +70,7 @@ def greedy_top2(logits: torch.Tensor, *, backend: str | None = None) -> tuple[to
     _check(logits)
     if logits_backend(logits, backend) == "torch":
         return greedy_top2_reference(logits)
-    ids, gap = kernel_module(logits.device).greedy_top2(_rows_contiguous(logits))
-    return ids, gap
+    return kernel_module(logits.device).greedy_top2(_rows_contiguous(logits))
 
 
 def greedy_pack(

@@ -18,7 +18,7 @@ from torch import nn
 from ..act import swiglu
 from ..config import Glm5NextConfig
 from .init import init_linear_
-from .weight_views import FusedWeights, same_memory
+from .weight_views import FusedWeights, refuse_stale, same_memory
 
 __all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "FUSED_MAX_ROWS"]
 
@@ -85,20 +85,12 @@ class GatedMLP(nn.Module):
         """
         if not self.fusable:
             return
-        # Idempotent: a fused pair keeps its storage (CUDA graphs captured on it stay valid). Ordinary tensors
-        # even when called under inference mode: parameters must stay usable outside it.
-        with torch.inference_mode(False):
-            if self._gate_up is None or not self._gate_up.intact():
-                self._gate_up = FusedWeights.build([self.gate_proj, self.up_proj])
+        # Idempotent (`FusedWeights.ensure`): a fused pair keeps its storage.
+        self._gate_up = FusedWeights.ensure(self._gate_up, [self.gate_proj, self.up_proj])
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        old = self._gate_up
         out = super()._apply(fn, recurse)
-        if old is not None and not old.intact():
-            # A cast or move gave the parameters new storage: release the old fused tensor before fusing again
-            # (it would keep the old storage alive). A conversion that changed nothing keeps the fused storage.
-            self._gate_up = None
-            self.fuse_weights()
+        refuse_stale(self, ("_gate_up",))
         return out
 
     def _fused_weight(self) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FusedWeights", "same_memory"]
+__all__ = ["FusedWeights", "refuse_stale", "same_memory"]
 
 
 def same_memory(t: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -58,6 +58,17 @@ class FusedWeights:
             setattr(m, n, nn.Parameter(block, requires_grad=w.requires_grad))
         return out
 
+    @classmethod
+    def ensure(
+        cls, current: FusedWeights | None, modules: list[nn.Module], names: list[str] | None = None
+    ) -> FusedWeights | None:
+        """``current`` while it is `intact` (its storage kept: CUDA graphs captured on it stay valid), else a
+        new `build`, made of ordinary tensors even under inference mode (parameters must stay usable outside it)."""
+        if current is not None and current.intact():
+            return current
+        with torch.inference_mode(False):
+            return cls.build(modules, names)
+
     def blocks(self) -> list[torch.Tensor]:
         """The row blocks of ``weight``, one per module."""
         return list(self.weight.split(self.sizes, dim=0))
@@ -72,3 +83,14 @@ class FusedWeights:
     def intact(self) -> bool:
         """Whether every parameter is still exactly its block (none was replaced or re-homed since `build`)."""
         return all(same_memory(getattr(m, n), b) for m, n, b in zip(self.modules, self._names(), self.blocks()))
+
+
+def refuse_stale(module: nn.Module, attrs: tuple[str, ...]) -> None:
+    """After ``module._apply`` (a cast or move): the `FusedWeights` attributes ``attrs`` whose parameters got new
+    storage are dropped (releasing the old storage) and ``module.fuse_weights()`` fuses again. A conversion that
+    changed nothing leaves every group intact and its storage in place, so graphs captured on it stay valid."""
+    stale = [a for a in attrs if getattr(module, a) is not None and not getattr(module, a).intact()]
+    if stale:
+        for a in stale:
+            setattr(module, a, None)
+        module.fuse_weights()  # type: ignore[operator]

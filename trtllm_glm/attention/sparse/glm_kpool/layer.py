@@ -11,7 +11,7 @@ from torch import nn
 from ....cache.manager import KpoolLayerCache
 from ....config import Glm5NextConfig
 from ....modules.norm import RMSNorm
-from ....modules.weight_views import FusedWeights
+from ....modules.weight_views import FusedWeights, refuse_stale
 from .backend import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
@@ -66,17 +66,11 @@ class GlmKpoolSparseMLA(nn.Module):
         separate GEMMs; casts re-fuse. Idempotent (CUDA graphs captured on the storage stay valid). Weights of
         different dtypes are left unfused.
         """
-        with torch.inference_mode(False):
-            if self._in_fused is None or not self._in_fused.intact():
-                self._in_fused = FusedWeights.build(*self._fused_parts())
+        self._in_fused = FusedWeights.ensure(self._in_fused, *self._fused_parts())
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        # A cast / move gives every parameter new storage: drop the fused tensor and fuse again.
-        fused = self._in_fused is not None
-        self._in_fused = None
         out = super()._apply(fn, recurse)
-        if fused:
-            self.fuse_weights()
+        refuse_stale(self, ("_in_fused",))
         return out
 
     def _input_projections(
