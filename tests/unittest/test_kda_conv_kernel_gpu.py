@@ -1,9 +1,10 @@
-"""The fused KDA decode conv kernel on CUDA at real GLM-5.3-Flash geometry (64 heads, K = V = 128, W = 4).
+"""The fused KDA conv kernels on CUDA at real GLM-5.3-Flash geometry (64 heads, K = V = 128, W = 4): the decode
+update, the speculative verify and its commit.
 
-Needs CUDA (tests/conftest.py skips ``gpu`` tests without it). Against the torch reference on the same inputs:
+Needs CUDA (tests/conftest.py skips ``gpu`` tests without it). Against the torch references on the same inputs:
 FP32 and bf16 state pools (the bf16 window store rounds as ``.to(bfloat16)`` does: bitwise equal), slots out
-of order in a pool larger than the batch whose other slots hold NaN, and a CUDA-graph capture replayed on
-fresh inputs written into the captured buffers.
+of order in a pool larger than the batch whose other slots hold NaN, bf16 verify rows (uniform and ragged with
+fresh sequences), and CUDA-graph captures replayed on fresh inputs written into the captured buffers.
 """
 
 from __future__ import annotations
@@ -81,3 +82,87 @@ def test_gate_kernel_at_real_sizes(n: int) -> None:
     rg, rbeta = kda_gate_beta_reference(g_raw, b, A_log, dt_bias, -5.0)
     torch.testing.assert_close(g, rg, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(beta, rbeta, rtol=2e-6, atol=2e-6)
+
+
+def _verify_case(seed: int, n: int, Wm: int, state_dtype: torch.dtype, S: int, *, ragged: bool):
+    """bf16 rows of ``n`` sequences (uniform: ``Wm`` each from row 0; ragged: widths ``1..Wm`` in reverse order
+    with gaps, every third sequence fresh, its slot left NaN)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if ragged:
+        widths = [1 + (3 * j) % Wm for j in range(n)]
+        row0, r = [0] * n, 0
+        for j in reversed(range(n)):
+            row0[j], r = r + 1, r + 1 + widths[j]
+        N = r + 1
+        fresh = [j % 3 == 1 for j in range(n)]
+    else:
+        widths, row0, N, fresh = [Wm] * n, [j * Wm for j in range(n)], n * Wm, [False] * n
+    x = (torch.randn(N, C, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    state = torch.full((S, C, W - 1), float("nan"), dtype=state_dtype, device="cuda")
+    slots = torch.randperm(S, generator=g, device="cuda")[:n]
+    live = slots[torch.tensor([not f for f in fresh], device="cuda")]
+    state[live] = (torch.randn(len(live), C, W - 1, generator=g, device="cuda") * 2).to(state_dtype)
+    weight = torch.randn(C, W, generator=g, device="cuda") / W**0.5
+    kw = {}
+    if ragged:
+        kw = {
+            "row0": torch.tensor(row0, device="cuda"),
+            "widths": torch.tensor(widths, device="cuda"),
+            "fresh": torch.tensor(fresh, device="cuda"),
+        }
+    return x, state, weight, slots, widths, kw
+
+
+@pytest.mark.parametrize("Wm", [4, 8])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_verify_and_commit_match_reference_at_real_geometry(Wm, ragged, state_dtype) -> None:
+    from trtllm_glm.kda.ops import conv_commit_slots_reference, conv_verify_qkv_reference
+
+    n = 16
+    x, state, weight, slots, widths, kw = _verify_case(Wm, n, Wm, state_dtype, S=n + 7, ragged=ragged)
+    before = state.clone()
+    want = conv_verify_qkv_reference(x, state, weight, slots, H, K, V, Wm, **kw)
+    got = KK.conv_verify_qkv(x, state, weight, slots, H, K, V, Wm, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        for j, w in enumerate(widths):
+            assert (a[j, w:] == 0).all()
+    torch.testing.assert_close(state, before, equal_nan=True, atol=0, rtol=0)
+    ckw = {k: v for k, v in kw.items() if k != "widths"}
+    for accepted in ([0] * n, widths, [(j * 5) % (w + 1) for j, w in enumerate(widths)]):
+        a = torch.tensor(accepted, device="cuda")
+        ref, out = state.clone(), state.clone()
+        conv_commit_slots_reference(ref, x, slots, a, Wm, **ckw)
+        KK.conv_commit_slots(out, x, slots, a, Wm, **ckw)
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num(0.0), ref.nan_to_num(0.0))  # bitwise: data movement only
+
+
+def test_conv_verify_commit_replay_in_a_cuda_graph() -> None:
+    from trtllm_glm.kda.ops import conv_commit_slots_reference, conv_verify_qkv_reference
+
+    n, Wm = 16, 4
+    x, state, weight, slots, _, _ = _verify_case(5, n, Wm, torch.float32, S=40, ragged=False)
+    accepted = torch.full((n,), 2, dtype=torch.int64, device="cuda")
+    KK.conv_verify_qkv(x, state, weight, slots, H, K, V, Wm)  # compile outside the capture
+    KK.conv_commit_slots(state.clone(), x, slots, accepted, Wm)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = KK.conv_verify_qkv(x, state, weight, slots, H, K, V, Wm)
+        KK.conv_commit_slots(state, x, slots, accepted, Wm)
+    for seed in (21, 22):
+        x2, st2, _, sl2, _, _ = _verify_case(seed, n, Wm, torch.float32, S=40, ragged=False)
+        a2 = torch.randint(0, Wm + 1, (n,), device="cuda")
+        x.copy_(x2)
+        state.copy_(st2)
+        slots.copy_(sl2)
+        accepted.copy_(a2)
+        want = conv_verify_qkv_reference(x2, st2, weight, sl2, H, K, V, Wm)
+        ref_state = st2.clone()
+        conv_commit_slots_reference(ref_state, x2, sl2, a2, Wm)
+        graph.replay()
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state, ref_state, equal_nan=True, atol=0, rtol=0)

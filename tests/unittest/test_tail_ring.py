@@ -1,9 +1,11 @@
 """`DecodeTailRing` (docs/design.md §6.2): rejected draft keys never reach the indexer tail ring or a visible pool.
 
 Every test runs the torch reference ops and the Triton kernels (interpreted on the CPU) through
-``update_decode_pools(..., tail_ring=...)`` and compares, bit for bit, against a reference run of the same
-backend that only ever received the accepted rows, fed one row per call without a tail ring. Caches start
-poisoned (garbage e4m3 bytes, NaN scales, random rings) so a missed or stray write shows.
+``update_decode_pools(..., tail_ring=...)``, each with both `DecodeTailRing.prepare_step` backends (the torch
+reference and the one-launch Triton kernel, ``TRTLLM_GLM_TAIL_RING_BACKEND``), and compares, bit for bit,
+against a reference run of the same backend that only ever received the accepted rows, fed one row per call
+without a tail ring. Caches start poisoned (garbage e4m3 bytes, NaN scales, random rings) so a missed or stray
+write shows. Section (f) compares the kernel with the reference directly on adversarial step sequences.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
-from trtllm_glm.state.tail_ring import DecodeTailRing
+from trtllm_glm.state.tail_ring import TAIL_RING_BACKEND_ENV, DecodeTailRing
 
 pytest.importorskip("triton")
 
@@ -24,6 +26,13 @@ pytestmark = pytest.mark.cpu_only
 
 D = 128
 BACKENDS = pytest.mark.parametrize("be", [R, K], ids=["torch", "triton"])
+
+
+@pytest.fixture(params=["torch", "triton"], ids=["ring-torch", "ring-triton"])
+def ring_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`DecodeTailRing.prepare_step`'s backend for the test (the Triton one interpreted on the CPU)."""
+    monkeypatch.setenv(TAIL_RING_BACKEND_ENV, request.param)
+    return request.param
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -118,7 +127,7 @@ def _counterexample(be: ModuleType, use_ring: bool, next_width: int, num_accepte
 
 @BACKENDS
 @pytest.mark.parametrize("next_width", [1, 6])
-def test_design_counterexample_matches_accepted_only_run(be: ModuleType, next_width: int) -> None:
+def test_design_counterexample_matches_accepted_only_run(be: ModuleType, next_width: int, ring_backend: str) -> None:
     spec, ref, tr, (tk, tg), ring_at_3, mask = _counterexample(be, True, next_width)
     assert _same(spec.tail_ring, ref.tail_ring), "ring differs from the accepted-only run"
     _assert_pools(spec, ref, mask, "with DecodeTailRing")
@@ -146,7 +155,7 @@ def test_design_counterexample_is_a_real_hazard_without_the_ring(be: ModuleType,
 # ------------------------------------------------------------------------------------------------
 # (b) Randomised token streams
 @BACKENDS
-def test_random_streams_match_accepted_only_run(be: ModuleType) -> None:
+def test_random_streams_match_accepted_only_run(be: ModuleType, ring_backend: str) -> None:
     g = _gen(7)
     P, S, max_rows, steps = 8, 7, 8, 10
     starts = [0, 1, 2, 3, 6]  # every ring alignment, two page offsets
@@ -246,7 +255,7 @@ def test_random_streams_match_accepted_only_run(be: ModuleType) -> None:
 # ------------------------------------------------------------------------------------------------
 # (c) Scheduler count cross-check
 @BACKENDS
-def test_scheduler_count_is_a_cross_check_only(be: ModuleType) -> None:
+def test_scheduler_count_is_a_cross_check_only(be: ModuleType, ring_backend: str) -> None:
     right, ref, tr_right, _, _, _ = _counterexample(be, True, 6, num_accepted=1)
     assert tr_right.num_disagreements == 0
     # Wrong count: 3 on the step after the verify (the other steps have no backup to check against).
@@ -260,7 +269,7 @@ def test_scheduler_count_is_a_cross_check_only(be: ModuleType) -> None:
 
 
 @BACKENDS
-def test_out_of_range_accepted_length_and_overwide_step_are_counted(be: ModuleType) -> None:
+def test_out_of_range_accepted_length_and_overwide_step_are_counted(be: ModuleType, ring_backend: str) -> None:
     g = _gen(5)
     S, slot = 2, 0
     cache = _cache(4, 8, S, g)
@@ -286,7 +295,7 @@ def test_out_of_range_accepted_length_and_overwide_step_are_counted(be: ModuleTy
 # (d) Prefill drops the backup
 @BACKENDS
 @pytest.mark.parametrize("mode", ["fresh", "resume"])
-def test_prefill_drops_a_stale_backup(be: ModuleType, mode: str) -> None:
+def test_prefill_drops_a_stale_backup(be: ModuleType, mode: str, ring_backend: str) -> None:
     """A slot whose last decode step was wide gets a prefill of 0..6, then a decode step at 7.
 
     ``fresh``: the slot was freed by another request after a verify of 2..9 (no teardown reset) and is now
@@ -338,7 +347,7 @@ def test_prefill_drops_a_stale_backup(be: ModuleType, mode: str) -> None:
 # ------------------------------------------------------------------------------------------------
 # (e) Slots outside the step
 @BACKENDS
-def test_slots_outside_the_step_are_untouched(be: ModuleType) -> None:
+def test_slots_outside_the_step_are_untouched(be: ModuleType, ring_backend: str) -> None:
     g = _gen(13)
     P, S, R_ = 8, 6, 5
     cache = _cache(16, P, S, g)
@@ -385,7 +394,7 @@ def test_slots_outside_the_step_are_untouched(be: ModuleType) -> None:
         assert _same(a, b)
 
 
-def test_prepare_step_ignores_padding_rows_and_bad_slots() -> None:
+def test_prepare_step_ignores_padding_rows_and_bad_slots(ring_backend: str) -> None:
     g = _gen(17)
     S = 4
     tr = DecodeTailRing(S, 4, "cpu")
@@ -413,3 +422,188 @@ def test_on_prefill_and_reset() -> None:
         tr.reset(4)
     tr.reset()
     assert int(tr.saved_count.sum()) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# (f) The Triton kernel against the torch reference, on adversarial step sequences
+_PLANES = ("snapshot", "saved_rows", "saved_pos", "_saved_count", "num_disagreements_t")
+
+
+def _poisoned_ring_state(S: int, R: int, g: torch.Generator) -> tuple[torch.Tensor, DecodeTailRing]:
+    """A random ring and a `DecodeTailRing` with random live backups (no zeros anywhere), some NaN payloads."""
+    ring = torch.randn(S, 2, 4, D, generator=g) * 3 + 0.5
+    tr = DecodeTailRing(S, R, "cpu")
+    tr.snapshot.copy_(torch.randn(tr.snapshot.shape, generator=g) - 2)
+    tr.saved_rows.copy_(torch.randn(tr.saved_rows.shape, generator=g) + 2)
+    tr.saved_pos.copy_(torch.randint(0, 30, (S,), generator=g))
+    tr.saved_count.copy_(torch.randint(0, R + 1, (S,), generator=g))
+    tr.saved_count[S // 2] = R + 2  # corrupt: more rows than a backup holds (replays clamp to the last one)
+    tr.num_disagreements_t.fill_(5)
+    # NaNs with distinct payloads: a copy that goes through arithmetic or a different value shows in the bits.
+    for t in (ring, tr.snapshot, tr.saved_rows):
+        flat = t.view(-1).view(torch.int32)
+        idx = torch.randint(0, flat.numel(), (8,), generator=g)
+        flat[idx] = 0x7FC00000 + torch.arange(1, 9, dtype=torch.int32)
+    return ring, tr
+
+
+def _clone_ring_state(tr: DecodeTailRing) -> DecodeTailRing:
+    out = DecodeTailRing(tr.num_state_slots, tr.max_rows, "cpu")
+    for name in _PLANES:
+        getattr(out, name).copy_(getattr(tr, name))
+    return out
+
+
+def _assert_same_state(
+    got: DecodeTailRing, want: DecodeTailRing, ring: torch.Tensor, ring_ref: torch.Tensor, what: str
+):
+    assert _same(ring, ring_ref), f"{what}: ring"
+    for name in _PLANES:
+        assert _same(getattr(got, name), getattr(want, name)), f"{what}: {name}"
+
+
+def _adversarial_step(S: int, R: int, g: torch.Generator, saved_pos: torch.Tensor, garbage: bool):
+    """One step's inputs: sequences with rows (widths 1, wide, wider than ``R``) whose first positions fall
+    inside, before and past the slot's backup; sequences without rows naming free slots, slots of other
+    sequences (stale duplicates) or out-of-range ids; sequences with rows but an out-of-range slot; padding
+    rows (``row_seq`` -1 or ``>= B``) between sequences. ``garbage``: also two sequences with rows on one slot
+    and rows out of order (no valid batch has those; the kernel must still agree with the reference)."""
+
+    def rint(lo: int, hi: int) -> int:
+        return int(torch.randint(lo, hi, (), generator=g))
+
+    def chance(p: float) -> bool:
+        return bool(torch.rand((), generator=g) < p)
+
+    num_real = rint(1, min(S, 6) + 1)
+    real_slots = torch.randperm(S, generator=g)[:num_real].tolist()
+    seqs: list[tuple[int, int]] = []  # (slot id, width); width 0: no rows
+    for s in real_slots:
+        w = 1 if chance(0.3) else rint(2, R + 1) if chance(0.75) else rint(R + 1, R + 4)
+        seqs.append((s, w))
+    for _ in range(rint(0, 5)):
+        kind = rint(0, 4)
+        if kind == 0:  # a stale duplicate of a slot with rows
+            seqs.append((real_slots[rint(0, num_real)], 0))
+        elif kind == 1:  # an id outside [0, S), with or without rows
+            seqs.append(([-1, -7, S, S + 3][rint(0, 4)], rint(0, 3)))
+        elif kind == 2:  # a free slot, named by a sequence without rows (prefill / padding entry)
+            seqs.append((rint(0, S), 0))
+        elif garbage:  # a second sequence with rows on a slot that already has rows
+            seqs.append((real_slots[rint(0, num_real)], rint(1, 3)))
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    seqs = [seqs[i] for i in order]
+    B = len(seqs)
+    pos, rs = [], []
+    for b, (s, w) in enumerate(seqs):
+        if chance(0.3):  # padding rows between sequences
+            n = rint(1, 3)
+            pos += [rint(0, 50) for _ in range(n)]
+            rs += [-1 if chance(0.7) else B + rint(0, 3) for _ in range(n)]
+        if w == 0:
+            continue
+        base = int(saved_pos[s]) if 0 <= s < S else 10
+        p0 = max(base + rint(-2, R + 3), 0)  # a inside, below and past the backup
+        pos += list(range(p0, p0 + w))
+        rs += [b] * w
+    N = len(pos)
+    pos_t, rs_t = torch.tensor(pos, dtype=torch.int64), torch.tensor(rs, dtype=torch.int64)
+    if garbage and N > 1 and chance(0.5):
+        perm = torch.randperm(N, generator=g)
+        pos_t, rs_t = pos_t[perm], rs_t[perm]
+    slots = torch.tensor([s for s, _ in seqs], dtype=torch.int64)
+    nat = torch.randint(0, R + 2, (B,), generator=g) if chance(0.7) else None
+    return pos_t, rs_t, slots, nat
+
+
+@pytest.mark.parametrize("max_rows", [4, 5])
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("garbage", [False, True], ids=["valid", "garbage"])
+def test_kernel_matches_reference_on_adversarial_steps(
+    max_rows: int, key_dtype: torch.dtype, index_dtype: torch.dtype, garbage: bool
+) -> None:
+    """Eight consecutive steps on one pool, kernel vs reference, every plane and the counter bit for bit."""
+    g = _gen(1000 + 7 * max_rows + (key_dtype == torch.float16) + 2 * (index_dtype == torch.int32) + 4 * garbage)
+    S, R_ = 11, max_rows
+    ring_ref, ref = _poisoned_ring_state(S, R_, g)
+    ring, tr = ring_ref.clone(), _clone_ring_state(ref)
+    restores = backups = clamped = 0
+    for step in range(8):
+        pos, rs, slots, nat = _adversarial_step(S, R_, g, ref.saved_pos, garbage)
+        N = pos.numel()
+        key = (torch.randn(N, D, generator=g) * 2).to(key_dtype)
+        gate = (torch.randn(N, D, generator=g) + 1).to(key_dtype)
+        pos, rs, slots = pos.to(index_dtype), rs.to(index_dtype), slots.to(index_dtype)
+        nat = None if nat is None else nat.to(index_dtype)
+        count_before = ref.saved_count.clone()
+        ring_before, state_before = ring.clone(), _clone_ring_state(tr)
+        ref.prepare_step(ring_ref, key, gate, pos, rs, slots, nat, backend="torch")
+        tr.prepare_step(ring, key, gate, pos, rs, slots, nat, backend="triton")
+        _assert_same_state(tr, ref, ring, ring_ref, f"step {step}")
+
+        # Slots without (valid) rows keep every bit, whoever names them.
+        b_ok = (rs >= 0) & (rs < slots.numel())
+        row_slot = slots.to(torch.int64)[rs.to(torch.int64).clamp(0, slots.numel() - 1)]
+        has_rows = torch.zeros(S, dtype=torch.bool)
+        has_rows[row_slot[b_ok & (row_slot >= 0) & (row_slot < S)]] = True
+        idle = (~has_rows).nonzero().flatten()
+        assert _same(ring[idle], ring_before[idle]), f"step {step}: idle rings"
+        for name in _PLANES[:4]:
+            now, before = getattr(tr, name), getattr(state_before, name)
+            assert _same(now[idle], before[idle]), f"step {step}: idle {name}"
+        restores += int((has_rows & (count_before > 0)).sum())
+        backups += int((tr.saved_count > 0).logical_and(has_rows).sum())
+        clamped = int(tr.num_disagreements_t)
+
+        # The layer then writes the step's rows: new, random ring contents for touched slots (never zeros).
+        touched = has_rows.nonzero().flatten()
+        fresh = torch.randn(touched.numel(), 2, 4, D, generator=g) - 1
+        ring[touched], ring_ref[touched] = fresh, fresh
+    # The sequence exercised restores, backups and counted disagreements (guards against a degenerate seed).
+    assert restores >= 8 and backups >= 8 and clamped > 5, (restores, backups, clamped)
+
+
+def test_kernel_reads_strided_inputs() -> None:
+    """Non-contiguous key / gate rows and strided index vectors (views of wider step tensors)."""
+    g = _gen(23)
+    S, R_ = 5, 4
+    ring_ref, ref = _poisoned_ring_state(S, R_, g)
+    ring, tr = ring_ref.clone(), _clone_ring_state(ref)
+    fused = torch.randn(6, 3 * D, generator=g)
+    key, gate = fused[:, :D], fused[:, 2 * D :]
+    idx = torch.tensor([[5, 0], [6, 0], [7, 0], [20, 0], [21, 0], [2, 0]])[:, 0]
+    pos = torch.stack((idx, idx), dim=1)[:, 1]
+    rs = torch.tensor([[0, 9], [0, 9], [0, 9], [1, 9], [1, 9], [-1, 9]])[:, 0]
+    slots = torch.tensor([[3, 0], [1, 0]])[:, 0]
+    nat = torch.tensor([[2, 0], [1, 0]])[:, 0]
+    assert not (key.is_contiguous() or pos.is_contiguous() or rs.is_contiguous() or slots.is_contiguous())
+    ref.saved_pos[3], ref.saved_count[3] = 3, 4
+    tr.saved_pos[3], tr.saved_count[3] = 3, 4
+    ref.prepare_step(ring_ref, key, gate, pos, rs, slots, nat, backend="torch")
+    tr.prepare_step(ring, key, gate, pos, rs, slots, nat, backend="triton")
+    _assert_same_state(tr, ref, ring, ring_ref, "strided")
+    assert int(tr.saved_count[3]) == 3 and int(tr.saved_count[1]) == 2
+
+
+def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` keeps CPU tensors on the reference; an unknown name is refused; empty steps do nothing."""
+    from trtllm_glm.state import kernels as SK
+
+    calls: list[int] = []
+    monkeypatch.setattr(SK, "tail_ring_prepare_step", lambda *a, **k: calls.append(1))
+    tr = DecodeTailRing(3, 2, "cpu")
+    ring = torch.randn(3, 2, 4, D)
+    key = torch.randn(2, D)
+    args = (ring, key, key, torch.tensor([4, 5]), torch.tensor([0, 0]), torch.tensor([1]))
+    tr.prepare_step(*args)
+    assert calls == [] and int(tr.saved_count[1]) == 2
+    monkeypatch.setenv(TAIL_RING_BACKEND_ENV, "triton")
+    tr.prepare_step(*args)
+    assert calls == [1]
+    tr.prepare_step(ring, key[:0], key[:0], torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64),
+                    torch.tensor([1]))  # fmt: skip
+    assert calls == [1]
+    monkeypatch.setenv(TAIL_RING_BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match="backend"):
+        tr.prepare_step(*args)

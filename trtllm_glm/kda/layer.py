@@ -49,9 +49,9 @@ from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
     causal_conv1d_ref,
-    conv_commit,
+    conv_commit_slots,
     conv_decode,
-    conv_verify,
+    conv_verify_qkv,
     kda_commit,
     kda_decode_inplace,
     kda_gate_beta,
@@ -59,6 +59,7 @@ from .ops import (
     kda_verify,
     l2_normalize,
 )
+from .ops.conv import verify_rows
 
 __all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWeight"]
 
@@ -109,7 +110,9 @@ class KdaLayerRecords:
         slots_t: ``[n]`` int64 the same slots on the device.
         fresh: ``[n]`` bool, sequences with ``past_len == 0`` (start from zero state, not the slot's); ``None``
             when none is (a uniform verify step).
-        x_rows: ``[n, Wm, C]`` FP32 conv inputs of the rows (for the convolution shift).
+        x: ``[N, C]`` the verify step's flat conv inputs (the projection's dtype; for the convolution shift).
+        row0: ``[n]`` int64 first row of each sequence in ``x`` on the device; ``None`` for a uniform verify step
+            (sequence ``j`` at rows ``j * Wm .. j * Wm + Wm - 1``).
         kda: per-row decay, key and correction (`KdaRecords`, ``[n, Wm, ...]``).
         num_seqs: ``num_seqs`` of the verify batch (``num_accepted`` is indexed by batch sequence).
     """
@@ -119,9 +122,22 @@ class KdaLayerRecords:
     state_slots: list[int]
     slots_t: torch.Tensor
     fresh: torch.Tensor | None
-    x_rows: torch.Tensor
+    x: torch.Tensor
+    row0: torch.Tensor | None
     kda: KdaRecords
     num_seqs: int
+
+    @property
+    def width_max(self) -> int:
+        """``Wm``, the widest verified sequence."""
+        return max(self.widths, default=0)
+
+    @property
+    def x_rows(self) -> torch.Tensor:
+        """``[n, Wm, C]`` FP32 conv inputs of the verified rows, padding rows zero (gathered on each call; for
+        tests and inspection, the commit reads ``x`` directly)."""
+        widths = None if self.row0 is None else torch.tensor(self.widths, device=self.x.device)
+        return verify_rows(self.x, len(self.seq_ids), self.width_max, self.row0, widths)
 
     @torch.no_grad()
     def commit(self, num_accepted: Sequence[int] | torch.Tensor, state: KdaLayerState) -> None:
@@ -158,12 +174,9 @@ class KdaLayerRecords:
                 # (the ops would otherwise build the tensor synchronously, twice per layer and round).
                 a = to_device(a, records.slots_t.device, torch.int64)
         slots, fresh = records.slots_t, records.fresh
-        conv = state.conv.index_select(0, slots)
-        if fresh is not None:
-            conv = torch.where(fresh.view(-1, 1, 1), 0.0, conv)
-        conv_commit(conv, records.x_rows, a)
-        state.conv.index_copy_(0, slots, conv.to(state.conv.dtype))
-        # Slot-indexed: the Triton commit updates the pool in place (no gather/scatter copies).
+        # Slot-indexed: the Triton commits update the pools in place (no gather/scatter copies), one launch each
+        # (`ops.conv.conv_commit_slots`, `ops.verify.kda_commit`).
+        conv_commit_slots(state.conv, records.x, slots, a, records.width_max, row0=records.row0, fresh=fresh)
         kda_commit(state.recurrent, records.kda, a, state_slots=slots, fresh=fresh)
 
 
@@ -295,13 +308,14 @@ class KimiDeltaAttention(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # Pieces shared by every path
     def _conv_weight(self) -> torch.Tensor:
-        """``[C, W]`` FP32 taps in conv-state channel order (q, k, v)."""
+        """``[C, W]`` taps in conv-state channel order (q, k, v), in the weights' dtype: every conv kernel and
+        reference upcasts them to FP32 itself (a cast here would be one more launch per layer and step)."""
         f = self._conv_fused
         if f is not None and f.usable():
             w = f.weight
         else:
             w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0)
-        return w.squeeze(1).float()
+        return w.squeeze(1)
 
     def _inputs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``hidden [N, D]`` -> conv inputs ``x [N, C]`` (FP32, or the projection's dtype with fused weights),
@@ -496,27 +510,29 @@ class KimiDeltaAttention(nn.Module):
             and all(batch.past_lens[b] > 0 for b in seqs)
         )
         fresh: torch.Tensor | None
+        row0: torch.Tensor | None
         if uniform:
-            fresh = None  # nobody starts from zero: the slots are read as they are
+            fresh = row0 = widths_t = None  # nobody starts from zero: the slots are read as they are
             R = n * Wm
-            x_rows = x[:R].float().reshape(n, Wm, -1)
-            conv0 = state.conv.index_select(0, slots)
             gr, br = g[:R].reshape(n, Wm, *g.shape[1:]), beta[:R].reshape(n, Wm, *beta.shape[1:])
         else:
             fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
+            # First row and width of each sequence, for the conv kernels (one copy, no stream sync).
+            rw = to_device([batch.cu_seqlens[b] for b in seqs] + widths, dev, torch.int64)
+            row0, widths_t = rw[:n], rw[n:]
             # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
             idx = [[batch.cu_seqlens[b] + min(j, w - 1) for j in range(Wm)] for b, w in zip(seqs, widths)]
             valid_h = [[j < w for j in range(Wm)] for w in widths]
             ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(n, Wm)
             valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(n, Wm)
             vmask = valid.unsqueeze(-1)
-            x_rows = torch.where(vmask, x[ridx].float(), 0.0)
-            conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, state.conv.index_select(0, slots))
             # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
             gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
             br = torch.where(vmask, beta[ridx], 0.0)
-        y = conv_verify(x_rows, conv0, self._conv_weight())
-        q, k, v = self._split(y)
+        # The short convolution from the committed windows, SiLU and the q/k norms: one kernel on CUDA
+        # (`ops.conv.conv_verify_qkv`), padding rows zero; the windows are not written.
+        q, k, v = conv_verify_qkv(x, state.conv, self._conv_weight(), slots, self.num_heads, self.head_k_dim,
+                                  self.head_v_dim, Wm, row0=row0, widths=widths_t, fresh=fresh)  # fmt: skip
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
         if uniform and R == N:  # the verify output is o (no zero fill, no copy)
             o = ov.reshape(N, *ov.shape[2:])
@@ -532,7 +548,8 @@ class KimiDeltaAttention(nn.Module):
             state_slots=[batch.state_slots[b] for b in seqs],
             slots_t=slots,
             fresh=fresh,
-            x_rows=x_rows,
+            x=x,
+            row0=row0,
             kda=rec,
             num_seqs=batch.num_seqs,
         )

@@ -18,9 +18,11 @@ Pools completed by a rejected row are left alone on purpose: the real token at t
 the same pool again (from restored members) before any committed row can see it, because a row at ``pos``
 only sees pools ``p < (pos + 1) // 4``.
 
-Everything is vectorised over the step's sequences on the device: no host synchronisation, fixed-address
-buffers allocated once (CUDA-graph safe), only small elementwise temporaries per step. One instance
-belongs to one sparse layer's ring (the MTP layer's ring needs its own instance).
+Everything runs on the device: no host synchronisation, fixed-address buffers allocated once (CUDA-graph
+safe). `DecodeTailRing.prepare_step` is one Triton launch on CUDA (`trtllm_glm.state.kernels`, chosen by
+``TRTLLM_GLM_TAIL_RING_BACKEND``) and otherwise the vectorised torch reference (`prepare_step_reference`,
+small elementwise temporaries per step); both give the same bits. One instance belongs to one sparse layer's
+ring (the MTP layer's ring needs its own instance).
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from collections.abc import Sequence
 import torch
 
 from trtllm_glm.config import INDEX_HEAD_DIM, INDEX_KPOOL
+from trtllm_glm.triton_interp import kernel_backend
 
-__all__ = ["DecodeTailRing"]
+__all__ = ["DecodeTailRing", "TAIL_RING_BACKEND_ENV"]
+
+# Picks `DecodeTailRing.prepare_step`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
+TAIL_RING_BACKEND_ENV = "TRTLLM_GLM_TAIL_RING_BACKEND"
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -150,6 +156,8 @@ class DecodeTailRing:
         row_seq: torch.Tensor,
         state_slots: torch.Tensor,
         num_accepted_tokens: torch.Tensor | None = None,
+        *,
+        backend: str | None = None,
     ) -> None:
         """Roll back the previous step's rejected rows, then back up this step; before its ring writes.
 
@@ -180,12 +188,67 @@ class DecodeTailRing:
             state_slots: ``[B]`` int state slot per sequence.
             num_accepted_tokens: optional ``[B]`` int, the scheduler's count of the previous step's rows
                 that were accepted, per sequence (a cross-check only).
+            backend: ``"torch"`` (`prepare_step_reference`), ``"triton"`` (one launch of
+                `trtllm_glm.state.kernels.tail_ring_prepare_step`; on the CPU through Triton's interpreter) or
+                ``"auto"`` (Triton for CUDA tensors, torch otherwise); default ``TRTLLM_GLM_TAIL_RING_BACKEND``,
+                else auto. Both give the same bits.
+
+        Raises:
+            ValueError: misshapen inputs (checked on the host from shapes alone; no synchronisation).
         """
-        S, R, D = self.num_state_slots, self.max_rows, INDEX_HEAD_DIM
+        if not self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
+            return
+        if kernel_backend("tail ring", TAIL_RING_BACKEND_ENV, [ring], backend) == "triton":
+            from .kernels import tail_ring_prepare_step
+
+            tail_ring_prepare_step(
+                ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens,
+                self.snapshot, self.saved_rows, self.saved_pos, self.saved_count, self.num_disagreements_t,
+            )  # fmt: skip
+            return
+        self._prepare_step_torch(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
+
+    @torch.no_grad()
+    def prepare_step_reference(
+        self,
+        ring: torch.Tensor,
+        key: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        row_seq: torch.Tensor,
+        state_slots: torch.Tensor,
+        num_accepted_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """The torch reference of `prepare_step` (same arguments and contract; the ``backend="torch"`` path).
+
+        Vectorised over the step's sequences and sync-free, but about ninety small device ops (scatter geometry,
+        gathers, selects, indexed writes, the counter); the Triton kernel is checked against it bit for bit.
+        """
+        if self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
+            self._prepare_step_torch(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
+
+    def _check(
+        self,
+        ring: torch.Tensor,
+        key: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        row_seq: torch.Tensor,
+        state_slots: torch.Tensor,
+        num_accepted_tokens: torch.Tensor | None,
+    ) -> bool:
+        """Validate `prepare_step`'s shapes (host-side, no sync); False when the step has no row or no sequence."""
+        S, D = self.num_state_slots, INDEX_HEAD_DIM
         if ring.shape != (S, 2, INDEX_KPOOL, D) or ring.dtype != torch.float32:
             raise ValueError(f"ring must be [{S}, 2, {INDEX_KPOOL}, {D}] fp32, got {tuple(ring.shape)} {ring.dtype}")
         N, B = positions.shape[0], state_slots.shape[0]
-        if key.shape != (N, D) or gate.shape != (N, D) or row_seq.shape != (N,) or state_slots.dim() != 1:
+        if (
+            key.shape != (N, D)
+            or gate.shape != (N, D)
+            or positions.dim() != 1
+            or row_seq.shape != (N,)
+            or state_slots.dim() != 1
+        ):
             raise ValueError(
                 f"expected key/gate [N, {D}], positions/row_seq [N] and state_slots [B], got key "
                 f"{tuple(key.shape)}, gate {tuple(gate.shape)}, positions {tuple(positions.shape)}, row_seq "
@@ -193,8 +256,21 @@ class DecodeTailRing:
             )
         if num_accepted_tokens is not None and num_accepted_tokens.shape != (B,):
             raise ValueError(f"num_accepted_tokens must be [B={B}], got {tuple(num_accepted_tokens.shape)}")
-        if N == 0 or B == 0:
-            return
+        return N > 0 and B > 0
+
+    def _prepare_step_torch(
+        self,
+        ring: torch.Tensor,
+        key: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        row_seq: torch.Tensor,
+        state_slots: torch.Tensor,
+        num_accepted_tokens: torch.Tensor | None,
+    ) -> None:
+        """`prepare_step_reference`'s body, on validated, non-empty inputs."""
+        S, R = self.num_state_slots, self.max_rows
+        N, B = positions.shape[0], state_slots.shape[0]
         dev = ring.device
         positions = positions.to(torch.int64)
         row_seq = row_seq.to(torch.int64)

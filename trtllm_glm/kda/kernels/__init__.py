@@ -26,7 +26,15 @@ import torch
 from trtllm_glm.kda.ops.verify import KdaRecords
 from trtllm_glm.triton_interp import KernelPackage
 
-__all__ = ["conv_decode", "kda_gate_beta", "kda_verify", "kda_commit", "kernel_module"]
+__all__ = [
+    "conv_commit_slots",
+    "conv_decode",
+    "conv_verify_qkv",
+    "kda_gate_beta",
+    "kda_verify",
+    "kda_commit",
+    "kernel_module",
+]
 
 # CPU tensors run an interpreted copy of the same module (trtllm_glm/triton_interp.py).
 _PACKAGE = KernelPackage(__name__, __path__)
@@ -132,6 +140,73 @@ def conv_decode(
     """
     mod = kernel_module("conv", x.device)
     return mod.conv_decode(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps, **launch)
+
+
+def conv_verify_qkv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `ops.conv.conv_verify_qkv_reference` in one launch (``conv.py`` has the kernel design).
+
+    Args:
+        x: ``[N, C]`` the verify step's conv inputs, ``C = H * (2K + V)``.
+        conv_state: ``[S, C, W - 1]`` state pool, only read (at ``slots``).
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` integer state slots.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        width_max: ``Wm``, padded rows per sequence.
+        row0, widths: optional ``[n]`` first row and row count of each sequence (both or neither; neither: the
+            uniform layout, sequence ``j`` at rows ``j * Wm ..``).
+        fresh: optional ``[n]`` bool: start from zeros.
+        **launch: ``eps``, ``num_warps``.
+
+    Returns:
+        ``(q [n, Wm, H, K], k [n, Wm, H, K], v [n, Wm, H, V])`` FP32, padding rows zero.
+    """
+    mod = kernel_module("conv", x.device)
+    return mod.conv_verify_qkv(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, width_max,
+                               row0=row0, widths=widths, fresh=fresh, **launch)  # fmt: skip
+
+
+def conv_commit_slots(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    **launch: Any,
+) -> torch.Tensor:
+    """Triton `ops.conv.conv_commit_slots_reference` in one launch, in place (``conv.py`` has the design).
+
+    Args:
+        conv_state: ``[S, C, W - 1]`` state pool, updated at ``slots``.
+        x: ``[N, C]`` the verify step's conv inputs.
+        slots: ``[n]`` integer state slots.
+        accepted: ``[n]`` integer device tensor of accepted rows.
+        width_max: ``Wm`` of the verify step.
+        row0: optional ``[n]`` first row of each sequence (``None``: the uniform layout).
+        fresh: optional ``[n]`` bool: start from zeros.
+        **launch: ``block_c``, ``num_warps``.
+
+    Returns:
+        ``conv_state``.
+    """
+    mod = kernel_module("conv", conv_state.device)
+    return mod.conv_commit_slots(conv_state, x, slots, accepted, width_max, row0=row0, fresh=fresh, **launch)
 
 
 def kda_gate_beta(

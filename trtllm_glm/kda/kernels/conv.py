@@ -1,23 +1,39 @@
-"""Triton kernel of the KDA decode step's front half: short-conv update, SiLU, q/k L2 norm, in one launch.
+"""Triton kernels of the KDA short convolution's front half: decode update, speculative verify and its commit.
 
-`conv_decode` is a drop-in for the reference `trtllm_glm.kda.ops.conv.conv_decode_reference`, which a decode
-step ran as a dozen small launches per KDA layer (gather of the conv states, the window concatenation, the
-tap products and their sum, SiLU, the state scatter, two row norms, a copy of ``v``).
+Each replaces a dozen small launches per KDA layer and step of its torch reference in
+`trtllm_glm.kda.ops.conv` (gathers of the conv states, window concatenations, tap products and their sum,
+SiLU, state scatters, two row norms, a copy of ``v``). The conv state's channel order is ``q | k | v``,
+head-major within each, ``C = H * (2K + V)``; a window holds the last ``W - 1`` inputs, oldest first.
 
-``_conv_decode_kernel``, grid ``(n, H)``: one program per (decode row, head) covers the head's ``K`` query,
-``K`` key and ``V`` value channels (the conv state's channel order is ``q | k | v``, head-major within each).
-For each channel it loads the ``W - 1`` stored inputs (oldest first) of the row's state slot and the new input,
-computes ``silu(sum_w window[w] * weight[c, w])`` in FP32 (taps in order, oldest first), L2-normalises the
-query and key rows of the head (``y / sqrt(sum(y^2) + eps)``), stores ``q``, ``k``, ``v`` and writes the
-shifted window back into the slot (the newest input last, cast to the state's dtype). Heads own disjoint
-channels, so programs never touch each other's state, and each program reads its window before writing it.
-Rows sharing a slot (only the padding rows of a CUDA-graph step do) race on that slot's garbage, which no
-real row reads.
+``_conv_decode_kernel`` (`conv_decode`), grid ``(n, H)``: one program per (decode row, head) covers the head's
+``K`` query, ``K`` key and ``V`` value channels. For each channel it loads the ``W - 1`` stored inputs
+(oldest first) of the row's state slot and the new input, computes ``silu(sum_w window[w] * weight[c, w])`` in
+FP32 (taps in order, oldest first), L2-normalises the query and key rows of the head
+(``y / sqrt(sum(y^2) + eps)``), stores ``q``, ``k``, ``v`` and writes the shifted window back into the slot
+(the newest input last, cast to the state's dtype). Heads own disjoint channels, so programs never touch each
+other's state, and each program reads its window before writing it. Rows sharing a slot (only the padding
+rows of a CUDA-graph step do) race on that slot's garbage, which no real row reads.
 
-Numerics: the same FP32 operations as the reference; the tap sum and the norm's sum of squares may round in
-another order (agreement to FP32 rounding). The wrapper allocates only the outputs and never synchronises with
-the host: graph-capturable. Under Triton's interpreter (CPU tests) bf16 arithmetic is not IEEE, so inputs are
-upcast right after loading and CPU tests check FP32 / FP16.
+``_conv_verify_kernel`` (`conv_verify_qkv`), grid ``(n, H, Wm)``: one program per (verified sequence, head,
+row) computes that row from the committed window, which is only read (a convolution has no recurrence: rows
+run in parallel; one program per (sequence, head) looping over the rows took ~10 us per layer at batch 1 x
+width 4 on the H200). Tap ``w`` of row ``j`` reads position ``j + w`` of history-then-rows: a stored input
+(zeros for a fresh sequence, whose slot is masked, never multiplied, as it may hold garbage) or the
+sequence's row ``j + w - (W - 1)``; the few re-read inputs come from the cache. The arithmetic per row is
+the decode kernel's (same tap order, SiLU and norm). Rows past the sequence's width are written as zeros.
+Sequences start at ``row0`` with ``widths`` rows, or, without them, at row ``j * Wm`` with ``Wm`` rows each.
+
+``_conv_commit_kernel`` (`conv_commit_slots`), grid ``(n, cdiv(C, BC))``: once ``a`` rows of a sequence are
+accepted, its new window is the last ``W - 1`` entries of (window or zeros) ++ rows ``[:a]``: entry ``i``
+takes position ``a + i``. A ``[BC, W - 1]`` tile is loaded whole, then (after a barrier, since the tile's
+entries are read and overwritten by different threads of the program) stored into the slot. Stored entries
+keep their bits, rows are rounded as ``.float().to(state dtype)`` rounds them, and a sequence with ``a = 0``
+that is not fresh is not stored at all: data movement, bit-exact against the reference.
+
+Numerics: the same FP32 operations as the references; the tap sum, SiLU and the norm may round differently
+(agreement to FP32 rounding, not bit for bit). The wrappers allocate only the outputs and never synchronise
+with the host: graph-capturable. Under Triton's interpreter (CPU tests) bf16 arithmetic is not IEEE, so inputs
+are upcast right after loading and CPU tests check FP32 / FP16.
 """
 
 from __future__ import annotations
@@ -26,7 +42,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_decode"]
+from trtllm_glm.kda.ops.gate import L2NORM_EPS
+
+__all__ = ["conv_commit_slots", "conv_decode", "conv_verify_qkv"]
 
 
 @triton.jit
@@ -160,3 +178,298 @@ def conv_decode(
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), num_warps=num_warps,
     )  # fmt: skip
     return q, k, v
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Speculative verify and commit
+
+
+@triton.jit
+def _verify_channels(
+    x_ptr,
+    state_ptr,
+    w_ptr,
+    row0,
+    slot,
+    j,
+    use_state,
+    ch,
+    mask,
+    stride_xn,
+    stride_ss,
+    stride_sc,
+    stride_wc,
+    W: tl.constexpr,
+):
+    """SiLU(conv) of channels ``ch`` at verify row ``j`` of a sequence; reads only. Returns FP32 ``[BLOCK]``.
+
+    Position ``t = j + w`` of the history-then-rows sequence feeds tap ``w``: ``t < W - 1`` is a stored input
+    (zero for a fresh sequence), otherwise the sequence's row ``t - (W - 1)``.
+    """
+    sbase = state_ptr + slot * stride_ss + ch * stride_sc
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for w in tl.static_range(W):
+        t = j + w
+        in_state = t < W - 1
+        sv = tl.load(sbase + t, mask=mask & in_state & use_state, other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + (row0 + t - (W - 1)) * stride_xn + ch, mask=mask & (t >= W - 1), other=0.0)
+        val = tl.where(in_state, sv, xv.to(tl.float32))
+        # Taps in order, oldest first, as the decode kernel sums them.
+        acc += val * tl.load(w_ptr + ch * stride_wc + w, mask=mask, other=0.0).to(tl.float32)
+    return acc / (1.0 + tl.exp(-acc))
+
+
+@triton.jit
+def _conv_verify_kernel(
+    x_ptr,
+    state_ptr,
+    w_ptr,
+    slots_ptr,
+    row0_ptr,
+    widths_ptr,
+    fresh_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    Wm,
+    stride_xn,
+    stride_ss,
+    stride_sc,
+    stride_wc,
+    eps,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    W: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    s64 = s.to(tl.int64)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    if HAS_ROWS:
+        row0 = tl.load(row0_ptr + s).to(tl.int64)
+        width = tl.minimum(tl.load(widths_ptr + s).to(tl.int32), Wm)
+    else:
+        row0 = s64 * Wm
+        width = Wm
+    if HAS_FRESH:
+        # Masked, not multiplied: a fresh sequence's slot may hold NaN/inf from an earlier owner.
+        use_state = tl.load(fresh_ptr + s) == 0
+    else:
+        use_state = True
+    kk = tl.arange(0, BK)
+    km = kk < K
+    vv = tl.arange(0, BV)
+    vm = vv < V
+    q_ch = h * K + kk
+    k_ch = H * K + h * K + kk
+    v_ch = 2 * H * K + h * V + vv
+
+    out = (s64 * Wm + j) * H + h
+    if j < width:
+        q = _verify_channels(x_ptr, state_ptr, w_ptr, row0, slot, j, use_state, q_ch, km, stride_xn, stride_ss,
+                             stride_sc, stride_wc, W)  # fmt: skip
+        q = tl.where(km, q, 0.0)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + eps)
+        tl.store(q_ptr + out * K + kk, q, mask=km)
+        k = _verify_channels(x_ptr, state_ptr, w_ptr, row0, slot, j, use_state, k_ch, km, stride_xn, stride_ss,
+                             stride_sc, stride_wc, W)  # fmt: skip
+        k = tl.where(km, k, 0.0)
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
+        tl.store(k_ptr + out * K + kk, k, mask=km)
+        v = _verify_channels(x_ptr, state_ptr, w_ptr, row0, slot, j, use_state, v_ch, vm, stride_xn, stride_ss,
+                             stride_sc, stride_wc, W)  # fmt: skip
+        tl.store(v_ptr + out * V + vv, v, mask=vm)
+    else:
+        # Padding rows: zeros (the wrapper allocates the outputs uninitialised).
+        tl.store(q_ptr + out * K + kk, tl.zeros([BK], dtype=tl.float32), mask=km)
+        tl.store(k_ptr + out * K + kk, tl.zeros([BK], dtype=tl.float32), mask=km)
+        tl.store(v_ptr + out * V + vv, tl.zeros([BV], dtype=tl.float32), mask=vm)
+
+
+@triton.jit
+def _conv_commit_kernel(
+    x_ptr,
+    state_ptr,
+    slots_ptr,
+    row0_ptr,
+    acc_ptr,
+    fresh_ptr,
+    C,
+    Wm,
+    stride_xn,
+    stride_ss,
+    stride_sc,
+    WM1: tl.constexpr,
+    BC: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
+):
+    s = tl.program_id(0)
+    cb = tl.program_id(1)
+    slot = tl.load(slots_ptr + s).to(tl.int64)
+    if HAS_ROWS:
+        row0 = tl.load(row0_ptr + s).to(tl.int64)
+    else:
+        row0 = s.to(tl.int64) * Wm
+    a = tl.load(acc_ptr + s).to(tl.int64)
+    if HAS_FRESH:
+        # A fresh sequence starts from zeros (its slot may hold garbage) and is stored even when a = 0.
+        fresh = tl.load(fresh_ptr + s) != 0
+        use_state = fresh == 0
+        write = (a > 0) | fresh
+    else:
+        use_state = True
+        write = a > 0
+    ch = cb * BC + tl.arange(0, BC)
+    i = tl.arange(0, BW)
+    m = (ch < C)[:, None] & (i < WM1)[None, :]
+    # New entry i is entry a + i of history-then-rows: a stored input while a + i < W - 1, else row a + i - (W - 1)
+    # (< a, so only accepted rows are read).
+    t = a + i
+    in_state = (t < WM1)[None, :]
+    sbase = state_ptr + slot * stride_ss + ch[:, None] * stride_sc
+    sv = tl.load(sbase + t[None, :], mask=m & in_state & use_state, other=0.0)
+    xv = tl.load(x_ptr + (row0 + t - WM1)[None, :] * stride_xn + ch[:, None], mask=m & (t >= WM1)[None, :], other=0.0)
+    # Stored entries keep their bits; new inputs are rounded as `.float().to(state dtype)` rounds them.
+    val = tl.where(in_state, sv, xv.to(tl.float32).to(state_ptr.dtype.element_ty))
+    # Entry i is overwritten while another thread of this program may still have to read it (as entry a + i'):
+    # every load of the tile completes before any store.
+    tl.debug_barrier()
+    # a = 0 (not fresh) stores nothing: the slot keeps its bits.
+    tl.store(sbase + i[None, :], val, mask=m & write)
+
+
+def _index_arg(t: torch.Tensor | None, n: int, name: str, fallback: torch.Tensor) -> torch.Tensor:
+    """``t`` checked to be ``[n]`` on ``fallback``'s device (bool viewed as bytes), or ``fallback`` when absent
+    (its pointer is then never read: the kernel's ``HAS_*`` flag is off)."""
+    if t is None:
+        return fallback
+    if t.shape != (n,) or t.device != fallback.device or (n > 1 and t.stride(0) != 1):
+        raise ValueError(f"{name} must be a contiguous [{n}] on {fallback.device}, got {tuple(t.shape)} "
+                         f"(strides {t.stride()}) on {t.device}")  # fmt: skip
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _check_conv_args(what: str, x: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor) -> None:
+    if x.dim() != 2 or conv_state.dim() != 3 or conv_state.shape[1] != x.shape[1] or conv_state.shape[2] < 1:
+        raise ValueError(f"{what}: x {tuple(x.shape)} and conv_state {tuple(conv_state.shape)} do not fit "
+                         "([N, C] and [S, C, W - 1], W >= 2)")  # fmt: skip
+    if slots.dim() != 1 or slots.device != conv_state.device or x.device != conv_state.device:
+        raise ValueError(f"{what}: need [n] slots and x on conv_state's device {conv_state.device}")
+    if slots.shape[0] > 1 and slots.stride(0) != 1:
+        raise ValueError(f"{what}: slots need a unit stride")
+    if x.stride(1) != 1 or conv_state.stride(2) != 1:
+        raise ValueError(f"{what}: x and conv_state need a unit last stride")
+
+
+def conv_verify_qkv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    eps: float = L2NORM_EPS,
+    num_warps: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `conv_verify_qkv_reference` (same arguments and results; the state pool is only read).
+
+    Args:
+        x: ``[N, C]`` the step's conv inputs (any float dtype, unit last stride), ``C = H * (2K + V)``.
+        conv_state: ``[S, C, W - 1]`` state pool (unit last stride), read at ``slots`` only.
+        weight: ``[C, W]`` taps (unit last stride).
+        slots: ``[n]`` integer state slot of each sequence.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        width_max: ``Wm``, the padded rows per sequence.
+        row0: ``[n]`` integer first row of each sequence in ``x``; with ``widths``. Both ``None``: the uniform
+            layout, sequence ``j`` owning rows ``j * Wm .. j * Wm + Wm - 1``.
+        widths: ``[n]`` integer rows of each sequence (``1..Wm``); with ``row0``.
+        fresh: optional ``[n]`` bool: those sequences start from zeros (their slot is not read).
+        eps: added to the squared norm of each query / key head.
+        num_warps: warps per program (tuning only).
+
+    Returns:
+        ``(q [n, Wm, H, K], k [n, Wm, H, K], v [n, Wm, H, V])`` FP32, contiguous; ``q`` and ``k`` L2-normalised
+        per head; rows past a sequence's width are zeros.
+    """
+    _check_conv_args("conv_verify_qkv", x, conv_state, slots)
+    n, (N, C), Wm1 = slots.shape[0], x.shape, conv_state.shape[2]
+    H, K, V, Wm = num_heads, head_k_dim, head_v_dim, width_max
+    if C != H * (2 * K + V) or weight.shape != (C, Wm1 + 1) or weight.stride(1) != 1:
+        raise ValueError(f"conv_verify_qkv: x {tuple(x.shape)}, weight {tuple(weight.shape)} (unit last stride) "
+                         f"do not fit H={H}, K={K}, V={V}, W={Wm1 + 1}")  # fmt: skip
+    if (row0 is None) != (widths is None):
+        raise ValueError("conv_verify_qkv: give both row0 and widths, or neither (the uniform layout)")
+    if Wm < 0 or (row0 is None and n * Wm > N):
+        raise ValueError(f"conv_verify_qkv: {N} rows cannot hold {n} sequences of {Wm} rows")
+    dev = x.device
+    q = torch.empty(n, Wm, H, K, dtype=torch.float32, device=dev)
+    k = torch.empty(n, Wm, H, K, dtype=torch.float32, device=dev)
+    v = torch.empty(n, Wm, H, V, dtype=torch.float32, device=dev)
+    if n == 0 or Wm == 0:
+        return q, k, v
+    _conv_verify_kernel[(n, H, Wm)](
+        x, conv_state, weight, slots, _index_arg(row0, n, "row0", slots), _index_arg(widths, n, "widths", slots),
+        _index_arg(fresh, n, "fresh", slots), q, k, v,
+        Wm, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
+        H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
+        HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None, num_warps=num_warps,
+    )  # fmt: skip
+    return q, k, v
+
+
+def conv_commit_slots(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    block_c: int = 256,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Triton `conv_commit_slots_reference`: re-base each sequence's window on its accepted rows, in place.
+
+    Args:
+        conv_state: ``[S, C, W - 1]`` state pool (unit last stride), updated in place at ``slots`` only; a
+            sequence with ``a = 0`` that is not fresh is not written at all.
+        x: ``[N, C]`` the verify step's conv inputs (any float dtype, unit last stride).
+        slots: ``[n]`` integer state slot of each sequence, distinct for real sequences.
+        accepted: ``[n]`` integer device tensor, ``a`` in ``0..width`` per sequence (not checked: no sync).
+        width_max: ``Wm`` of the verify step (the uniform layout's row stride; unused with ``row0``).
+        row0: optional ``[n]`` integer first row of each sequence in ``x`` (``None``: row ``j * Wm``).
+        fresh: optional ``[n]`` bool: the window starts from zeros (the slot is not read) and is stored even
+            when ``a = 0``.
+        block_c: channels per program (tuning only).
+        num_warps: warps per program (tuning only).
+
+    Returns:
+        ``conv_state``.
+    """
+    _check_conv_args("conv_commit_slots", x, conv_state, slots)
+    n, C, Wm1 = slots.shape[0], x.shape[1], conv_state.shape[2]
+    if n == 0:
+        return conv_state
+    accepted = _index_arg(accepted, n, "accepted", slots)
+    _conv_commit_kernel[(n, triton.cdiv(C, block_c))](
+        x, conv_state, slots, _index_arg(row0, n, "row0", slots), accepted, _index_arg(fresh, n, "fresh", slots),
+        C, width_max, x.stride(0), conv_state.stride(0), conv_state.stride(1),
+        WM1=Wm1, BC=block_c, BW=triton.next_power_of_2(Wm1), HAS_ROWS=row0 is not None,
+        HAS_FRESH=fresh is not None, num_warps=num_warps,
+    )  # fmt: skip
+    return conv_state

@@ -24,9 +24,15 @@ __all__ = [
     "conv_decode_reference",
     "conv_verify",
     "conv_commit",
+    "conv_verify_qkv",
+    "conv_verify_qkv_reference",
+    "conv_commit_slots",
+    "conv_commit_slots_reference",
+    "verify_rows",
 ]
 
-# Picks `conv_decode`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
+# Picks the implementation of `conv_decode`, `conv_verify_qkv` and `conv_commit_slots`: auto (the Triton kernels
+# for CUDA tensors), torch or triton.
 CONV_BACKEND_ENV = "TRTLLM_GLM_KDA_CONV_BACKEND"
 
 
@@ -144,12 +150,18 @@ def conv_decode(
     through Triton's interpreter) or ``"auto"``; ``TRTLLM_GLM_KDA_BACKEND=torch`` (the KDA torch-everything
     switch) also selects the reference. Same arguments and results as the reference.
     """
-    choice = kernel_backend("KDA conv", CONV_BACKEND_ENV, [x], backend)
-    if choice == "triton" and (backend is not None or os.environ.get("TRTLLM_GLM_KDA_BACKEND") != "torch"):
+    if _use_kernel(x, backend):
         from ..kernels import conv_decode as kernel
 
         return kernel(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
     return conv_decode_reference(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
+
+
+def _use_kernel(x: torch.Tensor, backend: str | None) -> bool:
+    """Whether a conv op runs its Triton kernel (`kernel_backend` on ``TRTLLM_GLM_KDA_CONV_BACKEND``; without an
+    explicit ``backend``, ``TRTLLM_GLM_KDA_BACKEND=torch`` selects the references too)."""
+    choice = kernel_backend("KDA conv", CONV_BACKEND_ENV, [x], backend)
+    return choice == "triton" and (backend is not None or os.environ.get("TRTLLM_GLM_KDA_BACKEND") != "torch")
 
 
 def conv_verify(
@@ -221,3 +233,184 @@ def _accepted_tensor(
     if a.numel() != N:
         raise ValueError(f"num_accepted has {a.numel()} entries for {N} sequences")
     return a
+
+
+def verify_rows(
+    x: torch.Tensor,
+    n: int,
+    width_max: int,
+    row0: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The verify rows of ``n`` sequences gathered from the step's flat conv inputs, padded to ``width_max``.
+
+    Args:
+        x: ``[N, C]`` conv inputs of the step (any float dtype).
+        n: sequences.
+        width_max: ``Wm``.
+        row0: ``[n]`` integer first row of each sequence, or ``None`` for the uniform layout (sequence ``j`` at
+            rows ``j * Wm .. j * Wm + Wm - 1``, which ``x`` must hold).
+        widths: ``[n]`` integer rows of each sequence; rows at or past it are zeros. ``None``: every row is
+            taken (with ``row0``, rows past the sequence are other sequences' or, clamped, the last row of
+            ``x``: callers read only rows below the width).
+
+    Returns:
+        ``x_rows [n, Wm, C]`` FP32.
+    """
+    N, C = x.shape
+    if row0 is None:
+        return x[: n * width_max].float().reshape(n, width_max, C)
+    j = torch.arange(width_max, dtype=torch.int64, device=x.device).view(1, width_max)
+    if widths is None:
+        return x[(row0.view(n, 1).to(torch.int64) + j).clamp(max=max(N - 1, 0))].float()
+    w = widths.view(n, 1).to(torch.int64)
+    # Padding entries point at the sequence's last row (always a row of x) and are masked to zero.
+    idx = row0.view(n, 1).to(torch.int64) + torch.minimum(j, (w - 1).clamp(min=0))
+    return torch.where((j < w).unsqueeze(-1), x[idx.clamp(0, max(N - 1, 0))].float(), 0.0)
+
+
+def conv_verify_qkv_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    eps: float = L2NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A KDA verify step's front half: each sequence's rows convolved from its committed window (not changed),
+    SiLU, split into heads, q/k L2 norm.
+
+    Args:
+        x: ``[N, C]`` the step's conv inputs, ``C = H * (2K + V)`` (channels ``q | k | v``).
+        conv_state: ``[S, C, W - 1]`` state pool; only read, at ``slots``.
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` int64 state slot of each sequence, on ``conv_state``'s device.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        width_max: ``Wm``, the padded rows per sequence.
+        row0: ``[n]`` integer first row of each sequence in ``x``; with ``widths``. Both ``None``: the uniform
+            layout, sequence ``j`` at rows ``j * Wm .. j * Wm + Wm - 1``.
+        widths: ``[n]`` integer rows of each sequence (``1..Wm``); with ``row0``.
+        fresh: optional ``[n]`` bool: those sequences start from zeros (their slot's contents are not used).
+        eps: added to the squared norm of each query / key head.
+
+    Returns:
+        ``(q [n, Wm, H, K], k [n, Wm, H, K], v [n, Wm, H, V])`` FP32; ``q`` and ``k`` are
+        ``y / sqrt(sum(y^2) + eps)`` per head; rows past a sequence's width are zeros.
+    """
+    if (row0 is None) != (widths is None):
+        raise ValueError("conv_verify_qkv: give both row0 and widths, or neither (the uniform layout)")
+    n, Wm = slots.shape[0], width_max
+    H, K, V = num_heads, head_k_dim, head_v_dim
+    conv0 = conv_state.index_select(0, slots)
+    if fresh is not None:
+        # torch.where, not a multiply: a fresh sequence's slot may hold NaN/inf.
+        conv0 = torch.where(fresh.view(-1, 1, 1), 0.0, conv0)
+    y = conv_verify(verify_rows(x, n, Wm, row0, widths), conv0, weight)
+    q, k, v = y.split([H * K, H * K, H * V], dim=-1)
+    q, k, v = q.reshape(n, Wm, H, K), k.reshape(n, Wm, H, K), v.reshape(n, Wm, H, V)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    if widths is not None:
+        # Padding rows convolve real rows with zeros: not zero by themselves.
+        valid = (torch.arange(Wm, device=x.device).view(1, Wm) < widths.view(n, 1)).view(n, Wm, 1, 1)
+        q, k, v = (torch.where(valid, t, 0.0) for t in (q, k, v))
+    return q, k, v
+
+
+def conv_verify_qkv(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    eps: float = L2NORM_EPS,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_verify_qkv_reference`, in one Triton launch (`trtllm_glm.kda.kernels.conv_verify_qkv`) for CUDA
+    tensors; ``backend`` as in `conv_decode`. Same arguments and results as the reference."""
+    if _use_kernel(x, backend):
+        from ..kernels import conv_verify_qkv as kernel
+
+        return kernel(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, width_max,
+                      row0=row0, widths=widths, fresh=fresh, eps=eps)  # fmt: skip
+    return conv_verify_qkv_reference(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, width_max,
+                                     row0=row0, widths=widths, fresh=fresh, eps=eps)  # fmt: skip
+
+
+def conv_commit_slots_reference(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: torch.Tensor,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The commit of a verify step's conv windows: each sequence's window re-based on its accepted rows, in place.
+
+    The window of a sequence that accepted ``a`` rows becomes the last ``W - 1`` entries of
+    ``window ++ rows[:a]`` (`conv_commit`), its window read as zeros when it is fresh; ``a = 0`` leaves it as it
+    is (zeros when fresh). Rows are rounded to the state's dtype through FP32. Pure data movement: bit-exact.
+
+    Args:
+        conv_state: ``[S, C, W - 1]`` state pool, updated in place at ``slots`` only.
+        x: ``[N, C]`` the verify step's conv inputs (any float dtype).
+        slots: ``[n]`` int64 distinct state slot of each sequence, on ``conv_state``'s device.
+        accepted: ``[n]`` integer tensor, ``a`` in ``0..width`` per sequence.
+        width_max: ``Wm`` of the verify step (the uniform layout's row stride).
+        row0: optional ``[n]`` integer first row of each sequence in ``x`` (``None``: the uniform layout, sequence
+            ``j`` at row ``j * Wm``).
+        fresh: optional ``[n]`` bool: start those windows from zeros.
+
+    Returns:
+        ``conv_state``.
+    """
+    n = slots.shape[0]
+    cs = conv_state.index_select(0, slots)
+    if fresh is not None:
+        cs = torch.where(fresh.view(-1, 1, 1), 0.0, cs)
+    # Rows at or past a sequence's accepted count are never read, so no width mask is needed.
+    conv_commit(cs, verify_rows(x, n, width_max, row0), accepted)
+    conv_state.index_copy_(0, slots, cs)
+    return conv_state
+
+
+def conv_commit_slots(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    accepted: Sequence[int] | torch.Tensor | int,
+    width_max: int,
+    *,
+    row0: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """`conv_commit_slots_reference`, in one Triton launch (`trtllm_glm.kda.kernels.conv_commit_slots`) for CUDA
+    tensors; ``backend`` as in `conv_decode`.
+
+    ``accepted`` may also be a host list or one int (range-checked against ``width_max``, then copied to the
+    device); a device tensor is used as it is, without a sync. Otherwise the reference's arguments and result.
+    """
+    # (contiguous: a one-element tensor is expanded to n, and the kernel reads a unit stride)
+    a = _accepted_tensor(accepted, slots.shape[0], width_max, conv_state.device).contiguous()
+    if _use_kernel(conv_state, backend):
+        from ..kernels import conv_commit_slots as kernel
+
+        return kernel(conv_state, x, slots, a, width_max, row0=row0, fresh=fresh)
+    return conv_commit_slots_reference(conv_state, x, slots, a, width_max, row0=row0, fresh=fresh)

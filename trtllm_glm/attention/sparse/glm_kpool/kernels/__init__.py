@@ -190,7 +190,7 @@ def update_decode_pools(
 
     One program per sequence applies its rows in batch order: each row goes into
     ``tail_ring[slot, :, pos % 4]``; a row with ``pos % 4 == 3`` completes pool ``pos // 4`` from the ring.
-    With ``tail_ring``, its (torch, sync-free) `DecodeTailRing.prepare_step` runs first, as in the reference.
+    With ``tail_ring``, its sync-free `DecodeTailRing.prepare_step` (one Triton launch on CUDA) runs first.
 
     Args:
         cache: the layer's planes (``index_k``, ``index_scale``, ``tail_ring`` updated in place).
