@@ -196,17 +196,15 @@ class DecodeTailRing:
         Raises:
             ValueError: misshapen inputs (checked on the host from shapes alone; no synchronisation).
         """
-        if not self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
-            return
-        if kernel_backend("tail ring", TAIL_RING_BACKEND_ENV, [ring], backend) == "triton":
+        if kernel_backend("tail ring", TAIL_RING_BACKEND_ENV, [ring], backend) != "triton":
+            self.prepare_step_reference(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
+        elif self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
             from .kernels import tail_ring_prepare_step
 
             tail_ring_prepare_step(
                 ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens,
                 self.snapshot, self.saved_rows, self.saved_pos, self.saved_count, self.num_disagreements_t,
             )  # fmt: skip
-            return
-        self._prepare_step_torch(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
 
     @torch.no_grad()
     def prepare_step_reference(
@@ -224,51 +222,8 @@ class DecodeTailRing:
         Vectorised over the step's sequences and sync-free, but about ninety small device ops (scatter geometry,
         gathers, selects, indexed writes, the counter); the Triton kernel is checked against it bit for bit.
         """
-        if self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
-            self._prepare_step_torch(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
-
-    def _check(
-        self,
-        ring: torch.Tensor,
-        key: torch.Tensor,
-        gate: torch.Tensor,
-        positions: torch.Tensor,
-        row_seq: torch.Tensor,
-        state_slots: torch.Tensor,
-        num_accepted_tokens: torch.Tensor | None,
-    ) -> bool:
-        """Validate `prepare_step`'s shapes (host-side, no sync); False when the step has no row or no sequence."""
-        S, D = self.num_state_slots, INDEX_HEAD_DIM
-        if ring.shape != (S, 2, INDEX_KPOOL, D) or ring.dtype != torch.float32:
-            raise ValueError(f"ring must be [{S}, 2, {INDEX_KPOOL}, {D}] fp32, got {tuple(ring.shape)} {ring.dtype}")
-        N, B = positions.shape[0], state_slots.shape[0]
-        if (
-            key.shape != (N, D)
-            or gate.shape != (N, D)
-            or positions.dim() != 1
-            or row_seq.shape != (N,)
-            or state_slots.dim() != 1
-        ):
-            raise ValueError(
-                f"expected key/gate [N, {D}], positions/row_seq [N] and state_slots [B], got key "
-                f"{tuple(key.shape)}, gate {tuple(gate.shape)}, positions {tuple(positions.shape)}, row_seq "
-                f"{tuple(row_seq.shape)}, state_slots {tuple(state_slots.shape)}"
-            )
-        if num_accepted_tokens is not None and num_accepted_tokens.shape != (B,):
-            raise ValueError(f"num_accepted_tokens must be [B={B}], got {tuple(num_accepted_tokens.shape)}")
-        return N > 0 and B > 0
-
-    def _prepare_step_torch(
-        self,
-        ring: torch.Tensor,
-        key: torch.Tensor,
-        gate: torch.Tensor,
-        positions: torch.Tensor,
-        row_seq: torch.Tensor,
-        state_slots: torch.Tensor,
-        num_accepted_tokens: torch.Tensor | None,
-    ) -> None:
-        """`prepare_step_reference`'s body, on validated, non-empty inputs."""
+        if not self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
+            return
         S, R = self.num_state_slots, self.max_rows
         N, B = positions.shape[0], state_slots.shape[0]
         dev = ring.device
@@ -325,3 +280,34 @@ class DecodeTailRing:
             odd |= restore & (num_accepted_tokens.to(torch.int64) != a_raw)
         odd |= touched & (W > R)
         self.num_disagreements_t += (active & odd).sum()
+
+    def _check(
+        self,
+        ring: torch.Tensor,
+        key: torch.Tensor,
+        gate: torch.Tensor,
+        positions: torch.Tensor,
+        row_seq: torch.Tensor,
+        state_slots: torch.Tensor,
+        num_accepted_tokens: torch.Tensor | None,
+    ) -> bool:
+        """Validate `prepare_step`'s shapes (host-side, no sync); False when the step has no row or no sequence."""
+        S, D = self.num_state_slots, INDEX_HEAD_DIM
+        if ring.shape != (S, 2, INDEX_KPOOL, D) or ring.dtype != torch.float32:
+            raise ValueError(f"ring must be [{S}, 2, {INDEX_KPOOL}, {D}] fp32, got {tuple(ring.shape)} {ring.dtype}")
+        N, B = positions.shape[0], state_slots.shape[0]
+        if (
+            key.shape != (N, D)
+            or gate.shape != (N, D)
+            or positions.dim() != 1
+            or row_seq.shape != (N,)
+            or state_slots.dim() != 1
+        ):
+            raise ValueError(
+                f"expected key/gate [N, {D}], positions/row_seq [N] and state_slots [B], got key "
+                f"{tuple(key.shape)}, gate {tuple(gate.shape)}, positions {tuple(positions.shape)}, row_seq "
+                f"{tuple(row_seq.shape)}, state_slots {tuple(state_slots.shape)}"
+            )
+        if num_accepted_tokens is not None and num_accepted_tokens.shape != (B,):
+            raise ValueError(f"num_accepted_tokens must be [B={B}], got {tuple(num_accepted_tokens.shape)}")
+        return N > 0 and B > 0
