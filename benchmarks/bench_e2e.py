@@ -542,7 +542,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
         plain_out = None
         for mode, graphs in [(m, g) for g in graph_modes for m in args.modes]:
             run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs)  # warm-up
-            r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs)
+            r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
+                         profile_kernels=args.profile_kernels, profile_host=args.profile_host)  # fmt: skip
             if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = lossless_summary(
@@ -556,7 +557,10 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "prompt_tokens": [len(prompts[i % len(prompts)]) for i in range(B)][:4], "gen": args.gen,
                    "dtype": args.dtype, "graphs": graphs, "capture_s": r["capture_s"],
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
-                   "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"]}  # fmt: skip
+                   "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
+                   "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"]}  # fmt: skip
+            if args.profile_kernels or args.profile_host:
+                row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             rows.append(row)
             emit(row)
     return rows
