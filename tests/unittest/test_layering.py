@@ -1,6 +1,7 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
-above `config` / `errors`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the
-runtime imports `runtime/` (module-level or lazily)."""
+above `config` / `errors`; `linear/` (a kernel package the modules and the attention call) imports only
+`triton_interp`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
+`runtime/` (module-level or lazily)."""
 
 from __future__ import annotations
 
@@ -40,15 +41,16 @@ def files(sub: str) -> list[Path]:
     ("sub", "allowed"),
     [
         ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.triton_interp", "trtllm_glm.state")),
+        ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.linear")),
     ],
 )
-def test_state_is_a_leaf(sub: str, allowed: tuple[str, ...]) -> None:
+def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
     for f in files(sub):
         bad = {m for m in imported(f) if not m.startswith(allowed)}
         assert not bad, f"{f.relative_to(PKG)} imports {bad}"
 
 
-@pytest.mark.parametrize("sub", ["state", "attention", "kda", "cache", "models", "speculative"])
+@pytest.mark.parametrize("sub", ["state", "linear", "attention", "kda", "cache", "models", "speculative"])
 def test_nothing_below_the_runtime_imports_it(sub: str) -> None:
     above = ("trtllm_glm.runtime", "trtllm_glm.serve", "trtllm_glm.cli")
     for f in files(sub):

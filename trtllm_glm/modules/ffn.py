@@ -17,6 +17,7 @@ from torch import nn
 
 from ..act import swiglu
 from ..config import Glm5NextConfig
+from ..linear import linear_fp32
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
 
@@ -161,9 +162,12 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route tokens.
 
-        The logits are one fp32 GEMM; the rest goes through `trtllm_glm.moe.router.route`: one Triton launch
-        for CUDA inference with ``n_group == 1``, else `route_reference` (``backend`` or
-        ``TRTLLM_GLM_ROUTER_BACKEND`` override the choice). Both give the same ids in the same order.
+        The logits are one fp32 GEMM (`trtllm_glm.linear.linear_fp32`: one Triton launch reading the weight in
+        its own dtype for CUDA inference with up to 64 rows, ``F.linear(x.float(), W.float())`` otherwise;
+        ``TRTLLM_GLM_SKINNY_GEMM_BACKEND`` overrides the choice). The rest goes through
+        `trtllm_glm.moe.router.route`: one Triton launch for CUDA inference with ``n_group == 1``, else
+        `route_reference` (``backend`` or ``TRTLLM_GLM_ROUTER_BACKEND`` override the choice). Both give the same
+        ids in the same order.
 
         Args:
             x: ``[N, hidden]``.
@@ -175,7 +179,7 @@ class MoEGate(nn.Module):
         # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
         from ..moe.router import route
 
-        logits = F.linear(x.float(), self.weight.float())
+        logits = linear_fp32(x, self.weight)
         return route(
             logits,
             self.e_score_correction_bias,

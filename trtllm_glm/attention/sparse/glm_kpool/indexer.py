@@ -13,6 +13,7 @@ from torch import nn
 
 from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
+from ....linear import linear_fp32
 from .backend import kpool_ops
 from .metadata import GlmKpoolMetadata
 from .ops import expand_selection_window, indexer_head_weights
@@ -117,7 +118,8 @@ class GlmKpoolIndexer(nn.Module):
             )
             return sel
         q8, qscale = ops.rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
-        w = indexer_head_weights(F.linear(h.float(), self.weights_proj.weight.float()), qscale, self.n_heads)
+        # fp32 head weights (step 4): one Triton launch for decode / verify rows on CUDA (`linear_fp32`).
+        w = indexer_head_weights(linear_fp32(h, self.weights_proj.weight), qscale, self.n_heads)
         scores = ops.score_pools(
             q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
         )

@@ -1,0 +1,32 @@
+"""Skinny fp32 GEMMs for the decode path: ``x.float() @ W.float()^T`` for a few rows, in one Triton launch.
+
+The MoE router logits and the sparse-attention indexer's head weights are fp32 products of a bf16 weight with the
+step's decode / verify rows. `linear_fp32` is what the model calls: `skinny_gemm` (`kernels`: the weight read once
+in its own dtype, split along K, partials reduced in a fixed order) for CUDA inference with at most `MAX_M` rows,
+`skinny_gemm_reference` (``F.linear(x.float(), W.float())``) otherwise; ``TRTLLM_GLM_SKINNY_GEMM_BACKEND``
+(``auto`` / ``torch`` / ``triton``) forces either (`ops`).
+
+Importing this package needs only torch; Triton is imported on the first kernel call.
+"""
+
+from __future__ import annotations
+
+from .ops import (
+    MAX_M,
+    SKINNY_GEMM_BACKEND_ENV,
+    kernel_module,
+    linear_fp32,
+    skinny_gemm,
+    skinny_gemm_backend,
+    skinny_gemm_reference,
+)
+
+__all__ = [
+    "MAX_M",
+    "SKINNY_GEMM_BACKEND_ENV",
+    "kernel_module",
+    "linear_fp32",
+    "skinny_gemm",
+    "skinny_gemm_backend",
+    "skinny_gemm_reference",
+]

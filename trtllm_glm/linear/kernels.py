@@ -1,0 +1,245 @@
+"""One Triton kernel for ``y = x @ W^T`` with fp32 accumulation and an fp32 result, for a few rows of ``x``
+(`trtllm_glm.linear.skinny_gemm`).
+
+Why: the MoE router logits (``W [288, 4096]``) and the indexer's head weights (``W [32, 4096]``) are fp32 GEMMs
+of a bf16 weight with a handful of decode / verify rows. Through torch they are a cast of the whole weight to
+fp32 (read 2 bytes, write 4 bytes per weight) plus a SIMT sgemm whose 128-row tiles give ~9 programs: ~10 µs
+per router call where reading the weight once takes well under 1 µs. Here the weight is read once, in its own
+dtype, by ~100+ programs.
+
+``_skinny_gemm_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT)``: program ``(t, s)`` computes the partial product of
+output columns ``t * BLOCK_N ..`` (rows of ``W``) over the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns,
+as ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T`` (the weight rows are the MMA's "M" side, so a single row of
+``x`` still fills a tensor-core tile; rows of ``x`` beyond ``M`` are loaded as zeros and never stored). The
+chunk is walked in ``BLOCK_K`` steps that Triton's pipeliner keeps in flight together (``num_stages``).
+
+* ``SPLIT == 1``: the program stores its tile of ``y``.
+* ``SPLIT > 1``: the program stores its fp32 partial tile to a scratch buffer, then (after a CTA barrier, so that
+  every warp's stores precede it) increments the tile's arrival counter with an acq_rel atomic. The program
+  that arrives last (old count ``SPLIT - 1``) reads the ``SPLIT`` partials back in split order ``0, 1, ..``
+  (L1-bypassing loads: they were written by other SMs), sums them in that order, stores ``y`` and resets the
+  counter to 0. Which program arrives last varies from run to run; the order of the sum does not, so results
+  are bitwise reproducible. Counters are zero again after every launch, so repeated launches and CUDA-graph
+  replays need no memset.
+
+Numerics: every product is formed from the inputs' own values and summed in fp32 (no TF32, no atomics on the
+sums). ``DOT_FP32`` picks the arithmetic: False (CUDA, both inputs bf16 or both fp16) uses tensor-core MMAs,
+whose products of 16-bit values are exact and whose fp32 accumulation is exact up to the alignment rounding
+inside one MMA (16 products; the same order of error as an fp32 sum); True (fp32 or mixed inputs, and always
+under Triton's interpreter, whose bf16 arithmetic is wrong) upcasts right after loading and uses an IEEE fp32
+dot (FMAs on the GPU, numpy's fp32 matmul in the interpreter). Compiled, each output element's summation order
+depends on ``(N, K)``, the dtypes and the launch shape only, never on ``M`` (an MMA or FMA never mixes the
+columns of different rows, and `launch_config` ignores ``M``): a row's result does not change with the other rows
+of the batch, so a decode row and the same row inside a verify batch get the same bits. (Interpreted, numpy's
+matmul makes no such promise.)
+
+Launch parameters come from shapes only (`launch_config`) and the scratch (partials and counters) is allocated
+once per (device, tiles, split) and cached (`_scratch`), so calls can be captured in a CUDA graph. Launches that
+share a scratch must be ordered (one stream), as every step of the model is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["BLOCK_N", "INTERPRETED", "MAX_M", "SkinnyConfig", "clear_scratch", "launch_config", "launch_skinny_gemm"]
+
+# Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+# Rows of x one launch handles: the partial tiles are sized for it, and beyond it the x tile (BLOCK_M x BLOCK_K
+# per stage) outgrows the point of a skinny kernel (cuBLAS serves larger M well).
+MAX_M = 64
+# Weight rows per program: the smallest MMA tile side, which keeps the partials (SPLIT x BLOCK_N x M per tile)
+# small and the programs many.
+BLOCK_N = 16
+# Weight bytes one program reads (its K chunk): enough to keep the SM's memory pipe busy for one round trip,
+# small enough to give ~100+ programs at the router's [288, 4096] (18 tiles x 8 splits of 512 bf16 columns).
+_BYTES_PER_PROGRAM = 16384
+# Programs a launch should have at least (while chunks stay >= block_k): more memory requests in flight for a
+# narrow weight, at the price of more partials for the last program of each tile to add.
+_MIN_PROGRAMS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch shape: ``split`` programs per tile of `BLOCK_N` weight rows, each covering ``k_per_split``
+    reduction columns (a multiple of ``block_k``) in steps of ``block_k``."""
+
+    block_k: int
+    k_per_split: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(
+    n: int,
+    k: int,
+    weight_bytes: int,
+    dot_fp32: bool,
+    *,
+    split_k: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> SkinnyConfig:
+    """The launch shape for ``W [n, k]`` (shapes and dtypes only, never ``M``: see the module docstring).
+
+    Args:
+        n: output columns (weight rows).
+        k: reduction length.
+        weight_bytes: bytes per weight element.
+        dot_fp32: the IEEE fp32 dot path (register-bound on the GPU: smaller ``block_k``).
+        split_k: at most this many K chunks (default: about `_BYTES_PER_PROGRAM` of weight per program, and at
+            least `_MIN_PROGRAMS` programs in all).
+        block_k: reduction columns per step, a power of two >= 16 (default 128 for tensor cores, 32 for fp32).
+        num_warps: warps per program (default 4).
+        num_stages: pipelined steps in flight (default: up to 4, no more than the steps of a chunk + 1).
+
+    Raises:
+        ValueError: a bad ``block_k`` or ``split_k``.
+    """
+    if block_k is None:
+        block_k = 32 if dot_fp32 else 128
+    if block_k < 16 or block_k & (block_k - 1):
+        raise ValueError(f"block_k must be a power of two >= 16, got {block_k}")
+    if split_k is None:
+        per = max(block_k, _BYTES_PER_PROGRAM // (BLOCK_N * weight_bytes))
+        # A narrow weight (the indexer's 32 rows: 2 tiles) still gets _MIN_PROGRAMS programs, in smaller chunks.
+        split_k = max(triton.cdiv(k, per), triton.cdiv(_MIN_PROGRAMS, triton.cdiv(n, BLOCK_N)))
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split = triton.cdiv(k, kps)  # <= split_k; no chunk is empty
+    steps = kps // block_k
+    if num_stages is None:
+        num_stages = max(2, min(4, steps + 1))
+    return SkinnyConfig(block_k, kps, split, 4 if num_warps is None else num_warps, num_stages)
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PART_M: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    nl = tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + nl
+    m = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    m_ok = m < M
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_begin = s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if DOT_FP32:
+            # "ieee": the default fp32 dot is TF32, which would round the inputs.
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc, out_dtype=tl.float32)
+
+    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    y_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc, mask=y_mask)
+    else:
+        part_tile = part_ptr + (tile * SPLIT * BLOCK_N + nl)[:, None] * PART_M + m[None, :]
+        tl.store(part_tile + s * (BLOCK_N * PART_M), acc, mask=m_ok[None, :])
+        # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
+        # acq_rel atomic, which is cumulative over what the barrier ordered before it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            # The last program of the tile: every partial is visible (acquire above). Fixed order 0..SPLIT-1,
+            # whichever program got here; ".cg" reads from L2, never from a stale L1 line.
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                total += tl.load(
+                    part_tile + i * (BLOCK_N * PART_M), mask=m_ok[None, :], other=0.0, cache_modifier=".cg"
+                )
+            tl.store(y_ptrs, total, mask=y_mask)
+            # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+_SCRATCH: dict[tuple[str, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def clear_scratch() -> None:
+    """Drop the cached scratch buffers (tests; the next launch allocates fresh zeroed counters)."""
+    _SCRATCH.clear()
+
+
+def _scratch(device: torch.device, tiles: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials [tiles * split * BLOCK_N * MAX_M] fp32, counters [tiles] int32 zeros)`` for ``device``.
+
+    Cached per (device, tiles, split): every launch leaves its counters at zero. The first call of a shape
+    should run outside CUDA-graph capture (a warm-up, as every capture in this package does); a first call
+    inside a capture gets buffers of its own, not cached, whose zeroing is part of the graph.
+    """
+    key = (str(device), device.index if device.index is not None else -1, tiles, split)
+    hit = _SCRATCH.get(key)
+    if hit is not None:
+        return hit
+    partials = torch.empty(tiles * split * BLOCK_N * MAX_M, dtype=torch.float32, device=device)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return partials, counters
+    _SCRATCH[key] = (partials, counters)
+    return partials, counters
+
+
+def launch_skinny_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig, dot_fp32: bool) -> None:
+    """Launch `_skinny_gemm_kernel` (arguments already checked by `trtllm_glm.linear.skinny_gemm`).
+
+    Args:
+        x: ``[M, K]``, ``1 <= M <= MAX_M``, unit last stride.
+        w: ``[N, K]``, unit last stride.
+        y: ``[M, N]`` fp32, unit last stride; every element is written.
+        cfg: the launch shape (`launch_config`).
+        dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
+    """
+    m_rows, k = x.shape
+    n = w.shape[0]
+    tiles = triton.cdiv(n, BLOCK_N)
+    if cfg.split > 1:
+        partials, counters = _scratch(x.device, tiles, cfg.split)
+    else:
+        partials = counters = y  # unused (SPLIT == 1 never touches them)
+    block_m = max(16, triton.next_power_of_2(m_rows))  # tl.dot needs >= 16 on every side
+    _skinny_gemm_kernel[(tiles, cfg.split)](
+        x, w, y, partials, counters,
+        m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
+        SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, PART_M=MAX_M,
+        DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,188 @@
+"""fp32 GEMMs of a few rows against a (usually bf16) weight: the torch reference, the kernel op, the dispatcher.
+
+`skinny_gemm_reference` is the definition the model's reference (transformers' glm5_next) uses for the MoE
+router logits and the indexer's head weights: ``F.linear(x.float(), W.float())``. `skinny_gemm` computes the
+same product in one Triton launch (`kernels`), reading ``x`` and ``W`` in their own dtypes. `linear_fp32` is
+what the model calls: the kernel for CUDA inference with at most `MAX_M` rows, the reference otherwise, as
+`skinny_gemm_backend` (``TRTLLM_GLM_SKINNY_GEMM_BACKEND``) decides.
+
+Where the kernel runs: CUDA tensors go to the compiled kernel; any other device (the CPU) goes to an interpreted
+copy of `kernels` (`trtllm_glm.triton_interp.KernelPackage`), so CPU tests exercise the kernel source. Triton is
+imported lazily, on the first kernel call: importing this module needs only torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_glm.triton_interp import KernelPackage, kernel_backend
+
+__all__ = [
+    "MAX_M",
+    "SKINNY_GEMM_BACKEND_ENV",
+    "kernel_module",
+    "linear_fp32",
+    "skinny_gemm",
+    "skinny_gemm_backend",
+    "skinny_gemm_reference",
+]
+
+SKINNY_GEMM_BACKEND_ENV = "TRTLLM_GLM_SKINNY_GEMM_BACKEND"
+# Rows one kernel launch handles (`kernels.MAX_M`; repeated here so that the dispatcher needs no Triton import).
+MAX_M = 64
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PACKAGE = KernelPackage(__package__ or "trtllm_glm.linear", [os.path.dirname(os.path.abspath(__file__))])
+
+
+def kernel_module(device: torch.device | str) -> Any:
+    """`kernels` built for ``device``: compiled on CUDA, an interpreted copy elsewhere."""
+    return _PACKAGE.module("kernels", device)
+
+
+def skinny_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x.float() @ weight.float()^T`` (torch; differentiable; any device).
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float.
+
+    Returns:
+        ``[..., N]`` fp32.
+    """
+    return F.linear(x.float(), weight.float())
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2:
+        raise ValueError(f"skinny_gemm: weight must be 2-D [N, K], got shape {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"skinny_gemm: x must be [..., K] with K = {weight.shape[1]} (weight {tuple(weight.shape)}), "
+            f"got shape {tuple(x.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"skinny_gemm: x is on {x.device}, weight on {weight.device}")
+
+
+def skinny_gemm_backend(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for one `linear_fp32` call (decided from shapes, devices and flags only).
+
+    ``backend`` (default: ``TRTLLM_GLM_SKINNY_GEMM_BACKEND``, else ``"auto"``): ``"torch"``, the reference;
+    ``"triton"``, the kernel on any device (the CPU runs it through Triton's interpreter); ``"auto"``, the kernel
+    for CUDA tensors when no gradient is needed (it has no backward), the reference otherwise. Either way a call
+    the kernel does not cover (more than `MAX_M` or no rows, an empty weight, a dtype other than fp32 / bf16 /
+    fp16) takes the reference.
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: ``"triton"`` forced while a gradient is needed.
+    """
+    choice = kernel_backend("skinny GEMM", SKINNY_GEMM_BACKEND_ENV, [x, weight], backend)
+    if choice == "torch":
+        return "torch"
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    covered = (
+        1 <= rows <= MAX_M
+        and weight.dim() == 2
+        and weight.shape[0] > 0
+        and weight.shape[1] > 0
+        and x.dtype in _DTYPES
+        and weight.dtype in _DTYPES
+    )
+    return "triton" if covered else "torch"
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """``x.float() @ weight.float()^T`` in one Triton launch (`kernels`), for at most `MAX_M` rows.
+
+    fp32 accumulation of the exact products of the inputs' values (bf16 x bf16 and fp16 x fp16 on tensor
+    cores, otherwise IEEE fp32 FMAs), never TF32; bitwise reproducible; compiled, a row's result does not depend
+    on the other rows. Nothing reads tensor values on the host and launch parameters depend on shapes only, so the
+    call can be captured in a CUDA graph (run it once outside the capture first: it allocates its cached
+    scratch then).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16, ``1 <= M <= MAX_M``, any row stride (a non-unit last stride is copied).
+        weight: ``[N, K]`` fp32 / bf16 / fp16 on ``x``'s device (a non-unit last stride is copied).
+        out: optional ``[M, N]`` fp32 result buffer with a unit last stride; written and returned.
+        split_k: at most this many K chunks per weight tile (tuning only; `kernels.launch_config`).
+        block_k: reduction columns per step (tuning only).
+        num_warps: warps per program (tuning only).
+        num_stages: pipelined steps (tuning only).
+
+    Returns:
+        ``[M, N]`` fp32.
+
+    Raises:
+        ValueError: wrong dims, mismatched K or devices, an unsupported dtype, ``M`` out of range or a bad
+            ``out``.
+    """
+    _check(x, weight)
+    if x.dim() != 2:
+        raise ValueError(f"skinny_gemm: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise ValueError(f"skinny_gemm: dtypes must be fp32 / bf16 / fp16, got x {x.dtype}, weight {weight.dtype}")
+    m_rows, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m_rows <= MAX_M:
+        raise ValueError(f"skinny_gemm: x must have 1 to {MAX_M} rows, got {m_rows}")
+    if out is None:
+        out = torch.empty(m_rows, n, dtype=torch.float32, device=x.device)
+    elif out.shape != (m_rows, n) or out.dtype != torch.float32 or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"skinny_gemm: out must be [{m_rows}, {n}] float32 on {x.device} with a unit last stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}"
+        )
+    if n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    mod = kernel_module(x.device)
+    # Tensor cores for two 16-bit inputs of one dtype on CUDA; IEEE fp32 otherwise (and always when interpreted).
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
+    cfg = mod.launch_config(
+        n, k, weight.element_size(), dot_fp32,
+        split_k=split_k, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    mod.launch_skinny_gemm(x, weight, out, cfg, dot_fp32)
+    return out
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float())``: `skinny_gemm` when `skinny_gemm_backend` says ``"triton"``, else
+    `skinny_gemm_reference` (on the CPU by default: exactly the reference's result).
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float on ``x``'s device.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_SKINNY_GEMM_BACKEND``, else auto).
+
+    Returns:
+        ``[..., N]`` fp32.
+
+    Raises:
+        ValueError: ``weight`` not 2-D, a K that does not match, or different devices.
+    """
+    _check(x, weight)
+    if skinny_gemm_backend(x, weight, backend) == "torch":
+        return skinny_gemm_reference(x, weight)
+    y = skinny_gemm(x.reshape(-1, x.shape[-1]), weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
