@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -602,6 +604,11 @@ def main() -> None:
         help="decode / verify steps as CUDA graphs (both: eager, then graphs, in one run)",
     )  # fmt: skip
     ap.add_argument(
+        "--env-ab", default=None, metavar="VAR=V1,V2",
+        help="run every case once per value of the environment variable VAR (kernel A/B in one process; rows "
+        "carry 'env'), e.g. TRTLLM_GLM_SKINNY_GEMM_BACKEND=torch,auto",
+    )  # fmt: skip
+    ap.add_argument(
         "--trained", action="store_true", help="the preset's shipped weights (e.g. small) on held-out stdlib prompts"
     )
     args = ap.parse_args()
@@ -620,6 +627,7 @@ def main() -> None:
     print(json.dumps({"copy_ceiling_gbs": round(bw, 1), "device": args.device, "dtype": args.dtype}), flush=True)
     rows_out = []
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    env_settings, set_env = env_ab(args.env_ab)
     for L in args.layers:
         keep = list(range(min(L, base.num_hidden_layers)))
         from trtllm_glm.models.glm5_next import subset_config
@@ -630,9 +638,11 @@ def main() -> None:
         model = random_model(cfg, args.device, args.dtype, seed=0)
         for B in args.batch:
             plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
-            plain_step: dict[bool, tuple[float, float, float]] = {}  # graphs -> plain (step_ms, floor_ms, tok/s)
+            # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
+            plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
             for graphs in graph_modes:
-                for mode in args.modes:
+                for mode, env in [(m, e) for m in args.modes for e in env_settings]:
+                    set_env(env)
                     if mode.startswith("oracle") and plain is None:
                         plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs)
                     cont = plain["outputs"] if plain is not None else None
@@ -666,9 +676,9 @@ def main() -> None:
                     floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
                     if mode == "plain":
                         plain = plain or r
-                        plain_step[graphs] = (r["step_ms"], floor_ms, r["tokens_per_s"])
-                    base = plain_step.get(graphs)
-                    row = {"layers": L, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
+                        plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
+                    base = plain_step.get((graphs, env))
+                    row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
                            "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
                            "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
                            "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
@@ -703,11 +713,34 @@ def main() -> None:
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    set_env(None)
     for line in goal_lines(rows_out):
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
+
+
+def env_ab(spec: str | None) -> tuple[list[str | None], Callable[[str | None], None]]:
+    """``--env-ab VAR=V1,V2``: the settings ``["VAR=V1", "VAR=V2"]`` (``[None]`` without it) and a setter that
+    applies one (``None`` restores the variable as it was). The backends read their variables per call, so a
+    case's executor (and its captured graphs) runs wholly under its setting."""
+    if not spec:
+        return [None], lambda s: None
+    var, sep, vals = spec.partition("=")
+    values = [v for v in vals.split(",") if v]
+    if not sep or not var or not values:
+        raise SystemExit(f"--env-ab: expected VAR=V1,V2, got {spec!r}")
+    before = os.environ.get(var)
+
+    def set_env(setting: str | None) -> None:
+        value = before if setting is None else setting.partition("=")[2]
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+    return [f"{var}={v}" for v in values], set_env
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
