@@ -30,12 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
-from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sparse_kernels import _copy_ceiling, graph_us  # noqa: E402
 
 HIDDEN = 4096
 SHAPES = (288, 32)
@@ -57,47 +60,6 @@ SWEEP: list[dict] = [
     dict(split_k=16, block_k=64),
     dict(split_k=32, block_k=64),
 ]
-
-
-def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
-    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median over ``reps`` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:  # warm-up (compilation, allocator, the kernel's cached scratch) outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    times.sort()
-    return times[len(times) // 2]
-
-
-def copy_ceiling(dev: torch.device, quick: bool) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    from triton.testing import do_bench
-
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = do_bench(partial(dst.copy_, src), warmup=10, rep=40 if quick else 200, return_mode="median") * 1e3
-    del src, dst
-    return 2 * n / (t * 1e-6) / 1e9
 
 
 def _torch_path(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -133,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    ceiling = copy_ceiling(dev, args.quick)
+    ceiling = _copy_ceiling(dev, args.quick)
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"L2 {props.L2_cache_size / 2**20:.0f} MiB; copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
     reps = 10 if args.quick else 30
