@@ -46,6 +46,8 @@ ROWS = (1, 4, 16, 64)
 REL_BOUND = 1e-6
 # Launch shapes timed by --sweep (keywords of `skinny_gemm`); the default shape is always timed as "default".
 SWEEP: list[dict] = [
+    dict(split_k=1),  # no fixup: one program per 16 weight rows
+    dict(split_k=2),
     dict(split_k=4),
     dict(split_k=8),
     dict(split_k=16),
