@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from idle_sites import idle_sites
 
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -304,7 +305,7 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
-             profile_host: int = 0, profile_sites: int = 0):  # fmt: skip
+             profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
@@ -313,6 +314,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     ``profile_host``: also list that many package functions by host time over three steps (``host_profile``).
     ``profile_sites``: also list that many call sites of one steady step's torch ops (`op_sites`; an eager
     step: run with graphs off).
+    ``profile_idle``: also charge the GPU's idle time over three steps to that many host functions
+    (`idle_sites.idle_sites`: ``idle_sites``, CUDA only).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -344,6 +347,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     kernels = top_kernels(ex.step, profile_kernels) if profile_kernels and ex.has_work and device == "cuda" else []
     host = host_profile(ex, 3, profile_host) if profile_host else []
     sites = op_sites(ex.step, profile_sites) if profile_sites and ex.has_work else []
+    idle = idle_sites(ex.step, 3, profile_idle) if profile_idle and ex.has_work and device == "cuda" else {}
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     runner = ex.graph_runner
@@ -387,6 +391,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "top_kernels": kernels,
         "host_profile": host,
         "op_sites": sites,
+        "idle_sites": idle,
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
         "greedy": [i for i, r in enumerate(reqs) if r.params.greedy],
@@ -592,6 +597,10 @@ def main() -> None:
         "--profile-host", type=int, default=0, help="list the N package functions with the most host time per step"
     )
     ap.add_argument(
+        "--profile-idle", type=int, default=0,
+        help="charge the GPU's idle time per step to the N host functions it waited for (idle_sites.py)",
+    )  # fmt: skip
+    ap.add_argument(
         "--oracle-passes", type=int, default=4,
         help="oracle warm-up runs at most, each taking the previous one's output as its continuation",
     )  # fmt: skip
@@ -667,7 +676,8 @@ def main() -> None:
                             break
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
                                  graphs=graphs, profile_kernels=args.profile_kernels,
-                                 profile_host=args.profile_host, profile_sites=args.profile_sites)  # fmt: skip
+                                 profile_host=args.profile_host, profile_sites=args.profile_sites,
+                                 profile_idle=args.profile_idle)  # fmt: skip
                     # A step verifies 1 + K rows per request (K = the mode's draft count).
                     k = draft_len(mode)
                     fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
@@ -699,7 +709,7 @@ def main() -> None:
                            "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
                            "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
                            "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
-                           "op_sites": r["op_sites"]}  # fmt: skip
+                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
                     rows_out.append(row)
                     emit(row)
             if args.transformers:

@@ -335,25 +335,114 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
     assert st.replays > 0 and st.eager_steps == 0, (st.replays, st.eager_steps)
 
 
-def test_catchup_graph_per_width(emulated) -> None:
-    """The MTP catch-up replays at (padded size, the round's largest committed count), not always K + 1 rows
-    per sequence: keys round-trip, differ per width, and a round that accepted nothing catches up on one row."""
+def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
+    """The MTP catch-up (and the fused draft) replays at (padded size, the round's largest committed count),
+    not always K + 1 rows per sequence: a round that accepted nothing catches up on one row."""
     spec = MTPDecodingConfig(num_nextn_predict_layers=3)
     ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
         batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
     chain = ex.drafter.chain_graphs
-    assert chain is not None and chain.width == 4
-    keys = {}
-    for P in (1, 2, 4):
-        for W in range(1, 5):
-            k = chain._catch_key(P, W)
-            assert k < 0 and chain._catch_shape(k) == (P, W)
-            keys[(P, W)] = k
-    assert len(set(keys.values())) == len(keys)
-    assert chain._catch_shape(chain.catchup_key([1])) == (1, 1)
-    assert chain._catch_shape(chain.catchup_key([1, 2, 1])) == (4, 2)
-    assert chain._catch_shape(chain.catchup_key([4, 1])) == (2, 4)
+    assert chain is not None and chain.width == 4 and chain.fused
+    assert chain.catchup_key([1]) == ("catchup", 1, 1)
+    assert chain.catchup_key([1, 2, 1]) == ("catchup", 4, 2)
+    assert chain.catchup_key([4, 1]) == ("catchup", 2, 4)
     assert chain.catchup_key([5]) is None  # more rows than K + 1: eager
+    assert chain.draft_key([1, 2, 1]) == ("draft", 4, 2)
+    assert chain.draft_key([5]) is None
+    assert chain.key(3) == ("chain", 4, 1)
+    # K = 1 has no chained steps to fuse; the switch turns the fused draft off.
+    for k, env in ((1, "1"), (3, "0")):
+        monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", env)
+        ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
+            batch_sizes=[1, 2], enable_padding=True)), MTPDecodingConfig(num_nextn_predict_layers=k))  # fmt: skip
+        assert not ex.drafter.chain_graphs.fused and ex.drafter.chain_graphs.draft_key([1]) is None
+
+
+def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> None:
+    """The fused MTP draft (catch-up + chained steps as one graph, the batch description rewritten on the
+    device between them) proposes exactly the per-step graphs' drafts, from the same hidden rows, and leaves
+    the MTP plane's tail ring as they do (the chained rows' entries restored), round after round, in a
+    padded batch with a request joining late; tokens equal eager decoding. The separate draft manager is
+    covered on the GPU (test_cuda_graph_gpu.py); interpreted kernels make this test the slow one."""
+    # One sparse layer and the MTP layer: the interpreted kernels are what costs time here.
+    model = Glm5NextForCausalLM.from_pretrained("tiny", layers=[3], dtype="float32").eval()
+    k, kv_mode, share = 3, "shared", True
+    max_tokens = [9, 7, 8, 6]
+
+    def run(fused: str) -> tuple[list, list, list, list, SpeculativeExecutor]:
+        monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
+        spec = MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=kv_mode, index_share_for_mtp_iteration=share)
+        ex = SpeculativeExecutor(model, ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
+            batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
+        # Per round: the drafts, and the hidden rows the last chained step fed the LM head (drafts are
+        # argmaxes, which a small error in the MTP forward rarely flips; the hidden rows show it).
+        log: list[list[tuple[int, list[int]]]] = []
+        heads: list[torch.Tensor | None] = []
+        rings: list[torch.Tensor] = []
+        fed: list[torch.Tensor] = []
+        orig, orig_logits = ex.drafter.draft, model.compute_logits
+
+        def compute_logits(h):
+            fed.append(h.detach().clone())
+            return orig_logits(h)
+
+        def draft(seqs, hidden):
+            fed.clear()
+            orig(seqs, hidden)
+            log.append([(s.request_id, list(s.state.drafts)) for s in seqs if s.live])
+            heads.append(fed[-1][: len(log[-1])] if fed else None)
+            rings.append(ex.manager.state.tail_ring[ex.mtp_plane].clone())
+
+        ex.drafter.draft = draft  # type: ignore[method-assign]
+        monkeypatch.setattr(model, "compute_logits", compute_logits)
+        out = _run(ex, PROMPTS, max_tokens, join_after=2)
+        monkeypatch.setattr(model, "compute_logits", orig_logits)
+        return out, log, heads, rings, ex
+
+    emulated(False)
+    cfg = ExecutorConfig(**EX_CFG)
+    plain = _run(Executor(model, cfg), PROMPTS, max_tokens, join_after=2)
+    emulated(True)
+    per_step, log_ref, heads_ref, rings_ref, ex_ref = run("0")
+    fused, log, heads, rings, ex = run("1")
+    chain, chain_ref = ex.drafter.chain_graphs, ex_ref.drafter.chain_graphs
+    assert chain.fused and not chain_ref.fused
+    assert chain.draft_replays > 0 and chain_ref.draft_replays == 0 and chain_ref.replays > 0
+    # Rounds whose requests all want K drafts went fused; the rest (budget-cut rounds) per step.
+    assert chain.replays < chain_ref.replays
+    assert log == log_ref
+    assert len(heads) == len(heads_ref)
+    for a, b in zip(heads, heads_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(rings, rings_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert any(d for rnd in log for _, d in rnd)
+    _assert_same(plain, fused)
+    assert [r.output_ids for r in fused] == [r.output_ids for r in per_step]
+    assert [r.accepted_per_position for r in fused] == [r.accepted_per_position for r in per_step]
+
+
+def test_set_decode_rows_matches_prepare() -> None:
+    """`AttentionMetadata.set_decode_rows` writes what `prepare` writes for one decode row per sequence."""
+    from trtllm_glm.attention.metadata import AttentionMetadata
+
+    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 2, 4, 1], state_slots=[7, 1, 2, 0], num_decode_seqs=0,
+              num_padding_seqs=1, valid_q_lens=[2, 2, 3, 0])  # fmt: skip
+    past = [7, 2, 12, 4]
+    a.set_decode_rows(torch.tensor(past), torch.tensor([True, True, True, False]), past)
+    b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[1] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
+              num_padding_seqs=1)  # fmt: skip
+    for name in ("positions_t", "row_seq_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t", "cu_seqlens_t"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
+                 "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
+        assert getattr(a, name) == getattr(b, name), name
+    with pytest.raises(ValueError, match="4 lengths"):
+        a.set_decode_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), past[:3])
 
 
 def test_accepted_counts_on_device() -> None:

@@ -137,8 +137,10 @@ def test_graphs_match_eager(model, mode: str) -> None:
     assert st.replays > 0
     if mode.startswith("mtp"):
         chain = ex.drafter.chain_graphs
-        print(f"[{mode}] MTP catch-up replays {chain.catchup_replays}, chained {chain.replays}, failed {chain.failed}")
-        assert chain.replays > 0 and chain.catchup_replays > 0 and not chain.failed
+        print(f"[{mode}] MTP fused drafts {chain.draft_replays}, catch-up replays {chain.catchup_replays}, "
+              f"chained {chain.replays}, failed {chain.failed}")  # fmt: skip
+        # Full-width rounds replay the fused draft; budget-cut ones the catch-up and chained graphs.
+        assert chain.draft_replays > 0 and chain.replays > 0 and chain.catchup_replays > 0 and not chain.failed
         # Same drafts as eager (up to near ties): the acceptance stays what it was.
         acc_ref = sum(r.num_accepted_total for r in ref) / max(sum(r.num_verify_rounds for r in ref), 1)
         acc = sum(r.num_accepted_total for r in got) / max(sum(r.num_verify_rounds for r in got), 1)
@@ -148,6 +150,46 @@ def test_graphs_match_eager(model, mode: str) -> None:
     if mode == "ngram":
         for r in got:
             assert r.num_verify_rounds > 0
+
+
+@pytest.mark.parametrize("kv_mode", ["shared", "separate"])
+def test_fused_mtp_draft_matches_per_step_graphs(model, monkeypatch, kv_mode: str) -> None:
+    """The fused MTP draft graph (catch-up and chained steps in one capture, the batch rewritten on the device
+    between them) drafts what the per-step graphs draft, round after round; tokens stay the eager ones."""
+
+    def run(fused: str):
+        monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
+                             max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
+        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode))
+        log: list[list[tuple[int, list[int]]]] = []
+        orig = ex.drafter.draft
+
+        def draft(seqs, hidden):
+            orig(seqs, hidden)
+            log.append([(s.request_id, list(s.state.drafts)) for s in seqs if s.live])
+
+        ex.drafter.draft = draft  # type: ignore[method-assign]
+        return _run(ex, join_after=3), log, ex.drafter.chain_graphs
+
+    ref = _run(_make(model, "mtp", None), join_after=3)
+    per_step, log_ref, chain_ref = run("0")
+    fused, log, chain = run("1")
+    assert chain.draft_replays > 0 and chain_ref.draft_replays == 0 and not chain.failed
+    same = sum(a == b for a, b in zip(log, log_ref))
+    print(f"\n[{kv_mode}] fused drafts {chain.draft_replays}; rounds drafted as the per-step graphs: {same} of "
+          f"{len(log_ref)}")  # fmt: skip
+    for a, b in zip(ref, fused):
+        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
+        assert d is None or d.excused, f"request {a.request_id}: {d}"
+    # Equal drafts give equal acceptance; the rounds line up until a near tie of the MTP logits parts them
+    # (the fused catch-up runs the LM head on each sequence's last row only: another GEMM shape).
+    assert same > 0
+    acc = [
+        sum(r.num_accepted_total for r in rs) / max(sum(r.num_verify_rounds for r in rs), 1) for rs in (per_step, fused)
+    ]
+    print(f"[{kv_mode}] mean accepted per step {acc[0]:.3f}, fused {acc[1]:.3f}")
+    assert abs(acc[0] - acc[1]) <= 0.1
 
 
 def test_one_device_to_host_copy_per_plain_step(model) -> None:

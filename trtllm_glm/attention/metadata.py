@@ -208,6 +208,43 @@ class AttentionMetadata:
         self._tok_buf.copy_(th, non_blocking=True)
         self._staging.release()
 
+    def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
+        """Make the current batch one decode row per sequence at device-held lengths, by device ops only.
+
+        Nothing is copied from the host, so a captured CUDA graph can change its step's shape midway (the
+        fused MTP draft: a catch-up over several rows per sequence, then chained single-row steps). The
+        sequences, their state slots and the slot table stay; lengths, positions and row ownership are
+        rewritten as `prepare` would write them for ``q_lens = 1``.
+
+        Args:
+            past_lens: ``[num_seqs]`` int64 on the device: each sequence's cached tokens before its row.
+            real: ``[num_seqs]`` bool on the device; False makes the sequence's row a padding row
+                (``row_seq = -1``).
+            host_past_lens: ``[num_seqs]`` the same lengths for the host description (``max_kv_len``, which
+                sizes the pool scores outside graph capture); placeholders are fine while capturing, where
+                ``graph_max_pools`` bounds them.
+        """
+        B = self.num_seqs
+        if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
+            raise ValueError(f"set_decode_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
+        seq, tok = self._seq_buf, self._tok_buf
+        ar = torch.arange(B + 1, dtype=torch.int64, device=self.device)
+        seq[1, :B].copy_(past_lens)
+        seq[2, :B].fill_(1)
+        torch.add(past_lens, 1, out=seq[3, :B])
+        seq[4, : B + 1].copy_(ar)
+        tok[0, :B].copy_(past_lens)
+        tok[1, :B].copy_(torch.where(real, ar[:B], -1))
+        self.q_lens = [1] * B
+        self.past_lens = list(host_past_lens)
+        self.cu_seqlens = list(range(B + 1))
+        self.num_decode_seqs = B
+        self.num_decode_tokens = B
+        self.num_tokens = B
+        self.max_kv_len = max((p + 1 for p in self.past_lens), default=0)
+        self.valid_q_lens = None
+        self.spec = SpecMetadata()
+
     def set_num_accepted(self, counts: Sequence[int]) -> None:
         """Set ``spec.num_accepted_t`` ``[num_seqs]`` from per-sequence counts (padding entries get 0).
 

@@ -30,8 +30,8 @@ from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, 
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
-from .cuda_graph import MtpChainGraphs
 from .executor import Executor, ExecutorConfig
+from .mtp_graphs import MtpChainGraphs
 from .request import Request
 from .scheduler import ScheduledSeq
 

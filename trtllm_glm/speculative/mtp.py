@@ -109,12 +109,22 @@ class MTPDrafter(Drafter):
         committed = [len(rh) for rh in rows_h]
         starts = [s.num_computed - c for s, c in zip(cat, committed)]
         src_rows = [i for rh in rows_h for i in rh]  # host ints: torch ops on the CPU cost ~5 µs each
-        key = self.chain_graphs.catchup_key(committed) if self.chain_graphs is not None else None
+        graphs = self.chain_graphs
+        rids = [s.request_id for s in cat]
+        K = self.max_draft_len
+        fused = graphs.draft_key(committed) if graphs is not None and all(s.want == K for s in cat) else None
+        if fused is not None:
+            # The whole draft in one replay (catch-up + chained steps; `MtpChainGraphs`, fused draft).
+            drafts = graphs.run_draft(fused, rids, starts, committed, toks, hidden, src_rows)
+            last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
+            self._caught_up(cat, committed, hidden[last_src])
+            for s, row in zip(cat, drafts.tolist()):
+                s.state.drafts = [int(t) for t in row]
+            return
+        key = graphs.catchup_key(committed) if graphs is not None else None
         if key is not None:
             # Captured catch-up (each sequence padded to the round's largest count): the same rows, one replay.
-            h_last, pools0, d = self.chain_graphs.run_catchup(
-                key, [s.request_id for s in cat], starts, committed, toks, hidden, src_rows
-            )
+            h_last, pools0, d = graphs.run_catchup(key, rids, starts, committed, toks, hidden, src_rows)
             last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
             prev_last = hidden[last_src]
         else:
@@ -127,13 +137,7 @@ class MTPDrafter(Drafter):
             pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
             with torch.inference_mode():
                 d = self.model.compute_logits(h_last).argmax(-1)
-        for s in cat:
-            s.state.mtp_len = s.num_computed
-        draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
-        if self.separate:
-            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
-            dm.state.commit_verified(draft_ids, committed)
-        dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
+        self._caught_up(cat, committed, prev_last)
         # The drafts stay on the device until the round is drafted: one host copy for all of them (each
         # chained step needs only the previous step's tokens, which it reads on the device).
         pieces: list[tuple[list[int], torch.Tensor]] = [(list(range(len(cat))), d)]
@@ -149,6 +153,18 @@ class MTPDrafter(Drafter):
                 if len(cat[j].state.drafts) < cat[j].want:
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
+
+    def _caught_up(self, cat: list[DraftSeq], committed: list[int], prev_last: torch.Tensor) -> None:
+        """Book the catch-up: MTP history lengths, a separate draft manager's committed lengths, and each
+        sequence's last target hidden ``prev_last [len(cat), D]`` (the draft hidden a restore needs)."""
+        dm = self.draft_manager
+        for s in cat:
+            s.state.mtp_len = s.num_computed
+        draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
+        if self.separate:
+            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
+            dm.state.commit_verified(draft_ids, committed)
+        dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
 
     def _chain(
         self,
