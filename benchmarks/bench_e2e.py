@@ -545,9 +545,11 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
     prompts = held_out_prompt_ids(max(args.batch), args.prompt_len)
     rows = []
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
+    env_settings, set_env = env_ab(args.env_ab)
     for B in args.batch:
         plain_out = None
-        for mode, graphs in [(m, g) for g in graph_modes for m in args.modes]:
+        for mode, graphs, env in [(m, g, e) for g in graph_modes for m in args.modes for e in env_settings]:
+            set_env(env)
             run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs)  # warm-up
             r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
                          profile_kernels=args.profile_kernels, profile_host=args.profile_host)  # fmt: skip
@@ -556,7 +558,7 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
             lossless = lossless_summary(
                 {"outputs": plain_out, "gaps": plain_gaps} if plain_out is not None else None, r, B, args.tie_tol
             )
-            row = {"preset": args.preset, "batch": B, "mode": mode, "tokens_per_s": r["tokens_per_s"],
+            row = {"preset": args.preset, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
                    "request_tokens_per_s": r["request_tokens_per_s"], "step_ms": r["step_ms"],
                    "prefill_ms": r["prefill_ms"], "tokens_per_step": r["tokens_per_step"],
                    "mean_accepted": r["mean_accepted"], "launches_per_step": r["launches_per_step"],

@@ -315,20 +315,24 @@ class MtpChainGraphs:
             self._prepare_catchup([], [], [], P, W)
         meta.graph_max_pools = max(meta.graph_pool_capacity, meta.max_draft_pages_per_seq * meta.page_size // 4)
         try:
-            with torch.inference_mode(), self._scope():
-                stream = torch.cuda.Stream(meta.device)
-                stream.wait_stream(torch.cuda.current_stream(meta.device))
-                with torch.cuda.stream(stream):
-                    self._body(key)  # warm-up outside the capture; padding rows write nothing
-                torch.cuda.current_stream(meta.device).wait_stream(stream)
-                torch.cuda.synchronize(meta.device)
-                if kind != CHAIN:  # the fused body rewrote the batch description: the catch-up's again
+            with torch.inference_mode():
+                with self._scope():
+                    stream = torch.cuda.Stream(meta.device)
+                    stream.wait_stream(torch.cuda.current_stream(meta.device))
+                    with torch.cuda.stream(stream):
+                        self._body(key)  # warm-up outside the capture; padding rows write nothing
+                    torch.cuda.current_stream(meta.device).wait_stream(stream)
+                    torch.cuda.synchronize(meta.device)
+                if kind == DRAFT:
+                    # The fused body rewrote the batch description: the catch-up's again, outside the draft
+                    # binding (`prepare` refuses to run inside it).
                     self._prepare_catchup([], [], [], P, W)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.runner.pool):
-                    out = self._body(key)
-                guard = GraphAddressGuard()
-                guard.capture(meta)
+                with self._scope():
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.runner.pool):
+                        out = self._body(key)
+                    guard = GraphAddressGuard()
+                    guard.capture(meta)
         finally:
             meta.graph_max_pools = None
         self.graphs[key] = _DraftGraph(graph, out, guard)
