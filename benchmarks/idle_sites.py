@@ -107,6 +107,11 @@ def attribute_idle(
     return busy_t, sum(b - a for a, b in idle), charges, inclusive
 
 
+def _is_step(site: str) -> bool:
+    """Whether a project frame is an executor's ``step`` (`Executor.step`)."""
+    return site.startswith("runtime/") and site.endswith(" step")
+
+
 def _project_frame(name: str) -> str | None:
     """``trtllm_glm/x.py(12): f`` -> ``x.py:12 f`` for project / benchmark frames, else None."""
     for root in ("trtllm_glm/", "benchmarks/"):
@@ -119,7 +124,7 @@ def _project_frame(name: str) -> str | None:
 
 
 def idle_sites(step: Callable[[], object], steps: int, n: int) -> dict:
-    """Profile ``steps`` calls of ``step`` and charge the GPU's idle time to the host's project frames.
+    """Profile ``steps`` calls of ``step`` (after one more) and charge the GPU's idle time to the host's frames.
 
     Args:
         step: one decode step (``Executor.step``).
@@ -136,7 +141,9 @@ def idle_sites(step: Callable[[], object], steps: int, n: int) -> dict:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
+        # One step more than counted: the first CUDA calls under a fresh profiler absorb its start-up
+        # (milliseconds in whatever call comes first), so the window starts at the second step.
+        for _ in range(steps + 1):
             step()
         torch.cuda.synchronize()
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -159,8 +166,9 @@ def idle_sites(step: Callable[[], object], steps: int, n: int) -> dict:
         if site is not None:
             by_tid.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), site))
     frames = max(by_tid.values(), key=len) if by_tid else []
-    # From the first host frame (or device activity) to the last device activity: the steps themselves.
-    lo = min([f[0] for f in frames] + [b[0] for b in busy])
+    # From the second step's start to the last device activity.
+    starts = sorted(f[0] for f in frames if _is_step(f[2]))
+    lo = starts[1] if len(starts) > 1 else min([f[0] for f in frames] + [b[0] for b in busy])
     hi = max(b[1] for b in busy)
     busy_t, idle_t, inner, inclusive = attribute_idle(busy, frames, (lo, hi))
 
@@ -181,7 +189,7 @@ def _last_step_timeline(
 ) -> list[tuple[float, float, str]]:
     """The last profiled step as ``(start µs from its beginning, duration µs, what)``, in time order: merged GPU
     activity (``GPU``), project frames and CUDA runtime calls (``cuda: name``) of at least ``min_us``."""
-    steps = [f for f in frames if f[2].endswith(" step") and "runtime/" in f[2]]
+    steps = [f for f in frames if _is_step(f[2])]
     if not steps:
         return []
     lo, hi = max(steps, key=lambda f: f[0])[:2]
