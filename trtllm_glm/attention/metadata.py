@@ -104,6 +104,8 @@ class AttentionMetadata:
         self._seq_buf = torch.zeros(5, B + 1, dtype=i64, device=self.device)
         # [per-token buffers]: positions, row_seq.
         self._tok_buf = torch.zeros(2, N, dtype=i64, device=self.device)
+        # 0 .. B: cu_seqlens and row owners of one-row-per-sequence steps written on the device (`set_decode_rows`).
+        self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
@@ -227,12 +229,11 @@ class AttentionMetadata:
         B = self.num_seqs
         if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
             raise ValueError(f"set_decode_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
-        seq, tok = self._seq_buf, self._tok_buf
-        ar = torch.arange(B + 1, dtype=torch.int64, device=self.device)
+        seq, tok, ar = self._seq_buf, self._tok_buf, self._arange
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(1)
         torch.add(past_lens, 1, out=seq[3, :B])
-        seq[4, : B + 1].copy_(ar)
+        seq[4, : B + 1].copy_(ar[: B + 1])
         tok[0, :B].copy_(past_lens)
         tok[1, :B].copy_(torch.where(real, ar[:B], -1))
         self.q_lens = [1] * B

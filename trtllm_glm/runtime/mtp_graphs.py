@@ -209,17 +209,21 @@ class MtpChainGraphs:
             valid_q_lens=list(committed) + [0] * pad,
         )
 
-    def _fill_catchup_inputs(
+    def _stage_catchup(
         self,
-        P: int,
-        W: int,
+        key: GraphKey,
+        rids: Sequence[int],
+        starts: Sequence[int],
         committed: Sequence[int],
         tokens: Sequence[int],
         hidden: torch.Tensor,
         src_rows: Sequence[int],
     ) -> list[int]:
-        """Write the catch-up's ``[P * W]`` tokens and hidden rows (sequence ``j``'s rows at ``j * W ..``);
-        returns each sequence's last row."""
+        """Describe a catch-up (or fused draft) batch of shape ``key`` and write its ``[P * W]`` tokens and
+        hidden rows (sequence ``j``'s rows at ``j * W ..``); returns each sequence's last row. Arguments as
+        `run_catchup`."""
+        _, P, W = key
+        self._prepare_catchup(rids, starts, committed, P, W)
         tok = [0] * (P * W)
         src = [src_rows[0]] * (P * W)  # padding rows copy some real row: finite, and never read back
         last: list[int] = []
@@ -251,21 +255,22 @@ class MtpChainGraphs:
         n = P * W
         h = self._mtp(self.c_tokens[:n], self.c_hidden[:n])
         pools = self.meta.spec.last_pool_ids
+        if kind == DRAFT:
+            return (self._draft_chain(P, W, h, pools, host_committed_lens),)
         if pools is None:  # selection sharing reads step 0's pools; a shared plane might not score
             pools = torch.full((n, self.pool_ids.shape[1]), -1, dtype=torch.int32, device=h.device)
-        if kind == CATCHUP:
-            return h, self._greedy(h), pools
-        return (self._draft_chain(P, W, h, pools, host_committed_lens),)
+        return h, self._greedy(h), pools
 
     def _draft_chain(
-        self, P: int, W: int, h: torch.Tensor, pools: torch.Tensor, host_committed_lens: Sequence[int] | None
+        self, P: int, W: int, h: torch.Tensor, pools: torch.Tensor | None, host_committed_lens: Sequence[int] | None
     ) -> torch.Tensor:
         """The fused draft after its catch-up forward: ``[P, K]`` int64 greedy drafts.
 
         Args:
             P, W: the catch-up's shape.
             h: ``[P * W, D]`` the catch-up's MTP output.
-            pools: ``[P * W, topk_pools]`` its selections (selection sharing).
+            pools: ``[P * W, topk_pools]`` its selections (read with selection sharing; None: the plane did
+                not score, and the chained steps share no pools).
             host_committed_lens: ``[n]`` each real sequence's committed length after the catch-up, for the host
                 description of the chained steps when running eagerly (emulation: it sizes the pool scores);
                 None under capture, where ``graph_max_pools`` bounds them.
@@ -280,7 +285,10 @@ class MtpChainGraphs:
         drafts = [tok]
         if self.share_selection:
             # As the per-step path: step 0 ran at committed_len - 1, its open pool starts at 4 * (len // 4).
-            self.pool_ids[:P].copy_(torch.where(real.view(P, 1), pools.index_select(0, last), -1))
+            if pools is None:
+                self.pool_ids[:P].fill_(-1)
+            else:
+                self.pool_ids[:P].copy_(torch.where(real.view(P, 1), pools.index_select(0, last), -1))
             self.window_start[:P].copy_(torch.where(real, committed_len // 4 * 4, 0))
         n_real = P - meta.num_padding_seqs
         host = list(host_committed_lens)[:n_real] if host_committed_lens is not None else [PADDING_PAST_LEN] * n_real
@@ -420,9 +428,7 @@ class MtpChainGraphs:
             last row, step 0's selection of that row (with selection sharing) and its greedy draft
             (``[n]`` int64 on the device).
         """
-        _, P, W = key
-        self._prepare_catchup(rids, starts, committed, P, W)
-        last = self._fill_catchup_inputs(P, W, committed, tokens, hidden, src_rows)
+        last = self._stage_catchup(key, rids, starts, committed, tokens, hidden, src_rows)
         h, toks, pools = self._replay_or_run(key)
         self.meta.trim_padding()
         self.catchup_replays += 1
@@ -449,9 +455,7 @@ class MtpChainGraphs:
             ``[n, K]`` int64 greedy drafts on the device (a view of the graph's output: read it before the
             next replay).
         """
-        _, P, W = key
-        self._prepare_catchup(rids, starts, committed, P, W)
-        self._fill_catchup_inputs(P, W, committed, tokens, hidden, src_rows)
+        self._stage_catchup(key, rids, starts, committed, tokens, hidden, src_rows)
         (drafts,) = self._replay_or_run(key, [s + a for s, a in zip(starts, committed)])
         self.meta.trim_padding()
         self.draft_replays += 1

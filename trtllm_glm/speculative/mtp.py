@@ -113,11 +113,12 @@ class MTPDrafter(Drafter):
         rids = [s.request_id for s in cat]
         K = self.max_draft_len
         fused = graphs.draft_key(committed) if graphs is not None and all(s.want == K for s in cat) else None
+        # Each sequence's last committed row of the target step (the graph paths take it from `hidden`).
+        last_src = [s.row_offset + c - 1 for s, c in zip(cat, committed)]
         if fused is not None:
             # The whole draft in one replay (catch-up + chained steps; `MtpChainGraphs`, fused draft).
             drafts = graphs.run_draft(fused, rids, starts, committed, toks, hidden, src_rows)
-            last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
-            self._caught_up(cat, committed, hidden[last_src])
+            self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
             for s, row in zip(cat, drafts.tolist()):
                 s.state.drafts = [int(t) for t in row]
             return
@@ -125,8 +126,7 @@ class MTPDrafter(Drafter):
         if key is not None:
             # Captured catch-up (each sequence padded to the round's largest count): the same rows, one replay.
             h_last, pools0, d = graphs.run_catchup(key, rids, starts, committed, toks, hidden, src_rows)
-            last_src = to_device([s.row_offset + c - 1 for s, c in zip(cat, committed)], self.device)
-            prev_last = hidden[last_src]
+            prev_last = hidden[to_device(last_src, self.device)]
         else:
             prev_h = hidden[to_device(src_rows, self.device)]
             nxt = to_device(toks, self.device, torch.int64)
