@@ -27,6 +27,7 @@ from trtllm_glm.runtime.cuda_graph import (
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.scheduler import ScheduledSeq
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 
@@ -367,7 +368,9 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
     # One sparse layer and the MTP layer: the interpreted kernels are what costs time here.
     model = Glm5NextForCausalLM.from_pretrained("tiny", layers=[3], dtype="float32").eval()
     k, kv_mode, share = 3, "shared", True
-    max_tokens = [8, 6, 7, 5]
+    # Budgets that leave two rounds in a row where every request wants K drafts (fused, then a verify that
+    # takes the deferred drafts on the device), and budget-cut rounds after them (per-step graphs).
+    max_tokens, join_after = [10, 8, 9, 10], 1
 
     def run(fused: str) -> tuple[list, list, list, list, SpeculativeExecutor]:
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
@@ -389,28 +392,45 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
         def draft(seqs, hidden):
             fed.clear()
             orig(seqs, hidden)
-            log.append([(s.request_id, list(s.state.drafts)) for s in seqs if s.live])
+            # Deferred drafts are read from the device without resolving the state (the verify must still
+            # take them on the device).
+            log.append([(s.request_id, _peek_drafts(s.state)) for s in seqs if s.live])
             heads.append(fed[-1][: len(log[-1])] if fed else None)
             rings.append(ex.manager.state.tail_ring[ex.mtp_plane].clone())
 
         ex.drafter.draft = draft  # type: ignore[method-assign]
+        # The input rows of every verify replay (drafts that were rejected leave no other trace).
+        runner, body = ex.graph_runner, ex.graph_runner._body
+        verify_inputs: list[list[int]] = []
+
+        def run_body(P, W):
+            if W > 1:
+                verify_inputs.append(runner.input_ids[: P * W].tolist())
+            return body(P, W)
+
+        runner._body = run_body
         monkeypatch.setattr(model, "compute_logits", compute_logits)
-        out = _run(ex, PROMPTS, max_tokens, join_after=2)
+        out = _run(ex, PROMPTS, max_tokens, join_after=join_after)
         monkeypatch.setattr(model, "compute_logits", orig_logits)
+        log.append(verify_inputs)  # type: ignore[arg-type]
         return out, log, heads, rings, ex
 
     emulated(False)
     cfg = ExecutorConfig(**EX_CFG)
-    plain = _run(Executor(model, cfg), PROMPTS, max_tokens, join_after=2)
+    plain = _run(Executor(model, cfg), PROMPTS, max_tokens, join_after=join_after)
     emulated(True)
     per_step, log_ref, heads_ref, rings_ref, ex_ref = run("0")
     fused, log, heads, rings, ex = run("1")
     chain, chain_ref = ex.drafter.chain_graphs, ex_ref.drafter.chain_graphs
     assert chain.fused and not chain_ref.fused
     assert chain.draft_replays > 0 and chain_ref.draft_replays == 0 and chain_ref.replays > 0
+    # Fused drafts were deferred and verify replays took them on the device (a round whose next step is
+    # not a replay, such as the late request's prefill, reads them back on the host instead).
+    assert ex.drafter.defer and 0 < ex.graph_runner.stats.device_row_replays <= chain.draft_replays
+    assert ex_ref.graph_runner.stats.device_row_replays == 0
     # Rounds whose requests all want K drafts went fused; the rest (budget-cut rounds) per step.
     assert chain.replays < chain_ref.replays
-    assert log == log_ref
+    assert log == log_ref  # the drafts of every round and the input rows of every verify replay
     assert len(heads) == len(heads_ref)
     for a, b in zip(heads, heads_ref):
         assert (a is None) == (b is None)
@@ -422,6 +442,56 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
     _assert_same(plain, fused)
     assert [r.output_ids for r in fused] == [r.output_ids for r in per_step]
     assert [r.accepted_per_position for r in fused] == [r.accepted_per_position for r in per_step]
+
+
+def _peek_drafts(st) -> list[int]:
+    """A request's drafts, read from the device when they are still pending (the state stays pending)."""
+    if st.pending is None:
+        return list(st.drafts)
+    src, j = st.pending
+    return src.tensor[j, : len(st.drafts)].tolist()
+
+
+def test_verify_takes_device_rows_in_any_order(emulated) -> None:
+    """`CudaGraphRunner.replay`'s ``device_rows``: each named sequence's rows ``1 .. W - 1`` come from its row
+    of the device drafts (any order, any subset), the others keep the host ids, padding stays zero; a
+    misshapen or out-of-range description is refused before anything runs."""
+    from trtllm_glm.runtime.cuda_graph import DeviceRows
+
+    emulated(True)
+    ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
+        batch_sizes=[4], enable_padding=True)), NGramDecodingConfig(max_draft_len=2))  # fmt: skip
+    runner = ex.graph_runner
+    reqs = [ex.add_request([5 + i, 6, 7], SamplingParams(max_tokens=4)) for i in range(3)]
+    ex.step()  # prefill all three
+    for r in reqs:
+        ex.manager.ensure_capacity(r.request_id, r.num_computed + 3)
+    plan = [ScheduledSeq(r, 3, True, past_len=r.num_computed) for r in reqs]
+    ids = [100, 101, 102, 200, 201, 202, 250, 251, 252]
+    drafts = torch.tensor([[11, 12], [21, 22], [31, 32]])
+    seen = []
+    orig = runner._body
+
+    def body(P, W):
+        seen.append(runner.input_ids[: P * W].view(P, W).clone())
+        return orig(P, W)
+
+    runner._body = body
+    with torch.inference_mode():
+        runner.replay((4, 3), plan, ids, [2, 2, 2], device_rows=DeviceRows(drafts, seqs=[2, 0], rows=[0, 2]))
+        assert seen[-1].tolist() == [[100, 31, 32], [200, 201, 202], [250, 11, 12], [0, 0, 0]]
+        runner.replay((4, 3), plan, ids, [2, 2, 2], device_rows=DeviceRows(drafts[1:], seqs=[0, 1], rows=[0, 1]))
+        assert seen[-1].tolist() == [[100, 21, 22], [200, 31, 32], [250, 251, 252], [0, 0, 0]]
+    for bad in (
+        DeviceRows(drafts[:, :1], seqs=[0], rows=[0]),  # one draft column where the width holds two
+        DeviceRows(drafts, seqs=[3], rows=[0]),  # no such sequence in the step
+        DeviceRows(drafts, seqs=[0], rows=[5]),  # no such draft row
+        DeviceRows(drafts, seqs=[0, 1], rows=[0]),
+    ):
+        with pytest.raises(ValueError):
+            runner.replay((4, 3), plan, ids, [2, 2, 2], device_rows=bad)
+    runner._body = orig
+    ex.meta.trim_padding()
 
 
 def test_set_decode_rows_matches_prepare() -> None:
@@ -689,9 +759,9 @@ def test_emulated_sampled_requests_ride_the_verify_graph(emulated) -> None:
         if graphs:
             replay = ex.graph_runner.replay
 
-            def record(key, plan, *args):
+            def record(key, plan, *args, **kwargs):
                 keys.append((key, sum(r.params.greedy for r in ex.running)))
-                return replay(key, plan, *args)
+                return replay(key, plan, *args, **kwargs)
 
             ex.graph_runner.replay = record
         reqs = [ex.add_request(p, sp) for p, sp in zip(PROMPTS, params)]

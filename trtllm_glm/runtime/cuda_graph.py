@@ -48,12 +48,14 @@ import torch
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
 from ..logits import greedy_pack
+from ..transfer import to_device
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "CudaGraphConfig",
     "CudaGraphRunner",
+    "DeviceRows",
     "GraphOutputs",
     "HostResults",
     "PADDING_REQUEST_ID",
@@ -159,6 +161,22 @@ def padded_batch_size(batch: int, sizes: Sequence[int], enable_padding: bool) ->
 
 
 @dataclass
+class DeviceRows:
+    """Draft rows of a verify replay taken from the device rather than the host ids (drafts the host has
+    not read back yet: `speculative.drafters.DeviceDrafts`).
+
+    Attributes:
+        values: ``[n, W - 1]`` int64 drafts on the device.
+        seqs: ``[m]`` plan index of each sequence whose rows ``1 .. W - 1`` come from ``values``.
+        rows: ``[m]`` the row of ``values`` each of them takes.
+    """
+
+    values: torch.Tensor
+    seqs: list[int]
+    rows: list[int]
+
+
+@dataclass
 class GraphOutputs:
     """What one replay (or eager step) leaves for sampling.
 
@@ -256,6 +274,7 @@ class GraphStats:
         per_graph: (size, width) -> capture seconds and pool growth of that capture (MTP graphs: their
             `mtp_graphs.MtpChainGraphs` key, ``(kind, size, width)``).
         failed: (size, width) whose capture raised, with the error; those steps run eagerly (logged).
+        device_row_replays: verify replays that took drafts still on the device (`DeviceRows`).
     """
 
     replays: int = 0
@@ -265,6 +284,7 @@ class GraphStats:
     pool_bytes: int = 0
     per_graph: dict[tuple[Any, ...], dict[str, float]] = field(default_factory=dict)
     failed: dict[tuple[int, int], str] = field(default_factory=dict)
+    device_row_replays: int = 0
 
 
 class CudaGraphRunner:
@@ -409,7 +429,13 @@ class CudaGraphRunner:
         self.stats.per_graph[key] = {"capture_s": dt, "bytes": float(grown)}
 
     def replay(
-        self, key: tuple[int, int], plan: Sequence[Any], ids: Sequence[int], proposed: Sequence[int] | None = None
+        self,
+        key: tuple[int, int],
+        plan: Sequence[Any],
+        ids: Sequence[int],
+        proposed: Sequence[int] | None = None,
+        *,
+        device_rows: DeviceRows | None = None,
     ) -> GraphOutputs:
         """Run the step ``plan`` (``ids``: its ``B * W`` input tokens) through the graph of ``key``.
 
@@ -423,6 +449,8 @@ class CudaGraphRunner:
             ids: ``[B * W]`` input tokens (root, then drafts, per sequence).
             proposed: ``[B]`` real drafts per sequence (the rest of its ``W - 1`` are filler); required
                 when ``W > 1``.
+            device_rows: drafts still on the device: they overwrite those sequences' rows ``1 .. W - 1``
+                of ``ids`` on the stream, after the host ids are copied (no host sync).
 
         Returns:
             The real rows' hidden, logits and packed (greedy, gap, accepted), views of the graph's buffers.
@@ -432,6 +460,8 @@ class CudaGraphRunner:
         n = len(ids)
         if W > 1 and (proposed is None or len(proposed) != B or any(not 0 <= k < W for k in proposed)):
             raise ValueError(f"a verify replay needs {B} proposed-draft counts in [0, {W - 1}], got {proposed}")
+        if device_rows is not None:
+            self._check_device_rows(device_rows, B, W)
         self._prepare(plan, P, W)
         S = self.num_proposed.numel()
         host = self._staging.acquire()["in"]
@@ -444,8 +474,30 @@ class CudaGraphRunner:
         # One copy: the counts and ids sit at both ends of it (the rows between are not read).
         self._inputs[: S + N].copy_(host[: S + N], non_blocking=True)
         self._staging.release()
+        if device_rows is not None:
+            self._take_device_rows(device_rows, P, W)
+            self.stats.device_row_replays += 1
         hidden, logits, packed = self._launch(key)
         return GraphOutputs(hidden=hidden[:n], logits=logits[:n], packed=packed[:n], width=W)
+
+    @staticmethod
+    def _check_device_rows(dr: DeviceRows, B: int, W: int) -> None:
+        m = len(dr.seqs)
+        if dr.values.dim() != 2 or dr.values.shape[1] != W - 1 or len(dr.rows) != m or m > B:
+            raise ValueError(
+                f"device rows {tuple(dr.values.shape)} for {m} sequences do not fit {B} sequences of width {W}"
+            )
+        if not all(0 <= b < B for b in dr.seqs) or not all(0 <= j < dr.values.shape[0] for j in dr.rows):
+            raise ValueError(f"device rows address sequences {dr.seqs} / draft rows {dr.rows} out of range")
+
+    def _take_device_rows(self, dr: DeviceRows, P: int, W: int) -> None:
+        """Write ``dr``'s drafts into the verify rows of the input buffer (stream-ordered, no sync)."""
+        m = len(dr.seqs)
+        grid = self.input_ids[: P * W].view(P, W)
+        if dr.seqs == dr.rows == list(range(m)):  # the usual round: the same sequences in the same order
+            grid[:m, 1:].copy_(dr.values[:m])
+        else:
+            grid[to_device(dr.seqs, self.device), 1:] = dr.values[to_device(dr.rows, self.device)]
 
     def _launch(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Replay ``key`` on the prepared metadata and inputs (eagerly when emulating); full-size outputs."""

@@ -24,6 +24,7 @@ from .cuda_graph import (
     PADDING_REQUEST_ID,
     CudaGraphConfig,
     CudaGraphRunner,
+    DeviceRows,
     GraphOutputs,
     HostResults,
     greedy_and_gap,
@@ -473,18 +474,19 @@ class Executor:
 
     def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
         """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
-        ids: list[int] = []
-        for s in plan:
-            ids.extend(self._rows_for(s))
         self._step_out = None
         runner = self.graph_runner
         if runner is not None and all(s.is_decode for s in plan):
             key = runner.key([s.num_rows for s in plan])
             if key is not None:
+                ids, device_rows = self._graph_inputs(plan)
                 with torch.inference_mode():
-                    self._step_out = runner.replay(key, plan, ids, self._proposed(plan))
+                    self._step_out = runner.replay(key, plan, ids, self._proposed(plan), device_rows=device_rows)
                 return self._step_out.hidden
             runner.stats.eager_steps += 1
+        ids: list[int] = []
+        for s in plan:
+            ids.extend(self._rows_for(s))
         n_dec = sum(1 for s in plan if s.is_decode)
         self.meta.prepare(
             [s.request.request_id for s in plan],
@@ -529,6 +531,14 @@ class Executor:
         """Token ids of the rows ``s`` feeds this step."""
         r = s.request
         return r.tokens[r.num_computed : r.num_computed + s.num_rows]
+
+    def _graph_inputs(self, plan: list[ScheduledSeq]) -> tuple[list[int], DeviceRows | None]:
+        """Input tokens of a replayed step: host ids ``[B * W]`` and rows to take on the device instead
+        (`CudaGraphRunner.replay`'s ``device_rows``; plain decoding has none)."""
+        ids: list[int] = []
+        for s in plan:
+            ids.extend(self._rows_for(s))
+        return ids, None
 
     def _proposed(self, plan: list[ScheduledSeq]) -> list[int] | None:
         """Real drafts per sequence of a verify step (None: plain decoding has none)."""

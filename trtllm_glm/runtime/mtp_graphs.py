@@ -21,7 +21,7 @@ from .cuda_graph import PADDING_PAST_LEN, PADDING_REQUEST_ID, CudaGraphRunner, p
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MtpChainGraphs"]
+__all__ = ["MtpChainGraphs", "defer_drafts_default", "fused_draft_default"]
 
 
 # Graph kinds (a key is ``(kind, P, W)``).
@@ -40,6 +40,12 @@ def fused_draft_default() -> bool:
     """Whether the whole MTP draft runs as one graph where it can (`MtpChainGraphs`, ``fused``);
     ``TRTLLM_GLM_MTP_FUSED_DRAFT=0`` turns it off (the per-step graphs then serve every round)."""
     return os.environ.get("TRTLLM_GLM_MTP_FUSED_DRAFT", "1") != "0"
+
+
+def defer_drafts_default() -> bool:
+    """Whether a fused draft's tokens stay on the device for the next verify (`DeviceDrafts`);
+    ``TRTLLM_GLM_MTP_DEFER_DRAFTS=0`` reads them back right after the draft instead."""
+    return os.environ.get("TRTLLM_GLM_MTP_DEFER_DRAFTS", "1") != "0"
 
 
 class MtpChainGraphs:
@@ -127,6 +133,12 @@ class MtpChainGraphs:
         self.catchup_replays = 0
         self.fused = (fused_draft_default() if fused is None else fused) and max_draft_len >= 2
         self.draft_replays = 0
+        # Pinned landing buffer of the fused draft's tokens (`speculative.drafters.DeviceDrafts`).
+        self.host_drafts = (
+            torch.zeros(B, max_draft_len, dtype=torch.int64, pin_memory=True)
+            if self.fused and dev.type == "cuda"
+            else None
+        )
 
     # --------------------------------------------------------------------------------------------
     # Keys

@@ -30,8 +30,9 @@ from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, 
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
+from .cuda_graph import DeviceRows
 from .executor import Executor, ExecutorConfig
-from .mtp_graphs import MtpChainGraphs
+from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
 from .scheduler import ScheduledSeq
 
@@ -107,6 +108,8 @@ class SpeculativeExecutor(Executor):
                     separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
                     padding_slot=self._padding_slot, replay_scope=draft_replay, max_draft_len=K,
                 )  # fmt: skip
+                # The fused draft's tokens go straight into the next verify's input rows on the device.
+                drafter.defer = defer_drafts_default()
         assert drafter is not None
         self.drafter: Drafter = drafter
         self.state: dict[int, SpecState] = {}
@@ -146,7 +149,8 @@ class SpeculativeExecutor(Executor):
 
     def on_preempt(self, req: Request) -> None:
         st = self.state[req.request_id]
-        st.drafts, st.mtp_len, st.last_accepted = [], 0, 0
+        st.clear()
+        st.mtp_len, st.last_accepted = 0, 0
         self._free_draft(req)
 
     def _free_draft(self, req: Request) -> None:
@@ -170,7 +174,8 @@ class SpeculativeExecutor(Executor):
 
     def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None:
         st = self.state[req.request_id]
-        st.drafts, st.last_accepted = [], 0
+        st.clear()
+        st.last_accepted = 0
         if not self.use_mtp:
             return
         dm = self.separate_draft_manager
@@ -222,10 +227,43 @@ class SpeculativeExecutor(Executor):
     def _rows_for(self, s: ScheduledSeq) -> list[int]:
         rows = super()._rows_for(s)
         if s.is_decode and s.num_rows > 1:
-            drafts = self.state[s.request.request_id].drafts
+            drafts = self.state[s.request.request_id].resolve()
             assert len(drafts) == s.num_rows - 1
             rows = rows + drafts
         return rows
+
+    def _graph_inputs(self, plan: list[ScheduledSeq]) -> tuple[list[int], DeviceRows | None]:
+        # Drafts still on the device (a deferred fused MTP draft) stay there: placeholders in the host ids,
+        # the values copied into the input rows on the stream. Nothing waits for the draft to finish.
+        ids: list[int] = []
+        src = None
+        seqs: list[int] = []
+        rows: list[int] = []
+        for b, s in enumerate(plan):
+            st = self.state[s.request.request_id]
+            pend = st.pending if s.is_decode and s.num_rows > 1 else None
+            if pend is not None and (src is None or pend[0] is src) and len(st.drafts) == s.num_rows - 1:
+                src = pend[0]
+                seqs.append(b)
+                rows.append(pend[1])
+                ids.extend(super()._rows_for(s))
+                ids.extend(st.drafts)  # PENDING_DRAFT placeholders, overwritten on the device
+            else:
+                ids.extend(self._rows_for(s))
+        return ids, (DeviceRows(src.tensor, seqs, rows) if src is not None else None)
+
+    def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
+        try:
+            return super()._forward(plan)
+        finally:
+            # After the launch: the host waits for the drafts' copy while the GPU runs the step. Every state
+            # leaves with host drafts, so the drafter's next call may reuse its output buffers.
+            self._resolve_drafts()
+
+    def _resolve_drafts(self) -> None:
+        for st in self.state.values():
+            if st.pending is not None:
+                st.resolve()
 
     def _graph_widths(self) -> tuple[int, ...]:
         # Width-one rounds and full verify rounds (short rounds are padded to full width: `_pad_drafts`).
@@ -267,7 +305,8 @@ class SpeculativeExecutor(Executor):
             for s in plan:
                 st = self.state.get(s.request.request_id)
                 if st is not None:
-                    st.last_accepted, st.drafts, st.num_proposed = 0, [], None
+                    st.clear()
+                    st.last_accepted = 0
             live = [(i, s) for i, s in enumerate(plan) if not s.request.finished]
             self._draft(live, plan, [s.num_rows for s in plan], hidden)
             return finished
@@ -316,7 +355,7 @@ class SpeculativeExecutor(Executor):
             st = self.state[r.request_id]
             off, cnt = spans[i]
             if s.is_decode and s.num_rows > 1:
-                drafts = st.drafts
+                drafts = st.resolve()
                 # Filler drafts (`_pad_drafts`) are verified but never accepted: they may run past the
                 # request's budget and the draft cache's capacity.
                 proposed = len(drafts) if st.num_proposed is None else st.num_proposed
@@ -350,8 +389,7 @@ class SpeculativeExecutor(Executor):
                     lg = logits[off : off + 1] if r.wants_logits else None  # type: ignore[index]
                     if self._emit(r, [tok], gaps[off : off + 1], lg):  # type: ignore[index]
                         finished.append(r)
-            st.drafts = []
-            st.num_proposed = None
+            st.clear()
         out = self._step_out
         if out is not None and out.committed_on_device and out.accepted_counts() != num_accepted:
             # The graph already folded the KDA records with its own counts: any difference is corrupted state.
@@ -401,6 +439,8 @@ class SpeculativeExecutor(Executor):
     def _draft(
         self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq], committed: list[int], hidden: torch.Tensor
     ) -> None:
+        # Drafts left on the device by the previous call must be on the host before the drafter runs again.
+        self._resolve_drafts()
         mc = self.spec.max_concurrency
         if mc is not None and len(self.running) > mc:
             # Too many requests for speculation to pay: a width-one round (drafters still see every sequence,
@@ -472,5 +512,6 @@ def _pad_drafts(seqs: list[DraftSeq], width: dict[int, int]) -> None:
         d = s.state.drafts
         s.state.num_proposed = len(d)
         if len(d) < n:
+            d = s.state.resolve()  # the filler repeats the last value
             fill = d[-1] if d else s.tokens[-1]
             s.state.drafts = list(d) + [fill] * (n - len(d))

@@ -14,12 +14,68 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DraftSeq", "DraftState", "Drafter", "NGramDrafter", "OracleDrafter", "ParallelDrafter"]
+__all__ = [
+    "PENDING_DRAFT",
+    "DeviceDrafts",
+    "DraftSeq",
+    "DraftState",
+    "Drafter",
+    "NGramDrafter",
+    "OracleDrafter",
+    "ParallelDrafter",
+]
+
+# What ``DraftState.drafts`` holds in place of a draft still on the device (never a token id: if one ever
+# reached the model, the embedding lookup would fail loudly instead of verifying a wrong token).
+PENDING_DRAFT = -1
+
+
+class DeviceDrafts:
+    """One drafting call's drafts, still on the device and on their way to the host.
+
+    A drafter that drafts on the device (the fused MTP draft graph) can return without waiting for its
+    drafts: the next verify step takes them as its input rows on the device (`DeviceDrafts.tensor`), and the
+    host reads them (`rows`) once that step is launched. The GPU then runs the verify right behind the
+    draft instead of idling while the host reads the drafts back and prepares the step.
+
+    Args:
+        tensor: ``[n, K]`` int64 drafts on the device; it may be a view of a graph's output buffer, so it is
+            valid until the drafter's next call (by then every state holding it was resolved: the
+            speculative executor resolves them after each forward and before each drafting call).
+        host: ``[>= n, K]`` int64 pinned host buffer for the copy (CUDA; ``None`` on the CPU), not reused
+            before `rows` returned.
+    """
+
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor | None = None) -> None:
+        self.tensor = tensor
+        self.event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            if host is None or not host.is_pinned():
+                raise ValueError("drafts on a CUDA device need a pinned host buffer")
+            self._host = host[: tensor.shape[0]]
+            self._host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._host = tensor.clone()
+        self._rows: list[list[int]] | None = None
+
+    def rows(self) -> list[list[int]]:
+        """``[n][K]`` the drafts as host ints (waits for the copy the first time)."""
+        if self._rows is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
 
 
 @dataclass
 class DraftState:
-    """Per-request speculative state kept across rounds (the speculative executor's ``state[rid]``)."""
+    """Per-request speculative state kept across rounds (the speculative executor's ``state[rid]``).
+
+    While ``pending`` is set, ``drafts`` holds `PENDING_DRAFT` placeholders (its length is the round's draft
+    count) and the values are row ``pending[1]`` of ``pending[0]`` (`DeviceDrafts`); `resolve` fetches them.
+    """
 
     drafts: list[int] = field(default_factory=list)
     mtp_len: int = 0  # tokens whose (token i+1, hidden i) pair is in the MTP cache
@@ -27,6 +83,19 @@ class DraftState:
     index: int = 0  # submission index (oracle drafters key on it)
     mtp_disabled: bool = False  # the draft pool could not hold its history: width-one from here on
     num_proposed: int | None = None  # drafts the drafter proposed; the rest of ``drafts`` is graph filler
+    pending: tuple[DeviceDrafts, int] | None = None  # drafts still on the device (see above)
+
+    def resolve(self) -> list[int]:
+        """``drafts`` with any pending values fetched from the device (waits for their copy)."""
+        if self.pending is not None:
+            src, j = self.pending
+            self.pending = None
+            self.drafts = [int(t) for t in src.rows()[j][: len(self.drafts)]]
+        return self.drafts
+
+    def clear(self) -> None:
+        """Drop this round's drafts (pending ones included)."""
+        self.drafts, self.num_proposed, self.pending = [], None, None
 
 
 @dataclass
@@ -66,6 +135,9 @@ class Drafter(ABC):
     @abstractmethod
     def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
         """Set ``seq.state.drafts`` (at most ``seq.want`` tokens) for the step's sequences.
+
+        A drafter may leave them on the device (``seq.state.pending``, `DeviceDrafts`) when its caller
+        allows it (the MTP drafter's ``defer``); the caller then resolves them (`DraftState.resolve`).
 
         Args:
             seqs: every sequence of the step, in batch order (finished ones with ``live=False``).

@@ -21,7 +21,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..transfer import to_device
-from .drafters import Drafter, DraftSeq
+from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq
 from .interface import draft_replay
 
 __all__ = ["MTPDrafter"]
@@ -61,6 +61,9 @@ class MTPDrafter(Drafter):
         self.device = manager.device
         # CUDA graphs of the chained steps (`runtime.cuda_graph.MtpChainGraphs`), set by the executor.
         self.chain_graphs: Any = None
+        # Leave a fused draft's tokens on the device (`DraftState.pending`) for the next verify to take as
+        # its input rows; set by an executor that resolves them (the speculative executor with graphs).
+        self.defer = False
         # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
         draft_manager.state.enable_speculative_rows(mtp_plane)
         draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
@@ -119,6 +122,12 @@ class MTPDrafter(Drafter):
             # The whole draft in one replay (catch-up + chained steps; `MtpChainGraphs`, fused draft).
             drafts = graphs.run_draft(fused, rids, starts, committed, toks, hidden, src_rows)
             self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
+            if self.defer:
+                # No read-back here: the next verify takes the drafts on the device (`DeviceDrafts`).
+                pend = DeviceDrafts(drafts, graphs.host_drafts)
+                for j, s in enumerate(cat):
+                    s.state.drafts, s.state.pending = [PENDING_DRAFT] * K, (pend, j)
+                return
             for s, row in zip(cat, drafts.tolist()):
                 s.state.drafts = [int(t) for t in row]
             return
