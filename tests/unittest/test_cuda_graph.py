@@ -494,6 +494,34 @@ def test_verify_takes_device_rows_in_any_order(emulated) -> None:
     ex.meta.trim_padding()
 
 
+def test_pending_drafts_become_device_rows_or_resolve(emulated) -> None:
+    """Drafts left on the device (`DraftState.pending`) reach a replayed verify as `DeviceRows` (placeholders
+    in the host ids, the right draft row per sequence, sequences with host drafts untouched); a second
+    in-flight source is read on the host instead; an eager consumer (`_rows_for`) and `_resolve_drafts` fetch
+    the values and clear ``pending``."""
+    from trtllm_glm.speculative.drafters import PENDING_DRAFT, DeviceDrafts
+
+    emulated(False)
+    ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
+        batch_sizes=[4], enable_padding=True)), NGramDecodingConfig(max_draft_len=2))  # fmt: skip
+    reqs = [ex.add_request([5 + i, 6, 7], SamplingParams(max_tokens=6)) for i in range(4)]
+    ex.step()  # prefill: each request now has one emitted token to verify from
+    src = DeviceDrafts(torch.tensor([[11, 12], [21, 22]]))
+    other = DeviceDrafts(torch.tensor([[31, 32]]))
+    st = [ex.state[r.request_id] for r in reqs]
+    for s, pend in zip(st, [(src, 1), None, (src, 0), (other, 0)]):
+        s.drafts, s.pending = ([PENDING_DRAFT] * 2, pend) if pend else ([40, 41], None)
+    plan = [ScheduledSeq(r, 3, True) for r in reqs]
+    ids, dr = ex._graph_inputs(plan)
+    roots = [r.tokens[-1] for r in reqs]
+    assert ids == [roots[0], -1, -1, roots[1], 40, 41, roots[2], -1, -1, roots[3], 31, 32]
+    assert dr is not None and dr.values is src.tensor and (dr.seqs, dr.rows) == ([0, 2], [1, 0])
+    assert st[0].pending is not None and st[2].pending is not None and st[3].pending is None
+    assert ex._rows_for(plan[0]) == [roots[0], 21, 22] and st[0].pending is None
+    ex._resolve_drafts()
+    assert st[2].drafts == [11, 12] and st[2].pending is None and st[1].drafts == [40, 41]
+
+
 def test_set_decode_rows_matches_prepare() -> None:
     """`AttentionMetadata.set_decode_rows` writes what `prepare` writes for one decode row per sequence."""
     from trtllm_glm.attention.metadata import AttentionMetadata
