@@ -552,7 +552,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
             set_env(env)
             run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs)  # warm-up
             r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
-                         profile_kernels=args.profile_kernels, profile_host=args.profile_host)  # fmt: skip
+                         profile_kernels=args.profile_kernels, profile_host=args.profile_host,
+                         profile_idle=args.profile_idle)  # fmt: skip
             if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = lossless_summary(
@@ -570,6 +571,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
+            if args.profile_idle:
+                row["idle_sites"] = r["idle_sites"]
             rows.append(row)
             emit(row)
     return rows
