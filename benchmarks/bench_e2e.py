@@ -327,6 +327,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     t_cap = time.perf_counter()
     ex.capture_cuda_graphs()
     capture_s = time.perf_counter() - t_cap
+    startup_captures = ex.graph_runner.stats.captures if ex.graph_runner is not None else 0
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids = [prompts[i % len(prompts)] if prompts is not None
@@ -370,6 +371,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     gstats = ex.graph_runner.stats if ex.graph_runner is not None else None
     return {
         "capture_s": capture_s,
+        "startup_captures": startup_captures,
+        "graph_captures": gstats.captures if gstats else 0,
         "graph_replays": gstats.replays if gstats else 0,
         "graph_eager_steps": gstats.eager_steps if gstats else 0,
         "graph_pool_mb": gstats.pool_bytes / 2**20 if gstats else 0.0,
@@ -566,6 +569,7 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "syncs_per_step": r["syncs_per_step"], "vs_plain": lossless,
                    "prompt_tokens": [len(prompts[i % len(prompts)]) for i in range(B)][:4], "gen": args.gen,
                    "dtype": args.dtype, "graphs": graphs, "capture_s": r["capture_s"],
+                   "startup_captures": r["startup_captures"], "graph_captures": r["graph_captures"],
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"]}  # fmt: skip
@@ -705,7 +709,8 @@ def main() -> None:
                            "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
                            "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
                            "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
-                           "graphs": graphs, "capture_s": r["capture_s"], "graph_replays": r["graph_replays"],
+                           "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
+                           "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
                            "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
                            "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
                            # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation

@@ -522,6 +522,27 @@ def test_pending_drafts_become_device_rows_or_resolve(emulated) -> None:
     assert st[2].drafts == [11, 12] and st[2].pending is None and st[1].drafts == [40, 41]
 
 
+@pytest.mark.parametrize("mc", [None, 3])
+def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, mc) -> None:
+    """With ``max_concurrency``, start-up captures no verify graph, wide MTP catch-up or fused draft above the
+    cap's padded size (those rounds never hold more sequences); width-one steps, chained steps and one-row
+    catch-ups keep every size. Without a cap every graph is captured."""
+    emulated(False)
+    graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8, 16], enable_padding=True)
+    cfg = ExecutorConfig(**{**EX_CFG, "max_batch_size": 16, "max_num_tokens": 128}, cuda_graph_config=graphs)
+    ex = SpeculativeExecutor(_model(), cfg, MTPDecodingConfig(num_nextn_predict_layers=3, max_concurrency=mc))
+    runner, chain = ex.graph_runner, ex.drafter.chain_graphs
+    seen: dict[str, list] = {}
+    runner.capture_all = lambda limits=None: seen.setdefault("target", runner.startup_keys(limits))
+    chain.capture_all = lambda limit=None: seen.setdefault("mtp", chain.startup_keys(limit))
+    ex.capture_cuda_graphs()
+    every, wide = [1, 2, 4, 8, 16], ([1, 2, 4] if mc == 3 else [1, 2, 4, 8, 16])
+    assert sorted(seen["target"]) == sorted([(p, 1) for p in every] + [(p, 4) for p in wide])
+    want = [("chain", p, 1) for p in every] + [("catchup", p, 1) for p in every]
+    want += [("catchup", p, w) for p in wide for w in (2, 3, 4)] + [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
+    assert sorted(seen["mtp"]) == sorted(want)
+
+
 def test_set_decode_rows_matches_prepare() -> None:
     """`AttentionMetadata.set_decode_rows` writes what `prepare` writes for one decode row per sequence."""
     from trtllm_glm.attention.metadata import AttentionMetadata

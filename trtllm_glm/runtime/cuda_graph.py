@@ -364,14 +364,19 @@ class CudaGraphRunner:
             return False
         return True
 
-    def capture_all(self) -> None:
-        """Capture every (size, width) now (start-up), rather than on first use (emulation: nothing to do)."""
+    def startup_keys(self, max_size: dict[int, int] | None = None) -> list[tuple[int, int]]:
+        """The ``(size, width)`` keys `capture_all` captures: every captured size of every width, except sizes
+        above ``max_size[width]`` (sizes a step of that width never reaches; they are captured on first use)."""
+        limits = max_size or {}
+        return [(size, w) for w, sizes in self.sizes.items() for size in sizes if size <= limits.get(w, size)]
+
+    def capture_all(self, max_size: dict[int, int] | None = None) -> None:
+        """Capture `startup_keys` now (start-up), rather than on first use (emulation: nothing to do)."""
         if self.emulate:
             return
-        for W, sizes in self.sizes.items():
-            for P in sizes:
-                if (P, W) not in self.graphs and (P, W) not in self.stats.failed:
-                    self._try_capture((P, W))
+        for key in self.startup_keys(max_size):
+            if key not in self.graphs and key not in self.stats.failed:
+                self._try_capture(key)
 
     def _body(self, P: int, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's forward, logits, greedy choice and, for a verify step, acceptance and KDA commit."""

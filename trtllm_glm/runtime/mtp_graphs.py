@@ -164,18 +164,27 @@ class MtpChainGraphs:
         P = padded_batch_size(len(committed), self.catch_sizes, self.runner.config.enable_padding)
         return None if P is None else self._ready((kind, P, max(committed)))
 
-    def capture_all(self) -> None:
-        """Capture every chained size, every catch-up (size, width) and every fused draft now rather than on
-        first use (a capture inside a serving loop stalls it: ~0.1-0.5 s each at real geometry)."""
+    def startup_keys(self, max_wide_size: int | None = None) -> list[GraphKey]:
+        """The keys `capture_all` captures: every chained size, every catch-up (size, width) and every fused
+        draft, except catch-ups wider than one row and fused drafts of more than ``max_wide_size`` sequences
+        (the rounds after verify rounds, which a speculation cap keeps below it; captured on first use)."""
+        keys: list[GraphKey] = [(CHAIN, size, 1) for size in self.sizes]
+        for size in self.catch_sizes:
+            small = max_wide_size is None or size <= max_wide_size
+            for w in range(1, self.width + 1):
+                if w == 1 or small:
+                    keys.append((CATCHUP, size, w))
+                if self.fused and small:
+                    keys.append((DRAFT, size, w))
+        return keys
+
+    def capture_all(self, max_wide_size: int | None = None) -> None:
+        """Capture `startup_keys` now rather than on first use (a capture inside a serving loop stalls it:
+        ~0.1-0.5 s each at real geometry)."""
         if not self.runner.enabled or self.runner.emulate:
             return
-        for P in self.sizes:
-            self._ready((CHAIN, P, 1))
-        for P in self.catch_sizes:
-            for W in range(1, self.width + 1):
-                self._ready((CATCHUP, P, W))
-                if self.fused:
-                    self._ready((DRAFT, P, W))
+        for key in self.startup_keys(max_wide_size):
+            self._ready(key)
 
     def _ready(self, key: GraphKey) -> GraphKey | None:
         if key in self.failed:

@@ -30,7 +30,7 @@ from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, 
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
-from .cuda_graph import DeviceRows
+from .cuda_graph import DeviceRows, padded_batch_size
 from .executor import Executor, ExecutorConfig
 from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
@@ -121,11 +121,23 @@ class SpeculativeExecutor(Executor):
         return self.shared_mtp
 
     def capture_cuda_graphs(self) -> None:
-        """Capture every target graph and, with MTP, every chained and catch-up draft graph now."""
-        super().capture_cuda_graphs()
+        """Capture every target graph and, with MTP, every chained and catch-up draft graph now.
+
+        With ``max_concurrency`` set, a verify step holds at most that many sequences (drafts are only made
+        while the batch is that small), and so does the MTP catch-up after it: the verify graphs, the wide
+        catch-ups and the fused drafts of larger padded sizes are not captured at start-up (first use would
+        capture one; the rare round that reaches one is a request whose prefill ends beside a verify).
+        """
+        runner = self.graph_runner
+        if runner is None:
+            return
+        mc = self.spec.max_concurrency
+        W = 1 + self.max_draft_len
+        verify_max = None if mc is None else padded_batch_size(mc, runner.sizes.get(W, []), True)
+        runner.capture_all({W: verify_max} if verify_max is not None else None)
         chain = getattr(self.drafter, "chain_graphs", None)
         if chain is not None:
-            chain.capture_all()
+            chain.capture_all(None if mc is None else padded_batch_size(mc, chain.catch_sizes, True))
 
     @property
     def share_mtp_selection(self) -> bool:
