@@ -490,6 +490,7 @@ def test_verify_takes_device_rows_in_any_order(emulated) -> None:
     ):
         with pytest.raises(ValueError):
             runner.replay((4, 3), plan, ids, [2, 2, 2], device_rows=bad)
+    assert len(seen) == 2  # nothing ran for the refused descriptions
     runner._body = orig
     ex.meta.trim_padding()
 

@@ -269,7 +269,8 @@ class SpeculativeExecutor(Executor):
             return super()._forward(plan)
         finally:
             # After the launch: the host waits for the drafts' copy while the GPU runs the step. Every state
-            # leaves with host drafts, so the drafter's next call may reuse its output buffers.
+            # leaves with host drafts, so the drafter's next call (in this step's `_advance`, which always
+            # follows a forward) may reuse its output buffers.
             self._resolve_drafts()
 
     def _resolve_drafts(self) -> None:
@@ -451,8 +452,6 @@ class SpeculativeExecutor(Executor):
     def _draft(
         self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq], committed: list[int], hidden: torch.Tensor
     ) -> None:
-        # Drafts left on the device by the previous call must be on the host before the drafter runs again.
-        self._resolve_drafts()
         mc = self.spec.max_concurrency
         if mc is not None and len(self.running) > mc:
             # Too many requests for speculation to pay: a width-one round (drafters still see every sequence,

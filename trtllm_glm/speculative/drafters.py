@@ -41,7 +41,7 @@ class DeviceDrafts:
     Args:
         tensor: ``[n, K]`` int64 drafts on the device; it may be a view of a graph's output buffer, so it is
             valid until the drafter's next call (by then every state holding it was resolved: the
-            speculative executor resolves them after each forward and before each drafting call).
+            speculative executor resolves them all after each forward, and drafting follows a forward).
         host: ``[>= n, K]`` int64 pinned host buffer for the copy (CUDA; ``None`` on the CPU), not reused
             before `rows` returned.
     """
@@ -90,7 +90,7 @@ class DraftState:
         if self.pending is not None:
             src, j = self.pending
             self.pending = None
-            self.drafts = [int(t) for t in src.rows()[j][: len(self.drafts)]]
+            self.drafts = src.rows()[j][: len(self.drafts)]
         return self.drafts
 
     def clear(self) -> None:
