@@ -82,7 +82,13 @@ def _weight_bytes(model: Glm5NextForCausalLM, mtp: bool) -> tuple[int, int]:
 
 
 def floor_bytes(
-    cfg: Glm5NextConfig, model: Glm5NextForCausalLM, rows: int, batch: int, context: int, mtp_steps: int = 0
+    cfg: Glm5NextConfig,
+    model: Glm5NextForCausalLM,
+    rows: int,
+    batch: int,
+    context: int,
+    mtp_steps: int = 0,
+    expert_rows: float | None = None,
 ) -> int:
     """Bytes one decode/verify step of ``rows`` rows over ``batch`` requests must read at least.
 
@@ -92,6 +98,7 @@ def floor_bytes(
     plus the FP8 pool entries it scores. ``mtp_steps`` MTP forwards (an MTP round: the catch-up over the
     committed rows, then chained steps of one row per request) add the MTP layer's weights each time (its
     dense part and the experts that ``batch`` tokens reach; the catch-up's extra rows are not counted).
+    ``expert_rows`` (default ``rows``): the rows that reach experts (verify filler rows skip them).
     """
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
 
@@ -100,7 +107,7 @@ def floor_bytes(
 
     dense, expert_bytes = _weight_bytes(model, mtp=False)
     emb = cfg.hidden_size * next(model.parameters()).element_size()
-    total = dense + rows * emb + int(expert_bytes * reached(rows))
+    total = dense + rows * emb + int(expert_bytes * reached(rows if expert_rows is None else expert_rows))
     kda_state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
     total += 2 * kda_state * batch * len(cfg.kda_layer_ids)
     sel = min(context, cfg.index_select_width)
@@ -305,11 +312,13 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
-             profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0):  # fmt: skip
+             profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0,
+             max_batch: int | None = None):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
-    ``graphs``: CUDA graphs of every batch size up to ``batch`` (padding on), all captured before timing.
+    ``graphs``: CUDA graphs of TensorRT-LLM's default batch sizes up to ``max_batch`` (default ``batch``;
+    padding on: a batch between two sizes replays the larger one), all captured before timing.
     ``profile_kernels``: also list that many of the costliest kernels of one steady step (``top_kernels``).
     ``profile_host``: also list that many package functions by host time over three steps (``host_profile``).
     ``profile_sites``: also list that many call sites of one steady step's torch ops (`op_sites`; an eager
@@ -319,8 +328,9 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
-    gcfg = CudaGraphConfig(batch_sizes=default_batch_sizes(batch), enable_padding=True) if graphs else None
-    cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 80), max_batch_size=batch,
+    max_batch = max(batch, max_batch or batch)
+    gcfg = CudaGraphConfig(batch_sizes=default_batch_sizes(max_batch), enable_padding=True) if graphs else None
+    cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 80), max_batch_size=max_batch,
                          max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16,
                          cuda_graph_config=gcfg)  # fmt: skip
     ex = make_executor(model, cfg, mode, continuation, seed)
@@ -356,11 +366,17 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         runner.timing = []  # two events per replay: the GPU time of the timed steps
     steps, t0 = 0, time.perf_counter()
     per_step = []  # host clock per step (each step ends with its one device-to-host copy of the tokens)
+    # Rows whose outputs are read: one per running request and step, plus the drafts proposed (verify filler
+    # past them is computed but skips the routed experts, so the floor does not count it).
+    proposed0 = sum(sum(r.proposed_per_position) for r in reqs)
+    live_rows = 0
     while ex.has_work:
+        live_rows += sum(1 for r in reqs if not r.finished)
         ts = time.perf_counter()
         ex.step()
         per_step.append(time.perf_counter() - ts)
         steps += 1
+    live_rows += sum(sum(r.proposed_per_position) for r in reqs) - proposed0
     sync()
     dt = time.perf_counter() - t0
     per_step.sort()
@@ -388,6 +404,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "request_tokens_per_s": batch * gen / (prefill_s + dt + warm_s),
         "prefill_ms": 1e3 * prefill_s,
         "tokens_per_step": toks / max(steps, 1),
+        "live_rows_per_step": live_rows / max(steps, 1),
         "mean_accepted": mean_acc,
         "launches_per_step": launches,
         "syncs_per_step": syncs,
@@ -553,10 +570,11 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
         plain_out = None
         for mode, graphs, env in [(m, g, e) for g in graph_modes for m in args.modes for e in env_settings]:
             set_env(env)
-            run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs)  # warm-up
+            run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs,
+                     max_batch=args.max_batch_size)  # warm-up  # fmt: skip
             r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
                          profile_kernels=args.profile_kernels, profile_host=args.profile_host,
-                         profile_idle=args.profile_idle)  # fmt: skip
+                         profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
             if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = lossless_summary(
@@ -592,6 +610,11 @@ def main() -> None:
         default=["plain", "overlap", "mtp3", "ngram7", "oracle0.5", "oracle0.7", "oracle0.9", "oracle0.7k3"],
     )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument(
+        "--max-batch-size", type=int, default=None,
+        help="executor max_batch_size and largest captured graph (default: each case's batch), so a batch "
+        "between two captured sizes replays padded, as in a server",
+    )  # fmt: skip
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -662,7 +685,8 @@ def main() -> None:
                 for mode, env in [(m, e) for m in args.modes for e in env_settings]:
                     set_env(env)
                     if mode.startswith("oracle") and plain is None:
-                        plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs)
+                        plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
+                                         max_batch=args.max_batch_size)  # fmt: skip
                     cont = plain["outputs"] if plain is not None else None
                     # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
                     # An oracle's warm-up runs the whole length and its own output becomes the continuation:
@@ -675,7 +699,7 @@ def main() -> None:
                     while True:
                         warm = run_case(model, mode, B, args.prompt_len,
                                         args.gen if mode.startswith("oracle") else 4, args.device,
-                                        continuation=cont, graphs=graphs)  # fmt: skip
+                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
                         if not mode.startswith("oracle"):
                             break
                         oracle_passes += 1
@@ -686,11 +710,13 @@ def main() -> None:
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
                                  graphs=graphs, profile_kernels=args.profile_kernels,
                                  profile_host=args.profile_host, profile_sites=args.profile_sites,
-                                 profile_idle=args.profile_idle)  # fmt: skip
-                    # A step verifies 1 + K rows per request (K = the mode's draft count).
+                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
+                    # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
+                    # computes the root and the proposed drafts (the rest is filler: never read).
                     k = draft_len(mode)
                     fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
-                                     mtp_steps=k if mode.startswith("mtp") else 0)  # fmt: skip
+                                     mtp_steps=k if mode.startswith("mtp") else 0,
+                                     expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
                     # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
                     floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
                     if mode == "plain":
@@ -708,6 +734,7 @@ def main() -> None:
                            "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
                            "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
                            "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
+                           "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
                            "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
                            "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
                            "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],

@@ -21,6 +21,10 @@ Usage (on a CUDA machine, from the repository root)::
 
     PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [--sweep] [--json PATH]
 
+Where N is a multiple of 8, a ``live 3k/N`` case times the same call with ``row_live`` flagging rows 3..7 of
+every 8 dead (width-8 verify rows whose sequence proposed 2 drafts: the rest is filler); its floor counts the
+experts of the live rows only.
+
 ``--sweep`` also times the torch pair sorting (``align="torch"``) and other launch shapes (block_n, num_warps,
 num_stages) of the fused kernels. Without CUDA it prints a message and exits 0.
 """
@@ -41,6 +45,8 @@ from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
 
 ROWS = (1, 8, 16, 64, 128)
 GRAPH_CALLS = 10
+# Rows per sequence of the dead-row cases (a width-8 verify).
+VERIFY_WIDTH = 8
 
 
 @dataclass
@@ -109,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         x = (torch.randn(n, h, device=dev, generator=g) * 4.0).to(torch.bfloat16)
         with torch.no_grad():
             ids, w = m.gate(x)
-        distinct = int(ids.unique().numel())
-        nbytes = distinct * expert_bytes + n * h * (2 + 4)
         out = torch.empty(n, h, device=dev)
         ref = R.fused_moe_ref(x, ids, w, w13, w2, limit)
         K.fused_moe(x, ids, w, w13, w2, limit, out=out)
         rel = ((out - ref).abs().max() / ref.abs().max()).item()
         configs: list[tuple[str, dict]] = [("default", {})]
+        if n % VERIFY_WIDTH == 0:
+            # Width-8 verify rows of n / 8 sequences, each with 2 proposed drafts: rows 3..7 are filler.
+            live = (torch.arange(n, device=dev) % VERIFY_WIDTH <= 2).to(torch.int64)
+            configs.append((f"live {int(live.sum())}/{n}", {"row_live": live}))
         if args.sweep:
             configs.append(("align=torch", {"align": "torch"}))
             for bn in (16, 32, 64, 128):
@@ -126,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_loop:
             loop_us = _bench(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
         for label, kw in configs:
+            live = kw.get("row_live")
+            distinct = int((ids if live is None else ids[live.bool()]).unique().numel())
+            nbytes = distinct * expert_bytes + n * h * (2 + 4)
             try:
                 call = partial(K.fused_moe, x, ids, w, w13, w2, limit, out=out, **kw)
                 eager_us = _bench(call, args.quick)

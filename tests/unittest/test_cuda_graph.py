@@ -16,6 +16,7 @@ from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import ConfigError, Glm5NextConfig
 from trtllm_glm.errors import StateError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.modules.ffn import MoE
 from trtllm_glm.runtime.cuda_graph import (
     PADDING_REQUEST_ID,
     CudaGraphConfig,
@@ -327,6 +328,35 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
     ref = _run(make(False), PROMPTS, max_tokens)
     emulated(True)
     ex = make(True)
+    # Each verify replay's MoE sees its filler rows (past the proposed drafts) and padding rows as dead.
+    moe = next(layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE))
+    seen: list[list[int]] = []
+    want: list[list[int]] = []
+    orig_forward, orig_replay = moe.forward, ex.graph_runner.replay
+
+    def forward(x, row_live=None):
+        seen.append(row_live.tolist() if row_live is not None else None)
+        return orig_forward(x, row_live=row_live)
+
+    def replay(key, plan, ids, proposed=None, **kw):
+        P, W = key
+        if W > 1:
+            want.append([int(j <= proposed[b]) if b < len(plan) else 0 for b in range(P) for j in range(W)])
+        else:
+            want.append([int(b < len(plan)) for b in range(P)])
+        return orig_replay(key, plan, ids, proposed, **kw)
+
+    moe.forward = forward  # type: ignore[method-assign]
+    ex.graph_runner.replay = replay  # type: ignore[method-assign]
+    seen_in_replays: list[list[int]] = []
+
+    def launch(key, _orig=ex.graph_runner._launch):
+        n = len(seen)
+        out = _orig(key)
+        seen_in_replays.extend(seen[n:])
+        return out
+
+    ex.graph_runner._launch = launch  # type: ignore[method-assign]
     got = _run(ex, PROMPTS, max_tokens)
     _assert_same(ref, got)
     assert [r.output_ids for r in got] == [r.output_ids for r in plain]
@@ -334,6 +364,8 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
     assert [r.accepted_per_position for r in got] == [r.accepted_per_position for r in ref]
     st = ex.graph_runner.stats
     assert st.replays > 0 and st.eager_steps == 0, (st.replays, st.eager_steps)
+    assert seen_in_replays == want
+    assert any(0 in w[: len(w) - w[::-1].index(1)] for w in want if 1 in w)  # filler inside live sequences
 
 
 def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
@@ -556,13 +588,33 @@ def test_set_decode_rows_matches_prepare() -> None:
     a.set_decode_rows(torch.tensor(past), torch.tensor([True, True, True, False]), past)
     b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[1] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
               num_padding_seqs=1)  # fmt: skip
-    for name in ("positions_t", "row_seq_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t", "cu_seqlens_t"):
+    for name in ("positions_t", "row_seq_t", "row_live_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t",
+                 "cu_seqlens_t"):  # fmt: skip
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.row_live_t.tolist() == [1, 1, 1, 0]
     for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
                  "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
         assert getattr(a, name) == getattr(b, name), name
     with pytest.raises(ValueError, match="4 lengths"):
         a.set_decode_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), past[:3])
+
+
+def test_row_live_marks_padding_and_filler() -> None:
+    """``row_live_t``: 0 on padding rows (sequences and widths) and on the verify filler ``live_q_lens`` names,
+    which keep their ``row_seq`` (computed like any row); refreshed in place by the next `prepare`."""
+    from trtllm_glm.attention.metadata import AttentionMetadata
+
+    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 3, 3, 3], state_slots=[7, 1, 2, 0], num_decode_seqs=4,
+              num_padding_seqs=1, live_q_lens=[3, 1, 2, 0])  # fmt: skip
+    assert a.row_seq_t.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, -1, -1, -1]
+    assert a.row_live_t.tolist() == [1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0]
+    ptr = a.row_live_t.data_ptr()
+    a.prepare([1, 2], past_lens=[5, 0], q_lens=[2, 3], state_slots=[7, 1], num_decode_seqs=0,
+              valid_q_lens=[2, 1])  # fmt: skip
+    assert a.row_live_t.tolist() == [1, 1, 1, 0, 0] and a.row_live_t.data_ptr() == ptr
+    with pytest.raises(ValueError, match="live_q_lens"):
+        a.prepare([1], past_lens=[5], q_lens=[2], state_slots=[7], num_decode_seqs=1, live_q_lens=[3])
 
 
 def test_accepted_counts_on_device() -> None:

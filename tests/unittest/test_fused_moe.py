@@ -215,6 +215,94 @@ def test_empty_and_bad_args() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
+# Dead rows (row_live): padding and verify filler get no expert
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("n", "e", "k", "m", "mode"), [(9, 12, 3, 4, "random"), (40, 5, 2, 16, "skewed")])
+def test_align_leaves_dead_rows_out(n: int, e: int, k: int, m: int, mode: str) -> None:
+    g = torch.Generator().manual_seed(40 + n)
+    ids = _routing(n, e, k, mode, g)
+    live = (torch.rand(n, generator=g) < 0.5).to(torch.int64)
+    live[0], live[-1] = 1, 0
+    sorted_pairs, block_expert = R.moe_align(ids, e, m, live)
+    # Same layout as sorting the live rows' pairs alone (their pair ids kept): dead pairs sit in no slot.
+    p = n * k
+    flat = ids.reshape(-1).tolist()
+    alive = [q for q in range(p) if live[q // k]]
+    want_slots: list[int] = []
+    want_blocks: list[int] = []
+    for ex in range(e):
+        run = [q for q in alive if flat[q] == ex]
+        padded = -(-len(run) // m) * m
+        want_slots += run + [p] * (padded - len(run))
+        want_blocks += [ex] * (padded // m)
+    length = R.padded_pairs_bound(p, e, m)
+    assert sorted_pairs.tolist() == want_slots + [p] * (length - len(want_slots))
+    assert block_expert.tolist() == want_blocks + [-1] * (length // m - len(want_blocks))
+    # Experts only dead rows chose get no block (their weights are never read).
+    dead_only = {ids[r, j].item() for r in range(n) if not live[r] for j in range(k)} - {flat[q] for q in alive}
+    assert dead_only.isdisjoint(block_expert.tolist())
+    for flags in (live, live.bool()):
+        k_sorted, k_blocks = K.moe_align(ids, e, m, flags)
+        assert torch.equal(k_sorted, sorted_pairs) and torch.equal(k_blocks, block_expert)
+    # All rows live: the unflagged layout.
+    for a, b in zip(R.moe_align(ids, e, m, torch.ones(n, dtype=torch.int64)), R.moe_align(ids, e, m)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("align", ["triton", "torch"])
+def test_dead_rows_are_zero_and_live_rows_unchanged(align: str) -> None:
+    n, h, inter, e, k = 11, 40, 24, 8, 3
+    x, ids, w, w13, w2 = _problem(n, h, inter, e, k, "random", seed=21)
+    live = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0])
+    full = K.fused_moe(x, ids, w, w13, w2, LIMIT, align=align)
+    # Poisoned buffers: a dead row's stale pair rows (NaN here) must not reach its output.
+    out, scratch = _poisoned_run(x, ids, w, w13, w2, LIMIT, align=align, row_live=live)
+    on = live.bool()
+    assert torch.equal(out[on], full[on])  # bit-equal: each GEMM row depends only on its own operands
+    assert torch.equal(out[~on], torch.zeros(int((~on).sum()), h))
+    assert scratch["pair_out"].view(n, k, h)[~on].isnan().all()  # never computed
+    ref = R.fused_moe_ref(x, ids, w, w13, w2, LIMIT, row_live=live)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert torch.equal(ref[~on], torch.zeros_like(ref[~on]))
+    # Fewer blocks of work than the unflagged call (dead rows' experts dropped).
+    assert (scratch["block_expert"] >= 0).sum() < (K.moe_align(ids, e, K.default_block_m(n * k, e))[1] >= 0).sum()
+    # Every row dead: nothing computed, all zero.
+    none = K.fused_moe(x, ids, w, w13, w2, LIMIT, align=align, row_live=torch.zeros(n, dtype=torch.int64))
+    assert torch.equal(none, torch.zeros(n, h))
+    with pytest.raises(ValueError, match="row_live"):
+        K.fused_moe(x, ids, w, w13, w2, LIMIT, row_live=live[:-1])
+    with pytest.raises(ValueError, match="row_live"):
+        K.fused_moe(x, ids, w, w13, w2, LIMIT, row_live=live.float())
+
+
+def test_module_dead_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trtllm_glm.modules.ffn import MOE_SKIP_DEAD_ROWS_ENV
+
+    m = MoE(_cfg())
+    m.reset_parameters(torch.Generator().manual_seed(31), 0.4)
+    x = torch.randn(7, 40, generator=torch.Generator().manual_seed(32)) * 3
+    live = torch.tensor([1, 1, 0, 1, 0, 1, 0])
+    on = live.bool()
+    with torch.no_grad():
+        base = _forced(m, x, "torch")
+        shared = m.shared_experts(x)
+        for backend in ("torch", "triton"):
+            m.backend = backend
+            try:
+                got = m(x, row_live=live)
+                torch.testing.assert_close(got[on], base[on], rtol=1e-5, atol=1e-5 * base.abs().max().item())
+                # Dead rows: the shared experts only.
+                torch.testing.assert_close(got[~on], shared[~on], rtol=1e-5, atol=1e-6)
+                monkeypatch.setenv(MOE_SKIP_DEAD_ROWS_ENV, "0")  # the A/B switch: flags ignored
+                torch.testing.assert_close(m(x, row_live=live), base, rtol=1e-5, atol=1e-5 * base.abs().max().item())
+                monkeypatch.delenv(MOE_SKIP_DEAD_ROWS_ENV)
+                with pytest.raises(ValueError, match="row_live"):
+                    m(x, row_live=live[:3])
+            finally:
+                m.backend = None
+
+
+# ------------------------------------------------------------------------------------------------------
 # MoE module: forced triton path vs loop path, stacked weight storage
 # ------------------------------------------------------------------------------------------------------
 def _cfg(h: int = 40, inter: int = 24, e: int = 6, k: int = 3) -> Glm5NextConfig:

@@ -134,3 +134,42 @@ def test_cuda_graph_replay(real_moe: MoE) -> None:
             eager_mod = m(x)
         assert torch.equal(sout, eager)
         assert torch.equal(s_mod_out, eager_mod)
+
+
+def test_dead_rows_in_a_graph(real_moe: MoE) -> None:
+    """``row_live`` at real geometry, captured once and replayed with new flags: live rows bit-equal to the
+    unflagged call, dead rows 0, and the experts only dead rows chose get no row block."""
+    m = real_moe
+    n = 24  # three width-8 verify sequences
+    g = torch.Generator(device="cuda").manual_seed(9)
+    w13, w2 = m.stacked_expert_weights()
+    x = (torch.randn(n, m.hidden_size, device="cuda", generator=g) * X_SCALE).to(torch.bfloat16)
+    with torch.no_grad():
+        ids, w = m.gate(x)
+    live = torch.ones(n, dtype=torch.int64, device="cuda")
+    out = torch.empty(n, m.hidden_size, device="cuda")
+    scratch: dict[str, torch.Tensor] = {}
+
+    def step() -> None:
+        K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, out=out, row_live=live, scratch=scratch)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    full = K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit)
+    for proposed in ([7, 7, 7], [2, 0, 5], [0, 0, 0]):
+        flags = torch.tensor([int(j <= p) for p in proposed for j in range(8)], device="cuda")
+        live.copy_(flags)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        on = flags.bool()
+        assert torch.equal(out[on], full[on])
+        assert torch.equal(out[~on], torch.zeros_like(out[~on]))
+        used = set(scratch["block_expert"].tolist()) - {-1}
+        assert used == set(ids[on].unique().tolist())

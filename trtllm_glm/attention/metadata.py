@@ -80,7 +80,7 @@ class AttentionMetadata:
         num_decode_seqs, num_decode_tokens, num_tokens, max_kv_len.
 
     Device views after ``prepare()`` (slices of persistent buffers):
-        positions_t ``[N]`` int64, row_seq_t ``[N]`` int64, state_slots_t ``[B]`` int64,
+        positions_t ``[N]`` int64, row_seq_t ``[N]`` int64, row_live_t ``[N]`` int64, state_slots_t ``[B]`` int64,
         past_lens_t ``[B]`` int64, q_lens_t ``[B]`` int64, kv_lens_t ``[B]`` int64,
         cu_seqlens_t ``[B + 1]`` int64.
 
@@ -89,6 +89,11 @@ class AttentionMetadata:
     and the tail-ring rollback skip such rows, so they write no page, pool or ring), and the KDA layers
     run them on the state slot they name (the executor's reserved padding slot). `trim_padding` drops
     them from the host description after the step ran.
+
+    Row liveness: ``row_live_t`` is 1 on the rows whose outputs somebody reads and 0 on padding rows
+    (``row_seq = -1``) and on the verify filler rows ``prepare(..., live_q_lens=...)`` names (rows of a real
+    sequence past its proposed drafts: computed, never accepted). The MoE leaves dead rows' routed experts
+    out (`trtllm_glm.modules.ffn.MoE`), so they make no expert's weights be read.
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_tokens: int, device: torch.device | str = "cpu") -> None:
@@ -102,8 +107,8 @@ class AttentionMetadata:
         B, N = max_num_seqs, max_num_tokens
         # [per-seq buffers]: state_slots, past_lens, q_lens, kv_lens, cu_seqlens (B + 1 wide).
         self._seq_buf = torch.zeros(5, B + 1, dtype=i64, device=self.device)
-        # [per-token buffers]: positions, row_seq.
-        self._tok_buf = torch.zeros(2, N, dtype=i64, device=self.device)
+        # [per-token buffers]: positions, row_seq, row_live.
+        self._tok_buf = torch.zeros(3, N, dtype=i64, device=self.device)
         # 0 .. B: cu_seqlens and row owners of one-row-per-sequence steps written on the device (`set_decode_rows`).
         self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
         self._staging = HostStaging(
@@ -139,6 +144,7 @@ class AttentionMetadata:
         num_decode_seqs: int,
         num_padding_seqs: int = 0,
         valid_q_lens: Sequence[int] | None = None,
+        live_q_lens: Sequence[int] | None = None,
     ) -> None:
         """Describe this step's batch and refresh the device buffers in place.
 
@@ -151,6 +157,9 @@ class AttentionMetadata:
             num_padding_seqs: how many trailing sequences are CUDA-graph padding (``row_seq = -1``).
             valid_q_lens: optional ``[B]`` real rows of each sequence (``<= q_lens``); the rest of its rows are
                 padding of a captured width (``row_seq = -1``). Page checks use these.
+            live_q_lens: optional ``[B]`` leading rows of each sequence whose outputs are read (verify: one
+                plus the proposed drafts); the rest get ``row_live = 0`` but keep their ``row_seq`` (they are
+                computed like any row, caches included). Padding rows are never live.
         """
         B = len(request_ids)
         if not (len(past_lens) == len(q_lens) == len(state_slots) == B):
@@ -167,6 +176,10 @@ class AttentionMetadata:
             len(valid_q_lens) != B or any(not 0 <= v <= q for v, q in zip(valid_q_lens, q_lens))
         ):
             raise ValueError("valid_q_lens must have one entry per sequence, each in [0, q_len]")
+        if live_q_lens is not None and (
+            len(live_q_lens) != B or any(not 0 <= v <= q for v, q in zip(live_q_lens, q_lens))
+        ):
+            raise ValueError("live_q_lens must have one entry per sequence, each in [0, q_len]")
         N = sum(q_lens)
         if self.max_num_tokens < N:
             raise TableWidthError(f"{N} tokens exceed max_num_tokens={self.max_num_tokens}")
@@ -205,6 +218,11 @@ class AttentionMetadata:
                 for b, (v, q) in enumerate(zip(valid_q_lens, q_lens)):
                     if v < q:
                         th[1, cu[b] + v : cu[b + 1]] = -1
+            th[2, :N] = th[1, :N] >= 0
+            if live_q_lens is not None:
+                for b, (v, q) in enumerate(zip(live_q_lens, q_lens)):
+                    if v < q:
+                        th[2, cu[b] + v : cu[b + 1]] = 0
         sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
@@ -236,6 +254,7 @@ class AttentionMetadata:
         seq[4, : B + 1].copy_(ar[: B + 1])
         tok[0, :B].copy_(past_lens)
         tok[1, :B].copy_(torch.where(real, ar[:B], -1))
+        tok[2, :B].copy_(real)
         self.q_lens = [1] * B
         self.past_lens = list(host_past_lens)
         self.cu_seqlens = list(range(B + 1))
@@ -300,6 +319,11 @@ class AttentionMetadata:
     @property
     def row_seq_t(self) -> torch.Tensor:
         return self._tok_buf[1, : self.num_tokens]
+
+    @property
+    def row_live_t(self) -> torch.Tensor:
+        """``[N]`` int64: 1 where the row's output is read, 0 on padding and verify filler rows."""
+        return self._tok_buf[2, : self.num_tokens]
 
     @property
     def state_slots_t(self) -> torch.Tensor:

@@ -23,7 +23,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, resolve_preset_dir
 from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
-from ..modules.ffn import make_ffn
+from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.mhc import mhc_block
 from ..modules.norm import RMSNorm
@@ -167,9 +167,15 @@ class Glm5NextDecoderLayer(nn.Module):
         """
         if not self.use_mhc:
             h = h + self._attn(h, meta, manager, sparse_cache_idx)
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return h + self._ffn(self.post_attention_layernorm(h), meta)
         h = self._mhc("attn", h, lambda x: self._attn(x, meta, manager, sparse_cache_idx))
-        return self._mhc("ffn", h, lambda x: self.mlp(self.post_attention_layernorm(x)))
+        return self._mhc("ffn", h, lambda x: self._ffn(self.post_attention_layernorm(x), meta))
+
+    def _ffn(self, x: torch.Tensor, meta: GlmKpoolMetadata) -> torch.Tensor:
+        # The MoE skips the routed experts of rows nobody reads (padding, verify filler): fewer experts read.
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, row_live=meta.row_live_t)
+        return self.mlp(x)
 
 
 class Glm5NextModel(nn.Module):

@@ -21,7 +21,7 @@ from ..linear import linear_fp32
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
 
-__all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "FUSED_MAX_ROWS"]
+__all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "MOE_SKIP_DEAD_ROWS_ENV", "FUSED_MAX_ROWS"]
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -206,6 +206,8 @@ class MoEGate(nn.Module):
 
 MOE_BACKEND_ENV = "TRTLLM_GLM_MOE_BACKEND"
 MOE_BACKENDS = ("auto", "torch", "triton")
+# "0" computes the routed experts of dead rows too (`MoE.forward`'s ``row_live`` ignored): the A/B switch.
+MOE_SKIP_DEAD_ROWS_ENV = "TRTLLM_GLM_MOE_SKIP_DEAD_ROWS"
 # "auto" takes the fused kernels on CUDA up to this many rows. Beyond it (prefill) the per-expert loop is as
 # fast (every expert gets many rows; one host sync per layer is nothing next to the GEMMs) and the fused
 # path's [N * k, H] fp32 pair buffer would grow large (537 MB at 4096 rows of the real model).
@@ -435,26 +437,44 @@ class MoE(nn.Module):
             start += c
         return out
 
-    def _routed_fused(self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
+    def _routed_fused(
+        self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, row_live: torch.Tensor | None
+    ) -> torch.Tensor:
         """Fused kernels over the stacked weights: ``[N, H]`` fp32, no host sync."""
         from ..moe import kernels
 
         w13, w2 = self.stacked_expert_weights()
-        return kernels.fused_moe(x2, topk_ids, topk_w, w13, w2, self.swiglu_limit)
+        return kernels.fused_moe(x2, topk_ids, topk_w, w13, w2, self.swiglu_limit, row_live=row_live)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x ``[N, hidden]`` (any leading dims are flattened). Returns ``[N, hidden]`` in ``x``'s dtype.
+    def forward(self, x: torch.Tensor, row_live: torch.Tensor | None = None) -> torch.Tensor:
+        """Routed experts (plus the shared ones) of every row.
 
         Expert outputs are weighted and accumulated in fp32, then cast once.
+
+        Args:
+            x: ``[N, hidden]`` (any leading dims are flattened).
+            row_live: optional ``[N]`` int or bool flags (``AttentionMetadata.row_live_t``): a row flagged 0
+                is one whose output nobody reads (CUDA-graph padding, verify filler). Its routed part is 0
+                and, on the fused path, none of its experts is read or computed. ``TRTLLM_GLM_MOE_SKIP_DEAD_ROWS=0``
+                ignores the flags.
+
+        Returns:
+            ``[N, hidden]`` in ``x``'s dtype.
         """
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
+        if row_live is not None and os.environ.get(MOE_SKIP_DEAD_ROWS_ENV, "1") == "0":
+            row_live = None
+        if row_live is not None and row_live.shape != (n,):
+            raise ValueError(f"MoE: row_live must be [N={n}], got {tuple(row_live.shape)}")
         if n > 0:
             topk_ids, topk_w = self.gate(x2)
             if self._backend(x2) == "triton":
-                out = self._routed_fused(x2, topk_ids, topk_w)
+                out = self._routed_fused(x2, topk_ids, topk_w, row_live)
             else:
+                if row_live is not None:  # the loop still computes dead rows; their weights make them 0
+                    topk_w = topk_w * (row_live != 0).unsqueeze(1)
                 out = self._routed_loop(x2, topk_ids, topk_w)
         else:
             out = torch.zeros(0, self.hidden_size, dtype=torch.float32, device=x.device)

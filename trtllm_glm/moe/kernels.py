@@ -15,9 +15,14 @@
    ``[M, BLOCK_N]`` of the intermediate ``[L_slots, I]`` (activation dtype) at the block's slots.
 3. ``_down_kernel``, grid ``(row blocks, cdiv(H, BLOCK_N))``: the intermediate rows times the expert's
    ``down`` rows, times the pair's routing weight, written in fp32 to ``pair_out[p]`` (``[P, H]``).
-4. ``out = pair_out.view(N, k, H).sum(1)``: each pair has its own row, so there are no atomics and the
-   result is bit-deterministic run to run (the sum over ``k`` is a plain reduction). The ``[P, H]`` fp32
-   buffer is the price (16.8 MB at N = 128, k = 8, H = 4096).
+4. ``_combine_kernel``: ``out[n] = sum_j pair_out[n * k + j]`` in slot order: each pair has its own row, so
+   there are no atomics and the result is bit-deterministic run to run. The ``[P, H]`` fp32 buffer is the
+   price (16.8 MB at N = 128, k = 8, H = 4096).
+
+Dead rows (``row_live``): CUDA-graph padding rows and verify filler rows compute outputs nobody reads, yet
+their routing would make experts' weights be read (up to ``k`` experts per row: at batch 1 a width-8 verify
+with two proposed drafts reads ~57 experts instead of ~23). Their pairs are left out of the sort (step 1),
+so no block holds them, and the combine writes 0 for them without reading their stale ``pair_out`` rows.
 
 Each program of a row block reads its expert's weight tile once for all ``M`` pairs, so at decode sizes
 (each expert gets at most a few pairs) every touched expert's weights are read once per step; an expert with
@@ -190,15 +195,51 @@ def _down_kernel(
 
 
 @triton.jit
+def _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE: tl.constexpr):
+    """Expert ids of pairs ``q`` as int32, ``-1`` past the end and (``HAS_LIVE``) for pairs of dead rows."""
+    ok = q < n_pairs
+    if HAS_LIVE:
+        ok = ok & (tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0)
+    return tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
+
+
+@triton.jit
+def _combine_kernel(
+    pair_ptr,
+    live_ptr,
+    out_ptr,
+    top_k,
+    H,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """``out[n] = sum_j pair_out[n * k + j]`` in order ``j = 0 .. k - 1`` (0 for a dead row: nothing read)."""
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    if HAS_LIVE:
+        ok_read = ok & (tl.load(live_ptr + n) != 0)
+    else:
+        ok_read = ok
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, top_k):
+        acc += tl.load(pair_ptr + (n * top_k + j) * H + cols, mask=ok_read, other=0.0)
+    tl.store(out_ptr + n * H + cols, acc, mask=ok)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
+    live_ptr,
     sorted_ptr,
     block_expert_ptr,
     cursor_ptr,
     n_pairs,
+    top_k,
     n_experts,
     n_slots,
     n_blocks,
+    HAS_LIVE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -207,11 +248,11 @@ def _align_kernel(
     e_idx = tl.arange(0, BLOCK_E)
     e_ok = e_idx < n_experts
     c_idx = tl.arange(0, CHUNK)
-    # 1. Pairs per expert (one-hot column sums; padding lanes load -1 and match nothing).
+    # 1. Pairs per expert (one-hot column sums; padding lanes and dead rows' pairs read -1 and match nothing).
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for c0 in range(0, n_pairs, CHUNK):
         q = c0 + c_idx
-        ids = tl.load(ids_ptr + q, mask=q < n_pairs, other=-1).to(tl.int32)
+        ids = _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE)
         counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
     # 2. Padded runs: run e occupies slots [pad_start[e], pad_end[e]).
     padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
@@ -233,8 +274,8 @@ def _align_kernel(
     # 5. Scatter pair ids: slot = run cursor + number of earlier same-expert pairs in this chunk.
     for c0 in range(0, n_pairs, CHUNK):
         q = c0 + c_idx
-        ok = q < n_pairs
-        ids = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
+        ids = _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE)
+        ok = ids >= 0
         base = tl.load(cursor_ptr + ids, mask=ok, other=0)
         earlier = (ids[None, :] == ids[:, None]) & (c_idx[None, :] < c_idx[:, None])
         dest = base + tl.sum(earlier.to(tl.int32), axis=1)
@@ -247,32 +288,39 @@ def _align_kernel(
         tl.debug_barrier()
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel version of `ops.moe_align` (identical output): one single-program launch instead of ~20 torch ops.
 
     Args:
         topk_ids: ``[N, k]`` int expert ids in ``[0, E)``.
         num_experts: ``E``.
         block_m: row block ``M``.
+        row_live: optional ``[N]`` int or bool flags; the pairs of rows flagged 0 are left out.
 
     Returns:
         ``(sorted_pairs [L] int32, block_expert [L // M] int32)``, as `ops.moe_align`.
     """
     if INTERPRETED or topk_ids.device.type == "cuda":
-        return _moe_align(topk_ids, num_experts, block_m)
+        return _moe_align(topk_ids, num_experts, block_m, row_live)
     from trtllm_glm.triton_interp import interpreting as _interpreting
 
     mod = _interpreted_module()
     with _interpreting():
-        return mod._moe_align(topk_ids, num_experts, block_m)
+        return mod._moe_align(topk_ids, num_experts, block_m, row_live)
 
 
-def _moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
     p = ids.numel()
+    if row_live is not None and row_live.shape != (topk_ids.shape[0],):
+        raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")
     slots = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = slots // block_m
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=dev)
@@ -282,19 +330,31 @@ def _moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](
         ids,
+        _live_arg(row_live, ids),
         sorted_pairs,
         block_expert,
         cursor,
         p,
+        max(1, topk_ids.shape[1]),
         num_experts,
         slots,
         n_blocks,
+        HAS_LIVE=row_live is not None,
         BLOCK_M=block_m,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
         CHUNK=64,
         num_warps=8,
     )
     return sorted_pairs, block_expert
+
+
+def _live_arg(row_live: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """``row_live`` as a contiguous int tensor a kernel can load (``fallback``, never read, when absent)."""
+    if row_live is None:
+        return fallback
+    if row_live.dtype == torch.bool:
+        row_live = row_live.view(torch.uint8)
+    return row_live if row_live.is_contiguous() else row_live.contiguous()
 
 
 def default_block_m(num_pairs: int, num_experts: int) -> int:
@@ -334,9 +394,10 @@ def _fused_moe(
     num_stages: int | None,
     scratch: dict[str, torch.Tensor] | None,
     align: str,
+    row_live: torch.Tensor | None,
 ) -> torch.Tensor:
     """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
-    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down)
+    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down, row_live)
     dev = x.device
     if out is None:
         out = torch.empty(n, h, dtype=torch.float32, device=dev)
@@ -355,9 +416,9 @@ def _fused_moe(
     p = n * k
     m = block_m if block_m is not None else default_block_m(p, e)
     if align == "triton":
-        sorted_pairs, block_expert = _moe_align(topk_ids, e, m)
+        sorted_pairs, block_expert = _moe_align(topk_ids, e, m, row_live)
     elif align == "torch":
-        sorted_pairs, block_expert = torch_moe_align(topk_ids, e, m)
+        sorted_pairs, block_expert = torch_moe_align(topk_ids, e, m, row_live)
     else:
         raise ValueError(f"align must be 'triton' or 'torch', got {align!r}")
     n_blocks = block_expert.numel()
@@ -424,8 +485,19 @@ def _fused_moe(
         UPCAST=INTERPRETED,
         **launch,
     )
-    # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere).
-    torch.sum(pair_out.view(n, k, h), dim=1, out=out)
+    # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere). A dead row's pairs
+    # were never computed (their `pair_out` rows hold stale values): the combine writes 0 without reading them.
+    block_h = min(triton.next_power_of_2(h), 4096 if INTERPRETED else 1024)
+    _combine_kernel[(n, triton.cdiv(h, block_h))](
+        pair_out,
+        _live_arg(row_live, pair_out),
+        out,
+        k,
+        h,
+        HAS_LIVE=row_live is not None,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
     return out
 
 
@@ -463,6 +535,7 @@ def fused_moe(
     num_stages: int | None = None,
     scratch: dict[str, torch.Tensor] | None = None,
     align: str | None = None,
+    row_live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
 
@@ -488,12 +561,16 @@ def fused_moe(
             buffers) and callers that keep persistent workspaces.
         align: pair sorting: ``"triton"`` (`moe_align`, one launch) or ``"torch"`` (`ops.moe_align`, ~20
             small device ops; same layout). Default: ``TRTLLM_GLM_MOE_ALIGN`` or ``"triton"``.
+        row_live: optional ``[N]`` int or bool flags on ``x``'s device. A row flagged 0 (a CUDA-graph padding
+            row, a verify row past its sequence's proposed drafts) gets no (token, slot) pair: its experts are
+            neither read nor computed for it, and its output row is 0. The other rows' outputs are bit-equal
+            to an unflagged call's (each GEMM row depends on its own operands only).
 
     Returns:
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
-    rest = (num_warps, num_stages, scratch, align if align is not None else DEFAULT_ALIGN)
+    rest = (num_warps, num_stages, scratch, align if align is not None else DEFAULT_ALIGN, row_live)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.

@@ -10,8 +10,9 @@ where ``w_gate_up[e] = cat(W1g[e], W1u[e])`` (``[2I, H]``: expert ``e``'s ``gate
 * `fused_moe_ref` computes that in fp32 (inputs upcast), one expert at a time (host loop, host sync): the
   numerical reference of `trtllm_glm.moe.kernels.fused_moe`.
 * `moe_align` sorts the ``N * k`` (token, slot) pairs by expert and pads each expert's run to a multiple of
-  the GEMM row block ``M``, entirely with device ops on fixed-size buffers (no host sync, no size that
-  depends on the routing), so the kernels' wrapper can use it under CUDA-graph capture.
+  the GEMM row block ``M`` (leaving out the pairs of rows flagged dead: padding and verify filler), entirely
+  with device ops on fixed-size buffers (no host sync, no size that depends on the routing), so the
+  kernels' wrapper can use it under CUDA-graph capture.
 * `padded_pairs_bound` is the buffer length: ``P + min(E, P) * (M - 1)`` rounded down to a multiple of ``M``
   (every non-empty expert wastes at most ``M - 1`` padding slots, and at most ``min(E, P)`` are non-empty).
 """
@@ -42,18 +43,22 @@ def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     return bound // block_m * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
     Pair ``p = n * k + j`` is token ``n``'s slot ``j``. Within an expert, pairs keep ascending ``p`` (a stable
-    sort), so the layout is a deterministic function of ``topk_ids``. Only device ops on buffers whose sizes
-    follow from the shapes: no host synchronisation, capturable in a CUDA graph. Ids must lie in
-    ``[0, num_experts)`` (not checked: that would need a sync).
+    sort), so the layout is a deterministic function of ``topk_ids`` (and ``row_live``). Only device ops on
+    buffers whose sizes follow from the shapes: no host synchronisation, capturable in a CUDA graph. Ids must
+    lie in ``[0, num_experts)`` (not checked: that would need a sync).
 
     Args:
         topk_ids: ``[N, k]`` int expert ids.
         num_experts: ``E``.
         block_m: row block ``M``.
+        row_live: optional ``[N]`` int or bool flags; the pairs of a row whose flag is 0 are left out (no slot,
+            no expert run), so a step's padding rows make no expert's weights be read.
 
     Returns:
         ``(sorted_pairs, block_expert)``: ``[L]`` int32 pair ids in expert order, ``P`` (= ``N * k``) in
@@ -65,8 +70,15 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     p = flat.numel()
     length = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = length // block_m
+    if row_live is not None:
+        if row_live.shape != (topk_ids.shape[0],):
+            raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")
+        # Dead pairs become a virtual expert E: sorted after every real run, counted nowhere, stored nowhere.
+        live = (row_live != 0).repeat_interleave(topk_ids.shape[1])
+        flat = torch.where(live, flat, num_experts)
     # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to size its output (a sync).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0
     padded = (counts + (block_m - 1)) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -74,9 +86,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.argsort(flat, stable=True)
     e_sorted = flat[order]
     rank = torch.arange(p, device=dev) - run_start[e_sorted]
-    dest = pad_start[e_sorted] + rank
-    sorted_pairs = torch.full((length,), p, dtype=torch.int32, device=dev)
+    # A dead pair's slot is the spare one past the buffer (dropped below).
+    dest = torch.where(e_sorted < num_experts, pad_start[e_sorted] + rank, length)
+    sorted_pairs = torch.full((length + 1,), p, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    sorted_pairs = sorted_pairs[:length]
+    pad_end = pad_end[:num_experts]
     # Block b starts at slot b * M; its expert is the first one whose padded run ends after that slot
     # (runs of padded length zero are never found: their end equals their start).
     starts = torch.arange(n_blocks, device=dev, dtype=torch.int64) * block_m
@@ -91,6 +106,7 @@ def check_fused_moe_args(
     topk_w: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
+    row_live: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
     """Validate shapes (host-side metadata only, no sync).
 
@@ -114,6 +130,8 @@ def check_fused_moe_args(
     inter = two_i // 2
     if w_down.shape != (e, h, inter):
         raise ValueError(f"w_down must be [E={e}, H={h}, I={inter}], got {tuple(w_down.shape)}")
+    if row_live is not None and (row_live.shape != (n,) or row_live.dtype.is_floating_point):
+        raise ValueError(f"row_live must be [N={n}] int or bool, got {tuple(row_live.shape)} {row_live.dtype}")
     return n, h, k, e, inter
 
 
@@ -124,6 +142,7 @@ def fused_moe_ref(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
+    row_live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts in fp32, one expert at a time (the reference of `kernels.fused_moe`).
 
@@ -138,6 +157,7 @@ def fused_moe_ref(
         w_gate_up: ``[E, 2I, H]`` stacked ``gate_proj`` then ``up_proj`` weights.
         w_down: ``[E, H, I]`` stacked ``down_proj`` weights.
         swiglu_limit: the clamp ``L`` of `clamped_swiglu` (``None``: plain SwiGLU).
+        row_live: optional ``[N]`` int or bool flags; rows flagged 0 get no expert (their output is 0).
 
     Returns:
         ``[N, H]`` fp32.
@@ -145,7 +165,7 @@ def fused_moe_ref(
     Raises:
         ValueError: bad shapes, or an expert id out of range.
     """
-    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down)
+    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down, row_live)
     out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     if n == 0 or k == 0:
         return out
@@ -155,7 +175,11 @@ def fused_moe_ref(
     tok = torch.arange(n, device=x.device).repeat_interleave(k)
     wts = topk_w.reshape(-1).float()
     xf = x.float()
+    if row_live is not None:
+        flat = torch.where((row_live != 0)[tok], flat, -1)
     for ex in torch.unique(flat).tolist():
+        if ex < 0:
+            continue
         sel = (flat == ex).nonzero().squeeze(1)
         rows = tok[sel]
         gu = xf.index_select(0, rows) @ w_gate_up[ex].float().T

@@ -445,6 +445,7 @@ class Executor:
         """Describe ``plan`` (uniform width ``W``) padded to ``P`` sequences on the padding slot."""
         pad = P - len(plan)
         rids = [s.request.request_id for s in plan]
+        proposed = self._proposed(plan) if W > 1 else None
         self.meta.prepare(
             rids + [PADDING_REQUEST_ID] * pad,
             past_lens=[s.start for s in plan] + [PADDING_PAST_LEN] * pad,
@@ -452,6 +453,8 @@ class Executor:
             num_decode_seqs=P,
             state_slots=self.manager.get_batch_state_slots(rids) + [self._padding_slot] * pad,
             num_padding_seqs=pad,
+            # Verify rows past a sequence's proposed drafts (filler) are never accepted: the MoE skips them.
+            live_q_lens=[1 + k for k in proposed] + [0] * pad if proposed is not None else None,
         )
         self._before_forward(plan)
         if W > 1:

@@ -152,6 +152,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         state_slots: Sequence[int] | None = None,
         num_padding_seqs: int = 0,
         valid_q_lens: Sequence[int] | None = None,
+        live_q_lens: Sequence[int] | None = None,
     ) -> None:
         """Describe the step and refresh lengths, positions, state slots and the slot table in place.
 
@@ -165,6 +166,8 @@ class GlmKpoolMetadata(AttentionMetadata):
                 ignored), an all ``-1`` slot-table row, rows with ``row_seq = -1``; ``state_slots`` names
                 the slot their KDA rows may scribble on (the executor's reserved padding slot).
             valid_q_lens: optional ``[B]`` real rows per sequence (the rest padding of a captured width).
+            live_q_lens: optional ``[B]`` rows per sequence whose outputs are read (``row_live_t``; verify
+                filler past them is still computed and cached, its routed experts skipped).
 
         Raises:
             StateError: a draft binding is active (restore it first; filling now would put the draft
@@ -192,7 +195,9 @@ class GlmKpoolMetadata(AttentionMetadata):
                         f"max_pages_per_seq={self.max_pages_per_seq}"
                     )
                 raise TableWidthError(f"request {rid} has {len(row)} pages allocated but {need} are needed")
-        super().prepare(request_ids, past_lens, q_lens, state_slots, num_decode_seqs, num_padding_seqs, valid_q_lens)
+        super().prepare(
+            request_ids, past_lens, q_lens, state_slots, num_decode_seqs, num_padding_seqs, valid_q_lens, live_q_lens
+        )
         self._fill_table(self.target_slot_table, tables)
 
     def _fill_table(self, dst: torch.Tensor, tables: Sequence[Sequence[int]]) -> None:
