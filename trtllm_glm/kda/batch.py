@@ -1,4 +1,4 @@
-"""The batch description the KDA layer reads (a subset of the runtime's ``BatchMetadata``)."""
+"""The batch description the KDA layer reads (a subset of the runtime's ``AttentionMetadata``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["KdaBatch", "KdaBatchLike"]
 
 @runtime_checkable
 class KdaBatchLike(Protocol):
-    """Attributes the KDA layer reads; ``BatchMetadata`` provides the same names.
+    """Attributes the KDA layer reads; ``AttentionMetadata`` provides the same names.
 
     Host-side lists (length ``num_seqs``, ``cu_seqlens`` ``num_seqs + 1``) drive all control flow, so the
     layer never syncs with the device to plan a step. Rows of sequence ``b`` are
@@ -31,7 +31,7 @@ class KdaBatchLike(Protocol):
 
 @dataclass
 class KdaBatch:
-    """A plain `KdaBatchLike` (tests, benchmarks, anything without a full ``BatchMetadata``).
+    """A plain `KdaBatchLike` (tests, benchmarks, anything without a full ``AttentionMetadata``).
 
     Attributes:
         num_seqs: sequences in the step.
