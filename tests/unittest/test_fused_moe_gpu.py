@@ -46,6 +46,19 @@ def real_moe() -> MoE:
     return m
 
 
+def _capture(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (compilation, allocator warm-up), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref).abs().max() / ref.abs().max()).item()
 
@@ -114,14 +127,7 @@ def test_cuda_graph_replay(real_moe: MoE) -> None:
         with torch.no_grad():
             s_mod_out.copy_(m(sx))  # the whole module: router, fused routed experts, shared expert
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm the allocator outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
     for _ in range(3):
         x, ids, w = inputs()
         sx.copy_(x)
@@ -153,14 +159,7 @@ def test_dead_rows_in_a_graph(real_moe: MoE) -> None:
     def step() -> None:
         K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, out=out, row_live=live, scratch=scratch)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _capture(step)
     full = K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit)
     for proposed in ([7, 7, 7], [2, 0, 5], [0, 0, 0]):
         flags = torch.tensor([int(j <= p) for p in proposed for j in range(8)], device="cuda")
