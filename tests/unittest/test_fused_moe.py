@@ -89,11 +89,20 @@ def _clamp_active(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, limit: 
 # ------------------------------------------------------------------------------------------------------
 # Pair sorting
 # ------------------------------------------------------------------------------------------------------
+@pytest.fixture(params=["sort", "chunked"])
+def align_kernel(request, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both Triton pair sorts: all pairs in registers (decode sizes) and the chunked walk (prefill sizes)."""
+    if request.param == "chunked":
+        for mod in (K, K._interpreted_module()):
+            monkeypatch.setattr(mod, "SORT_ALIGN_MAX_PAIRS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize(
     ("n", "e", "k", "m", "mode"),
     [(1, 6, 3, 16, "random"), (13, 5, 2, 4, "skewed"), (9, 12, 3, 16, "sparse"), (30, 4, 4, 8, "random")],
 )
-def test_align_layout(n: int, e: int, k: int, m: int, mode: str) -> None:
+def test_align_layout(n: int, e: int, k: int, m: int, mode: str, align_kernel: str) -> None:
     ids = _routing(n, e, k, mode, torch.Generator().manual_seed(n))
     sorted_pairs, block_expert = R.moe_align(ids, e, m)
     p = n * k
@@ -119,7 +128,7 @@ def test_align_layout(n: int, e: int, k: int, m: int, mode: str) -> None:
     assert torch.equal(k_sorted, sorted_pairs) and torch.equal(k_blocks, block_expert)
 
 
-def test_padded_bound_is_tight() -> None:
+def test_padded_bound_is_tight(align_kernel: str) -> None:
     # Every expert non-empty with one pair each: each wastes M - 1 slots, exactly the bound.
     ids = torch.arange(6).view(6, 1)
     sorted_pairs, block_expert = R.moe_align(ids, 6, 16)
@@ -218,7 +227,7 @@ def test_empty_and_bad_args() -> None:
 # Dead rows (row_live): padding and verify filler get no expert
 # ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("n", "e", "k", "m", "mode"), [(9, 12, 3, 4, "random"), (40, 5, 2, 16, "skewed")])
-def test_align_leaves_dead_rows_out(n: int, e: int, k: int, m: int, mode: str) -> None:
+def test_align_leaves_dead_rows_out(n: int, e: int, k: int, m: int, mode: str, align_kernel: str) -> None:
     g = torch.Generator().manual_seed(40 + n)
     ids = _routing(n, e, k, mode, g)
     live = (torch.rand(n, generator=g) < 0.5).to(torch.int64)

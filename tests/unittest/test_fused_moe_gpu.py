@@ -142,9 +142,10 @@ def test_cuda_graph_replay(real_moe: MoE) -> None:
         assert torch.equal(s_mod_out, eager_mod)
 
 
-def test_dead_rows_in_a_graph(real_moe: MoE) -> None:
+@pytest.mark.parametrize("align", ["triton", "torch"])
+def test_dead_rows_in_a_graph(real_moe: MoE, align: str) -> None:
     """``row_live`` at real geometry, captured once and replayed with new flags: live rows bit-equal to the
-    unflagged call, dead rows 0, and the experts only dead rows chose get no row block."""
+    unflagged call, dead rows 0, and the experts only dead rows chose get no row block (either pair sort)."""
     m = real_moe
     n = 24  # three width-8 verify sequences
     g = torch.Generator(device="cuda").manual_seed(9)
@@ -157,7 +158,7 @@ def test_dead_rows_in_a_graph(real_moe: MoE) -> None:
     scratch: dict[str, torch.Tensor] = {}
 
     def step() -> None:
-        K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, out=out, row_live=live, scratch=scratch)
+        K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, out=out, row_live=live, scratch=scratch, align=align)
 
     graph = _capture(step)
     full = K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit)

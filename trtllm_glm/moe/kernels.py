@@ -2,13 +2,19 @@
 
 `fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result):
 
-1. `moe_align` (``_align_kernel``, one program; or the torch ops of `ops.moe_align`, same layout) sorts the
-   ``P = N * k`` (token, slot) pairs by expert on the device and pads each expert's run to a multiple of the
-   row block ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags each row block with its
-   expert (``-1``: unused block). No host sync, sizes from the shapes only. The kernel walks the pairs in
-   chunks of 64 in pair order: one-hot column sums give the counts, a cumsum the runs, and each pair's slot is
-   its run's cursor (gathered from a small global array) plus its rank among the chunk's earlier pairs of the
-   same expert, so the order within a run is ascending pair id, as the reference's stable sort.
+1. `moe_align` (one program; or the torch ops of `ops.moe_align`, same layout) sorts the ``P = N * k``
+   (token, slot) pairs by expert on the device and pads each expert's run to a multiple of the row block
+   ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags each row block with its expert
+   (``-1``: unused block). No host sync, sizes from the shapes only. Up to `SORT_ALIGN_MAX_PAIRS` pairs
+   (decode and verify batches) ``_align_sort_kernel`` holds them all in registers: a histogram gives the
+   counts, cumsums the runs, one register sort of the keys ``expert * P_pad + pair`` the order (ascending pair
+   id within a run, as the reference's stable sort), and each pair's slot is its sorted position plus its
+   run's offset (one round trip through a small global array). Larger batches go to ``_align_kernel``, which
+   walks the pairs in chunks of 64: one-hot column sums give the counts, and each pair's slot is its run's
+   cursor plus its rank among the chunk's earlier pairs of the same expert: a chain of dependent round trips
+   per chunk. On the H200 (`benchmarks/bench_moe_align.py`, E = 288, top-8, graph replay) the sort kernel
+   takes 2.7 / 3.2 / 4.9 / 9.3 us at 1 / 16 / 64 / 128 rows with ``row_live`` flags, the chunked one 14 / 25 /
+   85 / 155 us (7 / 13 / 38 / 61 us without flags).
 2. ``_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: a program takes its block's ``M`` pairs,
    gathers their tokens' rows of ``x``, multiplies them by its expert's gate and up rows ``[BLOCK_N, H]`` on
    the tensor cores (fp32 accumulation), applies ``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 and writes
@@ -65,6 +71,9 @@ _INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
 # Pair sorting used by `fused_moe` unless told: the single-launch Triton kernel, or the torch ops of `ops`.
 DEFAULT_ALIGN: str = os.environ.get("TRTLLM_GLM_MOE_ALIGN", "triton")
 _interp_lock = threading.Lock()
+# Pairs (rounded up to a power of two) up to which `moe_align` sorts them all at once in registers
+# (`_align_sort_kernel`); larger batches (prefill-sized) walk them in chunks (`_align_kernel`).
+SORT_ALIGN_MAX_PAIRS = 4096
 
 
 @triton.jit
@@ -288,6 +297,65 @@ def _align_kernel(
         tl.debug_barrier()
 
 
+@triton.jit
+def _align_sort_kernel(
+    ids_ptr,
+    live_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    offset_ptr,
+    n_pairs,
+    top_k,
+    n_experts,
+    n_slots,
+    n_blocks,
+    HAS_LIVE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    P_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """One program, every pair in registers: `ops.moe_align`'s layout from one sort of (expert, pair) keys.
+
+    The chunked `_align_kernel` walks the pairs in chunks, each a chain of dependent global round trips; here
+    the only round trip is the per-expert slot offset: a short dependency chain whatever the pair count.
+    """
+    q = tl.arange(0, P_PAD)
+    ok = q < n_pairs
+    ids = tl.load(ids_ptr + q, mask=ok, other=0).to(tl.int32)
+    if HAS_LIVE:
+        ok = ok & (tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0)
+    # Dead and padding lanes sort after every real run under the virtual expert `n_experts` (a spare bin).
+    e = tl.where(ok, ids, n_experts)
+    counts = tl.histogram(e, BLOCK_E)
+    e_idx = tl.arange(0, BLOCK_E)
+    counts = tl.where(e_idx < n_experts, counts, 0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    pad_start = tl.cumsum(padded, 0) - padded
+    run_start = tl.cumsum(counts, 0) - counts
+    # Sorted position i of a pair of expert e goes to slot i + (pad_start[e] - run_start[e]).
+    tl.store(offset_ptr + e_idx, pad_start - run_start, mask=e_idx < n_experts)
+    # Padding slots and unused blocks first; the pairs overwrite theirs after the barrier.
+    c_idx = tl.arange(0, CHUNK)
+    for s0 in range(0, n_slots, CHUNK):
+        s = s0 + c_idx
+        tl.store(sorted_ptr + s, tl.full((CHUNK,), 0, tl.int32) + n_pairs, mask=s < n_slots)
+    for b0 in range(0, n_blocks, CHUNK):
+        b = b0 + c_idx
+        tl.store(block_expert_ptr + b, tl.full((CHUNK,), -1, tl.int32), mask=b < n_blocks)
+    # Keys (expert, pair) in one int32: ascending pair id within each run, as the reference's stable sort.
+    key = tl.sort(e * P_PAD + q)
+    e_s = key // P_PAD
+    q_s = key % P_PAD
+    live = e_s < n_experts
+    tl.debug_barrier()
+    dest = q + tl.load(offset_ptr + e_s, mask=live, other=0)
+    tl.store(sorted_ptr + dest, q_s, mask=live)
+    # Every block of a run holds at least one pair (a run is padded by less than a block), so the pairs name
+    # every used block's expert; equal values written by several lanes of a block are a benign race.
+    tl.store(block_expert_ptr + dest // BLOCK_M, e_s, mask=live)
+
+
 def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +396,28 @@ def _moe_align(
     if n_blocks == 0:
         return sorted_pairs, block_expert
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    p_pad = max(16, triton.next_power_of_2(p))
+    if p_pad <= SORT_ALIGN_MAX_PAIRS:
+        _align_sort_kernel[(1,)](
+            ids,
+            _live_arg(row_live, ids),
+            sorted_pairs,
+            block_expert,
+            cursor,
+            p,
+            max(1, topk_ids.shape[1]),
+            num_experts,
+            slots,
+            n_blocks,
+            HAS_LIVE=row_live is not None,
+            BLOCK_M=block_m,
+            # One spare bin past the experts: the dead pairs' virtual expert.
+            BLOCK_E=triton.next_power_of_2(num_experts + 1),
+            P_PAD=p_pad,
+            CHUNK=256,
+            num_warps=4 if p_pad <= 1024 else 8,
+        )
+        return sorted_pairs, block_expert
     _align_kernel[(1,)](
         ids,
         _live_arg(row_live, ids),

@@ -78,7 +78,7 @@ def moe_align(
         flat = torch.where(live, flat, num_experts)
     # scatter_add_ rather than bincount: CUDA bincount reads the maximum back to size its output (a sync).
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    counts[num_experts] = 0
+    counts[num_experts:].zero_()  # the dead pairs' virtual expert has no run (an in-place op: graph-capturable)
     padded = (counts + (block_m - 1)) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
