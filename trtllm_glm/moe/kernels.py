@@ -397,44 +397,16 @@ def _moe_align(
         return sorted_pairs, block_expert
     cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
     p_pad = max(16, triton.next_power_of_2(p))
+    args = (ids, _live_arg(row_live, ids), sorted_pairs, block_expert, cursor, p, max(1, topk_ids.shape[1]),
+            num_experts, slots, n_blocks)  # fmt: skip
     if p_pad <= SORT_ALIGN_MAX_PAIRS:
-        _align_sort_kernel[(1,)](
-            ids,
-            _live_arg(row_live, ids),
-            sorted_pairs,
-            block_expert,
-            cursor,
-            p,
-            max(1, topk_ids.shape[1]),
-            num_experts,
-            slots,
-            n_blocks,
-            HAS_LIVE=row_live is not None,
-            BLOCK_M=block_m,
-            # One spare bin past the experts: the dead pairs' virtual expert.
-            BLOCK_E=triton.next_power_of_2(num_experts + 1),
-            P_PAD=p_pad,
-            CHUNK=256,
-            num_warps=4 if p_pad <= 1024 else 8,
-        )
-        return sorted_pairs, block_expert
-    _align_kernel[(1,)](
-        ids,
-        _live_arg(row_live, ids),
-        sorted_pairs,
-        block_expert,
-        cursor,
-        p,
-        max(1, topk_ids.shape[1]),
-        num_experts,
-        slots,
-        n_blocks,
-        HAS_LIVE=row_live is not None,
-        BLOCK_M=block_m,
-        BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        CHUNK=64,
-        num_warps=8,
-    )
+        # One spare bin past the experts: the dead pairs' virtual expert.
+        kernel, opts = _align_sort_kernel, {"BLOCK_E": triton.next_power_of_2(num_experts + 1), "P_PAD": p_pad,
+                                            "CHUNK": 256, "num_warps": 4 if p_pad <= 1024 else 8}  # fmt: skip
+    else:
+        kernel, opts = _align_kernel, {"BLOCK_E": max(16, triton.next_power_of_2(num_experts)), "CHUNK": 64,
+                                       "num_warps": 8}  # fmt: skip
+    kernel[(1,)](*args, HAS_LIVE=row_live is not None, BLOCK_M=block_m, **opts)
     return sorted_pairs, block_expert
 
 
