@@ -304,6 +304,8 @@ def test_module_dead_rows(monkeypatch: pytest.MonkeyPatch) -> None:
                 torch.testing.assert_close(got[~on], shared[~on], rtol=1e-5, atol=1e-6)
                 monkeypatch.setenv(MOE_SKIP_DEAD_ROWS_ENV, "0")  # the A/B switch: flags ignored
                 torch.testing.assert_close(m(x, row_live=live), base, rtol=1e-5, atol=1e-5 * base.abs().max().item())
+                with pytest.raises(ValueError, match="row_live"):  # bad flags are refused even when ignored
+                    m(x, row_live=live[:3])
                 monkeypatch.delenv(MOE_SKIP_DEAD_ROWS_ENV)
                 with pytest.raises(ValueError, match="row_live"):
                     m(x, row_live=live[:3])

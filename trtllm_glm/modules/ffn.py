@@ -464,10 +464,10 @@ class MoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         n = x2.shape[0]
-        if row_live is not None and os.environ.get(MOE_SKIP_DEAD_ROWS_ENV, "1") == "0":
-            row_live = None
         if row_live is not None and row_live.shape != (n,):
             raise ValueError(f"MoE: row_live must be [N={n}], got {tuple(row_live.shape)}")
+        if row_live is not None and os.environ.get(MOE_SKIP_DEAD_ROWS_ENV, "1") == "0":
+            row_live = None
         if n > 0:
             topk_ids, topk_w = self.gate(x2)
             if self._backend(x2) == "triton":

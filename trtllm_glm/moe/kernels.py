@@ -207,9 +207,11 @@ def _down_kernel(
 def _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE: tl.constexpr):
     """Expert ids of pairs ``q`` as int32, ``-1`` past the end and (``HAS_LIVE``) for pairs of dead rows."""
     ok = q < n_pairs
+    ids = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
     if HAS_LIVE:
-        ok = ok & (tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0)
-    return tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
+        # Loaded beside the ids, not before them: the chunk loop is latency-bound, a dependent load doubles it.
+        ids = tl.where(tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0, ids, -1)
+    return ids
 
 
 @triton.jit
