@@ -1,11 +1,12 @@
 """Benchmark of the MoE pair sorting (`trtllm_glm.moe.kernels.moe_align`) alone, at the real expert count.
 
-E = 288 experts, top-8, N in {1, 8, 16, 64, 128} rows (uniform random routing, distinct experts per row),
-with and without ``row_live`` flags. Times: CUDA-graph replay of ``GRAPH_CALLS`` back-to-back calls divided by
-that count (the sort runs on the critical path before the grouped GEMMs of every MoE layer), for the
-library's `moe_align` (the register-sort kernel at these sizes), the chunked single-program kernel at two
-launch shapes (``num_warps``, pairs per chunk; the one the library used before, 64 / 8) and the torch ops of
-`trtllm_glm.moe.ops.moe_align`. Every variant is checked to give the reference's layout first.
+E = 288 experts, top-8, N in {1, 8, 16, 64, 128, 256, 512} rows (uniform random routing, distinct experts
+per row), with and without ``row_live`` flags. Times: CUDA-graph replay of ``GRAPH_CALLS`` back-to-back calls
+divided by that count (the sort runs on the critical path before the grouped GEMMs of every MoE layer), for
+the library's `moe_align` (the register-sort kernel at these sizes: up to 4096 pairs) and the torch ops of
+`trtllm_glm.moe.ops.moe_align` (what it runs above that). Both are checked to give the reference's layout
+first. ``benchmarks/results/moe_align_h200_2026-12-02b.log`` also times a chunked single-program kernel the
+library had before (removed: slower than the torch ops from 64 rows on).
 
 Usage (CUDA machine, repository root)::
 
@@ -25,36 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_kernels import graph_us  # noqa: E402
 
-ROWS = (1, 8, 16, 64, 128)
+ROWS = (1, 8, 16, 64, 128, 256, 512)
 GRAPH_CALLS = 20
 E, TOP_K = 288, 8
-
-
-def _launch(ids: torch.Tensor, live: torch.Tensor | None, block_m: int, chunk: int, num_warps: int, bufs):
-    """One `_align_kernel` launch with an explicit launch shape (the library's wrapper fixes it)."""
-    import triton
-
-    from trtllm_glm.moe import kernels as K
-
-    sorted_pairs, block_expert, cursor = bufs
-    p = ids.numel()
-    K._align_kernel[(1,)](
-        ids,
-        live if live is not None else ids,
-        sorted_pairs,
-        block_expert,
-        cursor,
-        p,
-        TOP_K,
-        E,
-        sorted_pairs.numel(),
-        block_expert.numel(),
-        HAS_LIVE=live is not None,
-        BLOCK_M=block_m,
-        BLOCK_E=max(16, triton.next_power_of_2(E)),
-        CHUNK=chunk,
-        num_warps=num_warps,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,19 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         m = K.default_block_m(n * TOP_K, E)
         for live in (None, (torch.arange(n, device=dev) % 8 <= 2).to(torch.int64)):
             want = R.moe_align(ids, E, m, live)
-            slots = R.padded_pairs_bound(n * TOP_K, E, m)
-            bufs = (
-                torch.empty(slots, dtype=torch.int32, device=dev),
-                torch.empty(slots // m, dtype=torch.int32, device=dev),
-                torch.empty(E, dtype=torch.int32, device=dev),
-            )
             variants = [("torch ops", partial(R.moe_align, ids, E, m, live)),
                         ("moe_align (register sort)", partial(K.moe_align, ids, E, m, live))]  # fmt: skip
-            for chunk, nw in ((32, 4), (64, 8)):
-                variants.append((f"chunked {chunk} w={nw}", partial(_launch, ids, live, m, chunk, nw, bufs)))
             for name, call in variants:
                 call()
-                got = call() if not name.startswith("chunked") else (bufs[0], bufs[1])
+                got = call()
                 ok = all(torch.equal(a, b) for a, b in zip(got, want))
                 us = graph_us([call] * GRAPH_CALLS, 20)
                 tag = "all live" if live is None else "3/8 live"

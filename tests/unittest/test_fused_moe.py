@@ -89,10 +89,10 @@ def _clamp_active(x: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, limit: 
 # ------------------------------------------------------------------------------------------------------
 # Pair sorting
 # ------------------------------------------------------------------------------------------------------
-@pytest.fixture(params=["sort", "chunked"])
+@pytest.fixture(params=["sort", "large"])
 def align_kernel(request, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both Triton pair sorts: all pairs in registers (decode sizes) and the chunked walk (prefill sizes)."""
-    if request.param == "chunked":
+    """Both sizes of `kernels.moe_align`: the register sort (decode sizes) and, past its limit, the torch ops."""
+    if request.param == "large":
         for mod in (K, K._interpreted_module()):
             monkeypatch.setattr(mod, "SORT_ALIGN_MAX_PAIRS", 0)
     return request.param
@@ -267,7 +267,9 @@ def test_dead_rows_are_zero_and_live_rows_unchanged(align: str) -> None:
     # Poisoned buffers: a dead row's stale pair rows (NaN here) must not reach its output.
     out, scratch = _poisoned_run(x, ids, w, w13, w2, LIMIT, align=align, row_live=live)
     on = live.bool()
-    assert torch.equal(out[on], full[on])  # bit-equal: each GEMM row depends only on its own operands
+    # Not bit-equal here: the interpreter's dot is a BLAS matmul whose rounding depends on a row's place in
+    # its block (AMD EPYC hosts differ in the last bits), and the flags move rows between blocks.
+    torch.testing.assert_close(out[on], full[on], rtol=1e-5, atol=1e-5 * full.abs().max().item())
     assert torch.equal(out[~on], torch.zeros(int((~on).sum()), h))
     assert scratch["pair_out"].view(n, k, h)[~on].isnan().all()  # never computed
     ref = R.fused_moe_ref(x, ids, w, w13, w2, LIMIT, row_live=live)

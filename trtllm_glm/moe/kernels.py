@@ -9,12 +9,12 @@
    (decode and verify batches) ``_align_sort_kernel`` holds them all in registers: a histogram gives the
    counts, cumsums the runs, one register sort of the keys ``expert * P_pad + pair`` the order (ascending pair
    id within a run, as the reference's stable sort), and each pair's slot is its sorted position plus its
-   run's offset (one round trip through a small global array). Larger batches go to ``_align_kernel``, which
-   walks the pairs in chunks of 64: one-hot column sums give the counts, and each pair's slot is its run's
-   cursor plus its rank among the chunk's earlier pairs of the same expert: a chain of dependent round trips
-   per chunk. On the H200 (`benchmarks/bench_moe_align.py`, E = 288, top-8, graph replay) the sort kernel
-   takes 2.7 / 3.2 / 4.9 / 9.3 us at 1 / 16 / 64 / 128 rows with ``row_live`` flags, the chunked one 14 / 25 /
-   85 / 155 us (7 / 13 / 38 / 61 us without flags).
+   run's offset (one round trip through a small global array). Larger batches (prefill chunks) take the torch
+   ops, whose cost hardly grows with the pair count. On the H200 (`benchmarks/bench_moe_align.py`, E = 288,
+   top-8, graph replay, ``row_live`` flags) the sort kernel takes 2.6 / 3.3 / 4.9 / 9.4 / 20 / 69 us at
+   1 / 16 / 64 / 128 / 256 / 512 rows, the torch ops 59 / 61 / 89 / 92 / 95 / 101 us. (A single-program
+   kernel that walked the pairs in chunks of 64, a chain of dependent round trips per chunk, took 12 / 24 /
+   81 / 148 / 279 / 541 us, slower than the torch ops from 64 rows on: it was removed.)
 2. ``_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: a program takes its block's ``M`` pairs,
    gathers their tokens' rows of ``x``, multiplies them by its expert's gate and up rows ``[BLOCK_N, H]`` on
    the tensor cores (fp32 accumulation), applies ``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 and writes
@@ -72,7 +72,8 @@ _INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
 DEFAULT_ALIGN: str = os.environ.get("TRTLLM_GLM_MOE_ALIGN", "triton")
 _interp_lock = threading.Lock()
 # Pairs (rounded up to a power of two) up to which `moe_align` sorts them all at once in registers
-# (`_align_sort_kernel`); larger batches (prefill-sized) walk them in chunks (`_align_kernel`).
+# (`_align_sort_kernel`); larger batches (prefill-sized) take the torch ops of `ops.moe_align`. Past 4096 the
+# register sort spills on sm_90 (64 registers per thread at 2048 pairs, 106 at 4096).
 SORT_ALIGN_MAX_PAIRS = 4096
 
 
@@ -204,17 +205,6 @@ def _down_kernel(
 
 
 @triton.jit
-def _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE: tl.constexpr):
-    """Expert ids of pairs ``q`` as int32, ``-1`` past the end and (``HAS_LIVE``) for pairs of dead rows."""
-    ok = q < n_pairs
-    ids = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
-    if HAS_LIVE:
-        # Loaded beside the ids, not before them: the chunk loop is latency-bound, a dependent load doubles it.
-        ids = tl.where(tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0, ids, -1)
-    return ids
-
-
-@triton.jit
 def _combine_kernel(
     pair_ptr,
     live_ptr,
@@ -239,67 +229,6 @@ def _combine_kernel(
 
 
 @triton.jit
-def _align_kernel(
-    ids_ptr,
-    live_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    cursor_ptr,
-    n_pairs,
-    top_k,
-    n_experts,
-    n_slots,
-    n_blocks,
-    HAS_LIVE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One program: `ops.moe_align`'s layout. Chunks of CHUNK pairs in pair order keep the sort stable."""
-    e_idx = tl.arange(0, BLOCK_E)
-    e_ok = e_idx < n_experts
-    c_idx = tl.arange(0, CHUNK)
-    # 1. Pairs per expert (one-hot column sums; padding lanes and dead rows' pairs read -1 and match nothing).
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for c0 in range(0, n_pairs, CHUNK):
-        q = c0 + c_idx
-        ids = _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE)
-        counts += tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
-    # 2. Padded runs: run e occupies slots [pad_start[e], pad_end[e]).
-    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
-    pad_end = tl.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    # The next free slot of each run, in memory so that every pair's lane can gather its expert's.
-    tl.store(cursor_ptr + e_idx, pad_start, mask=e_ok)
-    # 3. Padding everywhere first (the pairs overwrite their slots after the barrier).
-    for s0 in range(0, n_slots, CHUNK):
-        s = s0 + c_idx
-        tl.store(sorted_ptr + s, tl.full((CHUNK,), 0, tl.int32) + n_pairs, mask=s < n_slots)
-    # 4. Owner of each row block: the number of runs that end at or before its first slot.
-    for b0 in range(0, n_blocks, CHUNK):
-        b = b0 + c_idx
-        ended = (pad_end[None, :] <= (b * BLOCK_M)[:, None]) & e_ok[None, :]
-        owner = tl.sum(ended.to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + b, tl.where(owner < n_experts, owner, -1), mask=b < n_blocks)
-    tl.debug_barrier()
-    # 5. Scatter pair ids: slot = run cursor + number of earlier same-expert pairs in this chunk.
-    for c0 in range(0, n_pairs, CHUNK):
-        q = c0 + c_idx
-        ids = _live_ids(ids_ptr, live_ptr, q, n_pairs, top_k, HAS_LIVE)
-        ok = ids >= 0
-        base = tl.load(cursor_ptr + ids, mask=ok, other=0)
-        earlier = (ids[None, :] == ids[:, None]) & (c_idx[None, :] < c_idx[:, None])
-        dest = base + tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + dest, q, mask=ok)
-        # Every lane has read the cursors before they move on; the update is visible before the next chunk.
-        tl.debug_barrier()
-        moved = tl.sum((ids[:, None] == e_idx[None, :]).to(tl.int32), axis=0)
-        cur = tl.load(cursor_ptr + e_idx, mask=e_ok, other=0)
-        tl.store(cursor_ptr + e_idx, cur + moved, mask=e_ok)
-        tl.debug_barrier()
-
-
-@triton.jit
 def _align_sort_kernel(
     ids_ptr,
     live_ptr,
@@ -319,8 +248,7 @@ def _align_sort_kernel(
 ):
     """One program, every pair in registers: `ops.moe_align`'s layout from one sort of (expert, pair) keys.
 
-    The chunked `_align_kernel` walks the pairs in chunks, each a chain of dependent global round trips; here
-    the only round trip is the per-expert slot offset: a short dependency chain whatever the pair count.
+    The only global round trip is the per-expert slot offset: a short dependency chain whatever the pair count.
     """
     q = tl.arange(0, P_PAD)
     ok = q < n_pairs
@@ -363,6 +291,9 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel version of `ops.moe_align` (identical output): one single-program launch instead of ~20 torch ops.
 
+    Up to `SORT_ALIGN_MAX_PAIRS` pairs (``N * k`` rounded up to a power of two); larger batches run the torch
+    ops themselves (as fast there, and no register spills).
+
     Args:
         topk_ids: ``[N, k]`` int expert ids in ``[0, E)``.
         num_experts: ``E``.
@@ -391,24 +322,23 @@ def _moe_align(
     p = ids.numel()
     if row_live is not None and row_live.shape != (topk_ids.shape[0],):
         raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")
+    p_pad = max(16, triton.next_power_of_2(p))
+    if p_pad > SORT_ALIGN_MAX_PAIRS:
+        return torch_moe_align(topk_ids, num_experts, block_m, row_live)
     slots = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = slots // block_m
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=dev)
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     if n_blocks == 0:
         return sorted_pairs, block_expert
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    p_pad = max(16, triton.next_power_of_2(p))
-    args = (ids, _live_arg(row_live, ids), sorted_pairs, block_expert, cursor, p, max(1, topk_ids.shape[1]),
-            num_experts, slots, n_blocks)  # fmt: skip
-    if p_pad <= SORT_ALIGN_MAX_PAIRS:
-        # One spare bin past the experts: the dead pairs' virtual expert.
-        kernel, opts = _align_sort_kernel, {"BLOCK_E": triton.next_power_of_2(num_experts + 1), "P_PAD": p_pad,
-                                            "CHUNK": 256, "num_warps": 4 if p_pad <= 1024 else 8}  # fmt: skip
-    else:
-        kernel, opts = _align_kernel, {"BLOCK_E": max(16, triton.next_power_of_2(num_experts)), "CHUNK": 64,
-                                       "num_warps": 8}  # fmt: skip
-    kernel[(1,)](*args, HAS_LIVE=row_live is not None, BLOCK_M=block_m, **opts)
+    offset = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    # One spare bin past the experts (BLOCK_E): the dead pairs' virtual expert.
+    _align_sort_kernel[(1,)](
+        ids, _live_arg(row_live, ids), sorted_pairs, block_expert, offset, p, max(1, topk_ids.shape[1]),
+        num_experts, slots, n_blocks, HAS_LIVE=row_live is not None, BLOCK_M=block_m,
+        BLOCK_E=triton.next_power_of_2(num_experts + 1), P_PAD=p_pad, CHUNK=256,
+        num_warps=4 if p_pad <= 1024 else 8,
+    )  # fmt: skip
     return sorted_pairs, block_expert
 
 
