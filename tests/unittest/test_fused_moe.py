@@ -459,3 +459,14 @@ def test_stack_follows_loads_and_copies() -> None:
         d.experts[2].up_proj.weight = torch.nn.Parameter(d.experts[2].up_proj.weight * 0.5)
     d.mark_weights_changed()
     torch.testing.assert_close(_forced(d, x, "triton"), _forced(d, x, "torch"), rtol=1e-5, atol=1e-4)
+
+
+def test_align_env_is_read_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, ids, w, w13, w2 = _problem(5, 40, 24, 6, 2, "random", seed=41)
+    want = K.fused_moe(x, ids, w, w13, w2, LIMIT, align="torch")
+    monkeypatch.setenv(K.ALIGN_ENV, "torch")
+    assert K.default_align() == "torch"
+    torch.testing.assert_close(K.fused_moe(x, ids, w, w13, w2, LIMIT), want, rtol=0, atol=0)
+    monkeypatch.setenv(K.ALIGN_ENV, "cub")
+    with pytest.raises(ValueError, match=K.ALIGN_ENV):
+        K.fused_moe(x, ids, w, w13, w2, LIMIT)

@@ -62,14 +62,13 @@ import triton.language as tl
 from .ops import check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
 
-__all__ = ["fused_moe", "moe_align", "default_block_m", "INTERPRETED", "DEFAULT_ALIGN"]
+__all__ = ["fused_moe", "moe_align", "default_block_m", "default_align", "INTERPRETED"]
 
 # Fixed when this module is imported: the CPU path imports an interpreted copy of this file.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
-# Pair sorting used by `fused_moe` unless told: the single-launch Triton kernel, or the torch ops of `ops`.
-DEFAULT_ALIGN: str = os.environ.get("TRTLLM_GLM_MOE_ALIGN", "triton")
+ALIGN_ENV = "TRTLLM_GLM_MOE_ALIGN"
 _interp_lock = threading.Lock()
 # Pairs (rounded up to a power of two) up to which `moe_align` sorts them all at once in registers
 # (`_align_sort_kernel`); larger batches (prefill-sized) take the torch ops of `ops.moe_align`. Past 4096 the
@@ -284,6 +283,15 @@ def _align_sort_kernel(
     # Every block of a run holds at least one pair (a run is padded by less than a block), so the pairs name
     # every used block's expert; equal values written by several lanes of a block are a benign race.
     tl.store(block_expert_ptr + dest // BLOCK_M, e_s, mask=live)
+
+
+def default_align() -> str:
+    """Pair sorting `fused_moe` uses unless told: ``TRTLLM_GLM_MOE_ALIGN`` (read per call, so one process can A/B
+    it; a captured graph keeps what it was captured with) or ``"triton"``."""
+    value = os.environ.get(ALIGN_ENV, "triton")
+    if value not in ("triton", "torch"):
+        raise ValueError(f"{ALIGN_ENV} must be 'triton' or 'torch', got {value!r}")
+    return value
 
 
 def moe_align(
@@ -564,7 +572,7 @@ def fused_moe(
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
-    rest = (num_warps, num_stages, scratch, align if align is not None else DEFAULT_ALIGN, row_live)
+    rest = (num_warps, num_stages, scratch, align if align is not None else default_align(), row_live)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.
