@@ -184,8 +184,15 @@ def test_llm_default_on_but_ignored_on_cpu() -> None:
 @pytest.fixture
 def emulated(monkeypatch):
     """Executors whose runner pads and replays eagerly on the CPU; ``emulated(True)`` switches the k-pool
-    ops to the Triton kernels (interpreted), the only ones that skip padding rows."""
+    ops to the Triton kernels (interpreted), the only ones that skip padding rows.
+
+    The interpreter's int32 overflow checks (an int64 recomputation and an assert after every integer add
+    and multiply: a quarter of these tests' time) are off here; the kernels' own tests keep them."""
+    from triton.runtime.interpreter import interpreter_builder
+
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    opts = dataclasses.replace(interpreter_builder.options, sanitize_overflow=False)
+    monkeypatch.setattr(interpreter_builder, "options", opts)
 
     def use_kernels(on: bool) -> None:
         monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton" if on else "torch")
