@@ -14,6 +14,7 @@ rounding (the kernel accumulates the exact fp8 products in fp32, the reference s
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -299,8 +300,16 @@ def _score_bound(q8, w, index_k, index_scale, positions, row_seq, table, page_si
     )
 
 
-@pytest.mark.parametrize(("n_heads", "page_size"), [(4, 8), (16, 16)])
-def test_score_pools_matches_reference(n_heads: int, page_size: int) -> None:
+@pytest.mark.parametrize(
+    ("n_heads", "page_size", "launch"),
+    [
+        (4, 8, {}),  # the interpreter's default: one block covering the pools per program
+        (16, 16, {}),
+        (4, 8, {"block_p": 64, "iters": 4}),  # the CUDA default
+        (16, 16, {"block_p": 16, "iters": 2}),  # several chunks of several blocks per row
+    ],
+)
+def test_score_pools_matches_reference(n_heads: int, page_size: int, launch: dict) -> None:
     g = _gen(60 + n_heads)
     num_pages = 96
     c = _scored_cache(page_size, num_pages, g)
@@ -314,7 +323,9 @@ def test_score_pools_matches_reference(n_heads: int, page_size: int) -> None:
     args = (q8, w, c.index_k, c.index_scale, positions, row_seq, table, page_size, max_pools)
     ref = R.score_pools(*args)
     out = torch.full((n, max_pools), 12345.0)
-    ker = K.score_pools(*args, out=out)
+    # The package entry point, or the kernel module with an explicit launch shape.
+    score = K.score_pools if not launch else functools.partial(K.kernel_module("score", "cpu").score_pools, **launch)
+    ker = score(*args, out=out)
     assert ker.data_ptr() == out.data_ptr()
     assert torch.equal(torch.isneginf(ker), torch.isneginf(ref))
     fin = torch.isfinite(ref)
@@ -323,7 +334,7 @@ def test_score_pools_matches_reference(n_heads: int, page_size: int) -> None:
     err = (ker[fin] - ref[fin]).abs()
     assert (err <= 1e-5 * bound + 1e-30).all(), f"max err/bound {(err / bound.clamp(min=1e-30)).max().item():.3e}"
     # Allocation path too.
-    assert torch.equal(K.score_pools(*args), ker)
+    assert torch.equal(score(*args), ker)
 
 
 def test_score_pools_padding_rows_score_nothing() -> None:

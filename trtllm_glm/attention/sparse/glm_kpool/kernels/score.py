@@ -121,8 +121,8 @@ def score_pools(
     max_pools: int,
     *,
     out: torch.Tensor | None = None,
-    block_p: int = _BLOCK_P,
-    iters: int = _ITERS,
+    block_p: int | None = None,
+    iters: int | None = None,
     num_warps: int = 4,
     fp8_decode: str | None = None,
 ) -> torch.Tensor:
@@ -134,6 +134,8 @@ def score_pools(
         slot_table: ``[B, max_pages]`` int. page_size: ``P``. max_pools: output columns.
         out: optional ``[N, max_pools]`` fp32 output buffer.
         block_p, iters, num_warps: launch shape (pools per block, blocks per program, warps); tuning only.
+            Default ``64, 4``; under the interpreter, which runs every masked-off lane's work too, one block
+            just covering ``max_pools`` (at most 64) per program.
         fp8_decode: ``"arith"`` (integer bit decode, the one path that also runs in the interpreter) or
             ``"hw"`` (CUDA only: the hardware e4m3 conversion, fewer instructions per key byte; measured
             faster on the H200). Both are exact, so they give the same products. ``None``: ``"hw"`` on
@@ -163,6 +165,10 @@ def score_pools(
         raise ValueError(f"out must be [N={n}, max_pools={max_pools}] fp32, got {tuple(out.shape)} {out.dtype}")
     if n == 0 or max_pools == 0:
         return out
+    if block_p is None:
+        block_p = min(_BLOCK_P, max(16, triton.next_power_of_2(max_pools))) if INTERPRETED else _BLOCK_P
+    if iters is None:
+        iters = 1 if INTERPRETED else _ITERS
     # tl.dot needs at least 16 columns; padded heads load zero queries and weights and add exact zeros.
     hp = max(16, triton.next_power_of_2(n_heads))
     grid = (n, triton.cdiv(max_pools, block_p * iters))
