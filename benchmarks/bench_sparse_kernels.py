@@ -19,7 +19,7 @@ Usage (on a CUDA machine, from the repository root)::
         [--rows 1,16,64,128] [--variants "default,triton bw64 s2"] [--no-torch]
 
 ``--sweep`` also times alternative launch shapes (tuning): every entry of ``MLA_VARIANTS`` unless
-``--variants`` names some, plus other split counts and combine shapes at 16 / 64 rows and the combine alone.
+``--variants`` names some, plus other split counts and combine shapes at 1 to 64 rows and the combine alone.
 Without CUDA it prints a message and exits 0.
 """
 
@@ -183,6 +183,15 @@ MLA_VARIANTS: dict[str, dict] = {
 # Extra split counts / combine shapes (default impl) timed by --sweep at these row counts.
 MLA_SPLITS = {16: (4, 9, 11, 17), 64: (1, 4)}
 MLA_COMBINE_BH = {16: (2, 4, 16)}
+# Split count and combine head block together (--sweep). "splits=16 bh8" at N <= 8 and "splits=8 bh8" at 16 are
+# what the op chose before 2026-12-03 (at most width / (2 H) splits, eight heads per combine program).
+MLA_SPLITS_BH = {
+    1: ((16, 8), (11, 1), (17, 1), (33, 2)),
+    2: ((16, 8), (16, 1), (33, 2)),
+    4: ((16, 8), (16, 1), (33, 2)),
+    8: ((16, 8), (16, 2), (16, 4)),
+    16: ((8, 8), (8, 2)),
+}
 
 
 def _mla_block_w(mod, kw: dict, q: torch.Tensor, cache: torch.Tensor) -> int:
@@ -211,6 +220,9 @@ def bench_sparse_mla(cx: _Ctx) -> None:
         if cx.sweep:
             todo += [(f"splits={sp}", dict(splits=sp)) for sp in MLA_SPLITS.get(n_rows, ())]
             todo += [(f"combine bh{cb}", dict(combine_block_h=cb)) for cb in MLA_COMBINE_BH.get(n_rows, ())]
+            todo += [
+                (f"splits={sp} bh{cb}", dict(splits=sp, combine_block_h=cb)) for sp, cb in MLA_SPLITS_BH.get(n_rows, ())
+            ]
         for label, kw in todo:
             try:
                 out = torch.full_like(q, float("nan"))
@@ -229,7 +241,8 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                 asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, 64, bw))
                 label = label if "block_w" in kw or label != "default" else f"default (bw{bw})"
                 n_splits = mod.split_layout(WIDTH, bw, asked)[1]
-                note = f"splits={n_splits} err {err:.1e} (torch bf16 {ref_err:.1e}){bad}"
+                cb = kw.get("combine_block_h", mod.choose_combine_block_h(n_rows, H, dev)) if n_splits > 1 else "-"
+                note = f"splits={n_splits} bh{cb} err {err:.1e} (torch bf16 {ref_err:.1e}){bad}"
                 cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, t_ref, note)
             except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
                 print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)

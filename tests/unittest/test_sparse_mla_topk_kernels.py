@@ -141,6 +141,42 @@ def test_sparse_mla_split_counts_agree(splits: int, block_w: int) -> None:
     assert err < 2e-6, f"splits={splits} block_w={block_w}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("combine_block_h", [1, 2, 4])
+def test_sparse_mla_combine_head_blocks_agree(combine_block_h: int) -> None:
+    """The combine gives the same output whatever heads per program (4 heads: 4, 2 or 1 head blocks)."""
+    case = _MlaCase(7, n_heads=4, rank=32, page_size=16, lens=[70, 45], row_seq=[1, 0, 1], width=67)
+    ref = _reference(case)
+    mod = K.kernel_module("sparse_mla", "cpu")
+    out = mod.sparse_mla_attention(
+        *case.args(), out=_poisoned_out(case), splits=3, block_w=16, combine_block_h=combine_block_h
+    )
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-6, f"combine_block_h={combine_block_h}: relative error {err:.2e}"
+
+
+def test_sparse_mla_launch_choices_fill_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split count and combine head block at the GLM geometry on a 132-SM device (the H200's count)."""
+    # The imported module (pure-Python choices; the interpreted copy's callables are wrappers).
+    from trtllm_glm.attention.sparse.glm_kpool.kernels import sparse_mla as mod
+
+    monkeypatch.setattr(mod, "_num_programs_target", lambda device: 132)
+    dev = torch.device("cpu")
+    # One program per (row, split) up to one wave, at least one 64-entry tile (33 tiles of 2051 entries) each.
+    assert [mod.choose_splits(n, 64, 2051, dev, 64, 64) for n in (1, 2, 4, 8, 16, 64, 128, 200)] == [
+        33,
+        33,
+        33,
+        16,
+        8,
+        2,
+        1,
+        1,
+    ]
+    assert mod.split_layout(2051, 64, 16) == (192, 11)
+    # The widest combine head block whose grid still covers the 132 SMs; one head per program below that.
+    assert [mod.choose_combine_block_h(n, 64, dev) for n in (1, 2, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 4, 8, 8]
+
+
 def test_sparse_mla_rows_with_nothing_selected_and_padding_rows() -> None:
     """Empty rows output zeros in every split layout; a padding row (row_seq < 0) is skipped, not read."""
     case = _MlaCase(3, n_heads=3, rank=16, page_size=4, lens=[11, 30], row_seq=[0, 1, 1], width=20, empty_rows=(0, 2))

@@ -61,7 +61,7 @@ try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; the H
 except ImportError:  # pragma: no cover - older triton: the Triton kernel serves every case
     _HAVE_GLUON = False
 
-__all__ = ["sparse_mla_attention", "choose_splits", "split_layout", "gluon_eligible"]
+__all__ = ["sparse_mla_attention", "choose_splits", "choose_combine_block_h", "split_layout", "gluon_eligible"]
 
 _LOG2E = 1.4426950408889634
 
@@ -73,7 +73,6 @@ _BLOCK_H = 64
 _BLOCK_W = 64
 _NUM_WARPS = 8
 _NUM_STAGES = 2
-_COMBINE_BLOCK_H = 8
 # The Hopper (Gluon) kernel's launch shape: all 64 heads, two warpgroups, BLOCK_W-entry tiles in a ring of
 # the most buffers that fit beside Q in shared memory (copies run NBUF - 1 tiles ahead of the products).
 # 64-entry tiles with two buffers measured fastest on the H200 (32 / 16 entries with 4 / 8 buffers: slower).
@@ -450,9 +449,11 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
     """Split count over the ``width`` selected entries, from shapes only (graph-capture safe).
 
     Enough ``(head block, split, row)`` programs to fill the multiprocessors once (the default program
-    holds one per SM), but no more splits than make the fp32 partials (``H * R * 4`` bytes per split and
-    row) outweigh the latent rows they summarise (``width * R * 2`` bytes per row), and at least one tile
-    of ``block_w`` entries per split.
+    holds one per SM), and at least one tile of ``block_w`` entries per split. More splits than that start a
+    second wave of programs. Below a full wave the fp32 partials (``H * R * 4`` bytes per split and row)
+    are not what limits the op but the latency of each program's chain of tiles: on the H200 one row split
+    33 ways (one tile each) took 15.4 us against 17.3 us split 11 ways (three tiles each), the partials then
+    outweighing the latent rows twice over (`benchmarks/results/sparse_mla_small_rows_h200_2026-12-03.log`).
 
     Args:
         n_rows: query rows ``N``. n_heads: heads ``H``. width: selection width ``W``.
@@ -462,16 +463,38 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
     Returns:
         The split count (``>= 1``).
     """
-    sms = (
-        _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        if device.type == "cuda"
-        else 8
-    )
     head_blocks = triton.cdiv(n_heads, block_h)
     tiles = max(1, triton.cdiv(width, block_w))
-    splits = max(1, sms // max(1, n_rows * head_blocks))
-    splits = min(splits, max(1, width // (2 * n_heads)), tiles)
-    return splits
+    return max(1, min(_num_programs_target(device) // max(1, n_rows * head_blocks), tiles))
+
+
+def choose_combine_block_h(n_rows: int, n_heads: int, device: torch.device) -> int:
+    """Heads per program of the split combine: the widest of 8 / 4 / 2 whose grid still fills the machine.
+
+    Each combine program reads ``splits x block_h`` fp32 partial rows one after another, so with few query
+    rows wide head blocks leave most multiprocessors idle and each busy one reads longer (H200, one row, 11
+    splits: 17.3 us with one head per program against 19.2 us with eight).
+
+    Args:
+        n_rows: query rows ``N``. n_heads: heads ``H``.
+        device: where the kernel runs.
+
+    Returns:
+        ``block_h`` in 8 / 4 / 2 / 1.
+    """
+    target = _num_programs_target(device)
+    for cb in (8, 4, 2):
+        if triton.cdiv(n_heads, cb) * n_rows >= target:
+            return cb
+    return 1
+
+
+def _num_programs_target(device: torch.device) -> int:
+    # One program per multiprocessor; the CPU interpreter has no such limit, a small constant keeps its grids
+    # (and the tests' split counts) small.
+    if device.type != "cuda":
+        return 8
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def split_layout(width: int, block_w: int, splits: int) -> tuple[int, int]:
@@ -536,7 +559,7 @@ def sparse_mla_attention(
     block_w: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    combine_block_h: int = _COMBINE_BLOCK_H,
+    combine_block_h: int | None = None,
     gluon_nbuf: int | None = None,
     gluon_p_smem: bool = True,
     gluon_diag: int = 0,
@@ -555,8 +578,9 @@ def sparse_mla_attention(
         splits: split count over ``W`` (default: `choose_splits`); tuning only.
         impl: ``"gluon"`` (the Hopper kernel; the default where `gluon_eligible`) or ``"triton"``; tuning
             and tests only.
-        block_h, block_w, num_warps, num_stages, combine_block_h: launch shape (the Gluon kernel takes
-            ``block_w`` in 16 / 32 / 64 and always runs 64 heads on 8 warps); tuning only.
+        block_h, block_w, num_warps, num_stages: launch shape (the Gluon kernel takes ``block_w`` in 16 / 32
+            / 64 and always runs 64 heads on 8 warps); tuning only.
+        combine_block_h: heads per combine program (default: `choose_combine_block_h`); tuning only.
         gluon_nbuf: Gluon kernel: tiles in its shared-memory ring (default: the most that fit); tuning only.
         gluon_p_smem: Gluon kernel: pass P to the second product through shared memory (else through
             registers, exchanged by a layout conversion); tuning only.
@@ -694,6 +718,8 @@ def sparse_mla_attention(
             num_stages=num_stages,
         )
     if splits > 1:
+        if combine_block_h is None:
+            combine_block_h = choose_combine_block_h(n_rows, n_heads, q_abs.device)
         cb = min(combine_block_h, triton.next_power_of_2(n_heads))
         _combine_kernel[(triton.cdiv(n_heads, cb), n_rows)](
             o_buf,
