@@ -161,17 +161,11 @@ def test_sparse_mla_launch_choices_fill_the_machine(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(mod, "_num_programs_target", lambda device: 132)
     dev = torch.device("cpu")
-    # One program per (row, split) up to one wave, at least one 64-entry tile (33 tiles of 2051 entries) each.
-    assert [mod.choose_splits(n, 64, 2051, dev, 64, 64) for n in (1, 2, 4, 8, 16, 64, 128, 200)] == [
-        33,
-        33,
-        33,
-        16,
-        8,
-        2,
-        1,
-        1,
-    ]
+    # One-tile splits (33 tiles of 2051 entries) while every row's fit in half the SMs; beyond that one wave of
+    # programs, at most W / (2 H) = 16 splits (split_layout makes 16 requested splits 11 of three tiles).
+    assert [mod.choose_splits(n, 64, 2051, dev, 64, 64) for n in (1, 2, 3, 4, 8, 16, 64, 128, 200)] == [
+        33, 33, 16, 16, 16, 8, 2, 1, 1
+    ]  # fmt: skip
     assert mod.split_layout(2051, 64, 16) == (192, 11)
     # The widest combine head block whose grid still covers the 132 SMs; one head per program below that.
     assert [mod.choose_combine_block_h(n, 64, dev) for n in (1, 2, 4, 8, 16, 17, 64)] == [1, 1, 1, 2, 4, 8, 8]

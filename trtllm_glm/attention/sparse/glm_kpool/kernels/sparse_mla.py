@@ -449,11 +449,14 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
     """Split count over the ``width`` selected entries, from shapes only (graph-capture safe).
 
     Enough ``(head block, split, row)`` programs to fill the multiprocessors once (the default program
-    holds one per SM), and at least one tile of ``block_w`` entries per split. More splits than that start a
-    second wave of programs. Below a full wave the fp32 partials (``H * R * 4`` bytes per split and row)
-    are not what limits the op but the latency of each program's chain of tiles: on the H200 one row split
-    33 ways (one tile each) took 15.4 us against 17.3 us split 11 ways (three tiles each), the partials then
-    outweighing the latent rows twice over (`benchmarks/results/sparse_mla_small_rows_h200_2026-12-03.log`).
+    holds one per SM), at least one tile of ``block_w`` entries per split, and no more splits than make the
+    fp32 partials (``H * R * 4`` bytes per split and row) outweigh half the latent rows they summarise
+    (``width * R * 2`` bytes per row) -- except when one-tile splits of every row fit in half the machine:
+    then each program's chain of tiles, not the partials' bytes, sets the time, and every split gets one
+    tile. H200, W = 2051 (33 tiles), graph replay: one row 15.1 us split 33 ways against 19.2 us split 11
+    ways (the bytes cap), two rows 15.8 against 19.7; at four rows 33 splits (a full wave, partials twice the
+    latent rows) take 19.6 us and the capped 11 splits 17.9 us
+    (`benchmarks/results/sparse_mla_small_rows_h200_2026-12-03.log`).
 
     Args:
         n_rows: query rows ``N``. n_heads: heads ``H``. width: selection width ``W``.
@@ -463,9 +466,12 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
     Returns:
         The split count (``>= 1``).
     """
-    head_blocks = triton.cdiv(n_heads, block_h)
+    target = _num_programs_target(device)
+    programs_per_split = max(1, n_rows * triton.cdiv(n_heads, block_h))
     tiles = max(1, triton.cdiv(width, block_w))
-    return max(1, min(_num_programs_target(device) // max(1, n_rows * head_blocks), tiles))
+    if programs_per_split * tiles <= target // 2:
+        return tiles
+    return max(1, min(target // programs_per_split, max(1, width // (2 * n_heads)), tiles))
 
 
 def choose_combine_block_h(n_rows: int, n_heads: int, device: torch.device) -> int:
