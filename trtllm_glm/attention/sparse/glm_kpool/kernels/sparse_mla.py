@@ -450,12 +450,12 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
 
     Enough ``(head block, split, row)`` programs to fill the multiprocessors once (the default program
     holds one per SM), at least one tile of ``block_w`` entries per split, and no more splits than make the
-    fp32 partials (``H * R * 4`` bytes per split and row) outweigh half the latent rows they summarise
-    (``width * R * 2`` bytes per row) -- except when one-tile splits of every row fit in half the machine:
-    then each program's chain of tiles, not the partials' bytes, sets the time, and every split gets one
-    tile. H200, W = 2051 (33 tiles), graph replay: one row 15.1 us split 33 ways against 19.2 us split 11
-    ways (the bytes cap), two rows 15.8 against 19.7; at four rows 33 splits (a full wave, partials twice the
-    latent rows) take 19.6 us and the capped 11 splits 17.9 us
+    fp32 partials (``H * R * 4`` bytes per split and row) outweigh the latent rows they summarise
+    (``width * R * 2`` bytes per row), i.e. at most ``width / (2 H)`` splits -- except when one-tile splits
+    of every row fit in half the machine: then each program's chain of tiles, not the partials' bytes, sets
+    the time, and every split gets one tile. H200, W = 2051 (33 tiles), graph replay: one row 15.1 us split
+    33 ways against 19.2 us split 11 ways (the bytes cap), two rows 15.8 against 19.7; at four rows 33 splits
+    (a full wave, partials twice the latent rows) take 19.6 us and the capped 11 splits 17.9 us
     (`benchmarks/results/sparse_mla_small_rows_h200_2026-12-03.log`).
 
     Args:
