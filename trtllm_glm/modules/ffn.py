@@ -219,6 +219,25 @@ def _mark_stack_dirty(module: nn.Module, incompatible_keys: object) -> None:
     module._stack_dirty = True
 
 
+# The stacked groups of an expert's projections (`MoE._groups`) and the block-FP8 scale attribute of a quantized
+# linear (``weight`` float8_e4m3fn [out, in], ``weight_scale_inv`` fp32 [ceil(out/128), ceil(in/128)]).
+_GATE_UP = ("gate_proj", "up_proj")
+_DOWN = ("down_proj",)
+_EXPERT_PROJS = _GATE_UP + _DOWN
+_SCALE = "weight_scale_inv"
+
+
+def _scale_of(linear: nn.Module) -> torch.Tensor | None:
+    """A block-FP8 linear's ``weight_scale_inv``; ``None`` for an unquantized one."""
+    return getattr(linear, _SCALE, None)
+
+
+def _convert_keeping_dtype(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``fn(t)`` (an `nn.Module._apply` conversion) with ``t``'s dtype kept: only a device move applies."""
+    new = fn(t)
+    return new if new.dtype == t.dtype else t.to(device=new.device)
+
+
 class MoE(nn.Module):
     """Routed experts plus optional always-on shared experts.
 
@@ -276,9 +295,9 @@ class MoE(nn.Module):
             self.shared_experts = GatedMLP(
                 config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, lim
             )
-        # Plain attributes (not parameters or buffers): invisible to state dicts and to Module._apply.
-        self._w_gate_up: torch.Tensor | None = None
-        self._w_down: torch.Tensor | None = None
+        # Plain attributes (not parameters or buffers): invisible to state dicts and to Module._apply. The stacked
+        # tensors in `_groups` order: gate_up and down weights, then (block-FP8 experts) their scales.
+        self._stacks: list[torch.Tensor] | None = None
         self._stack_dirty = True
         self.register_load_state_dict_post_hook(_mark_stack_dirty)
         self._stack_experts()
@@ -286,81 +305,130 @@ class MoE(nn.Module):
     # ----------------------------------------------------------------------------------------------
     # Stacked expert weights
     # ----------------------------------------------------------------------------------------------
-    def _expert_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        return [(ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight) for ex in self.experts]
+    def _quantized(self) -> bool:
+        """Whether any expert linear is block-FP8 (carries ``weight_scale_inv``); O(E)."""
+        return any(_scale_of(getattr(ex, n)) is not None for ex in self.experts for n in _EXPERT_PROJS)
+
+    def _groups(self, quantized: bool) -> list[tuple[tuple[str, ...], str, tuple[int, int, int]]]:
+        """``(projections, attribute, stacked shape)`` of each stacked tensor: one expert's slab of a stack is
+        its projections' ``attribute`` tensors, one after the other along rows."""
+        e, inter, hid = len(self.experts), self.intermediate_size, self.hidden_size
+        groups = [(_GATE_UP, "weight", (e, 2 * inter, hid)), (_DOWN, "weight", (e, hid, inter))]
+        if quantized:
+            # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
+            from ..moe.ops import expert_scale_shapes
+
+            s13, s2 = expert_scale_shapes(e, hid, inter)
+            groups += [(_GATE_UP, _SCALE, s13), (_DOWN, _SCALE, s2)]
+        return groups
+
+    @staticmethod
+    def _views(stack: torch.Tensor, names: tuple[str, ...], e: int) -> list[torch.Tensor]:
+        """Expert ``e``'s row blocks of ``stack``, one per projection of ``names``."""
+        rows = stack.shape[1] // len(names)
+        return [stack[e, j * rows : (j + 1) * rows] for j in range(len(names))]
+
+    def _stack_matches(self, stacks: list[torch.Tensor], experts: list[int]) -> bool:
+        """The given experts' tensors are the matching views of ``stacks``."""
+        quantized = len(stacks) == 4
+        groups = self._groups(quantized)
+        if len(stacks) != len(groups):
+            return False
+        for stack, (names, attr, shape) in zip(stacks, groups):
+            if tuple(stack.shape) != shape:
+                return False
+            for e in experts:
+                ex = self.experts[e]
+                for n, ref in zip(names, self._views(stack, names, e)):
+                    t = getattr(getattr(ex, n), attr, None)
+                    if t is None or not same_memory(t, ref):
+                        return False
+        # An unquantized stack goes stale when scales appear (the views check above does not see them).
+        return quantized or all(_scale_of(getattr(self.experts[e], n)) is None for e in experts for n in _EXPERT_PROJS)
 
     def _stack_is_current(self) -> bool:
-        """Every expert weight is the matching view of the stacked tensors (O(E): run when marked dirty)."""
-        w13, w2 = self._w_gate_up, self._w_down
-        if w13 is None or w2 is None:
-            return False
-        inter = self.intermediate_size
-        for e, (g, u, d) in enumerate(self._expert_weights()):
-            for t, ref in ((g, w13[e, :inter]), (u, w13[e, inter:]), (d, w2[e])):
-                if not same_memory(t, ref):
-                    return False
-        return True
+        """Every expert tensor is the matching view of the stacked tensors (O(E): run when marked dirty)."""
+        return self._stacks is not None and self._stack_matches(self._stacks, list(range(len(self.experts))))
 
     def _stack_experts(self) -> None:
         """Make the stacked tensors current: keep, view zero-copy, or copy once and re-point the parameters."""
         if self._stack_is_current():
             self._stack_dirty = False
             return
-        weights = self._expert_weights()
-        first = weights[0][0]
-        if any(t.dtype != first.dtype or t.device != first.device for ws in weights for t in ws):
+        quantized = self._quantized()
+        groups = self._groups(quantized)
+        parts: list[list[torch.Tensor]] = []
+        for names, attr, shape in groups:
+            rows = shape[1] // len(names)
+            ps = []
+            for e, ex in enumerate(self.experts):
+                for n in names:
+                    t = getattr(getattr(ex, n), attr, None)
+                    if t is None:
+                        raise RuntimeError(f"MoE: experts.{e}.{n} has no {attr}: every expert linear or none is FP8")
+                    if tuple(t.shape) != (rows, shape[2]):
+                        raise RuntimeError(
+                            f"MoE: experts.{e}.{n}.{attr} must be {[rows, shape[2]]}, got {list(t.shape)}"
+                        )
+                    ps.append(t)
+            parts.append(ps)
+        weights = parts[0] + parts[1]
+        first = weights[0]
+        if any(t.dtype != first.dtype or t.device != first.device for t in weights):
             raise RuntimeError("MoE: expert weights must share one dtype and device to be stacked")
+        if quantized:
+            if first.dtype != torch.float8_e4m3fn:
+                raise RuntimeError(f"MoE: block-FP8 expert weights must be float8_e4m3fn, got {first.dtype}")
+            if any(t.dtype != torch.float32 or t.device != first.device for ps in parts[2:] for t in ps):
+                raise RuntimeError("MoE: expert weight_scale_inv tensors must be fp32 on the weights' device")
         if first.is_cuda and torch.cuda.is_current_stream_capturing():
             # A copy here would allocate from the graph's pool and be recorded into it.
             raise RuntimeError("MoE: expert weights changed since the last eager call; run one before capturing")
-        e, inter, hid = len(weights), self.intermediate_size, self.hidden_size
-        w13 = _as_stacked([t for g, u, _ in weights for t in (g, u)], (e, 2 * inter, hid))
-        w2 = _as_stacked([d for _, _, d in weights], (e, hid, inter))
+        stacks: list[torch.Tensor] = []
         # Normal tensors even when called under inference_mode: they become the parameters' storage.
         with torch.inference_mode(False), torch.no_grad():
-            if w13 is None:
-                w13 = torch.empty(e, 2 * inter, hid, dtype=first.dtype, device=first.device)
-                for i, (g, u, _) in enumerate(weights):
-                    w13[i, :inter].copy_(g)
-                    w13[i, inter:].copy_(u)
-            if w2 is None:
-                w2 = torch.empty(e, hid, inter, dtype=first.dtype, device=first.device)
-                for i, (_, _, d) in enumerate(weights):
-                    w2[i].copy_(d)
-        self._point_experts_at(w13, w2)
+            for (names, _, shape), ps in zip(groups, parts):
+                stack = _as_stacked(ps, shape)
+                if stack is None:
+                    stack = torch.empty(shape, dtype=ps[0].dtype, device=ps[0].device)
+                    rows = shape[1] // len(names)
+                    for i, t in enumerate(ps):
+                        e, j = divmod(i, len(names))
+                        stack[e, j * rows : (j + 1) * rows].copy_(t)
+                stacks.append(stack)
+        self._point_experts_at(stacks)
 
-    def _point_experts_at(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        inter = self.intermediate_size
-        for e, ex in enumerate(self.experts):
-            # `.data =` keeps each Parameter object (and its requires_grad) and swaps its storage.
-            ex.gate_proj.weight.data = w13[e, :inter]
-            ex.up_proj.weight.data = w13[e, inter:]
-            ex.down_proj.weight.data = w2[e]
-        self._w_gate_up, self._w_down = w13, w2
+    def _point_experts_at(self, stacks: list[torch.Tensor]) -> None:
+        for (names, attr, _), stack in zip(self._groups(len(stacks) == 4), stacks):
+            for e, ex in enumerate(self.experts):
+                for n, view in zip(names, self._views(stack, names, e)):
+                    # `.data =` keeps each Parameter object (and its requires_grad) and swaps its storage.
+                    getattr(getattr(ex, n), attr).data = view
+        self._stacks = stacks
         self._stack_dirty = False
+
+    def _current_stacks(self) -> list[torch.Tensor]:
+        """The stacked tensors, re-stacked first if parameters were replaced."""
+        stacks = self._stacks
+        if self._stack_dirty or stacks is None or not self._stack_matches(stacks, [0, len(self.experts) - 1]):
+            # The O(1) spot check of the first and last experts catches deepcopy and most hand replacements.
+            self._stack_experts()
+            stacks = self._stacks
+        assert stacks is not None
+        return stacks
 
     def stacked_expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w_gate_up [E, 2I, H], w_down [E, H, I])``, the storage of the experts' weights (re-stacked first
-        if parameters were replaced)."""
-        w13, w2 = self._w_gate_up, self._w_down
-        if self._stack_dirty or w13 is None or w2 is None or not self._stack_spot_check(w13, w2):
-            self._stack_experts()
-            w13, w2 = self._w_gate_up, self._w_down
-        assert w13 is not None and w2 is not None
-        return w13, w2
+        if parameters were replaced); ``float8_e4m3fn`` for block-FP8 experts (see `stacked_expert_scales`)."""
+        stacks = self._current_stacks()
+        return stacks[0], stacks[1]
 
-    def _stack_spot_check(self, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-        """O(1) check of the first and last experts (catches deepcopy and most hand replacements)."""
-        inter = self.intermediate_size
-        for e in (0, len(self.experts) - 1):
-            ex = self.experts[e]
-            if not (
-                same_memory(ex.gate_proj.weight, w13[e, :inter])
-                and same_memory(ex.up_proj.weight, w13[e, inter:])
-                and same_memory(ex.down_proj.weight, w2[e])
-            ):
-                return False
-        return True
+    def stacked_expert_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Block-FP8 experts: ``(w_gate_up_scale [E, 2 ceil(I/128), ceil(H/128)], w_down_scale [E, ceil(H/128),
+        ceil(I/128)])`` fp32, the storage of the experts' ``weight_scale_inv`` (gate tile rows then up tile rows);
+        ``None`` for unquantized experts."""
+        stacks = self._current_stacks()
+        return (stacks[2], stacks[3]) if len(stacks) == 4 else None
 
     def mark_weights_changed(self) -> None:
         """Tell the module that expert parameters were replaced by hand (re-stacked on the next fused call)."""
@@ -370,30 +438,44 @@ class MoE(nn.Module):
         """Convert the stacked tensors once and hand each expert parameter its view of the result.
 
         ``Module.to`` / ``cuda`` / ``half`` / ``to_empty`` all go through here; converting the experts one by
-        one would break the stack (and a later re-stack would copy every expert).
+        one would break the stack (and a later re-stack would copy every expert). Block-FP8 expert weights and
+        their scales keep their dtypes (a float cast of e4m3 codes without their scales would change the
+        function): ``.to(torch.bfloat16)`` moves nothing of them, ``.to("cuda", torch.bfloat16)`` moves them.
         """
-        w13, w2 = self._w_gate_up, self._w_down
-        if not recurse or not self._stack_is_current():
-            self._w_gate_up = self._w_down = None
+        quantized = self._quantized()
+        keep: set[int] = set()
+        if quantized:
+            for ex in self.experts:
+                for n in _EXPERT_PROJS:
+                    lin = getattr(ex, n)
+                    if _scale_of(lin) is not None:
+                        keep.update((id(lin.weight), id(lin.weight_scale_inv)))
+
+        def guarded(t: torch.Tensor) -> torch.Tensor:
+            return _convert_keeping_dtype(fn, t) if id(t) in keep else fn(t)
+
+        stacks = self._stacks
+        if not recurse or stacks is None or not self._stack_is_current():
+            self._stacks = None
             self._stack_dirty = True
-            return super()._apply(fn, recurse)
-        assert w13 is not None and w2 is not None
-        new13, new2 = fn(w13), fn(w2)
-        if new13.shape != w13.shape or new2.shape != w2.shape:
-            self._w_gate_up = self._w_down = None
+            return super()._apply(guarded, recurse)
+        new = [_convert_keeping_dtype(fn, s) if quantized else fn(s) for s in stacks]
+        if any(a.shape != b.shape for a, b in zip(new, stacks)):
+            self._stacks = None
             self._stack_dirty = True
-            return super()._apply(fn, recurse)
-        inter = self.intermediate_size
+            return super()._apply(guarded, recurse)
         views: dict[int, torch.Tensor] = {}
-        for e, (g, u, d) in enumerate(self._expert_weights()):
-            views[id(g)], views[id(u)], views[id(d)] = new13[e, :inter], new13[e, inter:], new2[e]
+        for (names, attr, _), stack in zip(self._groups(len(stacks) == 4), new):
+            for e, ex in enumerate(self.experts):
+                for n, view in zip(names, self._views(stack, names, e)):
+                    views[id(getattr(getattr(ex, n), attr))] = view
 
         def convert(t: torch.Tensor) -> torch.Tensor:
             v = views.get(id(t))
-            return v if v is not None else fn(t)
+            return v if v is not None else guarded(t)
 
         out = super()._apply(convert, recurse)
-        self._w_gate_up, self._w_down = new13, new2
+        self._stacks = new
         # Normally still current; a conversion that replaced Parameter objects is caught on the next call.
         self._stack_dirty = True
         return out
@@ -415,7 +497,10 @@ class MoE(nn.Module):
         return choice
 
     def _routed_loop(self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
-        """Per-expert host loop: ``[N, H]`` fp32 (one host sync for the expert counts)."""
+        """Per-expert host loop: ``[N, H]`` fp32 (one host sync for the expert counts).
+
+        Block-FP8 experts compute in fp32 on their weights dequantised per tile (`fused_moe_ref`'s numerics).
+        """
         n = x2.shape[0]
         out = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x2.device)
         flat_ids = topk_ids.reshape(-1)
@@ -432,7 +517,9 @@ class MoE(nn.Module):
             if c == 0:
                 continue
             tok = tok_sorted[start : start + c]
-            y = self.experts[e](x2.index_select(0, tok))
+            ex = self.experts[e]
+            xe = x2.index_select(0, tok)
+            y = _fp8_expert_forward(ex, xe, self.swiglu_limit) if _scale_of(ex.gate_proj) is not None else ex(xe)
             out.index_add_(0, tok, y.float() * w_sorted[start : start + c, None])
             start += c
         return out
@@ -444,7 +531,10 @@ class MoE(nn.Module):
         from ..moe import kernels
 
         w13, w2 = self.stacked_expert_weights()
-        return kernels.fused_moe(x2, topk_ids, topk_w, w13, w2, self.swiglu_limit, row_live=row_live)
+        s13, s2 = self.stacked_expert_scales() or (None, None)
+        return kernels.fused_moe(
+            x2, topk_ids, topk_w, w13, w2, self.swiglu_limit, row_live=row_live, w_gate_up_scale=s13, w_down_scale=s2
+        )
 
     def forward(self, x: torch.Tensor, row_live: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts (plus the shared ones) of every row.
@@ -490,6 +580,18 @@ class MoE(nn.Module):
             expert.reset_parameters(generator, std)
         if self.shared_experts is not None:
             self.shared_experts.reset_parameters(generator, std)
+
+
+def _fp8_expert_forward(expert: GatedMLP, x: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """A block-FP8 expert in fp32 on its weights dequantised per tile: ``[n, H]`` -> ``[n, H]`` fp32."""
+    # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
+    from ..moe.ops import dequantize_experts
+
+    def lin(linear: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        return t @ dequantize_experts(linear.weight, linear.weight_scale_inv).T
+
+    xf = x.float()
+    return lin(expert.down_proj, clamped_swiglu(lin(expert.gate_proj, xf), lin(expert.up_proj, xf), limit))
 
 
 def _as_stacked(parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor | None:

@@ -6,6 +6,22 @@
 
 from __future__ import annotations
 
-from .ops import check_fused_moe_args, fused_moe_ref, moe_align, padded_pairs_bound
+from .ops import (
+    FP8_BLOCK,
+    check_fused_moe_args,
+    dequantize_experts,
+    expert_scale_shapes,
+    fused_moe_ref,
+    moe_align,
+    padded_pairs_bound,
+)
 
-__all__ = ["check_fused_moe_args", "fused_moe_ref", "moe_align", "padded_pairs_bound"]
+__all__ = [
+    "FP8_BLOCK",
+    "check_fused_moe_args",
+    "dequantize_experts",
+    "expert_scale_shapes",
+    "fused_moe_ref",
+    "moe_align",
+    "padded_pairs_bound",
+]

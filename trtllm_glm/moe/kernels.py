@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .ops import check_fused_moe_args, padded_pairs_bound
+from .ops import FP8_BLOCK, check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
 
 __all__ = ["fused_moe", "moe_align", "default_block_m", "default_align", "INTERPRETED"]
@@ -92,6 +92,11 @@ def _gate_up_kernel(
     stride_wn,
     stride_inter,
     limit,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    s_up_row,
     HAS_LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,6 +104,8 @@ def _gate_up_kernel(
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + b)
@@ -116,6 +123,11 @@ def _gate_up_kernel(
         wu_base = wg_base + I * stride_wn
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FP8:
+            # BLOCK_N and BLOCK_K divide the scale tile: a program's columns share one tile row (the gate's, and
+            # the up's `s_up_row` rows further), and each K step lies inside one tile column.
+            s_g = s_ptr + expert.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK) * stride_sn
+            s_u = s_g + s_up_row * stride_sn
         for k0 in range(0, H, BLOCK_K):
             k = k0 + kk
             if EVEN_K:
@@ -131,7 +143,20 @@ def _gate_up_kernel(
                 a = a.to(tl.float32)
                 wg = wg.to(tl.float32)
                 wu = wu.to(tl.float32)
-            if IEEE:
+            if FP8:
+                # e4m3 values are exact in bf16 / fp16 / fp32: the dot multiplies the stored codes' values,
+                # the tile scale comes after it, in fp32 (no rounding of w * scale to the activation dtype).
+                wg = wg.to(a.dtype)
+                wu = wu.to(a.dtype)
+                sg = tl.load(s_g + (k0 // SCALE_BLOCK) * stride_sk)
+                su = tl.load(s_u + (k0 // SCALE_BLOCK) * stride_sk)
+                if IEEE:
+                    acc_g += tl.dot(a, wg, input_precision="ieee") * sg
+                    acc_u += tl.dot(a, wu, input_precision="ieee") * su
+                else:
+                    acc_g += tl.dot(a, wg) * sg
+                    acc_u += tl.dot(a, wu) * su
+            elif IEEE:
                 acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
                 acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
             else:
@@ -161,12 +186,18 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_out,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    stride_sk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + b)
@@ -180,6 +211,8 @@ def _down_kernel(
         a_rows = inter_ptr + slots[:, None].to(tl.int64) * stride_inter
         w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if FP8:
+            s_w = s_ptr + expert.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK) * stride_sn
         for k0 in range(0, I, BLOCK_K):
             k = k0 + kk
             if EVEN_K:
@@ -192,7 +225,14 @@ def _down_kernel(
             if UPCAST:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            if IEEE:
+            if FP8:
+                w = w.to(a.dtype)
+                sw = tl.load(s_w + (k0 // SCALE_BLOCK) * stride_sk)
+                if IEEE:
+                    acc += tl.dot(a, w, input_precision="ieee") * sw
+                else:
+                    acc += tl.dot(a, w) * sw
+            elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
@@ -397,9 +437,14 @@ def _fused_moe(
     scratch: dict[str, torch.Tensor] | None,
     align: str,
     row_live: torch.Tensor | None,
+    w_gate_up_scale: torch.Tensor | None,
+    w_down_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
-    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down, row_live)
+    n, h, k, e, inter = check_fused_moe_args(
+        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale
+    )
+    fp8 = w_gate_up_scale is not None
     dev = x.device
     if out is None:
         out = torch.empty(n, h, dtype=torch.float32, device=dev)
@@ -409,7 +454,7 @@ def _fused_moe(
         return out.zero_()
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"x must be fp32, fp16 or bf16, got {x.dtype}")
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+    if not fp8 and (w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype):
         raise ValueError(f"weights must have x's dtype {x.dtype}, got {w_gate_up.dtype} / {w_down.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -438,6 +483,13 @@ def _fused_moe(
     for name, v in (("block_m", m), ("block_n", bn1), ("block_n", bn2), ("block_k", bk1), ("block_k", bk2)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile), got {v}")
+        if fp8 and name != "block_m" and v > FP8_BLOCK:
+            raise ValueError(f"{name} must be at most {FP8_BLOCK} with FP8 weights (one scale tile), got {v}")
+    # FP8: the scales' pointers and strides; otherwise unused (any tensor, never read).
+    s13 = w_gate_up_scale if w_gate_up_scale is not None else w_gate_up
+    s2 = w_down_scale if w_down_scale is not None else w_down
+    s13_strides = s13.stride() if fp8 else (0, 0, 0)
+    s2_strides = s2.stride() if fp8 else (0, 0, 0)
     launch: dict[str, int] = {"num_warps": num_warps}
     if num_stages is not None:
         launch["num_stages"] = num_stages
@@ -456,6 +508,9 @@ def _fused_moe(
         w_gate_up.stride(1),
         inter_buf.stride(0),
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        s13,
+        *s13_strides,
+        triton.cdiv(inter, FP8_BLOCK),
         HAS_LIMIT=swiglu_limit is not None,
         BLOCK_M=m,
         BLOCK_N=bn1,
@@ -463,6 +518,8 @@ def _fused_moe(
         EVEN_K=h % bk1 == 0,
         IEEE=ieee,
         UPCAST=INTERPRETED,
+        FP8=fp8,
+        SCALE_BLOCK=FP8_BLOCK,
         **launch,
     )
     _down_kernel[(n_blocks, triton.cdiv(h, bn2))](
@@ -479,12 +536,16 @@ def _fused_moe(
         w_down.stride(0),
         w_down.stride(1),
         pair_out.stride(0),
+        s2,
+        *s2_strides,
         BLOCK_M=m,
         BLOCK_N=bn2,
         BLOCK_K=bk2,
         EVEN_K=inter % bk2 == 0,
         IEEE=ieee,
         UPCAST=INTERPRETED,
+        FP8=fp8,
+        SCALE_BLOCK=FP8_BLOCK,
         **launch,
     )
     # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere). A dead row's pairs
@@ -538,6 +599,8 @@ def fused_moe(
     scratch: dict[str, torch.Tensor] | None = None,
     align: str | None = None,
     row_live: torch.Tensor | None = None,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
 
@@ -549,7 +612,8 @@ def fused_moe(
         x: ``[N, H]`` activations (fp32, fp16 or bf16).
         topk_ids: ``[N, k]`` int expert ids.
         topk_w: ``[N, k]`` combine weights (used in fp32).
-        w_gate_up: ``[E, 2I, H]`` stacked ``gate_proj`` then ``up_proj`` weights, ``x``'s dtype, unit last stride.
+        w_gate_up: ``[E, 2I, H]`` stacked ``gate_proj`` then ``up_proj`` weights, ``x``'s dtype (or
+            ``float8_e4m3fn`` with ``w_gate_up_scale``), unit last stride.
         w_down: ``[E, H, I]`` stacked ``down_proj`` weights, same dtype, unit last stride.
         swiglu_limit: the clamp ``L`` (``None``: plain SwiGLU).
         out: optional contiguous ``[N, H]`` fp32 output buffer.
@@ -567,12 +631,18 @@ def fused_moe(
             row, a verify row past its sequence's proposed drafts) gets no (token, slot) pair: its experts are
             neither read nor computed for it, and its output row is 0. The other rows' outputs are bit-equal
             to an unflagged call's (each GEMM row depends on its own operands only).
+        w_gate_up_scale: block-FP8 weights: ``[E, 2 ceil(I/128), ceil(H/128)]`` fp32 tile scales of
+            ``w_gate_up`` (gate tile rows, then up tile rows; see `ops`). The kernels load e4m3 tiles, convert
+            them to the activation dtype (exact), multiply on the tensor cores and scale each K step's fp32
+            partial product by its tile's scale; ``block_n`` and ``block_k`` must then be at most 128.
+        w_down_scale: block-FP8 weights: ``[E, ceil(H/128), ceil(I/128)]`` fp32 tile scales of ``w_down``.
 
     Returns:
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
-    rest = (num_warps, num_stages, scratch, align if align is not None else default_align(), row_live)
+    align = align if align is not None else default_align()
+    rest = (num_warps, num_stages, scratch, align, row_live, w_gate_up_scale, w_down_scale)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.

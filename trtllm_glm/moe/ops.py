@@ -15,15 +15,78 @@ where ``w_gate_up[e] = cat(W1g[e], W1u[e])`` (``[2I, H]``: expert ``e``'s ``gate
   kernels' wrapper can use it under CUDA-graph capture.
 * `padded_pairs_bound` is the buffer length: ``P + min(E, P) * (M - 1)`` rounded down to a multiple of ``M``
   (every non-empty expert wastes at most ``M - 1`` padding slots, and at most ``min(E, P)`` are non-empty).
+
+Block-FP8 expert weights (DeepSeek-V3 convention, ``FP8_BLOCK`` = 128): ``w_gate_up`` ``float8_e4m3fn
+[E, 2I, H]`` with ``w_gate_up_scale`` fp32 ``[E, 2 * ceil(I/128), ceil(H/128)]`` (each expert's gate tile rows,
+then its up tile rows: the concatenation of the two linears' ``weight_scale_inv``), and ``w_down`` ``[E, H, I]``
+with ``w_down_scale`` ``[E, ceil(H/128), ceil(I/128)]``. Stacked row ``r`` of ``gate_up`` takes scale row
+``r // 128`` if ``r < I`` else ``ceil(I/128) + (r - I) // 128`` (so ``I`` need not be a multiple of 128); column
+``c`` takes ``c // 128``. `dequantize_experts` expands that in fp32 (the reference's weights).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..modules.ffn import clamped_swiglu
 
-__all__ = ["padded_pairs_bound", "moe_align", "fused_moe_ref", "check_fused_moe_args"]
+__all__ = [
+    "FP8_BLOCK",
+    "padded_pairs_bound",
+    "moe_align",
+    "fused_moe_ref",
+    "check_fused_moe_args",
+    "dequantize_experts",
+    "expert_scale_shapes",
+]
+
+FP8_BLOCK = 128
+"""Edge of a block-FP8 weight's scale tile (``weight_block_size`` of the GLM-5.3-Flash checkpoint)."""
+
+
+def expert_scale_shapes(num_experts: int, hidden: int, inter: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(gate_up, down)`` shapes of the stacked FP8 scales: ``[E, 2 ceil(I/128), ceil(H/128)]``,
+    ``[E, ceil(H/128), ceil(I/128)]``."""
+    ti, th = math.ceil(inter / FP8_BLOCK), math.ceil(hidden / FP8_BLOCK)
+    return (num_experts, 2 * ti, th), (num_experts, th, ti)
+
+
+def _scale_row_index(rows: int, split: int | None, device: torch.device) -> torch.Tensor:
+    """Scale row of each of ``rows`` weight rows; rows from ``split`` on start a new tile grid (the up half)."""
+    r = torch.arange(rows, device=device)
+    if split is None:
+        return r // FP8_BLOCK
+    return torch.where(r < split, r // FP8_BLOCK, math.ceil(split / FP8_BLOCK) + (r - split) // FP8_BLOCK)
+
+
+def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, split: int | None = None) -> torch.Tensor:
+    """Block-FP8 expert weights in fp32: ``w.float() * scale`` expanded over each 128 x 128 tile.
+
+    Args:
+        w: ``[..., R, C]`` (``float8_e4m3fn``; any dtype is upcast).
+        scale: ``[..., R', C']`` fp32 tile scales (the leading dims as ``w``'s).
+        split: ``I`` for a stacked ``gate_up`` ``[..., 2I, H]`` (rows ``>= I`` are the up rows, whose tiles start
+            a new scale row), ``None`` for a plain matrix (``down``, or one linear's weight).
+
+    Returns:
+        ``[..., R, C]`` fp32 on ``w``'s device.
+
+    Raises:
+        ValueError: ``scale`` is not the tile grid of ``w``.
+    """
+    rows, cols = w.shape[-2:]
+    tiles = math.ceil(cols / FP8_BLOCK)
+    grid = math.ceil(rows / FP8_BLOCK) if split is None else math.ceil(split / FP8_BLOCK) * 2
+    if scale.shape != (*w.shape[:-2], grid, tiles):
+        raise ValueError(
+            f"scale must be {[*w.shape[:-2], grid, tiles]} for weight {list(w.shape)}, got {list(scale.shape)}"
+        )
+    rix = _scale_row_index(rows, split, w.device)
+    cix = torch.arange(cols, device=w.device) // FP8_BLOCK
+    s = scale.to(device=w.device, dtype=torch.float32)
+    return w.float() * s.index_select(-2, rix).index_select(-1, cix)
 
 
 def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -107,8 +170,12 @@ def check_fused_moe_args(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     row_live: torch.Tensor | None = None,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int, int]:
-    """Validate shapes (host-side metadata only, no sync).
+    """Validate shapes and, for block-FP8 weights, dtypes and scale shapes (host-side metadata only, no sync).
+
+    FP8 weights (``float8_e4m3fn``) need both scales; scales need FP8 weights.
 
     Returns:
         ``(N, H, k, E, I)``.
@@ -132,6 +199,20 @@ def check_fused_moe_args(
         raise ValueError(f"w_down must be [E={e}, H={h}, I={inter}], got {tuple(w_down.shape)}")
     if row_live is not None and (row_live.shape != (n,) or row_live.dtype.is_floating_point):
         raise ValueError(f"row_live must be [N={n}] int or bool, got {tuple(row_live.shape)} {row_live.dtype}")
+    fp8 = torch.float8_e4m3fn
+    quantized = w_gate_up_scale is not None or w_down_scale is not None
+    if quantized or w_gate_up.dtype == fp8 or w_down.dtype == fp8:
+        if w_gate_up.dtype != fp8 or w_down.dtype != fp8:
+            raise ValueError(
+                f"block-FP8 experts need float8_e4m3fn w_gate_up and w_down, got {w_gate_up.dtype} / {w_down.dtype}"
+            )
+        for name, scale, want in zip(
+            ("w_gate_up_scale", "w_down_scale"), (w_gate_up_scale, w_down_scale), expert_scale_shapes(e, h, inter)
+        ):
+            if scale is None:
+                raise ValueError(f"{name} is required with float8_e4m3fn expert weights")
+            if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+                raise ValueError(f"{name} must be fp32 {list(want)}, got {tuple(scale.shape)} {scale.dtype}")
     return n, h, k, e, inter
 
 
@@ -143,6 +224,8 @@ def fused_moe_ref(
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
     row_live: torch.Tensor | None = None,
+    w_gate_up_scale: torch.Tensor | None = None,
+    w_down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts in fp32, one expert at a time (the reference of `kernels.fused_moe`).
 
@@ -158,14 +241,19 @@ def fused_moe_ref(
         w_down: ``[E, H, I]`` stacked ``down_proj`` weights.
         swiglu_limit: the clamp ``L`` of `clamped_swiglu` (``None``: plain SwiGLU).
         row_live: optional ``[N]`` int or bool flags; rows flagged 0 get no expert (their output is 0).
+        w_gate_up_scale: with ``float8_e4m3fn`` weights, ``[E, 2 ceil(I/128), ceil(H/128)]`` fp32 tile scales
+            (gate tile rows, then up tile rows); each used expert's weights are dequantised per tile in fp32.
+        w_down_scale: with FP8 weights, ``[E, ceil(H/128), ceil(I/128)]`` fp32.
 
     Returns:
         ``[N, H]`` fp32.
 
     Raises:
-        ValueError: bad shapes, or an expert id out of range.
+        ValueError: bad shapes / dtypes, or an expert id out of range.
     """
-    n, h, k, e, inter = check_fused_moe_args(x, topk_ids, topk_w, w_gate_up, w_down, row_live)
+    n, h, k, e, inter = check_fused_moe_args(
+        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale
+    )
     out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     if n == 0 or k == 0:
         return out
@@ -182,7 +270,12 @@ def fused_moe_ref(
             continue
         sel = (flat == ex).nonzero().squeeze(1)
         rows = tok[sel]
-        gu = xf.index_select(0, rows) @ w_gate_up[ex].float().T
-        y = clamped_swiglu(gu[:, :inter], gu[:, inter:], swiglu_limit) @ w_down[ex].float().T
+        if w_gate_up_scale is not None and w_down_scale is not None:
+            w13 = dequantize_experts(w_gate_up[ex], w_gate_up_scale[ex], inter)
+            w2 = dequantize_experts(w_down[ex], w_down_scale[ex])
+        else:
+            w13, w2 = w_gate_up[ex].float(), w_down[ex].float()
+        gu = xf.index_select(0, rows) @ w13.T
+        y = clamped_swiglu(gu[:, :inter], gu[:, inter:], swiglu_limit) @ w2.T
         out.index_add_(0, rows, y * wts[sel, None])
     return out
