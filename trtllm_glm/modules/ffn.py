@@ -261,6 +261,13 @@ class MoE(nn.Module):
     A hand-assigned parameter of an expert other than the first and last is only noticed after
     `mark_weights_changed`.
 
+    Block-FP8 experts (every expert linear holding a ``float8_e4m3fn`` ``weight`` and an fp32 ``weight_scale_inv``
+    ``[ceil(out/128), ceil(in/128)]``, as a quantized checkpoint loads them) are stacked the same way, their
+    scales too: ``[E, 2 ceil(I/128), ceil(H/128)]`` (gate tile rows, then up's) and ``[E, ceil(H/128),
+    ceil(I/128)]`` (`stacked_expert_scales`). The fused kernels read the FP8 stacks; the loop computes each used
+    expert in fp32 on its weights dequantised per tile. Dtype conversions (``.to(torch.bfloat16)``, ``.half()``)
+    leave FP8 expert weights and their scales as they are; device moves apply.
+
     Args:
         config: uses ``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``,
             ``n_shared_experts``, ``num_experts_per_tok``, ``norm_topk_prob``, ``routed_scaling_factor``.

@@ -41,6 +41,15 @@ Numerics: bf16/fp16 operands on the tensor cores with fp32 accumulation; fp32 op
 loop rounds ``gate``, ``up`` and each elementwise step to it), the down product is weighted in fp32 (the loop
 rounds it to the activation dtype first). So in bf16 the kernel is closer to the fp32 reference than the loop.
 
+Block-FP8 expert weights (``w_gate_up_scale`` / ``w_down_scale``; layout in `ops`): both GEMMs load the e4m3
+weight tiles (half the bytes of bf16), convert them to the activation dtype (exact: every e4m3 value is a bf16,
+fp16 and fp32 value), multiply on the tensor cores with fp32 accumulation, and scale each K step's partial
+product by its 128 x 128 tile's fp32 scale before adding it (``block_n`` and ``block_k`` divide 128, so a
+program's columns share a tile row and each K step lies in one tile column: one scalar scale per step). That is
+the product of the stored values with the reference's per-tile dequantised weights up to fp32 rounding (the
+scale is never rounded into the activation dtype). The clamped SwiGLU, the routing weights and dead rows are as
+above; nothing changes in the sorting, the buffers or the combine.
+
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to a copy of this module
 imported with Triton's interpreter switched on (as ``glm_kpool.kernels`` does for its kernels: the choice
 depends neither on ``TRITON_INTERPRET`` nor on import order). Under the interpreter operands are upcast to
