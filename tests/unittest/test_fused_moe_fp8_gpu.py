@@ -130,13 +130,13 @@ def test_fp8_bf16_vs_fp32_reference(fp8_moe: MoE, n: int) -> None:
         K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, out=out, **scales)
         torch.cuda.synchronize()
         assert not out.isnan().any()
-        loop = m._routed_loop(x, ids, w)  # FP8 experts: fp32 on dequantised tiles (the reference's math)
+        loop = m._routed_loop(x, ids, w)  # FP8 experts: bf16 on the dequantised weights (a bf16-dequantised model)
         assert torch.equal(K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, align="torch", **scales), out)
         again = K.fused_moe(x, ids, w, w13, w2, m.swiglu_limit, **scales)
     err, err_loop = _rel_err(out, ref), _rel_err(loop, ref)
-    print(f"N={n}: fused FP8 rel err {err:.2e} (bf16 intermediate), torch loop {err_loop:.2e}")
+    print(f"N={n}: fused FP8 rel err {err:.2e}, loop on bf16-dequantised weights {err_loop:.2e}")
     assert err < 1e-2
-    assert err_loop < 1e-4
+    assert err <= 1.5 * err_loop + 1e-4
     assert torch.equal(out, again), "fused MoE must be bit-deterministic"
 
 

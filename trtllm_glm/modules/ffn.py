@@ -265,8 +265,9 @@ class MoE(nn.Module):
     ``[ceil(out/128), ceil(in/128)]``, as a quantized checkpoint loads them) are stacked the same way, their
     scales too: ``[E, 2 ceil(I/128), ceil(H/128)]`` (gate tile rows, then up's) and ``[E, ceil(H/128),
     ceil(I/128)]`` (`stacked_expert_scales`). The fused kernels read the FP8 stacks; the loop computes each used
-    expert in fp32 on its weights dequantised per tile. Dtype conversions (``.to(torch.bfloat16)``, ``.half()``)
-    leave FP8 expert weights and their scales as they are; device moves apply.
+    expert on its weights dequantised per tile (fp32, then ``x``'s dtype: a dequantised-at-load model's math).
+    Dtype conversions (``.to(torch.bfloat16)``, ``.half()``) leave FP8 expert weights and their scales as they
+    are; device moves apply.
 
     Args:
         config: uses ``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``,
@@ -506,7 +507,8 @@ class MoE(nn.Module):
     def _routed_loop(self, x2: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor) -> torch.Tensor:
         """Per-expert host loop: ``[N, H]`` fp32 (one host sync for the expert counts).
 
-        Block-FP8 experts compute in fp32 on their weights dequantised per tile (`fused_moe_ref`'s numerics).
+        Block-FP8 experts compute on their weights dequantised per tile (in ``x``'s dtype, as a model
+        dequantised at load would; in fp32 that is `fused_moe_ref`'s numerics).
         """
         n = x2.shape[0]
         out = torch.zeros(n, self.hidden_size, dtype=torch.float32, device=x2.device)
@@ -590,15 +592,16 @@ class MoE(nn.Module):
 
 
 def _fp8_expert_forward(expert: GatedMLP, x: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """A block-FP8 expert in fp32 on its weights dequantised per tile: ``[n, H]`` -> ``[n, H]`` fp32."""
+    """A block-FP8 expert as the same expert with its weights dequantised at load would compute it: weights
+    dequantised per tile in fp32, then in ``x``'s dtype (fp32: `fused_moe_ref`'s numerics; bf16: a
+    bf16-dequantised model's). ``[n, H]`` -> ``[n, H]`` in ``x``'s dtype."""
     # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
     from ..moe.ops import dequantize_experts
 
     def lin(linear: nn.Module, t: torch.Tensor) -> torch.Tensor:
-        return t @ dequantize_experts(linear.weight, linear.weight_scale_inv).T
+        return F.linear(t, dequantize_experts(linear.weight, linear.weight_scale_inv).to(t.dtype))
 
-    xf = x.float()
-    return lin(expert.down_proj, clamped_swiglu(lin(expert.gate_proj, xf), lin(expert.up_proj, xf), limit))
+    return lin(expert.down_proj, clamped_swiglu(lin(expert.gate_proj, x), lin(expert.up_proj, x), limit))
 
 
 def _as_stacked(parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor | None:
