@@ -164,6 +164,20 @@ def test_fp8_bf16_activations() -> None:
     assert (out - ref).abs().max() > 0  # the bf16 intermediate really is used
 
 
+def test_fp8_bf16_activations_beyond_fp16_range() -> None:
+    """bf16 rows far outside fp16's range (the kernels multiply in fp16 after a power-of-two scaling per row):
+    each row matches the reference to its own scale. No clamp, so the SwiGLU output (the down GEMM's
+    activations) spans that range too."""
+    x, ids, w, q13, s13, q2, s2 = _problem(6, 300, 136, 4, 2, seed=8)
+    row_scale = torch.tensor([1e5, 1e-7, 1.0, 3e4, 1e-3, 2e-6])
+    xb = (x / 4 * row_scale[:, None]).to(torch.bfloat16)
+    out = K.fused_moe(xb, ids, w, q13, q2, None, w_gate_up_scale=s13, w_down_scale=s2)
+    ref = R.fused_moe_ref(xb, ids, w, q13, q2, None, w_gate_up_scale=s13, w_down_scale=s2)
+    assert ref.isfinite().all() and (ref.abs().amax(1) > 0).all()
+    err = (out - ref).abs().amax(1) / ref.abs().amax(1)
+    assert (err < 2e-2).all(), err
+
+
 @pytest.mark.parametrize("align", ["triton", "torch"])
 def test_fp8_dead_rows(align: str) -> None:
     x, ids, w, q13, s13, q2, s2 = _problem(10, 300, 136, 6, 2, seed=12)

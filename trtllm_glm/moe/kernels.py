@@ -86,6 +86,21 @@ SORT_ALIGN_MAX_PAIRS = 4096
 
 
 @triton.jit
+def _pow2_fp16(a):
+    """``[M, K]`` activations -> ``(a / p`` in fp16, ``p [M]`` fp32``)``: ``p`` a power of two per row that puts the
+    row's largest ``|a|`` in ``[2^14, 2^15)``. Exact for bf16 inputs (8 significant bits in fp16's 11, scaled by a
+    power of two) except for entries more than ~30 binades below their row's largest, which round in fp16's
+    subnormals (an error below ``2^-40`` of the row's largest)."""
+    af = a.to(tl.float32)
+    amax = tl.max(tl.abs(af), axis=1)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    pe = tl.maximum(e - 14, 1)  # a zero (padding) row: p = 2^-126, its zeros stay zeros
+    p = (pe << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - pe) << 23).to(tl.float32, bitcast=True)
+    return (af * inv[:, None]).to(tl.float16), p
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -114,6 +129,7 @@ def _gate_up_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8: tl.constexpr,
+    A_POW2: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -153,18 +169,24 @@ def _gate_up_kernel(
                 wg = wg.to(tl.float32)
                 wu = wu.to(tl.float32)
             if FP8:
-                # e4m3 values are exact in bf16 / fp16 / fp32: the dot multiplies the stored codes' values,
-                # the tile scale comes after it, in fp32 (no rounding of w * scale to the activation dtype).
-                wg = wg.to(a.dtype)
-                wu = wu.to(a.dtype)
+                # e4m3 values are exact in fp16 / fp32: the dot multiplies the stored codes' values, the tile
+                # scale comes after it, in fp32 (no rounding of w * scale to the activation dtype). fp16, not
+                # bf16, operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 two more
+                # (the conversions, not the bytes, would bound the kernel); bf16 activations go to fp16 exactly
+                # after a power-of-two scaling per row (`_pow2_fp16`), undone on the fp32 partial product.
                 sg = tl.load(s_g + (k0 // SCALE_BLOCK) * stride_sk)
                 su = tl.load(s_u + (k0 // SCALE_BLOCK) * stride_sk)
                 if IEEE:
-                    acc_g += tl.dot(a, wg, input_precision="ieee") * sg
-                    acc_u += tl.dot(a, wu, input_precision="ieee") * su
+                    acc_g += tl.dot(a, wg.to(tl.float32), input_precision="ieee") * sg
+                    acc_u += tl.dot(a, wu.to(tl.float32), input_precision="ieee") * su
+                elif A_POW2:
+                    a16, p = _pow2_fp16(a)
+                    acc_g += tl.dot(a16, wg.to(tl.float16)) * (p[:, None] * sg)
+                    acc_u += tl.dot(a16, wu.to(tl.float16)) * (p[:, None] * su)
                 else:
-                    acc_g += tl.dot(a, wg) * sg
-                    acc_u += tl.dot(a, wu) * su
+                    a16 = a.to(tl.float16)
+                    acc_g += tl.dot(a16, wg.to(tl.float16)) * sg
+                    acc_u += tl.dot(a16, wu.to(tl.float16)) * su
             elif IEEE:
                 acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
                 acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
@@ -206,6 +228,7 @@ def _down_kernel(
     IEEE: tl.constexpr,
     UPCAST: tl.constexpr,
     FP8: tl.constexpr,
+    A_POW2: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -235,12 +258,15 @@ def _down_kernel(
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             if FP8:
-                w = w.to(a.dtype)
+                # As in `_gate_up_kernel`: fp16 operands, the tile scale on the fp32 partial product.
                 sw = tl.load(s_w + (k0 // SCALE_BLOCK) * stride_sk)
                 if IEEE:
-                    acc += tl.dot(a, w, input_precision="ieee") * sw
+                    acc += tl.dot(a, w.to(tl.float32), input_precision="ieee") * sw
+                elif A_POW2:
+                    a16, p = _pow2_fp16(a)
+                    acc += tl.dot(a16, w.to(tl.float16)) * (p[:, None] * sw)
                 else:
-                    acc += tl.dot(a, w) * sw
+                    acc += tl.dot(a.to(tl.float16), w.to(tl.float16)) * sw
             elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -528,6 +554,7 @@ def _fused_moe(
         IEEE=ieee,
         UPCAST=INTERPRETED,
         FP8=fp8,
+        A_POW2=fp8 and x.dtype == torch.bfloat16,
         SCALE_BLOCK=FP8_BLOCK,
         **launch,
     )
@@ -554,6 +581,7 @@ def _fused_moe(
         IEEE=ieee,
         UPCAST=INTERPRETED,
         FP8=fp8,
+        A_POW2=fp8 and x.dtype == torch.bfloat16,
         SCALE_BLOCK=FP8_BLOCK,
         **launch,
     )
