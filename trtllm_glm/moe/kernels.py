@@ -42,13 +42,17 @@ loop rounds ``gate``, ``up`` and each elementwise step to it), the down product 
 rounds it to the activation dtype first). So in bf16 the kernel is closer to the fp32 reference than the loop.
 
 Block-FP8 expert weights (``w_gate_up_scale`` / ``w_down_scale``; layout in `ops`): both GEMMs load the e4m3
-weight tiles (half the bytes of bf16), convert them to the activation dtype (exact: every e4m3 value is a bf16,
-fp16 and fp32 value), multiply on the tensor cores with fp32 accumulation, and scale each K step's partial
-product by its 128 x 128 tile's fp32 scale before adding it (``block_n`` and ``block_k`` divide 128, so a
-program's columns share a tile row and each K step lies in one tile column: one scalar scale per step). That is
-the product of the stored values with the reference's per-tile dequantised weights up to fp32 rounding (the
-scale is never rounded into the activation dtype). The clamped SwiGLU, the routing weights and dead rows are as
-above; nothing changes in the sorting, the buffers or the combine.
+weight tiles (half the bytes of bf16), convert them to fp16 (exact, one packed conversion per two weights: the
+bf16 operand would take two more conversions per weight, and the conversions, not the bytes, would bound the
+kernel), multiply on the tensor cores with fp32 accumulation, and scale each K step's partial product by its
+128 x 128 tile's fp32 scale before adding it (``block_n`` and ``block_k`` divide 128, so a program's columns share
+a tile row and each K step lies in one tile column: one scalar scale per step). bf16 activations go to fp16
+exactly after a power-of-two scaling per row and K step (`_pow2_fp16`; the power is undone on the fp32 partial
+product), so any bf16 range works; fp16 activations go as they are, fp32 ones take IEEE fp32 dots. That is the
+product of the stored values with the reference's per-tile dequantised weights up to fp32 rounding (the scale is
+never rounded into a 16-bit type). The clamped SwiGLU, the routing weights and dead rows are as above; nothing
+changes in the sorting, the buffers or the combine. Compiled for sm_90 (H = 4096, block 16 x 64 x 128, 4 warps):
+gate_up 162 registers, 45 KB shared, no spills (bf16 weights: 108, 72 KB); down 94 registers.
 
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to a copy of this module
 imported with Triton's interpreter switched on (as ``glm_kpool.kernels`` does for its kernels: the choice
