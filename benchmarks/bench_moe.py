@@ -11,14 +11,15 @@ Timings per case:
   GEMMs and the combine) divided by G, median of several replays (CUDA events). The touched experts' weights
   (>= 8 x 50 MB) are far beyond the L2, so every call reads them from HBM.
 * ``fused eager``: ``triton.testing.do_bench`` of one call (L2 flushed before each; includes launch overhead).
-* ``loop``: ``do_bench`` of the per-expert loop `MoE._routed_loop` (host sync, one GatedMLP per expert; bf16).
+* ``loop``: ``do_bench`` of the per-expert loop `MoE._routed_loop` (host sync, one GatedMLP per expert).
 
 Bytes floor: distinct experts touched x expert bytes (bf16: ``3 * H * I * 2``; FP8: ``3 * H * I`` plus the
 expert's fp32 scales, ``4 * 3 * ceil(H/128) * ceil(I/128)``) + the activations (``x`` in bf16, the fp32 output).
 Each row carries ``"weights": "bf16"`` or ``"fp8"``. GB/s = floor bytes / fused time; ``%copy`` against a 1 GiB
 device-to-device copy measured in the same run (bytes read + written); ``x floor`` = fused time / (floor bytes at
 the copy bandwidth). Each case is checked against the fp32 reference (FP8: weights dequantised per tile) before it
-is timed; the per-expert loop is timed for bf16 only.
+is timed. ``loop`` for FP8: each used expert dequantised per tile (fp32, then bf16) and run in bf16, the
+module's path past ``fused_max_rows`` (``--rows 1024,4096`` times prefill sizes).
 
 Usage (on a CUDA machine, from the repository root)::
 
@@ -117,6 +118,29 @@ def _quantized_stacks(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Te
     return out
 
 
+def _point_experts(m, weights: dict[str, torch.Tensor]) -> None:
+    """Make ``m``'s expert parameters views of the given stacks (``_quantized_stacks``'s keys, or only
+    ``w_gate_up`` / ``w_down`` for unquantized experts), as a checkpoint of that format would load them."""
+    from torch import nn
+
+    w13, w2 = weights["w_gate_up"], weights["w_down"]
+    s13, s2 = weights.get("w_gate_up_scale"), weights.get("w_down_scale")
+    inter, ti = w13.shape[1] // 2, (s13.shape[1] // 2 if s13 is not None else 0)
+    for i, ex in enumerate(m.experts):
+        parts = [(ex.gate_proj, w13[i, :inter], None), (ex.up_proj, w13[i, inter:], None), (ex.down_proj, w2[i], None)]
+        if s13 is not None and s2 is not None:
+            parts = [(parts[0][0], parts[0][1], s13[i, :ti]), (parts[1][0], parts[1][1], s13[i, ti:])]
+            parts.append((ex.down_proj, w2[i], s2[i]))
+        for lin, w, sc in parts:
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if sc is not None:
+                lin.weight_scale_inv = nn.Parameter(sc, requires_grad=False)
+            elif hasattr(lin, "weight_scale_inv"):
+                del lin.weight_scale_inv
+    m.mark_weights_changed()
+    assert m.stacked_expert_weights()[0].data_ptr() == w13.data_ptr()  # viewed, not copied
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -124,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-loop", action="store_true", help="skip the per-expert loop baseline")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     parser.add_argument("--weights", choices=("bf16", "fp8", "both"), default="both", help="expert weight formats")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts N")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe: CUDA is not available; nothing to benchmark.")
@@ -154,15 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"geometry: H={h} I={inter} E={e} top-{m.top_k}; {fmt}: {nb / 1e6:.1f} MB per expert", flush=True)
     rows: list[Row] = []
     g = torch.Generator(device=dev).manual_seed(1)
-    for n in ROWS:
+    for n in (int(v) for v in args.rows.split(",")):
         x = (torch.randn(n, h, device=dev, generator=g) * 4.0).to(torch.bfloat16)
         with torch.no_grad():
             ids, w = m.gate(x)
         out = torch.empty(n, h, device=dev)
-        loop_us = None
-        if not args.no_loop and "bf16" in formats:
-            loop_us = _bench(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
         for fmt, (weights, expert_bytes) in formats.items():
+            # The module's experts in this format (views of the stacks): its loop runs on them.
+            _point_experts(m, weights)
+            loop_us = None
+            if not args.no_loop:
+                loop_us = _bench(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
             wts = dict(weights)
             wa, wb = wts.pop("w_gate_up"), wts.pop("w_down")
             ref = R.fused_moe_ref(x, ids, w, wa, wb, limit, **wts)
@@ -198,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 gbps = nbytes / (graph_us * 1e-6) / 1e9
                 floor_us = nbytes / (ceiling * 1e9) * 1e6
-                lp_us = loop_us if fmt == "bf16" else None
+                lp_us = loop_us
                 speedup = lp_us / graph_us if lp_us else None
                 row = Row(
                     f"N={n} {fmt} {label}",
