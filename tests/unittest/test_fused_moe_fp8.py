@@ -350,3 +350,25 @@ def test_module_fp8_follows_loads_and_copies() -> None:
     del d.experts[2].up_proj.weight_scale_inv
     with pytest.raises(RuntimeError, match=r"experts\.2\.up_proj has no weight_scale_inv"):
         _run(d, x, "triton")
+
+
+def test_module_fp8_built_on_meta_then_loaded() -> None:
+    """The loader's path without a second copy: experts made FP8 on the meta device and stacked there (free),
+    then ``to_empty`` allocates the stacks once and an in-place load fills them."""
+    src = _fp8_module(seed=6)
+    x = torch.randn(6, 200, generator=torch.Generator().manual_seed(7)) * 3
+    want = _run(src, x, "torch")
+    with torch.device("meta"):
+        m = MoE(_cfg())
+    for ex in m.experts:
+        for lin in (ex.gate_proj, ex.up_proj, ex.down_proj):
+            grid = (math.ceil(lin.weight.shape[0] / 128), math.ceil(lin.weight.shape[1] / 128))
+            lin.weight = nn.Parameter(torch.empty(lin.weight.shape, dtype=FP8, device="meta"), requires_grad=False)
+            lin.weight_scale_inv = nn.Parameter(torch.empty(grid, device="meta"), requires_grad=False)
+    m.mark_weights_changed()
+    assert m.stacked_expert_scales()[0].shape == (5, 4, 2)
+    m.to_empty(device="cpu")
+    assert m._stack_is_current() and m.stacked_expert_weights()[1].dtype == FP8
+    m.load_state_dict({k: v.clone() for k, v in src.state_dict().items()})
+    assert _bytes_held(m) == sum(p.numel() * p.element_size() for p in m.parameters())
+    _close(_run(m, x, "triton"), want, 1e-5)
