@@ -234,8 +234,9 @@ def _scale_of(linear: nn.Module) -> torch.Tensor | None:
 
 def _convert_keeping_dtype(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """``fn(t)`` (an `nn.Module._apply` conversion) with ``t``'s dtype kept: only a device move applies."""
-    new = fn(t)
-    return new if new.dtype == t.dtype else t.to(device=new.device)
+    # Probed on an empty slice: a dtype cast of a whole FP8 stack (gigabytes) is never materialised.
+    probe = fn(t.detach()[:0])
+    return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
 
 
 class MoE(nn.Module):
