@@ -92,22 +92,23 @@ def _close(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 # ------------------------------------------------------------------------------------------------------
 # Reference layout
 # ------------------------------------------------------------------------------------------------------
-def test_dequantize_experts_is_the_per_linear_dequantisation() -> None:
+@pytest.mark.parametrize(("h", "inter"), [(300, 136), (256, 128)])  # ragged tiles; whole tiles (broadcast path)
+def test_dequantize_experts_is_the_per_linear_dequantisation(h: int, inter: int) -> None:
     g = torch.Generator().manual_seed(0)
-    h, inter = 300, 136
     w13 = torch.stack([_tiled(2 * inter, h, g, 0.5) for _ in range(2)])
     w2 = torch.stack([_tiled(h, inter, g, 0.1) for _ in range(2)])
     q13, s13, q2, s2 = _quantize_stacks(w13, w2)
-    assert s13.shape == (2, 4, 3) and s2.shape == (2, 3, 2)
-    assert R.expert_scale_shapes(2, h, inter) == ((2, 4, 3), (2, 3, 2))
+    ti, th = math.ceil(inter / 128), math.ceil(h / 128)
+    assert s13.shape == (2, 2 * ti, th) and s2.shape == (2, th, ti)
+    assert R.expert_scale_shapes(2, h, inter) == ((2, 2 * ti, th), (2, th, ti))
     d13 = R.dequantize_experts(q13, s13, inter)
     for e in range(2):
-        for rows, s_rows in ((slice(0, inter), slice(0, 2)), (slice(inter, None), slice(2, None))):
+        for rows, s_rows in ((slice(0, inter), slice(0, ti)), (slice(inter, None), slice(ti, None))):
             assert torch.equal(d13[e, rows], dequantize_block_fp8(q13[e, rows], s13[e, s_rows]))
         assert torch.equal(R.dequantize_experts(q2[e], s2[e]), dequantize_block_fp8(q2[e], s2[e]))
     assert (d13 - w13).abs().max() < 0.07 * w13.abs().max()  # e4m3: 3 mantissa bits
     with pytest.raises(ValueError, match="scale must be"):
-        R.dequantize_experts(q13, s13[:, :3], inter)
+        R.dequantize_experts(q13, s13[:, 1:], inter)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -83,9 +83,14 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, split: int | None =
         raise ValueError(
             f"scale must be {[*w.shape[:-2], grid, tiles]} for weight {list(w.shape)}, got {list(scale.shape)}"
         )
+    s = scale.to(device=w.device, dtype=torch.float32)
+    if rows % FP8_BLOCK == 0 and cols % FP8_BLOCK == 0 and (split is None or split % FP8_BLOCK == 0):
+        # Whole tiles (the real geometry): broadcast each scale over its tile, no [R, C] scale tensor.
+        lead = w.shape[:-2]
+        tiles = w.float().reshape(*lead, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+        return (tiles * s[..., :, None, :, None]).reshape(w.shape)
     rix = _scale_row_index(rows, split, w.device)
     cix = torch.arange(cols, device=w.device) // FP8_BLOCK
-    s = scale.to(device=w.device, dtype=torch.float32)
     return w.float() * s.index_select(-2, rix).index_select(-1, cix)
 
 
