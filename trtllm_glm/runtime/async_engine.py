@@ -1,5 +1,8 @@
 """`AsyncEngine`: continuous batching across concurrent callers on one background thread.
 
+Both front doors run on it: `LLM.generate_async` (the Python API's streaming) and ``trtllm-glm serve`` (the
+HTTP server, which passes its Prometheus `ServeMetrics`; without one, nothing is recorded).
+
 The model is synchronous torch code, so one dedicated thread owns the executor (``llm.executor``, an
 `Executor` or a `SpeculativeExecutor`) and is the only thread that touches it. Callers on an asyncio
 event loop talk to it through an inbox of commands (add, abort) and receive per-request deltas (new text,
@@ -26,10 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..runtime.request import Request
-from ..runtime.sampling import Logprob, SamplingParams
-from .metrics import ServeMetrics
 from .output import OutputProcessor
+from .request import Request
+from .sampling import Logprob, SamplingParams
 
 __all__ = [
     "AsyncEngine",
@@ -42,6 +44,16 @@ __all__ = [
 ]
 
 log = logging.getLogger("trtllm_glm.serve")
+
+
+class _NoMetrics:
+    """Stands in for the server's `ServeMetrics` when nobody reads metrics (every call does nothing)."""
+
+    def __getattr__(self, name: str) -> _NoMetrics:
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _NoMetrics:
+        return self
 
 
 class EngineError(RuntimeError):
@@ -112,6 +124,7 @@ class ResultStream:
         self._open = n
         self.n = n
         self.request_ids: list[int] = []
+        self.requests: list[Request] = []  # the executor's requests (read them only once finished)
         self.aborted = False
 
     @property
@@ -166,16 +179,16 @@ class AsyncEngine:
         llm: a built `trtllm_glm.LLM` (its ``executor`` and ``tokenizer`` are used; do not call
             ``llm.generate`` while the engine runs).
         max_queue_size: generations that may wait beyond the running batch before `submit` refuses.
-        metrics: where to record (default: a new `ServeMetrics` with its own registry).
+        metrics: where to record: the server's `ServeMetrics` (default: nothing is recorded).
     """
 
-    def __init__(self, llm: Any, *, max_queue_size: int = 64, metrics: ServeMetrics | None = None) -> None:
+    def __init__(self, llm: Any, *, max_queue_size: int = 64, metrics: Any | None = None) -> None:
         if not isinstance(max_queue_size, int) or max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an int >= 0, got {max_queue_size!r}")
         self.llm = llm
         self.executor = llm.executor
         self.tokenizer = llm.tokenizer
-        self.metrics = metrics if metrics is not None else ServeMetrics()
+        self.metrics = metrics if metrics is not None else _NoMetrics()
         self.max_queue_size = max_queue_size
         self.capacity = self.executor.cfg.max_batch_size + max_queue_size
         self.max_seq_len: int = self.executor.max_seq_len
@@ -199,7 +212,8 @@ class AsyncEngine:
         self._last_steps = self.executor.num_steps
         self._step_errors = 0
         self._stats: dict[str, Any] = {}
-        self._publish_stats()
+        # The gauges (page pool size above all) are right from the first scrape, not from the first request.
+        self._export_gauges()
 
     # --------------------------------------------------------------------------------------------
     # Lifecycle (any thread)
@@ -359,6 +373,7 @@ class AsyncEngine:
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
         self._streams[id(stream)] = tracks
         stream.request_ids = [r.request_id for r in added]
+        stream.requests = added
         self._resolve(fut, None)
 
     def _resolve(self, fut: asyncio.Future, exc: BaseException | None) -> None:

@@ -47,9 +47,7 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt")
         raise InvalidRequestError(f"{param}: the prompt is empty", param=param)
     for t in ids:
         if not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param
-            )
+            raise InvalidRequestError(f"{param}: token id {t} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
 def check_request(
@@ -74,7 +72,7 @@ def check_request(
     if prompt_len >= max_seq_len:
         raise InvalidRequestError(
             f"this model's maximum context length is {max_seq_len} tokens, but the prompt has {prompt_len} "
-            f"tokens (no room to generate)",
+            f"tokens, which leaves no room to generate",
             param=prompt_param,
             code="context_length_exceeded",
         )
