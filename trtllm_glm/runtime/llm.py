@@ -452,11 +452,7 @@ class AsyncRequestOutput:
 def _split_args(prompts: object, sampling_params: object) -> tuple[bool, list[object], list[SamplingParams]]:
     """``generate``'s arguments as (single prompt?, prompts, one SamplingParams per prompt), refusing what
     is neither a prompt nor a list of prompts, and sampling params that are not `SamplingParams`."""
-    if (
-        prompts is None
-        or isinstance(prompts, (bytes, bytearray))
-        or not (isinstance(prompts, str) or isinstance(prompts, Sequence))
-    ):
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Sequence)):
         raise TypeError(
             "prompts must be a string, a list of token ids, or a list of strings / token-id lists; got "
             f"{type(prompts).__name__}"

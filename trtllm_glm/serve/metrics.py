@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE_LATEST", "PREFIX"]
 
