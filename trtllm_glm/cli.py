@@ -251,12 +251,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     try:
         from .serve.config import load_llm_options
-        from .serve.server import make_app, run_server
+        from .serve.server import configure_logging, make_app, run_server
     except ImportError as e:
         raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
     try:
         options = load_llm_options(args.config) if args.config else {}
         _check_device(options.get("device"))
+        configure_logging(args.log_level)
         app = make_app(
             args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
             drain_timeout=args.drain_timeout,
