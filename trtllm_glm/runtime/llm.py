@@ -200,7 +200,7 @@ class LLM:
         # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
         self.executor.capture_cuda_graphs()
         self._engine: Any = None  # the AsyncEngine of generate_async, started on first use
-        log.info(
+        log.debug(
             "loaded %s in %.1f s: %s on %s, %s", model, time.perf_counter() - t0,
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
             self.device, str(next(self.model.parameters()).dtype).replace("torch.", ""),
