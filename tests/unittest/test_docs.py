@@ -33,13 +33,19 @@ def test_python_blocks_run(page: Path, monkeypatch, capsys) -> None:
 
 
 def test_named_files_exist() -> None:
-    """Paths the pages name in backticks or links (``examples/...``, ``benchmarks/...``, ``docs/...``) exist."""
+    """Paths the pages name (``examples/...``, ``benchmarks/...``, ``docs/...``) exist, and so do the result
+    files they name alone (``e2e_..._2026-12-01.log``: in benchmarks/results/)."""
     pat = re.compile(r"(?<![\w/.])((?:examples|benchmarks|docs|scripts|tests)/[\w./-]+\.(?:py|md|yaml|log|json))")
+    result = re.compile(r"(?<![\w/.-])([\w-]+_20\d\d-\d\d-\d\d\w*\.(?:log|json|md))")
     missing = []
-    for page in PAGES:
-        for path in set(pat.findall(page.read_text(encoding="utf-8"))):
+    for page in [*PAGES, ROOT / "benchmarks" / "results" / "README.md"]:
+        text = page.read_text(encoding="utf-8")
+        for path in set(pat.findall(text)):
             if not (ROOT / path).exists():
                 missing.append(f"{page.name}: {path}")
+        for name in set(result.findall(text)):
+            if not (ROOT / "benchmarks" / "results" / name).exists():
+                missing.append(f"{page.name}: {name}")
     assert not missing, missing
 
 
