@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modules.ffn import clamped_swiglu
+from ..act.reference import clamped_swiglu
 
 __all__ = ["padded_pairs_bound", "moe_align", "fused_moe_ref", "check_fused_moe_args"]
 
