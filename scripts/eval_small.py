@@ -130,8 +130,17 @@ def load_reference_with_mtp(model_dir: str):
     """The reference trunk (``from_pretrained``) and the MTP block rebuilt from the checkpoint's layer L."""
     from trtllm_glm.models.checkpoint import load_state_dict
 
+    from transformers.utils import logging as hf_logging
+
     _, model_cls, _ = ts.import_reference()
-    model = model_cls.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    # The reference has no MTP block, so its load report lists the checkpoint's layer L as unexpected (~50
+    # lines on every run); the block is loaded below, and a real load error still raises.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = model_cls.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
     L = model.config.text_config.num_hidden_layers
     sd = load_state_dict(model_dir)
     prefix = f"model.layers.{L}."
