@@ -128,9 +128,9 @@ def runtime_bits(model_dir: str, chunks: list[bytes], bos: int) -> float:
 # --------------------------------------------------------------------------------------------------
 def load_reference_with_mtp(model_dir: str):
     """The reference trunk (``from_pretrained``) and the MTP block rebuilt from the checkpoint's layer L."""
-    from trtllm_glm.models.checkpoint import load_state_dict
-
     from transformers.utils import logging as hf_logging
+
+    from trtllm_glm.models.checkpoint import load_state_dict
 
     _, model_cls, _ = ts.import_reference()
     # The reference has no MTP block, so its load report lists the checkpoint's layer L as unexpected (~50
