@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = ["main", "build_parser", "UserError"]
@@ -83,6 +84,25 @@ def _check_device(device: str | None) -> None:
         raise UserError(f"--device {device!r} asked for but CUDA is not available on this machine")
 
 
+@contextlib.contextmanager
+def _stderr_logging(level: str = "info", fmt: str = f"{PROG}: %(message)s") -> Iterator[None]:
+    """The package's log lines (load progress, server start-up and drain) on stderr while a command runs, so
+    that stdout keeps only the generated text. The handler goes when the command ends."""
+    import logging
+
+    pkg = logging.getLogger("trtllm_glm")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    old_level = pkg.level
+    pkg.addHandler(handler)
+    pkg.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        pkg.removeHandler(handler)
+        pkg.setLevel(old_level)
+
+
 def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_config: object | None):
     """The `LLM` the ``generate`` arguments describe (also the non-speculative reference of
     ``--check-lossless``, which must differ from the run under test only in speculation and batch)."""
@@ -139,7 +159,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.check_lossless and not sp.greedy:
             raise UserError("--check-lossless needs greedy sampling (--temperature 0)")
         _check_device(args.device)
-        llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
+        with _stderr_logging():  # load progress (the shards of a large checkpoint)
+            llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
     except _setup_errors() as e:
         raise UserError(str(e)) from None
     t0 = time.perf_counter()
@@ -251,20 +272,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     try:
         from .serve.config import load_llm_options
-        from .serve.server import configure_logging, make_app, run_server
+        from .serve.server import make_app, run_server
     except ImportError as e:
         raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
     try:
         options = load_llm_options(args.config) if args.config else {}
         _check_device(options.get("device"))
-        configure_logging(args.log_level)
-        app = make_app(
-            args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
-            drain_timeout=args.drain_timeout,
-        )  # fmt: skip
     except _setup_errors() as e:
         raise UserError(str(e)) from None
-    run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    # uvicorn's format, so that start-up and drain lines read like its own.
+    with _stderr_logging(args.log_level, "%(levelname)s:     %(message)s"):
+        try:
+            app = make_app(
+                args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
+                drain_timeout=args.drain_timeout,
+            )  # fmt: skip
+        except _setup_errors() as e:
+            raise UserError(str(e)) from None
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     return 0
 
 

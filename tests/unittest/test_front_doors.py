@@ -109,3 +109,15 @@ def test_cli_max_tokens_beyond_max_seq_len_is_an_error(capsys) -> None:
                    "--max-tokens", "32"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and "maximum context length is 8 tokens" in err and "max_tokens to at most 5" in err
+
+
+def test_cli_shows_load_progress_of_a_sharded_checkpoint(tmp_path, capsys) -> None:
+    import logging
+
+    Glm5NextForCausalLM.from_pretrained("tiny").save_pretrained(tmp_path, max_shard_bytes=3_000_000)
+    handlers = list(logging.getLogger("trtllm_glm").handlers)
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "2", "--device", "cpu"]
+    assert cli_main(argv) == 0
+    cap = capsys.readouterr()
+    assert "reading shard 1/4" in cap.err and "reading shard 4/4" in cap.err and "shard" not in cap.out
+    assert logging.getLogger("trtllm_glm").handlers == handlers  # the command's handler is gone

@@ -21,7 +21,7 @@ from .app import build_app
 from .chat import load_chat_template
 from .engine import AsyncEngine
 
-__all__ = ["make_app", "make_server", "run_server", "describe_engine", "DrainingServer", "configure_logging"]
+__all__ = ["make_app", "make_server", "run_server", "describe_engine", "DrainingServer"]
 
 log = logging.getLogger("trtllm_glm.serve")
 
@@ -139,14 +139,3 @@ def make_server(
 def run_server(app: Any, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:
     """Serve ``app`` until SIGINT / SIGTERM; in-flight requests get ``drain_timeout`` seconds to finish."""
     make_server(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout).run()
-
-
-def configure_logging(level: str) -> None:
-    """Show the package's log lines (start-up, drain) beside uvicorn's, in its format."""
-    pkg = logging.getLogger("trtllm_glm")
-    if not pkg.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        pkg.addHandler(h)
-    pkg.setLevel(level.upper())
-    pkg.propagate = False
