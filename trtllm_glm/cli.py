@@ -51,7 +51,7 @@ def _description() -> str:
         "examples:",
         '  trtllm-glm generate --preset small --prompt "    def __init__(self" --max-tokens 96',
         '  trtllm-glm generate --model /path/to/checkpoint --prompt "Hi" --speculative mtp --draft-len 3',
-        "  trtllm-glm serve small --port 8000 --config options.yaml",
+        "  trtllm-glm serve small --port 8000 --config examples/serve_options.yaml",
     ]
     return "\n".join(lines)
 
