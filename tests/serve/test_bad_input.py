@@ -73,3 +73,25 @@ def test_metrics_show_the_pool_from_start_and_no_created_series() -> None:
     total = eng.executor.manager.num_pages
     assert total > 0 and f"trtllm:kv_cache_pages_total {float(total)}" in text
     assert "_created" not in text and "trtllm:request_finished_total" in text
+
+
+def test_checkpoint_without_tokenizer_serves_token_ids_and_refuses_text(tmp_path) -> None:
+    from trtllm_glm import LLM
+    from trtllm_glm.config import PRESETS, Glm5NextConfig
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+
+    cfg = Glm5NextConfig.from_dict({**PRESETS["tiny"], "vocab_size": 320, "pad_token_id": 0, "bos_token_id": 1,
+                                    "eos_token_id": 2})  # fmt: skip
+    Glm5NextForCausalLM.from_config(cfg, seed=0).save_pretrained(tmp_path)
+    eng = AsyncEngine(LLM(model=str(tmp_path), device="cpu", max_seq_len=64, max_batch_size=2))
+    eng.start()
+    try:
+        app = build_app(eng, served_model_name="m", manage_engine=False)
+        ok = post_raw(app, "/v1/completions", '{"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true}')
+        text = post_raw(app, "/v1/completions", '{"prompt": "hello", "max_tokens": 3}')
+        chat = post_raw(app, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}')
+    finally:
+        eng.stop(drain_timeout=0)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    for r in (text, chat):
+        assert r.status_code == 400 and "has no tokenizer.json" in r.json()["error"]["message"], r.text
