@@ -78,7 +78,8 @@ def test_leaving_a_stream_early_frees_the_request(llm) -> None:
     ("args", "exc", "match"),
     [((["a", "b"],), TypeError, "takes one prompt"), (("\ud800",), ValueError, "lone surrogate"),
      (("a", SamplingParams(max_tokens=500)), ValueError, "lower max_tokens to at most"),
-     (("a", [SamplingParams()]), TypeError, "one SamplingParams")],
+     (("a", [SamplingParams()]), TypeError, "one SamplingParams"), (([],), ValueError, "the prompt is empty"),
+     (({"a": 1},), TypeError, "prompts must be a string")],
 )  # fmt: skip
 def test_bad_input_raises_at_the_call(llm, args, exc, match) -> None:
     with pytest.raises(exc, match=match):

@@ -332,11 +332,13 @@ class LLM:
             An `AsyncRequestOutput`: ``await out`` (or ``await out.aresult()``) gives the final
             `RequestOutput`; ``async for partial in out`` streams.
         """
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], (int, float)):
-            raise TypeError("generate_async takes one prompt (a string or a list of token ids), not a list of them")
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            check_prompt_ids([], self.config.vocab_size)  # raises: the prompt is empty
         if isinstance(sampling_params, (list, tuple)):
             raise TypeError("generate_async takes one SamplingParams (one prompt), not a list")
-        _, plist, params = _split_args(prompt, sampling_params)
+        single, plist, params = _split_args(prompt, sampling_params)
+        if not single:
+            raise TypeError("generate_async takes one prompt (a string or a list of token ids), not a list of them")
         text, ids = self._encode(0, plist[0])
         self._check(None, ids, params[0])
         return AsyncRequestOutput(self, text, ids, params[0], streaming)
