@@ -128,10 +128,22 @@ def runtime_bits(model_dir: str, chunks: list[bytes], bos: int) -> float:
 # --------------------------------------------------------------------------------------------------
 def load_reference_with_mtp(model_dir: str):
     """The reference trunk (``from_pretrained``) and the MTP block rebuilt from the checkpoint's layer L."""
+    from transformers.utils import logging as hf_logging
+
     from trtllm_glm.models.checkpoint import load_state_dict
 
     _, model_cls, _ = ts.import_reference()
-    model = model_cls.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    # The reference has no MTP block, so its load report lists the checkpoint's layer L as unexpected (~50
+    # lines on every run); the block is loaded below, and a real load error still raises.
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        model = model_cls.from_pretrained(model_dir, attn_implementation="eager").float().eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     L = model.config.text_config.num_hidden_layers
     sd = load_state_dict(model_dir)
     prefix = f"model.layers.{L}."

@@ -9,9 +9,13 @@ checked before a model is built, so a typo costs nothing.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = ["main", "build_parser", "UserError"]
 
@@ -47,30 +51,9 @@ def _description() -> str:
         "examples:",
         '  trtllm-glm generate --preset small --prompt "    def __init__(self" --max-tokens 96',
         '  trtllm-glm generate --model /path/to/checkpoint --prompt "Hi" --speculative mtp --draft-len 3',
-        "  trtllm-glm serve small --port 8000 --config options.yaml",
+        "  trtllm-glm serve small --port 8000 --config examples/serve_options.yaml",
     ]
     return "\n".join(lines)
-
-
-def _progress_printer(total: int, stream=sys.stderr):
-    """A one-line progress display for long runs (silent for short ones and non-TTY streams)."""
-    start = time.perf_counter()
-    shown = [False]
-
-    def show(done: int, steps: int) -> None:
-        if total < 64 or not stream.isatty():
-            return
-        el = time.perf_counter() - start
-        rate = done / el if el > 0 else 0.0
-        stream.write(f"\r  {done}/{total} tokens  {steps} steps  {rate:7.1f} tok/s")
-        stream.flush()
-        shown[0] = True
-
-    def close() -> None:
-        if shown[0]:
-            stream.write("\n")
-
-    return show, close
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
@@ -99,6 +82,25 @@ def _check_device(device: str | None) -> None:
         raise UserError(f"--device {device!r} is not a device torch knows ({e})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device!r} asked for but CUDA is not available on this machine")
+
+
+@contextlib.contextmanager
+def _stderr_logging(level: str = "info", fmt: str = f"{PROG}: %(message)s") -> Iterator[None]:
+    """The package's log lines (load progress, server start-up and drain) on stderr while a command runs, so
+    that stdout keeps only the generated text. The handler goes when the command ends."""
+    import logging
+
+    pkg = logging.getLogger("trtllm_glm")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    old_level = pkg.level
+    pkg.addHandler(handler)
+    pkg.setLevel(level.upper())
+    try:
+        yield
+    finally:
+        pkg.removeHandler(handler)
+        pkg.setLevel(old_level)
 
 
 def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_config: object | None):
@@ -157,40 +159,89 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.check_lossless and not sp.greedy:
             raise UserError("--check-lossless needs greedy sampling (--temperature 0)")
         _check_device(args.device)
-        llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
+        with _stderr_logging():  # load progress (the shards of a large checkpoint)
+            llm = _make_llm(args, max_batch_size=max(1, len(args.prompt)), speculative_config=spec)
     except _setup_errors() as e:
         raise UserError(str(e)) from None
-    show, close = _progress_printer(args.max_tokens * len(args.prompt))
     t0 = time.perf_counter()
     try:
-        outs = llm.generate(list(args.prompt), sp, progress=show)
+        outs = asyncio.run(_stream_outputs(llm, list(args.prompt), sp, as_json=args.json))
     except _run_errors() as e:
         raise UserError(str(e)) from None
-    finally:
-        close()
     el = time.perf_counter() - t0
-    assert isinstance(outs, list)
-    n_tok = 0
-    for i, o in enumerate(outs):
-        c = o.outputs[0]
-        n_tok += len(c.token_ids)
-        print(f"[{i}] prompt: {o.prompt!r}")
-        print(f"[{i}] completion: {c.text!r}")
-        print(f"[{i}] tokens: {len(c.token_ids)}  finish_reason: {c.finish_reason}")
-        if spec is not None:
-            acc = ", ".join(f"{x:.2f}" for x in c.acceptance_per_position)
-            print(
-                f"[{i}] speculative: {c.num_draft_rounds} verify rounds, mean accepted length "
-                f"{c.mean_accepted_length:.2f}, acceptance per draft position [{acc}]"
-            )
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    rate = n_tok / el if el > 0 else 0.0
     model = args.model or args.preset
-    print(
-        f"generated {n_tok} tokens in {el:.2f} s: {n_tok / el if el > 0 else 0.0:.1f} tok/s "
-        f"({llm.executor.num_steps} steps, model={model}, device={llm.device})"
-    )
+    if args.json:
+        summary = {"tokens": n_tok, "seconds": round(el, 4), "tokens_per_s": round(rate, 2),
+                   "steps": llm.executor.num_steps, "model": model, "device": llm.device}  # fmt: skip
+        print(json.dumps({"summary": summary}))
+    else:
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            print(f"[{i}] tokens: {len(c.token_ids)}  finish_reason: {c.finish_reason}")
+            if spec is not None:
+                acc = ", ".join(f"{x:.2f}" for x in c.acceptance_per_position)
+                print(
+                    f"[{i}] speculative: {c.num_draft_rounds} verify rounds, mean accepted length "
+                    f"{c.mean_accepted_length:.2f}, acceptance per draft position [{acc}]"
+                )
+        print(
+            f"generated {n_tok} tokens in {el:.2f} s: {rate:.1f} tok/s "
+            f"({llm.executor.num_steps} steps, model={model}, device={llm.device})"
+        )
     if args.check_lossless:
         return _check_lossless(args, outs, sp)
     return 0
+
+
+async def _stream_outputs(llm: Any, prompts: list[str], sp: Any, *, as_json: bool) -> list[Any]:
+    """Generate every prompt at once (one batch) through `LLM.generate_async`, printing as tokens come.
+
+    Text mode: one prompt streams its completion to stdout as it is generated; with several, each completion
+    is printed whole, under an ``[i]`` header, as it finishes. ``as_json``: one JSON object per prompt (in
+    prompt order, once all are done). Returns the final `RequestOutput`s in prompt order.
+    """
+    handles = [llm.generate_async(p, sp, streaming=len(prompts) == 1 and not as_json) for p in prompts]
+    out = sys.stdout
+
+    async def one(i: int) -> Any:
+        printed = 0
+        final = None
+        async for part in handles[i]:
+            final = part
+            if as_json:
+                continue
+            text = part.outputs[0].text
+            if len(prompts) == 1:
+                out.write(text[printed:])
+                out.flush()
+                printed = len(text)
+        assert final is not None
+        if not as_json:
+            if len(prompts) > 1:
+                out.write(f"[{i}] {prompts[i]!r} ->\n{final.outputs[0].text}")
+            out.write("\n")
+            out.flush()
+        return final
+
+    try:
+        outs = list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+    finally:
+        llm.shutdown()
+    if as_json:
+        for i, o in enumerate(outs):
+            c = o.outputs[0]
+            rec = {"index": i, "prompt": o.prompt, "text": c.text, "token_ids": c.token_ids,
+                   "finish_reason": c.finish_reason, "num_cached_tokens": o.num_cached_tokens}  # fmt: skip
+            if c.num_draft_rounds:
+                rec["speculative"] = {
+                    "verify_rounds": c.num_draft_rounds,
+                    "mean_accepted_length": c.mean_accepted_length,
+                    "acceptance_per_position": c.acceptance_per_position,
+                }
+            print(json.dumps(rec, ensure_ascii=False))
+    return outs
 
 
 def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
@@ -227,13 +278,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         options = load_llm_options(args.config) if args.config else {}
         _check_device(options.get("device"))
-        app = make_app(
-            args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
-            drain_timeout=args.drain_timeout,
-        )  # fmt: skip
     except _setup_errors() as e:
         raise UserError(str(e)) from None
-    run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+    # uvicorn's format, so that start-up and drain lines read like its own.
+    with _stderr_logging(args.log_level, "%(levelname)s:     %(message)s"):
+        try:
+            app = make_app(
+                args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
+                drain_timeout=args.drain_timeout,
+            )  # fmt: skip
+        except _setup_errors() as e:
+            raise UserError(str(e)) from None
+        run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
     return 0
 
 
@@ -278,6 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0: off)")
     g.add_argument("--sampling-seed", type=int, default=None, metavar="S", help="seed of the sampler (default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument(
+        "--json", action="store_true",
+        help="print one JSON object per prompt and a summary line instead of streaming text",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="seed of preset weights (default 0)")
     g.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default: the checkpoint's)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")

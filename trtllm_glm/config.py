@@ -502,6 +502,12 @@ class Glm5NextConfig:
             raise ConfigError(f"{path}: cannot read ({e.strerror})") from e
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: top level must be a JSON object")
+        # The defaults are the full model's: a file that leaves out its geometry would silently describe it.
+        text = d.get("text_config", d)
+        missing = [k for k in _REQUIRED_FILE_KEYS if not isinstance(text, dict) or k not in text]
+        if missing:
+            where = "text_config" if "text_config" in d else "the config"
+            raise ConfigError(f"{path}: {where} lacks required key(s) {', '.join(missing)}")
         try:
             return cls.from_dict(d)
         except ConfigError as e:
@@ -514,10 +520,9 @@ class Glm5NextConfig:
         if key in PRESETS:
             return cls.from_dict(PRESETS[key])
         if os.path.isfile(key):
-            if os.path.basename(key) == "config.json":
-                return cls.from_json_file(key)
+            # Never a preset, and never the config alone: that would serve seeded random weights.
             raise ConfigError(
-                f"model: {key!r} is a file; expected a checkpoint directory or a preset ({sorted(PRESETS)})"
+                f"model: {key!r} is a file; give the checkpoint directory that holds it or a preset ({sorted(PRESETS)})"
             )
         if not os.path.isdir(key):
             raise ConfigError(f"model: {key!r} is neither a preset ({sorted(PRESETS)}) nor a checkpoint directory")
@@ -563,6 +568,9 @@ class Glm5NextConfig:
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2)
 
+
+# Keys a checkpoint's config.json must give (the model's geometry), as the reference names them.
+_REQUIRED_FILE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Real GLM-5.3-Flash geometry (docs/design.md §2): the reference's defaults with the C4 pool.

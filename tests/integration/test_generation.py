@@ -3,7 +3,9 @@ the LLM API and the CLI. Token equality uses the near-tie rule (docs/design.md Â
 
 from __future__ import annotations
 
+import json
 import random
+import sys
 
 import pytest
 import torch
@@ -122,11 +124,27 @@ def test_llm_api_end_to_end() -> None:
     assert not llm.executor.has_work  # the bad batch queued nothing
 
 
-def test_cli_generate(capsys) -> None:
-    rc = cli_main(["generate", "--preset", "tiny", "--prompt", "Hi", "--max-tokens", "5", "--ignore-eos"])
+def test_cli_generate(capsys, monkeypatch) -> None:
+    """One prompt streams its text (not a repr) as it is generated; ``--json`` prints one object per prompt."""
+    writes: list[str] = []
+    real_write = sys.stdout.write
+    monkeypatch.setattr(sys.stdout, "write", lambda t: (writes.append(t), real_write(t))[1])
+    argv = ["generate", "--preset", "small", "--prompt", "    def __init__(self", "--max-tokens", "24", "--ignore-eos"]
+    rc = cli_main(argv)
     out = capsys.readouterr().out
-    assert rc == 0
-    assert "completion:" in out and "tokens: 5" in out and "tok/s" in out
+    ref = LLM(model="small", max_seq_len=2048).generate(
+        "    def __init__(self", SamplingParams(max_tokens=24, ignore_eos=True)
+    )
+    text = ref.outputs[0].text
+    assert rc == 0 and out.startswith(text + "\n") and "\\n" not in out.splitlines()[0]
+    assert "tokens: 24" in out and "tok/s" in out
+    pieces = [w for w in writes if w and text.startswith(w)]
+    assert len([w for w in writes if w.strip()]) > 3 and pieces  # many writes: the text arrived in pieces
+    rc = cli_main(["generate", "--preset", "tiny", "--prompt", "Hi", "--prompt", "Yo", "--max-tokens", "5",
+                   "--ignore-eos", "--json"])  # fmt: skip
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert rc == 0 and [x["index"] for x in lines[:2]] == [0, 1] and lines[1]["prompt"] == "Yo"
+    assert all(len(x["token_ids"]) == 5 for x in lines[:2]) and lines[2]["summary"]["tokens"] == 10
 
 
 def test_cli_indexer_demo(capsys) -> None:

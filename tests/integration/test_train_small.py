@@ -99,6 +99,17 @@ def test_mtp_weights_under_checkpoint_names(smoke_dir) -> None:
     assert not any("visual" in k for k in keys)
 
 
+def test_reference_load_is_quiet(capfd) -> None:
+    """The reference lacks the MTP block: its load report (~60 lines listing layer L as unexpected) and its
+    progress bar are silenced."""
+    from trtllm_glm.config import PRESET_CHECKPOINTS
+
+    capfd.readouterr()
+    _, mtp = eval_small.load_reference_with_mtp(PRESET_CHECKPOINTS["small"])
+    out, err = capfd.readouterr()
+    assert mtp is not None and "LOAD REPORT" not in out + err and "Loading weights" not in err, err[:500]
+
+
 def test_runtime_mtp_layer_computes_the_trained_block(smoke_dir, tmp_path) -> None:
     """Our runtime's MTP layer (loaded from the checkpoint) gives the training code's MTP hidden."""
     dense = _dense_copy(smoke_dir, str(tmp_path / "dense"))

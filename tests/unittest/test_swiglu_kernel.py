@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import trtllm_glm.act as act
-from trtllm_glm.act import SWIGLU_BACKEND_ENV, kernel_module, swiglu, swiglu_backend, swiglu_reference
-from trtllm_glm.modules.ffn import clamped_swiglu
+from trtllm_glm.act import SWIGLU_BACKEND_ENV, clamped_swiglu, kernel_module, swiglu, swiglu_backend, swiglu_reference
 
 pytestmark = [
     pytest.mark.cpu_only,

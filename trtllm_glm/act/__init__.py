@@ -1,6 +1,6 @@
 """The clamped SwiGLU of the dense MLP after one fused gate|up GEMM, in one launch on CUDA.
 
-The torch reference is `trtllm_glm.modules.ffn.clamped_swiglu` on the two halves of the GEMM output (clamp,
+The torch reference is `clamped_swiglu` (`trtllm_glm.act.reference`) on the two halves of the GEMM output (clamp,
 clamp, silu, mul: four launches, each costing microseconds at decode batch sizes); `kernels.swiglu` does it in
 one, bit for bit like the reference on CUDA. `trtllm_glm.modules.ffn.GatedMLP` calls `swiglu` once its gate and
 up weights share one storage (`GatedMLP.fuse_weights`), choosing through `swiglu_backend`
@@ -17,9 +17,18 @@ from typing import Any
 
 import torch
 
+from trtllm_glm.act.reference import clamped_swiglu
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
-__all__ = ["SWIGLU_BACKEND_ENV", "check_gate_up", "kernel_module", "swiglu", "swiglu_backend", "swiglu_reference"]
+__all__ = [
+    "SWIGLU_BACKEND_ENV",
+    "check_gate_up",
+    "clamped_swiglu",
+    "kernel_module",
+    "swiglu",
+    "swiglu_backend",
+    "swiglu_reference",
+]
 
 SWIGLU_BACKEND_ENV = "TRTLLM_GLM_SWIGLU_BACKEND"
 
@@ -76,9 +85,6 @@ def swiglu_reference(gate_up: torch.Tensor, limit: float | None) -> torch.Tensor
     Returns:
         ``[N, I]`` in ``gate_up``'s dtype.
     """
-    # Imported here: trtllm_glm.modules.ffn imports this package.
-    from trtllm_glm.modules.ffn import clamped_swiglu
-
     inter = check_gate_up(gate_up)
     return clamped_swiglu(gate_up[:, :inter], gate_up[:, inter:], limit)
 

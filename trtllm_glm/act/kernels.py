@@ -6,7 +6,7 @@ columns (``I`` further along the same row) of ``gate_up [N, 2I]``, upcasts both 
 registers; one store of ``[N, I]`` in the input dtype.
 
 Numerics: the same operations, in the same precision and with the same roundings, as the torch reference
-(`trtllm_glm.modules.ffn.clamped_swiglu`) on CUDA, so results are the reference's bit for bit there:
+(`trtllm_glm.act.reference.clamped_swiglu`) on CUDA, so results are the reference's bit for bit there:
 
 * the clamps: torch compares against the limit converted to fp32 and writes the limit converted to the tensor's
   dtype; for values of that dtype this is a comparison with the limit rounded to the dtype, which is what the

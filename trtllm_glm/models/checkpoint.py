@@ -326,8 +326,10 @@ def load_state_dict(
         by_file.setdefault(wmap[canon[k]], []).append(k)
 
     raw: dict[str, torch.Tensor] = {}
-    for fname, keys in by_file.items():
+    for i, (fname, keys) in enumerate(by_file.items()):
         path = os.path.join(directory, fname)
+        if len(by_file) > 1:  # progress of a sharded (large) checkpoint, one line per shard
+            logger.info("%s: reading shard %d/%d (%s, %d tensors)", directory, i + 1, len(by_file), fname, len(keys))
         if not os.path.exists(path):
             raise CheckpointError(f"{path}: shard missing (it holds {canon[keys[0]]!r} and {len(keys) - 1} more)")
         try:

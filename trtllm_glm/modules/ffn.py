@@ -15,27 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..act import swiglu
+from ..act import clamped_swiglu, swiglu
 from ..config import Glm5NextConfig
 from ..linear import linear_fp32
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
 
 __all__ = ["GatedMLP", "MoEGate", "MoE", "make_ffn", "MOE_BACKEND_ENV", "MOE_SKIP_DEAD_ROWS_ENV", "FUSED_MAX_ROWS"]
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``; no clamp when ``limit`` is ``None``.
-
-    Args:
-        gate: ``[..., I]`` gate projection.
-        up: ``[..., I]`` up projection.
-        limit: ``swiglu_limit`` (10 in GLM-5.3-Flash).
-    """
-    if limit is not None:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
 
 
 class GatedMLP(nn.Module):

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from ..modules.ffn import clamped_swiglu
+from ..act.reference import clamped_swiglu
 
 __all__ = [
     "FP8_BLOCK",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,8 +19,11 @@ from .request import Request
 from .sampling import Logprob, SamplingParams
 from .speculative_executor import SpeculativeExecutor
 from .tokenizer import load_tokenizer
+from .validation import InvalidRequestError, check_prompt_ids, check_request, check_text
 
-__all__ = ["LLM", "KvCacheConfig", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "KvCacheConfig", "CompletionOutput", "RequestOutput", "AsyncRequestOutput"]
+
+log = logging.getLogger("trtllm_glm")
 
 
 @dataclass
@@ -149,7 +155,15 @@ class LLM:
     ) -> None:
         if not isinstance(disable_overlap_scheduler, bool):
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
+        for name, value in (
+            ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens), ("max_seq_len", max_seq_len),
+        ):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2 (a prompt token and a generated one), got {max_seq_len}")
         kv = kv_cache_config or KvCacheConfig()
+        t0 = time.perf_counter()
         if isinstance(model, Glm5NextForCausalLM):
             self.model = model.eval()
             self.device = str(next(model.parameters()).device)
@@ -185,6 +199,12 @@ class LLM:
         self.executor = self._make_executor()
         # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
         self.executor.capture_cuda_graphs()
+        self._engine: Any = None  # the AsyncEngine of generate_async, started on first use
+        log.debug(
+            "loaded %s in %.1f s: %s on %s, %s", model, time.perf_counter() - t0,
+            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
+            self.device, str(next(self.model.parameters()).dtype).replace("torch.", ""),
+        )  # fmt: skip
 
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
@@ -214,20 +234,12 @@ class LLM:
         Returns:
             One `RequestOutput` per prompt (a single one for a single prompt), in prompt order.
         """
-        # A flat list of numbers is one token-id prompt (floats and bools are rejected in _encode).
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and len(prompts) > 0 and isinstance(prompts[0], (int, float))
-        )
-        plist: list = [prompts] if single else list(prompts)  # type: ignore[list-item]
-        if isinstance(sampling_params, Sequence):
-            params = list(sampling_params)
-            if len(params) != len(plist):
-                raise ValueError(f"{len(params)} sampling params for {len(plist)} prompts")
-        else:
-            params = [sampling_params or SamplingParams()] * len(plist)
-
-        encoded = [self._encode(i, p) for i, p in enumerate(plist)]
+        single, plist, params = _split_args(prompts, sampling_params)
+        self._stop_engine()  # generate steps the executor itself
         # Validate every prompt before queueing any, so a bad one loses nothing.
+        encoded = [self._encode(i, p) for i, p in enumerate(plist)]
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+            self._check(i if not single else None, ids, sp)
         ex = self.executor
         reqs: list[Request] = []
         try:
@@ -246,9 +258,20 @@ class LLM:
         outs = [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
         return outs[0] if single else outs
 
+    def _check(self, i: int | None, ids: list[int], sp: SamplingParams) -> None:
+        """The server's request checks (`validation.check_request`), raised as ``ValueError``s."""
+        where = "prompt" if i is None else f"prompt {i}"
+        check_prompt_ids(ids, self.config.vocab_size, where)
+        try:
+            check_request(len(ids), sp, vocab_size=self.config.vocab_size, max_seq_len=self.executor.max_seq_len)
+        except InvalidRequestError as e:
+            msg = str(e) if e.param == "stop_token_ids" else f"{where}: {e}"
+            raise InvalidRequestError(msg, param=e.param, code=e.code) from None
+
     def _encode(self, i: int, p: object) -> tuple[str | None, list[int]]:
         """A prompt as ``(text or None, token ids)``; token-id prompts must hold plain ints (no coercion)."""
         if isinstance(p, str):
+            check_text(p, f"prompt {i}")
             return p, self.tokenizer.encode(p)  # type: ignore[attr-defined]
         if isinstance(p, (bytes, bytearray)) or not isinstance(p, Sequence):
             raise TypeError(f"prompt {i}: expected a string or a list of token ids, got {type(p).__name__}")
@@ -284,6 +307,176 @@ class LLM:
         return RequestOutput(
             r.request_id, prompt, list(r.prompt_ids), [comp], context_logits=ctx, num_cached_tokens=r.num_cached_tokens
         )
+
+    # --------------------------------------------------------------------------------------------
+    def generate_async(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        streaming: bool = False,
+    ) -> AsyncRequestOutput:
+        """Generate for one prompt alongside other callers (TensorRT-LLM's ``generate_async``).
+
+        The request is checked now (a bad one raises here, as in `generate`) and joins the running batch
+        of a background engine thread (the server's `AsyncEngine`) when the result is first awaited or
+        iterated, on the caller's event loop. Many calls share the batch (continuous batching).
+
+        Args:
+            prompt: a string or a list of token ids.
+            sampling_params: default greedy, 32 tokens.
+            streaming: iterating yields a partial `RequestOutput` per engine step that gave the request
+                tokens (text and token ids so far); without it, iterating yields the final one only.
+
+        Returns:
+            An `AsyncRequestOutput`: ``await out`` (or ``await out.aresult()``) gives the final
+            `RequestOutput`; ``async for partial in out`` streams.
+        """
+        if isinstance(prompt, (list, tuple)) and not prompt:
+            check_prompt_ids([], self.config.vocab_size)  # raises: the prompt is empty
+        if isinstance(sampling_params, (list, tuple)):
+            raise TypeError("generate_async takes one SamplingParams (one prompt), not a list")
+        single, plist, params = _split_args(prompt, sampling_params)
+        if not single:
+            raise TypeError("generate_async takes one prompt (a string or a list of token ids), not a list of them")
+        text, ids = self._encode(0, plist[0])
+        self._check(None, ids, params[0])
+        return AsyncRequestOutput(self, text, ids, params[0], streaming)
+
+    def _async_engine(self) -> Any:
+        """The engine of `generate_async`, started on first use."""
+        if self._engine is None or not self._engine.running:
+            from .async_engine import AsyncEngine
+
+            self._engine = AsyncEngine(self, max_queue_size=1 << 20)  # callers queue without limit, as generate
+            self._engine.start()
+        return self._engine
+
+    def _stop_engine(self) -> None:
+        if self._engine is None:
+            return
+        if self._engine.stats()["live"]:
+            raise RuntimeError("generate() cannot run while generate_async requests are in flight; await them first")
+        self._engine.stop(drain_timeout=0.0)
+        self._engine = None
+
+    def shutdown(self) -> None:
+        """Stop the engine thread of `generate_async` (in-flight requests end with ``finish_reason`` abort)."""
+        if self._engine is not None:
+            self._engine.stop(drain_timeout=0.0)
+            self._engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class AsyncRequestOutput:
+    """The result of `LLM.generate_async`: awaitable (the final `RequestOutput`) and async-iterable
+    (partial `RequestOutput`s with ``finished=False``, then the final one, when streaming).
+
+    Attributes:
+        prompt: the prompt text (``None`` for token ids).
+        prompt_token_ids: the prompt's ids.
+        finished: whether the final output has been produced.
+    """
+
+    def __init__(self, llm: LLM, prompt: str | None, ids: list[int], params: SamplingParams, streaming: bool) -> None:
+        self._llm = llm
+        self.prompt = prompt
+        self.prompt_token_ids = ids
+        self._params = params
+        self._streaming = streaming
+        self._stream: Any = None
+        self._final: RequestOutput | None = None
+        self._iterating = False
+        self.finished = False
+
+    async def _submit(self) -> Any:
+        if self._stream is None:
+            from .async_engine import GenerationRequest
+
+            engine = self._llm._async_engine()
+            self._stream = await engine.submit([GenerationRequest(self.prompt_token_ids, self._params)])
+        return self._stream
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        if self._final is not None:
+            yield self._final
+            return
+        if self._iterating:
+            raise RuntimeError("this output is already being iterated")
+        self._iterating = True
+        stream = await self._submit()
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list = []
+        try:
+            async for d in stream:
+                if d.finish_reason == "error":
+                    raise RuntimeError(f"generation failed: {d.error}")
+                text.append(d.text)
+                ids.extend(d.token_ids)
+                if d.logprobs is not None:
+                    lps.extend(d.logprobs)
+                if d.finish_reason is None and self._streaming and d.token_ids:
+                    comp = CompletionOutput(
+                        0, "".join(text), list(ids), None, logprobs=list(lps) if d.logprobs is not None else None
+                    )
+                    yield RequestOutput(stream.request_ids[0], self.prompt, self.prompt_token_ids, [comp], False)
+        finally:
+            stream.abort()  # the caller stopped iterating early: free the request's pages now
+        req = stream.requests[0]
+        self._final = self._llm._output(req, self.prompt)
+        self.finished = True
+        yield self._final
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def aresult(self) -> RequestOutput:
+        """The final `RequestOutput` (waits for the request to finish)."""
+        async for out in self._outputs():
+            last = out
+        return last
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        return self.aresult().__await__()
+
+    def abort(self) -> None:
+        """Stop the request (its output ends with ``finish_reason`` ``"abort"``)."""
+        if self._stream is not None:
+            self._stream.abort()
+
+
+def _split_args(prompts: object, sampling_params: object) -> tuple[bool, list[object], list[SamplingParams]]:
+    """``generate``'s arguments as (single prompt?, prompts, one SamplingParams per prompt), refusing what
+    is neither a prompt nor a list of prompts, and sampling params that are not `SamplingParams`."""
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, (str, Sequence)):
+        raise TypeError(
+            "prompts must be a string, a list of token ids, or a list of strings / token-id lists; got "
+            f"{type(prompts).__name__}"
+        )
+    # A flat list of numbers is one token-id prompt (floats and bools are rejected in _encode).
+    single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float)))
+    plist: list = [prompts] if single else list(prompts)
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params = [sampling_params or SamplingParams()] * len(plist)
+    elif isinstance(sampling_params, (list, tuple)):
+        bad = [p for p in sampling_params if not isinstance(p, SamplingParams)]
+        if bad:
+            raise TypeError(f"sampling_params: expected SamplingParams items, got {type(bad[0]).__name__}")
+        params = list(sampling_params)
+        if len(params) != len(plist):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(plist)} prompts (give one, or one each)")
+    else:
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+            f"{type(sampling_params).__name__}"
+        )
+    return single, plist, params
 
 
 SMALL_MODEL_PARAMS = 50_000_000

@@ -102,7 +102,7 @@ class PrefixCache:
             out.update(range(self.interval, last + 1, self.interval))
         if not out and not self.prompt_end and not self._warned_short:
             self._warned_short = True
-            log.warning(
+            log.debug(
                 "prefix caching: a prompt of %d tokens gets no checkpoint (prompts need more than "
                 "tokens_per_block=%d tokens, or set checkpoint_interval); such prompts are never reused",
                 len(r.prompt_ids), self.page_size,

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ..config import Glm5NextConfig, resolve_preset_dir
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "NoTokenizer", "load_tokenizer"]
 
 NUM_BYTES = 256
 
@@ -135,12 +135,46 @@ class HFTokenizer:
         return self._tok.decode(_as_int_list(ids), skip_special_tokens=skip_special_tokens)
 
 
+class NoTokenizer:
+    """The tokenizer of a checkpoint that ships none and whose special ids rule out the byte tokenizer.
+
+    Token-id prompts run as usual (outputs carry token ids and empty text); text prompts are refused with
+    a ``ValueError`` naming the missing ``tokenizer.json``.
+
+    Args:
+        source: the checkpoint directory (named in the error).
+        config: supplies ``vocab_size`` and the BOS / EOS / PAD ids.
+        reason: why the byte tokenizer does not apply.
+    """
+
+    def __init__(self, source: str, config: Glm5NextConfig, reason: str) -> None:
+        self.source = source
+        self.reason = reason
+        self.vocab_size = config.vocab_size
+        self.bos_id = config.bos_token_id
+        eos = config.eos_token_ids
+        self.eos_id = eos[0] if eos else None
+        self.pad_id = config.pad_token_id
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        raise ValueError(
+            f"text prompts need a tokenizer, and {self.source} has no tokenizer.json ({self.reason}): give "
+            f"token-id prompts, or a tokenizer (LLM(tokenizer=...))"
+        )
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """No text without a tokenizer: the token ids are the output."""
+        _as_int_list(ids)
+        return ""
+
+
 def load_tokenizer(model_dir_or_preset: str | os.PathLike[str], config: Glm5NextConfig) -> ByteTokenizer | HFTokenizer:
     """The tokenizer for a model.
 
     A directory holding ``tokenizer.json`` gets an `HFTokenizer` (needs the optional ``tokenizers``
     package); anything else (a preset name, a directory without ``tokenizer.json``) gets a `ByteTokenizer`
-    over the config's vocabulary and special ids.
+    over the config's vocabulary and special ids, or, for a directory whose vocabulary or special ids leave
+    no room for the 256 byte tokens, a `NoTokenizer` (token-id prompts only).
 
     Args:
         model_dir_or_preset: checkpoint directory or preset name.
@@ -160,4 +194,9 @@ def load_tokenizer(model_dir_or_preset: str | os.PathLike[str], config: Glm5Next
             ) from e
         return HFTokenizer(tokenizers.Tokenizer.from_file(path), config)
     eos = config.eos_token_ids
-    return ByteTokenizer(config.vocab_size, config.bos_token_id, eos[0] if eos else None, config.pad_token_id)
+    try:
+        return ByteTokenizer(config.vocab_size, config.bos_token_id, eos[0] if eos else None, config.pad_token_id)
+    except ValueError as e:
+        if not os.path.isdir(os.fspath(model_dir_or_preset)):
+            raise  # a preset's config is ours: a mismatch there is a bug, not a missing file
+        return NoTokenizer(os.fspath(model_dir_or_preset), config, f"a byte tokenizer cannot stand in: {e}")

@@ -1,8 +1,9 @@
 """``trtllm-glm serve``: an OpenAI-compatible HTTP server on an async continuous-batching engine.
 
-- `engine`: `AsyncEngine`, one background thread stepping the executor for many asyncio callers.
+- `engine`: `AsyncEngine`, one background thread stepping the executor for many asyncio callers (the
+  runtime's engine, `trtllm_glm.runtime.async_engine`, which `LLM.generate_async` shares, with metrics).
 - `app`: the FastAPI app (OpenAI routes, health, version, ``/metrics``).
-- `output`: incremental detokenization and stop strings.
+- `output`: incremental detokenization and stop strings (`trtllm_glm.runtime.output`).
 - `chat`: chat templates. `config`: the YAML options file. `metrics`: Prometheus metrics.
 
 Needs the ``serve`` extra (``pip install -e ".[serve]"``).

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import CapacityError
 from ..runtime.sampling import Logprob, SamplingParams
+from ..runtime.validation import InvalidRequestError, check_prompt_ids, check_request, check_text
 from .chat import ChatTemplate, ChatTemplateError
 from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
 from .metrics import CONTENT_TYPE_LATEST
@@ -82,6 +83,18 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _invalid(e: InvalidRequestError) -> ApiError:
+    return ApiError(400, str(e), param=e.param, code=e.code)
+
+
+def check_text_param(text: str, param: str) -> None:
+    """`check_text` answered with HTTP 400."""
+    try:
+        check_text(text, param)
+    except InvalidRequestError as e:
+        raise _invalid(e) from None
 
 
 class _EventStream(StreamingResponse):
@@ -153,6 +166,8 @@ class _Server:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
         try:
@@ -160,6 +175,8 @@ class _Server:
         except ValidationError as e:
             msg, param = format_validation_error(e)
             raise ApiError(400, msg, param=param) from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -188,11 +205,6 @@ class _Server:
             raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
         if any(s == "" for s in stop):
             raise ApiError(400, "stop strings must not be empty", param="stop")
-        vocab = self.engine.vocab_size
-        for t in req.stop_token_ids or ():
-            if not 0 <= t < vocab:
-                msg = f"stop_token_ids: {t} is outside the vocabulary [0, {vocab})"
-                raise ApiError(400, msg, param="stop_token_ids")
         kw = dict(
             temperature=float(req.temperature),
             top_p=float(req.top_p),
@@ -204,23 +216,32 @@ class _Server:
         return stop, kw
 
     def token_prompt(self, ids: list[int], param: str) -> list[int]:
-        if not ids:
-            raise ApiError(400, f"{param}: the prompt is empty", param=param)
-        vocab = self.engine.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+        try:
+            check_prompt_ids(ids, self.engine.vocab_size, param)
+        except InvalidRequestError as e:
+            raise _invalid(e) from None
         return ids
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of prompt text; text no tokenizer can encode (a lone surrogate; a checkpoint without a
+        tokenizer) is the client's error."""
+        try:
+            check_text(text, param)
+            return self.tokenizer.encode(text)
+        except InvalidRequestError as e:
+            raise _invalid(e) from None
+        except ValueError as e:
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
     def completion_prompts(self, p: Any) -> list[list[int]]:
         def is_id(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
         if isinstance(p, str):
-            return [self.token_prompt(self.tokenizer.encode(p), "prompt")]
+            return [self.token_prompt(self.encode(p, "prompt"), "prompt")]
         if isinstance(p, list) and p:
             if all(isinstance(x, str) for x in p):
-                return [self.token_prompt(self.tokenizer.encode(x), f"prompt.{i}") for i, x in enumerate(p)]
+                return [self.token_prompt(self.encode(x, f"prompt.{i}"), f"prompt.{i}") for i, x in enumerate(p)]
             if all(is_id(x) for x in p):
                 return [self.token_prompt(list(p), "prompt")]
             if all(isinstance(x, list) and all(is_id(t) for t in x) for x in p):
@@ -251,25 +272,21 @@ class _Server:
             )  # fmt: skip
         gens: list[GenerationRequest] = []
         for ids in prompts:
-            room = limit - len(ids)
-            if room <= 0:
-                raise ApiError(
-                    400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                    f"{len(ids)} tokens (no room to generate)", param=prompt_param, code="context_length_exceeded",
-                )  # fmt: skip
-            mt = room if max_tokens is None else max_tokens
-            if len(ids) + mt > limit:
-                raise ApiError(
-                    400, f"this model's maximum context length is {limit} tokens, but {len(ids) + mt} were "
-                    f"requested ({len(ids)} in the prompt, {mt} in the completion)", param=max_tokens_param,
-                    code="context_length_exceeded",
-                )  # fmt: skip
+            # Without max_tokens the completion may fill the context (at least one token, so that a prompt
+            # with no room left is refused below by the shared check).
+            mt = max(1, limit - len(ids)) if max_tokens is None else max_tokens
             for j in range(n):
                 seed = kw["seed"]
                 if seed is not None and n > 1:
                     seed = seed + j  # distinct choices from one seed, still reproducible
                 try:
                     sp = SamplingParams(max_tokens=mt, logprobs=logprobs, **{**kw, "seed": seed})
+                    check_request(
+                        len(ids), sp, vocab_size=self.engine.vocab_size, max_seq_len=limit,
+                        prompt_param=prompt_param, max_tokens_param=max_tokens_param,
+                    )  # fmt: skip
+                except InvalidRequestError as e:
+                    raise _invalid(e) from None
                 except ValueError as e:
                     raise ApiError(400, str(e)) from None
                 gens.append(GenerationRequest(ids, sp, stop))
@@ -470,17 +487,27 @@ class _Server:
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
-                    if part.type != "text" or part.text is None:
+                    if part.type != "text":
                         raise ApiError(
                             400, f"messages.{i}.content.{j}: only text parts are supported, got type {part.type!r}",
                             param=f"messages.{i}.content",
                         )  # fmt: skip
+                    if part.text is None:
+                        raise ApiError(
+                            400, f"messages.{i}.content.{j}: a text part needs a 'text' string",
+                            param=f"messages.{i}.content",
+                        )  # fmt: skip
+                    check_text_param(part.text, f"messages.{i}.content.{j}.text")
                     parts.append(part.text)
                 content = "".join(parts)
+            elif isinstance(content, str):
+                check_text_param(content, f"messages.{i}.content")
             messages.append({"role": m.role, "content": content or ""})
         try:
             ids = self.chat_template.encode(self.tokenizer, messages, req.add_generation_prompt)
         except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        except ValueError as e:  # the tokenizer refused the rendered text (a checkpoint without a tokenizer)
             raise ApiError(400, f"messages: {e}", param="messages") from None
         ids = self.token_prompt(ids, "messages")
         if req.max_completion_tokens is not None and req.max_tokens is not None:

@@ -8,8 +8,11 @@ dashboards only need the prefix changed: ``trtllm:num_requests_running``, ``trtl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 __all__ = ["ServeMetrics", "CONTENT_TYPE_LATEST", "PREFIX"]
 
@@ -108,5 +111,19 @@ class ServeMetrics:
             self.requests_rejected.labels(reason=reason)
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text exposition format."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text exposition format, without the ``*_created`` series
+        (per-series creation timestamps that dashboards do not use and that double the page)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A view of a registry whose metrics leave out their ``*_created`` samples (this registry only;
+    ``prometheus_client.disable_created_metrics`` would change every registry of the process)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self._registry.collect():
+            m.samples = [s for s in m.samples if not s.name.endswith("_created")]
+            yield m

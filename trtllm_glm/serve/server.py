@@ -1,15 +1,32 @@
-"""Build the engine and app for ``trtllm-glm serve`` and run them under uvicorn."""
+"""Build the engine and app for ``trtllm-glm serve`` and run them under uvicorn, with the server's own drain.
+
+Shutdown (SIGINT / SIGTERM): the listening socket stays open while the engine drains, so a new request gets
+HTTP 503 with ``Retry-After`` (not a refused connection); in-flight requests get ``drain_timeout`` seconds
+to finish, the rest are aborted (a stream ends with ``finish_reason: "abort"`` and ``data: [DONE]``), and
+only then does uvicorn close the connections and exit. A second signal exits at once.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
+from types import FrameType
 from typing import Any
+
+import uvicorn
 
 from .app import build_app
 from .chat import load_chat_template
 from .engine import AsyncEngine
 
-__all__ = ["make_app", "run_server"]
+__all__ = ["make_app", "make_server", "run_server", "describe_engine", "DrainingServer"]
+
+log = logging.getLogger("trtllm_glm.serve")
+
+# Seconds the final chunks of aborted streams get to reach their clients once the drain ends.
+FLUSH_S = 5.0
 
 
 def make_app(
@@ -32,16 +49,93 @@ def make_app(
     from ..runtime.llm import LLM
 
     template = load_chat_template(model)  # a broken template fails before the model is built
+    t0 = time.perf_counter()
     llm = LLM(model=model, **(llm_options or {}))
     engine = AsyncEngine(llm, max_queue_size=max_queue_size)
+    for line in describe_engine(engine, model, time.perf_counter() - t0):
+        log.info("%s", line)
     return build_app(
         engine, served_model_name=served_model_name or os.fspath(model), chat_template=template,
         drain_timeout=drain_timeout,
     )  # fmt: skip
 
 
+def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None) -> list[str]:
+    """What was loaded, for the start-up log: model, device, dtype, parallelism, speculation, CUDA graphs and
+    the KV page pool."""
+    llm = engine.llm
+    ex = engine.executor
+    cfg = ex.cfg
+    params = sum(p.numel() for p in llm.model.parameters())
+    dtype = str(next(llm.model.parameters()).dtype).replace("torch.", "")
+    spec = llm.speculative_config
+    if spec is None:
+        spec_s = "off"
+    else:
+        fields = ", ".join(f"{k}={v}" for k, v in vars(spec).items() if not k.startswith("_") and not callable(v))
+        spec_s = f"{type(spec).__name__}({fields})"
+    runner = getattr(ex, "graph_runner", None)
+    graphs = "off" if runner is None else f"{len(runner.graphs)} captured at start-up"
+    mgr = ex.manager
+    loaded = f" in {load_s:.1f} s" if load_s is not None else ""
+    return [
+        f"model {os.fspath(model)}{loaded}: {params / 1e6:.1f}M parameters, {dtype}, on {llm.device}, "
+        f"{llm.config.num_hidden_layers} layers, vocab {llm.config.vocab_size}",
+        "parallelism: one device (no tensor or expert parallelism)",
+        f"speculative decoding: {spec_s}",
+        f"CUDA graphs: {graphs}; overlap scheduler {'on' if cfg.overlap_scheduler else 'off'}",
+        f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_batch_size {cfg.max_batch_size}, "
+        f"max_seq_len {ex.max_seq_len}, max_num_tokens {cfg.max_num_tokens}, queue {engine.max_queue_size}; "
+        f"prefix caching {'on' if ex.prefix is not None else 'off'}",
+    ]
+
+
+class DrainingServer(uvicorn.Server):
+    """A ``uvicorn.Server`` whose first exit signal drains the engine before uvicorn shuts down.
+
+    Args:
+        config: the ``uvicorn.Config``.
+        engine: the app's engine.
+        drain_timeout: seconds in-flight requests get to finish.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.drain_thread: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain_thread is not None or self.should_exit:
+            log.warning("second exit signal: closing now")
+            self.force_exit = True
+            super().handle_exit(sig, frame)
+            return
+        if hasattr(self, "_captured_signals"):
+            self._captured_signals.append(sig)  # uvicorn re-raises it once stopped (the exit status)
+        self.drain_thread = threading.Thread(target=self._drain, name="trtllm-glm-drain", daemon=True)
+        self.drain_thread.start()
+
+    def _drain(self) -> None:
+        live = self.engine.stats()["live"]
+        log.info("shutting down: new requests get 503; %d in flight get up to %.1f s", live, self.drain_timeout)
+        self.engine.stop(self.drain_timeout)  # what is left is aborted: its streams end with "abort" and [DONE]
+        deadline = time.monotonic() + FLUSH_S
+        while self.server_state.tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        log.info("drained; closing the server")
+        self.should_exit = True
+
+
+def make_server(
+    app: Any, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0
+) -> DrainingServer:
+    """The uvicorn server of ``app`` with the engine's drain on the first exit signal (`DrainingServer`)."""
+    # uvicorn's own grace period only covers connections the drain left (it has already ended every stream).
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_S)
+    return DrainingServer(config, app.state.engine, drain_timeout)
+
+
 def run_server(app: Any, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:
     """Serve ``app`` until SIGINT / SIGTERM; in-flight requests get ``drain_timeout`` seconds to finish."""
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_timeout)
+    make_server(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout).run()

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from trtllm_glm.kda.ops.verify import KdaRecords
+from trtllm_glm.kda.contract import KdaRecords
 from trtllm_glm.triton_interp import KernelPackage
 
 __all__ = [

@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.kda.ops.gate import L2NORM_EPS
+from trtllm_glm.kda.contract import L2NORM_EPS
 
 __all__ = ["conv_commit_slots", "conv_decode", "conv_verify_qkv"]
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.kda.ops.verify import KdaRecords
+from trtllm_glm.kda.contract import KdaRecords
 
 __all__ = ["kda_verify", "kda_commit", "choose_block_v"]
 
@@ -391,7 +391,7 @@ def kda_commit(
     Returns:
         ``state`` (the same tensor).
     """
-    from trtllm_glm.kda.ops.conv import _accepted_tensor
+    from trtllm_glm.kda.contract import accepted_tensor as _accepted_tensor
 
     S = state.unsqueeze(0) if state.dim() == 3 and state_slots is None else state
     N, W, H, K = records.g.shape

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ...triton_interp import kernel_backend
-from .gate import L2NORM_EPS
+from ..contract import L2NORM_EPS
+from ..contract import accepted_tensor as _accepted_tensor
 
 __all__ = [
     "CONV_BACKEND_ENV",
@@ -215,24 +216,6 @@ def conv_commit(
     idx = (a.view(N, 1) + torch.arange(Wm1, device=cs.device).view(1, Wm1)).view(N, 1, Wm1).expand(N, C, Wm1)
     cs.copy_(torch.gather(xx, 2, idx))
     return conv_state
-
-
-def _accepted_tensor(
-    num_accepted: Sequence[int] | torch.Tensor | int, N: int, width: int, device: torch.device
-) -> torch.Tensor:
-    """``[N]`` int64 accepted counts on ``device``; host values are range-checked."""
-    if isinstance(num_accepted, torch.Tensor):
-        a = num_accepted.to(device=device, dtype=torch.int64).reshape(-1)
-        if a.numel() == 1 and N != 1:
-            a = a.expand(N)
-    else:
-        vals = [int(num_accepted)] * N if isinstance(num_accepted, int) else [int(x) for x in num_accepted]
-        if len(vals) != N or any(not 0 <= x <= width for x in vals):
-            raise ValueError(f"num_accepted must be {N} values in [0, {width}], got {vals}")
-        a = torch.tensor(vals, dtype=torch.int64, device=device)
-    if a.numel() != N:
-        raise ValueError(f"num_accepted has {a.numel()} entries for {N} sequences")
-    return a
 
 
 def verify_rows(

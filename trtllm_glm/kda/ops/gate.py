@@ -8,15 +8,12 @@ import torch
 
 from ...norm import norm_backend, row_norm
 from ...triton_interp import kernel_backend
+from ..contract import L2NORM_EPS
 
 __all__ = ["GATE_BACKEND_ENV", "kda_gate", "kda_gate_beta", "kda_gate_beta_reference", "l2_normalize", "L2NORM_EPS"]
 
 # Picks `kda_gate_beta`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
 GATE_BACKEND_ENV = "TRTLLM_GLM_KDA_GATE_BACKEND"
-
-# Added to the squared norm before the reciprocal square root; the same epsilon fla-core uses in its
-# in-kernel L2 norm, so callers normalising outside the kernel match a kernel that normalises inside.
-L2NORM_EPS = 1e-6
 
 
 def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from ..contract import KdaRecords
 from .conv import _accepted_tensor
 from .recurrent import _decay_update, _step
 
@@ -35,28 +35,6 @@ __all__ = ["KdaRecords", "kda_verify", "kda_commit", "resolve_verify_backend"]
 
 _ENV = "TRTLLM_GLM_KDA_VERIFY"
 _ENV_ALL = "TRTLLM_GLM_KDA_BACKEND"
-
-
-@dataclass
-class KdaRecords:
-    """Per-row commit records of a verify pass (batched layout ``[N, W, ...]``).
-
-    Attributes:
-        g: ``[N, W, H, K]`` FP32 log decay of each row.
-        k: ``[N, W, H, K]`` FP32 (L2-normalised) key of each row.
-        u: ``[N, W, H, V]`` FP32 delta-rule correction of each row.
-
-    The Triton verify returns FP32 ``g``/``k`` inputs themselves here (no copy; possibly strided views), the
-    reference clones them: either way they must not be modified before the commit.
-    """
-
-    g: torch.Tensor
-    k: torch.Tensor
-    u: torch.Tensor
-
-    @property
-    def width(self) -> int:
-        return self.g.shape[1]
 
 
 @functools.lru_cache(maxsize=1)
