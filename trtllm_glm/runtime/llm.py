@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import Glm5NextConfig, resolve_preset_dir
+from ..distributed.comm import NULL_COMM, Comm
+from ..distributed.mapping import Mapping, ParallelConfigError
+from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
@@ -127,6 +131,16 @@ class LLM:
             so the host's share of a step hides behind the GPU's (CUDA graphs only; sampled rows draw on
             the device first; speculative decoding, logprobs and steps that admit requests run one at a
             time as before). Tokens and outputs are the same either way (seeded samples included).
+        tensor_parallel_size: ranks that split attention (query / KDA heads) and the dense MLPs
+            (TensorRT-LLM's name; docs/parallelism.md). Above 1 the LLM starts one worker process per extra
+            rank (this process is rank 0), or, launched by torchrun, runs as this process's rank.
+        moe_expert_parallel_size: blocks of whole routed experts (default: the world size divided by
+            ``moe_tensor_parallel_size``, else 1); with ``tensor_parallel_size=1`` it alone sets the world size
+            (attention then replicated).
+        moe_tensor_parallel_size: slices of each routed expert's intermediate dimension (default: the world
+            size divided by ``moe_expert_parallel_size``).
+
+    A parallel LLM holds processes and process groups: call `shutdown` (or use ``with LLM(...) as llm:``).
     """
 
     def __init__(
@@ -146,11 +160,32 @@ class LLM:
         num_threads: int | None = None,
         cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig(),  # noqa: B008 - frozen, shared safely
         disable_overlap_scheduler: bool = False,
+        tensor_parallel_size: int = 1,
+        moe_expert_parallel_size: int | None = None,
+        moe_tensor_parallel_size: int | None = None,
+        _spawned_rank: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(disable_overlap_scheduler, bool):
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
+        # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
+        init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}
+        init_kwargs.pop("__class__", None)
+        self.mapping = Mapping.from_sizes(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.comm: Comm = NULL_COMM
+        self._ranks = None  # RankGroup: the workers this process (rank 0) started
+        self._closed = False
         kv = kv_cache_config or KvCacheConfig()
-        if isinstance(model, Glm5NextForCausalLM):
+        if self.mapping.is_parallel:
+            self.device, model = self._join_world(model, device, init_kwargs, _spawned_rank)
+            try:
+                self.model = Glm5NextForCausalLM.from_pretrained(
+                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping
+                )
+                self.model.set_comm(self.comm)
+            except BaseException:
+                self.shutdown()
+                raise
+        elif isinstance(model, Glm5NextForCausalLM):
             self.model = model.eval()
             self.device = str(next(model.parameters()).device)
             model = "model object"
@@ -182,9 +217,97 @@ class LLM:
         )
         self.seed = seed
         self.speculative_config = speculative_config
-        self.executor = self._make_executor()
-        # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
-        self.executor.capture_cuda_graphs()
+        try:
+            self.executor = self._make_executor()
+            # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
+            self.executor.capture_cuda_graphs()
+            if self.mapping.is_parallel:
+                from .ranks import install_lockstep
+
+                install_lockstep(self.executor, self.comm)
+                if self._ranks is not None:
+                    self._ranks.wait_ready()
+                    self._ranks.mirror(self.executor)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _join_world(
+        self,
+        model: object,
+        device: str | None,
+        init_kwargs: dict,
+        spawned: tuple[int, int] | None,
+    ) -> tuple[str, str | os.PathLike[str]]:
+        """Become one rank of the parallel world (`runtime.ranks`); returns this rank's device and the model path.
+
+        Spawned workers join at rank 0's port; under torchrun the environment names the rank; otherwise this
+        process is rank 0 and starts the others (after checking, before any process starts, that the sizes
+        divide the model's).
+        """
+        from ..distributed.process_group import init_rank, torchrun_env
+
+        if isinstance(model, Glm5NextForCausalLM):
+            raise ParallelConfigError(
+                "tensor / expert parallelism needs a preset name or a checkpoint directory (each rank loads its "
+                "own share), not a model object"
+            )
+        assert isinstance(model, (str, os.PathLike))
+        check_shardable(Glm5NextConfig.from_pretrained(resolve_preset_dir(model)), self.mapping)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(dev)!r} asked for but CUDA is not available on this machine")
+        init_method = None
+        if spawned is not None:
+            rank, port = spawned
+            local = rank
+            init_method = f"tcp://127.0.0.1:{port}"
+        elif (env := torchrun_env()) is not None:
+            rank, world, local = env
+            if world != self.mapping.world_size:
+                raise ParallelConfigError(
+                    f"torchrun started {world} processes but the parallel sizes need {self.mapping.world_size}"
+                )
+        else:
+            from .ranks import RankGroup
+
+            rank = local = 0
+            self._ranks = RankGroup(self.mapping, init_kwargs)
+            init_method = self._ranks.init_method
+        self.mapping = self.mapping.with_rank(rank)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", local if dev.index is None else dev.index + local)
+        try:
+            self.comm = init_rank(self.mapping, dev, init_method)
+        except BaseException:
+            self.shutdown()
+            raise
+        return str(dev), model
+
+    # --------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the worker processes and leave the process group (parallel LLMs; idempotent, also a no-op
+        on one device)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._ranks is not None:
+            self._ranks.shutdown()
+        elif self.mapping.is_parallel:
+            from ..distributed.process_group import shutdown_rank
+
+            shutdown_rank()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks this LLM started (empty on one device or under torchrun)."""
+        return self._ranks.pids if self._ranks is not None else []
 
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
