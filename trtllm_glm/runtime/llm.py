@@ -173,6 +173,7 @@ class LLM:
         self.mapping = Mapping.from_sizes(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
         self.comm: Comm = NULL_COMM
         self._ranks = None  # RankGroup: the workers this process (rank 0) started
+        self._owns_group = False  # whether shutdown leaves the process group (not one the caller set up)
         self._closed = False
         kv = kv_cache_config or KvCacheConfig()
         if self.mapping.is_parallel:
@@ -269,14 +270,24 @@ class LLM:
                     f"torchrun started {world} processes but the parallel sizes need {self.mapping.world_size}"
                 )
         else:
+            import torch.distributed as dist
+
             from .ranks import RankGroup
 
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "this process is already part of a torch.distributed world (another parallel LLM?): "
+                    "shutdown() it before building a new one"
+                )
             rank = local = 0
             self._ranks = RankGroup(self.mapping, init_kwargs)
             init_method = self._ranks.init_method
         self.mapping = self.mapping.with_rank(rank)
         if dev.type == "cuda":
             dev = torch.device("cuda", local if dev.index is None else dev.index + local)
+        import torch.distributed as dist
+
+        self._owns_group = not dist.is_initialized()
         try:
             self.comm = init_rank(self.mapping, dev, init_method)
         except BaseException:
@@ -293,7 +304,7 @@ class LLM:
         self._closed = True
         if self._ranks is not None:
             self._ranks.shutdown()
-        elif self.mapping.is_parallel:
+        elif self._owns_group:
             from ..distributed.process_group import shutdown_rank
 
             shutdown_rank()
@@ -303,6 +314,11 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    @property
+    def parallel_error(self) -> str | None:
+        """Why this parallel LLM's world failed (a rank raised, died or diverged), else ``None``."""
+        return self._ranks.error if self._ranks is not None else None
 
     @property
     def worker_pids(self) -> list[int]:

@@ -236,6 +236,8 @@ class RankGroup:
 
         def run(what: str, msg: tuple[Any, ...], fn: Any, *args: Any) -> Any:
             with self._lock:
+                if self.error is not None and what == "abort_request":
+                    return fn(*args)  # the world is gone; rank 0's own bookkeeping still drops the request
                 self.check()
                 flush()
                 self._send(msg)
@@ -243,8 +245,9 @@ class RankGroup:
                     return fn(*args)
                 except BaseException as e:
                     mine = f"rank 0 failed in {what}: {type(e).__name__}: {e}"
+                    # The workers' own account first: a dead peer is the cause of rank 0's failed collective.
                     others = self._collect("")
-                    self._fail(f"{mine}; {others}" if others else mine, e)
+                    self._fail(f"{others} (then {mine})" if others else mine, e)
 
         executor.step = lambda: run("step", ("step",), step)
         executor.add_request = add_request
