@@ -123,10 +123,20 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     """TensorRT-LLM's flags of the parallel sizes (docs/parallelism.md)."""
-    p.add_argument("--tp_size", type=int, default=None, metavar="N",
-                   help="tensor-parallel ranks (LLM's tensor_parallel_size; one process each)")
-    p.add_argument("--ep_size", type=int, default=None, metavar="N",
-                   help="expert-parallel blocks of routed experts (moe_expert_parallel_size)")
+    p.add_argument(
+        "--tp_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel ranks (LLM's tensor_parallel_size; one process each)",
+    )
+    p.add_argument(
+        "--ep_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert-parallel blocks of routed experts (moe_expert_parallel_size)",
+    )
     p.add_argument("--moe_tp_size", type=int, default=None, metavar="N",
                    help="slices of each routed expert (moe_tensor_parallel_size)")  # fmt: skip
 

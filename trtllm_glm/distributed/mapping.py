@@ -80,9 +80,15 @@ class Mapping:
         in two; ``tp=2, ep=2``: two blocks of whole experts).
         """
         tp = _positive("tensor_parallel_size", tensor_parallel_size)
-        ep = None if moe_expert_parallel_size is None else _positive("moe_expert_parallel_size", moe_expert_parallel_size)
+        ep = (
+            None
+            if moe_expert_parallel_size is None
+            else _positive("moe_expert_parallel_size", moe_expert_parallel_size)
+        )
         mtp = (
-            None if moe_tensor_parallel_size is None else _positive("moe_tensor_parallel_size", moe_tensor_parallel_size)
+            None
+            if moe_tensor_parallel_size is None
+            else _positive("moe_tensor_parallel_size", moe_tensor_parallel_size)
         )
         if tp > 1:
             world = tp

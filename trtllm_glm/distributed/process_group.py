@@ -7,6 +7,7 @@ stops answering turns into an error on the others instead of a hang.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -93,7 +94,6 @@ def shutdown_rank() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        try:
+        # A broken group (a dead peer) cannot always be torn down cleanly.
+        with contextlib.suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a broken group (a dead peer) cannot always be torn down cleanly
-            pass

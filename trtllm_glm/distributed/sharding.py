@@ -226,9 +226,7 @@ def shard_fn(config: Glm5NextConfig, mapping: Mapping) -> ShardFn:
     return lambda name, shape: param_shard(name, shape, config, mapping)
 
 
-def shard_state_dict(
-    sd: dict[str, torch.Tensor], config: Glm5NextConfig, mapping: Mapping
-) -> dict[str, torch.Tensor]:
+def shard_state_dict(sd: dict[str, torch.Tensor], config: Glm5NextConfig, mapping: Mapping) -> dict[str, torch.Tensor]:
     """This rank's part of a full in-memory state dict (canonical names): views, no copies."""
     fn = shard_fn(config, mapping)
     out: dict[str, torch.Tensor] = {}

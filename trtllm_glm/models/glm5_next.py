@@ -299,7 +299,9 @@ class Glm5NextForCausalLM(nn.Module):
     def set_comm(self, comm: Comm) -> None:
         """Give every decoder layer (MTP block included) the rank's collectives."""
         if comm.mapping.world_size != self.mapping.world_size:
-            raise ValueError(f"comm of world size {comm.mapping.world_size} for a model sharded {self.mapping.describe()}")
+            raise ValueError(
+                f"comm of world size {comm.mapping.world_size} for a model sharded {self.mapping.describe()}"
+            )
         self.comm = comm
         for m in self.modules():
             if isinstance(m, Glm5NextDecoderLayer):

@@ -76,10 +76,10 @@ def moe_align(
     p = flat.numel()
     length = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = length // block_m
-    if expert_start:
-        # Another rank's experts: the same virtual expert E as a dead row's pairs (no slot, no run).
-        flat = flat - expert_start
-        flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    # Another rank's experts (ids outside [expert_start, expert_start + E)): the same virtual expert E as a dead
+    # row's pairs (no slot, no run). Also for expert_start 0: rank 0's block ends before the router's last expert.
+    flat = flat - expert_start
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     if row_live is not None:
         if row_live.shape != (topk_ids.shape[0],):
             raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")

@@ -20,6 +20,7 @@ world is torn down: build a new `LLM`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -105,10 +106,8 @@ def worker_main(rank: int, port: int, llm_kwargs: dict[str, Any], conn: Any) -> 
             else:
                 raise RuntimeError(f"rank {rank}: unknown command {op!r}")
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this process ends
-        try:
+        with contextlib.suppress(Exception):
             conn.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        except Exception:  # noqa: BLE001
-            pass
         # Exit without tearing anything down gracefully: the peers' collectives fail at once (closed sockets).
         os._exit(1)
     finally:
@@ -260,10 +259,8 @@ class RankGroup:
         from ..distributed.process_group import shutdown_rank
 
         for c in self.conns if graceful else []:
-            try:
+            with contextlib.suppress(Exception):
                 c.send(("stop",))
-            except Exception:  # noqa: BLE001
-                pass
         deadline = time.monotonic() + (STOP_TIMEOUT_S if graceful else 0.0)
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
