@@ -30,10 +30,13 @@ class Comm:
         mapping: the layout (`Mapping`).
         group: the process group of the model's collectives (``None``: the default group).
         control_group: a gloo group for host-side checks (``None``: ``group``).
+        force: issue the model's collectives even at world size 1 (a 1-rank NCCL world: measures what the
+            collective path costs, `process_group.init_world_of_one`).
     """
 
-    def __init__(self, mapping: Mapping, group: Any = None, control_group: Any = None) -> None:
+    def __init__(self, mapping: Mapping, group: Any = None, control_group: Any = None, *, force: bool = False) -> None:
         self.mapping = mapping
+        self.force = force
         self.group = group
         self.control_group = control_group if control_group is not None else group
         # Collectives issued by this rank (tests count them; an int add costs nothing next to the collective).
@@ -44,8 +47,8 @@ class Comm:
         return self.mapping.world_size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over every rank, in place; returns ``t``. A no-op at world size 1."""
-        if self.mapping.world_size == 1:
+        """Sum ``t`` over every rank, in place; returns ``t``. A no-op at world size 1 (unless ``force``)."""
+        if self.mapping.world_size == 1 and not self.force:
             return t
         import torch.distributed as dist
 
@@ -55,7 +58,7 @@ class Comm:
 
     def all_reduce_tp(self, t: torch.Tensor) -> torch.Tensor:
         """The row-parallel sum of attention / dense-MLP partials (a no-op when they are replicated)."""
-        if self.mapping.tp_size == 1:
+        if self.mapping.tp_size == 1 and not self.force:
             return t
         return self.all_reduce(t)
 

@@ -17,7 +17,15 @@ import torch
 from .comm import Comm
 from .mapping import Mapping
 
-__all__ = ["init_rank", "shutdown_rank", "torchrun_env", "free_port", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV"]
+__all__ = [
+    "init_rank",
+    "init_world_of_one",
+    "shutdown_rank",
+    "torchrun_env",
+    "free_port",
+    "DEFAULT_TIMEOUT_S",
+    "TIMEOUT_ENV",
+]
 
 TIMEOUT_ENV = "TRTLLM_GLM_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
@@ -87,6 +95,13 @@ def init_rank(mapping: Mapping, device: torch.device, init_method: str | None = 
         )
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s()))
     return Comm(mapping, group=None, control_group=control)
+
+
+def init_world_of_one(device: torch.device) -> Comm:
+    """A 1-rank world (NCCL on CUDA) whose `Comm` issues every collective anyway (``force``): the parallel code
+    path at world size 1, for the GPU checks and ``benchmarks/bench_e2e.py --collectives-at-one``."""
+    comm = init_rank(Mapping(), device, f"tcp://127.0.0.1:{free_port()}")
+    return Comm(comm.mapping, comm.group, comm.control_group, force=True)
 
 
 def shutdown_rank() -> None:
