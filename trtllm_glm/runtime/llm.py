@@ -280,7 +280,7 @@ class LLM:
                     "shutdown() it before building a new one"
                 )
             rank = local = 0
-            self._ranks = RankGroup(self.mapping, init_kwargs)
+            self._ranks = RankGroup(self.mapping, init_kwargs, dev.type)
             init_method = self._ranks.init_method
         self.mapping = self.mapping.with_rank(rank)
         if dev.type == "cuda":

@@ -77,6 +77,8 @@ def worker_main(rank: int, port: int, llm_kwargs: dict[str, Any], conn: Any) -> 
     then replay rank 0's executor calls until told to stop (or rank 0's end of the pipe closes)."""
     from .llm import LLM
 
+    # Ctrl-C reaches the whole process group: rank 0 decides when the workers stop (its shutdown).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     llm = None
     try:
         llm = LLM(**llm_kwargs, _spawned_rank=(rank, port))
@@ -125,9 +127,12 @@ class RankGroup:
     Args:
         mapping: the layout (rank 0's).
         llm_kwargs: the `LLM` keyword arguments every worker builds with.
+        device_type: ``"cuda"`` starts a monitor thread that aborts the NCCL communicators when a worker dies
+            (a GPU collective waiting for a dead peer would otherwise wait for the process-group timeout; gloo's
+            sockets report a dead peer at once).
     """
 
-    def __init__(self, mapping: Mapping, llm_kwargs: dict[str, Any]) -> None:
+    def __init__(self, mapping: Mapping, llm_kwargs: dict[str, Any], device_type: str = "cpu") -> None:
         from ..distributed.process_group import free_port
 
         self.mapping = mapping
@@ -147,6 +152,25 @@ class RankGroup:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
+        self._stopping = threading.Event()
+        if device_type == "cuda" and self.procs:
+            threading.Thread(target=self._monitor, name="trtllm-glm-rank-monitor", daemon=True).start()
+
+    def _monitor(self) -> None:
+        """Abort the NCCL communicators as soon as a worker process ends unasked (CUDA worlds only)."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.procs])
+        if self._stopping.is_set():
+            return
+        dead = [i + 1 for i, p in enumerate(self.procs) if not p.is_alive()]
+        self.error = self.error or f"ranks {dead} exited"
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()  # rank 0's pending collective then fails instead of waiting
+        except Exception:  # noqa: BLE001 - best effort: the process-group timeout still applies
+            pass
 
     @property
     def init_method(self) -> str:
@@ -258,6 +282,7 @@ class RankGroup:
         idempotent."""
         from ..distributed.process_group import shutdown_rank
 
+        self._stopping.set()
         for c in self.conns if graceful else []:
             with contextlib.suppress(Exception):
                 c.send(("stop",))
