@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -98,15 +99,17 @@ def test_world_of_two_matches_world_of_one(world, ckpt, name: str) -> None:
         assert r0["cached"] == r1["cached"] == ref["cached"] > 0
 
 
-def _children(pid: int) -> list[int]:
+def _rank_workers(pid: int) -> list[int]:
+    """Process ids of ``pid``'s spawned rank workers (not multiprocessing's resource tracker)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
                 out.append(int(d.name))
     return out
 
@@ -199,13 +202,25 @@ def test_serve_cli_with_tp_size_2(tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.5)
-        workers = _children(proc.pid)
+        workers = _rank_workers(proc.pid)
         assert workers, "the server started no worker process"
         body = json.dumps({"model": "small", "prompt": "def fib(n):", "max_tokens": 8, "temperature": 0}).encode()
         req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
         assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 8
+        # A worker that dies turns /health unhealthy, naming the rank.
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5):
+                    pass
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and "rank 1" in e.read().decode()
+                break
+            assert time.monotonic() < deadline, "/health stayed healthy after a worker died"
+            time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

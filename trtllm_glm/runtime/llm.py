@@ -318,7 +318,7 @@ class LLM:
     @property
     def parallel_error(self) -> str | None:
         """Why this parallel LLM's world failed (a rank raised, died or diverged), else ``None``."""
-        return self._ranks.error if self._ranks is not None else None
+        return self._ranks.failure if self._ranks is not None else None
 
     @property
     def worker_pids(self) -> list[int]:

@@ -235,6 +235,17 @@ class RankGroup:
             raise LockstepError(message) from cause
         raise WorkerError(message) from cause
 
+    @property
+    def failure(self) -> str | None:
+        """Why the world cannot serve (an earlier failure, or a worker process that has ended), else ``None``."""
+        if self.error is not None:
+            return self.error
+        if not self._stopping.is_set():
+            dead = [(i + 1, p.exitcode) for i, p in enumerate(self.procs) if not p.is_alive()]
+            if dead:
+                return "; ".join(f"rank {r} exited (exit code {c})" for r, c in dead)
+        return None
+
     def check(self) -> None:
         if self.error is not None:
             raise WorkerError(f"this parallel LLM failed earlier ({self.error}); create a new LLM")
