@@ -132,6 +132,9 @@ def test_spawned_llm_and_a_killed_worker(world) -> None:
         (pid,) = llm.worker_pids
         outs = llm.generate(PROMPTS, sp)
         assert [o.outputs[0].token_ids for o in outs] == world[(0, "plain")]["tokens"][: len(PROMPTS)]
+        # Sampling draws from per-request generators seeded alike on every rank (the lockstep check would raise).
+        sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.9, top_k=20))
+        assert all(len(o.outputs[0].token_ids) > 0 for o in sampled)
         assert llm.parallel_error is None
         killed_at: list[float] = []
 
