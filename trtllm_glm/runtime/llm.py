@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -281,6 +282,8 @@ class LLM:
                 )
             rank = local = 0
             self._ranks = RankGroup(self.mapping, init_kwargs, dev.type)
+            # An LLM dropped without shutdown() still stops its workers (when collected, or at exit).
+            weakref.finalize(self, self._ranks.shutdown)
             init_method = self._ranks.init_method
         self.mapping = self.mapping.with_rank(rank)
         if dev.type == "cuda":

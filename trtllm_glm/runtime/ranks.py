@@ -293,6 +293,8 @@ class RankGroup:
         idempotent."""
         from ..distributed.process_group import shutdown_rank
 
+        if self._stopping.is_set():
+            return  # already done (a later world of this process must not be torn down by a second call)
         self._stopping.set()
         for c in self.conns if graceful else []:
             with contextlib.suppress(Exception):
