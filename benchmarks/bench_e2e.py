@@ -667,6 +667,11 @@ def main() -> None:
     ap.add_argument(
         "--trained", action="store_true", help="the preset's shipped weights (e.g. small) on held-out stdlib prompts"
     )
+    ap.add_argument(
+        "--collectives-at-one", action="store_true",
+        help="run the model's all-reduces through a 1-rank torch.distributed world (NCCL on CUDA): the cost of "
+        "the tensor-parallel code path at world size 1 (docs/parallelism.md)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.tie_tol is None:
         # bf16 logits of order 10 are rounded to 1/16: batch-shape differences reach a few such units.
@@ -692,6 +697,10 @@ def main() -> None:
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
         model = random_model(cfg, args.device, args.dtype, seed=0)
+        if args.collectives_at_one:
+            from trtllm_glm.distributed.process_group import init_world_of_one
+
+            model.set_comm(init_world_of_one(torch.device(args.device)))
         for B in args.batch:
             plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
             # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)

@@ -119,7 +119,41 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
         seed=args.seed,
         prefill_chunk_size=args.prefill_chunk_size,
         speculative_config=speculative_config,
+        **_parallel_options(args),
     )
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """TensorRT-LLM's flags of the parallel sizes (docs/parallelism.md)."""
+    p.add_argument(
+        "--tp_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel ranks (LLM's tensor_parallel_size; one process each)",
+    )
+    p.add_argument(
+        "--ep_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="expert-parallel blocks of routed experts (moe_expert_parallel_size)",
+    )
+    p.add_argument("--moe_tp_size", type=int, default=None, metavar="N",
+                   help="slices of each routed expert (moe_tensor_parallel_size)")  # fmt: skip
+
+
+def _parallel_options(args: argparse.Namespace) -> dict[str, int]:
+    """The ``LLM`` keywords the parallel flags given on the command line set."""
+    out = {}
+    for flag, key in (("tp_size", "tensor_parallel_size"), ("ep_size", "moe_expert_parallel_size"),
+                      ("moe_tp_size", "moe_tensor_parallel_size")):  # fmt: skip
+        v = getattr(args, flag, None)
+        if v is not None:
+            if v < 1:
+                raise UserError(f"--{flag} must be >= 1, got {v}")
+            out[key] = v
+    return out
 
 
 def _speculative_config(args: argparse.Namespace) -> object | None:
@@ -168,6 +202,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         outs = asyncio.run(_stream_outputs(llm, list(args.prompt), sp, as_json=args.json))
     except _run_errors() as e:
         raise UserError(str(e)) from None
+    finally:
+        llm.shutdown()  # the engine thread, and a parallel LLM's worker processes
     el = time.perf_counter() - t0
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     rate = n_tok / el if el > 0 else 0.0
@@ -250,8 +286,9 @@ def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
 
     ref_llm = _make_llm(args, max_batch_size=1, speculative_config=None)
     bad = 0
-    for i, (prompt, o) in enumerate(zip(args.prompt, outs)):
-        ref = ref_llm.generate(prompt, sp)
+    refs = [ref_llm.generate(prompt, sp) for prompt in args.prompt]
+    ref_llm.shutdown()
+    for i, (ref, o) in enumerate(zip(refs, outs)):
         d = compare_greedy(ref.outputs[0].token_ids, ref.outputs[0].logit_gaps, o.outputs[0].token_ids)
         if d is None:
             print(f"[{i}] lossless: identical to non-speculative greedy ({len(ref.outputs[0].token_ids)} tokens)")
@@ -277,6 +314,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
     try:
         options = load_llm_options(args.config) if args.config else {}
+        options.update(_parallel_options(args))
         _check_device(options.get("device"))
     except _setup_errors() as e:
         raise UserError(str(e)) from None
@@ -289,7 +327,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )  # fmt: skip
         except _setup_errors() as e:
             raise UserError(str(e)) from None
-        run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+        try:
+            run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+        finally:
+            llm = getattr(getattr(getattr(app, "state", None), "engine", None), "llm", None)
+            if llm is not None and hasattr(llm, "shutdown"):
+                llm.shutdown()  # the worker processes of a parallel LLM
     return 0
 
 
@@ -360,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-lossless", action="store_true",
         help="also run without speculation; exit 1 if greedy tokens diverge outside a near tie",
     )  # fmt: skip
+    _add_parallel_args(g)
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser(
@@ -386,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="server log level (default info)",
     )  # fmt: skip
+    _add_parallel_args(s)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser(

@@ -31,6 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import Glm5NextConfig
+from ..distributed.mapping import ParallelConfigError
+from ..distributed.sharding import SKIP, Shard, ShardFn
 from ..errors import CheckpointError
 
 logger = logging.getLogger("trtllm_glm")
@@ -272,11 +274,16 @@ def load_state_dict(
     include_mtp: bool = True,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    shard: ShardFn | None = None,
+    stats: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read an HF-layout checkpoint, optionally only some layers, dequantising block-FP8 weights.
 
     Only the selected tensors are read (``safe_open`` + ``get_tensor`` per key), and shards holding
-    none of them are never opened.
+    none of them are never opened. With ``shard`` (one rank of a tensor / expert parallel layout,
+    `trtllm_glm.distributed.sharding.shard_fn`) each tensor is read through ``get_slice``: only the rank's
+    rows / columns, another block's experts not at all, and a block-FP8 weight's ``_scale_inv`` cut by the
+    same rule on its tiles (`read_sharded`).
 
     Args:
         directory: holds ``config.json`` and ``model.safetensors`` or the sharded index.
@@ -286,6 +293,9 @@ def load_state_dict(
         dtype: cast every floating tensor to this dtype; ``None`` keeps the stored dtypes, except that
             dequantised FP8 weights come back as fp32.
         device: where the returned tensors live (FP8 dequantisation happens there).
+        shard: ``shard(canonical name, full shape)`` -> `SKIP` or ``(local name, Shard or None)``; the
+            returned names are the local ones.
+        stats: if given, ``stats["bytes_read"]`` grows by the bytes of tensor data read from the files.
 
     Returns:
         Checkpoint names -> tensors (no ``*_scale_inv`` entries for dequantised weights).
@@ -321,6 +331,10 @@ def load_state_dict(
             "%s: skipping %d vision tensors (model.visual.*): only the text model is served", directory, skipped
         )
     names = [k for k in canon if _wanted(k, layer_set, config.num_hidden_layers, include_mtp)]
+    cuts: dict[str, Shard | None] = {}
+    local_name: dict[str, str] = {}
+    if shard is not None:
+        names, cuts, local_name = _plan_shards(directory, wmap, canon, names, shard, block)
     by_file: dict[str, list[str]] = {}
     for k in names:
         by_file.setdefault(wmap[canon[k]], []).append(k)
@@ -338,7 +352,9 @@ def load_state_dict(
                 for k in keys:
                     if canon[k] not in present:
                         raise CheckpointError(f"{path}: {canon[k]!r} is listed in {INDEX_FILE} but not stored there")
-                    raw[k] = f.get_tensor(canon[k])
+                    raw[k] = read_sharded(f, canon[k], cuts.get(k))
+                    if stats is not None:
+                        stats["bytes_read"] = stats.get("bytes_read", 0) + raw[k].numel() * raw[k].element_size()
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for truncated / corrupt files
@@ -364,5 +380,71 @@ def load_state_dict(
             t = t.to(device)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
-        out[k] = t
+        out[local_name.get(k, k)] = t
     return out
+
+
+def read_sharded(f: object, name: str, cut: Shard | None) -> torch.Tensor:
+    """One tensor of an open safetensors file: whole (``cut`` ``None``) or only ``cut`` through ``get_slice``
+    (the bytes outside the cut are never read)."""
+    if cut is None:
+        return f.get_tensor(name)  # type: ignore[attr-defined]
+    sl = f.get_slice(name)  # type: ignore[attr-defined]
+    return sl[cut.index(len(sl.get_shape()))]
+
+
+def _plan_shards(
+    directory: str,
+    wmap: dict[str, str],
+    canon: dict[str, str],
+    names: list[str],
+    shard: ShardFn,
+    block: int,
+) -> tuple[list[str], dict[str, Shard | None], dict[str, str]]:
+    """Apply the rank's sharding plan to the selected tensors (shapes from the file headers, no data read).
+
+    A block-FP8 weight's ``_scale_inv`` follows its weight: the same dimension, cut on tile boundaries
+    (`Shard.scale_shard`, a clear error when a rank's slice would split a tile).
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    by_file: dict[str, list[str]] = {}
+    for k in names:
+        by_file.setdefault(wmap[canon[k]], []).append(k)
+    for fname, keys in by_file.items():
+        path = os.path.join(directory, fname)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for k in keys:
+                    if canon[k] in present:
+                        shapes[k] = tuple(f.get_slice(canon[k]).get_shape())
+        except Exception as e:  # missing / corrupt shards are reported by the read that follows
+            if os.path.exists(path):
+                raise CheckpointError(f"{path}: cannot read safetensors header ({e})") from e
+    kept: list[str] = []
+    cuts: dict[str, Shard | None] = {}
+    local: dict[str, str] = {}
+    selected = set(names)
+    for k in names:
+        if k.endswith(SCALE_SUFFIX):
+            continue  # decided with its weight below
+        if k not in shapes:  # not stored where the index says: the read below reports it
+            kept.append(k)
+            continue
+        got = shard(k, shapes[k])
+        if got == SKIP:
+            continue
+        assert not isinstance(got, str)
+        local[k], cut = got
+        kept.append(k)
+        cuts[k] = cut
+        scale = k + SCALE_SUFFIX
+        if scale in selected:
+            kept.append(scale)
+            local[scale] = local[k] + SCALE_SUFFIX
+            if cut is not None:
+                try:
+                    cuts[scale] = cut.scale_shard(shapes[k][cut.dim], block, canon[k])
+                except ParallelConfigError as e:
+                    raise CheckpointError(f"{directory}: {e}") from e
+    return kept, cuts, local

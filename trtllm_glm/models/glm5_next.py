@@ -21,6 +21,9 @@ from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, resolve_preset_dir
+from ..distributed.comm import NULL_COMM, Comm
+from ..distributed.mapping import Mapping
+from ..distributed.sharding import local_config, shard_fn, shard_state_dict
 from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
@@ -80,12 +83,23 @@ class Glm5NextDecoderLayer(nn.Module):
         kind: ``"kda"`` or ``"sparse_mla"``.
         cache_idx: the layer's index among its kind (KDA state plane or sparse cache plane).
         use_mhc: wrap the blocks in mHC (trunk) or a plain residual (MTP).
+        mapping: tensor / expert parallel layout (``config`` is then the rank's local config): the mixer's and
+            the FFN's outputs are partial sums, all-reduced here through ``comm`` (set by the model).
     """
 
     def __init__(
-        self, config: Glm5NextConfig, layer_idx: int, kind: str, cache_idx: int, *, use_mhc: bool = True
+        self,
+        config: Glm5NextConfig,
+        layer_idx: int,
+        kind: str,
+        cache_idx: int,
+        *,
+        use_mhc: bool = True,
+        mapping: Mapping | None = None,
     ) -> None:
         super().__init__()
+        # The collectives of the row-parallel outputs (a plain attribute; `Glm5NextForCausalLM.set_comm`).
+        self.comm: Comm = NULL_COMM
         self.layer_idx = layer_idx
         self.kind = kind
         self.cache_idx = cache_idx
@@ -100,7 +114,7 @@ class Glm5NextDecoderLayer(nn.Module):
         else:
             self.self_attn = KimiDeltaAttention(config, cache_idx)
         self.post_attention_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
-        self.mlp = make_ffn(config, layer_idx)
+        self.mlp = make_ffn(config, layer_idx, mapping)
         if use_mhc:
             S = config.hc_mult
             mix = (2 + S) * S
@@ -128,6 +142,12 @@ class Glm5NextDecoderLayer(nn.Module):
                     p.copy_(t + 1.0 if part == "scale" else t)
 
     def _attn(
+        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None
+    ) -> torch.Tensor:
+        # Under tensor parallelism each rank's o_proj sums its heads only: one all-reduce joins them.
+        return self.comm.all_reduce_tp(self._attn_local(x, meta, manager, sparse_cache_idx))
+
+    def _attn_local(
         self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None
     ) -> torch.Tensor:
         x = self.input_layernorm(x)
@@ -173,15 +193,17 @@ class Glm5NextDecoderLayer(nn.Module):
 
     def _ffn(self, x: torch.Tensor, meta: GlmKpoolMetadata) -> torch.Tensor:
         # The MoE skips the routed experts of rows nobody reads (padding, verify filler): fewer experts read.
+        # Its output is this rank's experts' and shared-expert slice's partial sum: one all-reduce over every
+        # rank (also when attention is replicated); a dense MLP's over the tensor-parallel ranks.
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, row_live=meta.row_live_t)
-        return self.mlp(x)
+            return self.comm.all_reduce(self.mlp(x, row_live=meta.row_live_t))
+        return self.comm.all_reduce_tp(self.mlp(x))
 
 
 class Glm5NextModel(nn.Module):
     """Embedding, the layer schedule over ``hc_mult`` residual streams, the stream mean and the final norm."""
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, mapping: Mapping | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -189,10 +211,10 @@ class Glm5NextModel(nn.Module):
         n_sparse = n_kda = 0
         for i, kind in enumerate(config.layer_types or []):
             if kind == LAYER_SPARSE_MLA:
-                layers.append(Glm5NextDecoderLayer(config, i, kind, n_sparse))
+                layers.append(Glm5NextDecoderLayer(config, i, kind, n_sparse, mapping=mapping))
                 n_sparse += 1
             else:
-                layers.append(Glm5NextDecoderLayer(config, i, kind, n_kda))
+                layers.append(Glm5NextDecoderLayer(config, i, kind, n_kda, mapping=mapping))
                 n_kda += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -214,14 +236,16 @@ class Glm5NextMTPLayer(nn.Module):
     indexer and FFN, then ``shared_head.norm``; logits come from the model's shared LM head.
     """
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, mapping: Mapping | None = None) -> None:
         super().__init__()
         D = config.hidden_size
         self.layer_idx = config.num_hidden_layers
         self.enorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
-        self.block = Glm5NextDecoderLayer(config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0, use_mhc=False)
+        self.block = Glm5NextDecoderLayer(
+            config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0, use_mhc=False, mapping=mapping
+        )
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, eps=config.rms_norm_eps)
 
@@ -251,16 +275,41 @@ class Glm5NextMTPLayer(nn.Module):
 
 
 class Glm5NextForCausalLM(nn.Module):
-    """The full model: trunk, LM head and (when configured) the MTP layer."""
+    """The full model: trunk, LM head and (when configured) the MTP layer.
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    With a parallel ``mapping`` (docs/parallelism.md) the module is one rank's share: ``config`` is that
+    rank's local geometry (`trtllm_glm.distributed.sharding.local_config`: its heads and dense width; the
+    caches an executor allocates follow it), ``full_config`` the model's, and the row-parallel outputs are
+    all-reduced through the `Comm` given to `set_comm` (a forward without one refuses to run).
+    """
+
+    def __init__(self, config: Glm5NextConfig, *, mapping: Mapping | None = None) -> None:
         super().__init__()
+        self.mapping = mapping or Mapping()
+        self.full_config = config
+        config = local_config(config, self.mapping)
         self.config = config
-        self.model = Glm5NextModel(config)
+        self.comm: Comm = NULL_COMM
+        self.model = Glm5NextModel(config, self.mapping)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = Glm5NextMTPLayer(config) if config.num_nextn_predict_layers > 0 else None
+        self.mtp = Glm5NextMTPLayer(config, self.mapping) if config.num_nextn_predict_layers > 0 else None
+
+    def set_comm(self, comm: Comm) -> None:
+        """Give every decoder layer (MTP block included) the rank's collectives."""
+        if comm.mapping.world_size != self.mapping.world_size:
+            raise ValueError(
+                f"comm of world size {comm.mapping.world_size} for a model sharded {self.mapping.describe()}"
+            )
+        self.comm = comm
+        for m in self.modules():
+            if isinstance(m, Glm5NextDecoderLayer):
+                m.comm = comm
+
+    def _check_comm(self) -> None:
+        if self.mapping.is_parallel and self.comm is NULL_COMM:
+            raise RuntimeError(f"model sharded as {self.mapping.describe()} has no collectives: call set_comm first")
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -271,6 +320,7 @@ class Glm5NextForCausalLM(nn.Module):
         """Final hidden ``[N, D]`` of every row (logits via `compute_logits` on the rows needed)."""
         # Records of a step that was never committed (it raised) must not be folded by a later commit.
         manager.state.discard_pending()
+        self._check_comm()
         return self.model(input_ids, meta, manager)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -298,6 +348,7 @@ class Glm5NextForCausalLM(nn.Module):
         """One MTP step: ``next_tokens [N]``, ``prev_hidden [N, D]`` -> draft hidden ``[N, D]``."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP layer (num_nextn_predict_layers == 0)")
+        self._check_comm()
         return self.mtp(self.model.embed_tokens(next_tokens), prev_hidden, meta, manager, sparse_cache_idx)
 
     # --------------------------------------------------------------------------------------------
@@ -322,12 +373,25 @@ class Glm5NextForCausalLM(nn.Module):
 
     @classmethod
     def from_config(
-        cls, config: Glm5NextConfig, *, seed: int = 0, dtype: torch.dtype | str = "float32", device: str = "cpu"
+        cls,
+        config: Glm5NextConfig,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype | str = "float32",
+        device: str = "cpu",
+        mapping: Mapping | None = None,
     ) -> Glm5NextForCausalLM:
-        """A seeded random model (the tiny preset's weights are this)."""
+        """A seeded random model (the tiny preset's weights are this). With a parallel ``mapping``: this
+        rank's share of the same weights (the whole model is drawn on the CPU, then cut)."""
         with torch.device("cpu"):
             m = cls(config)
         m.reset_parameters(seed)
+        if mapping is not None and mapping.is_parallel:
+            L = config.num_hidden_layers
+            full = {_to_hf_name(n, L): t for n, t in m.state_dict().items()}
+            with torch.device("meta"):
+                m = cls(config, mapping=mapping)
+            m.load_weights(shard_state_dict(full, config, mapping), device="cpu", source="preset")
         m = m.to(device=device, dtype=resolve_dtype(dtype))
         m.keep_fp32_params_()
         return m.eval()
@@ -356,9 +420,14 @@ class Glm5NextForCausalLM(nn.Module):
         dtype: torch.dtype | str | None = None,
         device: str = "cpu",
         seed: int = 0,
+        mapping: Mapping | None = None,
+        load_stats: dict[str, int] | None = None,
     ) -> Glm5NextForCausalLM:
         """A preset name (seeded random weights, or the shipped checkpoint of a trained preset such as
         ``"small"``) or a checkpoint directory (real VL layout or flat).
+
+        With a parallel ``mapping`` the model is that rank's share, and a checkpoint rank reads only its
+        slices of the files (`trtllm_glm.distributed.sharding`; ``load_stats["bytes_read"]`` counts them).
 
         The parameter memory is estimated from the config before anything is allocated or read, and a
         model that cannot fit in the device's free memory is refused with the estimate.
@@ -381,13 +450,16 @@ class Glm5NextForCausalLM(nn.Module):
         sub = subset_config(config, keep) if keep is not None else config
         dt = resolve_dtype(dtype if dtype is not None else config.torch_dtype)
         with torch.device("meta"):
-            m = cls(sub)
-        check_memory(m.param_bytes(dt), device, what=f"the parameters of {model!s}")
+            m = cls(sub, mapping=mapping)
+        where = f" ({m.mapping.describe()})" if m.mapping.is_parallel else ""
+        check_memory(m.param_bytes(dt), device, what=f"the parameters of {model!s}{where}")
         if not os.path.isdir(str(model)):
-            return cls.from_config(sub, seed=seed, dtype=dt, device=device)
+            return cls.from_config(sub, seed=seed, dtype=dt, device=device, mapping=mapping)
         from .checkpoint import load_state_dict
 
-        sd = load_state_dict(model, layers=keep)
+        # The full config's layer indices: the cut is decided before `layers` renumbers them.
+        shard = shard_fn(config, m.mapping) if m.mapping.is_parallel else None
+        sd = load_state_dict(model, layers=keep, shard=shard, stats=load_stats)
         if keep is not None:
             sd = remap_layer_keys(sd, keep, config.num_hidden_layers)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
@@ -408,6 +480,8 @@ class Glm5NextForCausalLM(nn.Module):
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under the real checkpoint's names: the text model under ``model.language_model.``,
         the MTP block flattened into ``model.language_model.layers.{L}``, ``lm_head.weight`` at the top."""
+        if self.mapping.is_parallel:
+            raise RuntimeError(f"cannot export one rank's share ({self.mapping.describe()}) as a checkpoint")
         out: dict[str, torch.Tensor] = {}
         L = self.config.num_hidden_layers
         for name, t in self.state_dict().items():

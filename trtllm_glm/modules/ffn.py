@@ -17,6 +17,8 @@ from torch import nn
 
 from ..act import clamped_swiglu, swiglu
 from ..config import Glm5NextConfig
+from ..distributed.mapping import Mapping
+from ..distributed.sharding import expert_block
 from ..linear import linear_fp32
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
@@ -255,16 +257,24 @@ class MoE(nn.Module):
     expert on its weights dequantised per tile (fp32, then ``x``'s dtype: a dequantised-at-load model's math).
     Dtype conversions (``.to(torch.bfloat16)``, ``.half()``) leave FP8 expert weights and their scales as they
     are; device moves apply.
+    Expert parallelism (``mapping``, docs/parallelism.md): the module holds experts ``[expert_start,
+    expert_start + len(experts))`` only (``experts[i]`` is global expert ``expert_start + i``), each with its
+    ``moe_tp`` slice of the intermediate dimension, and its slice of the shared experts; the router is
+    replicated. `forward` then returns this rank's partial sum (pairs routed to other ranks' experts are left
+    out of the sort), which the decoder layer all-reduces.
 
     Args:
         config: uses ``hidden_size``, ``moe_intermediate_size``, ``n_routed_experts``,
             ``n_shared_experts``, ``num_experts_per_tok``, ``norm_topk_prob``, ``routed_scaling_factor``.
+        mapping: this rank's layout (``None``: one rank, every expert).
     """
 
-    def __init__(self, config: Glm5NextConfig) -> None:
+    def __init__(self, config: Glm5NextConfig, mapping: Mapping | None = None) -> None:
         super().__init__()
+        mapping = mapping or Mapping()
+        self.expert_start, n_local = expert_block(config, mapping)
         self.hidden_size = config.hidden_size
-        self.intermediate_size = config.moe_intermediate_size
+        self.intermediate_size = config.moe_intermediate_size // mapping.moe_tp_size
         self.n_routed_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.swiglu_limit = config.swiglu_limit
@@ -282,13 +292,14 @@ class MoE(nn.Module):
         lim = config.swiglu_limit
         # Not fusable: each expert's gate and up weights are views of the stacked tensors below.
         self.experts = nn.ModuleList(
-            GatedMLP(config.hidden_size, config.moe_intermediate_size, lim, fusable=False)
-            for _ in range(config.n_routed_experts)
+            GatedMLP(config.hidden_size, self.intermediate_size, lim, fusable=False) for _ in range(n_local)
         )
         self.shared_experts: GatedMLP | None = None
         if config.n_shared_experts > 0:
             self.shared_experts = GatedMLP(
-                config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, lim
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts // mapping.world_size,
+                lim,
             )
         # Plain attributes (not parameters or buffers): invisible to state dicts and to Module._apply. The stacked
         # tensors in `_groups` order: gate_up and down weights, then (block-FP8 experts) their scales.
@@ -509,14 +520,15 @@ class MoE(nn.Module):
         w_sorted = flat_w[order]
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
         start = 0
+        e0, n_local = self.expert_start, len(self.experts)
         for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            tok = tok_sorted[start : start + c]
-            ex = self.experts[e]
-            xe = x2.index_select(0, tok)
-            y = _fp8_expert_forward(ex, xe, self.swiglu_limit) if _scale_of(ex.gate_proj) is not None else ex(xe)
-            out.index_add_(0, tok, y.float() * w_sorted[start : start + c, None])
+            # Expert parallelism: another rank computes the pairs of experts outside this block.
+            if c and e0 <= e < e0 + n_local:
+                tok = tok_sorted[start : start + c]
+                ex = self.experts[e - e0]
+                xe = x2.index_select(0, tok)
+                y = _fp8_expert_forward(ex, xe, self.swiglu_limit) if _scale_of(ex.gate_proj) is not None else ex(xe)
+                out.index_add_(0, tok, y.float() * w_sorted[start : start + c, None])
             start += c
         return out
 
@@ -528,8 +540,18 @@ class MoE(nn.Module):
 
         w13, w2 = self.stacked_expert_weights()
         s13, s2 = self.stacked_expert_scales() or (None, None)
+        partial = len(self.experts) < self.n_routed_experts
         return kernels.fused_moe(
-            x2, topk_ids, topk_w, w13, w2, self.swiglu_limit, row_live=row_live, w_gate_up_scale=s13, w_down_scale=s2
+            x2,
+            topk_ids,
+            topk_w,
+            w13,
+            w2,
+            self.swiglu_limit,
+            row_live=row_live,
+            w_gate_up_scale=s13,
+            w_down_scale=s2,
+            expert_start=self.expert_start if partial else None,
         )
 
     def forward(self, x: torch.Tensor, row_live: torch.Tensor | None = None) -> torch.Tensor:
@@ -616,11 +638,13 @@ def _as_stacked(parts: list[torch.Tensor], shape: tuple[int, int, int]) -> torch
     return first.as_strided(shape, (rows * cols, cols, 1), base)
 
 
-def make_ffn(config: Glm5NextConfig, layer_idx: int) -> GatedMLP | MoE:
+def make_ffn(config: Glm5NextConfig, layer_idx: int, mapping: Mapping | None = None) -> GatedMLP | MoE:
     """The FFN of decoder layer ``layer_idx``: dense or MoE as ``mlp_layer_types`` says.
 
-    The MTP layer (``layer_idx >= num_hidden_layers``) is always MoE, as in the real checkpoint.
+    The MTP layer (``layer_idx >= num_hidden_layers``) is always MoE, as in the real checkpoint. Under tensor
+    parallelism ``config`` is the rank's local config (its ``intermediate_size`` already this rank's share)
+    and ``mapping`` gives the MoE its expert block and slices.
     """
     if not config.is_moe_layer(layer_idx):
         return GatedMLP(config.hidden_size, config.intermediate_size, config.swiglu_limit)
-    return MoE(config)
+    return MoE(config, mapping)

@@ -286,13 +286,18 @@ def _down_kernel(
 def _combine_kernel(
     pair_ptr,
     live_ptr,
+    ids_ptr,
     out_ptr,
     top_k,
     H,
+    e_start,
+    n_experts,
     HAS_LIVE: tl.constexpr,
+    HAS_RANGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """``out[n] = sum_j pair_out[n * k + j]`` in order ``j = 0 .. k - 1`` (0 for a dead row: nothing read)."""
+    """``out[n] = sum_j pair_out[n * k + j]`` in order ``j = 0 .. k - 1`` (0 for a dead row: nothing read;
+    with ``HAS_RANGE`` only the pairs of experts ``[e_start, e_start + n_experts)``, the others never written)."""
     n = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -302,7 +307,11 @@ def _combine_kernel(
         ok_read = ok
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in range(0, top_k):
-        acc += tl.load(pair_ptr + (n * top_k + j) * H + cols, mask=ok_read, other=0.0)
+        ok_j = ok_read
+        if HAS_RANGE:
+            e = tl.load(ids_ptr + n * top_k + j).to(tl.int32)
+            ok_j = ok_j & (e >= e_start) & (e < e_start + n_experts)
+        acc += tl.load(pair_ptr + (n * top_k + j) * H + cols, mask=ok_j, other=0.0)
     tl.store(out_ptr + n * H + cols, acc, mask=ok)
 
 
@@ -316,6 +325,7 @@ def _align_sort_kernel(
     n_pairs,
     top_k,
     n_experts,
+    e_start,
     n_slots,
     n_blocks,
     HAS_LIVE: tl.constexpr,
@@ -333,6 +343,9 @@ def _align_sort_kernel(
     ids = tl.load(ids_ptr + q, mask=ok, other=0).to(tl.int32)
     if HAS_LIVE:
         ok = ok & (tl.load(live_ptr + q // top_k, mask=ok, other=0) != 0)
+    # Expert parallelism: another rank's experts are left out like dead rows; ids relative to this rank's block.
+    ids = ids - e_start
+    ok = ok & (ids >= 0) & (ids < n_experts)
     # Dead and padding lanes sort after every real run under the virtual expert `n_experts` (a spare bin).
     e = tl.where(ok, ids, n_experts)
     counts = tl.histogram(e, BLOCK_E)
@@ -374,7 +387,11 @@ def default_align() -> str:
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    row_live: torch.Tensor | None = None,
+    expert_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel version of `ops.moe_align` (identical output): one single-program launch instead of ~20 torch ops.
 
@@ -386,21 +403,26 @@ def moe_align(
         num_experts: ``E``.
         block_m: row block ``M``.
         row_live: optional ``[N]`` int or bool flags; the pairs of rows flagged 0 are left out.
+        expert_start: this rank's first expert (expert parallelism; `ops.moe_align`).
 
     Returns:
         ``(sorted_pairs [L] int32, block_expert [L // M] int32)``, as `ops.moe_align`.
     """
     if INTERPRETED or topk_ids.device.type == "cuda":
-        return _moe_align(topk_ids, num_experts, block_m, row_live)
+        return _moe_align(topk_ids, num_experts, block_m, row_live, expert_start)
     from trtllm_glm.triton_interp import interpreting as _interpreting
 
     mod = _interpreted_module()
     with _interpreting():
-        return mod._moe_align(topk_ids, num_experts, block_m, row_live)
+        return mod._moe_align(topk_ids, num_experts, block_m, row_live, expert_start)
 
 
 def _moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    row_live: torch.Tensor | None,
+    expert_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
@@ -411,7 +433,7 @@ def _moe_align(
         raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")
     p_pad = max(16, triton.next_power_of_2(p))
     if p_pad > SORT_ALIGN_MAX_PAIRS:
-        return torch_moe_align(topk_ids, num_experts, block_m, row_live)
+        return torch_moe_align(topk_ids, num_experts, block_m, row_live, expert_start)
     slots = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = slots // block_m
     sorted_pairs = torch.empty(slots, dtype=torch.int32, device=dev)
@@ -422,7 +444,7 @@ def _moe_align(
     # One spare bin past the experts (BLOCK_E): the dead pairs' virtual expert.
     _align_sort_kernel[(1,)](
         ids, _live_arg(row_live, ids), sorted_pairs, block_expert, offset, p, max(1, topk_ids.shape[1]),
-        num_experts, slots, n_blocks, HAS_LIVE=row_live is not None, BLOCK_M=block_m,
+        num_experts, expert_start, slots, n_blocks, HAS_LIVE=row_live is not None, BLOCK_M=block_m,
         BLOCK_E=triton.next_power_of_2(num_experts + 1), P_PAD=p_pad, CHUNK=256,
         num_warps=4 if p_pad <= 1024 else 8,
     )  # fmt: skip
@@ -478,6 +500,7 @@ def _fused_moe(
     row_live: torch.Tensor | None,
     w_gate_up_scale: torch.Tensor | None,
     w_down_scale: torch.Tensor | None,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
     """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
     n, h, k, e, inter = check_fused_moe_args(
@@ -501,10 +524,11 @@ def _fused_moe(
         raise ValueError("expert weights must be contiguous along their last dim")
     p = n * k
     m = block_m if block_m is not None else default_block_m(p, e)
+    e0 = expert_start or 0
     if align == "triton":
-        sorted_pairs, block_expert = _moe_align(topk_ids, e, m, row_live)
+        sorted_pairs, block_expert = _moe_align(topk_ids, e, m, row_live, e0)
     elif align == "torch":
-        sorted_pairs, block_expert = torch_moe_align(topk_ids, e, m, row_live)
+        sorted_pairs, block_expert = torch_moe_align(topk_ids, e, m, row_live, e0)
     else:
         raise ValueError(f"align must be 'triton' or 'torch', got {align!r}")
     n_blocks = block_expert.numel()
@@ -592,13 +616,18 @@ def _fused_moe(
     # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere). A dead row's pairs
     # were never computed (their `pair_out` rows hold stale values): the combine writes 0 without reading them.
     block_h = min(triton.next_power_of_2(h), 4096 if INTERPRETED else 1024)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     _combine_kernel[(n, triton.cdiv(h, block_h))](
         pair_out,
         _live_arg(row_live, pair_out),
+        ids,
         out,
         k,
         h,
+        e0,
+        e,
         HAS_LIVE=row_live is not None,
+        HAS_RANGE=expert_start is not None,
         BLOCK_H=block_h,
         num_warps=4,
     )
@@ -642,6 +671,7 @@ def fused_moe(
     row_live: torch.Tensor | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
     """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
 
@@ -677,13 +707,16 @@ def fused_moe(
             them to the activation dtype (exact), multiply on the tensor cores and scale each K step's fp32
             partial product by its tile's scale; ``block_n`` and ``block_k`` must then be at most 128.
         w_down_scale: block-FP8 weights: ``[E, ceil(H/128), ceil(I/128)]`` fp32 tile scales of ``w_down``.
+        expert_start: expert parallelism: the weights hold experts ``[expert_start, expert_start + E)`` of the
+            router's; pairs routed to other experts are left out of the sort (never computed) and add nothing,
+            so ``out`` is this rank's partial sum (``None``: every id lies in ``[0, E)``).
 
     Returns:
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
     align = align if align is not None else default_align()
-    rest = (num_warps, num_stages, scratch, align, row_live, w_gate_up_scale, w_down_scale)
+    rest = (num_warps, num_stages, scratch, align, row_live, w_gate_up_scale, w_down_scale, expert_start)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.

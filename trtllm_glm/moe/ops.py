@@ -112,7 +112,11 @@ def padded_pairs_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, row_live: torch.Tensor | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    row_live: torch.Tensor | None = None,
+    expert_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
@@ -127,6 +131,8 @@ def moe_align(
         block_m: row block ``M``.
         row_live: optional ``[N]`` int or bool flags; the pairs of a row whose flag is 0 are left out (no slot,
             no expert run), so a step's padding rows make no expert's weights be read.
+        expert_start: expert parallelism: this rank holds experts ``[expert_start, expert_start + E)``; pairs
+            routed elsewhere are left out like dead rows' and the ids are taken relative to ``expert_start``.
 
     Returns:
         ``(sorted_pairs, block_expert)``: ``[L]`` int32 pair ids in expert order, ``P`` (= ``N * k``) in
@@ -138,6 +144,10 @@ def moe_align(
     p = flat.numel()
     length = padded_pairs_bound(p, num_experts, block_m)
     n_blocks = length // block_m
+    # Another rank's experts (ids outside [expert_start, expert_start + E)): the same virtual expert E as a dead
+    # row's pairs (no slot, no run). Also for expert_start 0: rank 0's block ends before the router's last expert.
+    flat = flat - expert_start
+    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     if row_live is not None:
         if row_live.shape != (topk_ids.shape[0],):
             raise ValueError(f"row_live must be [N={topk_ids.shape[0]}], got {tuple(row_live.shape)}")
@@ -231,6 +241,7 @@ def fused_moe_ref(
     row_live: torch.Tensor | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    expert_start: int | None = None,
 ) -> torch.Tensor:
     """Routed experts in fp32, one expert at a time (the reference of `kernels.fused_moe`).
 
@@ -249,6 +260,8 @@ def fused_moe_ref(
         w_gate_up_scale: with ``float8_e4m3fn`` weights, ``[E, 2 ceil(I/128), ceil(H/128)]`` fp32 tile scales
             (gate tile rows, then up tile rows); each used expert's weights are dequantised per tile in fp32.
         w_down_scale: with FP8 weights, ``[E, ceil(H/128), ceil(I/128)]`` fp32.
+        expert_start: expert parallelism: the weights are experts ``[expert_start, expert_start + E)`` and pairs
+            routed to other experts contribute nothing (``None``: ids must lie in ``[0, E)``).
 
     Returns:
         ``[N, H]`` fp32.
@@ -263,7 +276,10 @@ def fused_moe_ref(
     if n == 0 or k == 0:
         return out
     flat = topk_ids.reshape(-1).to(torch.int64)
-    if bool((flat < 0).any()) or bool((flat >= e).any()):
+    if expert_start is not None:
+        flat = flat - expert_start
+        flat = torch.where((flat >= 0) & (flat < e), flat, -1)
+    elif bool((flat < 0).any()) or bool((flat >= e).any()):
         raise ValueError(f"topk_ids must lie in [0, {e})")
     tok = torch.arange(n, device=x.device).repeat_interleave(k)
     wts = topk_w.reshape(-1).float()

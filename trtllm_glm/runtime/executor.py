@@ -181,7 +181,8 @@ class Executor:
         check_memory(
             Glm5NextCacheManager.estimate_bytes(self.config, **kw),
             self.device,
-            what=f"the KV cache ({kw['num_pages']} pages of {P} tokens, {self.cfg.max_batch_size} state slots)",
+            what=f"the KV cache ({kw['num_pages']} pages of {P} tokens, {self.cfg.max_batch_size} state slots)"
+            + (f" on {self.model.mapping.describe()}" if self.model.mapping.is_parallel else ""),
         )
         return Glm5NextCacheManager(self.config, **kw, device=self.device)
 

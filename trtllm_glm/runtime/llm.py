@@ -5,12 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..config import Glm5NextConfig, resolve_preset_dir
+from ..distributed.comm import NULL_COMM, Comm
+from ..distributed.mapping import Mapping, ParallelConfigError
+from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
@@ -133,6 +138,16 @@ class LLM:
             so the host's share of a step hides behind the GPU's (CUDA graphs only; sampled rows draw on
             the device first; speculative decoding, logprobs and steps that admit requests run one at a
             time as before). Tokens and outputs are the same either way (seeded samples included).
+        tensor_parallel_size: ranks that split attention (query / KDA heads) and the dense MLPs
+            (TensorRT-LLM's name; docs/parallelism.md). Above 1 the LLM starts one worker process per extra
+            rank (this process is rank 0), or, launched by torchrun, runs as this process's rank.
+        moe_expert_parallel_size: blocks of whole routed experts (default: the world size divided by
+            ``moe_tensor_parallel_size``, else 1); with ``tensor_parallel_size=1`` it alone sets the world size
+            (attention then replicated).
+        moe_tensor_parallel_size: slices of each routed expert's intermediate dimension (default: the world
+            size divided by ``moe_expert_parallel_size``).
+
+    A parallel LLM holds processes and process groups: call `shutdown` (or use ``with LLM(...) as llm:``).
     """
 
     def __init__(
@@ -152,9 +167,16 @@ class LLM:
         num_threads: int | None = None,
         cuda_graph_config: CudaGraphConfig | None = CudaGraphConfig(),  # noqa: B008 - frozen, shared safely
         disable_overlap_scheduler: bool = False,
+        tensor_parallel_size: int = 1,
+        moe_expert_parallel_size: int | None = None,
+        moe_tensor_parallel_size: int | None = None,
+        _spawned_rank: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(disable_overlap_scheduler, bool):
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
+        # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
+        init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}
+        init_kwargs.pop("__class__", None)
         for name, value in (
             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens), ("max_seq_len", max_seq_len),
         ):  # fmt: skip
@@ -162,9 +184,25 @@ class LLM:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (a prompt token and a generated one), got {max_seq_len}")
+        self._engine: Any = None  # the AsyncEngine of generate_async, started on first use
+        self.mapping = Mapping.from_sizes(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.comm: Comm = NULL_COMM
+        self._ranks = None  # RankGroup: the workers this process (rank 0) started
+        self._owns_group = False  # whether shutdown leaves the process group (not one the caller set up)
+        self._closed = False
         kv = kv_cache_config or KvCacheConfig()
         t0 = time.perf_counter()
-        if isinstance(model, Glm5NextForCausalLM):
+        if self.mapping.is_parallel:
+            self.device, model = self._join_world(model, device, init_kwargs, _spawned_rank)
+            try:
+                self.model = Glm5NextForCausalLM.from_pretrained(
+                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping
+                )
+                self.model.set_comm(self.comm)
+            except BaseException:
+                self.shutdown()
+                raise
+        elif isinstance(model, Glm5NextForCausalLM):
             self.model = model.eval()
             self.device = str(next(model.parameters()).device)
             model = "model object"
@@ -196,15 +234,123 @@ class LLM:
         )
         self.seed = seed
         self.speculative_config = speculative_config
-        self.executor = self._make_executor()
-        # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
-        self.executor.capture_cuda_graphs()
-        self._engine: Any = None  # the AsyncEngine of generate_async, started on first use
+        try:
+            self.executor = self._make_executor()
+            # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
+            self.executor.capture_cuda_graphs()
+            if self.mapping.is_parallel:
+                from .ranks import install_lockstep
+
+                install_lockstep(self.executor, self.comm)
+                if self._ranks is not None:
+                    self._ranks.wait_ready()
+                    self._ranks.mirror(self.executor)
+        except BaseException:
+            self.shutdown()
+            raise
+
         log.debug(
             "loaded %s in %.1f s: %s on %s, %s", model, time.perf_counter() - t0,
             f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
             self.device, str(next(self.model.parameters()).dtype).replace("torch.", ""),
         )  # fmt: skip
+
+    def _join_world(
+        self,
+        model: object,
+        device: str | None,
+        init_kwargs: dict,
+        spawned: tuple[int, int] | None,
+    ) -> tuple[str, str | os.PathLike[str]]:
+        """Become one rank of the parallel world (`runtime.ranks`); returns this rank's device and the model path.
+
+        Spawned workers join at rank 0's port; under torchrun the environment names the rank; otherwise this
+        process is rank 0 and starts the others (after checking, before any process starts, that the sizes
+        divide the model's).
+        """
+        from ..distributed.process_group import init_rank, torchrun_env
+
+        if isinstance(model, Glm5NextForCausalLM):
+            raise ParallelConfigError(
+                "tensor / expert parallelism needs a preset name or a checkpoint directory (each rank loads its "
+                "own share), not a model object"
+            )
+        assert isinstance(model, (str, os.PathLike))
+        check_shardable(Glm5NextConfig.from_pretrained(resolve_preset_dir(model)), self.mapping)
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {str(dev)!r} asked for but CUDA is not available on this machine")
+        init_method = None
+        if spawned is not None:
+            rank, port = spawned
+            local = rank
+            init_method = f"tcp://127.0.0.1:{port}"
+        elif (env := torchrun_env()) is not None:
+            rank, world, local = env
+            if world != self.mapping.world_size:
+                raise ParallelConfigError(
+                    f"torchrun started {world} processes but the parallel sizes need {self.mapping.world_size}"
+                )
+        else:
+            import torch.distributed as dist
+
+            from .ranks import RankGroup
+
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "this process is already part of a torch.distributed world (another parallel LLM?): "
+                    "shutdown() it before building a new one"
+                )
+            rank = local = 0
+            self._ranks = RankGroup(self.mapping, init_kwargs, dev.type, llm_factory=type(self))
+            # An LLM dropped without shutdown() still stops its workers (when collected, or at exit).
+            weakref.finalize(self, self._ranks.shutdown)
+            init_method = self._ranks.init_method
+        self.mapping = self.mapping.with_rank(rank)
+        if dev.type == "cuda":
+            dev = torch.device("cuda", local if dev.index is None else dev.index + local)
+        import torch.distributed as dist
+
+        self._owns_group = not dist.is_initialized()
+        try:
+            self.comm = init_rank(self.mapping, dev, init_method)
+        except BaseException:
+            self.shutdown()
+            raise
+        return str(dev), model
+
+    # --------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine thread of `generate_async` (in-flight requests end with ``finish_reason`` abort), the
+        worker processes and the process group of a parallel LLM (idempotent)."""
+        if self._engine is not None:
+            self._engine.stop(drain_timeout=0.0)
+            self._engine = None
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if self._ranks is not None:
+            self._ranks.shutdown()
+        elif self._owns_group:
+            from ..distributed.process_group import shutdown_rank
+
+            shutdown_rank()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def parallel_error(self) -> str | None:
+        """Why this parallel LLM's world failed (a rank raised, died or diverged), else ``None``."""
+        return self._ranks.failure if self._ranks is not None else None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks this LLM started (empty on one device or under torchrun)."""
+        return self._ranks.pids if self._ranks is not None else []
 
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
@@ -359,18 +505,6 @@ class LLM:
             raise RuntimeError("generate() cannot run while generate_async requests are in flight; await them first")
         self._engine.stop(drain_timeout=0.0)
         self._engine = None
-
-    def shutdown(self) -> None:
-        """Stop the engine thread of `generate_async` (in-flight requests end with ``finish_reason`` abort)."""
-        if self._engine is not None:
-            self._engine.stop(drain_timeout=0.0)
-            self._engine = None
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
 
 class AsyncRequestOutput:

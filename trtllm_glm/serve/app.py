@@ -640,6 +640,9 @@ def build_app(
     async def health() -> Response:
         if not engine.running:
             return ApiError(503, "the engine is not running", type="server_error", code="unavailable").response()
+        failed = getattr(engine.llm, "parallel_error", None)  # a rank of a tensor-parallel LLM failed
+        if failed:
+            return ApiError(503, f"a model rank failed: {failed}", type="server_error", code="unavailable").response()
         return Response(status_code=200)
 
     @app.get("/health_generate")

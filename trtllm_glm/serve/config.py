@@ -43,9 +43,9 @@ SPECULATIVE_TYPES = {"mtp": "MTPDecodingConfig", "ngram": "NGramDecodingConfig"}
 # Keys LLM does not take but the YAML accepts, with the only value that matches what the runtime does.
 _FIXED_KEYS = {"enable_chunked_prefill": True}
 # Keys that cannot come from a YAML file.
-_NOT_FROM_FILE = {"self", "model", "tokenizer"}
-_INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed"}
-_OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads"}
+_NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
+_INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed", "tensor_parallel_size"}
+_OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads", "moe_expert_parallel_size", "moe_tensor_parallel_size"}
 _OPTIONAL_STR_KEYS = {"dtype", "device"}
 _BOOL_KEYS = {"disable_overlap_scheduler"}
 

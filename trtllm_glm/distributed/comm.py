@@ -1,0 +1,90 @@
+"""The collectives the sharded model and the lockstep checks use (torch.distributed; NCCL on CUDA, gloo on CPU).
+
+`Comm.all_reduce` is called *inside* the forward, so a CUDA graph captures the NCCL kernel with the rest of
+the step (NCCL collectives are capturable; nothing here allocates or syncs with the host). At world size 1
+(`NULL_COMM`) every call returns its input untouched, and the layers pay nothing.
+
+Control traffic (the per-step lockstep fingerprint, worker errors) goes over a separate gloo group on host
+tensors, so it never enters a captured graph or queues behind device work on the NCCL stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .mapping import Mapping
+
+__all__ = ["Comm", "NULL_COMM", "LockstepError"]
+
+
+class LockstepError(RuntimeError):
+    """Ranks that must run the same step disagree (a different plan or different tokens)."""
+
+
+class Comm:
+    """Collectives of one rank.
+
+    Args:
+        mapping: the layout (`Mapping`).
+        group: the process group of the model's collectives (``None``: the default group).
+        control_group: a gloo group for host-side checks (``None``: ``group``).
+        force: issue the model's collectives even at world size 1 (a 1-rank NCCL world: measures what the
+            collective path costs, `process_group.init_world_of_one`).
+    """
+
+    def __init__(self, mapping: Mapping, group: Any = None, control_group: Any = None, *, force: bool = False) -> None:
+        self.mapping = mapping
+        self.force = force
+        self.group = group
+        self.control_group = control_group if control_group is not None else group
+        # Collectives issued by this rank (tests count them; an int add costs nothing next to the collective).
+        self.num_all_reduces = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.mapping.world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over every rank, in place; returns ``t``. A no-op at world size 1 (unless ``force``)."""
+        if self.mapping.world_size == 1 and not self.force:
+            return t
+        import torch.distributed as dist
+
+        self.num_all_reduces += 1
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_reduce_tp(self, t: torch.Tensor) -> torch.Tensor:
+        """The row-parallel sum of attention / dense-MLP partials (a no-op when they are replicated)."""
+        if self.mapping.tp_size == 1 and not self.force:
+            return t
+        return self.all_reduce(t)
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on every rank), over the control group; rank order."""
+        if self.mapping.world_size == 1:
+            return [list(values)]
+        import torch.distributed as dist
+
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.mapping.world_size)]
+        dist.all_gather(out, mine, group=self.control_group)
+        return [o.tolist() for o in out]
+
+    def check_lockstep(self, what: str, fingerprint: int) -> None:
+        """Raise `LockstepError` on every rank when the ranks' ``fingerprint`` of ``what`` differ."""
+        if self.mapping.world_size == 1:
+            return
+        got = [v[0] for v in self.gather_ints([fingerprint])]
+        if len(set(got)) > 1:
+            odd = [r for r, v in enumerate(got) if v != got[0]]
+            raise LockstepError(
+                f"ranks diverged at {what}: ranks {odd} disagree with rank 0 (fingerprints {got}); "
+                "every rank must run the same plan and emit the same tokens"
+            )
+
+
+NULL_COMM = Comm(Mapping())
+"""World size 1: every collective is a no-op."""
