@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,7 @@ from safetensors.torch import save_file
 
 from ..config import Glm5NextConfig
 from ..errors import CheckpointError
+from ..quant.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
 
 logger = logging.getLogger("trtllm_glm")
 
@@ -54,8 +54,6 @@ _VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "visual.", "vision_t
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
-FP8_MAX = 448.0
-"""Largest finite float8_e4m3fn magnitude; a block's scale maps its absmax onto it."""
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -71,70 +69,6 @@ def canonical_name(name: str) -> str | None:
 
 
 _OWN_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-
-
-# --------------------------------------------------------------------------------------------------
-# Block FP8
-# --------------------------------------------------------------------------------------------------
-def _check_2d(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 2:
-        raise ValueError(f"{name}: block FP8 needs a 2-D tensor, got shape {tuple(t.shape)}")
-
-
-def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:
-    """``[ceil(O/b), ceil(I/b)]`` -> ``[O, I]``, each scale repeated over its block (ragged edges cut)."""
-    rows, cols = shape
-    return scale.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
-
-
-def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a weight to float8_e4m3fn with one fp32 scale per ``block x block`` tile.
-
-    Each tile's scale is ``amax / 448`` so its largest entry lands on the top of the e4m3 range; an
-    all-zero tile gets scale 1 (any scale reproduces zeros, and 1 keeps the scale finite).
-
-    Args:
-        w: ``[O, I]`` floating weight.
-        block: tile edge.
-
-    Returns:
-        ``(fp8 [O, I] float8_e4m3fn, scale_inv [ceil(O/block), ceil(I/block)] fp32)`` with
-        ``w ~= fp8.float() * scale_inv`` per tile.
-    """
-    _check_2d("w", w)
-    rows, cols = w.shape
-    rb, cb = math.ceil(rows / block), math.ceil(cols / block)
-    wf = w.float()
-    # Zero padding never raises a tile's absmax, so ragged tiles get the scale of their real entries.
-    padded = torch.zeros(rb * block, cb * block, dtype=torch.float32, device=w.device)
-    padded[:rows, :cols] = wf
-    amax = padded.reshape(rb, block, cb, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (wf / _expand_blocks(scale, (rows, cols), block)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def dequantize_block_fp8(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Undo `quantize_block_fp8`: ``fp8.float() * scale_inv`` broadcast over ``block x block`` tiles.
-
-    Args:
-        fp8: ``[O, I]`` (any dtype; float8_e4m3fn in checkpoints).
-        scale_inv: ``[ceil(O/block), ceil(I/block)]``.
-        block: tile edge.
-
-    Returns:
-        ``[O, I]`` fp32 on ``fp8``'s device.
-    """
-    _check_2d("fp8", fp8)
-    rows, cols = fp8.shape
-    want = (math.ceil(rows / block), math.ceil(cols / block))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(fp8.shape)} "
-            f"with {block}x{block} blocks (expected {want})"
-        )
-    scale = scale_inv.to(device=fp8.device, dtype=torch.float32)
-    return fp8.float() * _expand_blocks(scale, (rows, cols), block)
 
 
 # --------------------------------------------------------------------------------------------------
