@@ -12,9 +12,11 @@ to the canonical ``model.*`` names this package uses internally (`canonical_name
 weights (saying so once), and also reads flat text-only checkpoints whose names are already canonical.
 
 Block-FP8 checkpoints (DeepSeek-V3 style) store a weight ``W [out, in]`` as ``float8_e4m3fn`` next to
-``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader multiplies each 128 x 128 block by its
-scale and drops the ``_scale_inv`` keys. `Glm5NextForCausalLM.load_weights` is the one strict gate
-(names, shapes, finiteness) for every source, a checkpoint or tensors in memory.
+``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader either keeps both as they are (the model
+holds them: `trtllm_glm.modules.linear.Fp8Linear`) or multiplies each 128 x 128 block by its scale and drops
+the ``_scale_inv`` keys (``dequantize=True``; the tile helpers live in `trtllm_glm.quant.fp8`).
+`Glm5NextForCausalLM.load_weights` is the one strict gate (names, shapes, finiteness) for every source, a
+checkpoint or tensors in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from safetensors.torch import save_file
 
 from ..config import Glm5NextConfig
 from ..errors import CheckpointError
-from ..quant.fp8 import FP8_MAX, dequantize_block_fp8, quantize_block_fp8
+from ..quant.fp8 import FP8_MAX, block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 
 logger = logging.getLogger("trtllm_glm")
 
@@ -206,8 +208,9 @@ def load_state_dict(
     include_mtp: bool = True,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    dequantize: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Read an HF-layout checkpoint, optionally only some layers, dequantising block-FP8 weights.
+    """Read an HF-layout checkpoint, optionally only some layers, block-FP8 weights dequantised or as they are.
 
     Only the selected tensors are read (``safe_open`` + ``get_tensor`` per key), and shards holding
     none of them are never opened.
@@ -217,12 +220,14 @@ def load_state_dict(
         layers: trunk layer indices to keep (``model.layers.{i}.*``); ``None`` keeps all. Non-layer
             weights (embedding, final norm, LM head) are always kept.
         include_mtp: keep the MTP layers ``model.layers.{num_hidden_layers + j}.*``.
-        dtype: cast every floating tensor to this dtype; ``None`` keeps the stored dtypes, except that
-            dequantised FP8 weights come back as fp32.
+        dtype: cast every floating tensor to this dtype (never an FP8 weight kept as FP8, nor its fp32
+            scale); ``None`` keeps the stored dtypes, except that dequantised FP8 weights come back as fp32.
         device: where the returned tensors live (FP8 dequantisation happens there).
+        dequantize: ``True``: FP8 weights come back dequantised, without their ``*_scale_inv`` entries;
+            ``False``: as stored (float8_e4m3fn next to the fp32 ``*_scale_inv``), checked the same way.
 
     Returns:
-        Checkpoint names -> tensors (no ``*_scale_inv`` entries for dequantised weights).
+        Checkpoint names -> tensors.
 
     Raises:
         FileNotFoundError: missing directory, ``config.json``, safetensors files or a shard.
@@ -285,16 +290,40 @@ def load_state_dict(
             raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]!r} has no FP8 weight to scale")
         t = raw[k]
         scale_key = k + SCALE_SUFFIX
+        keep_fp8 = False
         if t.dtype == torch.float8_e4m3fn:
+            where = wmap[canon[k]]
             if scale_key not in raw:
-                raise CheckpointError(f"{wmap[canon[k]]}: FP8 tensor {canon[k]!r} has no {SCALE_SUFFIX} partner")
+                raise CheckpointError(f"{where}: FP8 tensor {canon[k]!r} has no {SCALE_SUFFIX} partner")
+            module = canon[k].rsplit(".", 1)[0]
+            quant = config.quantization
+            if quant is not None and (quant.skips(module) or quant.skips(k.rsplit(".", 1)[0])):
+                raise CheckpointError(
+                    f"{where}: FP8 tensor {canon[k]!r} is listed in quantization_config.modules_to_not_convert"
+                )
+            scale = raw[scale_key]
+            if not bool(torch.isfinite(scale).all()):
+                raise CheckpointError(f"{where}: scale {canon[scale_key]!r} holds non-finite values")
             try:
-                t = dequantize_block_fp8(t.to(device), raw[scale_key], block)
+                if dequantize:
+                    t = dequantize_block_fp8(t.to(device), scale, block)
+                else:
+                    if t.dim() != 2:
+                        raise ValueError(f"block FP8 needs a 2-D tensor, got shape {tuple(t.shape)}")
+                    want = block_scale_shape(t.shape, block)
+                    if tuple(scale.shape) != want:
+                        raise ValueError(
+                            f"scale_inv shape {tuple(scale.shape)} does not match weight {tuple(t.shape)} "
+                            f"with {block}x{block} blocks (expected {want})"
+                        )
+                    out[scale_key] = scale.to(device=device, dtype=torch.float32)
+                    t = t.to(device)
+                    keep_fp8 = True
             except ValueError as e:
-                raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]}: {e}") from e
+                raise CheckpointError(f"{where}: {canon[k]}: {e}") from e
         else:
             t = t.to(device)
-        if dtype is not None and t.is_floating_point():
+        if dtype is not None and t.is_floating_point() and not keep_fp8:
             t = t.to(dtype)
         out[k] = t
     return out
