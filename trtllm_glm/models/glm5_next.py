@@ -461,7 +461,8 @@ class Glm5NextForCausalLM(nn.Module):
         sub = subset_config(config, keep) if keep is not None else config
         dt = resolve_dtype(dtype if dtype is not None else config.torch_dtype)
         # What the weights will be held as: the checkpoint's block FP8, FP8 quantised at load, or plain.
-        quant = config.quantization if mode != "none" else None
+        stored_quant = config.quantization  # (``sub`` may be ``config``: its field is replaced below)
+        quant = stored_quant if mode != "none" else None
         if quant is None and mode == "fp8":
             quant = QuantConfig.block_fp8()
         sub.quantization = quant
@@ -473,10 +474,10 @@ class Glm5NextForCausalLM(nn.Module):
         free = free_bytes(device)
         if free is not None and need > free:
             fp8_bytes = None
-            if quant is None or config.quantization is None:
+            if quant is None or stored_quant is None:
                 with torch.device("meta"):
                     alt = cls(dataclasses.replace(sub, quantization=None))
-                q = config.quantization or QuantConfig.block_fp8()
+                q = stored_quant or QuantConfig.block_fp8()
                 swap_fp8_linears_(alt, fp8_linear_names(alt, q), q.block)
                 fp8_bytes = alt.param_bytes(dt)
             check_memory(need, device, what=f"the parameters of {model!s}", hint=_memory_hint(need, fp8_bytes, device))
@@ -490,7 +491,7 @@ class Glm5NextForCausalLM(nn.Module):
         if quant is not None:
             with torch.device("meta"):
                 m = cls(sub)
-            names = _fp8_plan(m, sd, quant, quantize_plain=config.quantization is None)
+            names = _fp8_plan(m, sd, quant, quantize_plain=stored_quant is None)
             swap_fp8_linears_(m, names, quant.block)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
         return m.eval()
