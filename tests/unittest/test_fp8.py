@@ -183,9 +183,10 @@ def test_fp8_checkpoint_loads_as_fp8(fp8_ckpt) -> None:
     p = dict(m.named_parameters())
     L = m.config.num_hidden_layers
     fp8 = {n for n, t in p.items() if t.dtype == FP8}
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.kv_b_proj",
-                 "model.layers.3.self_attn.indexer.wq_b", "model.layers.0.mlp.down_proj",
-                 "model.layers.2.mlp.experts.3.up_proj", "mtp.eh_proj", "mtp.block.mlp.experts.0.gate_proj"):  # fmt: skip
+    held_fp8 = ["model.layers.0.self_attn.q_proj", "model.layers.3.self_attn.kv_b_proj",
+                "model.layers.3.self_attn.indexer.wq_b", "model.layers.0.mlp.down_proj",
+                "model.layers.2.mlp.experts.3.up_proj", "mtp.eh_proj", "mtp.block.mlp.experts.0.gate_proj"]  # fmt: skip
+    for name in held_fp8:
         assert name + ".weight" in fp8 and p[name + ".weight_scale_inv"].dtype == torch.float32, name
     assert p["lm_head.weight"].dtype == torch.float32
     assert p["model.layers.2.mlp.shared_experts.gate_proj.weight"].dtype == torch.float32
