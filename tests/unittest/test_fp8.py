@@ -240,3 +240,45 @@ def test_bf16_checkpoint_quantised_at_load(tmp_path) -> None:
     assert not isinstance(q.lm_head, Fp8Linear)
     with pytest.raises(ValueError, match="unsupported quantization 'int4'"):
         Glm5NextForCausalLM.from_pretrained("tiny", quantization="int4")
+
+
+def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
+    """The compiled-only paths (hardware e4m3 conversion, bf16 tensor-core dot) build for the H200: the interpreted
+    tests above only run (and the conftest only compiles) the integer decode with fp32 dots."""
+    from triton_compile import KernelSpec, compile_sm90
+
+    def spec(act: str, **constexprs) -> KernelSpec:
+        sig = {"x_ptr": f"*{act}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{act}", "part_ptr": "*fp32",
+               "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+               "stride_sn": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
+        return KernelSpec(
+            "trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, dict(QBLOCK=128, HW_FP8=True, **constexprs)
+        )
+
+    specs = [
+        spec("bf16", SPLIT=4, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False),  # decode
+        spec("bf16", SPLIT=1, BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False),  # prefill chunk
+        spec("fp16", SPLIT=2, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False),
+        spec("fp32", SPLIT=3, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True),
+    ]
+    for s, res in zip(specs, compile_sm90(specs)):
+        assert res["ok"], (s.constexprs, res.get("error", "")[:2000])
+
+
+def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:
+    from trtllm_glm.modules.linear import dequantize_fp8_linears_
+
+    torch.manual_seed(1)
+    mlp = GatedMLP(64, 64, swiglu_limit=None)
+    mlp.fuse_weights()
+    assert mlp._gate_up is not None and mlp._gate_up.scale is None
+    x = torch.randn(3, 64)
+    swap_fp8_linears_(mlp, ["gate_proj", "up_proj", "down_proj"], block=32)
+    assert mlp._gate_up is None  # the float group would multiply by the old weights
+    fp8_out = mlp(x)
+    mlp.fuse_weights()
+    assert mlp._gate_up is not None and mlp._gate_up.scale is not None
+    torch.testing.assert_close(mlp(x), fp8_out, rtol=1e-6, atol=1e-6)
+    assert dequantize_fp8_linears_(mlp, torch.float32) == ["gate_proj", "up_proj", "down_proj"]
+    assert mlp._gate_up is None and type(mlp.up_proj) is nn.Linear and mlp.up_proj.weight.dtype == torch.float32
+    torch.testing.assert_close(mlp(x), fp8_out, rtol=1e-5, atol=1e-6)

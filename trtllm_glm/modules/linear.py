@@ -16,8 +16,9 @@ from torch import nn
 
 from ..quant.fp8 import block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 from ..quant.ops import fp8_linear
+from .weight_views import FusedWeights
 
-__all__ = ["Fp8Linear", "is_fp8_linear", "swap_fp8_linears_"]
+__all__ = ["Fp8Linear", "dequantize_fp8_linears_", "is_fp8_linear", "swap_fp8_linears_"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -123,6 +124,7 @@ def swap_fp8_linears_(root: nn.Module, names: Iterable[str], block: int = 128) -
         ValueError: a name that is not an ``nn.Linear`` without bias.
     """
     done = []
+    replaced: set[int] = set()
     for name in names:
         mod = root.get_submodule(name)
         if isinstance(mod, Fp8Linear):
@@ -133,10 +135,41 @@ def swap_fp8_linears_(root: nn.Module, names: Iterable[str], block: int = 128) -
         parent = root.get_submodule(parent_name) if parent_name else root
         with torch.no_grad():
             setattr(parent, attr, Fp8Linear.from_linear(mod, block))
+        replaced.add(id(mod))
         done.append(name)
-    # Modules that keep views of their children's weights (the MoE's stacked experts) re-check them.
+    _forget_replaced(root, replaced)
+    return done
+
+
+def _forget_replaced(root: nn.Module, replaced: set[int]) -> None:
+    """After modules were swapped: fused groups holding a replaced module are dropped (``fuse_weights`` builds
+    them again from the new modules), and modules that keep views of their children's weights (the MoE's stacked
+    experts) re-check them."""
     for m in root.modules():
+        for attr, value in list(vars(m).items()):
+            if isinstance(value, FusedWeights) and any(id(x) in replaced for x in value.modules):
+                setattr(m, attr, None)
         mark = getattr(m, "mark_weights_changed", None)
         if callable(mark):
             mark()
-    return done
+
+
+def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Replace every `Fp8Linear` under ``root`` by an ``nn.Linear`` holding its dequantised weight in ``dtype``
+    (the same module names; benchmarks compare the two paths on one set of weights).
+
+    Returns:
+        The names replaced.
+    """
+    names = [n for n, m in root.named_modules() if isinstance(m, Fp8Linear)]
+    replaced = {id(root.get_submodule(n)) for n in names}
+    for name in names:
+        mod = root.get_submodule(name)
+        parent_name, _, attr = name.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        with torch.no_grad():
+            lin = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+            lin.weight = nn.Parameter(mod.dequantized(dtype), requires_grad=False)
+        setattr(parent, attr, lin)
+    _forget_replaced(root, replaced)
+    return names
