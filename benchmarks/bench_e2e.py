@@ -71,13 +71,19 @@ def _weight_bytes(model: Glm5NextForCausalLM, mtp: bool) -> tuple[int, int]:
     The input embedding is left out: a step reads only its rows' embeddings (counted by the caller).
     """
     dense = experts = 0
+    act = model.model.embed_tokens.weight.element_size()
     for name, p in model.named_parameters():
         if name.startswith("mtp.") != mtp or name.endswith("embed_tokens.weight"):
             continue
+        size = p.element_size()
+        if name.endswith("kv_b_proj.weight") and p.dtype == torch.float8_e4m3fn:
+            # The absorbed attention multiplies by the whole matrix: an FP8 kv_b_proj is read as its
+            # dequantised copy (`GlmKpoolSparseMLA._absorbed_fp8`), in the activations' dtype.
+            size = act
         if ".experts." in name:
-            experts += p.numel() * p.element_size()
+            experts += p.numel() * size
         else:
-            dense += p.numel() * p.element_size()
+            dense += p.numel() * size
     return dense, experts
 
 
@@ -633,6 +639,16 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=48)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument(
+        "--weights", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+        help="weights per case: bf16 (the --dtype weights) and/or fp8 (the same draws quantised to 128x128 "
+        "block FP8, lm_head kept; rows carry 'weights')",
+    )  # fmt: skip
+    ap.add_argument(
+        "--quality", action="store_true",
+        help="with fp8 weights: KL(bf16-dequantised || FP8 path) and argmax agreement of the context logits, next "
+        "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights",
+    )  # fmt: skip
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile-kernels", type=int, default=0, help="list the N costliest kernels of one step")
@@ -691,97 +707,147 @@ def main() -> None:
         cfg = subset_config(base, keep)
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
-        model = random_model(cfg, args.device, args.dtype, seed=0)
-        for B in args.batch:
-            plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
-            # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
-            plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
-            for graphs in graph_modes:
-                for mode, env in [(m, e) for m in args.modes for e in env_settings]:
-                    set_env(env)
-                    if mode.startswith("oracle") and plain is None:
-                        plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
-                                         max_batch=args.max_batch_size)  # fmt: skip
-                    cont = plain["outputs"] if plain is not None else None
-                    # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
-                    # An oracle's warm-up runs the whole length and its own output becomes the continuation:
-                    # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
-                    # a continuation that parted from the verify path's greedy tokens would be rejected
-                    # whatever the chosen acceptance.
-                    # Repeated until the continuation is the oracle run's own output (a fixed point; each pass moves
-                    # the first disagreement later), so that the drafts are right exactly as often as chosen.
-                    oracle_passes, consistent = 0, None
-                    while True:
-                        warm = run_case(model, mode, B, args.prompt_len,
-                                        args.gen if mode.startswith("oracle") else 4, args.device,
-                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
-                        if not mode.startswith("oracle"):
-                            break
-                        oracle_passes += 1
-                        consistent = warm["outputs"] == cont
-                        cont = warm["outputs"]
-                        if consistent or oracle_passes >= args.oracle_passes:
-                            break
-                    r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
-                                 graphs=graphs, profile_kernels=args.profile_kernels,
-                                 profile_host=args.profile_host, profile_sites=args.profile_sites,
-                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
-                    # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
-                    # computes the root and the proposed drafts (the rest is filler: never read).
-                    k = draft_len(mode)
-                    fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
-                                     mtp_steps=k if mode.startswith("mtp") else 0,
-                                     expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
-                    # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
-                    floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
-                    if mode == "plain":
-                        plain = plain or r
-                        plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
-                    base = plain_step.get((graphs, env))
-                    row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
-                           "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
-                           "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
-                           "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
-                           "ratio_to_floor": r["step_ms"] / floor_ms,
-                           "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
-                           # What step_vs_plain would be with both steps at their floors: verify rows reach
-                           # more experts, so a verify step's floor is above a width-one step's.
-                           "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
-                           "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
-                           "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
-                           "expected_tokens_per_step": expected_tokens_per_step(mode),
-                           "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
-                           "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
-                           "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
-                           "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
-                           "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
-                           "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
-                           # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
-                           # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
-                           "oracle_passes": oracle_passes or None,
-                           "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
-                           "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
-                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
-                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
+        for weights in args.weights:
+            model = random_model(cfg, args.device, args.dtype, seed=0)
+            if weights == "fp8":
+                model.quantize_fp8_()
+            for B in args.batch:
+                plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
+                # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
+                plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
+                for graphs in graph_modes:
+                    for mode, env in [(m, e) for m in args.modes for e in env_settings]:
+                        set_env(env)
+                        if mode.startswith("oracle") and plain is None:
+                            plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
+                                             max_batch=args.max_batch_size)  # fmt: skip
+                        cont = plain["outputs"] if plain is not None else None
+                        # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
+                        # An oracle's warm-up runs the whole length and its own output becomes the continuation:
+                        # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
+                        # a continuation that parted from the verify path's greedy tokens would be rejected
+                        # whatever the chosen acceptance.
+                        # Repeated until the continuation is the oracle run's own output (a fixed point; each pass moves
+                        # the first disagreement later), so that the drafts are right exactly as often as chosen.
+                        oracle_passes, consistent = 0, None
+                        while True:
+                            warm = run_case(model, mode, B, args.prompt_len,
+                                            args.gen if mode.startswith("oracle") else 4, args.device,
+                                            continuation=cont, graphs=graphs,
+                                            max_batch=args.max_batch_size)  # fmt: skip
+                            if not mode.startswith("oracle"):
+                                break
+                            oracle_passes += 1
+                            consistent = warm["outputs"] == cont
+                            cont = warm["outputs"]
+                            if consistent or oracle_passes >= args.oracle_passes:
+                                break
+                        r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
+                                     graphs=graphs, profile_kernels=args.profile_kernels,
+                                     profile_host=args.profile_host, profile_sites=args.profile_sites,
+                                     profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
+                        # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
+                        # computes the root and the proposed drafts (the rest is filler: never read).
+                        k = draft_len(mode)
+                        fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
+                                         mtp_steps=k if mode.startswith("mtp") else 0,
+                                         expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
+                        # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
+                        floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+                        if mode == "plain":
+                            plain = plain or r
+                            plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
+                        base = plain_step.get((graphs, env))
+                        row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
+                               "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
+                               "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
+                               "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
+                               "ratio_to_floor": r["step_ms"] / floor_ms,
+                               "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
+                               # What step_vs_plain would be with both steps at their floors: verify rows reach
+                               # more experts, so a verify step's floor is above a width-one step's.
+                               "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
+                               "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
+                               "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
+                               "expected_tokens_per_step": expected_tokens_per_step(mode),
+                               "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
+                               "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
+                               "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
+                               "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
+                               "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
+                               "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
+                               # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
+                               # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
+                               "oracle_passes": oracle_passes or None,
+                               "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
+                               "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len,
+                           "gen": args.gen,
+                               "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
+                               "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
+                        rows_out.append(row)
+                        emit(row)
+                if args.transformers:
+                    try:
+                        t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
+                        row = {"layers": L, "batch": B, "mode": "transformers", **t}
+                    except Exception as e:  # the reference may not fit or may lack a path; say so and go on
+                        row = {"layers": L, "batch": B, "mode": "transformers", "error": f"{type(e).__name__}: {e}"}
                     rows_out.append(row)
-                    emit(row)
-            if args.transformers:
-                try:
-                    t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
-                    row = {"layers": L, "batch": B, "mode": "transformers", **t}
-                except Exception as e:  # the reference may not fit or may lack a path; say so and go on
-                    row = {"layers": L, "batch": B, "mode": "transformers", "error": f"{type(e).__name__}: {e}"}
-                rows_out.append(row)
-                print(json.dumps(row), flush=True)
-        del model
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+                    print(json.dumps(row), flush=True)
+            if weights == "fp8" and args.quality:
+                q = quality(model, args.prompt_len)
+                q.update(layers=L, mode="quality", weights="fp8")
+                rows_out.append(q)
+                print(json.dumps(q), flush=True)
+            del model
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     set_env(None)
     for line in goal_lines(rows_out):
         print(line, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
+
+
+@torch.no_grad()
+def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
+    """Context-logit quality of the FP8 path on ``model`` (FP8 weights; changed in place, use it last).
+
+    Logits of one ``prompt_len``-token prompt from the FP8 model, from the same weights dequantised to the
+    activations' dtype (bf16), and to fp32. Reports ``kl_fp8`` = mean over rows of KL(bf16-dequantised || FP8
+    path) and ``argmax_fp8`` (agreement of the two), next to the bf16 floor ``kl_bf16`` = KL(fp32 || bf16) and
+    ``argmax_bf16`` on the same dequantised weights.
+    """
+    from trtllm_glm.modules.linear import dequantize_fp8_linears_
+    from trtllm_glm.runtime.llm import LLM
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
+    act = model.model.embed_tokens.weight.dtype
+
+    def logits() -> torch.Tensor:
+        llm = LLM(model, max_batch_size=1, max_seq_len=prompt_len + 8, max_num_tokens=max(2048, prompt_len),
+                  cuda_graph_config=None)  # fmt: skip
+        out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True)).context_logits.float()
+        del llm
+        return out.cpu()
+
+    fp8 = logits()
+    dequantize_fp8_linears_(model, act)
+    lo = logits()
+    model.float()
+    hi = logits()
+
+    def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+        lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+        return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+    def agree(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+    return {"prompt_len": prompt_len, "kl_fp8": kl(lo, fp8), "argmax_fp8": agree(lo, fp8),
+            "kl_bf16": kl(hi, lo), "argmax_bf16": agree(hi, lo)}  # fmt: skip
 
 
 def env_ab(spec: str | None) -> tuple[list[str | None], Callable[[str | None], None]]:
@@ -813,10 +879,20 @@ def goal_lines(rows: list[dict]) -> list[str]:
     more experts than a width-one step's, so its floor is higher and bounds what the goal can reach.
     """
     out = []
+    bf16_plain = {(r["layers"], r["batch"], r.get("graphs"), r.get("env")): r["step_ms"] for r in rows
+                  if r.get("mode") == "plain" and r.get("weights") == "bf16" and "step_ms" in r}  # fmt: skip
     for r in rows:
+        if r.get("mode") == "quality":
+            out.append(f"[goal] L={r['layers']} fp8 quality: KL(bf16-dequantised || fp8) {r['kl_fp8']:.2e}, argmax "
+                       f"{100 * r['argmax_fp8']:.1f}%; bf16 floor KL(fp32 || bf16) {r['kl_bf16']:.2e}, argmax "
+                       f"{100 * r['argmax_bf16']:.1f}%")  # fmt: skip
+            continue
         if not r.get("graphs") or "step_ms" not in r:
             continue
-        tag = f"[goal] L={r['layers']} batch {r['batch']} {r['mode']}:"
+        tag = f"[goal] L={r['layers']} batch {r['batch']} {r['mode']} {r.get('weights', 'bf16')}:"
+        ref = bf16_plain.get((r["layers"], r["batch"], r.get("graphs"), r.get("env")))
+        if r["mode"] == "plain" and r.get("weights") == "fp8" and ref:
+            out.append(f"{tag} fp8 step / bf16 step {r['step_ms'] / ref:.2f} (goal <= 0.6 at batch 1)")
         if r["mode"] in ("plain", "overlap") and r["batch"] in (1, 16):
             limit = 2.0 if r["batch"] == 1 else 2.5
             out.append(f"{tag} step / floor {r['ratio_to_floor']:.2f} (goal <= {limit}); the graph alone "
