@@ -820,7 +820,7 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
     ``argmax_bf16`` on the same dequantised weights.
     """
     from trtllm_glm.modules.linear import dequantize_fp8_linears_
-    from trtllm_glm.runtime.llm import LLM
+    from trtllm_glm.runtime.llm import LLM, KvCacheConfig
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
@@ -828,7 +828,7 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
 
     def logits() -> torch.Tensor:
         llm = LLM(model, max_batch_size=1, max_seq_len=prompt_len + 8, max_num_tokens=max(2048, prompt_len),
-                  cuda_graph_config=None)  # fmt: skip
+                  kv_cache_config=KvCacheConfig(enable_block_reuse=False), cuda_graph_config=None)  # fmt: skip
         out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True)).context_logits.float()
         del llm
         return out.cpu()
