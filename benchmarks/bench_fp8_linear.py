@@ -4,7 +4,8 @@ shapes, against the bf16 cuBLAS GEMM it replaces and the copy ceiling measured i
 Shapes (``[N, K]`` of the weight, as the model multiplies them after `fuse_weights`): the KDA input projections
 (q | k | v | f_a | g_a, ``b_proj`` apart), KDA ``o_proj``, ``f_b`` / ``g_b``, the sparse-MLA input projections
 (q_a | kv_a | indexer wk), ``q_b``, MLA ``o_proj``, the indexer's ``wq_b``, the dense MLP (gate | up, down), the
-shared expert and the MTP ``eh_proj``. ``M`` in {1, 4, 16, 64, 256}, bf16 activations and output.
+shared expert and the MTP ``eh_proj``. ``M`` in {1, 4, 16, 64, 256} (decode, verify, small chunks) and 2048
+(a prefill chunk), bf16 activations and output.
 
 Per case:
 
@@ -55,7 +56,7 @@ SHAPES: list[tuple[str, int, int]] = [
     ("shared.down", 4096, 2048),
     ("mtp.eh_proj", 4096, 8192),
 ]
-ROWS = (1, 4, 16, 64, 256)
+ROWS = (1, 4, 16, 64, 256, 2048)
 BLOCK = 128
 SWEEP: list[dict] = [
     dict(split_k=1),

@@ -282,3 +282,22 @@ def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:
     assert dequantize_fp8_linears_(mlp, torch.float32) == ["gate_proj", "up_proj", "down_proj"]
     assert mlp._gate_up is None and type(mlp.up_proj) is nn.Linear and mlp.up_proj.weight.dtype == torch.float32
     torch.testing.assert_close(mlp(x), fp8_out, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_model_fuses_the_largest_whole_tile_groups() -> None:
+    """32 x 32 tiles on the tiny preset: KDA's b_proj (4 rows) and the MLA pooling gate (a plain parameter)
+    stay apart, the other input projections fuse; logits equal the unfused model's."""
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    cfg.index_topk = 64
+    m = Glm5NextForCausalLM.from_config(cfg, seed=6)
+    m.quantize_fp8_(QuantConfig.block_fp8(32))
+    toks = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    before = ModelHarness(m).prefill_logits(0, toks)
+    m.fuse_weights()
+    kda, mla = m.model.layers[0].self_attn, m.model.layers[3].self_attn
+    assert kda._in_fused is not None and kda._in_fused.modules == [kda.q_proj, kda.k_proj, kda.v_proj,
+                                                                   kda.f_a_proj, kda.g_a_proj]  # fmt: skip
+    assert mla._in_fused is not None and mla._in_fused.modules == [mla.q_a_proj, mla.kv_a_proj_with_mqa,
+                                                                   mla.indexer.wk]  # fmt: skip
+    assert kda._in_fused.scale is not None and mla._in_fused.weight.dtype == FP8
+    torch.testing.assert_close(ModelHarness(m).prefill_logits(0, toks), before, rtol=1e-5, atol=1e-5)

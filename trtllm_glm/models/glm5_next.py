@@ -89,13 +89,16 @@ def resolve_quantization(mode: str | None) -> str:
 
 def fp8_linear_names(model: nn.Module, quant: QuantConfig) -> list[str]:
     """The ``nn.Linear`` modules of ``model`` that a block-FP8 ``quant`` holds in FP8: every one except those
-    ``modules_to_not_convert`` lists (matched on the internal and the checkpoint name) and those whose weight
-    the model keeps in FP32 (`FP32_PARAM_SUFFIXES`). Used to quantise at load and for the memory estimate;
-    an FP8 checkpoint's own tensors decide what it holds (`Glm5NextForCausalLM.from_pretrained`)."""
+    ``modules_to_not_convert`` lists (matched on the internal and the checkpoint name), those whose weight
+    the model keeps in FP32 (`FP32_PARAM_SUFFIXES`) and a tied ``lm_head``. Used to quantise at load and for
+    the memory estimate; an FP8 checkpoint's own tensors decide what it holds (`from_pretrained`)."""
     L = model.config.num_hidden_layers  # type: ignore[union-attr]
+    tied = model.config.tie_word_embeddings  # type: ignore[union-attr]
     out = []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or mod.bias is not None or is_fp32_param(name + ".weight"):
+            continue
+        if tied and name == "lm_head":  # its weight is the embedding's
             continue
         hf = _to_hf_name(name, L)
         if quant.skips(hf) or quant.skips(_to_ckpt_name(hf)) or quant.skips(name):
