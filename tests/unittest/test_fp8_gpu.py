@@ -68,16 +68,27 @@ def test_dispatch_takes_the_kernel_on_cuda() -> None:
     torch.testing.assert_close(y.float(), fp8_linear_reference(x.float(), q, s), rtol=1e-2, atol=1e-2)
 
 
-def test_fp8_model_on_cuda_graphs_and_reference() -> None:
+@pytest.mark.parametrize("skip", [["lm_head", "mlp.experts"], ["lm_head"]], ids=["experts-bf16", "experts-fp8"])
+def test_fp8_model_on_cuda_graphs_and_reference(skip) -> None:
+    """``experts-fp8`` also needs the FP8 MoE kernels (branch fp8moe); ``experts-bf16`` checks this branch alone."""
     from trtllm_glm import LLM, SamplingParams
-    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.config import Glm5NextConfig, QuantConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-    from trtllm_glm.modules.linear import Fp8Linear
+    from trtllm_glm.modules.linear import Fp8Linear, dequantize_fp8_linears_
 
     cfg = Glm5NextConfig.from_pretrained("tiny")
-    fp8 = Glm5NextForCausalLM.from_config(cfg, seed=4, dtype="bfloat16", device="cuda", quantization="fp8")
+
+    def build(dtype: torch.dtype) -> Glm5NextForCausalLM:
+        m = Glm5NextForCausalLM.from_config(cfg, seed=4)
+        m.quantize_fp8_(QuantConfig.block_fp8(128, skip))
+        m = m.to(device="cuda", dtype=dtype)
+        m.keep_fp32_params_()
+        return m.eval()
+
+    fp8 = build(torch.bfloat16)
     assert isinstance(fp8.model.layers[0].self_attn.q_proj, Fp8Linear)
     assert fp8.model.layers[0].self_attn.q_proj.weight.is_cuda
+    assert fp8.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     eager = [o.outputs[0].token_ids for o in LLM(fp8, cuda_graph_config=None).generate(prompts, sp)]
@@ -86,9 +97,7 @@ def test_fp8_model_on_cuda_graphs_and_reference() -> None:
     # Context logits of the FP8 path against the fp32 model holding the dequantised weights.
     ctx = SamplingParams(max_tokens=1, return_context_logits=True)
     a = LLM(fp8, cuda_graph_config=None).generate(prompts[1], ctx).context_logits.float()
-    ref = Glm5NextForCausalLM.from_config(cfg, seed=4, dtype="float32", device="cuda", quantization="fp8")
-    from trtllm_glm.modules.linear import dequantize_fp8_linears_
-
+    ref = build(torch.float32)
     dequantize_fp8_linears_(ref, torch.float32)
     b = LLM(ref, cuda_graph_config=None).generate(prompts[1], ctx).context_logits.float()
     assert (a - b).abs().max() <= 0.05 * b.abs().max()  # bf16 activations against fp32
