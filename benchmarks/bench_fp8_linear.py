@@ -23,8 +23,8 @@ Usage (on a CUDA machine, from the repository root)::
 
     PYTHONPATH=. python benchmarks/bench_fp8_linear.py [--quick] [--sweep] [--json PATH]
 
-``--sweep`` also times other launch shapes (``split_k``, ``block_n``, ``num_warps``, ``num_stages``) for
-``M <= 16``; the summary names the best. Without CUDA it prints a message and exits 0.
+``--sweep`` also times other launch shapes (``split_k``, ``block_n``, ``num_warps``, ``num_stages``, ``block_k``)
+per case; the summary names the best. Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -73,6 +73,16 @@ SWEEP: list[dict] = [
     dict(num_stages=6),
     dict(block_k=64),
 ]
+# Timed by --sweep for M > 16 (prefill-sized: no split).
+SWEEP_LARGE: list[dict] = [
+    dict(block_n=64),
+    dict(block_n=64, num_warps=4),
+    dict(num_warps=4),
+    dict(num_stages=2),
+    dict(num_stages=3),
+    dict(block_k=64),
+    dict(block_k=64, num_stages=4),
+]
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -90,7 +100,7 @@ def _label(kw: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
-    parser.add_argument("--sweep", action="store_true", help="also time other launch shapes (M <= 16)")
+    parser.add_argument("--sweep", action="store_true", help="also time other launch shapes")
     parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
     parser.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     args = parser.parse_args(argv)
@@ -136,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             t_bf16 = graph_us([partial(F.linear, x, w) for x, w in zip(xs, bf * copies)], reps)
             row["bf16_us"] = t_bf16
             print(f"  {case:<36} bf16 cuBLAS                      graph {t_bf16:8.2f} us", flush=True)
-            sweep = SWEEP if args.sweep and m <= 16 else []
+            sweep = (SWEEP if m <= 16 else SWEEP_LARGE) if args.sweep else []
             for kw in [{}] + sweep:
                 label = _label(kw)
                 try:

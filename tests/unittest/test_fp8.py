@@ -247,17 +247,16 @@ def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
     tests above only run (and the conftest only compiles) the integer decode with fp32 dots."""
     from triton_compile import KernelSpec, compile_sm90
 
-    def spec(act: str, **constexprs) -> KernelSpec:
+    def spec(act: str, num_warps: int = 4, **constexprs) -> KernelSpec:
         sig = {"x_ptr": f"*{act}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{act}", "part_ptr": "*fp32",
                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
                "stride_sn": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
-        return KernelSpec(
-            "trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, dict(QBLOCK=128, HW_FP8=True, **constexprs)
-        )
+        consts = dict(QBLOCK=128, HW_FP8=True, **constexprs)
+        return KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, consts, num_warps)
 
     specs = [
         spec("bf16", SPLIT=4, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False),  # decode
-        spec("bf16", SPLIT=1, BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False),  # prefill chunk
+        spec("bf16", 8, SPLIT=1, BLOCK_N=128, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False),  # prefill chunk
         spec("fp16", SPLIT=2, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False),
         spec("fp32", SPLIT=3, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True),
     ]

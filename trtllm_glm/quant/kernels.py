@@ -97,10 +97,10 @@ def launch_config(
         qblock: scale tile edge; ``block_k`` must divide it (a power of two >= 16 that does: `kernel_covers`).
         dot_fp32: IEEE fp32 products (register-bound: smaller ``block_k``).
         split_k: at most this many K chunks (decode launches; default from `_BYTES_PER_PROGRAM` / `_MIN_PROGRAMS`).
-        block_n: weight rows per program (default 16 for decode launches, 64 otherwise).
+        block_n: weight rows per program (default 16 for decode launches, 128 otherwise).
         block_k: reduction columns per step (default the largest power of two <= 128 (32 for fp32) dividing
             ``qblock``).
-        num_warps: warps per program (default 4).
+        num_warps: warps per program (default 4 for decode launches, 8 otherwise).
         num_stages: pipelined steps in flight (default: up to 4).
 
     Raises:
@@ -113,7 +113,10 @@ def launch_config(
     skinny = m <= MAX_M_SPLIT
     block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
     if block_n is None:
-        block_n = 16 if skinny else 64
+        # Prefill chunks: a 128 x 64 output tile per program (8 warps), the usual Hopper GEMM shape.
+        block_n = 16 if skinny else 128
+    if num_warps is None:
+        num_warps = 4 if skinny else 8
     if not skinny:
         split_k = 1
     elif split_k is None:
@@ -126,7 +129,7 @@ def launch_config(
     steps = kps // block_k
     if num_stages is None:
         num_stages = max(2, min(4, steps + 1))
-    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, 4 if num_warps is None else num_warps, num_stages)
+    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, num_warps, num_stages)
 
 
 @triton.jit
