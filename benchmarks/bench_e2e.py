@@ -700,108 +700,106 @@ def main() -> None:
     rows_out = []
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     env_settings, set_env = env_ab(args.env_ab)
-    for L in args.layers:
+    # Each layer count once per weights kind (--weights): the same seeded draws, bf16 or quantised to FP8.
+    for L, weights in [(L, w) for L in args.layers for w in args.weights]:
         keep = list(range(min(L, base.num_hidden_layers)))
         from trtllm_glm.models.glm5_next import subset_config
 
         cfg = subset_config(base, keep)
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
-        for weights in args.weights:
-            model = random_model(cfg, args.device, args.dtype, seed=0)
-            if weights == "fp8":
-                model.quantize_fp8_()
-            for B in args.batch:
-                plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
-                # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
-                plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
-                for graphs in graph_modes:
-                    for mode, env in [(m, e) for m in args.modes for e in env_settings]:
-                        set_env(env)
-                        if mode.startswith("oracle") and plain is None:
-                            plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
-                                             max_batch=args.max_batch_size)  # fmt: skip
-                        cont = plain["outputs"] if plain is not None else None
-                        # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
-                        # An oracle's warm-up runs the whole length and its own output becomes the continuation:
-                        # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
-                        # a continuation that parted from the verify path's greedy tokens would be rejected
-                        # whatever the chosen acceptance.
-                        # Repeated until the continuation is the oracle run's own output (a fixed point; each pass moves
-                        # the first disagreement later), so that the drafts are right exactly as often as chosen.
-                        oracle_passes, consistent = 0, None
-                        while True:
-                            warm = run_case(model, mode, B, args.prompt_len,
-                                            args.gen if mode.startswith("oracle") else 4, args.device,
-                                            continuation=cont, graphs=graphs,
-                                            max_batch=args.max_batch_size)  # fmt: skip
-                            if not mode.startswith("oracle"):
-                                break
-                            oracle_passes += 1
-                            consistent = warm["outputs"] == cont
-                            cont = warm["outputs"]
-                            if consistent or oracle_passes >= args.oracle_passes:
-                                break
-                        r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
-                                     graphs=graphs, profile_kernels=args.profile_kernels,
-                                     profile_host=args.profile_host, profile_sites=args.profile_sites,
-                                     profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
-                        # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
-                        # computes the root and the proposed drafts (the rest is filler: never read).
-                        k = draft_len(mode)
-                        fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
-                                         mtp_steps=k if mode.startswith("mtp") else 0,
-                                         expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
-                        # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
-                        floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
-                        if mode == "plain":
-                            plain = plain or r
-                            plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
-                        base = plain_step.get((graphs, env))
-                        row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
-                               "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
-                               "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
-                               "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
-                               "ratio_to_floor": r["step_ms"] / floor_ms,
-                               "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
-                               # What step_vs_plain would be with both steps at their floors: verify rows reach
-                               # more experts, so a verify step's floor is above a width-one step's.
-                               "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
-                               "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
-                               "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
-                               "expected_tokens_per_step": expected_tokens_per_step(mode),
-                               "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
-                               "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
-                               "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
-                               "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
-                               "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
-                               "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
-                               # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
-                               # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
-                               "oracle_passes": oracle_passes or None,
-                               "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
-                               "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len,
-                           "gen": args.gen,
-                               "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
-                               "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
-                        rows_out.append(row)
-                        emit(row)
-                if args.transformers:
-                    try:
-                        t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
-                        row = {"layers": L, "batch": B, "mode": "transformers", **t}
-                    except Exception as e:  # the reference may not fit or may lack a path; say so and go on
-                        row = {"layers": L, "batch": B, "mode": "transformers", "error": f"{type(e).__name__}: {e}"}
+        model = random_model(cfg, args.device, args.dtype, seed=0)
+        if weights == "fp8":
+            model.quantize_fp8_()
+        for B in args.batch:
+            plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
+            # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
+            plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
+            for graphs in graph_modes:
+                for mode, env in [(m, e) for m in args.modes for e in env_settings]:
+                    set_env(env)
+                    if mode.startswith("oracle") and plain is None:
+                        plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
+                                         max_batch=args.max_batch_size)  # fmt: skip
+                    cont = plain["outputs"] if plain is not None else None
+                    # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
+                    # An oracle's warm-up runs the whole length and its own output becomes the continuation:
+                    # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
+                    # a continuation that parted from the verify path's greedy tokens would be rejected
+                    # whatever the chosen acceptance.
+                    # Repeated until the continuation is the oracle run's own output (a fixed point; each pass moves
+                    # the first disagreement later), so that the drafts are right exactly as often as chosen.
+                    oracle_passes, consistent = 0, None
+                    while True:
+                        warm = run_case(model, mode, B, args.prompt_len,
+                                        args.gen if mode.startswith("oracle") else 4, args.device,
+                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
+                        if not mode.startswith("oracle"):
+                            break
+                        oracle_passes += 1
+                        consistent = warm["outputs"] == cont
+                        cont = warm["outputs"]
+                        if consistent or oracle_passes >= args.oracle_passes:
+                            break
+                    r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
+                                 graphs=graphs, profile_kernels=args.profile_kernels,
+                                 profile_host=args.profile_host, profile_sites=args.profile_sites,
+                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
+                    # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
+                    # computes the root and the proposed drafts (the rest is filler: never read).
+                    k = draft_len(mode)
+                    fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
+                                     mtp_steps=k if mode.startswith("mtp") else 0,
+                                     expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
+                    # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
+                    floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+                    if mode == "plain":
+                        plain = plain or r
+                        plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
+                    base = plain_step.get((graphs, env))
+                    row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
+                           "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
+                           "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
+                           "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
+                           "ratio_to_floor": r["step_ms"] / floor_ms,
+                           "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
+                           # What step_vs_plain would be with both steps at their floors: verify rows reach
+                           # more experts, so a verify step's floor is above a width-one step's.
+                           "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
+                           "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
+                           "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
+                           "expected_tokens_per_step": expected_tokens_per_step(mode),
+                           "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
+                           "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
+                           "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
+                           "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
+                           "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
+                           "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
+                           # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
+                           # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
+                           "oracle_passes": oracle_passes or None,
+                           "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
+                           "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
+                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
+                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
                     rows_out.append(row)
-                    print(json.dumps(row), flush=True)
-            if weights == "fp8" and args.quality:
-                q = quality(model, args.prompt_len)
-                q.update(layers=L, mode="quality", weights="fp8")
-                rows_out.append(q)
-                print(json.dumps(q), flush=True)
-            del model
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+                    emit(row)
+            if args.transformers:
+                try:
+                    t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
+                    row = {"layers": L, "batch": B, "mode": "transformers", **t}
+                except Exception as e:  # the reference may not fit or may lack a path; say so and go on
+                    row = {"layers": L, "batch": B, "mode": "transformers", "error": f"{type(e).__name__}: {e}"}
+                rows_out.append(row)
+                print(json.dumps(row), flush=True)
+        if weights == "fp8" and args.quality:
+            q = quality(model, args.prompt_len)
+            q.update(layers=L, mode="quality", weights="fp8")
+            rows_out.append(q)
+            print(json.dumps(q), flush=True)
+        del model
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     set_env(None)
     for line in goal_lines(rows_out):
         print(line, flush=True)
@@ -894,7 +892,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
         if r["mode"] == "plain" and r.get("weights") == "fp8" and ref:
             out.append(f"{tag} fp8 step / bf16 step {r['step_ms'] / ref:.2f} (goal <= 0.6 at batch 1)")
         if r["mode"] in ("plain", "overlap") and r["batch"] in (1, 16):
-            limit = 2.0 if r["batch"] == 1 else 2.5
+            limit = 2.0 if r["batch"] == 1 or r.get("weights") == "fp8" else 2.5  # issue 28: fp8 <= 2 at 1 and 16
             out.append(f"{tag} step / floor {r['ratio_to_floor']:.2f} (goal <= {limit}); the graph alone "
                        f"{r['replay_ms'] / r['floor_ms']:.2f}")  # fmt: skip
         elif r["mode"] == "oracle0.7" and r["batch"] == 1 and r.get("step_vs_plain"):
