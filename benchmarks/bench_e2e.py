@@ -694,7 +694,7 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(rows_out, f, indent=1)
         return
-    base = Glm5NextConfig.from_pretrained(args.preset)
+    full_cfg = Glm5NextConfig.from_pretrained(args.preset)  # (`base` is the plain row inside the loop)
     bw = copy_ceiling_gbs(args.device)
     print(json.dumps({"copy_ceiling_gbs": round(bw, 1), "device": args.device, "dtype": args.dtype}), flush=True)
     rows_out = []
@@ -702,10 +702,10 @@ def main() -> None:
     env_settings, set_env = env_ab(args.env_ab)
     # Each layer count once per weights kind (--weights): the same seeded draws, bf16 or quantised to FP8.
     for L, weights in [(L, w) for L in args.layers for w in args.weights]:
-        keep = list(range(min(L, base.num_hidden_layers)))
+        keep = list(range(min(L, full_cfg.num_hidden_layers)))
         from trtllm_glm.models.glm5_next import subset_config
 
-        cfg = subset_config(base, keep)
+        cfg = subset_config(full_cfg, keep)
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
         model = random_model(cfg, args.device, args.dtype, seed=0)
