@@ -300,3 +300,15 @@ def test_fp8_model_fuses_the_largest_whole_tile_groups() -> None:
                                                                    mla.indexer.wk]  # fmt: skip
     assert kda._in_fused.scale is not None and mla._in_fused.weight.dtype == FP8
     torch.testing.assert_close(ModelHarness(m).prefill_logits(0, toks), before, rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_option_reaches_the_cli_and_serve_yaml() -> None:
+    from trtllm_glm.cli import build_parser
+    from trtllm_glm.serve.config import llm_options_from_dict
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--quantization", "fp8"])
+    assert args.quantization == "fp8"
+    assert build_parser().parse_args(["generate", "--prompt", "hi"]).quantization is None
+    assert llm_options_from_dict({"quantization": "none"}) == {"quantization": "none"}
+    with pytest.raises(ValueError, match="quantization: expected a string"):
+        llm_options_from_dict({"quantization": 8})
