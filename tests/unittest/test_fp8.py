@@ -150,12 +150,18 @@ def test_fp8_gate_up_fuse_only_in_whole_tiles(inter, fused) -> None:
         assert mlp._fused_weight() is None
 
 
-def test_fp8_and_float_parts_never_fuse() -> None:
-    a, b = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+def test_fp8_and_float_parts_never_fuse_and_a_ragged_part_only_last() -> None:
     root = nn.Module()
-    root.a, root.b = a, b
+    root.a, root.b, root.c = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False), nn.Linear(32, 40, bias=False)
     swap_fp8_linears_(root, ["a"], block=32)
     assert FusedWeights.build([root.a, root.b]) is None
+    swap_fp8_linears_(root, ["b", "c"], block=32)
+    assert FusedWeights.build([root.c, root.a]) is None  # c's ragged tile row would share a scale row with a
+    x = torch.randn(3, 32)
+    want = torch.cat([root.a(x), root.c(x)], dim=-1)
+    f = FusedWeights.build([root.a, root.c])
+    assert f is not None and f.scale is not None and f.scale.weight.shape == (2 + 2, 1)
+    torch.testing.assert_close(f.linear(x), want, rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -284,8 +290,8 @@ def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:
 
 
 def test_fp8_model_fuses_the_largest_whole_tile_groups() -> None:
-    """32 x 32 tiles on the tiny preset: KDA's b_proj (4 rows) and the MLA pooling gate (a plain parameter)
-    stay apart, the other input projections fuse; logits equal the unfused model's."""
+    """32 x 32 tiles on the tiny preset: KDA's b_proj (4 rows, a ragged tile) fuses as the last part, the MLA
+    pooling gate (a plain parameter) stays apart; logits equal the unfused model's."""
     cfg = Glm5NextConfig.from_pretrained("tiny")
     cfg.index_topk = 64
     m = Glm5NextForCausalLM.from_config(cfg, seed=6)
@@ -295,7 +301,7 @@ def test_fp8_model_fuses_the_largest_whole_tile_groups() -> None:
     m.fuse_weights()
     kda, mla = m.model.layers[0].self_attn, m.model.layers[3].self_attn
     assert kda._in_fused is not None and kda._in_fused.modules == [kda.q_proj, kda.k_proj, kda.v_proj,
-                                                                   kda.f_a_proj, kda.g_a_proj]  # fmt: skip
+                                                                   kda.f_a_proj, kda.g_a_proj, kda.b_proj]  # fmt: skip
     assert mla._in_fused is not None and mla._in_fused.modules == [mla.q_a_proj, mla.kv_a_proj_with_mqa,
                                                                    mla.indexer.wk]  # fmt: skip
     assert kda._in_fused.scale is not None and mla._in_fused.weight.dtype == FP8

@@ -190,6 +190,8 @@ def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
 
 # Parameter groups `KimiDeltaAttention.fuse_weights` puts into one storage each (modules with ``.weight``).
 _FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
+# Block-FP8 weights fuse along `out` in whole scale tiles except the last part: b_proj (H rows) goes last.
+_FUSED_IN_B_LAST = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
 _FUSED_IN_NO_B = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj")
 _FUSED_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 
@@ -303,9 +305,11 @@ class KimiDeltaAttention(nn.Module):
         products, possibly in another GEMM kernel (last-bit differences in low precision).
         """
         # Idempotent (`FusedWeights.ensure`): a group still fused keeps its storage.
-        # Block-FP8 weights fuse along `out` only in whole scale tiles: without b_proj (H rows) when it is FP8.
+        # Block-FP8 weights fuse along `out` in whole scale tiles but for the last part: b_proj (H rows) last,
+        # or apart.
+        groups = (_FUSED_IN, _FUSED_IN_B_LAST, _FUSED_IN_NO_B)
         self._in_fused = FusedWeights.ensure_first(
-            self._in_fused, [([getattr(self, n) for n in group], None) for group in (_FUSED_IN, _FUSED_IN_NO_B)]
+            self._in_fused, [([getattr(self, n) for n in group], None) for group in groups]
         )
         self._conv_fused = FusedWeights.ensure(self._conv_fused, [getattr(self, n) for n in _FUSED_CONV])
 
@@ -336,8 +340,10 @@ class KimiDeltaAttention(nn.Module):
             # x stays in the GEMM's dtype: the decode kernel upcasts as it loads, the other paths where they
             # gather their rows (exact either way; one cast launch less per decode step).
             y = f.linear(hidden)
-            if len(f.sizes) == len(_FUSED_IN):
+            if f.modules[4] is self.b_proj:  # _FUSED_IN
                 x, fa, b, ga = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+            elif len(f.sizes) == len(_FUSED_IN_B_LAST):
+                x, fa, ga, b = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
             else:  # _FUSED_IN_NO_B
                 x, fa, ga = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
                 b = self.b_proj(hidden)

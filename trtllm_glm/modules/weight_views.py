@@ -2,8 +2,9 @@
 ``.weight`` parameters concatenated into one tensor (one GEMM instead of several).
 
 Block-FP8 parts (`trtllm_glm.modules.linear.Fp8Linear`) fuse their e4m3 weights and their scales alike, along
-``out`` only: that needs every part's ``out`` to be a multiple of the scale tile (a ragged last tile row would
-otherwise share scale rows with the next part), and a group of unequal kinds (FP8 next to float) stays unfused.
+``out`` only: that needs every part's ``out`` but the last one's to be a multiple of the scale tile (a ragged last
+tile row would otherwise share scale rows with the next part), and a group of unequal kinds (FP8 next to float)
+stays unfused.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class FusedWeights:
     def build(cls, modules: list[nn.Module], names: list[str] | None = None) -> FusedWeights | None:
         """Concatenate the modules' parameters (dim 0) into new storage and re-point each at its block;
         ``None`` (parameters left as they are) when dtypes, devices or trailing shapes differ, or for block-FP8
-        parts when a part's ``out`` is not a multiple of the scale tile or the tiles differ.
+        parts when a part's ``out`` other than the last is not a multiple of the scale tile, or the tiles differ.
 
         Args:
             modules: the owners, in block order.
@@ -70,7 +71,8 @@ class FusedWeights:
             if len(blocks) != 1 or None in blocks or any(not hasattr(m, "weight_scale_inv") for m in modules):
                 return None
             block = int(blocks.pop())
-            if set(names) != {"weight"} or any(w.shape[0] % block for w in ws):
+            # A ragged last tile row may only end the group: it must not share scale rows with a later part.
+            if set(names) != {"weight"} or any(w.shape[0] % block for w in ws[:-1]):
                 return None
             scale = cls.build(modules, ["weight_scale_inv"] * len(modules))
             if scale is None:
