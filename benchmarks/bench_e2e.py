@@ -645,6 +645,11 @@ def main() -> None:
         "block FP8, lm_head kept; rows carry 'weights')",
     )  # fmt: skip
     ap.add_argument(
+        "--fp8-skip", nargs="+", default=["lm_head"], metavar="MODULE",
+        help="modules_to_not_convert of the fp8 rows (default lm_head; add mlp.experts to keep the routed experts "
+        "in bf16, e.g. without the FP8 MoE kernels)",
+    )  # fmt: skip
+    ap.add_argument(
         "--quality", action="store_true",
         help="with fp8 weights: KL(bf16-dequantised || FP8 path) and argmax agreement of the context logits, next "
         "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights",
@@ -710,7 +715,9 @@ def main() -> None:
             cfg.num_nextn_predict_layers = 1
         model = random_model(cfg, args.device, args.dtype, seed=0)
         if weights == "fp8":
-            model.quantize_fp8_()
+            from trtllm_glm.config import QuantConfig
+
+            model.quantize_fp8_(QuantConfig.block_fp8(128, args.fp8_skip))
         for B in args.batch:
             plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
             # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
