@@ -787,6 +787,7 @@ def main() -> None:
                            "oracle_passes": oracle_passes or None,
                            "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
+                           "fp8_skip": args.fp8_skip if weights == "fp8" else None,
                            "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
                            "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
                     rows_out.append(row)
