@@ -26,7 +26,7 @@ from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
-from ..modules.linear import swap_fp8_linears_
+from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_
 from ..modules.mhc import mhc_block
 from ..modules.norm import RMSNorm
 
@@ -492,10 +492,10 @@ class Glm5NextForCausalLM(nn.Module):
         if keep is not None:
             sd = remap_layer_keys(sd, keep, config.num_hidden_layers)
         if quant is not None:
-            with torch.device("meta"):
-                m = cls(sub)
-            names = _fp8_plan(m, sd, quant, quantize_plain=stored_quant is None)
-            swap_fp8_linears_(m, names, quant.block)
+            # The checkpoint's own tensors decide (the meta model above followed the config's list).
+            names = set(_fp8_plan(m, sd, quant, quantize_plain=stored_quant is None))
+            unswap_empty_(m, [n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear) and n not in names])
+            swap_fp8_linears_(m, sorted(names), quant.block)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
         return m.eval()
 

@@ -18,7 +18,7 @@ from ..quant.fp8 import block_scale_shape, dequantize_block_fp8, quantize_block_
 from ..quant.ops import fp8_linear
 from .weight_views import FusedWeights
 
-__all__ = ["Fp8Linear", "dequantize_fp8_linears_", "is_fp8_linear", "swap_fp8_linears_"]
+__all__ = ["Fp8Linear", "dequantize_fp8_linears_", "is_fp8_linear", "swap_fp8_linears_", "unswap_empty_"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -173,3 +173,25 @@ def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype) -> list[str]:
         setattr(parent, attr, lin)
     _forget_replaced(root, replaced)
     return names
+
+
+def unswap_empty_(root: nn.Module, names: Iterable[str]) -> list[str]:
+    """Replace the `Fp8Linear` submodules ``names`` by uninitialised ``nn.Linear`` (float, on their device: meta
+    for a model about to be loaded), e.g. where a checkpoint turns out to store a weight unquantised.
+
+    Returns:
+        The names replaced.
+    """
+    done = []
+    replaced: set[int] = set()
+    for name in names:
+        mod = root.get_submodule(name)
+        if not isinstance(mod, Fp8Linear):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        setattr(parent, attr, nn.Linear(mod.in_features, mod.out_features, bias=False, device=mod.weight.device))
+        replaced.add(id(mod))
+        done.append(name)
+    _forget_replaced(root, replaced)
+    return done
