@@ -318,3 +318,19 @@ def test_quantization_option_reaches_the_cli_and_serve_yaml() -> None:
     assert llm_options_from_dict({"quantization": "none"}) == {"quantization": "none"}
     with pytest.raises(ValueError, match="quantization: expected a string"):
         llm_options_from_dict({"quantization": 8})
+
+
+def test_fp8_kv_b_proj_dequantised_once_and_refreshed_after_a_load() -> None:
+    from trtllm_glm.attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
+
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    mla = GlmKpoolSparseMLA(cfg)
+    swap_fp8_linears_(mla, ["kv_b_proj"], block=32)
+    w_uk, w_uv = mla.absorbed_weights()
+    cached = mla._kv_b_cache[1]
+    assert mla.absorbed_weights()[0].data_ptr() == cached.data_ptr()  # reused, not dequantised per step
+    want = mla.kv_b_proj.dequantized().view(w_uk.shape[0], -1, w_uk.shape[-1])
+    assert torch.equal(torch.cat([w_uk, w_uv], dim=1), want)
+    with torch.no_grad():
+        mla.kv_b_proj.weight_scale_inv.mul_(2)  # an in-place load
+    assert torch.equal(mla.absorbed_weights()[0], 2 * w_uk)

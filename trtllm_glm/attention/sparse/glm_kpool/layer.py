@@ -125,6 +125,9 @@ class GlmKpoolSparseMLA(nn.Module):
         hit = self._kv_b_cache
         if hit is not None and hit[0] == key:
             return hit[1]
+        if lin.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Made here, the copy would come from the graph's private memory pool (not ours to keep).
+            raise RuntimeError("GlmKpoolSparseMLA: FP8 kv_b_proj changed since the last eager call; run one first")
         dtype = self.q_a_layernorm.weight.dtype
         with torch.inference_mode(False), torch.no_grad():
             w = lin.dequantized(dtype)
