@@ -191,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"{case:<36} {d['graph_us']:8.2f} {r['bf16_us']:8.2f} {d['vs_bf16']:7.2f} {d['gbps']:6.0f} "
               f"{d['pct_copy']:6.1f} {d['x_floor']:7.2f} {best_s:>34}")  # fmt: skip
+    small = [r for r in rows if r["m"] <= 16 and "pct_copy" in r["variants"].get("default", {})]
+    if small:
+        pcts = [r["variants"]["default"]["pct_copy"] for r in small]
+        worst = min(small, key=lambda r: r["variants"]["default"]["pct_copy"])
+        print(f"[goal] M <= 16: {sum(p >= 80 for p in pcts)}/{len(pcts)} cases at >= 80% of the copy ceiling "
+              f"(mean {sum(pcts) / len(pcts):.1f}%, worst {worst['name']} M={worst['m']} "
+              f"{worst['variants']['default']['pct_copy']:.1f}%)")  # fmt: skip
     if args.json:
         _write_json(args.json, props.name, ceiling, rows)
     if failed:
