@@ -115,6 +115,7 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         seed=args.seed,
         prefill_chunk_size=args.prefill_chunk_size,
@@ -383,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="seed of preset weights (default 0)")
     g.add_argument("--dtype", default=None, help="parameter dtype, e.g. bfloat16 (default: the checkpoint's)")
+    g.add_argument(
+        "--quantization", choices=["auto", "fp8", "none"], default=None,
+        help="auto: block-FP8 checkpoints stay FP8 (default); fp8: also quantise bf16 weights at load; "
+        "none: dequantise at load",
+    )  # fmt: skip
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--tokens-per-block", type=int, default=16, metavar="N", help="KV page size, a multiple of 4")
     g.add_argument("--max-num-tokens", type=int, default=512, metavar="N", help="token rows per step (default 512)")
@@ -410,7 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)", formatter_class=fmt,
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,\n"
         "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
-        "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, device,\n"
+        "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, quantization,\n"
+        "device, "
         "kv_cache_config {tokens_per_block, max_tokens}, speculative_config {decoding_type: MTP | NGram, ...}.",
     )  # fmt: skip
     s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")

@@ -154,6 +154,31 @@ class QuantConfig:
             raise ConfigError("quantization_config.modules_to_not_convert: must be a list of strings")
         return cls(weight_block_size=(int(block[0]), int(block[1])), modules_to_not_convert=list(skip), raw=dict(d))
 
+    @classmethod
+    def block_fp8(cls, block: int = 128, modules_to_not_convert: list[str] | None = None) -> QuantConfig:
+        """The config a model quantised at load writes back (``quant_method: fp8``, e4m3, dynamic activations)."""
+        skip = ["lm_head"] if modules_to_not_convert is None else list(modules_to_not_convert)
+        raw = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+               "weight_block_size": [block, block], "modules_to_not_convert": skip}  # fmt: skip
+        return cls(weight_block_size=(block, block), modules_to_not_convert=skip, raw=raw)
+
+    @property
+    def block(self) -> int:
+        """The square scale tile edge (a non-square ``weight_block_size`` is refused)."""
+        rows, cols = self.weight_block_size
+        if rows != cols:
+            raise ConfigError(
+                f"quantization_config.weight_block_size: only square tiles are supported, got {[rows, cols]}"
+            )
+        return rows
+
+    def skips(self, module: str) -> bool:
+        """Whether module name ``module`` (e.g. ``model.language_model.layers.3.mlp.gate``) is listed in
+        ``modules_to_not_convert``: an entry matches whole dotted segments (``lm_head``, ``mlp.gate``, a full
+        module name), never part of a segment (``gate`` does not match ``gate_proj``)."""
+        name = f".{module}."
+        return any(f".{p.strip('.')}." in name for p in self.modules_to_not_convert if p.strip("."))
+
 
 @dataclass
 class Glm5NextConfig:

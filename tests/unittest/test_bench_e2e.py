@@ -29,3 +29,15 @@ def test_oracle_goal_line_reports_realised_and_expected() -> None:
     (line,) = goal_lines([row])
     assert "tokens/s vs plain 1.60" in line and "at both floors 1.54" in line
     assert "2.00 tokens per round realised, 2.53 expected: 2.03 vs plain at this step cost, 1.95 at both floors" in line
+
+
+def test_fp8_goal_lines_compare_with_the_bf16_step_and_report_quality() -> None:
+    plain = {"layers": 4, "batch": 1, "mode": "plain", "graphs": True, "env": None, "ratio_to_floor": 1.8,
+             "replay_ms": 1.5, "floor_ms": 0.9}  # fmt: skip
+    rows = [dict(plain, weights="bf16", step_ms=1.6), dict(plain, weights="fp8", step_ms=0.96),
+            {"layers": 4, "mode": "quality", "weights": "fp8", "kl_fp8": 1.5e-4, "argmax_fp8": 0.97,
+             "kl_bf16": 2e-5, "argmax_bf16": 0.99}]  # fmt: skip
+    lines = goal_lines(rows)
+    assert any("plain fp8: fp8 step / bf16 step 0.60 (goal <= 0.6 at batch 1)" in x for x in lines)
+    assert any("KL(bf16-dequantised || fp8) 1.50e-04, argmax 97.0%; bf16 floor KL(fp32 || bf16) 2.00e-05" in x
+               for x in lines)  # fmt: skip

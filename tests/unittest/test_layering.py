@@ -1,6 +1,6 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
-above `config` / `errors`; `linear/` (a kernel package the modules and the attention call) imports only
-`triton_interp`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
+above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
+only `triton_interp`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
 `runtime/` (module-level or lazily)."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def files(sub: str) -> list[Path]:
         ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.linear")),
         # The layers import distributed/: it stays below them (the process machinery lives in runtime/ranks.py).
         ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.distributed")),
+        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.quant")),
     ],
 )
 def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
@@ -53,7 +54,7 @@ def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
 
 
 @pytest.mark.parametrize(
-    "sub", ["state", "linear", "distributed", "attention", "kda", "cache", "models", "speculative"]
+    "sub", ["state", "linear", "quant", "distributed", "attention", "kda", "cache", "models", "speculative"]
 )
 def test_nothing_below_the_runtime_imports_it(sub: str) -> None:
     above = ("trtllm_glm.runtime", "trtllm_glm.serve", "trtllm_glm.cli")

@@ -114,7 +114,13 @@ def test_vision_weights_are_skipped_with_one_message(saved, tmp_path, caplog) ->
     assert torch.equal(m2.lm_head.weight, model.lm_head.weight)
 
 
-def test_block_fp8_weights_dequantise_and_skip_listed_modules(saved, tmp_path) -> None:
+_QCFG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}  # fmt: skip
+
+
+def _fp8_checkpoint(saved, dst, extra=None, qcfg=_QCFG) -> list[str]:
+    """``saved`` with every 2-D ``*proj.weight`` outside the indexer stored block-FP8 (+ ``extra(sd)``), config
+    carrying ``qcfg``; returns the quantised names."""
     model, d = saved
     quantised = []
 
@@ -123,20 +129,89 @@ def test_block_fp8_weights_dequantise_and_skip_listed_modules(saved, tmp_path) -
             if k.endswith("proj.weight") and sd[k].dim() == 2 and "indexer" not in k:
                 sd[k], sd[k + "_scale_inv"] = quantize_block_fp8(sd[k])
                 quantised.append(k)
+        if extra is not None:
+            extra(sd)
 
-    _rewrite(d, tmp_path, quantise)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    m2 = Glm5NextForCausalLM.from_pretrained(str(tmp_path))
-    assert m2.config.quantization is not None
-    p1, p2 = dict(model.named_parameters()), dict(m2.named_parameters())
+    _rewrite(d, dst, quantise)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = qcfg
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return quantised
+
+
+def test_block_fp8_weights_load_as_fp8_or_dequantised_and_skip_listed_modules(saved, tmp_path) -> None:
+    model, _ = saved
+    quantised = _fp8_checkpoint(saved, tmp_path)
+    p1 = dict(model.named_parameters())
     name = "model.layers.3.self_attn.q_a_proj.weight"
     assert PRE + "layers.3.self_attn.q_a_proj.weight" in quantised
-    err = (p2[name] - p1[name]).abs().max() / p1[name].abs().max()
-    assert 0 < err < 0.07  # e4m3 keeps 3 mantissa bits
+    # Default: held as FP8 (codes and scales as stored).
+    m2 = Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    assert m2.config.quantization is not None
+    p2 = dict(m2.named_parameters())
+    assert p2[name].dtype == torch.float8_e4m3fn and p2[name + "_scale_inv"].dtype == torch.float32
+    w8, s = quantize_block_fp8(p1[name])
+    assert torch.equal(p2[name].view(torch.uint8), w8.view(torch.uint8)) and torch.equal(p2[name + "_scale_inv"], s)
     assert torch.equal(p2["lm_head.weight"], p1["lm_head.weight"])  # not converted: bit-exact
+    # Debug option: dequantised at load.
+    m3 = Glm5NextForCausalLM.from_pretrained(str(tmp_path), quantization="none")
+    p3 = dict(m3.named_parameters())
+    assert p3[name].dtype == torch.float32 and name + "_scale_inv" not in p3
+    err = (p3[name] - p1[name]).abs().max() / p1[name].abs().max()
+    assert 0 < err < 0.07  # e4m3 keeps 3 mantissa bits
+    assert torch.equal(p3["lm_head.weight"], p1["lm_head.weight"])
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (lambda sd: sd.pop(PRE + "layers.0.self_attn.q_proj.weight_scale_inv"),
+         "FP8 tensor 'model.language_model.layers.0.self_attn.q_proj.weight' has no _scale_inv partner"),
+        (lambda sd: sd.__setitem__(PRE + "layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(2, 1)),
+         r"model.language_model.layers.0.self_attn.q_proj.weight: scale_inv shape \(2, 1\) does not match"),
+        (lambda sd: sd[PRE + "layers.0.self_attn.o_proj.weight_scale_inv"].__setitem__((0, 0), float("nan")),
+         "scale 'model.language_model.layers.0.self_attn.o_proj.weight_scale_inv' holds non-finite values"),
+        (lambda sd: sd[PRE + "layers.0.self_attn.o_proj.weight"].view(torch.uint8).__setitem__((3, 5), 0x7F),
+         "tensor 'model.language_model.layers.0.self_attn.o_proj.weight' holds non-finite values"),
+    ],
+)  # fmt: skip
+def test_block_fp8_defects_are_one_line_errors(saved, tmp_path, extra, match) -> None:
+    _fp8_checkpoint(saved, tmp_path, extra)
+    with pytest.raises(CheckpointError, match=match) as e:
+        Glm5NextForCausalLM.from_pretrained(str(tmp_path))
+    _one_line(e)
+
+
+def test_fp8_tensor_listed_in_modules_to_not_convert_is_refused(saved, tmp_path) -> None:
+    qcfg = dict(_QCFG, modules_to_not_convert=["lm_head", "layers.2.mlp.shared_experts.down_proj"])
+    _fp8_checkpoint(saved, tmp_path, qcfg=qcfg)
+    for mode in (None, "none"):
+        want = "FP8 tensor 'model.language_model.layers.2.mlp.shared_experts.down_proj.weight' is listed in"
+        with pytest.raises(CheckpointError, match=want + " quantization_config.modules_to_not_convert") as e:
+            Glm5NextForCausalLM.from_pretrained(str(tmp_path), quantization=mode)
+        _one_line(e)
+
+
+def test_fp8_memory_estimate_and_refusal_names_parallelism() -> None:
+    from trtllm_glm.models.glm5_next import subset_config
+
+    # A real-geometry slice (a dense and a 288-expert MoE layer, sparse MLA, the MTP layer): the whole model's
+    # 46 layers would take ten times as long to build on the meta device.
+    cfg = subset_config(Glm5NextConfig.from_pretrained("glm-5.3-flash"), [0, 3])
+    with torch.device("meta"):
+        m = Glm5NextForCausalLM(cfg)
+    bf16 = m.param_bytes(torch.bfloat16)
+    m.quantize_fp8_()
+    fp8 = m.param_bytes(torch.bfloat16)
+    assert 0.45 < fp8 / bf16 < 0.55  # nearly every weight is a quantised linear
+    from trtllm_glm.models.glm5_next import _memory_hint
+
+    hint = _memory_hint(bf16, fp8, "cpu")
+    assert f"quantization='fp8') need about {fp8 / (1 << 30):.1f} GiB" in hint
+    small = _memory_hint(1 << 62, 1 << 20, "cpu")
+    assert small.endswith("which fits")
+    huge = _memory_hint(1 << 62, 1 << 61, "cpu")
+    assert "tensor / expert parallelism" in huge
 
 
 def test_memory_estimate_refuses_before_allocating(monkeypatch) -> None:

@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import Glm5NextConfig
 from ..modules.weight_views import FusedWeights, refuse_stale
@@ -191,7 +190,16 @@ def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
 
 # Parameter groups `KimiDeltaAttention.fuse_weights` puts into one storage each (modules with ``.weight``).
 _FUSED_IN = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", "g_a_proj")
+# Block-FP8 weights fuse along `out` in whole scale tiles except the last part: b_proj (H rows) goes last.
+_FUSED_IN_B_LAST = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
+_FUSED_IN_NO_B = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj")
 _FUSED_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
+
+
+def _act_dtype(linear: nn.Module, hidden: torch.Tensor) -> torch.dtype:
+    """The dtype ``linear`` multiplies in: its weight's, or the activations' for a block-FP8 weight."""
+    w = linear.weight
+    return hidden.dtype if w.dtype == torch.float8_e4m3fn else w.dtype
 
 
 class KimiDeltaAttention(nn.Module):
@@ -297,7 +305,12 @@ class KimiDeltaAttention(nn.Module):
         products, possibly in another GEMM kernel (last-bit differences in low precision).
         """
         # Idempotent (`FusedWeights.ensure`): a group still fused keeps its storage.
-        self._in_fused = FusedWeights.ensure(self._in_fused, [getattr(self, n) for n in _FUSED_IN])
+        # Block-FP8 weights fuse along `out` in whole scale tiles but for the last part: b_proj (H rows) last,
+        # or apart.
+        groups = (_FUSED_IN, _FUSED_IN_B_LAST, _FUSED_IN_NO_B)
+        self._in_fused = FusedWeights.ensure_first(
+            self._in_fused, [([getattr(self, n) for n in group], None) for group in groups]
+        )
         self._conv_fused = FusedWeights.ensure(self._conv_fused, [getattr(self, n) for n in _FUSED_CONV])
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
@@ -326,7 +339,14 @@ class KimiDeltaAttention(nn.Module):
             # Columns q | k | v (the conv channels, already in order), f_a, b, g_a.
             # x stays in the GEMM's dtype: the decode kernel upcasts as it loads, the other paths where they
             # gather their rows (exact either way; one cast launch less per decode step).
-            x, fa, b, ga = F.linear(hidden, f.weight).split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+            y = f.linear(hidden)
+            if f.modules[4] is self.b_proj:  # _FUSED_IN
+                x, fa, b, ga = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+            elif len(f.sizes) == len(_FUSED_IN_B_LAST):
+                x, fa, ga, b = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+            else:  # _FUSED_IN_NO_B
+                x, fa, ga = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
+                b = self.b_proj(hidden)
         else:
             x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
             fa, b, ga = self.f_a_proj(hidden), self.b_proj(hidden), None
@@ -352,7 +372,7 @@ class KimiDeltaAttention(nn.Module):
         if ga is None:
             ga = self.g_a_proj(hidden)
         gate = self.g_b_proj(ga).view(N, self.num_heads, self.head_v_dim)
-        y = self.o_norm(o, gate, self.o_proj.weight.dtype).reshape(N, -1)
+        y = self.o_norm(o, gate, _act_dtype(self.o_proj, hidden)).reshape(N, -1)
         return self.o_proj(y).to(hidden.dtype)
 
     @staticmethod

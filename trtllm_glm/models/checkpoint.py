@@ -12,16 +12,17 @@ to the canonical ``model.*`` names this package uses internally (`canonical_name
 weights (saying so once), and also reads flat text-only checkpoints whose names are already canonical.
 
 Block-FP8 checkpoints (DeepSeek-V3 style) store a weight ``W [out, in]`` as ``float8_e4m3fn`` next to
-``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader multiplies each 128 x 128 block by its
-scale and drops the ``_scale_inv`` keys. `Glm5NextForCausalLM.load_weights` is the one strict gate
-(names, shapes, finiteness) for every source, a checkpoint or tensors in memory.
+``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader either keeps both as they are (the model
+holds them: `trtllm_glm.modules.linear.Fp8Linear`) or multiplies each 128 x 128 block by its scale and drops
+the ``_scale_inv`` keys (``dequantize=True``; the tile helpers live in `trtllm_glm.quant.fp8`).
+`Glm5NextForCausalLM.load_weights` is the one strict gate (names, shapes, finiteness) for every source, a
+checkpoint or tensors in memory.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -34,6 +35,7 @@ from ..config import Glm5NextConfig
 from ..distributed.mapping import ParallelConfigError
 from ..distributed.sharding import SKIP, Shard, ShardFn
 from ..errors import CheckpointError
+from ..quant.fp8 import FP8_MAX, block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 
 logger = logging.getLogger("trtllm_glm")
 
@@ -56,8 +58,6 @@ _VISION_PREFIXES = ("model.visual.", "model.vision_tower.", "visual.", "vision_t
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SCALE_SUFFIX = "_scale_inv"
-FP8_MAX = 448.0
-"""Largest finite float8_e4m3fn magnitude; a block's scale maps its absmax onto it."""
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -73,70 +73,6 @@ def canonical_name(name: str) -> str | None:
 
 
 _OWN_FILE_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
-
-
-# --------------------------------------------------------------------------------------------------
-# Block FP8
-# --------------------------------------------------------------------------------------------------
-def _check_2d(name: str, t: torch.Tensor) -> None:
-    if t.dim() != 2:
-        raise ValueError(f"{name}: block FP8 needs a 2-D tensor, got shape {tuple(t.shape)}")
-
-
-def _expand_blocks(scale: torch.Tensor, shape: tuple[int, int], block: int) -> torch.Tensor:
-    """``[ceil(O/b), ceil(I/b)]`` -> ``[O, I]``, each scale repeated over its block (ragged edges cut)."""
-    rows, cols = shape
-    return scale.repeat_interleave(block, dim=0)[:rows].repeat_interleave(block, dim=1)[:, :cols]
-
-
-def quantize_block_fp8(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a weight to float8_e4m3fn with one fp32 scale per ``block x block`` tile.
-
-    Each tile's scale is ``amax / 448`` so its largest entry lands on the top of the e4m3 range; an
-    all-zero tile gets scale 1 (any scale reproduces zeros, and 1 keeps the scale finite).
-
-    Args:
-        w: ``[O, I]`` floating weight.
-        block: tile edge.
-
-    Returns:
-        ``(fp8 [O, I] float8_e4m3fn, scale_inv [ceil(O/block), ceil(I/block)] fp32)`` with
-        ``w ~= fp8.float() * scale_inv`` per tile.
-    """
-    _check_2d("w", w)
-    rows, cols = w.shape
-    rb, cb = math.ceil(rows / block), math.ceil(cols / block)
-    wf = w.float()
-    # Zero padding never raises a tile's absmax, so ragged tiles get the scale of their real entries.
-    padded = torch.zeros(rb * block, cb * block, dtype=torch.float32, device=w.device)
-    padded[:rows, :cols] = wf
-    amax = padded.reshape(rb, block, cb, block).abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (wf / _expand_blocks(scale, (rows, cols), block)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def dequantize_block_fp8(fp8: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """Undo `quantize_block_fp8`: ``fp8.float() * scale_inv`` broadcast over ``block x block`` tiles.
-
-    Args:
-        fp8: ``[O, I]`` (any dtype; float8_e4m3fn in checkpoints).
-        scale_inv: ``[ceil(O/block), ceil(I/block)]``.
-        block: tile edge.
-
-    Returns:
-        ``[O, I]`` fp32 on ``fp8``'s device.
-    """
-    _check_2d("fp8", fp8)
-    rows, cols = fp8.shape
-    want = (math.ceil(rows / block), math.ceil(cols / block))
-    if tuple(scale_inv.shape) != want:
-        raise ValueError(
-            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(fp8.shape)} "
-            f"with {block}x{block} blocks (expected {want})"
-        )
-    scale = scale_inv.to(device=fp8.device, dtype=torch.float32)
-    return fp8.float() * _expand_blocks(scale, (rows, cols), block)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,8 +212,9 @@ def load_state_dict(
     device: str | torch.device = "cpu",
     shard: ShardFn | None = None,
     stats: dict[str, int] | None = None,
+    dequantize: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Read an HF-layout checkpoint, optionally only some layers, dequantising block-FP8 weights.
+    """Read an HF-layout checkpoint, optionally only some layers, block-FP8 weights dequantised or as they are.
 
     Only the selected tensors are read (``safe_open`` + ``get_tensor`` per key), and shards holding
     none of them are never opened. With ``shard`` (one rank of a tensor / expert parallel layout,
@@ -290,15 +227,17 @@ def load_state_dict(
         layers: trunk layer indices to keep (``model.layers.{i}.*``); ``None`` keeps all. Non-layer
             weights (embedding, final norm, LM head) are always kept.
         include_mtp: keep the MTP layers ``model.layers.{num_hidden_layers + j}.*``.
-        dtype: cast every floating tensor to this dtype; ``None`` keeps the stored dtypes, except that
-            dequantised FP8 weights come back as fp32.
+        dtype: cast every floating tensor to this dtype (never an FP8 weight kept as FP8, nor its fp32
+            scale); ``None`` keeps the stored dtypes, except that dequantised FP8 weights come back as fp32.
         device: where the returned tensors live (FP8 dequantisation happens there).
         shard: ``shard(canonical name, full shape)`` -> `SKIP` or ``(local name, Shard or None)``; the
             returned names are the local ones.
         stats: if given, ``stats["bytes_read"]`` grows by the bytes of tensor data read from the files.
+        dequantize: ``True``: FP8 weights come back dequantised, without their ``*_scale_inv`` entries;
+            ``False``: as stored (float8_e4m3fn next to the fp32 ``*_scale_inv``), checked the same way.
 
     Returns:
-        Checkpoint names -> tensors (no ``*_scale_inv`` entries for dequantised weights).
+        Checkpoint names -> tensors.
 
     Raises:
         FileNotFoundError: missing directory, ``config.json``, safetensors files or a shard.
@@ -369,16 +308,40 @@ def load_state_dict(
             raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]!r} has no FP8 weight to scale")
         t = raw[k]
         scale_key = k + SCALE_SUFFIX
+        keep_fp8 = False
         if t.dtype == torch.float8_e4m3fn:
+            where = wmap[canon[k]]
             if scale_key not in raw:
-                raise CheckpointError(f"{wmap[canon[k]]}: FP8 tensor {canon[k]!r} has no {SCALE_SUFFIX} partner")
+                raise CheckpointError(f"{where}: FP8 tensor {canon[k]!r} has no {SCALE_SUFFIX} partner")
+            module = canon[k].rsplit(".", 1)[0]
+            quant = config.quantization
+            if quant is not None and (quant.skips(module) or quant.skips(k.rsplit(".", 1)[0])):
+                raise CheckpointError(
+                    f"{where}: FP8 tensor {canon[k]!r} is listed in quantization_config.modules_to_not_convert"
+                )
+            scale = raw[scale_key]
+            if not bool(torch.isfinite(scale).all()):
+                raise CheckpointError(f"{where}: scale {canon[scale_key]!r} holds non-finite values")
             try:
-                t = dequantize_block_fp8(t.to(device), raw[scale_key], block)
+                if dequantize:
+                    t = dequantize_block_fp8(t.to(device), scale, block)
+                else:
+                    if t.dim() != 2:
+                        raise ValueError(f"block FP8 needs a 2-D tensor, got shape {tuple(t.shape)}")
+                    want = block_scale_shape(t.shape, block)
+                    if tuple(scale.shape) != want:
+                        raise ValueError(
+                            f"scale_inv shape {tuple(scale.shape)} does not match weight {tuple(t.shape)} "
+                            f"with {block}x{block} blocks (expected {want})"
+                        )
+                    out[local_name.get(scale_key, scale_key)] = scale.to(device=device, dtype=torch.float32)
+                    t = t.to(device)
+                    keep_fp8 = True
             except ValueError as e:
-                raise CheckpointError(f"{wmap[canon[k]]}: {canon[k]}: {e}") from e
+                raise CheckpointError(f"{where}: {canon[k]}: {e}") from e
         else:
             t = t.to(device)
-        if dtype is not None and t.is_floating_point():
+        if dtype is not None and t.is_floating_point() and not keep_fp8:
             t = t.to(dtype)
         out[local_name.get(k, k)] = t
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Iterable
 
@@ -20,7 +21,7 @@ from torch import nn
 from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
-from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, resolve_preset_dir
+from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, QuantConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping
 from ..distributed.sharding import local_config, shard_fn, shard_state_dict
@@ -28,10 +29,19 @@ from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
+from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_
 from ..modules.mhc import mhc_block
 from ..modules.norm import RMSNorm
 
-__all__ = ["Glm5NextDecoderLayer", "Glm5NextMTPLayer", "Glm5NextModel", "Glm5NextForCausalLM", "resolve_dtype"]
+__all__ = [
+    "QUANTIZATION_MODES",
+    "Glm5NextDecoderLayer",
+    "Glm5NextMTPLayer",
+    "Glm5NextModel",
+    "Glm5NextForCausalLM",
+    "resolve_dtype",
+    "resolve_quantization",
+]
 
 
 # Parameters kept in FP32 whatever the model dtype: router scores and bias (a bf16 bias reorders near-tied
@@ -56,6 +66,48 @@ FP32_PARAM_SUFFIXES = (
 
 def is_fp32_param(name: str) -> bool:
     return name.endswith(FP32_PARAM_SUFFIXES)
+
+
+SCALE_SUFFIX = "_scale_inv"
+QUANTIZATION_MODES = ("auto", "fp8", "none")
+"""How `Glm5NextForCausalLM.from_pretrained` holds the weights (vLLM's ``quantization`` name):
+
+* ``"auto"`` (default): as the source has them: a block-FP8 checkpoint's quantized weights stay FP8 (e4m3 codes
+  plus fp32 tile scales), everything else in ``dtype``;
+* ``"fp8"``: like ``"auto"``, and a source without ``quantization_config`` (a bf16 checkpoint, a preset's
+  random weights) is quantised to block FP8 at load (128 x 128 tiles; ``lm_head`` kept);
+* ``"none"``: every weight dequantised to ``dtype`` at load (debugging)."""
+
+
+def resolve_quantization(mode: str | None) -> str:
+    """``None`` -> ``"auto"``; anything else must be one of `QUANTIZATION_MODES` (``"bf16"`` is taken as
+    ``"none"``, the name ``bench_e2e.py --weights`` uses)."""
+    if mode is None:
+        return "auto"
+    mode = {"bf16": "none", "bfloat16": "none"}.get(mode, mode)
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"unsupported quantization {mode!r} (expected one of {list(QUANTIZATION_MODES)})")
+    return mode
+
+
+def fp8_linear_names(model: nn.Module, quant: QuantConfig) -> list[str]:
+    """The ``nn.Linear`` modules of ``model`` that a block-FP8 ``quant`` holds in FP8: every one except those
+    ``modules_to_not_convert`` lists (matched on the internal and the checkpoint name), those whose weight
+    the model keeps in FP32 (`FP32_PARAM_SUFFIXES`) and a tied ``lm_head``. Used to quantise at load and for
+    the memory estimate; an FP8 checkpoint's own tensors decide what it holds (`from_pretrained`)."""
+    L = model.config.num_hidden_layers  # type: ignore[union-attr]
+    tied = model.config.tie_word_embeddings  # type: ignore[union-attr]
+    out = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or mod.bias is not None or is_fp32_param(name + ".weight"):
+            continue
+        if tied and name == "lm_head":  # its weight is the embedding's
+            continue
+        hf = _to_hf_name(name, L)
+        if quant.skips(hf) or quant.skips(_to_ckpt_name(hf)) or quant.skips(name):
+            continue
+        out.append(name)
+    return out
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -380,9 +432,14 @@ class Glm5NextForCausalLM(nn.Module):
         dtype: torch.dtype | str = "float32",
         device: str = "cpu",
         mapping: Mapping | None = None,
+        quantization: str | None = None,
     ) -> Glm5NextForCausalLM:
         """A seeded random model (the tiny preset's weights are this). With a parallel ``mapping``: this
-        rank's share of the same weights (the whole model is drawn on the CPU, then cut)."""
+        rank's share of the same weights (the whole model is drawn on the CPU, then cut);
+        ``quantization="fp8"`` holds the draws quantised to block FP8 (`quantize_fp8_`; under a parallel
+        mapping each rank quantises its own share, which equals a cut of the whole model's quantisation where
+        the cuts fall on 128-wide tiles)."""
+        mode = resolve_quantization(quantization)
         with torch.device("cpu"):
             m = cls(config)
         m.reset_parameters(seed)
@@ -392,9 +449,25 @@ class Glm5NextForCausalLM(nn.Module):
             with torch.device("meta"):
                 m = cls(config, mapping=mapping)
             m.load_weights(shard_state_dict(full, config, mapping), device="cpu", source="preset")
+        if mode == "fp8" or (mode == "auto" and config.quantization is not None):
+            m.quantize_fp8_(config.quantization)
         m = m.to(device=device, dtype=resolve_dtype(dtype))
         m.keep_fp32_params_()
         return m.eval()
+
+    @torch.no_grad()
+    def quantize_fp8_(self, quant: QuantConfig | None = None) -> list[str]:
+        """Hold the `fp8_linear_names` linears in block FP8 (`Fp8Linear`, weights quantised from their current
+        values) and record ``quant`` (default `QuantConfig.block_fp8`: 128 x 128 tiles, ``lm_head`` kept) as the
+        config's ``quantization_config``, so that `save_pretrained` writes a block-FP8 checkpoint.
+
+        Returns:
+            The module names now held in FP8.
+        """
+        quant = quant if quant is not None else QuantConfig.block_fp8()
+        names = swap_fp8_linears_(self, fp8_linear_names(self, quant), quant.block)
+        self.config.quantization = quant
+        return names
 
     @torch.no_grad()
     def fuse_weights(self) -> None:
@@ -422,6 +495,7 @@ class Glm5NextForCausalLM(nn.Module):
         seed: int = 0,
         mapping: Mapping | None = None,
         load_stats: dict[str, int] | None = None,
+        quantization: str | None = None,
     ) -> Glm5NextForCausalLM:
         """A preset name (seeded random weights, or the shipped checkpoint of a trained preset such as
         ``"small"``) or a checkpoint directory (real VL layout or flat).
@@ -429,8 +503,12 @@ class Glm5NextForCausalLM(nn.Module):
         With a parallel ``mapping`` the model is that rank's share, and a checkpoint rank reads only its
         slices of the files (`trtllm_glm.distributed.sharding`; ``load_stats["bytes_read"]`` counts them).
 
-        The parameter memory is estimated from the config before anything is allocated or read, and a
-        model that cannot fit in the device's free memory is refused with the estimate.
+        The parameter memory is estimated from the config before anything is allocated or read (FP8 weights
+        at one byte), and a model that cannot fit in the device's free memory is refused with the estimate.
+
+        Block-FP8 checkpoints: every weight stored as float8_e4m3fn with its ``weight_scale_inv`` whose module
+        is an ``nn.Linear`` is held as it is (`Fp8Linear`); an FP8 tensor of any other parameter (the router,
+        the FP32-kept weights, mHC) is dequantised. ``quantization`` (`QUANTIZATION_MODES`) changes that.
 
         Args:
             model: ``"tiny"``, ``"glm-5.3-flash"`` or a directory with ``config.json`` and safetensors.
@@ -438,35 +516,65 @@ class Glm5NextForCausalLM(nn.Module):
             dtype: parameter dtype; defaults to the config's ``torch_dtype``.
             device: parameter device.
             seed: seed for presets.
+            quantization: ``"auto"`` (default), ``"fp8"`` or ``"none"`` (`QUANTIZATION_MODES`).
 
         Raises:
             ConfigError: unknown preset, bad or unknown config keys.
-            CheckpointError: missing / unexpected / misshapen / non-finite tensors, unreadable files,
-                not enough memory.
+            CheckpointError: missing / unexpected / misshapen / non-finite tensors or scales, an FP8 tensor
+                listed in ``modules_to_not_convert``, unreadable files, not enough memory.
         """
+        mode = resolve_quantization(quantization)
         model = resolve_preset_dir(model)  # a preset that ships trained weights loads like its directory
         config = Glm5NextConfig.from_pretrained(model)
         keep = list(layers) if layers is not None else None
         sub = subset_config(config, keep) if keep is not None else config
         dt = resolve_dtype(dtype if dtype is not None else config.torch_dtype)
+        # What the weights will be held as: the checkpoint's block FP8, FP8 quantised at load, or plain.
+        stored_quant = config.quantization  # (``sub`` may be ``config``: its field is replaced below)
+        quant = stored_quant if mode != "none" else None
+        if quant is None and mode == "fp8":
+            quant = QuantConfig.block_fp8()
+        sub.quantization = quant
         with torch.device("meta"):
             m = cls(sub, mapping=mapping)
+        if quant is not None:
+            swap_fp8_linears_(m, fp8_linear_names(m, quant), quant.block)
         where = f" ({m.mapping.describe()})" if m.mapping.is_parallel else ""
-        check_memory(m.param_bytes(dt), device, what=f"the parameters of {model!s}{where}")
+        need = m.param_bytes(dt)
+        free = free_bytes(device)
+        if free is not None and need > free:
+            fp8_bytes = None
+            if quant is None or stored_quant is None:
+                with torch.device("meta"):
+                    alt = cls(dataclasses.replace(sub, quantization=None), mapping=mapping)
+                q = stored_quant or QuantConfig.block_fp8()
+                swap_fp8_linears_(alt, fp8_linear_names(alt, q), q.block)
+                fp8_bytes = alt.param_bytes(dt)
+            check_memory(
+                need, device, what=f"the parameters of {model!s}{where}", hint=_memory_hint(need, fp8_bytes, device)
+            )
         if not os.path.isdir(str(model)):
-            return cls.from_config(sub, seed=seed, dtype=dt, device=device, mapping=mapping)
+            return cls.from_config(
+                sub, seed=seed, dtype=dt, device=device, mapping=mapping, quantization="fp8" if quant else "none"
+            )
         from .checkpoint import load_state_dict
 
         # The full config's layer indices: the cut is decided before `layers` renumbers them.
         shard = shard_fn(config, m.mapping) if m.mapping.is_parallel else None
-        sd = load_state_dict(model, layers=keep, shard=shard, stats=load_stats)
+        sd = load_state_dict(model, layers=keep, shard=shard, stats=load_stats, dequantize=quant is None)
         if keep is not None:
             sd = remap_layer_keys(sd, keep, config.num_hidden_layers)
+        if quant is not None:
+            # The checkpoint's own tensors decide (the meta model above followed the config's list).
+            names = set(_fp8_plan(m, sd, quant, quantize_plain=stored_quant is None))
+            unswap_empty_(m, [n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear) and n not in names])
+            swap_fp8_linears_(m, sorted(names), quant.block)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
         return m.eval()
 
     def param_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes the parameters take in ``dtype`` (FP32-kept parameters counted at 4 bytes)."""
+        """Bytes the parameters take in ``dtype`` (FP32-kept parameters and FP8 scales counted at 4 bytes, FP8
+        weights at 1)."""
         size = torch.empty(0, dtype=dtype).element_size()
         seen: set[int] = set()
         total = 0
@@ -474,7 +582,12 @@ class Glm5NextForCausalLM(nn.Module):
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            total += p.numel() * (4 if is_fp32_param(name) else size)
+            if p.dtype == torch.float8_e4m3fn:
+                total += p.numel()
+            elif is_fp32_param(name) or name.endswith(SCALE_SUFFIX):
+                total += p.numel() * 4
+            else:
+                total += p.numel() * size
         return total
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
@@ -544,9 +657,17 @@ class Glm5NextForCausalLM(nn.Module):
                     f"{source}: tensor {_to_ckpt_name(hf)!r} has shape {tuple(t.shape)}, "
                     f"the config needs {tuple(shapes[name].shape)}"
                 )
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            want = shapes[name].dtype
+            if (t.dtype == torch.float8_e4m3fn) != (want == torch.float8_e4m3fn):
+                raise CheckpointError(
+                    f"{source}: tensor {_to_ckpt_name(hf)!r} is {t.dtype}, the model holds it as {want} "
+                    "(block-FP8 weights load into Fp8Linear modules: see from_pretrained's quantization)"
+                )
+            if not _all_finite(t):
                 raise CheckpointError(f"{source}: tensor {_to_ckpt_name(hf)!r} holds non-finite values")
-            if t.is_floating_point() and is_fp32_param(name):
+            if want == torch.float8_e4m3fn:
+                pass  # the e4m3 codes as stored
+            elif name.endswith(SCALE_SUFFIX) or (t.is_floating_point() and is_fp32_param(name)):
                 t = t.float()
             elif dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
@@ -563,17 +684,80 @@ class Glm5NextForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN / inf in a floating tensor (e4m3 has no inf; its NaN codes are ``0x7F`` / ``0xFF``)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return not bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+
+
+def _fp8_plan(
+    model: Glm5NextForCausalLM, sd: dict[str, torch.Tensor], quant: QuantConfig, *, quantize_plain: bool
+) -> list[str]:
+    """Which linears of the (meta) ``model`` hold FP8 for the loaded checkpoint ``sd``, making ``sd`` match.
+
+    An FP8 tensor (with its scale) whose module is an ``nn.Linear`` stays FP8; one of any other parameter is
+    dequantised in ``sd``. With ``quantize_plain`` (a source without ``quantization_config``), the plain
+    weights of `fp8_linear_names` are quantised in ``sd``.
+
+    Returns:
+        The module names (internal) to swap to `Fp8Linear`.
+    """
+    from .checkpoint import canonical_name, dequantize_block_fp8, quantize_block_fp8
+
+    L = model.config.num_hidden_layers
+    linears = {_to_hf_name(n, L): n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    canon = {canonical_name(k): k for k in sd}
+    names = []
+    for c, k in canon.items():
+        if c is None or not c.endswith(".weight") or sd[k].dtype != torch.float8_e4m3fn:
+            continue
+        module = c[: -len(".weight")]
+        scale_key = k + SCALE_SUFFIX
+        if module in linears and not is_fp32_param(linears[module] + ".weight"):
+            names.append(linears[module])
+        else:
+            sd[k] = dequantize_block_fp8(sd[k], sd.pop(scale_key), quant.block)
+    if quantize_plain:
+        fp8 = set(names)
+        for name in fp8_linear_names(model, quant):
+            k = canon.get(_to_hf_name(name, L) + ".weight")
+            if name in fp8 or k is None or not sd[k].is_floating_point():
+                continue
+            sd[k], sd[k + SCALE_SUFFIX] = quantize_block_fp8(sd[k], quant.block)
+            names.append(name)
+    return names
+
+
 def _to_ckpt_name(name: str) -> str:
     """Canonical ``model.X`` -> the real layout's ``model.language_model.X``."""
     return "model.language_model." + name[len("model.") :] if name.startswith("model.") else name
 
 
-def check_memory(nbytes: int, device: str | torch.device, *, what: str) -> None:
+def check_memory(nbytes: int, device: str | torch.device, *, what: str, hint: str | None = None) -> None:
     """Refuse early (before allocating) when ``nbytes`` cannot fit in ``device``'s free memory.
+
+    Args:
+        nbytes: the estimate.
+        device: where it would live.
+        what: names the allocation in the message.
+        hint: what would make it fit (default: a smaller dtype, fewer layers, or a larger device).
 
     Raises:
         CheckpointError: with the estimate and what is free.
     """
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        gib = 1 << 30
+        hint = hint or "use a smaller dtype, fewer layers, or a larger device"
+        raise CheckpointError(
+            f"{what} need about {nbytes / gib:.1f} GiB on {torch.device(device)} but only {free / gib:.1f} GiB "
+            f"is free ({hint})"
+        )
+
+
+def free_bytes(device: str | torch.device) -> int | None:
+    """Free memory of ``device`` in bytes (CUDA: ``mem_get_info``; CPU: ``MemAvailable``), ``None`` if unknown."""
     dev = torch.device(device)
     free = None
     if dev.type == "cuda" and torch.cuda.is_available():
@@ -587,12 +771,25 @@ def check_memory(nbytes: int, device: str | torch.device, *, what: str) -> None:
                         break
         except OSError:
             free = None
-    if free is not None and nbytes > free:
-        gib = 1 << 30
-        raise CheckpointError(
-            f"{what} need about {nbytes / gib:.1f} GiB on {dev} but only {free / gib:.1f} GiB is free "
-            "(use a smaller dtype, fewer layers, or a larger device)"
-        )
+    return free
+
+
+def _memory_hint(nbytes: int, fp8_bytes: int | None, device: str | torch.device) -> str:
+    """What would make ``nbytes`` of parameters fit: FP8 weights when that is enough on this device, else
+    fewer layers or splitting the model across devices (tensor / expert parallelism, docs/parallelism.md)."""
+    gib = 1 << 30
+    free = free_bytes(device)
+    split = (
+        "load fewer layers (layers=[...]), or split the model across devices with tensor / expert parallelism "
+        "(tensor_parallel_size=N, moe_expert_parallel_size=N; --tp_size / --ep_size)"
+    )
+    if fp8_bytes is None or fp8_bytes >= nbytes:
+        return f"FP8 weights are already counted; {split}"
+    fp8 = f"block-FP8 weights (quantization='fp8') need about {fp8_bytes / gib:.1f} GiB"
+    if free is not None and fp8_bytes <= free:
+        return f"{fp8}, which fits"
+    devices = "" if free is None or free <= 0 else f" (about {math.ceil(fp8_bytes / free)} such devices)"
+    return f"{fp8}, still too much: {split}{devices}"
 
 
 def _to_hf_name(name: str, num_layers: int) -> str:

@@ -92,7 +92,8 @@ class GatedMLP(nn.Module):
         w = self._fused_weight()
         if w is None:
             return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.swiglu_limit))
-        gate_up = F.linear(x.reshape(-1, x.shape[-1]), w)
+        assert self._gate_up is not None
+        gate_up = self._gate_up.linear(x.reshape(-1, x.shape[-1]))
         h = swiglu(gate_up, self.swiglu_limit, self.backend)
         return self.down_proj(h).reshape(*x.shape[:-1], self.hidden_size)
 

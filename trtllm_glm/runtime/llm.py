@@ -119,7 +119,11 @@ class LLM:
         max_batch_size: sequences per step.
         max_num_tokens: flat rows per step (prefill chunks are cut to fit).
         max_seq_len: longest prompt + output.
-        dtype: parameter dtype (default: the checkpoint's ``torch_dtype``).
+        dtype: parameter dtype (default: the checkpoint's ``torch_dtype``); block-FP8 weights stay FP8.
+        quantization: how weights are held (vLLM's name): ``None`` / ``"auto"``, a block-FP8 checkpoint's
+            quantized weights stay float8_e4m3fn with their fp32 tile scales; ``"fp8"``, also quantise a bf16
+            checkpoint or a preset's weights to block FP8 at load; ``"none"``, dequantise everything at load
+            (debugging). See docs/fp8.md.
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
         seed: seed of preset weights and of sampling without a per-request seed.
         prefill_chunk_size: cap on a prefill chunk.
@@ -159,6 +163,7 @@ class LLM:
         max_num_tokens: int = 512,
         max_seq_len: int = 2048,
         dtype: str | torch.dtype | None = None,
+        quantization: str | None = None,
         device: str | None = None,
         seed: int = 0,
         prefill_chunk_size: int | None = None,
@@ -196,7 +201,7 @@ class LLM:
             self.device, model = self._join_world(model, device, init_kwargs, _spawned_rank)
             try:
                 self.model = Glm5NextForCausalLM.from_pretrained(
-                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping
+                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping, quantization=quantization
                 )
                 self.model.set_comm(self.comm)
             except BaseException:
@@ -210,7 +215,9 @@ class LLM:
             self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise RuntimeError(f"device {self.device!r} asked for but CUDA is not available on this machine")
-            self.model = Glm5NextForCausalLM.from_pretrained(model, dtype=dtype, device=self.device, seed=seed)
+            self.model = Glm5NextForCausalLM.from_pretrained(
+                model, dtype=dtype, device=self.device, seed=seed, quantization=quantization
+            )
         configure_cpu_threads(num_threads, self.model if torch.device(self.device).type == "cpu" else None)
         self.config = self.model.config
         self.tokenizer = tokenizer or load_tokenizer(model, self.config)

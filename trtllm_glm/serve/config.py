@@ -6,6 +6,7 @@ Example::
     max_num_tokens: 1024
     max_seq_len: 4096
     dtype: bfloat16
+    quantization: fp8             # auto (default) | fp8 | none: how weights are held (docs/fp8.md)
     device: cuda
     kv_cache_config:
       tokens_per_block: 64
@@ -46,7 +47,7 @@ _FIXED_KEYS = {"enable_chunked_prefill": True}
 _NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
 _INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed", "tensor_parallel_size"}
 _OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads", "moe_expert_parallel_size", "moe_tensor_parallel_size"}
-_OPTIONAL_STR_KEYS = {"dtype", "device"}
+_OPTIONAL_STR_KEYS = {"dtype", "device", "quantization"}
 _BOOL_KEYS = {"disable_overlap_scheduler"}
 
 

@@ -49,14 +49,20 @@ class GlmKpoolSparseMLA(nn.Module):
         self.indexer = None if shared_indexer else GlmKpoolIndexer(config)
         # `fuse_weights`: the projections of the layer input in one storage (not a parameter or buffer).
         self._in_fused: FusedWeights | None = None
+        # `_absorbed_fp8`: (key, dequantised kv_b_proj) when that weight is block FP8.
+        self._kv_b_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
 
-    def _fused_parts(self) -> tuple[list[nn.Module], list[str]]:
+    def _fused_candidates(self) -> list[tuple[list[nn.Module], list[str] | None]]:
+        """Groups `fuse_weights` tries, largest first. The pooling gate is a plain parameter: block-FP8
+        projections fuse without it (and without ``wk`` when that one is not FP8 too)."""
         mods: list[nn.Module] = [self.q_a_proj, self.kv_a_proj_with_mqa]
-        names = ["weight", "weight"]
-        if self.indexer is not None:
-            mods += [self.indexer.wk, self.indexer]
-            names += ["weight", "index_kpool_compress_gate"]
-        return mods, names
+        if self.indexer is None:
+            return [(mods, None)]
+        return [
+            ([*mods, self.indexer.wk, self.indexer], ["weight", "weight", "weight", "index_kpool_compress_gate"]),
+            ([*mods, self.indexer.wk], None),
+            (mods, None),
+        ]
 
     def fuse_weights(self) -> None:
         """Give the weights that multiply the layer input (``q_a_proj``, ``kv_a_proj_with_mqa`` and the
@@ -66,7 +72,7 @@ class GlmKpoolSparseMLA(nn.Module):
         separate GEMMs; casts re-fuse. Idempotent (CUDA graphs captured on the storage stay valid). Weights of
         different dtypes are left unfused.
         """
-        self._in_fused = FusedWeights.ensure(self._in_fused, *self._fused_parts())
+        self._in_fused = FusedWeights.ensure_first(self._in_fused, self._fused_candidates())
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         out = super()._apply(fn, recurse)
@@ -80,8 +86,13 @@ class GlmKpoolSparseMLA(nn.Module):
         the indexer's raw key and pooling-gate projections (else ``None``): one GEMM when fused."""
         f = self._in_fused
         if f is not None and f.usable():
-            parts = F.linear(h, f.weight).split(f.sizes, dim=-1)
-            return parts[0], parts[1], (parts[2], parts[3]) if len(parts) == 4 else None
+            parts = f.linear(h).split(f.sizes, dim=-1)
+            if len(parts) == 4:
+                return parts[0], parts[1], (parts[2], parts[3])
+            if len(parts) == 3 and self.indexer is not None:  # FP8 group: the pooling gate on its own
+                gate = F.linear(h, self.indexer.index_kpool_compress_gate.to(h.dtype))
+                return parts[0], parts[1], (parts[2], gate)
+            return parts[0], parts[1], None
         return self.q_a_proj(h), self.kv_a_proj_with_mqa(h), None
 
     @torch.no_grad()
@@ -94,8 +105,34 @@ class GlmKpoolSparseMLA(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_uk [H, qk_nope, kv_lora]`` and ``W_uv [H, v_head, kv_lora]`` split from ``kv_b_proj``."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora)
+        w = self.kv_b_proj.weight
+        if w.dtype == torch.float8_e4m3fn:
+            w = self._absorbed_fp8()
+        w = w.view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora)
         return w[:, : self.qk_nope], w[:, self.qk_nope :]
+
+    def _absorbed_fp8(self) -> torch.Tensor:
+        """``kv_b_proj`` dequantised once (its matrix is used as a whole, by the einsums of the absorbed
+        attention), in the dtype of the layer's other float weights; cached while the FP8 weight and its scale
+        keep their storage and version, so steps (and CUDA-graph captures after a warm-up) reuse it."""
+        lin = self.kv_b_proj
+        key = (
+            lin.weight.data_ptr(),
+            lin.weight._version,
+            lin.weight_scale_inv.data_ptr(),
+            lin.weight_scale_inv._version,
+        )
+        hit = self._kv_b_cache
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if lin.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Made here, the copy would come from the graph's private memory pool (not ours to keep).
+            raise RuntimeError("GlmKpoolSparseMLA: FP8 kv_b_proj changed since the last eager call; run one first")
+        dtype = self.q_a_layernorm.weight.dtype
+        with torch.inference_mode(False), torch.no_grad():
+            w = lin.dequantized(dtype)
+        self._kv_b_cache = (key, w)
+        return w
 
     def forward(self, h: torch.Tensor, meta: GlmKpoolMetadata, cache: KpoolLayerCache) -> torch.Tensor:
         """Attend each row over its selected cached tokens.

@@ -1,0 +1,280 @@
+"""One Triton kernel for the weight-only block-FP8 linear ``y = x @ (fp8 * scale_inv)^T`` (`trtllm_glm.quant.ops`).
+
+Why: decode reads every weight once per step; a block-FP8 weight read as one byte per element halves the bytes
+of the bf16 weight it replaces, but only if nothing dequantises it to memory first. Here each weight tile is
+read once as e4m3 codes, decoded in registers (exact: every e4m3 value is a bf16 / fp16 / fp32 value), multiplied
+with the activations on tensor cores (bf16 / fp16 activations) or with IEEE fp32 FMAs (fp32 activations), and
+the tile's partial product is scaled by its fp32 block scale before it joins the fp32 accumulator:
+``sum_k x w s = s * sum_k x w`` within one ``QBLOCK x QBLOCK`` tile, so the scale costs one multiply per output
+per step and the products stay exact.
+
+``_fp8_linear_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M))``: program ``(t, s, r)`` computes
+``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T`` for weight rows ``t * BLOCK_N ..``, activation rows
+``r * BLOCK_M ..`` and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps.
+``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K``, so every step lies inside one
+scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``).
+
+* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, the weight rows on the MMA's "M" side (a
+  single activation row still fills a tensor-core tile), split along K so that enough programs stream the
+  weight (`launch_config`). With ``SPLIT > 1`` the partial tiles go to a scratch buffer and the program that
+  arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores ``y``, then
+  resets the counter: bitwise reproducible, no memset between launches or graph replays.
+* Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
+
+e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to the dot's dtype); under
+Triton's interpreter (whose fp8 casts are not IEEE) an exact integer decode to fp16 holding ``value * 2**-8``,
+upcast to fp32 and multiplied by ``2**8``. The interpreter also computes in fp32 (``DOT_FP32``).
+
+Launch parameters come from shapes only and the scratch is allocated once per (device, tiles, split) and cached,
+so calls can be captured in a CUDA graph after one eager call of the same shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRETED", "MAX_M_SPLIT", "Fp8LinearConfig", "clear_scratch", "launch_config", "launch_fp8_linear"]
+
+# Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors.
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+
+# Rows up to which the launch splits K (one row tile: the partials are sized for it). Beyond it the rows alone
+# give the programs that stream the weight.
+MAX_M_SPLIT = 64
+# Weight bytes one program of a split launch reads (its K chunk): enough to keep the memory pipe busy.
+_BYTES_PER_PROGRAM = 32768
+# Programs a split launch should have at least (H200: 132 SMs).
+_MIN_PROGRAMS = 264
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearConfig:
+    """One launch shape: ``split`` programs per tile of ``block_n`` weight rows and ``block_m`` activation rows,
+    each covering ``k_per_split`` reduction columns (a multiple of ``block_k``) in steps of ``block_k``."""
+
+    block_n: int
+    block_m: int
+    block_k: int
+    k_per_split: int
+    split: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_divisor(qblock: int, cap: int) -> int:
+    """The largest power of two ``<= cap`` that divides ``qblock``."""
+    b = cap
+    while b > 1 and qblock % b:
+        b //= 2
+    return b
+
+
+def launch_config(
+    m: int,
+    n: int,
+    k: int,
+    qblock: int,
+    dot_fp32: bool,
+    *,
+    split_k: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> Fp8LinearConfig:
+    """The launch shape for ``x [m, k] @ W [n, k]^T`` with ``qblock``-square scale tiles.
+
+    Only whether ``m <= MAX_M_SPLIT`` and the row tile (a power of two >= 16 covering ``m``) depend on ``m``; the
+    split and the K steps depend on ``(n, k, qblock)`` only, so a row's result does not change with the batch
+    size within one row-tile size.
+
+    Args:
+        m, n, k: the GEMM.
+        qblock: scale tile edge; ``block_k`` must divide it (a power of two >= 16 that does: `kernel_covers`).
+        dot_fp32: IEEE fp32 products (register-bound: smaller ``block_k``).
+        split_k: at most this many K chunks (decode launches; default from `_BYTES_PER_PROGRAM` / `_MIN_PROGRAMS`).
+        block_n: weight rows per program (default 16 for decode launches, 128 otherwise).
+        block_k: reduction columns per step (default the largest power of two <= 128 (32 for fp32) dividing
+            ``qblock``).
+        num_warps: warps per program (default 4 for decode launches, 8 otherwise).
+        num_stages: pipelined steps in flight (default: up to 4).
+
+    Raises:
+        ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, or ``split_k < 1``.
+    """
+    if block_k is None:
+        block_k = _pow2_divisor(qblock, 32 if dot_fp32 else 128)
+    if block_k < 16 or block_k & (block_k - 1) or qblock % block_k:
+        raise ValueError(f"block_k must be a power of two >= 16 dividing the scale block {qblock}, got {block_k}")
+    skinny = m <= MAX_M_SPLIT
+    block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    if block_n is None:
+        # Prefill chunks: a 128 x 64 output tile per program (8 warps), the usual Hopper GEMM shape.
+        block_n = 16 if skinny else 128
+    if num_warps is None:
+        num_warps = 4 if skinny else 8
+    if not skinny:
+        split_k = 1
+    elif split_k is None:
+        per = max(block_k, _BYTES_PER_PROGRAM // block_n)
+        split_k = max(triton.cdiv(k, per), triton.cdiv(_MIN_PROGRAMS, triton.cdiv(n, block_n)))
+    if split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {split_k}")
+    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split = triton.cdiv(k, kps)  # <= split_k; no chunk is empty
+    steps = kps // block_k
+    if num_stages is None:
+        num_stages = max(2, min(4, steps + 1))
+    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, num_warps, num_stages)
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    """Exact decode of e4m3 codes (int32 ``[0, 255]``) to fp32 without fp8 casts (the interpreter's are wrong):
+    the 7 magnitude bits at fp16 bits 13..7 give the value times ``2**-8``; ``* 256`` is exact."""
+    h = ((b & 0x7F) << 7) - ((b & 0x80) << 8)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HW_FP8: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    rt = tl.program_id(2)
+    nl = tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + nl
+    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    n_ok = n < N
+    m_ok = m < M
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_begin = s * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        wb = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        # One scale per weight row for this step (the step lies inside one scale column).
+        sc = tl.load(s_rows + k0 // QBLOCK, mask=n_ok, other=0.0)
+        if HW_FP8:
+            w = wb.to(tl.float8e4nv, bitcast=True)
+        else:
+            w = _e4m3_to_f32(wb.to(tl.int32))
+        if DOT_FP32:
+            # "ieee": the default fp32 dot is TF32, which would round the activations.
+            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(w.to(xt.dtype), xt, out_dtype=tl.float32)
+        acc += part * sc[:, None]
+
+    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    y_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        part_tile = part_ptr + (tile * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc)
+        # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
+        # acq_rel atomic, which is cumulative over what the barrier ordered before it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            # The last program of the tile: every partial is visible. Fixed order 0..SPLIT-1 whichever program
+            # got here; ".cg" reads from L2, never from a stale L1 line.
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+_SCRATCH: dict[tuple[str, int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def clear_scratch() -> None:
+    """Drop the cached scratch buffers (tests; the next launch allocates fresh zeroed counters)."""
+    _SCRATCH.clear()
+
+
+def _scratch(
+    device: torch.device, tiles: int, split: int, block_n: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partials [tiles * split * block_n * block_m] fp32, counters [tiles] int32 zeros)`` for ``device``.
+
+    Cached per shape: every launch leaves its counters at zero. A first call inside a CUDA-graph capture gets
+    buffers of its own, not cached (their zeroing is part of the graph).
+    """
+    key = (str(device), device.index if device.index is not None else -1, tiles, split, block_n, block_m)
+    hit = _SCRATCH.get(key)
+    if hit is not None:
+        return hit
+    partials = torch.empty(tiles * split * block_n * block_m, dtype=torch.float32, device=device)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return partials, counters
+    _SCRATCH[key] = (partials, counters)
+    return partials, counters
+
+
+def launch_fp8_linear(
+    x: torch.Tensor, w_codes: torch.Tensor, scale_inv: torch.Tensor, y: torch.Tensor, qblock: int,
+    cfg: Fp8LinearConfig, dot_fp32: bool,
+) -> None:  # fmt: skip
+    """Launch `_fp8_linear_kernel` (arguments already checked by `trtllm_glm.quant.ops.fp8_linear`).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16, unit last stride.
+        w_codes: ``[N, K]`` uint8 view of the e4m3 weight, unit last stride.
+        scale_inv: ``[ceil(N/qblock), ceil(K/qblock)]`` fp32, unit last stride.
+        y: ``[M, N]`` (any float dtype), unit last stride; every element is written.
+        qblock: scale tile edge.
+        cfg: the launch shape (`launch_config`).
+        dot_fp32: IEEE fp32 products instead of 16-bit MMAs (fp32 activations, and always interpreted).
+    """
+    m_rows, k = x.shape
+    n = w_codes.shape[0]
+    tiles = triton.cdiv(n, cfg.block_n)
+    if cfg.split > 1:
+        partials, counters = _scratch(x.device, tiles, cfg.split, cfg.block_n, cfg.block_m)
+    else:
+        partials = counters = y  # unused (SPLIT == 1 never touches them)
+    grid = (tiles, cfg.split, triton.cdiv(m_rows, cfg.block_m))
+    _fp8_linear_kernel[grid](
+        x, w_codes, scale_inv, y, partials, counters,
+        m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split,
+        SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
+        DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,193 @@
+"""The weight-only block-FP8 linear: the torch reference, the kernel op and the dispatcher.
+
+`fp8_linear_reference` is the definition: dequantise the weight to fp32 (`dequantize_block_fp8`), multiply in
+fp32, cast to the activations' dtype. `fp8_linear_triton` computes the same product in one Triton launch
+(`kernels`): the e4m3 codes are read once and decoded in registers, fp32 accumulation. `fp8_linear` is what the
+layers call: the kernel for CUDA inference, the reference otherwise, as `fp8_linear_backend`
+(``TRTLLM_GLM_FP8_LINEAR_BACKEND`` = ``auto`` / ``torch`` / ``triton``) decides.
+
+CUDA tensors go to the compiled kernel; the CPU runs an interpreted copy (`trtllm_glm.triton_interp`), so CPU tests
+exercise the kernel source. Importing this module needs only torch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_glm.triton_interp import KernelPackage, kernel_backend
+
+from .fp8 import block_scale_shape, dequantize_block_fp8
+
+__all__ = [
+    "FP8_LINEAR_BACKEND_ENV",
+    "fp8_linear",
+    "fp8_linear_backend",
+    "fp8_linear_reference",
+    "fp8_linear_triton",
+    "kernel_module",
+]
+
+FP8_LINEAR_BACKEND_ENV = "TRTLLM_GLM_FP8_LINEAR_BACKEND"
+
+_ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PACKAGE = KernelPackage(__package__ or "trtllm_glm.quant", [os.path.dirname(os.path.abspath(__file__))])
+
+
+def kernel_module(device: torch.device | str) -> Any:
+    """`kernels` built for ``device``: compiled on CUDA, an interpreted copy elsewhere."""
+    return _PACKAGE.module("kernels", device)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear: weight must be 2-D float8_e4m3fn, got {tuple(weight.shape)} {weight.dtype}")
+    want = block_scale_shape(weight.shape, block)
+    if tuple(scale_inv.shape) != want or scale_inv.dtype != torch.float32:
+        raise ValueError(
+            f"fp8_linear: scale_inv must be {list(want)} float32 for weight {tuple(weight.shape)} with {block}x{block}"
+            f" tiles, got {tuple(scale_inv.shape)} {scale_inv.dtype}"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x must be [..., {weight.shape[1]}], got {tuple(x.shape)}")
+    if not x.device == weight.device == scale_inv.device:
+        raise ValueError(f"fp8_linear: x on {x.device}, weight on {weight.device}, scale_inv on {scale_inv.device}")
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128
+) -> torch.Tensor:
+    """``x @ (weight * scale_inv)^T`` with the weight dequantised to fp32, in fp32, cast to ``x.dtype``.
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float8_e4m3fn.
+        scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
+        block: scale tile edge.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    _check(x, weight, scale_inv, block)
+    return F.linear(x.float(), dequantize_block_fp8(weight, scale_inv, block)).to(x.dtype)
+
+
+def kernel_covers(x: torch.Tensor, block: int) -> bool:
+    """Whether `fp8_linear_triton` takes this call: rows present, a float activation dtype, and a scale block that
+    a power-of-two K step of at least 16 divides."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return rows >= 1 and x.dtype in _ACT_DTYPES and block % 16 == 0
+
+
+def fp8_linear_backend(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, backend: str | None = None
+) -> str:
+    """``"torch"`` or ``"triton"`` for one `fp8_linear` call (shapes, devices and flags only).
+
+    ``backend`` (default ``TRTLLM_GLM_FP8_LINEAR_BACKEND``, else ``"auto"``): ``"torch"``, the reference;
+    ``"triton"``, the kernel on any device (the CPU through Triton's interpreter); ``"auto"``, the kernel for CUDA
+    inference, the reference otherwise (also when a gradient is wanted). A call the kernel does not cover
+    (`kernel_covers`) takes the reference.
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: ``"triton"`` forced while a gradient is needed.
+    """
+    choice = kernel_backend("FP8 linear", FP8_LINEAR_BACKEND_ENV, [x, scale_inv], backend)
+    return "triton" if choice == "triton" and kernel_covers(x, block) else "torch"
+
+
+def fp8_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: int = 128,
+    *,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """`fp8_linear_reference` in one Triton launch (`kernels`): e4m3 tiles decoded in registers, fp32 accumulation.
+
+    Products are exact (an e4m3 value times a bf16 / fp16 activation on tensor cores, or fp32 FMAs for fp32
+    activations), each ``block``-column step's partial sum is scaled by its fp32 tile scale, partials are summed
+    in a fixed order (bitwise reproducible). Launch parameters depend on shapes only and nothing is read on the
+    host: capturable in a CUDA graph after one eager call of the same shape (the split scratch is cached then).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16 (a non-unit last stride is copied).
+        weight: ``[N, K]`` float8_e4m3fn on ``x``'s device.
+        scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
+        block: scale tile edge (a multiple of 16).
+        out: optional ``[M, N]`` result buffer in ``x.dtype`` with a unit last stride.
+        split_k, block_n, block_k, num_warps, num_stages: tuning only (`kernels.launch_config`).
+
+    Returns:
+        ``[M, N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: wrong shapes, dtypes or devices, or a bad ``out``.
+    """
+    _check(x, weight, scale_inv, block)
+    if x.dim() != 2:
+        raise ValueError(f"fp8_linear_triton: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _ACT_DTYPES or block % 16:
+        raise ValueError(
+            f"fp8_linear_triton: x must be fp32 / bf16 / fp16 and block a multiple of 16, got {x.dtype}, {block}"
+        )
+    m_rows, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m_rows, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m_rows, n) or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"fp8_linear_triton: out must be [{m_rows}, {n}] {x.dtype} on {x.device} with a unit last stride, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}"
+        )
+    if n == 0 or m_rows == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if scale_inv.stride(-1) != 1:
+        scale_inv = scale_inv.contiguous()
+    mod = kernel_module(x.device)
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype == torch.float32
+    cfg = mod.launch_config(
+        m_rows, n, k, block, dot_fp32,
+        split_k=split_k, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    mod.launch_fp8_linear(x, weight.view(torch.uint8), scale_inv, out, block, cfg, dot_fp32)
+    return out
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, *, backend: str | None = None
+) -> torch.Tensor:
+    """``x @ (weight * scale_inv)^T`` in ``x.dtype``: `fp8_linear_triton` when `fp8_linear_backend` says
+    ``"triton"``, else `fp8_linear_reference`.
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float8_e4m3fn on ``x``'s device.
+        scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
+        block: scale tile edge.
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_FP8_LINEAR_BACKEND``, else auto).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    _check(x, weight, scale_inv, block)
+    if fp8_linear_backend(x, weight, scale_inv, block, backend) == "torch":
+        return fp8_linear_reference(x, weight, scale_inv, block)
+    y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), weight, scale_inv, block)
+    return y.view(*x.shape[:-1], weight.shape[0])
