@@ -221,6 +221,12 @@ def _scale_of(linear: nn.Module) -> torch.Tensor | None:
     return getattr(linear, _SCALE, None)
 
 
+def _scale_block(linear: nn.Module) -> int:
+    """The scale tile edge of a block-FP8 linear (`Fp8Linear.block`; 128, the checkpoint's, for a plain linear
+    carrying a ``weight_scale_inv``)."""
+    return int(getattr(linear, "block", 128))
+
+
 def _convert_keeping_dtype(fn, t: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """``fn(t)`` (an `nn.Module._apply` conversion) with ``t``'s dtype kept: only a device move applies."""
     # Probed on an empty slice: a dtype cast of a whole FP8 stack (gigabytes) is never materialised.
@@ -325,7 +331,7 @@ class MoE(nn.Module):
             # Imported here: trtllm_glm.moe imports this module (ops uses clamped_swiglu).
             from ..moe.ops import expert_scale_shapes
 
-            s13, s2 = expert_scale_shapes(e, hid, inter)
+            s13, s2 = expert_scale_shapes(e, hid, inter, self.fp8_block)
             groups += [(_GATE_UP, _SCALE, s13), (_DOWN, _SCALE, s2)]
         return groups
 
@@ -436,6 +442,11 @@ class MoE(nn.Module):
         ``None`` for unquantized experts."""
         stacks = self._current_stacks()
         return (stacks[2], stacks[3]) if len(stacks) == 4 else None
+
+    @property
+    def fp8_block(self) -> int:
+        """The scale tile edge of block-FP8 experts (their linears' ``block``; 128 in the real checkpoint)."""
+        return _scale_block(self.experts[0].gate_proj) if len(self.experts) else 128
 
     def mark_weights_changed(self) -> None:
         """Tell the module that expert parameters were replaced by hand (re-stacked on the next fused call)."""
@@ -553,6 +564,7 @@ class MoE(nn.Module):
             w_gate_up_scale=s13,
             w_down_scale=s2,
             expert_start=self.expert_start if partial else None,
+            fp8_block=self.fp8_block,
         )
 
     def forward(self, x: torch.Tensor, row_live: torch.Tensor | None = None) -> torch.Tensor:
@@ -609,7 +621,8 @@ def _fp8_expert_forward(expert: GatedMLP, x: torch.Tensor, limit: float | None) 
     from ..moe.ops import dequantize_experts
 
     def lin(linear: nn.Module, t: torch.Tensor) -> torch.Tensor:
-        return F.linear(t, dequantize_experts(linear.weight, linear.weight_scale_inv).to(t.dtype))
+        w = dequantize_experts(linear.weight, linear.weight_scale_inv, block=_scale_block(linear))
+        return F.linear(t, w.to(t.dtype))
 
     return lin(expert.down_proj, clamped_swiglu(lin(expert.gate_proj, x), lin(expert.up_proj, x), limit))
 

@@ -492,7 +492,7 @@ def _fused_moe(
     out: torch.Tensor | None,
     block_m: int | None,
     block_n: tuple[int | None, int | None],
-    block_k: tuple[int, int],
+    block_k: tuple[int, int] | None,
     num_warps: int,
     num_stages: int | None,
     scratch: dict[str, torch.Tensor] | None,
@@ -501,10 +501,11 @@ def _fused_moe(
     w_gate_up_scale: torch.Tensor | None,
     w_down_scale: torch.Tensor | None,
     expert_start: int | None = None,
+    fp8_block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """The launches of this copy of the module (compiled or interpreted); see `fused_moe`."""
     n, h, k, e, inter = check_fused_moe_args(
-        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale
+        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale, fp8_block
     )
     fp8 = w_gate_up_scale is not None
     dev = x.device
@@ -540,14 +541,20 @@ def _fused_moe(
     inter_buf = _scratch(scratch, "inter", (slots, inter), x.dtype, dev)
     pair_out = _scratch(scratch, "pair_out", (p, h), torch.float32, dev)
     ieee = x.dtype == torch.float32
-    bk1, bk2 = block_k
     bn1 = block_n[0] if block_n[0] is not None else _block_n(n_blocks, inter)
     bn2 = block_n[1] if block_n[1] is not None else _block_n(n_blocks, h)
+    if fp8:
+        if fp8_block < 16 or fp8_block & (fp8_block - 1):
+            raise ValueError(f"fp8_block must be a power of two >= 16 for the fused kernels, got {fp8_block}")
+        # A program's K step and columns stay inside one scale tile: the defaults shrink to a smaller tile.
+        bn1 = min(bn1, fp8_block) if block_n[0] is None else bn1
+        bn2 = min(bn2, fp8_block) if block_n[1] is None else bn2
+    bk1, bk2 = block_k if block_k is not None else (min(128, fp8_block) if fp8 else 128,) * 2
     for name, v in (("block_m", m), ("block_n", bn1), ("block_n", bn2), ("block_k", bk1), ("block_k", bk2)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16 (a tensor-core tile), got {v}")
-        if fp8 and name != "block_m" and v > FP8_BLOCK:
-            raise ValueError(f"{name} must be at most {FP8_BLOCK} with FP8 weights (one scale tile), got {v}")
+        if fp8 and name != "block_m" and v > fp8_block:
+            raise ValueError(f"{name} must be at most {fp8_block} with FP8 weights (one scale tile), got {v}")
     # FP8: the scales' pointers and strides; otherwise unused (any tensor, never read).
     s13 = w_gate_up_scale if w_gate_up_scale is not None else w_gate_up
     s2 = w_down_scale if w_down_scale is not None else w_down
@@ -573,7 +580,7 @@ def _fused_moe(
         float(swiglu_limit) if swiglu_limit is not None else 0.0,
         s13,
         *s13_strides,
-        triton.cdiv(inter, FP8_BLOCK),
+        triton.cdiv(inter, fp8_block),
         HAS_LIMIT=swiglu_limit is not None,
         BLOCK_M=m,
         BLOCK_N=bn1,
@@ -583,7 +590,7 @@ def _fused_moe(
         UPCAST=INTERPRETED,
         FP8=fp8,
         A_POW2=fp8 and x.dtype == torch.bfloat16,
-        SCALE_BLOCK=FP8_BLOCK,
+        SCALE_BLOCK=fp8_block,
         **launch,
     )
     _down_kernel[(n_blocks, triton.cdiv(h, bn2))](
@@ -610,7 +617,7 @@ def _fused_moe(
         UPCAST=INTERPRETED,
         FP8=fp8,
         A_POW2=fp8 and x.dtype == torch.bfloat16,
-        SCALE_BLOCK=FP8_BLOCK,
+        SCALE_BLOCK=fp8_block,
         **launch,
     )
     # Deterministic combine: slots are summed in order j = 0..k-1 (no atomics anywhere). A dead row's pairs
@@ -663,7 +670,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: tuple[int | None, int | None] = (None, None),
-    block_k: tuple[int, int] = (128, 128),
+    block_k: tuple[int, int] | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
     scratch: dict[str, torch.Tensor] | None = None,
@@ -672,6 +679,7 @@ def fused_moe(
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
     expert_start: int | None = None,
+    fp8_block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """Kernel version of `ops.fused_moe_ref`: routed experts, ``[N, H]`` fp32.
 
@@ -690,7 +698,7 @@ def fused_moe(
         out: optional contiguous ``[N, H]`` fp32 output buffer.
         block_m: row block ``M`` (default `default_block_m`); at least 16.
         block_n: columns per program of the gate_up and down kernels (``None``: by the grid size).
-        block_k: reduction tile of the two kernels (at least 16).
+        block_k: reduction tile of the two kernels (at least 16; default 128, or the FP8 scale tile if smaller).
         num_warps, num_stages: launch options (tuning only).
         scratch: optional dict of work buffers: ``inter`` (``[slots, I]``, ``x``'s dtype) and ``pair_out``
             (``[N*k, H]`` fp32) are reused when present with the right shape, else allocated and stored
@@ -710,13 +718,15 @@ def fused_moe(
         expert_start: expert parallelism: the weights hold experts ``[expert_start, expert_start + E)`` of the
             router's; pairs routed to other experts are left out of the sort (never computed) and add nothing,
             so ``out`` is this rank's partial sum (``None``: every id lies in ``[0, E)``).
+        fp8_block: the FP8 scale tile's edge (``weight_block_size``, a power of two >= 16; 128 in the real
+            checkpoint); the K steps and, by default, the column blocks shrink to it when it is smaller.
 
     Returns:
         ``out``: ``[N, H]`` fp32.
     """
     args = (x, topk_ids, topk_w, w_gate_up, w_down, swiglu_limit, out, block_m, block_n, block_k)
     align = align if align is not None else default_align()
-    rest = (num_warps, num_stages, scratch, align, row_live, w_gate_up_scale, w_down_scale, expert_start)
+    rest = (num_warps, num_stages, scratch, align, row_live, w_gate_up_scale, w_down_scale, expert_start, fp8_block)
     if INTERPRETED or x.device.type == "cuda":
         return _fused_moe(*args, *rest)
     # Interpreted launches: `_interpreting` also lets triton.language's own jit helpers run interpreted.

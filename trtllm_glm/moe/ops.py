@@ -46,29 +46,34 @@ FP8_BLOCK = 128
 """Edge of a block-FP8 weight's scale tile (``weight_block_size`` of the GLM-5.3-Flash checkpoint)."""
 
 
-def expert_scale_shapes(num_experts: int, hidden: int, inter: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """``(gate_up, down)`` shapes of the stacked FP8 scales: ``[E, 2 ceil(I/128), ceil(H/128)]``,
-    ``[E, ceil(H/128), ceil(I/128)]``."""
-    ti, th = math.ceil(inter / FP8_BLOCK), math.ceil(hidden / FP8_BLOCK)
+def expert_scale_shapes(
+    num_experts: int, hidden: int, inter: int, block: int = FP8_BLOCK
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """``(gate_up, down)`` shapes of the stacked FP8 scales: ``[E, 2 ceil(I/b), ceil(H/b)]``,
+    ``[E, ceil(H/b), ceil(I/b)]`` for scale tiles of edge ``b = block``."""
+    ti, th = math.ceil(inter / block), math.ceil(hidden / block)
     return (num_experts, 2 * ti, th), (num_experts, th, ti)
 
 
-def _scale_row_index(rows: int, split: int | None, device: torch.device) -> torch.Tensor:
+def _scale_row_index(rows: int, split: int | None, device: torch.device, block: int) -> torch.Tensor:
     """Scale row of each of ``rows`` weight rows; rows from ``split`` on start a new tile grid (the up half)."""
     r = torch.arange(rows, device=device)
     if split is None:
-        return r // FP8_BLOCK
-    return torch.where(r < split, r // FP8_BLOCK, math.ceil(split / FP8_BLOCK) + (r - split) // FP8_BLOCK)
+        return r // block
+    return torch.where(r < split, r // block, math.ceil(split / block) + (r - split) // block)
 
 
-def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """Block-FP8 expert weights in fp32: ``w.float() * scale`` expanded over each 128 x 128 tile.
+def dequantize_experts(
+    w: torch.Tensor, scale: torch.Tensor, split: int | None = None, block: int = FP8_BLOCK
+) -> torch.Tensor:
+    """Block-FP8 expert weights in fp32: ``w.float() * scale`` expanded over each ``block x block`` tile.
 
     Args:
         w: ``[..., R, C]`` (``float8_e4m3fn``; any dtype is upcast).
         scale: ``[..., R', C']`` fp32 tile scales (the leading dims as ``w``'s).
         split: ``I`` for a stacked ``gate_up`` ``[..., 2I, H]`` (rows ``>= I`` are the up rows, whose tiles start
             a new scale row), ``None`` for a plain matrix (``down``, or one linear's weight).
+        block: the scale tile's edge (``weight_block_size``; 128 in the GLM-5.3-Flash checkpoint).
 
     Returns:
         ``[..., R, C]`` fp32 on ``w``'s device.
@@ -77,20 +82,20 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, split: int | None =
         ValueError: ``scale`` is not the tile grid of ``w``.
     """
     rows, cols = w.shape[-2:]
-    tiles = math.ceil(cols / FP8_BLOCK)
-    grid = math.ceil(rows / FP8_BLOCK) if split is None else math.ceil(split / FP8_BLOCK) * 2
+    tiles = math.ceil(cols / block)
+    grid = math.ceil(rows / block) if split is None else math.ceil(split / block) * 2
     if scale.shape != (*w.shape[:-2], grid, tiles):
         raise ValueError(
             f"scale must be {[*w.shape[:-2], grid, tiles]} for weight {list(w.shape)}, got {list(scale.shape)}"
         )
     s = scale.to(device=w.device, dtype=torch.float32)
-    if rows % FP8_BLOCK == 0 and cols % FP8_BLOCK == 0 and (split is None or split % FP8_BLOCK == 0):
+    if rows % block == 0 and cols % block == 0 and (split is None or split % block == 0):
         # Whole tiles (the real geometry): broadcast each scale over its tile, no [R, C] scale tensor.
         lead = w.shape[:-2]
-        tiles = w.float().reshape(*lead, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+        tiles = w.float().reshape(*lead, rows // block, block, cols // block, block)
         return (tiles * s[..., :, None, :, None]).reshape(w.shape)
-    rix = _scale_row_index(rows, split, w.device)
-    cix = torch.arange(cols, device=w.device) // FP8_BLOCK
+    rix = _scale_row_index(rows, split, w.device, block)
+    cix = torch.arange(cols, device=w.device) // block
     return w.float() * s.index_select(-2, rix).index_select(-1, cix)
 
 
@@ -187,8 +192,10 @@ def check_fused_moe_args(
     row_live: torch.Tensor | None = None,
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
+    fp8_block: int = FP8_BLOCK,
 ) -> tuple[int, int, int, int, int]:
-    """Validate shapes and, for block-FP8 weights, dtypes and scale shapes (host-side metadata only, no sync).
+    """Validate shapes and, for block-FP8 weights (scale tiles of edge ``fp8_block``), dtypes and scale shapes
+    (host-side metadata only, no sync).
 
     FP8 weights (``float8_e4m3fn``) need both scales; scales need FP8 weights.
 
@@ -222,7 +229,9 @@ def check_fused_moe_args(
                 f"block-FP8 experts need float8_e4m3fn w_gate_up and w_down, got {w_gate_up.dtype} / {w_down.dtype}"
             )
         for name, scale, want in zip(
-            ("w_gate_up_scale", "w_down_scale"), (w_gate_up_scale, w_down_scale), expert_scale_shapes(e, h, inter)
+            ("w_gate_up_scale", "w_down_scale"),
+            (w_gate_up_scale, w_down_scale),
+            expert_scale_shapes(e, h, inter, fp8_block),
         ):
             if scale is None:
                 raise ValueError(f"{name} is required with float8_e4m3fn expert weights")
@@ -242,6 +251,7 @@ def fused_moe_ref(
     w_gate_up_scale: torch.Tensor | None = None,
     w_down_scale: torch.Tensor | None = None,
     expert_start: int | None = None,
+    fp8_block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """Routed experts in fp32, one expert at a time (the reference of `kernels.fused_moe`).
 
@@ -262,6 +272,7 @@ def fused_moe_ref(
         w_down_scale: with FP8 weights, ``[E, ceil(H/128), ceil(I/128)]`` fp32.
         expert_start: expert parallelism: the weights are experts ``[expert_start, expert_start + E)`` and pairs
             routed to other experts contribute nothing (``None``: ids must lie in ``[0, E)``).
+        fp8_block: the FP8 scale tile's edge (``weight_block_size``).
 
     Returns:
         ``[N, H]`` fp32.
@@ -270,7 +281,7 @@ def fused_moe_ref(
         ValueError: bad shapes / dtypes, or an expert id out of range.
     """
     n, h, k, e, inter = check_fused_moe_args(
-        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale
+        x, topk_ids, topk_w, w_gate_up, w_down, row_live, w_gate_up_scale, w_down_scale, fp8_block
     )
     out = torch.zeros(n, h, dtype=torch.float32, device=x.device)
     if n == 0 or k == 0:
@@ -292,8 +303,8 @@ def fused_moe_ref(
         sel = (flat == ex).nonzero().squeeze(1)
         rows = tok[sel]
         if w_gate_up_scale is not None and w_down_scale is not None:
-            w13 = dequantize_experts(w_gate_up[ex], w_gate_up_scale[ex], inter)
-            w2 = dequantize_experts(w_down[ex], w_down_scale[ex])
+            w13 = dequantize_experts(w_gate_up[ex], w_gate_up_scale[ex], inter, fp8_block)
+            w2 = dequantize_experts(w_down[ex], w_down_scale[ex], block=fp8_block)
         else:
             w13, w2 = w_gate_up[ex].float(), w_down[ex].float()
         gu = xf.index_select(0, rows) @ w13.T
