@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     from trtllm_glm.quant import dequantize_block_fp8, quantize_block_fp8
-    from trtllm_glm.quant.ops import fp8_linear_triton, kernel_module
+    from trtllm_glm.quant.ops import fp8_dequantize_triton, fp8_linear_triton, kernel_module
+
+    def dequant_cublas(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+        """The prefill path of `fp8_linear` (rows >= `dequant_min_rows`): dequantise, then cuBLAS."""
+        torch.matmul(x, fp8_dequantize_triton(q, s, BLOCK, x.dtype).T, out=out)
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -147,14 +151,19 @@ def main(argv: list[str] | None = None) -> int:
             row["bf16_us"] = t_bf16
             print(f"  {case:<36} bf16 cuBLAS                      graph {t_bf16:8.2f} us", flush=True)
             sweep = (SWEEP if m <= 16 else SWEEP_LARGE) if args.sweep else []
-            for kw in [{}] + sweep:
-                label = _label(kw)
+            variants: list[dict | None] = [{}] + sweep + ([None] if m >= 16 else [])
+            for kw in variants:
+                label = _label(kw) if kw is not None else "dequant+cuBLAS"
+                fn = partial(fp8_linear_triton, **kw) if kw is not None else None
                 try:
                     ys[0].fill_(float("nan"))
-                    fp8_linear_triton(xs[0], qs[0][0], qs[0][1], BLOCK, out=ys[0], **kw)
+                    if fn is None:
+                        dequant_cublas(xs[0], qs[0][0], qs[0][1], ys[0])
+                        calls = [partial(dequant_cublas, x, q, s, y) for x, (q, s), y in zip(xs, qs, ys)]
+                    else:
+                        fn(xs[0], qs[0][0], qs[0][1], BLOCK, out=ys[0])
+                        calls = [partial(fn, x, q, s, BLOCK, out=y) for x, (q, s), y in zip(xs, qs, ys)]
                     _check(ys[0], xs[0], deq)
-                    calls = [partial(fp8_linear_triton, x, q, s, BLOCK, out=y, **kw)
-                             for x, (q, s), y in zip(xs, qs, ys)]  # fmt: skip
                     t = graph_us(calls, reps)
                     res = {"graph_us": t, "gbps": floor_bytes / (t * 1e-6) / 1e9}
                     res["pct_copy"] = 100 * res["gbps"] / ceiling

@@ -261,13 +261,36 @@ def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
         return KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, consts, num_warps)
 
     specs = [
-        spec("bf16", SPLIT=4, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False),  # decode
-        spec("bf16", 8, SPLIT=1, BLOCK_N=128, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False),  # prefill chunk
-        spec("fp16", SPLIT=2, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False),
-        spec("fp32", SPLIT=3, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True),
+        spec("bf16", SPLIT=4, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # decode
+        spec("bf16", 8, SPLIT=1, BLOCK_N=128, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # prefill chunk
+        spec("fp16", SPLIT=2, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False, X_POW2=False),
+        spec("fp32", SPLIT=3, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True, X_POW2=False),
     ]
+    dq_sig = {"w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
+              "stride_sn": "i32", "stride_on": "i32"}  # fmt: skip
+    specs.append(
+        KernelSpec("trtllm_glm.quant.kernels", "_fp8_dequant_kernel", dq_sig, dict(QBLOCK=128, HW_FP8=True), 8)
+    )
     for s, res in zip(specs, compile_sm90(specs)):
         assert res["ok"], (s.constexprs, res.get("error", "")[:2000])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_kernel_is_the_reference(dtype: torch.dtype) -> None:
+    """The prefill path's one-launch dequantisation (`fp8_dequantize_triton`, interpreted) equals the reference's
+    fp32 dequantisation rounded once to ``dtype``, bit for bit, with ragged tiles and tile-varying scales; every
+    element is written (the output is allocated fresh: compared whole)."""
+    from trtllm_glm.quant.ops import fp8_dequantize_triton
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(70, 100, generator=g) * torch.exp(torch.randn(70, 1, generator=g))
+    q, sc = quantize_block_fp8(w, 32)
+    sc = sc * torch.exp(torch.randn(sc.shape, generator=g))  # every tile its own scale: a wrong tile shows
+    got = fp8_dequantize_triton(q, sc, 32, dtype)
+    want = dequantize_block_fp8(q, sc, 32).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    with pytest.raises(ValueError, match="scale_inv must be"):
+        fp8_dequantize_triton(q, sc.T.contiguous(), 32, dtype)
 
 
 def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:

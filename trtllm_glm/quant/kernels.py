@@ -21,7 +21,9 @@ scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLO
   resets the counter: bitwise reproducible, no memset between launches or graph replays.
 * Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
 
-e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to the dot's dtype); under
+e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to fp16: the MMA runs in fp16,
+bf16 activations scaled into fp16 by a power of two per row and K step, exactly, the power undone on the fp32
+partial product); under
 Triton's interpreter (whose fp8 casts are not IEEE) an exact integer decode to fp16 holding ``value * 2**-8``,
 upcast to fp32 and multiplied by ``2**8``. The interpreter also computes in fp32 (``DOT_FP32``).
 
@@ -37,7 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "MAX_M_SPLIT", "Fp8LinearConfig", "clear_scratch", "launch_config", "launch_fp8_linear"]
+__all__ = [
+    "INTERPRETED",
+    "MAX_M_SPLIT",
+    "Fp8LinearConfig",
+    "clear_scratch",
+    "launch_config",
+    "launch_fp8_dequant",
+    "launch_fp8_linear",
+]
 
 # Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -141,6 +151,21 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
+def _pow2_fp16_cols(a):
+    """``[K, M]`` activations (one column per row of x) -> ``(a / p`` in fp16, ``p [M]`` fp32``)``: ``p`` a power
+    of two per column putting its largest ``|a|`` in ``[2^14, 2^15)``. Exact for bf16 inputs (8 significant bits
+    in fp16's 11, scaled by a power of two) except for entries more than ~30 binades below their column's largest,
+    which round in fp16's subnormals (an error below ``2^-40`` of the largest)."""
+    af = a.to(tl.float32)
+    amax = tl.max(tl.abs(af), axis=0)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    pe = tl.maximum(e - 14, 1)  # an all-zero (padding) column: p = 2^-126, its zeros stay zeros
+    p = (pe << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - pe) << 23).to(tl.float32, bitcast=True)
+    return (af * inv[None, :]).to(tl.float16), p
+
+
+@triton.jit
 def _fp8_linear_kernel(
     x_ptr,
     w_ptr,
@@ -163,6 +188,7 @@ def _fp8_linear_kernel(
     QBLOCK: tl.constexpr,
     DOT_FP32: tl.constexpr,
     HW_FP8: tl.constexpr,
+    X_POW2: tl.constexpr,
 ):
     tile = tl.program_id(0)
     s = tl.program_id(1)
@@ -194,8 +220,14 @@ def _fp8_linear_kernel(
         if DOT_FP32:
             # "ieee": the default fp32 dot is TF32, which would round the activations.
             part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+        elif X_POW2:
+            # fp16 operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 costs two more
+            # (the conversions, not the bytes, bounded the bf16 version: 19 % of the copy ceiling at M = 1 on the
+            # H200). bf16 activations go to fp16 exactly after a power of two per row, undone on the partial.
+            x16, p = _pow2_fp16_cols(xt)
+            part = tl.dot(w.to(tl.float16), x16, out_dtype=tl.float32) * p[None, :]
         else:
-            part = tl.dot(w.to(xt.dtype), xt, out_dtype=tl.float32)
+            part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
         acc += part * sc[:, None]
 
     y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
@@ -275,6 +307,45 @@ def launch_fp8_linear(
         x, w_codes, scale_inv, y, partials, counters,
         m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split,
         SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
-        DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, num_warps=cfg.num_warps,
+        DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_dequant_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on, QBLOCK: tl.constexpr, HW_FP8: tl.constexpr
+):
+    """Program ``(i, j)``: the ``QBLOCK x QBLOCK`` tile ``(i, j)`` of ``w`` times its scale, in ``out``'s dtype."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    n = i * QBLOCK + tl.arange(0, QBLOCK)
+    k = j * QBLOCK + tl.arange(0, QBLOCK)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    wb = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask, other=0)
+    sc = tl.load(s_ptr + i * stride_sn + j)
+    if HW_FP8:
+        w = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        w = _e4m3_to_f32(wb.to(tl.int32))
+    tl.store(
+        out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :], (w * sc).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def launch_fp8_dequant(w_codes: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor, qblock: int) -> None:
+    """``out [N, K] = w * scale_inv`` per ``qblock`` tile (fp32 product, rounded once to ``out``'s dtype).
+
+    Args:
+        w_codes: ``[N, K]`` uint8 view of the e4m3 weight, unit last stride.
+        scale_inv: ``[ceil(N/qblock), ceil(K/qblock)]`` fp32, unit last stride.
+        out: ``[N, K]`` float, unit last stride.
+        qblock: scale tile edge (a power of two).
+    """
+    n, k = w_codes.shape
+    grid = (triton.cdiv(n, qblock), triton.cdiv(k, qblock))
+    _fp8_dequant_kernel[grid](
+        w_codes, scale_inv, out, n, k, w_codes.stride(0), scale_inv.stride(0), out.stride(0), QBLOCK=qblock,
+        HW_FP8=not INTERPRETED, num_warps=8,
     )  # fmt: skip

@@ -23,7 +23,11 @@ from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 from .fp8 import block_scale_shape, dequantize_block_fp8
 
 __all__ = [
+    "DEQUANT_MIN_ROWS",
+    "FP8_DEQUANT_ROWS_ENV",
     "FP8_LINEAR_BACKEND_ENV",
+    "dequant_min_rows",
+    "fp8_dequantize_triton",
     "fp8_linear",
     "fp8_linear_backend",
     "fp8_linear_reference",
@@ -32,6 +36,12 @@ __all__ = [
 ]
 
 FP8_LINEAR_BACKEND_ENV = "TRTLLM_GLM_FP8_LINEAR_BACKEND"
+FP8_DEQUANT_ROWS_ENV = "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS"
+# From this many rows on (prefill chunks), 16-bit CUDA calls dequantise the weight in one launch and run the GEMM on
+# cuBLAS: a GEMM of many rows is compute-bound, where cuBLAS beats a Triton tile that decodes e4m3 in its loop, and
+# the dequantisation (one byte read, two written per weight) is small beside it
+# (benchmarks/bench_fp8_linear.py times both).
+DEQUANT_MIN_ROWS = 257
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PACKAGE = KernelPackage(__package__ or "trtllm_glm.quant", [os.path.dirname(os.path.abspath(__file__))])
@@ -170,11 +180,53 @@ def fp8_linear_triton(
     return out
 
 
+def dequant_min_rows() -> int:
+    """Rows from which a 16-bit CUDA `fp8_linear` dequantises and calls cuBLAS (``TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS``,
+    default `DEQUANT_MIN_ROWS`; read per call so that benchmarks can switch it)."""
+    raw = os.environ.get(FP8_DEQUANT_ROWS_ENV)
+    if raw is None:
+        return DEQUANT_MIN_ROWS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{FP8_DEQUANT_ROWS_ENV} must be an int >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"{FP8_DEQUANT_ROWS_ENV} must be an int >= 1, got {raw!r}")
+    return value
+
+
+def fp8_dequantize_triton(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``weight * scale_inv`` per ``block`` tile in one launch: the fp32 product rounded once to ``dtype``
+    (`dequantize_block_fp8` in fp32, then ``.to(dtype)``, bit for bit).
+
+    Args:
+        weight: ``[N, K]`` float8_e4m3fn.
+        scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
+        block: scale tile edge (a power of two >= 16).
+        dtype: the result's dtype.
+
+    Returns:
+        ``[N, K]`` ``dtype`` on ``weight``'s device.
+    """
+    _check(weight.new_empty((0, weight.shape[1]), dtype=torch.float32), weight, scale_inv, block)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"fp8_dequantize_triton: block must be a power of two >= 16, got {block}")
+    out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+    if out.numel():
+        w = weight if weight.stride(1) == 1 else weight.contiguous()
+        s = scale_inv if scale_inv.stride(-1) == 1 else scale_inv.contiguous()
+        kernel_module(weight.device).launch_fp8_dequant(w.view(torch.uint8), s, out, block)
+    return out
+
+
 def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, *, backend: str | None = None
 ) -> torch.Tensor:
     """``x @ (weight * scale_inv)^T`` in ``x.dtype``: `fp8_linear_triton` when `fp8_linear_backend` says
-    ``"triton"``, else `fp8_linear_reference`.
+    ``"triton"``, else `fp8_linear_reference`; on CUDA, 16-bit calls of at least `dequant_min_rows` rows (prefill
+    chunks) dequantise the weight (`fp8_dequantize_triton`, rounded once to ``x.dtype``) and run cuBLAS.
 
     Args:
         x: ``[..., K]`` float.
@@ -189,5 +241,8 @@ def fp8_linear(
     _check(x, weight, scale_inv, block)
     if fp8_linear_backend(x, weight, scale_inv, block, backend) == "torch":
         return fp8_linear_reference(x, weight, scale_inv, block)
-    y = fp8_linear_triton(x.reshape(-1, x.shape[-1]), weight, scale_inv, block)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x.is_cuda and x.dtype != torch.float32 and x2.shape[0] >= dequant_min_rows() and block & (block - 1) == 0:
+        return F.linear(x, fp8_dequantize_triton(weight, scale_inv, block, x.dtype))
+    y = fp8_linear_triton(x2, weight, scale_inv, block)
     return y.view(*x.shape[:-1], weight.shape[0])
