@@ -55,8 +55,10 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 # Rows up to which the launch splits K (one row tile: the partials are sized for it). Beyond it the rows alone
 # give the programs that stream the weight.
 MAX_M_SPLIT = 64
-# Weight bytes one program of a split launch reads (its K chunk): enough to keep the memory pipe busy.
-_BYTES_PER_PROGRAM = 32768
+# Weight bytes one program of a split launch reads (its K chunk): enough to keep the memory pipe busy. With 64-row
+# tiles, 1024 columns per program (H200 sweep, benchmarks/results/fp8_linear_sweep_h200_2026-12-03.log: 64 rows x
+# split 8 ran kda.o_proj [4096, 8192] at M = 1 in 17.2 us against 34.2 us for 16 rows x 2048 columns).
+_BYTES_PER_PROGRAM = 65536
 # Programs a split launch should have at least (H200: 132 SMs).
 _MIN_PROGRAMS = 264
 
@@ -107,7 +109,7 @@ def launch_config(
         qblock: scale tile edge; ``block_k`` must divide it (a power of two >= 16 that does: `kernel_covers`).
         dot_fp32: IEEE fp32 products (register-bound: smaller ``block_k``).
         split_k: at most this many K chunks (decode launches; default from `_BYTES_PER_PROGRAM` / `_MIN_PROGRAMS`).
-        block_n: weight rows per program (default 16 for decode launches, 128 otherwise).
+        block_n: weight rows per program (default 64 for decode launches, 128 otherwise).
         block_k: reduction columns per step (default the largest power of two <= 128 (32 for fp32) dividing
             ``qblock``).
         num_warps: warps per program (default 4 for decode launches, 8 otherwise).
@@ -124,7 +126,7 @@ def launch_config(
     block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
     if block_n is None:
         # Prefill chunks: a 128 x 64 output tile per program (8 warps), the usual Hopper GEMM shape.
-        block_n = 16 if skinny else 128
+        block_n = 64 if skinny else 128
     if num_warps is None:
         num_warps = 4 if skinny else 8
     if not skinny:
