@@ -39,9 +39,10 @@ FP8_LINEAR_BACKEND_ENV = "TRTLLM_GLM_FP8_LINEAR_BACKEND"
 FP8_DEQUANT_ROWS_ENV = "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS"
 # From this many rows on (prefill chunks), 16-bit CUDA calls dequantise the weight in one launch and run the GEMM on
 # cuBLAS: a GEMM of many rows is compute-bound, where cuBLAS beats a Triton tile that decodes e4m3 in its loop, and
-# the dequantisation (one byte read, two written per weight) is small beside it
-# (benchmarks/bench_fp8_linear.py times both).
-DEQUANT_MIN_ROWS = 257
+# the dequantisation (one byte read, two written per weight) is small beside it. H200
+# (benchmarks/results/fp8_linear_h200_2026-12-03.log): at 256 rows dequant+cuBLAS wins on all 12 real shapes
+# (e.g. mlp.gate|up 153 vs 258 us), at 64 rows the kernel wins on 10 of 12 (95 vs 142 us): the cut lies between.
+DEQUANT_MIN_ROWS = 128
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PACKAGE = KernelPackage(__package__ or "trtllm_glm.quant", [os.path.dirname(os.path.abspath(__file__))])
