@@ -28,7 +28,10 @@ def cases(ckpt_dir: str) -> list[tuple[str, str, dict[str, Any]]]:
         ("ngram", "small", {"speculative_config": NGramDecodingConfig(max_draft_len=3)}),
         # 96 cache tokens for three growing requests: the newest are preempted and recomputed.
         ("preempt", "small", {"kv_cache_config": KvCacheConfig(tokens_per_block=8, max_tokens=96)}),
-        ("real_layout", ckpt_dir, {}),
+        ("real_layout", os.path.join(ckpt_dir, "real"), {}),
+        # Block-FP8 (32-wide tiles): weights and scales cut on tiles stay FP8 on each rank; KDA's b_proj (4 rows,
+        # 2 per rank) is cut inside a tile and held dequantised.
+        ("fp8_layout", os.path.join(ckpt_dir, "fp8"), {}),
     ]
 
 
@@ -40,12 +43,15 @@ LAYOUTS = {
     "ngram": {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2},
     "preempt": {"tensor_parallel_size": 2},
     "real_layout": {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2},
+    "fp8_layout": {"tensor_parallel_size": 2, "moe_expert_parallel_size": 2},
 }
 
 
 def run_case(model: str, kw: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
     """Greedy tokens (and gaps) of `PROMPTS`, then (unless the cache is too small for it, ``preempt``) the
     prefix-cache hit of a second turn."""
+    import torch
+
     from trtllm_glm import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=20)
@@ -63,6 +69,10 @@ def run_case(model: str, kw: dict[str, Any], parallel: dict[str, Any]) -> dict[s
             "kda_heads": llm.model.config.kda_num_heads,
             "local_experts": next(len(m.experts) for m in llm.model.modules() if hasattr(m, "expert_start")),
             "all_reduces": llm.comm.num_all_reduces,
+            "fp8_params": sum(p.dtype == torch.float8_e4m3fn for p in llm.model.parameters()),
+            "fp8_b_proj": sum(
+                p.dtype == torch.float8_e4m3fn for n, p in llm.model.named_parameters() if n.split(".")[-2] == "b_proj"
+            ),
         }
     finally:
         llm.shutdown()

@@ -36,11 +36,16 @@ WORLD_TIMEOUT_S = 400
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A random tiny model in the real (VL, sharded) checkpoint layout."""
+    """A random tiny model in the real (VL, sharded) checkpoint layout (``real``), and the same quantised to
+    block FP8 with 32-wide tiles, the LM head kept (``fp8``)."""
+    from trtllm_glm.config import QuantConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
-    d = tmp_path_factory.mktemp("real_layout")
-    Glm5NextForCausalLM.from_pretrained("tiny", seed=3).save_pretrained(d, max_shard_bytes=400_000)
+    d = tmp_path_factory.mktemp("checkpoints")
+    m = Glm5NextForCausalLM.from_pretrained("tiny", seed=3)
+    m.save_pretrained(d / "real", max_shard_bytes=400_000)
+    m.quantize_fp8_(QuantConfig.block_fp8(32, ["lm_head"]))
+    m.save_pretrained(d / "fp8", max_shard_bytes=400_000)
     return str(d)
 
 
@@ -93,6 +98,9 @@ def test_world_of_two_matches_world_of_one(world, ckpt, name: str) -> None:
     experts = ref["local_experts"] // lay.get("moe_expert_parallel_size", 1)
     assert (r0["kda_heads"], r0["local_experts"]) == (heads, experts)
     assert r0["all_reduces"] > 0 and ref["all_reduces"] == 0
+    if name == "fp8_layout":  # FP8 held on each rank, but b_proj (cut inside its tiles) dequantised
+        assert r0["fp8_params"] == r1["fp8_params"] > 0 and ref["fp8_params"] > 0
+        assert r0["fp8_b_proj"] == 0 < ref["fp8_b_proj"]
     if name == "preempt":
         assert r0["preemptions"] == r1["preemptions"] > 0
     else:  # the second turn hit the prefix cache as on one device (per rank, in lockstep)

@@ -15,7 +15,6 @@ from trtllm_glm import LLM
 from trtllm_glm.config import Glm5NextConfig, resolve_preset_dir
 from trtllm_glm.distributed import NULL_COMM, Mapping, ParallelConfigError
 from trtllm_glm.distributed.sharding import SKIP, Shard, check_shardable, shard_fn, shard_state_dict
-from trtllm_glm.errors import CheckpointError
 from trtllm_glm.models.checkpoint import load_state_dict, quantize_block_fp8
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.modules.ffn import MOE_BACKEND_ENV, MoE
@@ -147,9 +146,17 @@ def test_fp8_weight_and_scale_cut_on_tiles(tmp_path) -> None:
     assert torch.equal(sd[name], full[:, 256:]) and name + "_scale_inv" not in sd
     # fp8 bytes of the slice + its 3 x 2 fp32 scales + the replicated norm.
     assert stats["bytes_read"] == 300 * 256 + 3 * 2 * 4 + 4 * 4
+    sd = load_state_dict(tmp_path, shard=plan, dequantize=False)  # FP8 kept: codes and scales of the slice
+    assert sd[name].dtype == torch.float8_e4m3fn and sd[name + "_scale_inv"].shape == (3, 2)
+    # A cut inside a tile (a small matrix split finer than its tiles): read whole, dequantised, then cut, held in
+    # float (one scale per tile cannot serve two ranks' halves), with or without dequantize.
     cut = Shard(1, 64, 128)
-    with pytest.raises(CheckpointError, match="not on 128-wide FP8 tile boundaries"):
-        load_state_dict(tmp_path, shard=plan)
+    for deq in (True, False):
+        stats = {}
+        sd = load_state_dict(tmp_path, shard=plan, stats=stats, dequantize=deq)
+        assert sd[name].dtype == torch.float32 and name + "_scale_inv" not in sd
+        assert torch.equal(sd[name], full[:, 64:128])
+        assert stats["bytes_read"] == 300 * 512 + 3 * 4 * 4 + 4 * 4
     # The ragged last tile may end a cut.
     cut = Shard(0, 256, 300)
     assert torch.equal(load_state_dict(tmp_path, shard=plan)[name], full[256:])

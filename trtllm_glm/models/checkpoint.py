@@ -272,8 +272,9 @@ def load_state_dict(
     names = [k for k in canon if _wanted(k, layer_set, config.num_hidden_layers, include_mtp)]
     cuts: dict[str, Shard | None] = {}
     local_name: dict[str, str] = {}
+    cut_after: dict[str, Shard] = {}
     if shard is not None:
-        names, cuts, local_name = _plan_shards(directory, wmap, canon, names, shard, block)
+        names, cuts, local_name, cut_after = _plan_shards(directory, wmap, canon, names, shard, block)
     by_file: dict[str, list[str]] = {}
     for k in names:
         by_file.setdefault(wmap[canon[k]], []).append(k)
@@ -323,7 +324,9 @@ def load_state_dict(
             if not bool(torch.isfinite(scale).all()):
                 raise CheckpointError(f"{where}: scale {canon[scale_key]!r} holds non-finite values")
             try:
-                if dequantize:
+                if k in cut_after:  # a cut inside a tile: dequantised whole, then cut; held in float
+                    t = cut_after[k].apply(dequantize_block_fp8(t.to(device), scale, block))
+                elif dequantize:
                     t = dequantize_block_fp8(t.to(device), scale, block)
                 else:
                     if t.dim() != 2:
@@ -363,11 +366,16 @@ def _plan_shards(
     names: list[str],
     shard: ShardFn,
     block: int,
-) -> tuple[list[str], dict[str, Shard | None], dict[str, str]]:
+) -> tuple[list[str], dict[str, Shard | None], dict[str, str], dict[str, Shard]]:
     """Apply the rank's sharding plan to the selected tensors (shapes from the file headers, no data read).
 
     A block-FP8 weight's ``_scale_inv`` follows its weight: the same dimension, cut on tile boundaries
-    (`Shard.scale_shard`, a clear error when a rank's slice would split a tile).
+    (`Shard.scale_shard`). A cut that falls inside a tile (a small matrix split finer than its tiles, e.g. KDA's
+    ``b_proj`` of 64 rows at TP = 4) cannot keep FP8 with one scale per tile on each rank: that weight and its scale
+    are read whole and returned in ``cut_after`` (the cut to apply once dequantised; the matrix is held in float).
+
+    Returns:
+        ``(names to read, read cuts, local names, cut_after)``.
     """
     shapes: dict[str, tuple[int, ...]] = {}
     by_file: dict[str, list[str]] = {}
@@ -387,6 +395,7 @@ def _plan_shards(
     kept: list[str] = []
     cuts: dict[str, Shard | None] = {}
     local: dict[str, str] = {}
+    cut_after: dict[str, Shard] = {}
     selected = set(names)
     for k in names:
         if k.endswith(SCALE_SUFFIX):
@@ -408,6 +417,8 @@ def _plan_shards(
             if cut is not None:
                 try:
                     cuts[scale] = cut.scale_shard(shapes[k][cut.dim], block, canon[k])
-                except ParallelConfigError as e:
-                    raise CheckpointError(f"{directory}: {e}") from e
-    return kept, cuts, local
+                except ParallelConfigError:
+                    cuts[k] = cuts[scale] = None
+                    cut_after[k] = cut
+                    logger.info("%s: %s is cut inside its %d-wide FP8 tiles; held dequantised", directory, k, block)
+    return kept, cuts, local, cut_after
