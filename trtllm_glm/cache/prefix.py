@@ -133,7 +133,12 @@ class PrefixStats:
         checkpoints_taken: checkpoints stored.
         checkpoints_evicted: checkpoints dropped by the budget (LRU).
         rejected: checkpoints discarded at restore because they failed validation (the request recomputed).
-        checkpoints_skipped: checkpoints not taken for lack of device memory.
+        checkpoints_skipped: checkpoints not taken: no device memory, or larger than the byte budget.
+        branch_checkpoints: checkpoints taken at branch points (where a prompt stopped matching sealed
+            pages that no checkpoint reached).
+        lost_requests: admissions whose prompt matched sealed pages beyond the checkpoint they could use.
+        lost_tokens: prompt tokens those admissions recomputed although their pages were cached (a
+            checkpoint at the branch point would have saved them; the request takes one there).
     """
 
     queries: int = 0
@@ -143,6 +148,9 @@ class PrefixStats:
     checkpoints_evicted: int = 0
     rejected: int = 0
     checkpoints_skipped: int = 0
+    branch_checkpoints: int = 0
+    lost_requests: int = 0
+    lost_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -181,12 +189,16 @@ class CheckpointStore:
             self._items.move_to_end(key)
         return ck
 
+    def fits(self, ck: Checkpoint) -> bool:
+        """Whether ``ck`` can be stored at all (checkpoints enabled, and not above the whole byte budget)."""
+        return self.max_checkpoints > 0 and (self.max_bytes is None or ck.nbytes <= self.max_bytes)
+
     def put(self, key: tuple, ck: Checkpoint) -> int:
         """Store ``ck`` under ``key`` and evict least recently used ones over budget; returns how many left.
 
         A checkpoint larger than the whole byte budget is not stored.
         """
-        if self.max_checkpoints <= 0 or (self.max_bytes is not None and ck.nbytes > self.max_bytes):
+        if not self.fits(ck):
             return 0
         self.discard(key)
         self._items[key] = ck

@@ -54,8 +54,12 @@ class ExecutorConfig:
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before each prompt's end); best a multiple of ``tokens_per_block``.
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
-        checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit).
+        checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit; ``"auto"``:
+            a quarter of the cache's bytes, at least four checkpoints: `auto_checkpoint_max_bytes`).
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
+        checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
+            checkpoint reaches (a shared system prompt, a document asked different questions).
+        (The LLM API's `KvCacheConfig` has serving defaults; these are the low-level explicit ones.)
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
             works. Only with CUDA graphs, requests without per-token outputs (sampled ones draw on the
@@ -73,8 +77,9 @@ class ExecutorConfig:
     enable_block_reuse: bool = False
     checkpoint_interval: int | None = None
     max_checkpoints: int = 64
-    checkpoint_max_bytes: int | None = None
+    checkpoint_max_bytes: int | str | None = None
     checkpoint_prompt_end: bool = False
+    checkpoint_branch_points: bool = True
     overlap_scheduler: bool = False
 
 
@@ -156,6 +161,7 @@ class Executor:
                 self,
                 checkpoint_interval=cfg.checkpoint_interval,
                 prompt_end=cfg.checkpoint_prompt_end,
+                branch_points=cfg.checkpoint_branch_points,
                 max_checkpoints=cfg.max_checkpoints,
                 max_bytes=cfg.checkpoint_max_bytes,
             )
@@ -348,7 +354,7 @@ class Executor:
         only into free room, in arrival order, and never cause a preemption.
         """
         if self.prefix is not None:
-            self.prefix.match(list(self.waiting))
+            self.prefix.match(list(self.waiting), self.running)
         while True:
             plan = self.scheduler.schedule(self.running, self.waiting, decode_width)
             if self.prefix is not None:

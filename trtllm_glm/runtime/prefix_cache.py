@@ -8,9 +8,15 @@ Per step the executor asks it to
 2. ``admit`` a matched request: share its full pages, copy its partial page, restore its state slot
    (and the drafter's) byte for byte;
 3. ``cut`` prefill chunks so that they end at checkpoint endpoints (every ``checkpoint_interval`` prompt
-   tokens, and the last page boundary before the prompt's end);
+   tokens, the last page boundary before the prompt's end, and the request's *branch point*);
 4. ``after_step``: seal pages whose content became final, and take a checkpoint where a prefill chunk
    ended at an endpoint.
+
+A branch point is where a waiting request's prompt stops matching sealed pages (the last matching page
+boundary) when no usable checkpoint reaches that far: the pages are there but no recurrent state to resume
+from, so the request recomputes up to it (counted as lost reuse) and leaves a checkpoint there, from which
+every later request sharing that prefix (a system prompt, a document, a conversation that branches)
+resumes.
 
 Only committed positions are checkpointed (a step's end, records folded); a checkpoint taken in a step
 is matched from the next step on. A drafter that keeps per-position history (MTP) must have caught up
@@ -20,9 +26,9 @@ to a page's last row before the page is sealed or a checkpoint is taken there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -32,10 +38,7 @@ from ..errors import CapacityError, StateError
 from .request import Request
 from .scheduler import ScheduledSeq
 
-if TYPE_CHECKING:
-    from .executor import Executor
-
-__all__ = ["PrefixCache", "PrefixMatch"]
+__all__ = ["PrefixCache", "PrefixHost", "PrefixMatch", "auto_checkpoint_max_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +54,58 @@ class PrefixMatch:
     draft_pages: list[int]
 
 
+class PrefixHost(Protocol):
+    """What `PrefixCache` needs from its executor (`Executor` provides it; the speculative executor
+    overrides the drafter hooks). A protocol here, so that this module never imports the executor."""
+
+    manager: Glm5NextCacheManager
+
+    @property
+    def separate_draft_manager(self) -> Glm5NextCacheManager | None: ...
+
+    def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None: ...
+
+    def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None: ...
+
+    def seal_draft_page(self, req: Request, logical_page: int, key: bytes) -> None: ...
+
+
+def auto_checkpoint_max_bytes(manager: Glm5NextCacheManager, fraction: float = 0.25, min_checkpoints: int = 4) -> int:
+    """The default checkpoint byte budget: ``fraction`` of what ``manager`` holds (all pages and state
+    slots), and at least ``min_checkpoints`` checkpoints (a state slot plus a partial page each).
+
+    On GLM-5.3-Flash a checkpoint is ~153 MB (34 KDA layers' recurrent + conv state and 11 tail rings), so
+    a cache of 8 slots and 16K tokens (~1.4 GB) bounds checkpoints at four (~0.6 GB); on ``small`` one is
+    ~0.14 MB.
+    """
+    total = manager.num_pages * manager.bytes_per_page + manager.max_num_requests * manager.state_bytes_per_request
+    one = manager.state_bytes_per_request + manager.bytes_per_page
+    return max(int(total * fraction), min_checkpoints * one)
+
+
 class PrefixCache:
     """Block reuse for one executor.
 
     Args:
-        executor: the executor (its managers, requests and drafter hooks).
+        executor: the executor (its managers and drafter hooks).
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before the prompt's end).
         prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
             that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
+        branch_points: checkpoint at branch points (see the module docstring).
         max_checkpoints: checkpoint count budget (LRU).
-        max_bytes: checkpoint byte budget (LRU; ``None``: count only).
+        max_bytes: checkpoint byte budget (LRU; ``None``: count only; ``"auto"``: `auto_checkpoint_max_bytes`).
     """
 
     def __init__(
         self,
-        executor: Executor,
+        executor: PrefixHost,
         *,
         checkpoint_interval: int | None,
         prompt_end: bool = False,
+        branch_points: bool = True,
         max_checkpoints: int,
-        max_bytes: int | None,
+        max_bytes: int | str | None,
     ) -> None:
         if checkpoint_interval is not None and checkpoint_interval <= 0:
             raise ValueError(f"checkpoint_interval must be positive, got {checkpoint_interval}")
@@ -81,6 +115,14 @@ class PrefixCache:
         self.page_size = executor.manager.page_size
         self.interval = checkpoint_interval
         self.prompt_end = prompt_end
+        self.branch_points = branch_points
+        if max_bytes == "auto":
+            max_bytes = auto_checkpoint_max_bytes(executor.manager)
+        elif isinstance(max_bytes, str) or (max_bytes is not None and max_bytes <= 0):
+            raise ValueError(f"checkpoint max_bytes must be a positive int, None or 'auto', got {max_bytes!r}")
+        # Branch point per request (request id -> endpoint), set by `match`, dropped once the request passed it.
+        # Kept without ``branch_points`` too, to count the reuse lost (`endpoints` ignores it then).
+        self._branch: dict[int, int] = {}
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
         self._warned_short = False
@@ -89,6 +131,11 @@ class PrefixCache:
     @property
     def manager(self) -> Glm5NextCacheManager:
         return self.ex.manager
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The checkpoint byte budget in force."""
+        return self.store.max_bytes
 
     # --------------------------------------------------------------------------------------------
     # Policy
@@ -100,6 +147,9 @@ class PrefixCache:
             out.add(last // self.page_size * self.page_size)
         if self.interval is not None:
             out.update(range(self.interval, last + 1, self.interval))
+        b = self._branch.get(r.request_id) if self.branch_points else None
+        if b is not None and b <= last:
+            out.add(b)
         if not out and not self.prompt_end and not self._warned_short:
             self._warned_short = True
             log.warning(
@@ -116,23 +166,40 @@ class PrefixCache:
 
     # --------------------------------------------------------------------------------------------
     # Lookup and admission
-    def match(self, waiting: list[Request]) -> None:
-        """Find a checkpoint for each waiting request that starts from scratch; plan it from there."""
+    def match(self, waiting: list[Request], live: Iterable[Request] = ()) -> None:
+        """Find a checkpoint for each waiting request that starts from scratch; plan it from there.
+
+        A request whose prompt matches sealed pages further than its checkpoint reaches gets a branch point
+        at the last matching page boundary (`endpoints` includes it). ``live``: the running requests (to
+        forget branch points of requests that left).
+        """
+        if self._branch:
+            keep = {r.request_id for r in waiting} | {r.request_id for r in live}
+            self._branch = {k: v for k, v in self._branch.items() if k in keep}
         for r in waiting:
             if r.prefix_hit is not None or r.num_computed or not self.eligible(r):
                 continue
-            m = self._lookup(r)
+            m, reach = self._lookup(r)
             if m is not None:
                 r.prefix_hit = m
                 r.num_computed = m.checkpoint.endpoint
+            # The branch point: the sealed pages' reach, if no checkpoint gets there (a prompt row must remain).
+            last = len(r.prompt_ids) - 1
+            b = min(reach, last // self.page_size * self.page_size)
+            if b > r.num_computed:
+                self._branch[r.request_id] = b  # (counted as lost reuse even when branch points are off)
+            else:
+                self._branch.pop(r.request_id, None)
 
-    def _lookup(self, r: Request) -> PrefixMatch | None:
+    def _lookup(self, r: Request) -> tuple[PrefixMatch | None, int]:
+        """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
         P, toks = self.page_size, r.tokens
         keys = extend_page_keys(r.page_keys, toks, P)
         pages = self.manager.lookup_pages(keys)
         dm = self.ex.separate_draft_manager
         draft_pages = dm.lookup_pages(keys) if dm is not None else None
         k_max = len(pages) if draft_pages is None else min(len(pages), len(draft_pages))
+        reach = k_max * P
         for k in range(k_max, -1, -1):
             best: tuple[int, tuple] | None = None
             for key in self.store.candidates(chain_key(keys, k)):
@@ -149,8 +216,8 @@ class PrefixCache:
                 self.stats.rejected += 1
                 continue
             dp = list(draft_pages[:k]) if draft_pages is not None else []
-            return PrefixMatch(key, ck, list(keys[:k]), pages[:k], dp)
-        return None
+            return PrefixMatch(key, ck, list(keys[:k]), pages[:k], dp), reach
+        return None, reach
 
     def _valid(self, ck: Checkpoint, endpoint: int, keys: list[bytes]) -> bool:
         """Whether ``ck`` restores a request at ``endpoint`` over pages ``keys`` (validated before planning)."""
@@ -200,18 +267,27 @@ class PrefixCache:
             raise
 
     def admitted(self, r: Request) -> None:
-        """Count ``r``'s admission (queries, hits, reused tokens)."""
+        """Count ``r``'s admission (queries, hits, reused tokens, and the reuse lost at a branch point)."""
         if not self.eligible(r):
             return
-        self.stats.queries += 1
+        st = self.stats
+        st.queries += 1
+        start = 0
         if r.prefix_hit is not None:
-            self.stats.hits += 1
-            self.stats.reused_tokens += r.prefix_hit.checkpoint.endpoint
-            r.num_cached_tokens = r.prefix_hit.checkpoint.endpoint
+            start = r.prefix_hit.checkpoint.endpoint
+            st.hits += 1
+            st.reused_tokens += start
+            r.num_cached_tokens = start
+        b = self._branch.get(r.request_id)
+        if b is not None and b > start:
+            # Sealed pages reach ``b`` but no checkpoint does: rows ``start .. b`` are recomputed.
+            st.lost_requests += 1
+            st.lost_tokens += b - start
         r.prefix_hit = None
 
     def unmatch(self, r: Request) -> None:
         """Forget a match of a request that was not admitted this step (it starts from scratch again)."""
+        self._branch.pop(r.request_id, None)
         if r.prefix_hit is not None:
             r.prefix_hit = None
             r.num_computed = 0
@@ -257,12 +333,20 @@ class PrefixCache:
             if n_final < E // P:
                 continue  # a full page is not sealable yet (cannot happen: E < len(tokens))
             key = checkpoint_key(keys, r.tokens, E, P)
+            branch = self.branch_points and self._branch.get(r.request_id) == E
+            if branch:
+                del self._branch[r.request_id]
             if key in self.store:
                 continue
-            self._take(r, key, keys[: E // P])
+            if self._take(r, key, keys[: E // P]) and branch:
+                self.stats.branch_checkpoints += 1
 
-    def _take(self, r: Request, key: tuple, keys: list[bytes]) -> None:
+    def _take(self, r: Request, key: tuple, keys: list[bytes]) -> bool:
+        """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored."""
         mgr, P, E = self.manager, self.page_size, r.num_computed
+        if self.store.max_checkpoints <= 0:
+            self.stats.checkpoints_skipped += 1  # checkpoints disabled: no copy to make
+            return False
         k = E // P
         pages = mgr.get_batch_slot_tables([r.request_id])[0]
         try:
@@ -285,6 +369,11 @@ class PrefixCache:
                     "prefix caching: out of device memory for a checkpoint (%d held, %.1f MB); skipped. Set "
                     "KvCacheConfig.checkpoint_max_bytes to bound them", len(self.store), self.store.nbytes / 1e6,
                 )  # fmt: skip
-            return
+            return False
+        if not self.store.fits(ck):
+            # Larger than the whole byte budget (or checkpoints disabled): skipped and counted, never an error.
+            self.stats.checkpoints_skipped += 1
+            return False
         self.stats.checkpoints_evicted += self.store.put(key, ck)
         self.stats.checkpoints_taken += 1
+        return True
