@@ -338,11 +338,13 @@ class PrefixCache:
                 del self._branch[r.request_id]
             if key in self.store:
                 continue
-            if self._take(r, key, keys[: E // P]) and branch:
+            if self._take(r, key, keys[: E // P], shared=branch) and branch:
                 self.stats.branch_checkpoints += 1
 
-    def _take(self, r: Request, key: tuple, keys: list[bytes]) -> bool:
-        """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored."""
+    def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
+        """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
+
+        ``shared``: a branch point's (a prefix two requests already shared: the store keeps it longer)."""
         mgr, P, E = self.manager, self.page_size, r.num_computed
         if self.store.max_checkpoints <= 0:
             self.stats.checkpoints_skipped += 1  # checkpoints disabled: no copy to make
@@ -361,7 +363,7 @@ class PrefixCache:
             # Checkpoints are an optimisation: without room for one, drop the oldest and serve on.
             self.stats.checkpoints_skipped += 1
             if len(self.store):
-                self.store.discard(next(iter(self.store)))
+                self.store.discard(self.store.victim())
                 self.stats.checkpoints_evicted += 1
             if not self._warned_oom:
                 self._warned_oom = True
@@ -374,6 +376,6 @@ class PrefixCache:
             # Larger than the whole byte budget (or checkpoints disabled): skipped and counted, never an error.
             self.stats.checkpoints_skipped += 1
             return False
-        self.stats.checkpoints_evicted += self.store.put(key, ck)
+        self.stats.checkpoints_evicted += self.store.put(key, ck, shared=shared)
         self.stats.checkpoints_taken += 1
         return True
