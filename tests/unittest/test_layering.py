@@ -56,3 +56,30 @@ def test_nothing_below_the_runtime_imports_it(sub: str) -> None:
     for f in files(sub):
         bad = {m for m in imported(f) if m.startswith(above)}
         assert not bad, f"{f.relative_to(PKG)} imports {bad}"
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_runtime_modules_import_one_way() -> None:
+    """No import circle among `runtime/`'s modules (lazy and TYPE_CHECKING imports count: issue 33 found
+    `executor` <-> `prefix_cache`; the prefix cache now names what it needs as the `PrefixHost` protocol)."""
+    mods = {_module(f): f for f in files("runtime")}
+    edges = {m: {t for t in imported(f) if t in mods and t != m} for m, f in mods.items()}
+    assert "trtllm_glm.runtime.executor" not in edges["trtllm_glm.runtime.prefix_cache"]
+
+    def reaches(src: str, dst: str) -> bool:
+        seen, todo = set(), [src]
+        while todo:
+            for t in edges[todo.pop()]:
+                if t == dst:
+                    return True
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return False
+
+    circles = sorted(m for m in mods if reaches(m, m))
+    assert not circles, f"import circle through {circles}"
