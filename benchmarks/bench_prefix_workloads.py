@@ -156,6 +156,7 @@ def report(name: str, t: Tally, ex: Executor, short: float, extra: dict) -> dict
         "reuse_of_ideal": t.reused / t.ideal if t.ideal else 0.0,
         "lost_tokens": st.lost_tokens if st else 0,
         "lost_requests": st.lost_requests if st else 0,
+        "held": st.held if st else 0,
         "hits": st.hits if st else 0,
         "branch_checkpoints": st.branch_checkpoints if st else 0,
         "checkpoints_taken": st.checkpoints_taken if st else 0,

@@ -139,6 +139,7 @@ class PrefixStats:
         lost_requests: admissions whose prompt matched sealed pages beyond the checkpoint they could use.
         lost_tokens: prompt tokens those admissions recomputed although their pages were cached (a
             checkpoint at the branch point would have saved them; the request takes one there).
+        held: times a waiting request was held for a step while a running one prefilled their shared pages.
     """
 
     queries: int = 0
@@ -151,6 +152,7 @@ class PrefixStats:
     branch_checkpoints: int = 0
     lost_requests: int = 0
     lost_tokens: int = 0
+    held: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -59,6 +59,8 @@ class ExecutorConfig:
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
         checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
             checkpoint reaches (a shared system prompt, a document asked different questions).
+        prefix_wait_for_leader: a waiting request whose prompt shares pages with a running request still
+            prefilling them waits for that one's checkpoint where they part, instead of recomputing them.
         (The LLM API's `KvCacheConfig` has serving defaults; these are the low-level explicit ones.)
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
@@ -80,6 +82,7 @@ class ExecutorConfig:
     checkpoint_max_bytes: int | str | None = None
     checkpoint_prompt_end: bool = False
     checkpoint_branch_points: bool = True
+    prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
 
 
@@ -162,6 +165,7 @@ class Executor:
                 checkpoint_interval=cfg.checkpoint_interval,
                 prompt_end=cfg.checkpoint_prompt_end,
                 branch_points=cfg.checkpoint_branch_points,
+                wait_for_leader=cfg.prefix_wait_for_leader,
                 max_checkpoints=cfg.max_checkpoints,
                 max_bytes=cfg.checkpoint_max_bytes,
             )
@@ -356,7 +360,8 @@ class Executor:
         if self.prefix is not None:
             self.prefix.match(list(self.waiting), self.running)
         while True:
-            plan = self.scheduler.schedule(self.running, self.waiting, decode_width)
+            waiting = self.waiting if self.prefix is None else self.prefix.admissible(self.waiting)
+            plan = self.scheduler.schedule(self.running, waiting, decode_width)
             if self.prefix is not None:
                 plan = self.prefix.cut(plan)
             planned: list[ScheduledSeq] = []

@@ -93,6 +93,7 @@ class PrefixCache:
         prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
             that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
         branch_points: checkpoint at branch points (see the module docstring).
+        wait_for_leader: hold a waiting request while a running one prefills the pages they share (`match`).
         max_checkpoints: checkpoint count budget (LRU).
         max_bytes: checkpoint byte budget (LRU; ``None``: count only; ``"auto"``: `auto_checkpoint_max_bytes`).
     """
@@ -104,6 +105,7 @@ class PrefixCache:
         checkpoint_interval: int | None,
         prompt_end: bool = False,
         branch_points: bool = True,
+        wait_for_leader: bool = True,
         max_checkpoints: int,
         max_bytes: int | str | None,
     ) -> None:
@@ -122,6 +124,12 @@ class PrefixCache:
             raise ValueError(f"checkpoint max_bytes must be a positive int, None or 'auto', got {max_bytes!r}")
         # Branch point per request (request id -> endpoint), set by `match`, dropped once the request passed it.
         # Kept without ``branch_points`` too, to count the reuse lost (`endpoints` ignores it then).
+        self.wait_for_leader = wait_for_leader
+        # Endpoints given to a leader by the requests waiting for it (request id -> endpoints), the
+        # requests held this step, and the page keys of running requests' prompts (computed once each).
+        self._leads: dict[int, set[int]] = {}
+        self._held: set[int] = set()
+        self._prompt_keys: dict[int, list[bytes]] = {}
         self._branch: dict[int, int] = {}
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
@@ -150,6 +158,7 @@ class PrefixCache:
         b = self._branch.get(r.request_id) if self.branch_points else None
         if b is not None and b <= last:
             out.add(b)
+        out.update(e for e in self._leads.get(r.request_id, ()) if e <= last)
         if not out and not self.prompt_end and not self._warned_short:
             self._warned_short = True
             log.warning(
@@ -170,26 +179,74 @@ class PrefixCache:
         """Find a checkpoint for each waiting request that starts from scratch; plan it from there.
 
         A request whose prompt matches sealed pages further than its checkpoint reaches gets a branch point
-        at the last matching page boundary (`endpoints` includes it). ``live``: the running requests (to
-        forget branch points of requests that left).
+        at the last matching page boundary (`endpoints` includes it). With ``wait_for_leader``, a request
+        whose prompt shares full pages with a running request still prefilling them (its *leader*) further
+        than anything cached reaches waits (`admissible` leaves it out) while the leader checkpoints where
+        their prompts part, and restores that checkpoint afterwards (requests sent together reuse too).
+
+        Args:
+            waiting: the waiting requests, in arrival order.
+            live: the running requests (leaders; branch points of requests that left are forgotten).
         """
+        live = list(live)
+        keep = {r.request_id for r in waiting} | {r.request_id for r in live}
         if self._branch:
-            keep = {r.request_id for r in waiting} | {r.request_id for r in live}
             self._branch = {k: v for k, v in self._branch.items() if k in keep}
+        for d in (self._leads, self._prompt_keys):
+            for k in [k for k in d if k not in keep]:
+                del d[k]
+        self._held.clear()
+        ahead = self._inflight_pages(live) if self.wait_for_leader else {}
+        P = self.page_size
         for r in waiting:
             if r.prefix_hit is not None or r.num_computed or not self.eligible(r):
                 continue
             m, reach = self._lookup(r)
+            start = m.checkpoint.endpoint if m is not None else 0
+            last = len(r.prompt_ids) - 1
+            if ahead and self._wait(r, ahead, start, last // P * P):
+                continue
             if m is not None:
                 r.prefix_hit = m
-                r.num_computed = m.checkpoint.endpoint
+                r.num_computed = start
             # The branch point: the sealed pages' reach, if no checkpoint gets there (a prompt row must remain).
-            last = len(r.prompt_ids) - 1
-            b = min(reach, last // self.page_size * self.page_size)
+            b = min(reach, last // P * P)
             if b > r.num_computed:
                 self._branch[r.request_id] = b  # (counted as lost reuse even when branch points are off)
             else:
                 self._branch.pop(r.request_id, None)
+
+    def _inflight_pages(self, live: list[Request]) -> dict[bytes, Request]:
+        """Page key -> the running request whose prompt has that page and is still prefilling it (the oldest)."""
+        out: dict[bytes, Request] = {}
+        for r in live:
+            if r.num_computed >= len(r.prompt_ids) - 1 or not self.eligible(r):
+                continue
+            keys = self._prompt_keys.get(r.request_id)
+            if keys is None:
+                keys = self._prompt_keys[r.request_id] = extend_page_keys([], r.prompt_ids, self.page_size)
+            for k in keys[r.num_computed // self.page_size :]:
+                out.setdefault(k, r)
+        return out
+
+    def _wait(self, r: Request, ahead: dict[bytes, Request], have: int, limit: int) -> bool:
+        """Hold ``r`` (and give its leader an endpoint) if a leader's prefill will reach past ``have``."""
+        keys = extend_page_keys(r.page_keys, r.tokens, self.page_size)
+        j = next((j for j in range(len(keys) - 1, -1, -1) if keys[j] in ahead), -1)
+        if j < 0:
+            return False
+        b = min((j + 1) * self.page_size, limit)
+        lead = ahead[keys[j]]
+        if b < have + self.page_size or lead.num_computed >= b:
+            return False
+        self._held.add(r.request_id)
+        self._leads.setdefault(lead.request_id, set()).add(b)
+        self.stats.held += 1
+        return True
+
+    def admissible(self, waiting: Iterable[Request]) -> list[Request]:
+        """The waiting requests that may be admitted this step (in order): those not waiting for a leader."""
+        return [r for r in waiting if r.request_id not in self._held]
 
     def _lookup(self, r: Request) -> tuple[PrefixMatch | None, int]:
         """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
@@ -336,9 +393,10 @@ class PrefixCache:
             branch = self.branch_points and self._branch.get(r.request_id) == E
             if branch:
                 del self._branch[r.request_id]
+            lead = E in self._leads.get(r.request_id, ())  # requests wait for this one: shared, like a branch
             if key in self.store:
                 continue
-            if self._take(r, key, keys[: E // P], shared=branch) and branch:
+            if self._take(r, key, keys[: E // P], shared=branch or lead) and branch:
                 self.stats.branch_checkpoints += 1
 
     def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
