@@ -334,3 +334,25 @@ def test_a_write_into_a_sealed_page_raises(model) -> None:
     assert all(torch.equal(before[k], v) for k, v in mgr.copy_page_out(pages[0]).items())
     mgr.copy_page_in(pages[-1], data)  # a private page takes it
     ex.run_until_done()
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp2-sep"])
+def test_requests_sent_together_wait_for_their_leader(model, mode: str) -> None:
+    """Followers sent while the first request still prefills the system prompt wait for it (it checkpoints
+    where their prompts part) instead of recomputing the prompt beside it."""
+    rng = random.Random(13)
+    prompts = system_prompt_prompts(rng)
+    ref = make(model, "plain", reuse=False)
+    refs = [ref.add_request(p, greedy(4)) for p in prompts]
+    ref.run_until_done()
+    hot = make(model, mode, P=P, prefill_chunk_size=P, **defaults())
+    guard_sealed_writes(hot)
+    lead = hot.add_request(prompts[0], greedy(4))
+    hot.step()  # the leader is running, one page in
+    outs = [lead] + [hot.add_request(p, greedy(4)) for p in prompts[1:]]
+    hot.run_until_done()
+    st = hot.prefix.stats
+    assert [o.num_cached_tokens for o in outs[1:]] == [5 * P] * (len(prompts) - 1), st
+    assert st.held > 0 and st.lost_requests == 0, st
+    for r, o in zip(refs, outs):
+        assert o.output_ids == r.output_ids
