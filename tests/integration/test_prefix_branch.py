@@ -356,3 +356,21 @@ def test_requests_sent_together_wait_for_their_leader(model, mode: str) -> None:
     assert st.held > 0 and st.lost_requests == 0, st
     for r, o in zip(refs, outs):
         assert o.output_ids == r.output_ids
+
+
+def test_the_stride_never_adds_a_step_to_a_resumed_prompts_last_chunk(model) -> None:
+    """A question restored after its system prompt finishes its prompt in two steps (to its last page
+    boundary, then the rest), not three: the stride point between them cuts nothing."""
+    rng = random.Random(14)
+    sysp = rand(rng, 5 * P + 3)
+    ex = make(model, "plain", P=P, interval=6 * P)
+    for _ in range(2):
+        ex.add_request(sysp + rand(rng, 16), greedy(1))
+        ex.run_until_done()
+    c = ex.add_request(sysp + rand(rng, 16), greedy(1))
+    steps = 0
+    while not c.output_ids:
+        ex.step()
+        steps += 1
+    assert c.num_cached_tokens == 5 * P and steps == 2
+    assert 6 * P in ex.prefix.endpoints(c)  # (a stride point it crossed)

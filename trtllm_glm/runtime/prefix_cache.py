@@ -352,15 +352,35 @@ class PrefixCache:
     # --------------------------------------------------------------------------------------------
     # Chunks, seals and checkpoints
     def cut(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """End every prefill chunk at the next checkpoint endpoint inside it."""
+        """End every prefill chunk at the next checkpoint endpoint inside it.
+
+        A stride endpoint (a multiple of ``checkpoint_interval`` that is no other endpoint) does not cut a
+        chunk that ends the prompt and is no longer than the stride: the stride bounds what a request
+        branching off a long prompt recomputes, and cutting there would add a step to the time to first
+        token of every request that resumed a few tokens before it (a question after a system prompt).
+        """
         for s in plan:
             if s.is_decode:
                 continue
-            n0 = s.request.num_computed
-            nxt = next((e for e in self.endpoints(s.request) if e > n0), None)
-            if nxt is not None and n0 + s.num_rows > nxt:
-                s.num_rows = nxt - n0
+            r = s.request
+            n0, end = r.num_computed, r.num_computed + s.num_rows
+            final = end >= len(r.prompt_ids) and self.interval is not None and s.num_rows <= self.interval
+            for e in self.endpoints(r):
+                if e <= n0 or e >= end:
+                    continue
+                if final and self._stride_only(r, e):
+                    continue
+                s.num_rows = e - n0
+                break
         return plan
+
+    def _stride_only(self, r: Request, e: int) -> bool:
+        """Whether endpoint ``e`` of ``r`` is there for the stride alone."""
+        if self.interval is None or e % self.interval:
+            return False
+        if e == (len(r.prompt_ids) - 1) // self.page_size * self.page_size:
+            return False
+        return e != self._branch.get(r.request_id) and e not in self._leads.get(r.request_id, ())
 
     def after_step(self, plan: list[ScheduledSeq], history: Callable[[Request], int]) -> None:
         """Seal pages that became final and take the checkpoints this step reached.
