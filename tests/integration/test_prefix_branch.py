@@ -52,7 +52,8 @@ def model() -> Glm5NextForCausalLM:
 
 def defaults(**kw) -> dict:
     """The LLM API's prefix settings at the tests' page size (a stride of 2P stands for the chunk)."""
-    out = dict(interval=2 * P, checkpoint_prompt_end=True, checkpoint_branch_points=True, checkpoint_max_bytes="auto")
+    out = dict(interval=2 * P, checkpoint_prompt_end=True, checkpoint_branch_points=True, checkpoint_max_bytes="auto",
+               checkpoint_request_end=True)  # fmt: skip
     out.update(kw)
     return out
 
@@ -126,9 +127,12 @@ def test_workloads_greedy_identical_with_and_without_reuse(model, mode: str) -> 
     for w, g in zip(want_chat, got_chat):
         assert g.prompt_ids == w.prompt_ids and g.output_ids == w.output_ids
     st = hot.prefix.stats
-    # Every follow-up reuses: 3 + 3 questions, 2 chat turns (the prompt-end checkpoint of the turn before).
-    assert st.hits >= 8 and st.branch_checkpoints >= 2, st
-    assert all(g.num_cached_tokens >= len(w.prompt_ids) for w, g in zip(want_chat, got_chat[1:])), "chat turns"
+    # Every follow-up reuses: 3 + 3 questions, 2 chat turns: all the turn before computed (its request-end
+    # checkpoint) or, with MTP (whose drafter catches up after a request's end), its prompt.
+    assert st.hits >= 7 and st.branch_checkpoints >= 1, st  # (of 8: a budget of ~5 checkpoints churns)
+    for w, g in zip(got_chat, got_chat[1:]):
+        want = len(w.prompt_ids) if mode.startswith("mtp") else len(w.tokens) - 1
+        assert g.num_cached_tokens == want, f"chat turn {g.request_id}: {g.num_cached_tokens} != {want}"
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtp3", "mtp2-sep", "ngram4"])
@@ -200,7 +204,9 @@ def test_branch_point_checkpoint_is_byte_exact(model, mode: str) -> None:
 def test_third_request_reuses_the_shared_prefix_at_default_settings(model) -> None:
     llm = LLM(model=model, max_seq_len=1024)
     kv = KvCacheConfig()
-    assert kv.enable_block_reuse and kv.checkpoint_branch_points and kv.checkpoint_prompt_end
+    assert (
+        kv.enable_block_reuse and kv.checkpoint_branch_points and kv.checkpoint_prompt_end and kv.checkpoint_request_end
+    )
     assert llm.executor_config.checkpoint_interval == 512 and llm.executor.prefix.max_bytes > 0
     rng = random.Random(6)
     S, page = 300, kv.tokens_per_block

@@ -59,6 +59,9 @@ class ExecutorConfig:
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
         checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
             checkpoint reaches (a shared system prompt, a document asked different questions).
+        checkpoint_request_end: also checkpoint each request where it ends (its prompt and answer: the next
+            turn of a conversation resumes after the answer; MTP requests skip it, their drafter catches up
+            after the end).
         prefix_wait_for_leader: a waiting request whose prompt shares pages with a running request still
             prefilling them waits for that one's checkpoint where they part, instead of recomputing them.
         (The LLM API's `KvCacheConfig` has serving defaults; these are the low-level explicit ones.)
@@ -82,6 +85,7 @@ class ExecutorConfig:
     checkpoint_max_bytes: int | str | None = None
     checkpoint_prompt_end: bool = False
     checkpoint_branch_points: bool = True
+    checkpoint_request_end: bool = False
     prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
 
@@ -166,6 +170,7 @@ class Executor:
                 prompt_end=cfg.checkpoint_prompt_end,
                 branch_points=cfg.checkpoint_branch_points,
                 wait_for_leader=cfg.prefix_wait_for_leader,
+                request_end=cfg.checkpoint_request_end,
                 max_checkpoints=cfg.max_checkpoints,
                 max_bytes=cfg.checkpoint_max_bytes,
             )
@@ -666,6 +671,10 @@ class Executor:
         """Hook for subclasses that keep per-request state (drafters)."""
 
     def _finish(self, req: Request) -> None:
+        # Not when a step launched ahead (overlap scheduler) already wrote the slot past the request's end.
+        ahead = self._inflight is not None and any(s.request is req for s in self._inflight.plan)
+        if self.prefix is not None and req.finish_reason is not FinishReason.ABORT and not ahead:
+            self.prefix.at_finish(req, self.draft_history_len)
         req.state = RequestState.FINISHED
         self.running.remove(req)
         self.manager.free_request(req.request_id)

@@ -41,6 +41,8 @@ class KvCacheConfig:
             of the KV cache's bytes (pages and state slots), at least four checkpoints; ``None``: no limit.
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
             a conversation (this prompt + the answer + more) reuses the whole prompt. On by default.
+        checkpoint_request_end: also checkpoint each request where it ends (prompt + answer), so that the
+            next turn of a conversation resumes after the answer (on by default; MTP requests skip it).
         checkpoint_branch_points: when a prompt matches cached pages further than any checkpoint reaches
             (a shared system prompt, a document asked another question), checkpoint it where the match ends,
             so that every later request sharing that prefix resumes there. On by default.
@@ -54,6 +56,7 @@ class KvCacheConfig:
     checkpoint_max_bytes: int | str | None = "auto"
     checkpoint_prompt_end: bool = True
     checkpoint_branch_points: bool = True
+    checkpoint_request_end: bool = True
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
@@ -196,6 +199,7 @@ class LLM:
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
             checkpoint_prompt_end=kv.checkpoint_prompt_end,
             checkpoint_branch_points=kv.checkpoint_branch_points,
+            checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,
         )
         self.seed = seed

@@ -94,6 +94,7 @@ class PrefixCache:
             that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
         branch_points: checkpoint at branch points (see the module docstring).
         wait_for_leader: hold a waiting request while a running one prefills the pages they share (`match`).
+        request_end: also checkpoint each request where it ends (`at_finish`; the next turn reuses the answer).
         max_checkpoints: checkpoint count budget (LRU).
         max_bytes: checkpoint byte budget (LRU; ``None``: count only; ``"auto"``: `auto_checkpoint_max_bytes`).
     """
@@ -106,6 +107,7 @@ class PrefixCache:
         prompt_end: bool = False,
         branch_points: bool = True,
         wait_for_leader: bool = True,
+        request_end: bool = False,
         max_checkpoints: int,
         max_bytes: int | str | None,
     ) -> None:
@@ -125,6 +127,7 @@ class PrefixCache:
         # Branch point per request (request id -> endpoint), set by `match`, dropped once the request passed it.
         # Kept without ``branch_points`` too, to count the reuse lost (`endpoints` ignores it then).
         self.wait_for_leader = wait_for_leader
+        self.request_end = request_end
         # Endpoints given to a leader by the requests waiting for it (request id -> endpoints), the
         # requests held this step, and the page keys of running requests' prompts (computed once each).
         self._leads: dict[int, set[int]] = {}
@@ -418,6 +421,34 @@ class PrefixCache:
                 continue
             if self._take(r, key, keys[: E // P], shared=branch or lead) and branch:
                 self.stats.branch_checkpoints += 1
+
+    def at_finish(self, r: Request, history: Callable[[Request], int]) -> None:
+        """Checkpoint a request that just finished at its whole sequence (``request_end``), before it is freed.
+
+        The next turn of a conversation (this prompt + the answer + more) then resumes after the answer.
+        The caller guarantees the step is committed and no step launched ahead wrote the slot; a slot that
+        is not at the request's committed length (pending records, a drafter behind it: MTP catches up
+        after finishing) is skipped, never checkpointed wrongly.
+        """
+        if not self.request_end or not self.eligible(r) or not self.manager.has_request(r.request_id):
+            return
+        P, E = self.page_size, r.num_computed
+        if E <= 0 or len(r.tokens) <= E or history(r) < E:
+            return
+        keys = extend_page_keys(r.page_keys, r.tokens, P, E // P)
+        if len(keys) < E // P:
+            return
+        for j in range(r.pages_sealed, E // P):
+            self.manager.seal_page(r.request_id, j, keys[j])
+            self.ex.seal_draft_page(r, j, keys[j])
+        r.pages_sealed = max(r.pages_sealed, E // P)
+        key = checkpoint_key(keys, r.tokens, E, P)
+        if key in self.store:
+            return
+        try:
+            self._take(r, key, keys[: E // P])
+        except StateError:
+            self.stats.checkpoints_skipped += 1
 
     def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
         """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
