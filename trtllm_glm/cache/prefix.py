@@ -140,6 +140,8 @@ class PrefixStats:
         lost_tokens: prompt tokens those admissions recomputed although their pages were cached (a
             checkpoint at the branch point would have saved them; the request takes one there).
         held: times a waiting request was held for a step while a running one prefilled their shared pages.
+        checkpoints_superseded: a request's own prompt-end / last-page checkpoints dropped unused when its
+            request-end checkpoint was taken.
     """
 
     queries: int = 0
@@ -153,6 +155,7 @@ class PrefixStats:
     lost_requests: int = 0
     lost_tokens: int = 0
     held: int = 0
+    checkpoints_superseded: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -133,6 +133,9 @@ class PrefixCache:
         self._leads: dict[int, set[int]] = {}
         self._held: set[int] = set()
         self._prompt_keys: dict[int, list[bytes]] = {}
+        # Per running request, its own prompt-end / last-page checkpoints (dropped once its request-end one
+        # is taken, unless they served a hit meanwhile).
+        self._own: dict[int, list[tuple]] = {}
         self._branch: dict[int, int] = {}
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
@@ -195,7 +198,7 @@ class PrefixCache:
         keep = {r.request_id for r in waiting} | {r.request_id for r in live}
         if self._branch:
             self._branch = {k: v for k, v in self._branch.items() if k in keep}
-        for d in (self._leads, self._prompt_keys):
+        for d in (self._leads, self._prompt_keys, self._own):
             for k in [k for k in d if k not in keep]:
                 del d[k]
         self._held.clear()
@@ -419,8 +422,11 @@ class PrefixCache:
             lead = E in self._leads.get(r.request_id, ())  # requests wait for this one: shared, like a branch
             if key in self.store:
                 continue
-            if self._take(r, key, keys[: E // P], shared=branch or lead) and branch:
-                self.stats.branch_checkpoints += 1
+            if self._take(r, key, keys[: E // P], shared=branch or lead):
+                self.stats.branch_checkpoints += int(branch)
+                last_page = (len(r.prompt_ids) - 1) // P * P
+                if self.request_end and not (branch or lead) and (at_end or last_page == E):
+                    self._own.setdefault(r.request_id, []).append(key)  # superseded by its request-end one
 
     def at_finish(self, r: Request, history: Callable[[Request], int]) -> None:
         """Checkpoint a request that just finished at its whole sequence (``request_end``), before it is freed.
@@ -443,12 +449,21 @@ class PrefixCache:
             self.ex.seal_draft_page(r, j, keys[j])
         r.pages_sealed = max(r.pages_sealed, E // P)
         key = checkpoint_key(keys, r.tokens, E, P)
+        own = self._own.pop(r.request_id, ())
         if key in self.store:
             return
         try:
-            self._take(r, key, keys[: E // P])
+            taken = self._take(r, key, keys[: E // P])
         except StateError:
             self.stats.checkpoints_skipped += 1
+            return
+        if taken:
+            # Its own prompt-end and last-page checkpoints that nobody used: the next turn of a conversation
+            # resumes from this one, and keeping them would push other conversations' out of the budget.
+            for k in own:
+                if k in self.store and not self.store.is_shared(k):
+                    self.store.discard(k)
+                    self.stats.checkpoints_superseded += 1
 
     def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
         """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
