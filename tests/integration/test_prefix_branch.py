@@ -380,3 +380,20 @@ def test_the_stride_never_adds_a_step_to_a_resumed_prompts_last_chunk(model) -> 
         steps += 1
     assert c.num_cached_tokens == 5 * P and steps == 2
     assert 6 * P in ex.prefix.endpoints(c)  # (a stride point it crossed)
+
+
+def test_interleaved_chats_keep_their_turns_within_a_small_budget(model) -> None:
+    """Three conversations take turns with room for six checkpoints: each request's own prompt-end and
+    last-page checkpoints give way to its request-end one, so every second turn resumes after its answer."""
+    rng = random.Random(15)
+    ex = make(model, "plain", P=P, **defaults(interval=None, max_checkpoints=6, checkpoint_max_bytes=None))
+    convs = [rand(rng, 2 * P + 3) for _ in range(3)]
+    firsts = []
+    for c in convs:
+        firsts.append(ex.add_request(c, greedy(5)))
+        ex.run_until_done()
+    for r in firsts:
+        r2 = ex.add_request(r.tokens + rand(rng, 4), greedy(3))
+        ex.run_until_done()
+        assert r2.num_cached_tokens == len(r.tokens) - 1
+    assert ex.prefix.stats.checkpoints_superseded >= 6

@@ -449,21 +449,18 @@ class PrefixCache:
             self.ex.seal_draft_page(r, j, keys[j])
         r.pages_sealed = max(r.pages_sealed, E // P)
         key = checkpoint_key(keys, r.tokens, E, P)
-        own = self._own.pop(r.request_id, ())
+        # Its own prompt-end and last-page checkpoints that nobody used give way to this one (dropped first,
+        # so that they do not push other conversations' out): the next turn of a conversation resumes here.
+        for k in self._own.pop(r.request_id, ()):
+            if k in self.store and not self.store.is_shared(k):
+                self.store.discard(k)
+                self.stats.checkpoints_superseded += 1
         if key in self.store:
             return
         try:
-            taken = self._take(r, key, keys[: E // P])
+            self._take(r, key, keys[: E // P])
         except StateError:
             self.stats.checkpoints_skipped += 1
-            return
-        if taken:
-            # Its own prompt-end and last-page checkpoints that nobody used: the next turn of a conversation
-            # resumes from this one, and keeping them would push other conversations' out of the budget.
-            for k in own:
-                if k in self.store and not self.store.is_shared(k):
-                    self.store.discard(k)
-                    self.stats.checkpoints_superseded += 1
 
     def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
         """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
