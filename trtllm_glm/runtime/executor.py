@@ -55,7 +55,7 @@ class ExecutorConfig:
             before each prompt's end); best a multiple of ``tokens_per_block``.
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
         checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit; ``"auto"``:
-            a quarter of the cache's bytes, at least four checkpoints: `auto_checkpoint_max_bytes`).
+            a quarter of the cache's bytes, at least two checkpoints per state slot: `auto_checkpoint_max_bytes`).
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
         checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
             checkpoint reaches (a shared system prompt, a document asked different questions).

@@ -38,7 +38,8 @@ class KvCacheConfig:
         max_checkpoints: checkpoints kept (least recently used evicted first).
         checkpoint_max_bytes: device bytes the checkpoints may hold (least recently used evicted first; a
             checkpoint larger than the whole budget is skipped and counted). ``"auto"`` (default): a quarter
-            of the KV cache's bytes (pages and state slots), at least four checkpoints; ``None``: no limit.
+            of the KV cache's bytes (pages and state slots), at least two checkpoints per state slot (a checkpoint
+            is a state slot's copy: ~153 MB on GLM-5.3-Flash); ``None``: no limit.
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
             a conversation (this prompt + the answer + more) reuses the whole prompt. On by default.
         checkpoint_request_end: also checkpoint each request where it ends (prompt + answer), so that the

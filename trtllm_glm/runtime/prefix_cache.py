@@ -70,17 +70,17 @@ class PrefixHost(Protocol):
     def seal_draft_page(self, req: Request, logical_page: int, key: bytes) -> None: ...
 
 
-def auto_checkpoint_max_bytes(manager: Glm5NextCacheManager, fraction: float = 0.25, min_checkpoints: int = 4) -> int:
+def auto_checkpoint_max_bytes(manager: Glm5NextCacheManager, fraction: float = 0.25, per_slot: int = 2) -> int:
     """The default checkpoint byte budget: ``fraction`` of what ``manager`` holds (all pages and state
-    slots), and at least ``min_checkpoints`` checkpoints (a state slot plus a partial page each).
+    slots), and at least ``per_slot`` checkpoints (a state slot plus a partial page each) per state slot,
+    so that a full batch of conversations keeps its turns' checkpoints.
 
-    On GLM-5.3-Flash a checkpoint is ~153 MB (34 KDA layers' recurrent + conv state and 11 tail rings), so
-    a cache of 8 slots and 16K tokens (~1.4 GB) bounds checkpoints at four (~0.6 GB); on ``small`` one is
-    ~0.14 MB.
+    On GLM-5.3-Flash a checkpoint is ~153 MB (34 KDA layers' recurrent + conv state and 11 tail rings): 8
+    slots allow ~2.4 GB of checkpoints; on the 4-layer slice ~13.5 MB each (~0.2 GB); on ``small`` ~0.14 MB.
     """
     total = manager.num_pages * manager.bytes_per_page + manager.max_num_requests * manager.state_bytes_per_request
     one = manager.state_bytes_per_request + manager.bytes_per_page
-    return max(int(total * fraction), min_checkpoints * one)
+    return max(int(total * fraction), per_slot * manager.max_num_requests * one)
 
 
 class PrefixCache:
