@@ -193,7 +193,12 @@ def main() -> None:
     ap.add_argument("--doc-questions", type=int, default=16)
     ap.add_argument("--gen", type=int, default=8, help="output tokens per request (system, document)")
     ap.add_argument("--max-seq-len", type=int, default=4096)
-    ap.add_argument("--legacy", action="store_true", help="the settings before issue 34 (for comparison)")
+    ap.add_argument(
+        "--legacy",
+        action="store_true",
+        help="the settings before issue 34 (for comparison): no stride, "
+        "no byte bound, no prompt-end / request-end / branch-point checkpoints, no waiting for a leader",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -212,6 +217,8 @@ def main() -> None:
     llm = LLM(
         model=model, kv_cache_config=kv, max_seq_len=args.max_seq_len, num_threads=1 if args.device == "cpu" else None
     )
+    if args.legacy:
+        llm.executor_config.prefix_wait_for_leader = False  # (not a KvCacheConfig knob)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     settings = {"preset": args.preset, "layers": args.layers, "device": args.device, "dtype": args.dtype,
                 "legacy": args.legacy, "tokens_per_block": kv.tokens_per_block,
