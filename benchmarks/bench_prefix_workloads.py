@@ -213,7 +213,7 @@ def main() -> None:
     kv = KvCacheConfig()
     if args.legacy:
         kv = KvCacheConfig(checkpoint_interval=None, checkpoint_max_bytes=None, checkpoint_prompt_end=False,
-                           checkpoint_branch_points=False)  # fmt: skip
+                           checkpoint_branch_points=False, checkpoint_request_end=False)  # fmt: skip
     llm = LLM(
         model=model, kv_cache_config=kv, max_seq_len=args.max_seq_len, num_threads=1 if args.device == "cpu" else None
     )
