@@ -294,7 +294,8 @@ class Glm5NextCacheManager:
         view by page id, so it is strided by that plane's page size and never by a region's size.
         """
         return {
-            name: t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1)
+            # (The byte count spelled out: a manager without sparse layers has empty planes.)
+            name: t.view(torch.uint8).reshape(t.shape[0], t.shape[1], t.shape[2:].numel() * t.element_size())
             for name, t in (("latent", self.latent), ("index_k", self.index_k), ("index_scale", self.index_scale))
         }
 

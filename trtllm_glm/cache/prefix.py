@@ -133,7 +133,15 @@ class PrefixStats:
         checkpoints_taken: checkpoints stored.
         checkpoints_evicted: checkpoints dropped by the budget (LRU).
         rejected: checkpoints discarded at restore because they failed validation (the request recomputed).
-        checkpoints_skipped: checkpoints not taken for lack of device memory.
+        checkpoints_skipped: checkpoints not taken: no device memory, or larger than the byte budget.
+        branch_checkpoints: checkpoints taken at branch points (where a prompt stopped matching sealed
+            pages that no checkpoint reached).
+        lost_requests: admissions whose prompt matched sealed pages beyond the checkpoint they could use.
+        lost_tokens: prompt tokens those admissions recomputed although their pages were cached (a
+            checkpoint at the branch point would have saved them; the request takes one there).
+        held: times a waiting request was held for a step while a running one prefilled their shared pages.
+        checkpoints_superseded: a request's own prompt-end / last-page checkpoints dropped unused when its
+            request-end checkpoint was taken.
     """
 
     queries: int = 0
@@ -143,6 +151,11 @@ class PrefixStats:
     checkpoints_evicted: int = 0
     rejected: int = 0
     checkpoints_skipped: int = 0
+    branch_checkpoints: int = 0
+    lost_requests: int = 0
+    lost_tokens: int = 0
+    held: int = 0
+    checkpoints_superseded: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -151,7 +164,13 @@ class PrefixStats:
 
 @dataclass
 class CheckpointStore:
-    """Checkpoints by key, with their own budget and LRU eviction (pages are never evicted for them).
+    """Checkpoints by key, with their own budget and eviction (pages are never evicted for them).
+
+    Eviction is a segmented LRU: a checkpoint that served a hit, or was taken at a branch point (a prefix
+    two requests already shared), is *shared* and outlives the fresh ones, which are evicted first (least
+    recently used first). Without it the checkpoints every request takes near its own end (its last page
+    boundary, its prompt's end), which rarely serve anyone, would push a system prompt's checkpoint out.
+    Shared ones are kept to half the budget (the least recently used of them turn fresh again beyond it).
 
     Args:
         max_checkpoints: at most this many (``0`` disables checkpoints).
@@ -161,8 +180,10 @@ class CheckpointStore:
     max_checkpoints: int = 64
     max_bytes: int | None = None
     _items: OrderedDict = field(default_factory=OrderedDict)
+    _shared: OrderedDict = field(default_factory=OrderedDict)
     _by_chain: dict = field(default_factory=dict)
     nbytes: int = 0
+    shared_nbytes: int = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -174,35 +195,66 @@ class CheckpointStore:
         """Keys, least recently used first (a copy: safe to discard while iterating)."""
         return iter(list(self._items))
 
+    def is_shared(self, key: tuple) -> bool:
+        """Whether the checkpoint under ``key`` is in the shared segment (evicted after the fresh ones)."""
+        return key in self._shared
+
     def get(self, key: tuple) -> Checkpoint | None:
-        """The checkpoint under ``key`` (marked most recently used), or None."""
+        """The checkpoint under ``key`` (marked most recently used and shared: a hit), or None."""
         ck = self._items.get(key)
         if ck is not None:
             self._items.move_to_end(key)
+            self._share(key, ck)
         return ck
 
-    def put(self, key: tuple, ck: Checkpoint) -> int:
-        """Store ``ck`` under ``key`` and evict least recently used ones over budget; returns how many left.
+    def fits(self, ck: Checkpoint) -> bool:
+        """Whether ``ck`` can be stored at all (checkpoints enabled, and not above the whole byte budget)."""
+        return self.max_checkpoints > 0 and (self.max_bytes is None or ck.nbytes <= self.max_bytes)
 
-        A checkpoint larger than the whole byte budget is not stored.
+    def put(self, key: tuple, ck: Checkpoint, *, shared: bool = False) -> int:
+        """Store ``ck`` under ``key`` (in the shared segment when ``shared``) and evict over budget; returns
+        how many were evicted. A checkpoint larger than the whole byte budget is not stored.
         """
-        if self.max_checkpoints <= 0 or (self.max_bytes is not None and ck.nbytes > self.max_bytes):
+        if not self.fits(ck):
             return 0
         self.discard(key)
         self._items[key] = ck
         self._by_chain.setdefault(key[0], set()).add(key)
         self.nbytes += ck.nbytes
+        if shared:
+            self._share(key, ck)
         evicted = 0
         while len(self._items) > self.max_checkpoints or (self.max_bytes is not None and self.nbytes > self.max_bytes):
-            self.discard(next(iter(self._items)))
+            self.discard(self.victim())
             evicted += 1
         return evicted
+
+    def victim(self) -> tuple:
+        """The key eviction takes next: the least recently used fresh checkpoint, else shared one."""
+        return next((k for k in self._items if k not in self._shared), next(iter(self._items)))
+
+    def _share(self, key: tuple, ck: Checkpoint) -> None:
+        if key not in self._shared:
+            self.shared_nbytes += ck.nbytes
+        self._shared[key] = None
+        self._shared.move_to_end(key)
+        # Half the budget at most: the least recently used shared ones turn fresh again.
+        cap_n = max(1, self.max_checkpoints // 2)
+        cap_b = None if self.max_bytes is None else self.max_bytes // 2
+        while len(self._shared) > 1 and (
+            len(self._shared) > cap_n or (cap_b is not None and self.shared_nbytes > cap_b)
+        ):
+            old = next(iter(self._shared))
+            del self._shared[old]
+            self.shared_nbytes -= self._items[old].nbytes
 
     def discard(self, key: tuple) -> None:
         """Drop the checkpoint under ``key`` if any."""
         old = self._items.pop(key, None)
         if old is not None:
             self.nbytes -= old.nbytes
+            if self._shared.pop(key, 0) is None:
+                self.shared_nbytes -= old.nbytes
             group = self._by_chain[key[0]]
             group.discard(key)
             if not group:

@@ -172,6 +172,13 @@ class _Track:
     done: bool = False
 
 
+def _prefix_counts(st: Any) -> tuple[int, ...]:
+    """The prefix-cache counters `/metrics` exports, in `ServeMetrics` order (zeros without prefix caching)."""
+    if st is None:
+        return (0,) * 6
+    return (st.queries, st.hits, st.reused_tokens, st.lost_requests, st.lost_tokens, st.checkpoints_skipped)
+
+
 class AsyncEngine:
     """Serves an `LLM`'s executor to asyncio callers from one background thread.
 
@@ -208,7 +215,7 @@ class AsyncEngine:
         # Counters export what the engine's own requests did: whatever the executor counted before it (say
         # `LLM.generate` calls) is the starting point, as for steps and preemptions.
         st = self.executor.prefix.stats if self.executor.prefix is not None else None
-        self._last_prefix = (st.queries, st.hits, st.reused_tokens) if st is not None else (0, 0, 0)
+        self._last_prefix = _prefix_counts(st)
         self._last_steps = self.executor.num_steps
         self._step_errors = 0
         self._stats: dict[str, Any] = {}
@@ -255,7 +262,8 @@ class AsyncEngine:
 
         Keys: ``live`` (generations submitted, not finished), ``running``, ``waiting`` (executor queue plus
         inbox), ``pages_used``, ``pages_total``, ``free_state_slots``, ``draft_pages_used``, ``num_steps``,
-        ``num_preemptions``, ``step_errors``, ``prefix_cache_hits``, ``prefix_cache_reused_tokens``.
+        ``num_preemptions``, ``step_errors``, ``prefix_cache_hits``, ``prefix_cache_reused_tokens``,
+        ``prefix_cache_lost_tokens``.
         """
         with self._cv:
             out = dict(self._stats)
@@ -538,11 +546,13 @@ class AsyncEngine:
             m.spec_unspeculated_rounds.inc(unspec - self._last_unspeculated)
         self._last_unspeculated = unspec
         if ex.prefix is not None:
-            st, last = ex.prefix.stats, self._last_prefix
-            m.prefix_queries.inc(st.queries - last[0])
-            m.prefix_hits.inc(st.hits - last[1])
-            m.prefix_reused_tokens.inc(st.reused_tokens - last[2])
-            self._last_prefix = (st.queries, st.hits, st.reused_tokens)
+            now, last = _prefix_counts(ex.prefix.stats), self._last_prefix
+            counters = (m.prefix_queries, m.prefix_hits, m.prefix_reused_tokens, m.prefix_lost_requests,
+                        m.prefix_lost_tokens, m.prefix_checkpoints_skipped)  # fmt: skip
+            for c, a, b in zip(counters, now, last):
+                c.inc(a - b)
+            self._last_prefix = now
+            m.prefix_checkpoint_bytes.set(ex.prefix.store.nbytes)
         self._publish_stats()
         s = self._stats
         m.running.set(s["running"])
@@ -571,4 +581,5 @@ class AsyncEngine:
                 "step_errors": self._step_errors,
                 "prefix_cache_hits": ex.prefix.stats.hits if ex.prefix is not None else 0,
                 "prefix_cache_reused_tokens": ex.prefix.stats.reused_tokens if ex.prefix is not None else 0,
+                "prefix_cache_lost_tokens": ex.prefix.stats.lost_tokens if ex.prefix is not None else 0,
             }

@@ -54,8 +54,17 @@ class ExecutorConfig:
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before each prompt's end); best a multiple of ``tokens_per_block``.
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
-        checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit).
+        checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit; ``"auto"``:
+            a quarter of the cache's bytes, at least two checkpoints per state slot: `auto_checkpoint_max_bytes`).
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
+        checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
+            checkpoint reaches (a shared system prompt, a document asked different questions).
+        checkpoint_request_end: also checkpoint each request where it ends (its prompt and answer: the next
+            turn of a conversation resumes after the answer; MTP requests skip it, their drafter catches up
+            after the end).
+        prefix_wait_for_leader: a waiting request whose prompt shares pages with a running request still
+            prefilling them waits for that one's checkpoint where they part, instead of recomputing them.
+        (The LLM API's `KvCacheConfig` has serving defaults; these are the low-level explicit ones.)
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
             works. Only with CUDA graphs, requests without per-token outputs (sampled ones draw on the
@@ -73,8 +82,11 @@ class ExecutorConfig:
     enable_block_reuse: bool = False
     checkpoint_interval: int | None = None
     max_checkpoints: int = 64
-    checkpoint_max_bytes: int | None = None
+    checkpoint_max_bytes: int | str | None = None
     checkpoint_prompt_end: bool = False
+    checkpoint_branch_points: bool = True
+    checkpoint_request_end: bool = False
+    prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
 
 
@@ -156,6 +168,9 @@ class Executor:
                 self,
                 checkpoint_interval=cfg.checkpoint_interval,
                 prompt_end=cfg.checkpoint_prompt_end,
+                branch_points=cfg.checkpoint_branch_points,
+                wait_for_leader=cfg.prefix_wait_for_leader,
+                request_end=cfg.checkpoint_request_end,
                 max_checkpoints=cfg.max_checkpoints,
                 max_bytes=cfg.checkpoint_max_bytes,
             )
@@ -349,9 +364,10 @@ class Executor:
         only into free room, in arrival order, and never cause a preemption.
         """
         if self.prefix is not None:
-            self.prefix.match(list(self.waiting))
+            self.prefix.match(list(self.waiting), self.running)
         while True:
-            plan = self.scheduler.schedule(self.running, self.waiting, decode_width)
+            waiting = self.waiting if self.prefix is None else self.prefix.admissible(self.waiting)
+            plan = self.scheduler.schedule(self.running, waiting, decode_width)
             if self.prefix is not None:
                 plan = self.prefix.cut(plan)
             planned: list[ScheduledSeq] = []
@@ -656,6 +672,10 @@ class Executor:
         """Hook for subclasses that keep per-request state (drafters)."""
 
     def _finish(self, req: Request) -> None:
+        # Not when a step launched ahead (overlap scheduler) already wrote the slot past the request's end.
+        ahead = self._inflight is not None and any(s.request is req for s in self._inflight.plan)
+        if self.prefix is not None and req.finish_reason is not FinishReason.ABORT and not ahead:
+            self.prefix.at_finish(req, self.draft_history_len)
         req.state = RequestState.FINISHED
         self.running.remove(req)
         self.manager.free_request(req.request_id)

@@ -42,34 +42,55 @@ class KvCacheConfig:
         enable_block_reuse: prefix caching (TensorRT-LLM's name): requests whose prompt starts like an
             earlier one's share its full pages and restore a recurrent-state checkpoint instead of
             recomputing (docs/design.md §6.4). On by default.
-        checkpoint_interval: prompt tokens between checkpoints (``None``: one checkpoint per prompt, at
-            its last page boundary).
+        checkpoint_interval: prompt tokens between checkpoints. ``"auto"`` (default): the prefill chunk
+            (``max_num_tokens``, or ``prefill_chunk_size`` when smaller) rounded down to a page, so that
+            checkpoints fall where a long prompt's chunks end anyway; ``None``: no stride (only the
+            checkpoints below).
         max_checkpoints: checkpoints kept (least recently used evicted first).
-        checkpoint_max_bytes: device bytes the checkpoints may hold (``None``: no byte limit).
+        checkpoint_max_bytes: device bytes the checkpoints may hold (least recently used evicted first; a
+            checkpoint larger than the whole budget is skipped and counted). ``"auto"`` (default): a quarter
+            of the KV cache's bytes (pages and state slots), at least two checkpoints per state slot (a checkpoint
+            is a state slot's copy: ~153 MB on GLM-5.3-Flash); ``None``: no limit.
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
-            a conversation (this prompt + the answer + more) reuses the whole prompt. Off by default: it
-            doubles the checkpoints per request.
+            a conversation (this prompt + the answer + more) reuses the whole prompt. On by default.
+        checkpoint_request_end: also checkpoint each request where it ends (prompt + answer), so that the
+            next turn of a conversation resumes after the answer (on by default; MTP requests skip it).
+        checkpoint_branch_points: when a prompt matches cached pages further than any checkpoint reaches
+            (a shared system prompt, a document asked another question), checkpoint it where the match ends,
+            so that every later request sharing that prefix resumes there. On by default.
     """
 
     tokens_per_block: int = 16
     max_tokens: int | None = None
     enable_block_reuse: bool = True
-    checkpoint_interval: int | None = None
+    checkpoint_interval: int | str | None = "auto"
     max_checkpoints: int = 64
-    checkpoint_max_bytes: int | None = None
-    checkpoint_prompt_end: bool = False
+    checkpoint_max_bytes: int | str | None = "auto"
+    checkpoint_prompt_end: bool = True
+    checkpoint_branch_points: bool = True
+    checkpoint_request_end: bool = True
 
     def __post_init__(self) -> None:
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
             raise ValueError(f"tokens_per_block must be a positive multiple of 4, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.checkpoint_interval is not None and self.checkpoint_interval <= 0:
-            raise ValueError(f"checkpoint_interval must be positive, got {self.checkpoint_interval}")
+        for name in ("checkpoint_interval", "checkpoint_max_bytes"):
+            v = getattr(self, name)
+            if v is None or v == "auto":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, 'auto' or None, got {v!r}")
         if self.max_checkpoints < 0:
             raise ValueError(f"max_checkpoints must be >= 0, got {self.max_checkpoints}")
-        if self.checkpoint_max_bytes is not None and self.checkpoint_max_bytes <= 0:
-            raise ValueError(f"checkpoint_max_bytes must be positive, got {self.checkpoint_max_bytes}")
+
+    def resolved_interval(self, max_num_tokens: int, prefill_chunk_size: int | None) -> int | None:
+        """``checkpoint_interval`` with ``"auto"`` resolved for these step sizes."""
+        if self.checkpoint_interval != "auto":
+            return self.checkpoint_interval  # type: ignore[return-value]
+        chunk = min(max_num_tokens, prefill_chunk_size or max_num_tokens)
+        P = self.tokens_per_block
+        return max(P, chunk // P * P)
 
 
 @dataclass
@@ -233,10 +254,12 @@ class LLM:
             if torch.device(self.device).type == "cuda"
             else None,
             enable_block_reuse=kv.enable_block_reuse,
-            checkpoint_interval=kv.checkpoint_interval,
+            checkpoint_interval=kv.resolved_interval(max_num_tokens, prefill_chunk_size),
             max_checkpoints=kv.max_checkpoints,
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
             checkpoint_prompt_end=kv.checkpoint_prompt_end,
+            checkpoint_branch_points=kv.checkpoint_branch_points,
+            checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,
         )
         self.seed = seed

@@ -8,9 +8,15 @@ Per step the executor asks it to
 2. ``admit`` a matched request: share its full pages, copy its partial page, restore its state slot
    (and the drafter's) byte for byte;
 3. ``cut`` prefill chunks so that they end at checkpoint endpoints (every ``checkpoint_interval`` prompt
-   tokens, and the last page boundary before the prompt's end);
+   tokens, the last page boundary before the prompt's end, and the request's *branch point*);
 4. ``after_step``: seal pages whose content became final, and take a checkpoint where a prefill chunk
    ended at an endpoint.
+
+A branch point is where a waiting request's prompt stops matching sealed pages (the last matching page
+boundary) when no usable checkpoint reaches that far: the pages are there but no recurrent state to resume
+from, so the request recomputes up to it (counted as lost reuse) and leaves a checkpoint there, from which
+every later request sharing that prefix (a system prompt, a document, a conversation that branches)
+resumes.
 
 Only committed positions are checkpointed (a step's end, records folded); a checkpoint taken in a step
 is matched from the next step on. A drafter that keeps per-position history (MTP) must have caught up
@@ -20,9 +26,9 @@ to a page's last row before the page is sealed or a checkpoint is taken there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -32,10 +38,7 @@ from ..errors import CapacityError, StateError
 from .request import Request
 from .scheduler import ScheduledSeq
 
-if TYPE_CHECKING:
-    from .executor import Executor
-
-__all__ = ["PrefixCache", "PrefixMatch"]
+__all__ = ["PrefixCache", "PrefixHost", "PrefixMatch", "auto_checkpoint_max_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -51,27 +54,62 @@ class PrefixMatch:
     draft_pages: list[int]
 
 
+class PrefixHost(Protocol):
+    """What `PrefixCache` needs from its executor (`Executor` provides it; the speculative executor
+    overrides the drafter hooks). A protocol here, so that this module never imports the executor."""
+
+    manager: Glm5NextCacheManager
+
+    @property
+    def separate_draft_manager(self) -> Glm5NextCacheManager | None: ...
+
+    def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None: ...
+
+    def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None: ...
+
+    def seal_draft_page(self, req: Request, logical_page: int, key: bytes) -> None: ...
+
+
+def auto_checkpoint_max_bytes(manager: Glm5NextCacheManager, fraction: float = 0.25, per_slot: int = 2) -> int:
+    """The default checkpoint byte budget: ``fraction`` of what ``manager`` holds (all pages and state
+    slots), and at least ``per_slot`` checkpoints (a state slot plus a partial page each) per state slot,
+    so that a full batch of conversations keeps its turns' checkpoints.
+
+    On GLM-5.3-Flash a checkpoint is ~153 MB (34 KDA layers' recurrent + conv state and 11 tail rings): 8
+    slots allow ~2.4 GB of checkpoints; on the 4-layer slice ~13.5 MB each (~0.2 GB); on ``small`` ~0.14 MB.
+    """
+    total = manager.num_pages * manager.bytes_per_page + manager.max_num_requests * manager.state_bytes_per_request
+    one = manager.state_bytes_per_request + manager.bytes_per_page
+    return max(int(total * fraction), per_slot * manager.max_num_requests * one)
+
+
 class PrefixCache:
     """Block reuse for one executor.
 
     Args:
-        executor: the executor (its managers, requests and drafter hooks).
+        executor: the executor (its managers and drafter hooks).
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before the prompt's end).
         prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
             that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
+        branch_points: checkpoint at branch points (see the module docstring).
+        wait_for_leader: hold a waiting request while a running one prefills the pages they share (`match`).
+        request_end: also checkpoint each request where it ends (`at_finish`; the next turn reuses the answer).
         max_checkpoints: checkpoint count budget (LRU).
-        max_bytes: checkpoint byte budget (LRU; ``None``: count only).
+        max_bytes: checkpoint byte budget (LRU; ``None``: count only; ``"auto"``: `auto_checkpoint_max_bytes`).
     """
 
     def __init__(
         self,
-        executor: Executor,
+        executor: PrefixHost,
         *,
         checkpoint_interval: int | None,
         prompt_end: bool = False,
+        branch_points: bool = True,
+        wait_for_leader: bool = True,
+        request_end: bool = False,
         max_checkpoints: int,
-        max_bytes: int | None,
+        max_bytes: int | str | None,
     ) -> None:
         if checkpoint_interval is not None and checkpoint_interval <= 0:
             raise ValueError(f"checkpoint_interval must be positive, got {checkpoint_interval}")
@@ -81,6 +119,24 @@ class PrefixCache:
         self.page_size = executor.manager.page_size
         self.interval = checkpoint_interval
         self.prompt_end = prompt_end
+        self.branch_points = branch_points
+        if max_bytes == "auto":
+            max_bytes = auto_checkpoint_max_bytes(executor.manager)
+        elif isinstance(max_bytes, str) or (max_bytes is not None and max_bytes <= 0):
+            raise ValueError(f"checkpoint max_bytes must be a positive int, None or 'auto', got {max_bytes!r}")
+        # Branch point per request (request id -> endpoint), set by `match`, dropped once the request passed it.
+        # Kept without ``branch_points`` too, to count the reuse lost (`endpoints` ignores it then).
+        self.wait_for_leader = wait_for_leader
+        self.request_end = request_end
+        # Endpoints given to a leader by the requests waiting for it (request id -> endpoints), the
+        # requests held this step, and the page keys of running requests' prompts (computed once each).
+        self._leads: dict[int, set[int]] = {}
+        self._held: set[int] = set()
+        self._prompt_keys: dict[int, list[bytes]] = {}
+        # Per running request, its own prompt-end / last-page checkpoints (dropped once its request-end one
+        # is taken, unless they served a hit meanwhile).
+        self._own: dict[int, list[tuple]] = {}
+        self._branch: dict[int, int] = {}
         self.store = CheckpointStore(max_checkpoints=max_checkpoints, max_bytes=max_bytes)
         self.stats = PrefixStats()
         self._warned_short = False
@@ -89,6 +145,11 @@ class PrefixCache:
     @property
     def manager(self) -> Glm5NextCacheManager:
         return self.ex.manager
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The checkpoint byte budget in force."""
+        return self.store.max_bytes
 
     # --------------------------------------------------------------------------------------------
     # Policy
@@ -100,6 +161,10 @@ class PrefixCache:
             out.add(last // self.page_size * self.page_size)
         if self.interval is not None:
             out.update(range(self.interval, last + 1, self.interval))
+        b = self._branch.get(r.request_id) if self.branch_points else None
+        if b is not None and b <= last:
+            out.add(b)
+        out.update(e for e in self._leads.get(r.request_id, ()) if e <= last)
         if not out and not self.prompt_end and not self._warned_short:
             self._warned_short = True
             log.debug(
@@ -116,23 +181,88 @@ class PrefixCache:
 
     # --------------------------------------------------------------------------------------------
     # Lookup and admission
-    def match(self, waiting: list[Request]) -> None:
-        """Find a checkpoint for each waiting request that starts from scratch; plan it from there."""
+    def match(self, waiting: list[Request], live: Iterable[Request] = ()) -> None:
+        """Find a checkpoint for each waiting request that starts from scratch; plan it from there.
+
+        A request whose prompt matches sealed pages further than its checkpoint reaches gets a branch point
+        at the last matching page boundary (`endpoints` includes it). With ``wait_for_leader``, a request
+        whose prompt shares full pages with a running request still prefilling them (its *leader*) further
+        than anything cached reaches waits (`admissible` leaves it out) while the leader checkpoints where
+        their prompts part, and restores that checkpoint afterwards (requests sent together reuse too).
+
+        Args:
+            waiting: the waiting requests, in arrival order.
+            live: the running requests (leaders; branch points of requests that left are forgotten).
+        """
+        live = list(live)
+        keep = {r.request_id for r in waiting} | {r.request_id for r in live}
+        if self._branch:
+            self._branch = {k: v for k, v in self._branch.items() if k in keep}
+        for d in (self._leads, self._prompt_keys, self._own):
+            for k in [k for k in d if k not in keep]:
+                del d[k]
+        self._held.clear()
+        ahead = self._inflight_pages(live) if self.wait_for_leader else {}
+        P = self.page_size
         for r in waiting:
             if r.prefix_hit is not None or r.num_computed or not self.eligible(r):
                 continue
-            m = self._lookup(r)
+            m, reach = self._lookup(r)
+            start = m.checkpoint.endpoint if m is not None else 0
+            last = len(r.prompt_ids) - 1
+            if ahead and self._wait(r, ahead, start, last // P * P):
+                continue
             if m is not None:
                 r.prefix_hit = m
-                r.num_computed = m.checkpoint.endpoint
+                r.num_computed = start
+            # The branch point: the sealed pages' reach, if no checkpoint gets there (a prompt row must remain).
+            b = min(reach, last // P * P)
+            if b > r.num_computed:
+                self._branch[r.request_id] = b  # (counted as lost reuse even when branch points are off)
+            else:
+                self._branch.pop(r.request_id, None)
 
-    def _lookup(self, r: Request) -> PrefixMatch | None:
+    def _inflight_pages(self, live: list[Request]) -> dict[bytes, Request]:
+        """Page key -> the running request whose prompt has that page and is still prefilling it (the oldest)."""
+        out: dict[bytes, Request] = {}
+        for r in live:
+            if r.num_computed >= len(r.prompt_ids) - 1 or not self.eligible(r):
+                continue
+            keys = self._prompt_keys.get(r.request_id)
+            if keys is None:
+                keys = self._prompt_keys[r.request_id] = extend_page_keys([], r.prompt_ids, self.page_size)
+            for k in keys[r.num_computed // self.page_size :]:
+                out.setdefault(k, r)
+        return out
+
+    def _wait(self, r: Request, ahead: dict[bytes, Request], have: int, limit: int) -> bool:
+        """Hold ``r`` (and give its leader an endpoint) if a leader's prefill will reach past ``have``."""
+        keys = extend_page_keys(r.page_keys, r.tokens, self.page_size)
+        j = next((j for j in range(len(keys) - 1, -1, -1) if keys[j] in ahead), -1)
+        if j < 0:
+            return False
+        b = min((j + 1) * self.page_size, limit)
+        lead = ahead[keys[j]]
+        if b < have + self.page_size or lead.num_computed >= b:
+            return False
+        self._held.add(r.request_id)
+        self._leads.setdefault(lead.request_id, set()).add(b)
+        self.stats.held += 1
+        return True
+
+    def admissible(self, waiting: Iterable[Request]) -> list[Request]:
+        """The waiting requests that may be admitted this step (in order): those not waiting for a leader."""
+        return [r for r in waiting if r.request_id not in self._held]
+
+    def _lookup(self, r: Request) -> tuple[PrefixMatch | None, int]:
+        """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
         P, toks = self.page_size, r.tokens
         keys = extend_page_keys(r.page_keys, toks, P)
         pages = self.manager.lookup_pages(keys)
         dm = self.ex.separate_draft_manager
         draft_pages = dm.lookup_pages(keys) if dm is not None else None
         k_max = len(pages) if draft_pages is None else min(len(pages), len(draft_pages))
+        reach = k_max * P
         for k in range(k_max, -1, -1):
             best: tuple[int, tuple] | None = None
             for key in self.store.candidates(chain_key(keys, k)):
@@ -149,8 +279,8 @@ class PrefixCache:
                 self.stats.rejected += 1
                 continue
             dp = list(draft_pages[:k]) if draft_pages is not None else []
-            return PrefixMatch(key, ck, list(keys[:k]), pages[:k], dp)
-        return None
+            return PrefixMatch(key, ck, list(keys[:k]), pages[:k], dp), reach
+        return None, reach
 
     def _valid(self, ck: Checkpoint, endpoint: int, keys: list[bytes]) -> bool:
         """Whether ``ck`` restores a request at ``endpoint`` over pages ``keys`` (validated before planning)."""
@@ -200,18 +330,27 @@ class PrefixCache:
             raise
 
     def admitted(self, r: Request) -> None:
-        """Count ``r``'s admission (queries, hits, reused tokens)."""
+        """Count ``r``'s admission (queries, hits, reused tokens, and the reuse lost at a branch point)."""
         if not self.eligible(r):
             return
-        self.stats.queries += 1
+        st = self.stats
+        st.queries += 1
+        start = 0
         if r.prefix_hit is not None:
-            self.stats.hits += 1
-            self.stats.reused_tokens += r.prefix_hit.checkpoint.endpoint
-            r.num_cached_tokens = r.prefix_hit.checkpoint.endpoint
+            start = r.prefix_hit.checkpoint.endpoint
+            st.hits += 1
+            st.reused_tokens += start
+            r.num_cached_tokens = start
+        b = self._branch.get(r.request_id)
+        if b is not None and b > start:
+            # Sealed pages reach ``b`` but no checkpoint does: rows ``start .. b`` are recomputed.
+            st.lost_requests += 1
+            st.lost_tokens += b - start
         r.prefix_hit = None
 
     def unmatch(self, r: Request) -> None:
         """Forget a match of a request that was not admitted this step (it starts from scratch again)."""
+        self._branch.pop(r.request_id, None)
         if r.prefix_hit is not None:
             r.prefix_hit = None
             r.num_computed = 0
@@ -219,15 +358,35 @@ class PrefixCache:
     # --------------------------------------------------------------------------------------------
     # Chunks, seals and checkpoints
     def cut(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
-        """End every prefill chunk at the next checkpoint endpoint inside it."""
+        """End every prefill chunk at the next checkpoint endpoint inside it.
+
+        A stride endpoint (a multiple of ``checkpoint_interval`` that is no other endpoint) does not cut a
+        chunk that ends the prompt and is no longer than the stride: the stride bounds what a request
+        branching off a long prompt recomputes, and cutting there would add a step to the time to first
+        token of every request that resumed a few tokens before it (a question after a system prompt).
+        """
         for s in plan:
             if s.is_decode:
                 continue
-            n0 = s.request.num_computed
-            nxt = next((e for e in self.endpoints(s.request) if e > n0), None)
-            if nxt is not None and n0 + s.num_rows > nxt:
-                s.num_rows = nxt - n0
+            r = s.request
+            n0, end = r.num_computed, r.num_computed + s.num_rows
+            final = end >= len(r.prompt_ids) and self.interval is not None and s.num_rows <= self.interval
+            for e in self.endpoints(r):
+                if e <= n0 or e >= end:
+                    continue
+                if final and self._stride_only(r, e):
+                    continue
+                s.num_rows = e - n0
+                break
         return plan
+
+    def _stride_only(self, r: Request, e: int) -> bool:
+        """Whether endpoint ``e`` of ``r`` is there for the stride alone."""
+        if self.interval is None or e % self.interval:
+            return False
+        if e == (len(r.prompt_ids) - 1) // self.page_size * self.page_size:
+            return False
+        return e != self._branch.get(r.request_id) and e not in self._leads.get(r.request_id, ())
 
     def after_step(self, plan: list[ScheduledSeq], history: Callable[[Request], int]) -> None:
         """Seal pages that became final and take the checkpoints this step reached.
@@ -257,12 +416,60 @@ class PrefixCache:
             if n_final < E // P:
                 continue  # a full page is not sealable yet (cannot happen: E < len(tokens))
             key = checkpoint_key(keys, r.tokens, E, P)
+            branch = self.branch_points and self._branch.get(r.request_id) == E
+            if branch:
+                del self._branch[r.request_id]
+            lead = E in self._leads.get(r.request_id, ())  # requests wait for this one: shared, like a branch
             if key in self.store:
                 continue
-            self._take(r, key, keys[: E // P])
+            if self._take(r, key, keys[: E // P], shared=branch or lead):
+                self.stats.branch_checkpoints += int(branch)
+                last_page = (len(r.prompt_ids) - 1) // P * P
+                if self.request_end and not (branch or lead) and (at_end or last_page == E):
+                    self._own.setdefault(r.request_id, []).append(key)  # superseded by its request-end one
 
-    def _take(self, r: Request, key: tuple, keys: list[bytes]) -> None:
+    def at_finish(self, r: Request, history: Callable[[Request], int]) -> None:
+        """Checkpoint a request that just finished at its whole sequence (``request_end``), before it is freed.
+
+        The next turn of a conversation (this prompt + the answer + more) then resumes after the answer.
+        The caller guarantees the step is committed and no step launched ahead wrote the slot; a slot that
+        is not at the request's committed length (pending records, a drafter behind it: MTP catches up
+        after finishing) is skipped, never checkpointed wrongly.
+        """
+        if not self.request_end or not self.eligible(r) or not self.manager.has_request(r.request_id):
+            return
+        P, E = self.page_size, r.num_computed
+        if E <= 0 or len(r.tokens) <= E or history(r) < E:
+            return
+        keys = extend_page_keys(r.page_keys, r.tokens, P, E // P)
+        if len(keys) < E // P:
+            return
+        for j in range(r.pages_sealed, E // P):
+            self.manager.seal_page(r.request_id, j, keys[j])
+            self.ex.seal_draft_page(r, j, keys[j])
+        r.pages_sealed = max(r.pages_sealed, E // P)
+        key = checkpoint_key(keys, r.tokens, E, P)
+        # Its own prompt-end and last-page checkpoints that nobody used give way to this one (dropped first,
+        # so that they do not push other conversations' out): the next turn of a conversation resumes here.
+        for k in self._own.pop(r.request_id, ()):
+            if k in self.store and not self.store.is_shared(k):
+                self.store.discard(k)
+                self.stats.checkpoints_superseded += 1
+        if key in self.store:
+            return
+        try:
+            self._take(r, key, keys[: E // P])
+        except StateError:
+            self.stats.checkpoints_skipped += 1
+
+    def _take(self, r: Request, key: tuple, keys: list[bytes], *, shared: bool = False) -> bool:
+        """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
+
+        ``shared``: a branch point's (a prefix two requests already shared: the store keeps it longer)."""
         mgr, P, E = self.manager, self.page_size, r.num_computed
+        if self.store.max_checkpoints <= 0:
+            self.stats.checkpoints_skipped += 1  # checkpoints disabled: no copy to make
+            return False
         k = E // P
         pages = mgr.get_batch_slot_tables([r.request_id])[0]
         try:
@@ -277,7 +484,7 @@ class PrefixCache:
             # Checkpoints are an optimisation: without room for one, drop the oldest and serve on.
             self.stats.checkpoints_skipped += 1
             if len(self.store):
-                self.store.discard(next(iter(self.store)))
+                self.store.discard(self.store.victim())
                 self.stats.checkpoints_evicted += 1
             if not self._warned_oom:
                 self._warned_oom = True
@@ -285,6 +492,11 @@ class PrefixCache:
                     "prefix caching: out of device memory for a checkpoint (%d held, %.1f MB); skipped. Set "
                     "KvCacheConfig.checkpoint_max_bytes to bound them", len(self.store), self.store.nbytes / 1e6,
                 )  # fmt: skip
-            return
-        self.stats.checkpoints_evicted += self.store.put(key, ck)
+            return False
+        if not self.store.fits(ck):
+            # Larger than the whole byte budget (or checkpoints disabled): skipped and counted, never an error.
+            self.stats.checkpoints_skipped += 1
+            return False
+        self.stats.checkpoints_evicted += self.store.put(key, ck, shared=shared)
         self.stats.checkpoints_taken += 1
+        return True

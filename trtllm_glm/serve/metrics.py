@@ -82,6 +82,22 @@ class ServeMetrics:
         self.prefix_reused_tokens = Counter(
             p + "prefix_cache_reused_tokens", "Prompt tokens restored from the prefix cache, not computed.", registry=r
         )
+        self.prefix_lost_requests = Counter(
+            p + "prefix_cache_lost_requests", "Admitted requests whose prompt matched cached pages beyond the "
+            "checkpoint they could restore (they recomputed those tokens and checkpointed the branch point).",
+            registry=r,
+        )  # fmt: skip
+        self.prefix_lost_tokens = Counter(
+            p + "prefix_cache_lost_tokens", "Prompt tokens recomputed although their pages were cached, for want "
+            "of a checkpoint there (reuse lost).", registry=r,
+        )  # fmt: skip
+        self.prefix_checkpoints_skipped = Counter(
+            p + "prefix_cache_checkpoints_skipped", "Checkpoints not taken: larger than the byte budget, or no "
+            "device memory.", registry=r,
+        )  # fmt: skip
+        self.prefix_checkpoint_bytes = Gauge(
+            p + "prefix_cache_checkpoint_bytes", "Device bytes held by recurrent-state checkpoints.", registry=r
+        )
         self.engine_steps = Counter(p + "engine_steps", "Executor steps run.", registry=r)
         self.step_errors = Counter(
             p + "engine_step_errors", "Executor steps that raised (their requests failed).", registry=r
