@@ -83,6 +83,8 @@ def init_rank(mapping: Mapping, device: torch.device, init_method: str | None = 
         timeout = datetime.timedelta(seconds=timeout_s())
         kw = {}
         if device.type == "cuda":
+            if device.index is None:  # "cuda" alone (bench_e2e --device cuda): NCCL binds to one numbered device
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
             kw["device_id"] = device
         dist.init_process_group(
