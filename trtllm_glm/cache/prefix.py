@@ -140,8 +140,8 @@ class PrefixStats:
         lost_tokens: prompt tokens those admissions recomputed although their pages were cached (a
             checkpoint at the branch point would have saved them; the request takes one there).
         held: times a waiting request was held for a step while a running one prefilled their shared pages.
-        checkpoints_superseded: a request's own prompt-end / last-page checkpoints dropped unused when its
-            request-end checkpoint was taken.
+        checkpoints_superseded: a request's own prompt-end / last-page checkpoints demoted unused (evicted
+            first) when its request-end checkpoint was taken.
     """
 
     queries: int = 0
@@ -247,6 +247,12 @@ class CheckpointStore:
             old = next(iter(self._shared))
             del self._shared[old]
             self.shared_nbytes -= self._items[old].nbytes
+
+    def demote(self, key: tuple) -> None:
+        """Make the checkpoint under ``key`` (if any, and fresh) the next to be evicted: kept while the budget
+        allows, the first to go when it does not."""
+        if key in self._items and key not in self._shared:
+            self._items.move_to_end(key, last=False)
 
     def discard(self, key: tuple) -> None:
         """Drop the checkpoint under ``key`` if any."""

@@ -449,11 +449,13 @@ class PrefixCache:
             self.ex.seal_draft_page(r, j, keys[j])
         r.pages_sealed = max(r.pages_sealed, E // P)
         key = checkpoint_key(keys, r.tokens, E, P)
-        # Its own prompt-end and last-page checkpoints that nobody used give way to this one (dropped first,
-        # so that they do not push other conversations' out): the next turn of a conversation resumes here.
+        # Its own prompt-end and last-page checkpoints that nobody used give way to this one: demoted to be
+        # evicted first, so that they do not push other conversations' out (the next turn of a conversation
+        # resumes here), yet still serve a request that shares the prompt and branches before its end (a
+        # second question after the same system prompt) while the budget has room for them.
         for k in self._own.pop(r.request_id, ()):
             if k in self.store and not self.store.is_shared(k):
-                self.store.discard(k)
+                self.store.demote(k)
                 self.stats.checkpoints_superseded += 1
         if key in self.store:
             return
