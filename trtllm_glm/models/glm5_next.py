@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 from collections.abc import Iterable
 
 import torch
@@ -433,13 +434,25 @@ class Glm5NextForCausalLM(nn.Module):
         device: str = "cpu",
         mapping: Mapping | None = None,
         quantization: str | None = None,
+        local_init: bool | None = None,
     ) -> Glm5NextForCausalLM:
         """A seeded random model (the tiny preset's weights are this). With a parallel ``mapping``: this
         rank's share of the same weights (the whole model is drawn on the CPU, then cut);
         ``quantization="fp8"`` holds the draws quantised to block FP8 (`quantize_fp8_`; under a parallel
         mapping each rank quantises its own share, which equals a cut of the whole model's quantisation where
-        the cuts fall on 128-wide tiles)."""
+        the cuts fall on 128-wide tiles).
+
+        ``local_init=True`` never builds the whole model: the rank's share is made on the meta device, held
+        on ``device`` (``to_empty``) and each parameter drawn there (`_fill_local_`: seeded by its name in the
+        whole model, the scales of `reset_parameters`, other values); an FP8 linear is drawn and quantised one
+        at a time, so the peak is about the rank's FP8 share plus one linear in fp32. ``None`` (default) takes
+        it when the whole model's fp32 draw would not fit in half the host's available memory
+        (`needs_local_init`), so the presets keep the whole-model draw and the full config does not."""
         mode = resolve_quantization(quantization)
+        if local_init is None:
+            local_init = needs_local_init(config)
+        if local_init:
+            return cls._from_config_local(config, seed=seed, dtype=dtype, device=device, mapping=mapping, mode=mode)
         with torch.device("cpu"):
             m = cls(config)
         m.reset_parameters(seed)
@@ -454,6 +467,67 @@ class Glm5NextForCausalLM(nn.Module):
         m = m.to(device=device, dtype=resolve_dtype(dtype))
         m.keep_fp32_params_()
         return m.eval()
+
+    @classmethod
+    def _from_config_local(
+        cls,
+        config: Glm5NextConfig,
+        *,
+        seed: int,
+        dtype: torch.dtype | str,
+        device: str | torch.device,
+        mapping: Mapping | None,
+        mode: str,
+    ) -> Glm5NextForCausalLM:
+        """`from_config(..., local_init=True)`: build on meta, hold on ``device``, fill parameter by parameter."""
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        with torch.device("meta"):
+            m = cls(config, mapping=mapping)
+        if mode == "fp8" or (mode == "auto" and config.quantization is not None):
+            m.quantize_fp8_(config.quantization)  # on meta: swaps the modules, quantises nothing yet
+        m = m.to(dtype=resolve_dtype(dtype))
+        m.keep_fp32_params_()
+        m = m.to_empty(device=dev)
+        m._fill_local_(seed)
+        return m.eval()
+
+    @torch.no_grad()
+    def _fill_local_(self, seed: int) -> None:
+        """Draw every parameter on its device (`trtllm_glm.models.random_init`), keyed by its whole-model name:
+        a routed expert by its global index, a tensor this rank holds a cut of by the cut as well (so replicated
+        tensors are equal on every rank, as the lockstep needs, and cuts differ)."""
+        from ..distributed.sharding import expert_block, param_shard
+        from .random_init import draw, fill_random_
+
+        full, L = self.full_config, self.config.num_hidden_layers
+        e0 = expert_block(full, self.mapping)[0] if self.mapping.is_parallel else 0
+        std = self.config.initializer_range
+        conv = self.config.kda_short_conv_kernel_size
+        fake = 128 * max(self.mapping.world_size, 1)  # a dim every split divides: only the cut's position is kept
+
+        def key(name: str, ndim: int) -> str:
+            hf = _to_hf_name(name, L)
+            mt = _EXPERT_NAME.match(hf)
+            if mt is not None:
+                hf = f"{mt.group(1)}{int(mt.group(2)) + e0}{mt.group(3)}"
+            if not self.mapping.is_parallel or ndim == 0:
+                return hf
+            got = param_shard(hf, (fake,) * ndim, full, self.mapping)
+            cut = got[1] if isinstance(got, tuple) else None
+            return hf if cut is None else f"{hf}@{cut.dim}:{cut.start}"
+
+        fp8 = {n: mod for n, mod in self.named_modules() if isinstance(mod, Fp8Linear)}
+        for n, mod in fp8.items():
+            name = f"{n}.weight"
+            w = draw(tuple(mod.weight.shape), mod.weight.device, name, key(name, 2), seed=seed, std=std, conv_size=conv)
+            mod.set_weight_(w)  # quantised right away: one linear's fp32 draw alive at a time
+            del w
+        skip = {id(mod.weight) for mod in fp8.values()} | {id(mod.weight_scale_inv) for mod in fp8.values()}
+        for name, p in self.named_parameters():
+            if id(p) not in skip:
+                fill_random_(p, name, key(name, p.dim()), seed=seed, std=std, conv_size=conv)
 
     @torch.no_grad()
     def quantize_fp8_(self, quant: QuantConfig | None = None) -> list[str]:
@@ -790,6 +864,22 @@ def _memory_hint(nbytes: int, fp8_bytes: int | None, device: str | torch.device)
         return f"{fp8}, which fits"
     devices = "" if free is None or free <= 0 else f" (about {math.ceil(fp8_bytes / free)} such devices)"
     return f"{fp8}, still too much: {split}{devices}"
+
+
+_EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..*)$")
+
+
+def needs_local_init(config: Glm5NextConfig) -> bool:
+    """Whether drawing the whole model in fp32 on the CPU (`from_config`'s default) would take more than half
+    the host memory available now (``/proc/meminfo``'s MemAvailable; ``False`` where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    with torch.device("meta"):
+        whole = Glm5NextForCausalLM(config)
+    return 2 * whole.param_bytes(torch.float32) > avail
 
 
 def _to_hf_name(name: str, num_layers: int) -> str:
