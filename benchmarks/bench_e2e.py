@@ -21,6 +21,13 @@ Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mt
 ``--cuda-graphs on`` (or ``both``: eager, then graphs, in one run) replays decode / verify steps as CUDA
 graphs (every batch size up to the case's, padding on), captured before the case's timing starts; the
 ``graphs`` column says which, ``capture_s`` what the capture took.
+
+Several GPUs: ``torchrun --nproc_per_node 4 benchmarks/bench_e2e.py --tp 4 --ep 4 --weights fp8 ...``: each rank
+builds only its share (`Glm5NextForCausalLM.from_config(..., local_init=True)`), runs the same schedule, and rank
+0 prints the rows, which then carry ``world_size``, ``gpu_mem_gib`` (peak allocated, max over ranks),
+``floor_ms`` / ``floor_gb`` of the busiest rank (its share's bytes at its copy ceiling), ``build_s`` and
+``collective_share`` (NCCL kernel time over all kernel time in one profiled step, max over ranks).
+``--local-init`` builds that way at world size 1 too (the dry run of the multi-GPU path).
 """
 
 from __future__ import annotations
@@ -262,6 +269,38 @@ def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm
     return m.eval()
 
 
+def start_world(args: argparse.Namespace):  # -> tuple[Mapping | None, Comm | None]
+    """Under torchrun with ``--tp`` / ``--ep`` above 1: this rank's `Mapping` and `Comm` (NCCL on CUDA, bound to
+    ``cuda:$LOCAL_RANK``; gloo on the CPU); ``(None, None)`` at world size 1."""
+    from trtllm_glm.distributed.mapping import Mapping
+
+    if args.tp <= 1 and (args.ep or 1) <= 1:
+        return None, None
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    mapping = Mapping.from_sizes(tensor_parallel_size=args.tp, moe_expert_parallel_size=args.ep, rank=rank)
+    if world != mapping.world_size:
+        raise SystemExit(f"--tp {args.tp} --ep {args.ep} need {mapping.world_size} processes (torchrun "
+                         f"--nproc_per_node {mapping.world_size}), got WORLD_SIZE={world}")  # fmt: skip
+    from trtllm_glm.distributed.process_group import init_rank
+
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return mapping, init_rank(mapping, device)
+
+
+def local_model(cfg: Glm5NextConfig, args: argparse.Namespace, weights: str, mapping) -> Glm5NextForCausalLM:
+    """This rank's share drawn on its device (`from_config(..., local_init=True)`), block FP8 for ``fp8``."""
+    from trtllm_glm.config import QuantConfig
+
+    quant = QuantConfig.block_fp8(128, args.fp8_skip) if weights == "fp8" else None
+    cfg = dataclasses.replace(cfg, quantization=quant)
+    return Glm5NextForCausalLM.from_config(
+        cfg, seed=0, dtype=args.dtype, device=args.device, mapping=mapping, quantization="auto", local_init=True
+    )
+
+
 def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     """``(base, mix, max_concurrency)`` of a mode: ``oracle0.7k3+mix+mc32`` -> ``("oracle0.7k3", True, 32)``.
 
@@ -319,7 +358,7 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
              profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0,
-             max_batch: int | None = None):  # fmt: skip
+             max_batch: int | None = None, profile_comm: bool = False):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
@@ -331,6 +370,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     step: run with graphs off).
     ``profile_idle``: also charge the GPU's idle time over three steps to that many host functions
     (`idle_sites.idle_sites`: ``idle_sites``, CUDA only).
+    ``profile_comm``: also time the collectives of one step (`collective_time`, CUDA only; every rank must
+    pass the same value: the profiled step runs the collectives).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -365,6 +406,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     host = host_profile(ex, 3, profile_host) if profile_host else []
     sites = op_sites(ex.step, profile_sites) if profile_sites and ex.has_work else []
     idle = idle_sites(ex.step, 3, profile_idle) if profile_idle and ex.has_work and device == "cuda" else {}
+    comm_us, busy_us = collective_time(ex.step) if profile_comm and ex.has_work and device == "cuda" else (0.0, 0.0)
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
     runner = ex.graph_runner
@@ -421,6 +463,9 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "outputs": {i: r.output_ids for i, r in enumerate(reqs)},
         "gaps": {i: list(r.logit_gaps) for i, r in enumerate(reqs)},
         "greedy": [i for i, r in enumerate(reqs) if r.params.greedy],
+        "collective_share": comm_us / busy_us if busy_us > 0 else None,
+        "kv_bytes_per_token": ex.manager.bytes_per_token,
+        "state_bytes_per_request": ex.manager.state_bytes_per_request,
     }
 
 
@@ -512,8 +557,50 @@ def _to_reference_names(sd: dict[str, torch.Tensor], hf) -> dict[str, torch.Tens
     return out
 
 
+# Rank 0 prints; the other ranks of a torchrun world run the same schedule silently.
+_RANK0 = os.environ.get("RANK", "0") == "0"
+
+
+def say(text: str) -> None:
+    """Print on rank 0 only."""
+    if _RANK0:
+        print(text, flush=True)
+
+
+def reduce_max(values: list[float], device: str) -> list[float]:
+    """Each value's maximum over the ranks of the torch.distributed world (as they are without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def collective_time(step) -> tuple[float, float]:
+    """``(collective µs, all kernels µs)`` of one call of ``step`` on the GPU (CUPTI sees graph replays too).
+
+    NCCL kernels include the time spent waiting for the slowest peer: the share is what the step loses to the
+    collectives, skew included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    comm = busy = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            busy += e.device_time_total
+            if "nccl" in e.name.lower() or "allreduce" in e.name.lower():
+                comm += e.device_time_total
+    return comm, busy
+
+
 def emit(row: dict) -> None:
-    """One result row as a JSON line (floats rounded)."""
+    """One result row as a JSON line (floats rounded), printed by rank 0."""
+    if not _RANK0:
+        return
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
@@ -693,6 +780,13 @@ def main() -> None:
         help="run the model's all-reduces through a 1-rank torch.distributed world (NCCL on CUDA): the cost of "
         "the tensor-parallel code path at world size 1 (docs/parallelism.md)",
     )  # fmt: skip
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (under torchrun; docs/parallelism.md)")
+    ap.add_argument("--ep", type=int, default=None, help="moe_expert_parallel_size (default: the LLM's rule)")
+    ap.add_argument(
+        "--local-init", action="store_true",
+        help="build the weights as a parallel rank does (meta, then drawn on the device, FP8 linear by linear) "
+        "also at world size 1; always on with --tp / --ep above 1",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.tie_tol is None:
         # bf16 logits of order 10 are rounded to 1/16: batch-shape differences reach a few such units.
@@ -705,8 +799,12 @@ def main() -> None:
                 json.dump(rows_out, f, indent=1)
         return
     full_cfg = Glm5NextConfig.from_pretrained(args.preset)  # (`base` is the plain row inside the loop)
+    mapping, comm = start_world(args)
+    world = mapping.world_size if mapping is not None else 1
     bw = copy_ceiling_gbs(args.device)
-    print(json.dumps({"copy_ceiling_gbs": round(bw, 1), "device": args.device, "dtype": args.dtype}), flush=True)
+    bw_min = min(bw, -reduce_max([-bw], args.device)[0]) if bw == bw else bw
+    say(json.dumps({"copy_ceiling_gbs": round(bw, 1), "copy_ceiling_gbs_min_rank": round(bw_min, 1),
+                    "device": args.device, "dtype": args.dtype, "world_size": world}))  # fmt: skip
     rows_out = []
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
     env_settings, set_env = env_ab(args.env_ab)
@@ -718,12 +816,21 @@ def main() -> None:
         cfg = subset_config(full_cfg, keep)
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
-        model = random_model(cfg, args.device, args.dtype, seed=0)
-        if weights == "fp8":
-            from trtllm_glm.config import QuantConfig
+        t_build = time.perf_counter()
+        if mapping is not None or args.local_init:
+            model = local_model(cfg, args, weights, mapping)
+        else:
+            model = random_model(cfg, args.device, args.dtype, seed=0)
+            if weights == "fp8":
+                from trtllm_glm.config import QuantConfig
 
-            model.quantize_fp8_(QuantConfig.block_fp8(128, args.fp8_skip))
-        if args.collectives_at_one:
+                model.quantize_fp8_(QuantConfig.block_fp8(128, args.fp8_skip))
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        build_s = reduce_max([time.perf_counter() - t_build], args.device)[0]
+        if comm is not None:
+            model.set_comm(comm)
+        elif args.collectives_at_one:
             from trtllm_glm.distributed.process_group import init_world_of_one
 
             model.set_comm(init_world_of_one(torch.device(args.device)))
@@ -760,15 +867,27 @@ def main() -> None:
                     r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
                                  graphs=graphs, profile_kernels=args.profile_kernels,
                                  profile_host=args.profile_host, profile_sites=args.profile_sites,
-                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
+                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size,
+                                 profile_comm=world > 1 or args.collectives_at_one)  # fmt: skip
                     # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
                     # computes the root and the proposed drafts (the rest is filler: never read).
                     k = draft_len(mode)
-                    fl = floor_bytes(cfg, model, B * (1 + k), B, args.prompt_len + args.gen,
+                    # A rank's floor: its share of the weights (``model.config`` is its local geometry: its KDA
+                    # heads; the experts' reach is the whole model's routing).
+                    fl = floor_bytes(model.config, model, B * (1 + k), B, args.prompt_len + args.gen,
                                      mtp_steps=k if mode.startswith("mtp") else 0,
                                      expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
                     # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
                     floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+                    # The busiest rank bounds the step (every rank waits for it in the all-reduces).
+                    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+                    share = r["collective_share"] if r["collective_share"] is not None else float("nan")
+                    floor_ms, fl, peak, share = reduce_max([floor_ms, float(fl), peak, share], args.device)
+                    total = (
+                        torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                        if args.device == "cuda"
+                        else 0
+                    )
                     if mode == "plain":
                         plain = plain or r
                         plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
@@ -798,7 +917,15 @@ def main() -> None:
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,
                            "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
-                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"]}  # fmt: skip
+                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"],
+                           "world_size": world, "tp": mapping.tp_size if mapping else 1,
+                           "ep": mapping.moe_ep_size if mapping else 1, "build_s": build_s,
+                           "floor_gb": fl / 1e9, "gpu_mem_gib": peak,
+                           # What the rest of the GPU would hold of the latent / index cache (every rank holds
+                           # all of it), in tokens; ignores the allocator's slack and other processes.
+                           "kv_tokens_left": int(max(total - peak, 0) * 2**30 / r["kv_bytes_per_token"])
+                           if total else None,
+                           "collective_share": share if share == share else None}  # fmt: skip
                     rows_out.append(row)
                     emit(row)
             if args.transformers:
@@ -819,8 +946,12 @@ def main() -> None:
             torch.cuda.empty_cache()
     set_env(None)
     for line in goal_lines(rows_out):
-        print(line, flush=True)
-    if args.json:
+        say(line)
+    if mapping is not None:
+        from trtllm_glm.distributed.process_group import shutdown_rank
+
+        shutdown_rank()
+    if args.json and _RANK0:
         with open(args.json, "w") as f:
             json.dump(rows_out, f, indent=1)
 

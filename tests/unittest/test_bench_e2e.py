@@ -41,3 +41,31 @@ def test_fp8_goal_lines_compare_with_the_bf16_step_and_report_quality() -> None:
     assert any("plain fp8: fp8 step / bf16 step 0.60 (goal <= 0.6 at batch 1)" in x for x in lines)
     assert any("KL(bf16-dequantised || fp8) 1.50e-04, argmax 97.0%; bf16 floor KL(fp32 || bf16) 2.00e-05" in x
                for x in lines)  # fmt: skip
+
+
+def test_torchrun_two_ranks_build_their_shares_and_rank0_reports(tmp_path: Path) -> None:
+    """The multi-GPU path on the CPU: 2 gloo ranks (TP=2, EP=2), each drawing its own FP8 share; rank 0's rows
+    carry the world and the busiest rank's floor, and the speculative row is lossless against plain."""
+    import json
+    import os
+    import subprocess
+
+    from trtllm_glm.distributed.process_group import free_port
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(bench), "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4", "--batch", "2",
+           "--modes", "plain", "oracle0.7k3", "--gen", "8", "--prompt-len", "12", "--tp", "2", "--ep", "2",
+           "--weights", "fp8", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["plain", "oracle0.7k3"]
+    for r in rows:
+        assert (r["world_size"], r["tp"], r["ep"], r["weights"]) == (2, 2, 2, "fp8")
+        assert r["floor_gb"] > 0 and r["build_s"] > 0
+    assert rows[1]["vs_plain"]["diverged"] == 0
+    # Only rank 0 prints rows.
+    assert proc.stdout.count('"mode": "plain"') == 1
