@@ -54,27 +54,30 @@ def init_kind(name: str) -> tuple[str, float]:
 def fill_random_(p: torch.Tensor, name: str, key: str, *, seed: int, std: float, conv_size: int) -> torch.Tensor:
     """Fill ``p`` in place per `init_kind` (``name``) from a generator on ``p``'s device seeded by ``key``.
 
-    Draws in fp32 (one tensor at a time) and casts into ``p``. For a block-FP8 linear pass its weight's float
-    draw instead: `draw` returns it.
+    Draws straight into ``p`` in its dtype (no fp32 copy: the embedding and LM head of the real model are 1.2 GiB
+    each in bf16). For a block-FP8 linear, `draw` its weight in fp32 and quantise it (``Fp8Linear.set_weight_``).
 
     Returns:
         ``p``.
     """
     if p.dtype == torch.float8_e4m3fn:
         raise ValueError(f"{name}: draw FP8 weights with `draw` and quantise them (Fp8Linear.set_weight_)")
-    p.copy_(draw(tuple(p.shape), p.device, name, key, seed=seed, std=std, conv_size=conv_size))
-    return p
+    return _draw_into(p, name, key, seed=seed, std=std, conv_size=conv_size)
 
 
 def draw(
     shape: tuple[int, ...], device: torch.device, name: str, key: str, *, seed: int, std: float, conv_size: int
 ) -> torch.Tensor:
     """A new fp32 ``shape`` tensor on ``device`` drawn as `init_kind` (``name``) says, seeded by ``key``."""
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    return _draw_into(t, name, key, seed=seed, std=std, conv_size=conv_size)
+
+
+def _draw_into(t: torch.Tensor, name: str, key: str, *, seed: int, std: float, conv_size: int) -> torch.Tensor:
     kind, s = init_kind(name)
     if kind == "const":
-        return torch.full(shape, s, dtype=torch.float32, device=device)
-    g = torch.Generator(device=device).manual_seed(key_seed(seed, key))
-    t = torch.empty(shape, dtype=torch.float32, device=device)
+        return t.fill_(s)
+    g = torch.Generator(device=t.device).manual_seed(key_seed(seed, key))
     if kind == "log_uniform":
         return t.uniform_(1.0, 16.0, generator=g).log_()
     if kind == "conv":
