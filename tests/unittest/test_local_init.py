@@ -147,3 +147,16 @@ def test_two_ranks_build_their_shares() -> None:
            "model.layers.1.mlp.shared_experts.up_proj.weight"]  # fmt: skip
     for k in cut:
         assert d0[k] != d1[k], k
+
+
+def test_from_pretrained_preset_takes_the_local_path_when_the_host_is_short(monkeypatch) -> None:
+    """The LLM's loader (a preset without a checkpoint) asks `needs_local_init` and then builds the share directly."""
+    import trtllm_glm.models.glm5_next as g
+
+    asked = []
+    monkeypatch.setattr(g, "needs_local_init", lambda cfg: asked.append(cfg.num_hidden_layers) or True)
+    m = Glm5NextForCausalLM.from_pretrained("tiny", seed=7, dtype="float32", quantization="fp8")
+    assert asked == [8]
+    ref = _build(seed=7).state_dict()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v.view(torch.uint8), ref[k].view(torch.uint8)), k
