@@ -239,6 +239,7 @@ class LLM:
             self.model = Glm5NextForCausalLM.from_pretrained(
                 model, dtype=dtype, device=self.device, seed=seed, quantization=quantization
             )
+        weights_s = time.perf_counter() - t0  # start-up breakdown (the debug line below; issue 30's timing)
         configure_cpu_threads(num_threads, self.model if torch.device(self.device).type == "cpu" else None)
         self.config = self.model.config
         self.tokenizer = tokenizer or load_tokenizer(model, self.config)
@@ -266,8 +267,10 @@ class LLM:
         self.speculative_config = speculative_config
         try:
             self.executor = self._make_executor()
+            t_graphs = time.perf_counter()
             # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
             self.executor.capture_cuda_graphs()
+            graphs_s = time.perf_counter() - t_graphs
             if self.mapping.is_parallel:
                 from .ranks import install_lockstep
 
@@ -280,8 +283,8 @@ class LLM:
             raise
 
         log.debug(
-            "loaded %s in %.1f s: %s on %s, %s", model, time.perf_counter() - t0,
-            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
+            "loaded %s in %.1f s (weights %.1f s, graphs %.1f s): %s on %s, %s", model, time.perf_counter() - t0,
+            weights_s, graphs_s, f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
             self.device, str(next(self.model.parameters()).dtype).replace("torch.", ""),
         )  # fmt: skip
 
