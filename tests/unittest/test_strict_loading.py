@@ -201,9 +201,13 @@ def test_fp8_memory_estimate_and_refusal_names_parallelism() -> None:
     with torch.device("meta"):
         m = Glm5NextForCausalLM(cfg)
     bf16 = m.param_bytes(torch.bfloat16)
+    assert m.derived_weight_bytes(torch.bfloat16) == 0
     m.quantize_fp8_()
     fp8 = m.param_bytes(torch.bfloat16)
     assert 0.45 < fp8 / bf16 < 0.55  # nearly every weight is a quantised linear
+    # The dequantised kv_b_proj each sparse-MLA layer keeps (the trunk's and the MTP layer's) is counted apart.
+    sparse = [x for x in m.modules() if type(x).__name__ == "GlmKpoolSparseMLA"]
+    assert sparse and m.derived_weight_bytes(torch.bfloat16) == sum(2 * x.kv_b_proj.weight.numel() for x in sparse)
     from trtllm_glm.models.glm5_next import _memory_hint
 
     hint = _memory_hint(bf16, fp8, "cpu")

@@ -614,7 +614,7 @@ class Glm5NextForCausalLM(nn.Module):
         if quant is not None:
             swap_fp8_linears_(m, fp8_linear_names(m, quant), quant.block)
         where = f" ({m.mapping.describe()})" if m.mapping.is_parallel else ""
-        need = m.param_bytes(dt)
+        need = m.param_bytes(dt) + m.derived_weight_bytes(dt)
         free = free_bytes(device)
         if free is not None and need > free:
             fp8_bytes = None
@@ -623,7 +623,7 @@ class Glm5NextForCausalLM(nn.Module):
                     alt = cls(dataclasses.replace(sub, quantization=None), mapping=mapping)
                 q = stored_quant or QuantConfig.block_fp8()
                 swap_fp8_linears_(alt, fp8_linear_names(alt, q), q.block)
-                fp8_bytes = alt.param_bytes(dt)
+                fp8_bytes = alt.param_bytes(dt) + alt.derived_weight_bytes(dt)
             check_memory(
                 need, device, what=f"the parameters of {model!s}{where}", hint=_memory_hint(need, fp8_bytes, device)
             )
@@ -663,6 +663,17 @@ class Glm5NextForCausalLM(nn.Module):
             else:
                 total += p.numel() * size
         return total
+
+    def derived_weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the weight copies the forward makes and keeps besides the parameters: each sparse-MLA layer
+        whose ``kv_b_proj`` is block FP8 holds it dequantised in ``dtype`` (`GlmKpoolSparseMLA._absorbed_fp8`:
+        the absorbed attention multiplies by the whole matrix); ``0`` for an unquantized model."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return sum(
+            mod.kv_b_proj.weight.numel() * size
+            for mod in self.modules()
+            if isinstance(mod, GlmKpoolSparseMLA) and mod.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+        )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters under the real checkpoint's names: the text model under ``model.language_model.``,
