@@ -23,6 +23,7 @@ import pytest
 import torch
 from test_prefix_cache import (
     assert_bytes_equal,
+    assert_preempted_hits_equal_and_released,
     fix_endpoints,
     greedy,
     make,
@@ -149,12 +150,7 @@ def test_workloads_all_at_once_with_preemption_are_lossless(model, mode: str) ->
     hot.run_until_done()
     outs = [hot.add_request(p, greedy(10)) for p in prompts]
     hot.run_until_done()
-    assert hot.num_preemptions > 0, "the pool must be small enough to preempt"
-    assert hot.prefix.stats.hits > 0
-    for r, o in zip(refs, outs):
-        assert o.output_ids == r.output_ids, f"request {o.request_id}"
-    for m in managers(hot):
-        assert m.num_free_pages == m.num_pages and m.num_free_slots == m.max_num_requests
+    assert_preempted_hits_equal_and_released(hot, refs, outs)
 
 
 # --------------------------------------------------------------------------------------------------

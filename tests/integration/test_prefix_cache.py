@@ -119,6 +119,17 @@ def managers(ex: Executor) -> list[Glm5NextCacheManager]:
     return [ex.manager] + ([dm] if dm is not None else [])
 
 
+def assert_preempted_hits_equal_and_released(hot: Executor, refs: list, outs: list) -> None:
+    """After a run with reuse under pressure: it preempted and hit, every output equals its cold reference, and
+    every page and state slot is free again."""
+    assert hot.num_preemptions > 0, "the pool must be small enough to preempt"
+    assert hot.prefix.stats.hits > 0
+    for r, o in zip(refs, outs):
+        assert o.output_ids == r.output_ids, f"request {o.request_id}"
+    for m in managers(hot):
+        assert m.num_free_pages == m.num_pages and m.num_free_slots == m.max_num_requests
+
+
 # --------------------------------------------------------------------------------------------------
 # 1. Byte-exact restores at adversarial endpoints
 
@@ -223,12 +234,7 @@ def test_mixed_batches_with_preemption_are_lossless(model, mode: str) -> None:
     hot.run_until_done()
     outs = [hot.add_request(p, greedy(g)) for p, g in zip(prompts, gen)]
     hot.run_until_done()
-    assert hot.num_preemptions > 0, "the pool must be small enough to preempt"
-    assert hot.prefix.stats.hits > 0
-    for r, o in zip(refs, outs):
-        assert o.output_ids == r.output_ids, f"request {o.request_id}"
-    for m in managers(hot):
-        assert m.num_free_pages == m.num_pages and m.num_free_slots == m.max_num_requests
+    assert_preempted_hits_equal_and_released(hot, refs, outs)
 
 
 # --------------------------------------------------------------------------------------------------

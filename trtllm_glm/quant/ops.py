@@ -53,7 +53,7 @@ def kernel_module(device: torch.device | str) -> Any:
     return _PACKAGE.module("kernels", device)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear: weight must be 2-D float8_e4m3fn, got {tuple(weight.shape)} {weight.dtype}")
     want = block_scale_shape(weight.shape, block)
@@ -62,6 +62,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block
             f"fp8_linear: scale_inv must be {list(want)} float32 for weight {tuple(weight.shape)} with {block}x{block}"
             f" tiles, got {tuple(scale_inv.shape)} {scale_inv.dtype}"
         )
+    if scale_inv.device != weight.device:
+        raise ValueError(f"fp8_linear: weight on {weight.device}, scale_inv on {scale_inv.device}")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
+    _check_weight(weight, scale_inv, block)
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x must be [..., {weight.shape[1]}], got {tuple(x.shape)}")
     if not x.device == weight.device == scale_inv.device:
@@ -211,7 +217,7 @@ def fp8_dequantize_triton(
     Returns:
         ``[N, K]`` ``dtype`` on ``weight``'s device.
     """
-    _check(weight.new_empty((0, weight.shape[1]), dtype=torch.float32), weight, scale_inv, block)
+    _check_weight(weight, scale_inv, block)
     if block < 16 or block & (block - 1):
         raise ValueError(f"fp8_dequantize_triton: block must be a power of two >= 16, got {block}")
     out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
