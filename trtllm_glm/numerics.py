@@ -1,0 +1,63 @@
+"""The process-wide numerics mode: batch invariance (issue 31).
+
+With batch invariance on, every row's result is independent of how many rows share the step, of the verify width
+and of the row's position in the batch: kernels pick one tile shape and one reduction order per weight shape or
+per context length, never per number of rows (vLLM calls this batch invariance, SGLang deterministic inference).
+Then speculative greedy decoding equals plain greedy decoding bit for bit, and a request alone equals the same
+request inside any batch.
+
+The mode is read where a kernel or a launch configuration is chosen (`batch_invariant`); the LLM sets it from its
+``batch_invariant`` argument (`set_batch_invariant`). It is process-wide, like the kernels' backend variables,
+because the choice is made deep inside ops that see tensors, not the engine. ``TRTLLM_GLM_BATCH_INVARIANT``
+(``1`` / ``0``) gives the value a process starts with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+__all__ = ["BATCH_INVARIANT_ENV", "batch_invariant", "batch_invariant_mode", "set_batch_invariant"]
+
+BATCH_INVARIANT_ENV = "TRTLLM_GLM_BATCH_INVARIANT"
+
+
+def _from_env() -> bool:
+    raw = os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower()
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{BATCH_INVARIANT_ENV} must be 1 or 0, got {raw!r}")
+
+
+_state = {"on": _from_env()}
+
+
+def batch_invariant() -> bool:
+    """Whether kernels must give each row the same bits whatever the other rows of the step are."""
+    return _state["on"]
+
+
+def set_batch_invariant(on: bool) -> bool:
+    """Set the mode for this process; returns the previous value.
+
+    Raises:
+        TypeError: ``on`` is not a bool.
+    """
+    if not isinstance(on, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {on!r}")
+    prev = _state["on"]
+    _state["on"] = on
+    return prev
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(on: bool = True) -> Iterator[None]:
+    """The mode set to ``on`` inside the ``with`` block, restored after it (tests and benchmarks)."""
+    prev = set_batch_invariant(on)
+    try:
+        yield
+    finally:
+        set_batch_invariant(prev)
