@@ -263,3 +263,28 @@ def test_indexer_row_same_alone_and_in_batch() -> None:
                 sM, iM, eM = run(q8, w, pos.to(DEV), seqs.to(DEV), 2700)
                 assert _same(sM[at, :n_c], s1[0]), f"pos={pos_t} M={M}: scores differ"
                 assert torch.equal(iM[at], i1[0]) and torch.equal(eM[at], e1[0]), f"pos={pos_t} M={M}: selection"
+
+
+# ------------------------------------------------------------------------------------------------
+# Absorbed per-head products of the sparse-MLA layer (einsum by default, `head_matmul` in the mode)
+def test_sparse_mla_absorbed_products_row_same_alone_and_in_batch() -> None:
+    from trtllm_glm.attention.sparse.glm_kpool.layer import _per_head
+
+    gen = torch.Generator().manual_seed(950)
+    nope, vh = _REAL.qk_nope_head_dim, _REAL.v_head_dim
+    kv_b = (torch.randn(HM, nope + vh, RANK, generator=gen) * 0.05).to(DEV, torch.bfloat16)
+    w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]  # the layer's views of kv_b_proj
+    q_t = torch.randn(1, HM, nope, generator=gen).to(DEV, torch.bfloat16)
+    o_t = torch.randn(1, HM, RANK, generator=gen).to(DEV, torch.bfloat16)
+    with batch_invariant_mode(True):
+        qa1 = _per_head(q_t, w_uk, "nhd,hdr->nhr")
+        oa1 = _per_head(o_t, w_uv.transpose(1, 2), "nhr,hvr->nhv")
+        ref = torch.einsum("nhd,hdr->nhr", q_t.float(), w_uk.float())
+        assert ((qa1.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+        for M in ROWS[1:]:
+            at = M - 2
+            q = torch.randn(M, HM, nope, generator=gen).to(DEV, torch.bfloat16)
+            o = torch.randn(M, HM, RANK, generator=gen).to(DEV, torch.bfloat16)
+            q[at], o[at] = q_t[0], o_t[0]
+            assert _same(_per_head(q, w_uk, "nhd,hdr->nhr")[at], qa1[0]), f"M={M}: q_abs row differs"
+            assert _same(_per_head(o, w_uv.transpose(1, 2), "nhr,hvr->nhv")[at], oa1[0]), f"M={M}: o row differs"
