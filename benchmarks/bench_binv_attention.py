@@ -9,7 +9,9 @@ Real GLM-5.3-Flash geometry, one line per (op, rows), the default launch and the
 * ``kda verify+commit``: W = 4 verify rows and a commit of all 4 (default: the value block shrinks with few
   sequences; mode: 32 always);
 * ``sparse mla``: W = 2051 selected entries, 64 heads x 512 latent, bf16 (default: the split count follows
-  the rows; mode: 11 splits at every row count).
+  the rows; mode: 11 splits at every row count);
+* ``mla absorb q+o``: the layer's two absorbed per-head products, ``q W_uk`` and ``o_lat W_uv^T`` (default:
+  ``torch.einsum``, cuBLAS; mode: ``kernels.absorb.head_matmul``).
 
 Each graph replays G steps on disjoint data and slots (together larger than the L2), divided by G.
 
@@ -127,6 +129,30 @@ def mla_cases(dev: torch.device, reps: int) -> list[dict]:
     return rows
 
 
+def absorb_cases(dev: torch.device, reps: int) -> list[dict]:
+    """The sparse-MLA layer's two absorbed per-head products (`layer._per_head`): einsum vs `head_matmul`."""
+    from trtllm_glm.attention.sparse.glm_kpool.layer import _per_head
+
+    nope, vh, R, Hm = _REAL.qk_nope_head_dim, _REAL.v_head_dim, _REAL.kv_lora_rank, _REAL.num_attention_heads
+    rows = []
+    G = 8
+    kv_b = [torch.randn(Hm, nope + vh, R, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(G)]
+    for N in KDA_ROWS:
+        q = [torch.randn(N, Hm, nope, device=dev, dtype=torch.bfloat16) for _ in range(G)]
+        o = [torch.randn(N, Hm, R, device=dev, dtype=torch.bfloat16) for _ in range(G)]
+
+        def both(_mode: bool, q=q, o=o) -> list[Callable[[], object]]:
+            def step(i: int) -> None:
+                _per_head(q[i], kv_b[i][:, :nope], "nhd,hdr->nhr")
+                _per_head(o[i], kv_b[i][:, nope:].transpose(1, 2), "nhr,hvr->nhv")
+
+            return [lambda i=i: step(i) for i in range(G)]
+
+        t_def, t_mode = _time(both, reps)
+        rows.append({"op": "mla absorb q+o", "rows": N, "default_us": t_def, "mode_us": t_mode})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer replays")
@@ -137,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     reps = 10 if args.quick else 30
-    rows = kda_cases(dev, reps) + mla_cases(dev, reps)
+    rows = kda_cases(dev, reps) + mla_cases(dev, reps) + absorb_cases(dev, reps)
     print(f"{'op':<24} {'rows':>5} {'default us':>11} {'mode us':>9} {'mode/default':>13}")
     for r in rows:
         r["ratio"] = r["mode_us"] / r["default_us"]
