@@ -288,3 +288,35 @@ def test_sparse_mla_absorbed_products_row_same_alone_and_in_batch() -> None:
             q[at], o[at] = q_t[0], o_t[0]
             assert _same(_per_head(q, w_uk, "nhd,hdr->nhr")[at], qa1[0]), f"M={M}: q_abs row differs"
             assert _same(_per_head(o, w_uv.transpose(1, 2), "nhr,hvr->nhv")[at], oa1[0]), f"M={M}: o row differs"
+
+
+@pytest.mark.parametrize("M", ROWS[1:])
+def test_kda_conv_and_gate_rows_same_alone_and_in_batch(M: int) -> None:
+    """Short conv (decode and verify) and gates at the real geometry: a row alone == the row in a batch."""
+    gen = torch.Generator().manual_seed(960 + M)
+    W, Wconv, C = 4, 4, H * (2 * K + V)
+    weight = torch.randn(C, Wconv, generator=gen).to(DEV, torch.bfloat16)
+    window = torch.randn(C, Wconv - 1, generator=gen).to(DEV)
+    x_t = torch.randn(W, C, generator=gen).to(DEV, torch.bfloat16)
+    g_t = torch.randn(1, H * K, generator=gen).to(DEV, torch.bfloat16)
+    b_t = torch.randn(1, H, generator=gen).to(DEV, torch.bfloat16)
+    A_log, dt_bias = torch.randn(H, generator=gen).to(DEV), torch.randn(H * K, generator=gen).to(DEV)
+
+    def run(n: int, at: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(n * W, C, generator=gen).to(DEV, torch.bfloat16)
+        x[at * W : (at + 1) * W] = x_t
+        state = torch.randn(n + 2, C, Wconv - 1, generator=gen).to(DEV)
+        slots = torch.randperm(n + 2, generator=gen)[:n].to(DEV)
+        state[slots[at]] = window
+        gr = torch.randn(n, H * K, generator=gen).to(DEV, torch.bfloat16)
+        br = torch.randn(n, H, generator=gen).to(DEV, torch.bfloat16)
+        gr[at], br[at] = g_t[0], b_t[0]
+        with batch_invariant_mode(True):
+            qv, kv, vv = KK.conv_verify_qkv(x, state, weight, slots, H, K, V, W)
+            qd, kd, vd = KK.conv_decode(x[::W].contiguous(), state, weight, slots, H, K, V, 1e-6)
+            g, beta = KK.kda_gate_beta(gr, br, A_log, dt_bias, -5.0)
+        return qv[at], kv[at], vv[at], qd[at], kd[at], vd[at], state[slots[at]], g[at], beta[at]
+
+    alone = run(1, 0)
+    for i, (a, b) in enumerate(zip(run(M, M // 3), alone)):
+        assert _same(a, b), f"M={M}: output {i} of the row changed"

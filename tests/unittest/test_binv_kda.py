@@ -150,3 +150,35 @@ def test_conv_verify_rows_equal_decode_steps_and_commit_window() -> None:
             windows[t + 1] = steps.clone()
     for j, s in enumerate(slots):
         assert torch.equal(_bits(committed[s]), _bits(windows[int(accepted[j])][s]))
+
+
+def test_conv_and_gate_rows_same_alone_and_in_batch() -> None:
+    """The conv decode / verify and the gate kernels: one program per row, a launch shape from shapes alone."""
+    gen = torch.Generator().manual_seed(321)
+    Hc, Kc, Vc, Wconv, W = 2, 12, 20, 4, 3
+    C = Hc * (2 * Kc + Vc)
+    conv, gate = KK.kernel_module("conv", "cpu"), KK.kernel_module("gate", "cpu")
+    weight = torch.randn(C, Wconv, generator=gen)
+    window = torch.randn(C, Wconv - 1, generator=gen)
+    x_t = torch.randn(W, C, generator=gen)
+    g_t, b_t = torch.randn(1, Hc * Kc, generator=gen), torch.randn(1, Hc, generator=gen)
+    A_log, dt_bias = torch.randn(Hc, generator=gen), torch.randn(Hc * Kc, generator=gen)
+
+    def run(M: int, at: int) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(M * W, C, generator=gen)
+        x[at * W : (at + 1) * W] = x_t
+        state = torch.randn(M + 2, C, Wconv - 1, generator=gen)
+        slots = torch.randperm(M + 2, generator=gen)[:M]
+        state[slots[at]] = window
+        with batch_invariant_mode(True):
+            qv, kv, vv = conv.conv_verify_qkv(x, state, weight, slots, Hc, Kc, Vc, W)
+            qd, kd, vd = conv.conv_decode(x[::W].contiguous(), state, weight, slots, Hc, Kc, Vc, L2NORM_EPS)
+            gr, br = torch.randn(M, Hc * Kc, generator=gen), torch.randn(M, Hc, generator=gen)
+            gr[at], br[at] = g_t[0], b_t[0]
+            g, beta = gate.kda_gate_beta(gr, br, A_log, dt_bias, -5.0)
+        return qv[at], kv[at], vv[at], qd[at], kd[at], vd[at], state[slots[at]], g[at], beta[at]
+
+    alone = run(1, 0)
+    for M, at in ((3, 2), (8, 4)):
+        for i, (a, b) in enumerate(zip(run(M, at), alone)):
+            assert torch.equal(_bits(a), _bits(b)), f"M={M}: output {i} of the row changed"
