@@ -19,6 +19,10 @@ another.
   stores the tile only when ``a[n] > 0`` (or the sequence is fresh), so ``a = 0`` leaves the slot's bits
   untouched.
 
+* decode (`kda_decode_inplace`, the batch-invariant mode's decode): the verify kernel with one row that
+  stores its running state back into the slot, so a decode row runs the very step function (`_kda_step`) a
+  verify row runs. In the mode all three use one value block (32) whatever the batch, and no FP contraction.
+
 Either kernel can address the state through a slot table (``state[slot[n]]``, the cache's state pool) and a
 ``fresh`` flag per sequence (start from zeros without reading the slot, whose old contents may be garbage,
 even NaN), so the layer needs no gather/scatter copies. The wrappers allocate only ``o`` and ``u`` (sizes
@@ -52,10 +56,11 @@ def _fusion_opts() -> dict[str, bool]:
 
 @triton.jit
 def _decay_rank1(S, b_g, b_k, b_u):
-    """``exp(g)[:, None] * S + k u^T`` of one row: the state update verify, decode and commit all share.
+    """``exp(g)[:, None] * S + k u^T`` of one row: the commit's replay of `_kda_step`'s state update.
 
-    The rank-one add is an explicit ``fma`` (one rounding), so the compiler's mul/add contraction, which
-    depends on how many other uses a product has, cannot make the commit round differently from the step.
+    The same two operations as the step (a decay multiply, then the rank-one add as an explicit ``fma``, one
+    rounding), so the compiler's mul/add contraction, which depends on how many other uses a product has, cannot
+    make the commit round differently from the step.
     """
     S = S * tl.exp(b_g)[:, None]
     return tl.fma(b_k[:, None], b_u[None, :], S)
