@@ -33,6 +33,7 @@ __all__ = [
     "kda_gate_beta",
     "kda_verify",
     "kda_commit",
+    "kda_decode_inplace",
     "kernel_module",
 ]
 
@@ -111,6 +112,39 @@ def kda_commit(
     """
     mod = kernel_module("verify", state.device)
     return mod.kda_commit(state, records, num_accepted, state_slots=state_slots, fresh=fresh, **launch)
+
+
+def kda_decode_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    **launch: Any,
+) -> torch.Tensor:
+    """One decode row per sequence with the verify kernel's step, the state pool updated in place at ``slots``.
+
+    The batch-invariant mode's decode (`ops.backend.kda_decode_inplace`): the same step function and launch
+    shape as `kda_verify`, so a decode row and a verify row of the same inputs give the same bits.
+
+    Args:
+        q: ``[n, H, K]`` L2-normalised queries.
+        k: ``[n, H, K]`` L2-normalised keys.
+        v: ``[n, H, V]``.
+        g: ``[n, H, K]`` log decay.
+        beta: ``[n, H]``.
+        scale: query scale.
+        state: ``[S, H, K, V]`` state pool, updated in place at ``slots``.
+        slots: ``[n]`` integer slots (distinct for real rows).
+        **launch: ``out``, ``block_v``, ``num_warps`` (see ``verify.py``).
+
+    Returns:
+        ``o [n, H, V]`` FP32.
+    """
+    return kernel_module("verify", q.device).kda_decode_inplace(q, k, v, g, beta, scale, state, slots, **launch)
 
 
 def conv_decode(

@@ -43,8 +43,15 @@ import triton
 import triton.language as tl
 
 from trtllm_glm.kda.contract import L2NORM_EPS
+from trtllm_glm.numerics import batch_invariant
 
 __all__ = ["conv_commit_slots", "conv_decode", "conv_verify_qkv"]
+
+
+def _fusion_opts() -> dict[str, bool]:
+    """Batch-invariant mode: no mul/add contraction, so the decode and verify kernels' shared arithmetic
+    (taps, SiLU, norms) rounds as written in both, whatever the surrounding code (the interpreter ignores it)."""
+    return {"enable_fp_fusion": False} if batch_invariant() else {}
 
 
 @triton.jit
@@ -176,6 +183,7 @@ def conv_decode(
         x, conv_state, weight, slots, q, k, v,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), num_warps=num_warps,
+        **_fusion_opts(),
     )  # fmt: skip
     return q, k, v
 
@@ -426,7 +434,7 @@ def conv_verify_qkv(
         _index_arg(fresh, n, "fresh", slots), q, k, v,
         Wm, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None, num_warps=num_warps,
+        HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None, num_warps=num_warps, **_fusion_opts(),
     )  # fmt: skip
     return q, k, v
 

@@ -19,6 +19,10 @@ another.
   stores the tile only when ``a[n] > 0`` (or the sequence is fresh), so ``a = 0`` leaves the slot's bits
   untouched.
 
+* decode (`kda_decode_inplace`, the batch-invariant mode's decode): the verify kernel with one row that
+  stores its running state back into the slot, so a decode row runs the very step function (`_kda_step`) a
+  verify row runs. In the mode all three use one value block (32) whatever the batch, and no FP contraction.
+
 Either kernel can address the state through a slot table (``state[slot[n]]``, the cache's state pool) and a
 ``fresh`` flag per sequence (start from zeros without reading the slot, whose old contents may be garbage,
 even NaN), so the layer needs no gather/scatter copies. The wrappers allocate only ``o`` and ``u`` (sizes
@@ -35,8 +39,46 @@ import triton
 import triton.language as tl
 
 from trtllm_glm.kda.contract import KdaRecords
+from trtllm_glm.numerics import batch_invariant
 
-__all__ = ["kda_verify", "kda_commit", "choose_block_v"]
+__all__ = ["kda_verify", "kda_commit", "kda_decode_inplace", "choose_block_v"]
+
+
+def _fusion_opts() -> dict[str, bool]:
+    """Compile options of a launch: in the batch-invariant mode no mul/add contraction into FMAs.
+
+    The compiler contracts a product into an FMA depending on the product's other uses, which differ between
+    the verify loop, the one-row decode and the commit; with contraction off every operation rounds as written,
+    so the shared step (`_kda_step`) gives the same bits wherever it runs. (The interpreter ignores the option.)
+    """
+    return {"enable_fp_fusion": False} if batch_invariant() else {}
+
+
+@triton.jit
+def _decay_rank1(S, b_g, b_k, b_u):
+    """``exp(g)[:, None] * S + k u^T`` of one row: the commit's replay of `_kda_step`'s state update.
+
+    The same two operations as the step (a decay multiply, then the rank-one add as an explicit ``fma``, one
+    rounding), so the compiler's mul/add contraction, which depends on how many other uses a product has, cannot
+    make the commit round differently from the step.
+    """
+    S = S * tl.exp(b_g)[:, None]
+    return tl.fma(b_k[:, None], b_u[None, :], S)
+
+
+@triton.jit
+def _kda_step(S, b_q, b_k, b_v, b_g, b_beta, scale):
+    """One delta-rule row on an FP32 state tile ``S [BK, BV]``; returns ``(S_new, o [BV], u [BV])``.
+
+    The reference's order: decay first, the correction reads the decayed state, the output the updated one.
+    The verify rows and the in-place decode run this very function (same launch shape in the batch-invariant
+    mode), so a verify row's output has the decode's bits; `_decay_rank1` is the commit's replay.
+    """
+    S_dec = S * tl.exp(b_g)[:, None]
+    b_u = b_beta * (b_v - tl.sum(b_k[:, None] * S_dec, 0))
+    S_new = tl.fma(b_k[:, None], b_u[None, :], S_dec)
+    b_o = tl.sum((b_q * scale)[:, None] * S_new, 0)
+    return S_new, b_o, b_u
 
 
 @triton.jit
@@ -90,6 +132,8 @@ def _kda_verify_kernel(
     HAS_SLOTS: tl.constexpr,
     HAS_FRESH: tl.constexpr,
     STAGES: tl.constexpr,
+    STORE_U: tl.constexpr,
+    STORE_STATE: tl.constexpr,
 ):
     i_nh = tl.program_id(0).to(tl.int64)
     i_v = tl.program_id(1)
@@ -124,14 +168,13 @@ def _kda_verify_kernel(
         b_g = tl.load(p_g + t * sg_w, mask=mk, other=0.0).to(tl.float32)
         b_v = tl.load(p_v + t * sv_w, mask=mv, other=0.0).to(tl.float32)
         b_beta = tl.load(p_b + t * sb_w).to(tl.float32)
-        # The reference's order: decay first, the correction reads the decayed state, the output the
-        # updated one. `_kda_commit_kernel` repeats these two state expressions verbatim.
-        S = S * tl.exp(b_g)[:, None]
-        b_u = b_beta * (b_v - tl.sum(b_k[:, None] * S, 0))
-        S = S + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum((b_q * scale)[:, None] * S, 0)
+        S, b_o, b_u = _kda_step(S, b_q, b_k, b_v, b_g, b_beta, scale)
         tl.store(p_o + t * so_w, b_o, mask=mv)
-        tl.store(p_u + t * su_w, b_u, mask=mv)
+        if STORE_U:
+            tl.store(p_u + t * su_w, b_u, mask=mv)
+    if STORE_STATE:
+        # The in-place decode (`kda_decode_inplace`): the running state goes back to the slot.
+        tl.store(p_s, S.to(state_ptr.dtype.element_ty), mask=m_s)
 
 
 @triton.jit
@@ -203,8 +246,7 @@ def _kda_commit_kernel(
         b_g = tl.load(p_g + t * sg_w, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * sk_w, mask=mk, other=0.0).to(tl.float32)
         b_u = tl.load(p_u + t * su_w, mask=mv, other=0.0).to(tl.float32)
-        S = S * tl.exp(b_g)[:, None]
-        S = S + b_k[:, None] * b_u[None, :]
+        S = _decay_rank1(S, b_g, b_k, b_u)
     # a = 0 (not fresh): no store, so the slot keeps its bits whatever they are.
     tl.store(p_s, S.to(state_ptr.dtype.element_ty), mask=m_store)
 
@@ -219,6 +261,10 @@ def _num_sms(device: torch.device) -> int:
 def choose_block_v(programs_per_block: int, V: int, device: torch.device) -> int:
     """Value-block width: 32 (fla's choice for its decode kernel) unless that leaves SMs idle.
 
+    In the batch-invariant mode (`trtllm_glm.numerics.batch_invariant`) always 32 (``V`` rounded up to a power
+    of two when smaller): the value block sets how the ``K``-reductions are spread over threads, so it must not
+    depend on the number of sequences, and verify, decode and commit must use the same one.
+
     Args:
         programs_per_block: sequences times heads (programs per value block).
         V: value head dim.
@@ -228,6 +274,8 @@ def choose_block_v(programs_per_block: int, V: int, device: torch.device) -> int
         ``BV``, a power of two.
     """
     bv = min(32, triton.next_power_of_2(V))
+    if batch_invariant():
+        return bv
     # Small batches (N = 1 has only 64 heads): narrower blocks give every SM a few programs to overlap.
     while bv > 8 and programs_per_block * triton.cdiv(V, bv) < 4 * _num_sms(device):
         bv //= 2
@@ -354,7 +402,10 @@ def kda_verify(
             HAS_SLOTS=state_slots is not None,
             HAS_FRESH=fresh is not None,
             STAGES=num_stages,
+            STORE_U=True,
+            STORE_STATE=False,
             num_warps=num_warps,
+            **_fusion_opts(),
         )
     return (o[0] if single else o), records
 
@@ -433,5 +484,100 @@ def kda_commit(
         HAS_FRESH=fresh is not None,
         STAGES=num_stages,
         num_warps=num_warps,
+        **_fusion_opts(),
     )
     return state
+
+
+def kda_decode_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """One decode row per sequence on the state pool, in place: the verify kernel run with one row that stores
+    its running state back (`ops.backend.kda_decode_inplace` takes it in the batch-invariant mode).
+
+    A decode row therefore runs the very step a verify row runs (`_kda_step`, same value block and warps), so
+    its output has a verify row's bits, and a commit of ``a`` verified rows leaves the state ``a`` decode steps
+    leave (`_decay_rank1`). Allocates only ``o`` (or writes ``out``); no host sync: graph-capturable.
+
+    Args:
+        q: ``[n, H, K]`` L2-normalised queries (any float dtype and strides).
+        k: ``[n, H, K]`` L2-normalised keys.
+        v: ``[n, H, V]``.
+        g: ``[n, H, K]`` log decay.
+        beta: ``[n, H]``.
+        scale: query scale.
+        state: ``[S, H, K, V]`` float state pool, updated in place at ``slots`` only.
+        slots: ``[n]`` integer slot of each sequence, distinct for real rows (on ``state``'s device).
+        out: optional ``[n, H, V]`` FP32 output buffer (unit last stride).
+        block_v: value channels per program (default: `choose_block_v`).
+        num_warps: warps per program.
+
+    Returns:
+        ``o [n, H, V]`` FP32.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [n, H, K], got {list(q.shape)}")
+    n, H, K = q.shape
+    V = v.shape[-1]
+    for name, t, shape in (("k", k, (n, H, K)), ("g", g, (n, H, K)), ("v", v, (n, H, V)), ("beta", beta, (n, H))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(t.shape)}")
+    _check_state(state, n, H, K, V, slots)
+    dev = q.device
+    if out is None:
+        o = torch.empty(n, H, V, dtype=torch.float32, device=dev)
+    else:
+        o = out
+        if tuple(o.shape) != (n, H, V) or o.dtype != torch.float32 or o.device != dev or o.stride(-1) != 1:
+            raise ValueError(f"out must be [{n}, {H}, {V}] fp32 on {dev} with unit last stride")
+    if n == 0:
+        return o
+    # [n, 1, ...] views: the verify kernel's row stride is never used with one row.
+    q1, k1, v1, g1, b1, o1 = (t.unsqueeze(1) for t in (q, k, v, g, beta, o))
+    bv = block_v or choose_block_v(n * H, V, dev)
+    _kda_verify_kernel[(n * H, triton.cdiv(V, bv))](
+        q1,
+        k1,
+        v1,
+        g1,
+        b1,
+        state,
+        slots,
+        state,  # fresh: never read (HAS_FRESH is off)
+        o1,
+        o1,  # u: never stored (STORE_U is off)
+        float(scale),
+        1,
+        *q1.stride(),
+        *k1.stride(),
+        *v1.stride(),
+        *g1.stride(),
+        *b1.stride(),
+        *state.stride(),
+        *o1.stride()[:3],
+        *o1.stride()[:3],
+        H=H,
+        K=K,
+        V=V,
+        BK=triton.next_power_of_2(K),
+        BV=bv,
+        HAS_SLOTS=True,
+        HAS_FRESH=False,
+        STAGES=1,
+        STORE_U=False,
+        STORE_STATE=True,
+        num_warps=num_warps,
+        **_fusion_opts(),
+    )
+    return o

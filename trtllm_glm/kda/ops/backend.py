@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from ...numerics import batch_invariant
 from .chunk import chunk_kda
 from .recurrent import normalize_cu_seqlens, recurrent_kda_step
+from .verify import resolve_verify_backend
 
 __all__ = ["fla_kda_available", "resolve_backend", "kda_prefill", "kda_decode", "kda_decode_inplace"]
 
@@ -195,6 +197,8 @@ def kda_decode_inplace(
 ) -> torch.Tensor:
     """One decode token per sequence, updating the state pool in place at ``slots`` only.
 
+    In the batch-invariant mode (`trtllm_glm.numerics.batch_invariant`), wherever `ops.verify` runs its Triton
+    kernel (CUDA by default), this runs that kernel's step instead of fla's (`kernels.kda_decode_inplace`).
     On CUDA with fla the kernel reads and writes ``state[slots[n]]`` directly (no gather/scatter copies of
     the ``[H, K, V]`` states, which would double the memory traffic of a decode step); elsewhere it gathers,
     steps with the torch reference and scatters back. Slots not listed are never written.
@@ -213,7 +217,15 @@ def kda_decode_inplace(
     Returns:
         ``o [n, H, V]`` FP32.
     """
-    fwd = _fla_inplace_decode() if resolve_backend(q.device, backend) == "fla" else None
+    resolved = resolve_backend(q.device, backend)
+    if batch_invariant() and (backend or "").lower() != "torch" and resolve_verify_backend(q.device) == "triton":
+        # Batch-invariant mode: wherever verify runs the Triton kernel, decode runs its step too (one row, the
+        # state stored back), so a decode row has a verify row's bits and K decode steps leave the state a
+        # K-row commit leaves (fla's decode kernel rounds differently).
+        from trtllm_glm.kda import kernels
+
+        return kernels.kda_decode_inplace(q, k, v, g, beta, scale, state, slots)
+    fwd = _fla_inplace_decode() if resolved == "fla" else None
     per_slot_contiguous = state.dim() == 4 and state[0].is_contiguous() and state.dtype == torch.float32
     if fwd is None or not per_slot_contiguous:
         S = state.index_select(0, slots)

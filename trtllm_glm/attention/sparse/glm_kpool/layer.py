@@ -12,7 +12,8 @@ from ....cache.manager import KpoolLayerCache
 from ....config import Glm5NextConfig
 from ....modules.norm import RMSNorm
 from ....modules.weight_views import FusedWeights, refuse_stale
-from .backend import kpool_ops
+from ....numerics import batch_invariant
+from .backend import backend_name, kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
 
@@ -164,9 +165,26 @@ class GlmKpoolSparseMLA(nn.Module):
             sel = meta.selection_buf[:N]
         w_uk, w_uv = self.absorbed_weights()
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
-        q_abs = torch.einsum("nhd,hdr->nhr", q, w_uk)
+        q_abs = _per_head(q, w_uk, "nhd,hdr->nhr")
         o_lat = kpool_ops(h.device).sparse_mla_attention(
             q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.page_size, self.softmax_scale
         )
-        o = torch.einsum("nhr,hvr->nhv", o_lat, w_uv).reshape(N, self.num_heads * self.v_head)
+        o = _per_head(o_lat, w_uv.transpose(1, 2), "nhr,hvr->nhv").reshape(N, self.num_heads * self.v_head)
         return self.o_proj(o)
+
+
+def _per_head(x: torch.Tensor, w: torch.Tensor, equation: str) -> torch.Tensor:
+    """``x [N, H, K]`` times the per-head ``w [H, K, J]`` -> ``[N, H, J]`` (the absorbed projections).
+
+    Default: ``torch.einsum(equation, ...)`` on ``w`` as the caller's einsum names it (for ``"nhr,hvr->nhv"``,
+    ``w`` is given transposed and handed back untransposed). In the batch-invariant mode, where the glm_kpool
+    kernels run: `kernels.absorb.head_matmul`, one tile shape for every row count (cuBLAS picks the batched
+    GEMM's algorithm from ``N``, so a row would round differently alone, in a batch or as a verify row).
+    """
+    if batch_invariant() and backend_name(x.device) == "triton":
+        from .kernels import kernel_module
+
+        return kernel_module("absorb", x.device).head_matmul(x, w)
+    if equation == "nhr,hvr->nhv":
+        return torch.einsum(equation, x, w.transpose(1, 2))
+    return torch.einsum(equation, x, w)

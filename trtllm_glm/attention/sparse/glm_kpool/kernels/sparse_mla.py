@@ -24,7 +24,8 @@ runs. Two kernels implement that program:
 writes the output in ``q_abs``'s dtype. A row with nothing selected has every ``lse = -inf`` and gets zeros,
 as in the reference.
 
-The split count depends only on shapes (rows, heads, selection width, multiprocessor count), and the
+The split count depends only on shapes (rows, heads, selection width, multiprocessor count; in the
+batch-invariant mode the selection width and heads alone, `choose_splits`), and the
 partial buffers are allocated from shapes only, so the op has no host synchronisation and can be captured
 in a CUDA graph.
 
@@ -48,6 +49,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from trtllm_glm.numerics import batch_invariant
 
 from ._common import INTERPRETED
 
@@ -463,12 +466,21 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
         device: where the kernel runs (its multiprocessor count sets the target).
         block_h: heads per program. block_w: entries per tile.
 
+    In the batch-invariant mode (`trtllm_glm.numerics.batch_invariant`) the count depends on the width and the
+    heads only, never on ``n_rows`` or the device: the bytes cap above (``min(width / (2 H), tiles)``, 16
+    requested, 11 after `split_layout`, for W = 2051 and 64 heads), the balanced choice between one row (which
+    alone would take one-tile splits) and a full batch. The split layout sets where the online softmax restarts
+    and how the combine weighs the parts, so a row then rounds the same alone, in any batch, as a decode or a
+    verify row.
+
     Returns:
         The split count (``>= 1``).
     """
+    tiles = max(1, triton.cdiv(width, block_w))
+    if batch_invariant():
+        return max(1, min(width // (2 * n_heads), tiles))
     target = _num_programs_target(device)
     programs_per_split = max(1, n_rows * triton.cdiv(n_heads, block_h))
-    tiles = max(1, triton.cdiv(width, block_w))
     if programs_per_split * tiles <= target // 2:
         return tiles
     return max(1, min(target // programs_per_split, max(1, width // (2 * n_heads)), tiles))
@@ -479,7 +491,9 @@ def choose_combine_block_h(n_rows: int, n_heads: int, device: torch.device) -> i
 
     Each combine program reads ``splits x block_h`` fp32 partial rows one after another, so with few query
     rows wide head blocks leave most multiprocessors idle and each busy one reads longer (H200, one row, 11
-    splits: 17.3 us with one head per program against 19.2 us with eight).
+    splits: 17.3 us with one head per program against 19.2 us with eight). The choice follows the number of
+    rows even in the batch-invariant mode: a head's result does not depend on it (per head the combine is
+    elementwise over the splits, in split order, and its max is exact; tests check the bits).
 
     Args:
         n_rows: query rows ``N``. n_heads: heads ``H``.
