@@ -30,62 +30,13 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from hf_reference import _import_reference, build_hf_model, hf_greedy, hf_logits  # noqa: E402
+from hf_reference import _import_reference, build_hf_model, hf_greedy  # noqa: E402
+from selection_recall import our_selections, recall_counts, reference_selections  # noqa: E402
 
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import resolve_preset_dir  # noqa: E402
 
 KEY_DTYPES = ("fp8", "bf16")
-
-
-def pool_sets(sel: torch.Tensor, n_rows: int) -> list[set[int]]:
-    """Selected complete pools of rows ``0 .. n_rows-1`` (row ``r`` at position ``r``; open tail excluded)."""
-    out = []
-    for pos in range(n_rows):
-        n_complete = (pos + 1) // 4
-        out.append({int(t) // 4 for t in sel[pos].tolist() if t >= 0 and int(t) // 4 < n_complete})
-    return out
-
-
-def recall(ours: torch.Tensor, ref: torch.Tensor, n_rows: int) -> tuple[int, int]:
-    """``(hits, reference pools)`` over the rows that drop pools (rows selecting every pool are trivial)."""
-    hit = total = 0
-    for a, b in zip(pool_sets(ours, n_rows), pool_sets(ref, n_rows)):
-        hit += len(a & b)
-        total += len(b)
-    return hit, total
-
-
-def reference_selections(model: Any, ids: list[int]) -> list[torch.Tensor]:
-    """``[S, width]`` selected token ids of every sparse layer of the reference, one full forward."""
-    sel: list[torch.Tensor] = []
-    hooks = [
-        m.register_forward_hook(lambda _m, _i, o: sel.append(o[0].clone()))
-        for n, m in model.named_modules()
-        if n.endswith("self_attn.indexer")
-    ]
-    try:
-        hf_logits(model, ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sel
-
-
-def our_selections(llm: LLM, ids: list[int]) -> list[torch.Tensor]:
-    """Selections of every sparse layer for the prompt rows (one prefill pass)."""
-    sel: list[torch.Tensor] = []
-    hooks = [
-        layer.self_attn.indexer.register_forward_hook(lambda _m, _i, o: sel.append(o.clone()))
-        for layer in llm.model.model.layers
-        if layer.is_sparse
-    ]
-    try:
-        llm.generate(ids, SamplingParams(max_tokens=1))
-    finally:
-        for h in hooks:
-            h.remove()
-    return sel
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -135,7 +86,7 @@ def run_model(name: str, lengths: list[int], max_new: int, seed: int) -> list[di
                 osel = our_selections(llm, ids)
                 assert len(osel) == len(rsel), (len(osel), len(rsel))
                 for layer, (a, b) in enumerate(zip(osel, rsel)):
-                    h, t = recall(a, b, len(ids))
+                    h, t = recall_counts(a, b, len(ids))
                     hits[layer] += h
                     totals[layer] += t
                 got = llm.generate(ids, SamplingParams(max_tokens=max_new, ignore_eos=True)).outputs[0].token_ids
