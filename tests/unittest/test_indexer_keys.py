@@ -308,3 +308,51 @@ def test_serve_yaml_and_cli_carry_the_option() -> None:
     assert p.parse_args(["generate", "--prompt", "x", "--indexer-key-dtype", "bf16"]).indexer_key_dtype == "bf16"
     with pytest.raises(SystemExit):
         p.parse_args(["generate", "--prompt", "x", "--indexer-key-dtype", "fp16"])
+
+
+def test_bf16_keys_under_emulated_graphs_with_mtp(monkeypatch) -> None:
+    """The padded graph path (replayed eagerly on the CPU, Triton kernels interpreted) with BF16 keys and MTP
+    drafts on a separate draft manager: both managers hold BF16 keys and the tokens equal the eager run's on
+    the torch ops."""
+    import dataclasses
+
+    from triton.runtime.interpreter import interpreter_builder
+
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+    from trtllm_glm.runtime.sampling import SamplingParams
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+    from trtllm_glm.speculative.config import MTPDecodingConfig
+
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    monkeypatch.setattr(
+        interpreter_builder, "options", dataclasses.replace(interpreter_builder.options, sanitize_overflow=False)
+    )
+    model = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+    prompts = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2, 4, 4], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8, 1, 2, 3, 8, 8]]
+
+    def run(graphs: bool) -> tuple[SpeculativeExecutor, list[list[int]]]:
+        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton" if graphs else "torch")
+        graph_cfg = CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True) if graphs else None
+        cfg = ExecutorConfig(
+            tokens_per_block=8, max_tokens=512, max_batch_size=4, max_num_tokens=64, max_seq_len=64,
+            cuda_graph_config=graph_cfg, indexer_key_dtype="bf16",
+        )  # fmt: skip
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        ex = SpeculativeExecutor(model, cfg, spec)
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
+        ex.run_until_done()
+        return ex, [r.output_ids for r in reqs]
+
+    _, want = run(graphs=False)
+    ex, got = run(graphs=True)
+    assert ex.graph_runner is not None and ex.graph_runner.stats.replays > 0
+    assert ex.draft_manager is not None and ex.draft_manager is not ex.manager
+    for m in (ex.manager, ex.draft_manager):
+        assert m.index_k.dtype == torch.bfloat16 and m.index_scale is None
+    assert got == want
+    # The requests' pools were written, and only at the low page ids the requests held (ids are handed out
+    # ascending; three requests of at most 3 pages): padding rows wrote nothing elsewhere.
+    written = (_bits(ex.manager.index_k) != 0).flatten(2).any(-1).any(0)
+    assert written.any() and not written[12:].any()
