@@ -20,6 +20,7 @@ from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.index_keys import index_key_bytes_per_pool, indexer_key_dtype
 from trtllm_glm.cache.manager import Glm5NextCacheManager, KpoolLayerCache
 from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.errors import StateError
 
 pytest.importorskip("triton")
 
@@ -267,6 +268,10 @@ def test_manager_bf16_layout_and_bytes(cfg) -> None:
     other = bf16.get_batch_slot_tables([2])[0][0]
     bf16.copy_page_in(other, data)
     assert torch.equal(_bits(bf16.index_k[:, other]), _bits(bf16.index_k[:, page]))
+    # A page of the other format is refused (no silent reinterpretation of key bytes).
+    fp8.add_request(1, 12)
+    with pytest.raises(StateError, match="page geometry"):
+        fp8.copy_page_in(fp8.get_batch_slot_tables([1])[0][0], data)
 
 
 def test_key_dtype_names_and_errors(cfg) -> None:
