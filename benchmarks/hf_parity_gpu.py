@@ -13,7 +13,8 @@ both run the same random prompts (context logits of every prompt row):
 Prompts longer than ``index_topk`` (2048) make both sides drop pools, so their selections may differ
 near ties (our FP8 pooled scores vs the reference's float scores); shorter ones select every pool.
 
-Usage (H200): ``python benchmarks/hf_parity_gpu.py --layers 4 --fp32-floor`` and ``--layers 8``.
+Usage (H200): ``python benchmarks/hf_parity_gpu.py --layers 4 --fp32-floor`` and ``--layers 8``;
+``--indexer-key-dtype fp8 bf16`` runs ours once per indexer key format (docs/indexer_keys.md).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--fp32-floor", action="store_true", help="also run the reference in fp32 (needs memory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--indexer-key-dtype", nargs="+", default=["fp8"], choices=["fp8", "bf16"])
     args = ap.parse_args()
 
     import sys
@@ -112,22 +114,27 @@ def main() -> None:
     del sd
     gc.collect()
     print(f"ours loaded; {torch.cuda.memory_allocated() / 2**30:.1f} GiB in use")
-    llm = LLM(model=ours.eval(), max_batch_size=4, max_num_tokens=1024, max_seq_len=4096,
-              kv_cache_config=KvCacheConfig(tokens_per_block=64))  # fmt: skip
-    t0 = time.time()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, return_context_logits=True))
-    print(f"ours bf16 prefill {time.time() - t0:.1f} s")
     rows = []
-    for i, o in enumerate(outs):
-        n = len(prompts[i])
-        row = {"layers": L, "prompt_len": n, "drops_pools": n > ours_cfg.index_topk}
-        row["kl_ref_bf16_vs_ours"], row["argmax_ref_bf16_vs_ours"] = kl_and_agreement(bf16[i], o.context_logits)
-        row["kl_ref_eager_vs_sdpa"], row["argmax_ref_eager_vs_sdpa"] = kl_and_agreement(bf16[i], bf16_sdpa[i])
-        if fp32 is not None:
-            row["kl_fp32_vs_ref_bf16"], row["argmax_fp32_vs_ref_bf16"] = kl_and_agreement(fp32[i], bf16[i])
-            row["kl_fp32_vs_ours"], row["argmax_fp32_vs_ours"] = kl_and_agreement(fp32[i], o.context_logits)
-        rows.append(row)
-        print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}))
+    for key_dtype in args.indexer_key_dtype:
+        llm = LLM(model=ours.eval(), max_batch_size=4, max_num_tokens=1024, max_seq_len=4096,
+                  kv_cache_config=KvCacheConfig(tokens_per_block=64, indexer_key_dtype=key_dtype))  # fmt: skip
+        t0 = time.time()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, return_context_logits=True))
+        print(f"ours bf16 prefill ({key_dtype} indexer keys) {time.time() - t0:.1f} s")
+        for i, o in enumerate(outs):
+            n = len(prompts[i])
+            row = {"layers": L, "prompt_len": n, "drops_pools": n > ours_cfg.index_topk, "indexer_key_dtype": key_dtype}
+            row["kl_ref_bf16_vs_ours"], row["argmax_ref_bf16_vs_ours"] = kl_and_agreement(bf16[i], o.context_logits)
+            row["kl_ref_eager_vs_sdpa"], row["argmax_ref_eager_vs_sdpa"] = kl_and_agreement(bf16[i], bf16_sdpa[i])
+            if fp32 is not None:
+                row["kl_fp32_vs_ref_bf16"], row["argmax_fp32_vs_ref_bf16"] = kl_and_agreement(fp32[i], bf16[i])
+                row["kl_fp32_vs_ours"], row["argmax_fp32_vs_ours"] = kl_and_agreement(fp32[i], o.context_logits)
+            rows.append(row)
+            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}))
+        llm.shutdown()
+        del llm, outs
+        gc.collect()
+        torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

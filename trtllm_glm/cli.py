@@ -110,7 +110,7 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
 
     return LLM(
         args.model or args.preset,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block),
+        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block, indexer_key_dtype=args.indexer_key_dtype),
         max_batch_size=max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,
@@ -391,6 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--tokens-per-block", type=int, default=16, metavar="N", help="KV page size, a multiple of 4")
+    g.add_argument(
+        "--indexer-key-dtype", choices=["fp8", "bf16"], default="fp8",
+        help="precision of the cached indexer keys (default fp8; bf16: closer to the reference, 2x their bytes)",
+    )  # fmt: skip
     g.add_argument("--max-num-tokens", type=int, default=512, metavar="N", help="token rows per step (default 512)")
     g.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="prompt + output limit (default 2048)")
     g.add_argument(
@@ -417,8 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,\n"
         "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
         "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, quantization,\n"
-        "device, "
-        "kv_cache_config {tokens_per_block, max_tokens}, speculative_config {decoding_type: MTP | NGram, ...}.",
+        "device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype},\n"
+        "speculative_config {decoding_type: MTP | NGram, ...}.",
     )  # fmt: skip
     s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -2,9 +2,10 @@
 
 One page pool is shared by all sparse MLA layers: a page of ``P`` tokens holds, per sparse layer, that
 layer's ``P`` latent rows and its ``P / 4`` FP8 pooled index entries, so latent and index share one
-slot-id space. KDA recurrent/conv state and the indexer tail rings are per-request *state slots*, owned by
-the manager's `RequestStateOwner` (``manager.state``, trtllm_glm/state), which also owns their rollback
-and snapshot planes; the manager allocates slots and exposes the planes as views.
+slot-id space (BF16 pooled keys without scales with ``indexer_key_dtype="bf16"``). KDA recurrent/conv
+state and the indexer tail rings are per-request *state slots*, owned by the manager's `RequestStateOwner`
+(``manager.state``, trtllm_glm/state), which also owns their rollback and snapshot planes; the manager
+allocates slots and exposes the planes as views.
 See docs/architecture.md for the exact plane shapes.
 """
 
@@ -20,6 +21,8 @@ import torch
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
 from ..state import KdaLayerState, RequestStateOwner
+from .index_keys import index_key_bytes_per_pool
+from .index_keys import indexer_key_dtype as _key_dtype
 
 __all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState"]
 
@@ -30,8 +33,10 @@ class KpoolLayerCache:
 
     Attributes:
         latent: ``[num_pages, P, kv_lora]`` latent rows (model dtype).
-        index_k: ``[num_pages, P // 4, 128]`` FP8 e4m3 pooled index keys.
-        index_scale: ``[num_pages, P // 4]`` FP32 power-of-two scale per pooled key.
+        index_k: ``[num_pages, P // 4, 128]`` pooled index keys: FP8 e4m3 (rotated, scaled) or BF16
+            (``indexer_key_dtype="bf16"``: the pooled key itself); the ops read the format from its dtype.
+        index_scale: ``[num_pages, P // 4]`` FP32 power-of-two scale per FP8 pooled key; ``None`` with
+            BF16 keys.
         tail_ring: ``[num_state_slots, 2, 4, 128]`` FP32 open-pool members (``[:, 0]`` key, ``[:, 1]``
             gate), indexed by ``pos % 4``.
         page_size: tokens per page ``P``.
@@ -39,7 +44,7 @@ class KpoolLayerCache:
 
     latent: torch.Tensor
     index_k: torch.Tensor
-    index_scale: torch.Tensor
+    index_scale: torch.Tensor | None
     tail_ring: torch.Tensor
     page_size: int
     # Speculative rollback of the tail ring (docs/design.md §6.2); None when the manager serves no verify rounds.
@@ -59,6 +64,7 @@ class Glm5NextCacheManager:
         num_kda_layers: KDA layers with state here; defaults to the trunk's KDA layers (0 for a draft-only
             manager).
         dtype: latent dtype (model dtype).
+        indexer_key_dtype: ``"fp8"`` (default) or ``"bf16"`` pooled index keys (`index_keys`).
         device: where every plane lives.
     """
 
@@ -73,8 +79,10 @@ class Glm5NextCacheManager:
         num_kda_layers: int | None = None,
         include_mtp_layer: bool = False,
         dtype: torch.dtype = torch.float32,
+        indexer_key_dtype: str | torch.dtype = "fp8",
         device: torch.device | str = "cpu",
     ) -> None:
+        key_dtype = _key_dtype(indexer_key_dtype)
         if tokens_per_block <= 0 or tokens_per_block % INDEX_KPOOL:
             raise ValueError(f"tokens_per_block must be a positive multiple of {INDEX_KPOOL}, got {tokens_per_block}")
         if num_pages <= 0:
@@ -97,10 +105,12 @@ class Glm5NextCacheManager:
         P, R, Ls = tokens_per_block, config.kv_lora_rank, num_sparse_layers
         dev = self.device
         self.latent = torch.zeros(Ls, num_pages, P, R, dtype=dtype, device=dev)
-        self.index_k = torch.zeros(
-            Ls, num_pages, P // INDEX_KPOOL, INDEX_HEAD_DIM, dtype=torch.float8_e4m3fn, device=dev
-        )
-        self.index_scale = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, dtype=torch.float32, device=dev)
+        self.index_key_dtype = key_dtype
+        self.index_k = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, INDEX_HEAD_DIM, dtype=key_dtype, device=dev)
+        # BF16 keys carry no scale: no plane at all (pages hold only what the scoring reads).
+        self.index_scale: torch.Tensor | None = None
+        if key_dtype == torch.float8_e4m3fn:
+            self.index_scale = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, dtype=torch.float32, device=dev)
         S = max_num_requests
         self.state = RequestStateOwner(
             num_state_slots=S,
@@ -142,13 +152,15 @@ class Glm5NextCacheManager:
         num_kda_layers: int | None = None,
         include_mtp_layer: bool = False,
         dtype: torch.dtype = torch.float32,
+        indexer_key_dtype: str | torch.dtype = "fp8",
     ) -> int:
         """Bytes the constructor with these arguments allocates (to refuse early, before allocating)."""
         Ls = len(config.sparse_layer_ids) + int(include_mtp_layer) if num_sparse_layers is None else num_sparse_layers
         Lk = len(config.kda_layer_ids) if num_kda_layers is None else num_kda_layers
         P, S = tokens_per_block, max_num_requests
         el = torch.empty(0, dtype=dtype).element_size()
-        pages = num_pages * (P * config.kv_lora_rank * el + (P // INDEX_KPOOL) * (INDEX_HEAD_DIM + 4))
+        pool = index_key_bytes_per_pool(indexer_key_dtype)
+        pages = num_pages * (P * config.kv_lora_rank * el + (P // INDEX_KPOOL) * pool)
         rings = S * 2 * INDEX_KPOOL * INDEX_HEAD_DIM * 4
         H, K = config.kda_num_heads, config.kda_head_dim
         kda = S * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * 4
@@ -290,13 +302,16 @@ class Glm5NextCacheManager:
     def page_planes(self) -> dict[str, torch.Tensor]:
         """Byte views ``[L, num_pages, bytes_per_page_of_plane]`` of every paged plane.
 
-        Each plane has its own bytes per page (latent rows, FP8 keys, scales); a page copy indexes each
-        view by page id, so it is strided by that plane's page size and never by a region's size.
+        Each plane has its own bytes per page (latent rows, pooled keys, FP8 scales); a page copy indexes
+        each view by page id, so it is strided by that plane's page size and never by a region's size. BF16
+        keys have no scale plane.
         """
+        planes = (("latent", self.latent), ("index_k", self.index_k), ("index_scale", self.index_scale))
         return {
             # (The byte count spelled out: a manager without sparse layers has empty planes.)
             name: t.view(torch.uint8).reshape(t.shape[0], t.shape[1], t.shape[2:].numel() * t.element_size())
-            for name, t in (("latent", self.latent), ("index_k", self.index_k), ("index_scale", self.index_scale))
+            for name, t in planes
+            if t is not None
         }
 
     def copy_page_out(self, page: int) -> dict[str, torch.Tensor]:
@@ -387,7 +402,7 @@ class Glm5NextCacheManager:
         return KpoolLayerCache(
             latent=self.latent[sparse_idx],
             index_k=self.index_k[sparse_idx],
-            index_scale=self.index_scale[sparse_idx],
+            index_scale=None if self.index_scale is None else self.index_scale[sparse_idx],
             tail_ring=self.tail_ring[sparse_idx],
             page_size=self.page_size,
             decode_tail_ring=self.state.decode_tail_ring(sparse_idx),
@@ -401,11 +416,10 @@ class Glm5NextCacheManager:
     # Sizes
     @property
     def bytes_per_page(self) -> int:
-        """Bytes of one page over all sparse layers (latent + FP8 index + scale)."""
+        """Bytes of one page over all sparse layers (latent + pooled keys (+ FP8 scales))."""
         P = self.page_size
-        per_layer = P * self.config.kv_lora_rank * self.latent.element_size() + (P // INDEX_KPOOL) * (
-            INDEX_HEAD_DIM + 4
-        )
+        pool = index_key_bytes_per_pool(self.index_key_dtype)
+        per_layer = P * self.config.kv_lora_rank * self.latent.element_size() + (P // INDEX_KPOOL) * pool
         return per_layer * self.num_sparse_layers
 
     @property

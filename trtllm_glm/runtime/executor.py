@@ -70,6 +70,7 @@ class ExecutorConfig:
             works. Only with CUDA graphs, requests without per-token outputs (sampled ones draw on the
             device right after the replay) and no speculation; other steps run as before. Off here by
             default; the LLM API turns it on (unless ``disable_overlap_scheduler``), as TensorRT-LLM does.
+        indexer_key_dtype: ``"fp8"`` or ``"bf16"`` pooled indexer keys in every cache manager (docs/indexer_keys.md).
     """
 
     tokens_per_block: int = 16
@@ -88,6 +89,7 @@ class ExecutorConfig:
     checkpoint_request_end: bool = False
     prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
+    indexer_key_dtype: str = "fp8"
 
 
 @dataclass
@@ -191,6 +193,7 @@ class Executor:
             max_num_requests=self.cfg.max_batch_size + int(self._use_graphs),
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
+            indexer_key_dtype=self.cfg.indexer_key_dtype,
         )
         # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate).
         check_memory(

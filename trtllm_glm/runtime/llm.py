@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..cache.index_keys import indexer_key_dtype
 from ..config import Glm5NextConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
@@ -58,6 +59,10 @@ class KvCacheConfig:
         checkpoint_branch_points: when a prompt matches cached pages further than any checkpoint reaches
             (a shared system prompt, a document asked another question), checkpoint it where the match ends,
             so that every later request sharing that prefix resumes there. On by default.
+        indexer_key_dtype: precision of the sparse layers' pooled indexer keys in the cache: ``"fp8"``
+            (default: e4m3 after a Hadamard rotation, one power-of-two scale per pool, 132 bytes a pool) or
+            ``"bf16"`` (TensorRT-LLM's choice: 256 bytes a pool, queries scored in bf16 too; closer to the
+            reference's float selection where ``index_topk`` drops pools). docs/indexer_keys.md.
     """
 
     tokens_per_block: int = 16
@@ -69,8 +74,10 @@ class KvCacheConfig:
     checkpoint_prompt_end: bool = True
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = True
+    indexer_key_dtype: str = "fp8"
 
     def __post_init__(self) -> None:
+        indexer_key_dtype(self.indexer_key_dtype)  # a clear ValueError for anything but fp8 / bf16
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
             raise ValueError(f"tokens_per_block must be a positive multiple of 4, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -262,6 +269,7 @@ class LLM:
             checkpoint_branch_points=kv.checkpoint_branch_points,
             checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,
+            indexer_key_dtype=kv.indexer_key_dtype,
         )
         self.seed = seed
         self.speculative_config = speculative_config

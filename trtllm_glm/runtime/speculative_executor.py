@@ -95,6 +95,7 @@ class SpeculativeExecutor(Executor):
                     num_sparse_layers=1,
                     num_kda_layers=0,
                     dtype=self.dtype,
+                    indexer_key_dtype=cfg.indexer_key_dtype,
                     device=self.device,
                 )
                 self.mtp_plane = 0

@@ -1,4 +1,4 @@
-"""`GlmKpoolIndexer`: the pooled (C4) FP8 lightning indexer of a sparse MLA layer.
+"""`GlmKpoolIndexer`: the pooled (C4) FP8 (or BF16-key) lightning indexer of a sparse MLA layer.
 
 Projections live here; numerics live in ``ops/`` (torch reference) and ``kernels/`` (Triton), picked by
 `kpool_ops`. Per step it writes this step's keys into the cache (decode rows in order, then prefill
@@ -117,11 +117,17 @@ class GlmKpoolIndexer(nn.Module):
                 expand_selection_window(meta.spec.shared_pool_ids, meta.spec.shared_window_start, pos, sel.shape[1])
             )
             return sel
-        q8, qscale = ops.rotate_quant(self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM))
+        q_idx = self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM)
+        if cache.index_k.dtype == torch.bfloat16:
+            # BF16 keys (docs/indexer_keys.md): bf16 queries, unrotated (the rotation only spreads outliers
+            # for the FP8 scales) and unscaled, so that keys and queries keep 8 mantissa bits each.
+            q, qscale = q_idx.to(torch.bfloat16), None
+        else:
+            q, qscale = ops.rotate_quant(q_idx)
         # fp32 head weights (step 4): one Triton launch for decode / verify rows on CUDA (`linear_fp32`).
         w = indexer_head_weights(linear_fp32(h, self.weights_proj.weight), qscale, self.n_heads)
         scores = ops.score_pools(
-            q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
+            q, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.spec.last_pool_ids = pool_ids

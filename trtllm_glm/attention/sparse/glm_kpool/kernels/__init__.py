@@ -293,7 +293,7 @@ def score_pools(
     q8: torch.Tensor,
     w: torch.Tensor,
     index_k: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_scale: torch.Tensor | None,
     positions: torch.Tensor,
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
@@ -305,10 +305,10 @@ def score_pools(
     """Kernel version of `ops.score_pools`: ``s[n, p] = sum_h w_h * relu(q8_h . k8_p) * kscale_p``.
 
     Args:
-        q8: ``[N, H, 128]`` float8_e4m3fn rotated query heads.
+        q8: ``[N, H, 128]`` float8_e4m3fn rotated query heads (bf16 unrotated ones for BF16 keys).
         w: ``[N, H]`` fp32 head weights.
-        index_k: ``[num_pages, P // 4, 128]`` float8_e4m3fn pooled keys.
-        index_scale: ``[num_pages, P // 4]`` fp32 pool scales.
+        index_k: ``[num_pages, P // 4, 128]`` float8_e4m3fn (or bfloat16) pooled keys.
+        index_scale: ``[num_pages, P // 4]`` fp32 pool scales (``None`` for BF16 keys).
         positions: ``[N]`` int token positions.
         row_seq: ``[N]`` int sequence index per row.
         slot_table: ``[B, max_pages]`` int raw page ids.

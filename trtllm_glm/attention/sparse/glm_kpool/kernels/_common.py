@@ -5,7 +5,8 @@ cast: Triton's interpreter gets those casts wrong, and one code path must serve 
 tests) and the GPU. The helpers mirror the reference ops in ``../ops`` operation by operation, so that
 pools, scales and rings come out bit-identical (see docs/architecture.md, "Indexer numerics"):
 
-* ``bf16_round``: round-to-nearest-even onto the bf16 grid via the fp32 bits (as ``x.to(bfloat16)``).
+* ``bf16_round``: round-to-nearest-even onto the bf16 grid via the fp32 bits (as ``x.to(bfloat16)``);
+  ``bf16_bits`` / ``bf16_bits_to_f32``: the bf16 bit pattern of that value and back (BF16 index keys).
 * ``fwht128``: the reference butterfly order (stages ``h = 1, 2, ..., 64``, pair ``(i, i + h)``), then one
   multiply by ``float32(128 ** -0.5)``. Each stage is an exact pairing of correctly rounded fp32 adds, so
   the result equals `ops.fwht` bit for bit (a Hadamard matrix product would not: its fp32 accumulation
@@ -43,6 +44,19 @@ def bf16_round(x):
     # into the exponent is the correct rounding up to the next binade (or to inf).
     bits = (bits + (0x7FFF + lsb)) & -65536
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits(x):
+    """The bfloat16 bit pattern of fp32 ``x`` rounded to nearest even, as int32 in the int16 range (store it
+    through an int16 view of a bfloat16 tensor: no float->bf16 cast, which the interpreter gets wrong)."""
+    return bf16_round(x).to(tl.int32, bitcast=True) >> 16
+
+
+@triton.jit
+def bf16_bits_to_f32(b):
+    """Exact fp32 value of bfloat16 bit patterns ``b`` (any int type; the low 16 bits are used)."""
+    return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

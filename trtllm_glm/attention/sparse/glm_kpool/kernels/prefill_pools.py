@@ -15,8 +15,8 @@ import triton.language as tl
 
 from trtllm_glm.cache.manager import KpoolLayerCache
 
-from ._common import INDEX_DIM, INTERPRETED, KPOOL, pool4, rotate_quant_rows
-from .decode_update import _check_planes, _rows
+from ._common import INDEX_DIM, INTERPRETED, KPOOL, bf16_bits, pool4, rotate_quant_rows
+from .decode_update import _check_planes, _rows, key_planes
 
 __all__ = ["update_prefill_pools"]
 
@@ -82,6 +82,7 @@ def _prefill_pools_kernel(
     stride_ring_member,
     BLOCK_R: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
+    KEY_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < N
@@ -107,7 +108,6 @@ def _prefill_pools_kernel(
         a2 = tl.load(ape_ptr + 2 * stride_ape + d).to(tl.float32)[None, :]
         a3 = tl.load(ape_ptr + 3 * stride_ape + d).to(tl.float32)[None, :]
         pooled = pool4(k0, k1, k2, k3, g0, g1, g2, g3, a0, a1, a2, a3, USE_LIBDEVICE)
-        codes, scale = rotate_quant_rows(pooled, BLOCK_R)
         logical = pos // page_size
         page = tl.load(
             table_ptr + seq.to(tl.int64) * stride_table + logical, mask=done & (logical < table_width), other=-1
@@ -115,8 +115,13 @@ def _prefill_pools_kernel(
         ok = done & (page >= 0) & (page < num_pages)
         within = (pos // 4) % (page_size // 4)
         dst = ik_ptr + page * stride_ik_page + within * stride_ik_pool
-        tl.store(dst[:, None] + d[None, :], codes.to(tl.uint8), mask=ok[:, None])
-        tl.store(isc_ptr + page * stride_isc_page + within, scale, mask=ok)
+        if KEY_BF16:
+            # BF16 keys: the pooled key rounded to bf16, stored as bits (no rotation, no scale).
+            tl.store(dst[:, None] + d[None, :], bf16_bits(pooled).to(tl.int16), mask=ok[:, None])
+        else:
+            codes, scale = rotate_quant_rows(pooled, BLOCK_R)
+            tl.store(dst[:, None] + d[None, :], codes.to(tl.uint8), mask=ok[:, None])
+            tl.store(isc_ptr + page * stride_isc_page + within, scale, mask=ok)
 
 
 def update_prefill_pools(
@@ -138,13 +143,14 @@ def update_prefill_pools(
         slot_table: ``[B, max_pages]`` int pages. state_slots: ``[B]`` int state slots.
     """
     n = positions.shape[0]
-    _check_planes(cache)
+    key_bf16 = _check_planes(cache)
     key, gate = _rows(key, "key", n), _rows(gate, "gate", n)
     if ape.shape != (KPOOL, INDEX_DIM) or ape.stride(-1) != 1:
         raise ValueError(f"ape must be contiguous [4, {INDEX_DIM}], got {tuple(ape.shape)}")
     if n == 0:
         return
-    ik, isc, ring = cache.index_k, cache.index_scale, cache.tail_ring
+    ik, ring = cache.index_k, cache.tail_ring
+    ik_bits, isc, isc_stride = key_planes(cache, key_bf16)
     _prefill_pools_kernel[(triton.cdiv(n, _BLOCK_R),)](
         key,
         gate,
@@ -153,7 +159,7 @@ def update_prefill_pools(
         row_seq,
         slot_table,
         state_slots,
-        ik.view(torch.uint8),
+        ik_bits,
         isc,
         ring,
         n,
@@ -166,11 +172,12 @@ def update_prefill_pools(
         slot_table.stride(0),
         ik.stride(0),
         ik.stride(1),
-        isc.stride(0),
+        isc_stride,
         ring.stride(0),
         ring.stride(1),
         ring.stride(2),
         BLOCK_R=_BLOCK_R,
         USE_LIBDEVICE=not INTERPRETED,
+        KEY_BF16=key_bf16,
         enable_fp_fusion=False,
     )

@@ -12,6 +12,10 @@ operands comes back in the final power-of-two multiply, which is exact. The refe
 exactly (fp64) and rounds once, and sums heads in order 0..H-1, so scores agree to fp32 rounding (relative
 error ~1e-6 of ``sum_h |w_h| * |q_h| . |k_p| * kscale_p``), not bit for bit. Each row's result depends only
 on that row's inputs (no batch-dependent reduction).
+
+BF16 keys (``index_k`` bfloat16, no scale plane, bf16 queries; docs/indexer_keys.md): on CUDA the bf16 operands
+go to the tensor cores as they are (exact products, fp32 accumulation); under the interpreter (and with
+``fp8_decode="arith"``) their bits are widened to fp32 and the dot runs in IEEE fp32. No scale multiply.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INDEX_DIM, INTERPRETED, KPOOL, e4m3_to_f16_scaled
+from ._common import INDEX_DIM, INTERPRETED, KPOOL, bf16_bits_to_f32, e4m3_to_f16_scaled
 
 __all__ = ["score_pools"]
 
@@ -55,6 +59,7 @@ def _score_kernel(
     BLOCK_P: tl.constexpr,
     ITERS: tl.constexpr,
     HW_FP8: tl.constexpr,
+    KEY_BF16: tl.constexpr,
 ):
     n = tl.program_id(0)
     chunk0 = tl.program_id(1) * (BLOCK_P * ITERS)
@@ -70,7 +75,13 @@ def _score_kernel(
         h = tl.arange(0, HP)
         h_ok = h < H
         qb = tl.load(q_ptr + n64 * stride_q_row + h[:, None] * stride_q_head + d[None, :], mask=h_ok[:, None], other=0)
-        if HW_FP8:
+        if KEY_BF16:
+            if HW_FP8:
+                qf = qb.to(tl.bfloat16, bitcast=True)
+            else:
+                qf = bf16_bits_to_f32(qb)
+            unscale = 1.0
+        elif HW_FP8:
             # GPU-only variant: the hardware e4m3 -> fp16 conversion (exact; no 2**-8 factor to undo).
             qf = qb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             unscale = 1.0
@@ -94,14 +105,21 @@ def _score_kernel(
                 mask=ok[:, None],
                 other=0,
             )
-            if HW_FP8:
-                kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            if KEY_BF16:
+                if HW_FP8:
+                    dots = tl.dot(kb.to(tl.bfloat16, bitcast=True), qt)  # exact bf16 products, fp32 sums
+                else:
+                    dots = tl.dot(bf16_bits_to_f32(kb), qt, input_precision="ieee")
             else:
-                kf = e4m3_to_f16_scaled(kb.to(tl.int32))
-            dots = tl.dot(kf, qt)  # [BLOCK_P, HP] fp32: q . k, times 2**-16 on the arithmetic decode
+                if HW_FP8:
+                    kf = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+                else:
+                    kf = e4m3_to_f16_scaled(kb.to(tl.int32))
+                dots = tl.dot(kf, qt)  # [BLOCK_P, HP] fp32: q . k, times 2**-16 on the arithmetic decode
             s = tl.sum(wh[None, :] * tl.maximum(dots, 0.0), axis=1)
-            kscale = tl.load(isc_ptr + page * stride_isc_page + within, mask=ok, other=0.0)
-            s = s * (kscale * unscale)
+            if not KEY_BF16:
+                kscale = tl.load(isc_ptr + page * stride_isc_page + within, mask=ok, other=0.0)
+                s = s * (kscale * unscale)
             tl.store(out_row + p, tl.where(valid, s, float("-inf")), mask=p < max_pools)
     else:
         for it in tl.static_range(ITERS):
@@ -113,7 +131,7 @@ def score_pools(
     q8: torch.Tensor,
     w: torch.Tensor,
     index_k: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_scale: torch.Tensor | None,
     positions: torch.Tensor,
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
@@ -129,8 +147,9 @@ def score_pools(
     """Score complete pools; see the package's `score_pools`.
 
     Args:
-        q8: ``[N, H, 128]`` e4m3 queries. w: ``[N, H]`` fp32 weights. index_k: ``[num_pages, P // 4, 128]``
-            e4m3. index_scale: ``[num_pages, P // 4]`` fp32. positions, row_seq: ``[N]`` int.
+        q8: ``[N, H, 128]`` e4m3 queries (bf16 with BF16 keys). w: ``[N, H]`` fp32 weights.
+            index_k: ``[num_pages, P // 4, 128]`` e4m3 (or bf16). index_scale: ``[num_pages, P // 4]`` fp32
+            (``None`` with BF16 keys). positions, row_seq: ``[N]`` int.
         slot_table: ``[B, max_pages]`` int. page_size: ``P``. max_pools: output columns.
         out: optional ``[N, max_pools]`` fp32 output buffer.
         block_p, iters, num_warps: launch shape (pools per block, blocks per program, warps); tuning only.
@@ -139,22 +158,36 @@ def score_pools(
         fp8_decode: ``"arith"`` (integer bit decode, the one path that also runs in the interpreter) or
             ``"hw"`` (CUDA only: the hardware e4m3 conversion, fewer instructions per key byte; measured
             faster on the H200). Both are exact, so they give the same products. ``None``: ``"hw"`` on
-            CUDA, ``"arith"`` under the interpreter.
+            CUDA, ``"arith"`` under the interpreter. With BF16 keys: ``"hw"`` feeds the bf16 operands to the
+            tensor cores, ``"arith"`` widens them to fp32 (IEEE dot).
 
     Returns:
         ``[N, max_pools]`` fp32 scores.
     """
     n, n_heads, dim = q8.shape
-    if dim != INDEX_DIM or q8.dtype != torch.float8_e4m3fn or q8.stride(-1) != 1:
-        raise ValueError(f"q8 must be [N, H, {INDEX_DIM}] float8_e4m3fn, got {tuple(q8.shape)} {q8.dtype}")
+    key_bf16 = index_k.dtype == torch.bfloat16
+    want_q = torch.bfloat16 if key_bf16 else torch.float8_e4m3fn
+    if dim != INDEX_DIM or q8.dtype != want_q or q8.stride(-1) != 1:
+        raise ValueError(
+            f"queries must be [N, H, {INDEX_DIM}] {want_q} for {index_k.dtype} keys, got {tuple(q8.shape)} {q8.dtype}"
+        )
     if w.shape != (n, n_heads):
         raise ValueError(f"w must be [N={n}, H={n_heads}], got {tuple(w.shape)}")
     if w.stride(-1) != 1:
         w = w.contiguous()
-    if index_k.dtype != torch.float8_e4m3fn or index_k.dim() != 3 or index_k.shape[1:] != (page_size // KPOOL, dim):
-        raise ValueError(f"index_k must be [num_pages, {page_size // KPOOL}, {dim}] e4m3, got {tuple(index_k.shape)}")
-    if index_k.stride(-1) != 1 or index_scale.shape != index_k.shape[:2] or index_scale.stride(-1) != 1:
-        raise ValueError(f"index_scale must be [num_pages, P // 4] fp32, got {tuple(index_scale.shape)}")
+    if index_k.dim() != 3 or index_k.shape[1:] != (page_size // KPOOL, dim) or index_k.stride(-1) != 1:
+        raise ValueError(f"index_k must be [num_pages, {page_size // KPOOL}, {dim}], got {tuple(index_k.shape)}")
+    if key_bf16:
+        if index_scale is not None:
+            raise ValueError("BF16 index keys have no index_scale plane (got one)")
+        index_scale, isc_stride = index_k, 0  # never read (KEY_BF16): a valid pointer for the launch
+    else:
+        if index_k.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"index_k must be float8_e4m3fn or bfloat16, got {index_k.dtype}")
+        if index_scale is None or index_scale.shape != index_k.shape[:2] or index_scale.stride(-1) != 1:
+            got = None if index_scale is None else tuple(index_scale.shape)
+            raise ValueError(f"index_scale must be [num_pages, P // 4] fp32 for FP8 keys, got {got}")
+        isc_stride = index_scale.stride(0)
     if fp8_decode is None:
         fp8_decode = "arith" if INTERPRETED else "hw"
     if fp8_decode not in ("arith", "hw") or (fp8_decode == "hw" and INTERPRETED):
@@ -172,10 +205,11 @@ def score_pools(
     # tl.dot needs at least 16 columns; padded heads load zero queries and weights and add exact zeros.
     hp = max(16, triton.next_power_of_2(n_heads))
     grid = (n, triton.cdiv(max_pools, block_p * iters))
+    bits = torch.int16 if key_bf16 else torch.uint8
     _score_kernel[grid](
-        q8.view(torch.uint8),
+        q8.view(bits),
         w,
-        index_k.view(torch.uint8),
+        index_k.view(bits),
         index_scale,
         positions,
         row_seq,
@@ -191,13 +225,14 @@ def score_pools(
         w.stride(0),
         index_k.stride(0),
         index_k.stride(1),
-        index_scale.stride(0),
+        isc_stride,
         slot_table.stride(0),
         out.stride(0),
         HP=hp,
         BLOCK_P=block_p,
         ITERS=iters,
         HW_FP8=fp8_decode == "hw",
+        KEY_BF16=key_bf16,
         num_warps=num_warps,
     )
     return out

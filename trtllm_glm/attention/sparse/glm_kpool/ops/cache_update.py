@@ -1,4 +1,4 @@
-"""Cache writes of the sparse layers (torch reference): latent rows, completed FP8 pools and tail rings.
+"""Cache writes of the sparse layers (torch reference): latent rows, completed pools and tail rings.
 
 All functions take a flat batch (docs/architecture.md, "Batch layout"): ``positions[n]`` and
 ``row_seq[n]`` per row, ``slot_table[b, j]`` the raw page of sequence ``b``'s logical page ``j`` and
@@ -7,7 +7,8 @@ consecutive positions. Every page a row needs is looked up and validated before 
 a bad table raises `ValueError` and leaves the cache untouched.
 
 Decode and prefill produce bit-identical pools and rings for the same rows: both complete a pool from the
-same ``[4, 128]`` member tensors with the same `pool_keys` and `rotate_quant`.
+same ``[4, 128]`` member tensors with the same `pool_keys` and `rotate_quant` (FP8 keys) or the same
+bf16 rounding (BF16 keys: ``index_k`` of dtype bfloat16, no scale plane; docs/indexer_keys.md).
 """
 
 from __future__ import annotations
@@ -148,8 +149,15 @@ def _write_pools(
     pages: torch.Tensor,
     pool_in_page: torch.Tensor,
 ) -> None:
-    """Pool, rotate, quantise and store ``[n, 4, 128]`` members at ``index_k[pages, pool_in_page]``."""
-    q, scale = rotate_quant(pool_keys(member_key, member_gate, ape))
+    """Pool ``[n, 4, 128]`` members and store them at ``index_k[pages, pool_in_page]``: rotated and
+    quantised with their scale for FP8 keys, rounded to bfloat16 (no rotation, no scale) for BF16 keys."""
+    pooled = pool_keys(member_key, member_gate, ape)
+    if cache.index_k.dtype == torch.bfloat16:
+        cache.index_k[pages, pool_in_page] = pooled.to(torch.bfloat16)
+        return
+    if cache.index_scale is None:
+        raise ValueError(f"FP8 index keys need an index_scale plane (index_k is {cache.index_k.dtype})")
+    q, scale = rotate_quant(pooled)
     cache.index_k[pages, pool_in_page] = q
     cache.index_scale[pages, pool_in_page] = scale
 

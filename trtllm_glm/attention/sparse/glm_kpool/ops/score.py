@@ -27,14 +27,15 @@ def _complete_pools(positions: torch.Tensor) -> torch.Tensor:
     return (positions.to(torch.int64) + 1) // KPOOL
 
 
-def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor, n_heads: int) -> torch.Tensor:
+def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor | None, n_heads: int) -> torch.Tensor:
     """Fold the query FP8 scale and ``(128 * n_heads) ** -0.5`` into the per-head weights.
 
-    Computed in fp32 as ``(weights_logits * qscale) * c`` with ``c = float32((128 * n_heads) ** -0.5)``.
+    Computed in fp32 as ``(weights_logits * qscale) * c`` with ``c = float32((128 * n_heads) ** -0.5)``;
+    BF16 queries have no scale (``qscale=None``): ``weights_logits * c``.
 
     Args:
         weights_logits: ``[N, H]`` head weight logits (``h @ weights_proj^T``, fp32).
-        qscale: ``[N, H]`` fp32 power-of-two scales of the quantised query heads.
+        qscale: ``[N, H]`` fp32 power-of-two scales of the quantised query heads, or ``None``.
         n_heads: ``H``, the indexer head count.
 
     Returns:
@@ -42,8 +43,28 @@ def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor, n_h
     """
     # A Python scalar is applied in the tensor's fp32 (same bits as an fp32 constant tensor) and needs no
     # host-to-device copy, so the op can be captured.
-    return (weights_logits.to(torch.float32) * qscale.to(torch.float32)) * float(
-        torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32)
+    c = float(torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32))
+    w = weights_logits.to(torch.float32)
+    if qscale is not None:
+        w = w * qscale.to(torch.float32)
+    return w * c
+
+
+def check_score_operands(q: torch.Tensor, index_k: torch.Tensor, index_scale: torch.Tensor | None) -> None:
+    """The two key formats of `score_pools`: e4m3 queries and keys with an fp32 scale plane, or bf16 queries
+    and keys without one.
+
+    Raises:
+        ValueError: any other combination.
+    """
+    fp8 = torch.float8_e4m3fn
+    if q.dtype == fp8 and index_k.dtype == fp8 and index_scale is not None:
+        return
+    if q.dtype == torch.bfloat16 and index_k.dtype == torch.bfloat16 and index_scale is None:
+        return
+    raise ValueError(
+        "score_pools takes e4m3 queries and keys with an index_scale plane, or bf16 queries and keys without one; "
+        f"got queries {q.dtype}, keys {index_k.dtype}, index_scale {'None' if index_scale is None else 'given'}"
     )
 
 
@@ -51,7 +72,7 @@ def score_pools(
     q8: torch.Tensor,
     w: torch.Tensor,
     index_k: torch.Tensor,
-    index_scale: torch.Tensor,
+    index_scale: torch.Tensor | None,
     positions: torch.Tensor,
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
@@ -65,11 +86,15 @@ def score_pools(
     ``t_h = w_h * relu(dot_h)`` in fp32, summed over heads in order ``h = 0 .. H-1`` in fp32, then
     multiplied by the power-of-two ``kscale`` (exact). The result does not depend on batch composition.
 
+    BF16 keys (docs/indexer_keys.md): ``q8`` holds bf16 query heads, ``index_k`` bf16 pooled keys and
+    ``index_scale`` is ``None`` (``kscale = 1``); each bf16 product is exact in fp64 and the dot is summed
+    in fp64 (exact unless the terms span more than ~37 binades), then rounded once to fp32, as above.
+
     Args:
-        q8: ``[N, H, 128]`` ``torch.float8_e4m3fn`` rotated query heads.
+        q8: ``[N, H, 128]`` ``torch.float8_e4m3fn`` rotated query heads (bf16 unrotated ones for BF16 keys).
         w: ``[N, H]`` fp32 head weights (`indexer_head_weights`).
-        index_k: ``[num_pages, P // 4, 128]`` FP8 pooled keys.
-        index_scale: ``[num_pages, P // 4]`` fp32 pool scales.
+        index_k: ``[num_pages, P // 4, 128]`` FP8 (or BF16) pooled keys.
+        index_scale: ``[num_pages, P // 4]`` fp32 pool scales (``None`` for BF16 keys).
         positions: ``[N]`` int64 token positions.
         row_seq: ``[N]`` int64 sequence index of each row.
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
@@ -80,9 +105,10 @@ def score_pools(
         ``[N, max_pools]`` fp32 scores, ``-inf`` for pools ``p >= (pos + 1) // 4``.
 
     Raises:
-        ValueError: a row sees more than ``max_pools`` pools, or a complete pool's page is not in the
-            slot table.
+        ValueError: a row sees more than ``max_pools`` pools, a complete pool's page is not in the slot
+            table, or the query / key / scale formats do not match.
     """
+    check_score_operands(q8, index_k, index_scale)
     n_rows, n_heads, dim = q8.shape
     if dim != _INDEX_DIM or w.shape != (n_rows, n_heads):
         raise ValueError(f"expected q8 [N, H, {_INDEX_DIM}] and w [N, H], got {tuple(q8.shape)}, {tuple(w.shape)}")
@@ -105,7 +131,7 @@ def score_pools(
         pages[valid] = lookup_pages(first_tok[valid], seq[valid], slot_table, page_size, index_k.shape[0])
         within = pool % (page_size // KPOOL)
         k = index_k[pages, within[None, :]].to(torch.float64)
-        kscale = index_scale[pages, within[None, :]].to(torch.float32)
+        kscale = 1.0 if index_scale is None else index_scale[pages, within[None, :]].to(torch.float32)
         dots = torch.einsum("nhd,nmd->nhm", q8[rows].to(torch.float64), k).to(torch.float32)
         terms = w[rows].to(torch.float32)[:, :, None] * torch.relu(dots)
         acc = terms[:, 0]
