@@ -69,9 +69,12 @@ _MIN_PROGRAMS = 264
 # Tuned decode launches (M <= MAX_M_SPLIT, 16-bit activations, 128 x 128 scale tiles): knob dicts of `launch_config`
 # keyed by the weight's exact ``(N, K)`` (`_TUNED_SHAPES`), else by its size class (`shape_class`, `_TUNED_CLASSES`).
 # Keys never include M, so a row's launch (and its bits) stay the same whatever the batch within one row tile.
-# Filled from `benchmarks/bench_fp8_linear.py --sweep`, which prints both tables ready to paste; empty: the rule below.
+# Written by `benchmarks/bench_fp8_linear.py --apply SWEEP.json` from an H200 sweep (`--sweep --json`) between the
+# markers below; empty: `launch_config`'s rule.
+# BEGIN TUNED
 _TUNED_SHAPES: dict[tuple[int, int], dict[str, int | bool]] = {}
 _TUNED_CLASSES: dict[str, dict[str, int | bool]] = {}
+# END TUNED
 # Weight bytes (e4m3) below which a matrix is "tiny" (launch-latency bound: a few microseconds whatever the kernel)
 # and "small" (fewer bytes than ~2 waves of 64 KB programs on 132 SMs); the rest are "large".
 _TINY_BYTES = 4 << 20
