@@ -349,11 +349,12 @@ def _fp8_linear_kernel(
         y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
         y_mask = n_ok[:, None] & m_ok[None, :]
         p_offs = nl[:, None] * BLOCK_M + ml[None, :]
-        p_mask = (nl >= 0)[:, None] & m_ok[None, :]
+        # All rows: a mask along the partials' contiguous dim (rows) would cut their loads to 4 bytes.
+        p_mask = (nl >= 0)[:, None] & (ml >= 0)[None, :]
     if not SPLIT_K:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        # Partials of the tile's activation rows only (a decode step's one row: 1/16 of the tile's bytes).
+        # x_as_a: partials of the tile's live activation rows only (a decode step's one row: 1/16 of the bytes).
         part_tile = part_ptr + tile.to(tl.int64) * SPLIT * (BLOCK_N * BLOCK_M) + p_offs
         tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc, mask=p_mask)
         # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
