@@ -9,17 +9,34 @@ the tile's partial product is scaled by its fp32 block scale before it joins the
 per step and the products stay exact.
 
 ``_fp8_linear_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M))``: program ``(t, s, r)`` computes
-``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T`` for weight rows ``t * BLOCK_N ..``, activation rows
-``r * BLOCK_M ..`` and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps.
-``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K``, so every step lies inside one
-scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``).
+the ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` for weight rows ``t * BLOCK_N ..``, activation rows ``r * BLOCK_M ..``
+and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps, ``UNROLL`` steps per loop
+iteration. ``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K * UNROLL``, so every step lies
+inside one scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``). Two operand
+orientations (``X_AS_A``, same products, same per-step order):
 
-* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, the weight rows on the MMA's "M" side (a
-  single activation row still fills a tensor-core tile), split along K so that enough programs stream the
-  weight (`launch_config`). With ``SPLIT > 1`` the partial tiles go to a scratch buffer and the program that
-  arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores ``y``, then
-  resets the counter: bitwise reproducible, no memset between launches or graph replays.
+* ``X_AS_A=False``: ``W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``, the weight rows on the MMA's "M" side (a single
+  activation row still fills a tensor-core tile). On sm_90 at 64 weight rows that is a wgmma whose left operand
+  comes from registers, and its fragment layout makes the e4m3 codes come out of shared memory two bytes at a time
+  (32 ``ld.shared.b16`` per thread per 128-column step): the launch this module shipped first (38 % of the copy
+  ceiling on average at ``M <= 16``).
+* ``X_AS_A=True`` (the fused MoE's FP8 expert GEMM, `trtllm_glm.moe.kernels`): ``x_tile [BLOCK_M, BLOCK_K] @
+  W_tile^T`` with the weight tile loaded as ``[BLOCK_K, BLOCK_N]`` (k along memory). At 16 rows: ``mma.sync
+  m16n8k16``, the weight fragments through ``ldmatrix`` and one packed ``e4m3x2 -> f16x2`` conversion per two
+  weights, 108 registers and no spills at ``BLOCK_N = 64`` (PTX / ptxas for sm_90a, the same profile as the MoE's
+  kernel, which runs at 1.11x its bytes floor at 16 rows on the H200).
+
+* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, split along K so that enough programs
+  stream the weight (`launch_config`; per-shape tuned knobs in `_TUNED_SHAPES` / `_TUNED_CLASSES`). With
+  ``SPLIT > 1`` the partial tiles go to a scratch buffer (``X_AS_A``: the live activation rows only) and the
+  program that arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores
+  ``y``, then resets the counter: bitwise reproducible, no memset between launches or graph replays. ``SPLIT`` is
+  a runtime argument (``SPLIT_K`` tells the compiler whether there is a reduction): one compile serves every split.
 * Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
+
+Loads are pipelined by the compiler (``cp.async``, ``num_stages`` iterations in flight) when ``K`` and the strides
+are multiples of 16 (every real shape; Triton's launch specialisation tells it so); otherwise the masked tail makes
+it fall back to narrow loads (correct, slower).
 
 e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to fp16: the MMA runs in fp16,
 bf16 activations scaled into fp16 by a power of two per row and K step, exactly, the power undone on the fp32
