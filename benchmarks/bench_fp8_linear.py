@@ -94,7 +94,10 @@ CANDIDATES: list[dict] = [
     dict(x_as_a=True, block_n=64, k_chunk=1 << 30),  # no split: the MoE's whole-K programs
     dict(x_as_a=True, block_n=128, k_chunk=1024),
     dict(x_as_a=True, block_n=128, k_chunk=2048),
+    dict(x_as_a=True, block_n=128, k_chunk=1024, num_warps=8),
+    dict(x_as_a=True, block_n=256, k_chunk=1024, num_warps=8),
     dict(x_as_a=True, block_n=64, k_chunk=2048, num_stages=3),
+    dict(x_as_a=True, block_n=64, k_chunk=2048, num_stages=5),
     dict(x_as_a=True, block_n=64, k_chunk=2048, num_stages=6),
     dict(x_as_a=True, block_n=64, k_chunk=2048, num_warps=2),
     dict(x_as_a=True, block_n=64, k_chunk=2048, num_warps=8),

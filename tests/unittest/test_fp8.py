@@ -120,8 +120,8 @@ def test_fp8_linear_variants_equal_reference(m, n, k, block, dtype, knobs) -> No
 
 
 def test_fp8_linear_tuned_table_keys_on_the_weight_only(monkeypatch) -> None:
-    """Tuned knobs apply per weight shape (or size class) for every decode M alike, explicit knobs win, fp32 and
-    non-128 scale tiles keep the rule; bad knobs are one-line errors."""
+    """Tuned knobs apply per weight shape (or size class) for every M of the 16-row tile alike, explicit knobs win,
+    larger row tiles, fp32 activations and non-128 scale tiles keep the rule; bad knobs are one-line errors."""
     from trtllm_glm.quant import kernels as kern
 
     monkeypatch.setattr(kern, "_TUNED_SHAPES", {(4096, 8192): dict(x_as_a=True, block_n=32, k_chunk=2048)})
@@ -130,7 +130,7 @@ def test_fp8_linear_tuned_table_keys_on_the_weight_only(monkeypatch) -> None:
     assert len(set(cfgs.values())) == 1
     c = cfgs[1]
     assert (c.x_as_a, c.block_n, c.k_per_split, c.split, c.block_m) == (True, 32, 2048, 4, 16)
-    assert kern.launch_config(32, 4096, 8192, 128, False).block_n == 32  # larger decode tiles: same knobs
+    assert not kern.launch_config(17, 4096, 8192, 128, False).x_as_a  # 32-row tiles and up: the rule
     assert kern.launch_config(65, 4096, 8192, 128, False).x_as_a is False  # prefill chunks: the rule
     assert kern.launch_config(1, 4096, 8192, 128, False, block_n=64).block_n == 64
     assert kern.launch_config(1, 4096, 8192, 128, False, split_k=2).split == 2  # split_k drops the tuned chunk

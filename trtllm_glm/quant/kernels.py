@@ -60,6 +60,7 @@ __all__ = [
     "INTERPRETED",
     "MAX_M_SPLIT",
     "TUNABLE",
+    "TUNED_BLOCK_M",
     "Fp8LinearConfig",
     "clear_scratch",
     "launch_config",
@@ -96,6 +97,9 @@ _TUNED_CLASSES: dict[str, dict[str, int | bool]] = {}
 # and "small" (fewer bytes than ~2 waves of 64 KB programs on 132 SMs); the rest are "large".
 _TINY_BYTES = 4 << 20
 _SMALL_BYTES = 24 << 20
+# The row tile the tuned knobs are for (decode and verify, M <= 16: what the sweep measures); larger row tiles keep
+# the rule.
+TUNED_BLOCK_M = 16
 # The knobs a tuned entry may set.
 TUNABLE = ("block_n", "block_k", "k_chunk", "num_warps", "num_stages", "unroll", "x_as_a")
 
@@ -159,8 +163,9 @@ def launch_config(
     """The launch shape for ``x [m, k] @ W [n, k]^T`` with ``qblock``-square scale tiles.
 
     Only whether ``m <= MAX_M_SPLIT`` and the row tile (a power of two >= 16 covering ``m``) depend on ``m``; the
-    split, the K steps and the tuned knobs (`tuned_knobs`) depend on ``(n, k, qblock)`` only, so a row's result
-    does not change with the batch size within one row-tile size.
+    split, the K steps and the tuned knobs (`tuned_knobs`, for the 16-row tile the sweep measures:
+    ``TUNED_BLOCK_M``) depend on ``(n, k, qblock)`` only, so a row's result does not change with the batch size
+    within one row-tile size.
 
     Args:
         m, n, k: the GEMM.
@@ -177,14 +182,16 @@ def launch_config(
             split). Ignored when ``split_k`` is given.
         unroll: ``block_k`` steps per loop iteration (default 1).
         x_as_a: x as the MMA's left operand, the weight tile as ``[block_k, block_n]`` (default False).
-        tuned: decode launches take `tuned_knobs` for the knobs not given here.
+        tuned: launches with a ``TUNED_BLOCK_M``-row tile (``m <= 16``) take `tuned_knobs` for the knobs not given
+            here.
 
     Raises:
         ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, ``split_k < 1``,
             ``unroll < 1`` or ``k_chunk < 1``.
     """
     skinny = m <= MAX_M_SPLIT
-    if skinny and tuned:
+    block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    if block_m == TUNED_BLOCK_M and tuned:
         given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, k_chunk=k_chunk,
                      unroll=unroll, x_as_a=x_as_a)  # fmt: skip
         knobs = tuned_knobs(n, k, qblock, dot_fp32)
@@ -193,12 +200,7 @@ def launch_config(
         for name, value in knobs.items():
             if given.get(name) is None:
                 given[name] = value
-        block_n, block_k, num_warps, num_stages = (
-            given["block_n"],
-            given["block_k"],
-            given["num_warps"],
-            given["num_stages"],
-        )
+        block_n, block_k, num_warps, num_stages = (given[a] for a in ("block_n", "block_k", "num_warps", "num_stages"))
         k_chunk, unroll, x_as_a = given["k_chunk"], given["unroll"], given["x_as_a"]
     if block_k is None:
         block_k = _pow2_divisor(qblock, 32 if dot_fp32 else 128)
@@ -208,7 +210,6 @@ def launch_config(
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1, got {unroll}")
     step = block_k * unroll
-    block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
     if block_n is None:
         # Prefill chunks: a 128 x 64 output tile per program (8 warps), the usual Hopper GEMM shape.
         block_n = 64 if skinny else 128
