@@ -262,7 +262,8 @@ def _pow2_fp16(a, AXIS: tl.constexpr):
         return (af * inv[:, None]).to(tl.float16), p
 
 
-@triton.jit
+# M not specialised: a decode step (M = 1) and a verify batch share one compile.
+@triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
     x_ptr,
     w_ptr,
