@@ -383,9 +383,15 @@ def _fp8_linear_kernel(
         if arrived == SPLIT - 1:
             # The last program of the tile: every partial is visible. Fixed order 0..SPLIT-1 whichever program
             # got here; ".cg" reads from L2, never from a stale L1 line.
-            total = tl.load(part_tile, mask=p_mask, other=0.0, cache_modifier=".cg")
-            for i in range(1, SPLIT):
-                total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), mask=p_mask, other=0.0, cache_modifier=".cg")
+            # SPLIT is a runtime value: groups of 4 partials are loaded together (one L2 round trip per group,
+            # not per partial), then added in order; past SPLIT nothing is added.
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for i0 in range(0, SPLIT, 4):
+                for j in tl.static_range(4):
+                    i = i0 + j
+                    v = tl.load(part_tile + i * (BLOCK_N * BLOCK_M), mask=p_mask & (i < SPLIT), other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                    total = tl.where(i < SPLIT, total + v, total)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
