@@ -97,6 +97,9 @@ def test_fp8_linear_kernel_equals_reference(m, n, k, block, dtype, split) -> Non
         (3, 90, 160, 32, torch.float32, dict(unroll=2, k_chunk=64, block_k=32)),
         (3, 90, 160, 32, torch.float32, dict(x_as_a=True, unroll=2, k_chunk=64, block_k=16)),
         (2, 70, 100, 32, torch.float32, dict(x_as_a=True, unroll=3, k_chunk=1 << 30)),  # no split, K % 96 != 0
+        # Ten chunks: the last program reads the partials in groups of four (the last group partly past SPLIT).
+        (2, 70, 300, 32, torch.float32, dict(x_as_a=True, k_chunk=32)),
+        (2, 70, 300, 32, torch.float32, dict(k_chunk=32, block_k=32)),
     ],
 )
 def test_fp8_linear_variants_equal_reference(m, n, k, block, dtype, knobs) -> None:
