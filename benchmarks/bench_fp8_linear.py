@@ -35,7 +35,9 @@ depend on M) and its % of the copy ceiling per row; per size class (`kernels.sha
 over the class's shapes; and the bytes-weighted % of the copy ceiling (sum of floor bytes / sum of times) of the
 rule, of the per-shape winners and of the per-class winners, over the tiny shapes apart (launch-bound) and the
 rest. ``--apply`` writes those winners into the tuned tables of ``trtllm_glm/quant/kernels.py`` (between its
-``BEGIN TUNED`` / ``END TUNED`` markers; no CUDA needed). Without CUDA the benchmark prints a message and exits 0.
+``BEGIN TUNED`` / ``END TUNED`` markers; no CUDA needed). ``--candidates 0,5,9`` times a subset of `CANDIDATES`;
+the ``best per M`` column is what an M-dependent choice would add (not allowed: a row's bits would change with the
+batch). Without CUDA the benchmark prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default=None, help="comma-separated shape names to run (default: all)")
     parser.add_argument("--rows", default=None, help="comma-separated M values (default: 1,4,16 with --sweep)")
     parser.add_argument("--apply", default=None, metavar="SWEEP.json", help="write a sweep's winners as defaults")
+    parser.add_argument("--candidates", default=None, help="--sweep: comma-separated indices into CANDIDATES")
     args = parser.parse_args(argv)
     if args.apply:
         return apply_tuned(args.apply)
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     g = torch.Generator(device=dev).manual_seed(0)
     pick = set(args.shapes.split(",")) if args.shapes else None
+    cands = [CANDIDATES[int(i)] for i in args.candidates.split(",")] if args.candidates else CANDIDATES
     for name, n, k in SHAPES:
         if pick is not None and name not in pick:
             continue
@@ -222,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['copy_us']:.2f} us  ({lp:.0f}% / {cp:.0f}% of the copy ceiling)", flush=True)  # fmt: skip
             variants: list[tuple[str, dict | None]] = [("default", {})]
             if args.sweep and m <= 16:
-                variants += [(_label(kw), dict(kw, tuned=False)) for kw in [{}] + CANDIDATES]
+                variants += [(_label(kw), dict(kw, tuned=False)) for kw in [{}] + cands]
             elif args.sweep:
                 variants += [(_label(kw), dict(kw, tuned=False)) for kw in SWEEP_LARGE]
             if m >= 16:
@@ -376,14 +380,19 @@ def summarize_sweep(rows: list[dict], ceiling: float) -> dict:
     print()
     print("bytes-weighted % of the copy ceiling (sum of floor bytes / sum of times), M in "
           f"{sorted({r['m'] for r in sweep_rows})}:")  # fmt: skip
-    print(f"{'cases':<28} {'default':>8} {'rule':>8} {'shape winners':>14} {'class winners':>14} {'empty launch':>13} "
-          f"{'copy':>8}")  # fmt: skip
+    print(f"{'cases':<28} {'default':>8} {'rule':>8} {'shape winners':>14} {'class winners':>14} {'best per M':>11} "
+          f"{'empty launch':>13} {'copy':>8}")  # fmt: skip
+
+    def best_any(r: dict) -> float | None:  # an M-dependent choice (not allowed: the headroom it would add)
+        ts = [t for t in (_time(r, lab) for lab in labels) if t is not None]
+        return min(ts, default=None)
+
     groups = [("tiny (launch-bound)", [r for r in sweep_rows if r["class"] == "tiny"]),
               ("small + large", [r for r in sweep_rows if r["class"] != "tiny"]), ("all", sweep_rows)]  # fmt: skip
     for gname, rs in groups:
         print(f"{gname:<28} {agg(rs, lambda r: _time(r, 'default')):>8} {agg(rs, lambda r: _time(r, 'rule')):>8} "
               f"{agg(rs, lambda r: _time(r, win_shape.get((r['n'], r['k']), '?'))):>14} "
-              f"{agg(rs, lambda r: _time(r, win_class.get(r['class'], '?'))):>14} "
+              f"{agg(rs, lambda r: _time(r, win_class.get(r['class'], '?'))):>14} {agg(rs, best_any):>11} "
               f"{agg(rs, lambda r: r.get('launch_us')):>13} {agg(rs, lambda r: r.get('copy_us')):>8}")  # fmt: skip
     goal = [r for r in sweep_rows if r["class"] != "tiny" and (r["n"], r["k"]) in win_shape]
     hit = sum(_pct(r["floor_bytes"], _time(r, win_shape[(r["n"], r["k"])]), ceiling) >= 80 for r in goal)
