@@ -84,6 +84,74 @@ def test_fp8_linear_kernel_equals_reference(m, n, k, block, dtype, split) -> Non
         assert (wrong.double() - exact).abs().max() > 100 * (y.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize(
+    "m, n, k, block, dtype, knobs",
+    [
+        # The fused MoE's orientation (x as the MMA's left operand, weight tiles [K, N]): ragged N and K, the split
+        # reduction over three chunks, partials of the live rows only (M = 1 of a 16-row tile).
+        (1, 200, 300, 64, torch.float32, dict(x_as_a=True, k_chunk=128)),
+        (5, 150, 140, 64, torch.float16, dict(x_as_a=True, block_n=32)),  # square scale grid, fp16 out
+        (17, 100, 96, 32, torch.float32, dict(x_as_a=True, split_k=2, block_n=16)),  # 32-row tile, 2 chunks
+        # Two K steps per iteration; the last iteration's second step lies past K (masked, scale 0), and chunks
+        # are whole iterations (k_chunk 64 rounds up to 2 x 32).
+        (3, 90, 160, 32, torch.float32, dict(unroll=2, k_chunk=64, block_k=32)),
+        (3, 90, 160, 32, torch.float32, dict(x_as_a=True, unroll=2, k_chunk=64, block_k=16)),
+        (2, 70, 100, 32, torch.float32, dict(x_as_a=True, unroll=3, k_chunk=1 << 30)),  # no split, K % 96 != 0
+        # Ten chunks: the last program reads the partials in groups of four (the last group partly past SPLIT).
+        (2, 70, 300, 32, torch.float32, dict(x_as_a=True, k_chunk=32)),
+        (2, 70, 300, 32, torch.float32, dict(k_chunk=32, block_k=32)),
+    ],
+)
+def test_fp8_linear_variants_equal_reference(m, n, k, block, dtype, knobs) -> None:
+    """Every launch variant the H200 sweep may pick (`kernels.launch_config` knobs) computes the same product."""
+    q, s = _weight(n, k, block, seed=m + n)
+    x = _x(m, k, dtype, seed=m + k)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    y = fp8_linear_triton(x, q, s, block, out=out, **knobs)
+    assert y is out and torch.isfinite(y).all(), "an output element was not written"
+    w = dequantize_block_fp8(q, s, block).double()
+    exact = x.double() @ w.T
+    if dtype == torch.float32:
+        assert ((y.double() - exact).abs() <= (k + 8) * U * (x.double().abs() @ w.abs().T)).all()
+    else:
+        assert ((y.double() - exact).abs() <= exact.abs() * 2.0**-10 + 1e-3).all()
+    # Reproducible, and the same split launch again (counters were reset by the last program of each tile).
+    assert torch.equal(fp8_linear_triton(x, q, s, block, **knobs), y)
+    if s.shape[0] == s.shape[1]:
+        wrong = fp8_linear_reference(x, q, s.T.contiguous(), block)
+        assert (wrong.double() - exact).abs().max() > 100 * (y.double() - exact).abs().max()
+
+
+def test_fp8_linear_tuned_table_keys_on_the_weight_only(monkeypatch) -> None:
+    """Tuned knobs apply per weight shape (or size class) for every M of the 16-row tile alike, explicit knobs win,
+    larger row tiles, fp32 activations and non-128 scale tiles keep the rule; bad knobs are one-line errors."""
+    from trtllm_glm.quant import kernels as kern
+
+    monkeypatch.setattr(kern, "_TUNED_SHAPES", {(4096, 8192): dict(x_as_a=True, block_n=32, k_chunk=2048)})
+    monkeypatch.setattr(kern, "_TUNED_CLASSES", {"large": dict(x_as_a=True, unroll=2), "tiny": dict(block_n=16)})
+    cfgs = {m: kern.launch_config(m, 4096, 8192, 128, False) for m in (1, 4, 16)}
+    assert len(set(cfgs.values())) == 1
+    c = cfgs[1]
+    assert (c.x_as_a, c.block_n, c.k_per_split, c.split, c.block_m) == (True, 32, 2048, 4, 16)
+    assert not kern.launch_config(17, 4096, 8192, 128, False).x_as_a  # 32-row tiles and up: the rule
+    assert kern.launch_config(65, 4096, 8192, 128, False).x_as_a is False  # prefill chunks: the rule
+    assert kern.launch_config(1, 4096, 8192, 128, False, block_n=64).block_n == 64
+    assert kern.launch_config(1, 4096, 8192, 128, False, split_k=2).split == 2  # split_k drops the tuned chunk
+    assert kern.launch_config(1, 4096, 8192, 128, False, tuned=False) == kern.launch_config(
+        1, 4096, 8192, 128, False, tuned=False, x_as_a=False
+    )
+    assert not kern.launch_config(1, 4096, 8192, 128, False, tuned=False).x_as_a
+    assert not kern.launch_config(1, 4096, 8192, 128, True).x_as_a  # fp32 activations: the rule
+    big = kern.launch_config(1, 24576, 4096, 128, False)  # class "large"
+    assert big.x_as_a and big.unroll == 2 and big.k_per_split % 256 == 0
+    assert kern.launch_config(1, 8192, 128, 128, False).block_n == 16  # class "tiny"
+    assert kern.launch_config(1, 2176, 4096, 128, False) == kern.launch_config(1, 2176, 4096, 128, False, tuned=False)
+    assert kern.shape_class(8192, 128) == "tiny" and kern.shape_class(4096, 4096) == "small"
+    for bad, msg in ((dict(unroll=0), "unroll must be >= 1"), (dict(k_chunk=0), "k_chunk must be >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            kern.launch_config(1, 256, 256, 128, False, **bad)
+
+
 def test_fp8_linear_split_is_deterministic_and_counters_reset() -> None:
     q, s = _weight(64, 256, 128, seed=7)
     x = _x(2, 256, torch.float32, seed=7)
@@ -256,15 +324,31 @@ def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
     def spec(act: str, num_warps: int = 4, **constexprs) -> KernelSpec:
         sig = {"x_ptr": f"*{act}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{act}", "part_ptr": "*fp32",
                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-               "stride_sn": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
-        consts = dict(QBLOCK=128, HW_FP8=True, **constexprs)
+               "stride_sn": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32", "SPLIT": "i32"}  # fmt: skip
+        consts = dict(QBLOCK=128, HW_FP8=True, UNROLL=1, X_AS_A=False)
+        consts.update(constexprs)
         return KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, consts, num_warps)
 
     specs = [
-        spec("bf16", SPLIT=4, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # decode
-        spec("bf16", 8, SPLIT=1, BLOCK_N=128, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # prefill chunk
-        spec("fp16", SPLIT=2, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False, X_POW2=False),
-        spec("fp32", SPLIT=3, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True, X_POW2=False),
+        spec("bf16", SPLIT_K=True, BLOCK_N=16, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # decode
+        spec("bf16", 8, SPLIT_K=False, BLOCK_N=128, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False, X_POW2=True),  # prefill
+        spec("fp16", SPLIT_K=True, BLOCK_N=32, BLOCK_M=32, BLOCK_K=64, DOT_FP32=False, X_POW2=False),
+        spec("fp32", SPLIT_K=True, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True, X_POW2=False),
+        # The sweep's x-as-A candidates (mma.sync at 16 rows, wgmma with the weight in shared memory at 64).
+        spec("bf16", SPLIT_K=True, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True, X_AS_A=True),
+        spec("bf16", SPLIT_K=True, BLOCK_N=64, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False, X_POW2=True, X_AS_A=True),
+        spec(
+            "bf16",
+            SPLIT_K=False,
+            BLOCK_N=32,
+            BLOCK_M=16,
+            BLOCK_K=128,
+            DOT_FP32=False,
+            X_POW2=True,
+            X_AS_A=True,
+            UNROLL=2,
+        ),  # fmt: skip
+        spec("fp32", SPLIT_K=True, BLOCK_N=16, BLOCK_M=16, BLOCK_K=32, DOT_FP32=True, X_POW2=False, X_AS_A=True),
     ]
     dq_sig = {"w_ptr": "*u8", "s_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "stride_wn": "i32",
               "stride_sn": "i32", "stride_on": "i32"}  # fmt: skip

@@ -45,6 +45,34 @@ def test_fp8_linear_real_shapes(n, k, m, dtype) -> None:
     assert ((y.double() - exact).abs() <= bound).all()
 
 
+# Launch variants the decode sweep may make defaults (`kernels.launch_config` knobs; bench_fp8_linear --sweep).
+VARIANTS = [
+    dict(x_as_a=True),
+    dict(x_as_a=True, block_n=32, k_chunk=2048),
+    dict(x_as_a=True, block_n=64, k_chunk=1 << 30),
+    dict(x_as_a=True, block_n=64, k_chunk=2048, unroll=2),
+    dict(x_as_a=False, block_n=64, k_chunk=2048, unroll=2),
+]
+
+
+@pytest.mark.parametrize("knobs", VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("n, k", [(3 * 8192 + 256, 4096), (8192, 128), (1000, 1000)])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fp8_linear_variants_real_shapes(n, k, m, knobs) -> None:
+    """Each variant within the bound, reproducible, and (decode tiles) a row alone gives the bits it has in the
+    batch; ``[1000, 1000]``: K not a multiple of 16 (masked tails)."""
+    x, q, s = _case(n, k, m, torch.bfloat16, seed=n + k + m)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = fp8_linear_triton(x, q, s, out=out, **knobs)
+    w = dequantize_block_fp8(q, s).double()
+    exact = x.double() @ w.T
+    bound = (k + 8) * 2.0**-24 * (x.double().abs() @ w.abs().T) + 2.0**-8 * exact.abs()
+    assert torch.isfinite(y).all() and ((y.double() - exact).abs() <= bound).all()
+    assert torch.equal(fp8_linear_triton(x, q, s, **knobs), y)
+    if m <= 16:
+        assert torch.equal(fp8_linear_triton(x[m // 2 : m // 2 + 1], q, s, **knobs), y[m // 2 : m // 2 + 1])
+
+
 def test_fp8_linear_graph_capture_and_row_independence() -> None:
     x, q, s = _case(4096, 8192, 4, torch.bfloat16, seed=3)
     y_eager = fp8_linear_triton(x, q, s)  # warm-up: compiles and caches the split scratch

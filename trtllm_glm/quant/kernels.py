@@ -9,17 +9,34 @@ the tile's partial product is scaled by its fp32 block scale before it joins the
 per step and the products stay exact.
 
 ``_fp8_linear_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M))``: program ``(t, s, r)`` computes
-``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T`` for weight rows ``t * BLOCK_N ..``, activation rows
-``r * BLOCK_M ..`` and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps.
-``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K``, so every step lies inside one
-scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``).
+the ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` for weight rows ``t * BLOCK_N ..``, activation rows ``r * BLOCK_M ..``
+and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps, ``UNROLL`` steps per loop
+iteration. ``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K * UNROLL``, so every step lies
+inside one scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``). Two operand
+orientations (``X_AS_A``, same products, same per-step order):
 
-* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, the weight rows on the MMA's "M" side (a
-  single activation row still fills a tensor-core tile), split along K so that enough programs stream the
-  weight (`launch_config`). With ``SPLIT > 1`` the partial tiles go to a scratch buffer and the program that
-  arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores ``y``, then
-  resets the counter: bitwise reproducible, no memset between launches or graph replays.
+* ``X_AS_A=False``: ``W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``, the weight rows on the MMA's "M" side (a single
+  activation row still fills a tensor-core tile). On sm_90 at 64 weight rows that is a wgmma whose left operand
+  comes from registers, and its fragment layout makes the e4m3 codes come out of shared memory two bytes at a time
+  (32 ``ld.shared.b16`` per thread per 128-column step): the launch this module shipped first (38 % of the copy
+  ceiling on average at ``M <= 16``).
+* ``X_AS_A=True`` (the fused MoE's FP8 expert GEMM, `trtllm_glm.moe.kernels`): ``x_tile [BLOCK_M, BLOCK_K] @
+  W_tile^T`` with the weight tile loaded as ``[BLOCK_K, BLOCK_N]`` (k along memory). At 16 rows: ``mma.sync
+  m16n8k16``, the weight fragments through ``ldmatrix`` and one packed ``e4m3x2 -> f16x2`` conversion per two
+  weights, 108 registers and no spills at ``BLOCK_N = 64`` (PTX / ptxas for sm_90a, the same profile as the MoE's
+  kernel, which runs at 1.11x its bytes floor at 16 rows on the H200).
+
+* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, split along K so that enough programs
+  stream the weight (`launch_config`; per-shape tuned knobs in `_TUNED_SHAPES` / `_TUNED_CLASSES`). With
+  ``SPLIT > 1`` the partial tiles go to a scratch buffer (``X_AS_A``: the live activation rows only) and the
+  program that arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores
+  ``y``, then resets the counter: bitwise reproducible, no memset between launches or graph replays. ``SPLIT`` is
+  a runtime argument (``SPLIT_K`` tells the compiler whether there is a reduction): one compile serves every split.
 * Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
+
+Loads are pipelined by the compiler (``cp.async``, ``num_stages`` iterations in flight) when ``K`` and the strides
+are multiples of 16 (every real shape; Triton's launch specialisation tells it so); otherwise the masked tail makes
+it fall back to narrow loads (correct, slower).
 
 e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to fp16: the MMA runs in fp16,
 bf16 activations scaled into fp16 by a power of two per row and K step, exactly, the power undone on the fp32
@@ -42,9 +59,13 @@ import triton.language as tl
 __all__ = [
     "INTERPRETED",
     "MAX_M_SPLIT",
+    "TUNABLE",
+    "TUNED_BLOCK_M",
     "Fp8LinearConfig",
     "clear_scratch",
     "launch_config",
+    "shape_class",
+    "tuned_knobs",
     "launch_fp8_dequant",
     "launch_fp8_linear",
 ]
@@ -63,10 +84,31 @@ _BYTES_PER_PROGRAM = 65536
 _MIN_PROGRAMS = 264
 
 
+# Tuned decode launches (M <= MAX_M_SPLIT, 16-bit activations, 128 x 128 scale tiles): knob dicts of `launch_config`
+# keyed by the weight's exact ``(N, K)`` (`_TUNED_SHAPES`), else by its size class (`shape_class`, `_TUNED_CLASSES`).
+# Keys never include M, so a row's launch (and its bits) stay the same whatever the batch within one row tile.
+# Written by `benchmarks/bench_fp8_linear.py --apply SWEEP.json` from an H200 sweep (`--sweep --json`) between the
+# markers below; empty: `launch_config`'s rule.
+# BEGIN TUNED
+_TUNED_SHAPES: dict[tuple[int, int], dict[str, int | bool]] = {}
+_TUNED_CLASSES: dict[str, dict[str, int | bool]] = {}
+# END TUNED
+# Weight bytes (e4m3) below which a matrix is "tiny" (launch-latency bound: a few microseconds whatever the kernel)
+# and "small" (fewer bytes than ~2 waves of 64 KB programs on 132 SMs); the rest are "large".
+_TINY_BYTES = 4 << 20
+_SMALL_BYTES = 24 << 20
+# The row tile the tuned knobs are for (decode and verify, M <= 16: what the sweep measures); larger row tiles keep
+# the rule.
+TUNED_BLOCK_M = 16
+# The knobs a tuned entry may set.
+TUNABLE = ("block_n", "block_k", "k_chunk", "num_warps", "num_stages", "unroll", "x_as_a")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8LinearConfig:
     """One launch shape: ``split`` programs per tile of ``block_n`` weight rows and ``block_m`` activation rows,
-    each covering ``k_per_split`` reduction columns (a multiple of ``block_k``) in steps of ``block_k``."""
+    each covering ``k_per_split`` reduction columns (a multiple of ``block_k * unroll``) in steps of ``block_k``,
+    ``unroll`` steps per loop iteration; ``x_as_a``: x is the MMA's left operand (the fused MoE's orientation)."""
 
     block_n: int
     block_m: int
@@ -75,6 +117,8 @@ class Fp8LinearConfig:
     split: int
     num_warps: int
     num_stages: int
+    unroll: int = 1
+    x_as_a: bool = False
 
 
 def _pow2_divisor(qblock: int, cap: int) -> int:
@@ -83,6 +127,20 @@ def _pow2_divisor(qblock: int, cap: int) -> int:
     while b > 1 and qblock % b:
         b //= 2
     return b
+
+
+def shape_class(n: int, k: int) -> str:
+    """``"tiny"`` / ``"small"`` / ``"large"`` by the e4m3 weight's bytes (`_TUNED_CLASSES` keys)."""
+    nbytes = n * k
+    return "tiny" if nbytes < _TINY_BYTES else "small" if nbytes < _SMALL_BYTES else "large"
+
+
+def tuned_knobs(n: int, k: int, qblock: int, dot_fp32: bool) -> dict[str, int | bool]:
+    """The tuned knobs for a decode launch of an ``[n, k]`` weight (empty: `launch_config`'s rule)."""
+    if dot_fp32 or qblock != 128:
+        return {}
+    hit = _TUNED_SHAPES.get((n, k))
+    return dict(hit if hit is not None else _TUNED_CLASSES.get(shape_class(n, k), {}))
 
 
 def launch_config(
@@ -97,33 +155,61 @@ def launch_config(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_chunk: int | None = None,
+    unroll: int | None = None,
+    x_as_a: bool | None = None,
+    tuned: bool = True,
 ) -> Fp8LinearConfig:
     """The launch shape for ``x [m, k] @ W [n, k]^T`` with ``qblock``-square scale tiles.
 
     Only whether ``m <= MAX_M_SPLIT`` and the row tile (a power of two >= 16 covering ``m``) depend on ``m``; the
-    split and the K steps depend on ``(n, k, qblock)`` only, so a row's result does not change with the batch
-    size within one row-tile size.
+    split, the K steps and the tuned knobs (`tuned_knobs`, for the 16-row tile the sweep measures:
+    ``TUNED_BLOCK_M``) depend on ``(n, k, qblock)`` only, so a row's result does not change with the batch size
+    within one row-tile size.
 
     Args:
         m, n, k: the GEMM.
         qblock: scale tile edge; ``block_k`` must divide it (a power of two >= 16 that does: `kernel_covers`).
         dot_fp32: IEEE fp32 products (register-bound: smaller ``block_k``).
-        split_k: at most this many K chunks (decode launches; default from `_BYTES_PER_PROGRAM` / `_MIN_PROGRAMS`).
+        split_k: at most this many K chunks (decode launches; default from ``k_chunk``, else `_BYTES_PER_PROGRAM`
+            / `_MIN_PROGRAMS`).
         block_n: weight rows per program (default 64 for decode launches, 128 otherwise).
         block_k: reduction columns per step (default the largest power of two <= 128 (32 for fp32) dividing
             ``qblock``).
         num_warps: warps per program (default 4 for decode launches, 8 otherwise).
-        num_stages: pipelined steps in flight (default: up to 4).
+        num_stages: pipelined iterations in flight (default: up to 4).
+        k_chunk: decode launches: reduction columns per program (rounded up to a whole iteration; ``>= k``: no
+            split). Ignored when ``split_k`` is given.
+        unroll: ``block_k`` steps per loop iteration (default 1).
+        x_as_a: x as the MMA's left operand, the weight tile as ``[block_k, block_n]`` (default False).
+        tuned: launches with a ``TUNED_BLOCK_M``-row tile (``m <= 16``) take `tuned_knobs` for the knobs not given
+            here.
 
     Raises:
-        ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, or ``split_k < 1``.
+        ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, ``split_k < 1``,
+            ``unroll < 1`` or ``k_chunk < 1``.
     """
+    skinny = m <= MAX_M_SPLIT
+    block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    if block_m == TUNED_BLOCK_M and tuned:
+        given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, k_chunk=k_chunk,
+                     unroll=unroll, x_as_a=x_as_a)  # fmt: skip
+        knobs = tuned_knobs(n, k, qblock, dot_fp32)
+        if split_k is not None:
+            knobs.pop("k_chunk", None)
+        for name, value in knobs.items():
+            if given.get(name) is None:
+                given[name] = value
+        block_n, block_k, num_warps, num_stages = (given[a] for a in ("block_n", "block_k", "num_warps", "num_stages"))
+        k_chunk, unroll, x_as_a = given["k_chunk"], given["unroll"], given["x_as_a"]
     if block_k is None:
         block_k = _pow2_divisor(qblock, 32 if dot_fp32 else 128)
     if block_k < 16 or block_k & (block_k - 1) or qblock % block_k:
         raise ValueError(f"block_k must be a power of two >= 16 dividing the scale block {qblock}, got {block_k}")
-    skinny = m <= MAX_M_SPLIT
-    block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    unroll = 1 if unroll is None else int(unroll)
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    step = block_k * unroll
     if block_n is None:
         # Prefill chunks: a 128 x 64 output tile per program (8 warps), the usual Hopper GEMM shape.
         block_n = 64 if skinny else 128
@@ -132,16 +218,21 @@ def launch_config(
     if not skinny:
         split_k = 1
     elif split_k is None:
-        per = max(block_k, _BYTES_PER_PROGRAM // block_n)
-        split_k = max(triton.cdiv(k, per), triton.cdiv(_MIN_PROGRAMS, triton.cdiv(n, block_n)))
+        if k_chunk is not None:
+            if k_chunk < 1:
+                raise ValueError(f"k_chunk must be >= 1, got {k_chunk}")
+            split_k = triton.cdiv(k, k_chunk)
+        else:
+            per = max(block_k, _BYTES_PER_PROGRAM // block_n)
+            split_k = max(triton.cdiv(k, per), triton.cdiv(_MIN_PROGRAMS, triton.cdiv(n, block_n)))
     if split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {split_k}")
-    kps = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    kps = triton.cdiv(triton.cdiv(k, split_k), step) * step
     split = triton.cdiv(k, kps)  # <= split_k; no chunk is empty
-    steps = kps // block_k
+    steps = kps // step
     if num_stages is None:
         num_stages = max(2, min(4, steps + 1))
-    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, num_warps, num_stages)
+    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, num_warps, num_stages, unroll, bool(x_as_a))
 
 
 @triton.jit
@@ -153,21 +244,26 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
-def _pow2_fp16_cols(a):
-    """``[K, M]`` activations (one column per row of x) -> ``(a / p`` in fp16, ``p [M]`` fp32``)``: ``p`` a power
-    of two per column putting its largest ``|a|`` in ``[2^14, 2^15)``. Exact for bf16 inputs (8 significant bits
-    in fp16's 11, scaled by a power of two) except for entries more than ~30 binades below their column's largest,
-    which round in fp16's subnormals (an error below ``2^-40`` of the largest)."""
+def _pow2_fp16(a, AXIS: tl.constexpr):
+    """Activations (one row of x per slice along ``1 - AXIS``) -> ``(a / p`` in fp16, ``p`` fp32``)``: ``p`` a power
+    of two per row of x putting its largest ``|a|`` in ``[2^14, 2^15)`` (``AXIS``: the K axis of ``a``). Exact for
+    bf16 inputs (8 significant bits in fp16's 11, scaled by a power of two) except for entries more than ~30
+    binades below their row's largest, which round in fp16's subnormals (an error below ``2^-40`` of the
+    largest)."""
     af = a.to(tl.float32)
-    amax = tl.max(tl.abs(af), axis=0)
+    amax = tl.max(tl.abs(af), axis=AXIS)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    pe = tl.maximum(e - 14, 1)  # an all-zero (padding) column: p = 2^-126, its zeros stay zeros
+    pe = tl.maximum(e - 14, 1)  # an all-zero (padding) row: p = 2^-126, its zeros stay zeros
     p = (pe << 23).to(tl.float32, bitcast=True)
     inv = ((254 - pe) << 23).to(tl.float32, bitcast=True)
-    return (af * inv[None, :]).to(tl.float16), p
+    if AXIS == 0:
+        return (af * inv[None, :]).to(tl.float16), p
+    else:
+        return (af * inv[:, None]).to(tl.float16), p
 
 
-@triton.jit
+# M not specialised: a decode step (M = 1) and a verify batch share one compile.
+@triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
     x_ptr,
     w_ptr,
@@ -183,10 +279,13 @@ def _fp8_linear_kernel(
     stride_sn,
     stride_ym,
     K_PER_SPLIT,
-    SPLIT: tl.constexpr,
+    SPLIT,
+    SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    UNROLL: tl.constexpr,
+    X_AS_A: tl.constexpr,
     QBLOCK: tl.constexpr,
     DOT_FP32: tl.constexpr,
     HW_FP8: tl.constexpr,
@@ -196,49 +295,87 @@ def _fp8_linear_kernel(
     s = tl.program_id(1)
     rt = tl.program_id(2)
     nl = tl.arange(0, BLOCK_N)
+    ml = tl.arange(0, BLOCK_M)
     n = tile * BLOCK_N + nl
-    m = rt * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = rt * BLOCK_M + ml
     kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
-    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
     k_begin = s * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        wb = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
-        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        # One scale per weight row for this step (the step lies inside one scale column).
-        sc = tl.load(s_rows + k0 // QBLOCK, mask=n_ok, other=0.0)
-        if HW_FP8:
-            w = wb.to(tl.float8e4nv, bitcast=True)
-        else:
-            w = _e4m3_to_f32(wb.to(tl.int32))
-        if DOT_FP32:
-            # "ieee": the default fp32 dot is TF32, which would round the activations.
-            part = tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        elif X_POW2:
-            # fp16 operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 costs two more
-            # (the conversions, not the bytes, bounded the bf16 version: 19 % of the copy ceiling at M = 1 on the
-            # H200). bf16 activations go to fp16 exactly after a power of two per row, undone on the partial.
-            x16, p = _pow2_fp16_cols(xt)
-            part = tl.dot(w.to(tl.float16), x16, out_dtype=tl.float32) * p[None, :]
-        else:
-            part = tl.dot(w.to(tl.float16), xt.to(tl.float16), out_dtype=tl.float32)
-        acc += part * sc[:, None]
+    if X_AS_A:
+        # The fused MoE's orientation: x [BLOCK_M, BLOCK_K] is the MMA's left operand, the weight tile the right one,
+        # loaded as [BLOCK_K, BLOCK_N] (k runs along memory); y^T tiles [BLOCK_M, BLOCK_N].
+        w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        # Weight rows on the MMA's "M" side (a single activation row still fills a tensor-core tile).
+        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # UNROLL steps of BLOCK_K per iteration (more loads issued together); chunks are multiples of the iteration,
+    # so only the end of K can cut a step (masked: zeros, scale 0).
+    for k_it in range(k_begin, k_end, BLOCK_K * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k0 = k_it + u * BLOCK_K
+            k = k0 + kk
+            k_ok = k < K
+            # One scale per weight row for this step (the step lies inside one scale column).
+            sc = tl.load(s_rows + k0 // QBLOCK, mask=n_ok & (k0 < K), other=0.0)
+            if X_AS_A:
+                wb = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+                xa = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            else:
+                wb = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
+                xa = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            if HW_FP8:
+                w = wb.to(tl.float8e4nv, bitcast=True)
+            else:
+                w = _e4m3_to_f32(wb.to(tl.int32))
+            if X_AS_A:
+                if DOT_FP32:
+                    # "ieee": the default fp32 dot is TF32, which would round the activations.
+                    part = tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                elif X_POW2:
+                    x16, p = _pow2_fp16(xa, 1)
+                    part = tl.dot(x16, w.to(tl.float16), out_dtype=tl.float32) * p[:, None]
+                else:
+                    part = tl.dot(xa.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+                acc += part * sc[None, :]
+            else:
+                if DOT_FP32:
+                    part = tl.dot(w.to(tl.float32), xa.to(tl.float32), input_precision="ieee")
+                elif X_POW2:
+                    # fp16 operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 costs two
+                    # more (the conversions, not the bytes, bounded the bf16 version: 19 % of the copy ceiling at
+                    # M = 1 on the H200). bf16 activations go to fp16 exactly after a power of two per row and step,
+                    # undone on the partial.
+                    x16, p = _pow2_fp16(xa, 0)
+                    part = tl.dot(w.to(tl.float16), x16, out_dtype=tl.float32) * p[None, :]
+                else:
+                    part = tl.dot(w.to(tl.float16), xa.to(tl.float16), out_dtype=tl.float32)
+                acc += part * sc[:, None]
 
-    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
-    y_mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT == 1:
+    if X_AS_A:
+        y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        y_mask = m_ok[:, None] & n_ok[None, :]
+        p_offs = ml[:, None] * BLOCK_N + nl[None, :]
+        p_mask = m_ok[:, None] & (nl >= 0)[None, :]
+    else:
+        y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+        y_mask = n_ok[:, None] & m_ok[None, :]
+        p_offs = nl[:, None] * BLOCK_M + ml[None, :]
+        # All rows: a mask along the partials' contiguous dim (rows) would cut their loads to 4 bytes.
+        p_mask = (nl >= 0)[:, None] & (ml >= 0)[None, :]
+    if not SPLIT_K:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        part_tile = part_ptr + (tile * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc)
+        # x_as_a: partials of the tile's live activation rows only (a decode step's one row: 1/16 of the bytes).
+        part_tile = part_ptr + tile.to(tl.int64) * SPLIT * (BLOCK_N * BLOCK_M) + p_offs
+        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc, mask=p_mask)
         # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
         # acq_rel atomic, which is cumulative over what the barrier ordered before it.
         tl.debug_barrier()
@@ -246,9 +383,15 @@ def _fp8_linear_kernel(
         if arrived == SPLIT - 1:
             # The last program of the tile: every partial is visible. Fixed order 0..SPLIT-1 whichever program
             # got here; ".cg" reads from L2, never from a stale L1 line.
-            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for i in tl.static_range(SPLIT):
-                total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            # SPLIT is a runtime value: groups of 4 partials are loaded together (one L2 round trip per group,
+            # not per partial), then added in order; past SPLIT nothing is added.
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            for i0 in range(0, SPLIT, 4):
+                for j in tl.static_range(4):
+                    i = i0 + j
+                    v = tl.load(part_tile + i * (BLOCK_N * BLOCK_M), mask=p_mask & (i < SPLIT), other=0.0,
+                                cache_modifier=".cg")  # fmt: skip
+                    total = tl.where(i < SPLIT, total + v, total)
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
             # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
@@ -307,8 +450,9 @@ def launch_fp8_linear(
     grid = (tiles, cfg.split, triton.cdiv(m_rows, cfg.block_m))
     _fp8_linear_kernel[grid](
         x, w_codes, scale_inv, y, partials, counters,
-        m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split,
-        SPLIT=cfg.split, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
+        m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split, cfg.split,
+        SPLIT_K=cfg.split > 1, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
+        X_AS_A=cfg.x_as_a, QBLOCK=qblock,
         DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

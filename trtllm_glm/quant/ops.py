@@ -129,6 +129,10 @@ def fp8_linear_triton(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_chunk: int | None = None,
+    unroll: int | None = None,
+    x_as_a: bool | None = None,
+    tuned: bool = True,
 ) -> torch.Tensor:
     """`fp8_linear_reference` in one Triton launch (`kernels`): e4m3 tiles decoded in registers, fp32 accumulation.
 
@@ -143,7 +147,8 @@ def fp8_linear_triton(
         scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
         block: scale tile edge (a multiple of 16).
         out: optional ``[M, N]`` result buffer in ``x.dtype`` with a unit last stride.
-        split_k, block_n, block_k, num_warps, num_stages: tuning only (`kernels.launch_config`).
+        split_k, block_n, block_k, num_warps, num_stages, k_chunk, unroll, x_as_a, tuned: tuning only
+            (`kernels.launch_config`; decode launches take the tuned table's knobs for those not given).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -182,6 +187,7 @@ def fp8_linear_triton(
     cfg = mod.launch_config(
         m_rows, n, k, block, dot_fp32,
         split_k=split_k, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+        k_chunk=k_chunk, unroll=unroll, x_as_a=x_as_a, tuned=tuned,
     )  # fmt: skip
     mod.launch_fp8_linear(x, weight.view(torch.uint8), scale_inv, out, block, cfg, dot_fp32)
     return out
