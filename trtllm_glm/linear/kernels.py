@@ -46,7 +46,17 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_N", "INTERPRETED", "MAX_M", "SkinnyConfig", "clear_scratch", "launch_config", "launch_skinny_gemm"]
+__all__ = [
+    "BLOCK_N",
+    "INTERPRETED",
+    "INVARIANT_BLOCK_M",
+    "MAX_M",
+    "SkinnyConfig",
+    "clear_scratch",
+    "launch_config",
+    "launch_invariant_gemm",
+    "launch_skinny_gemm",
+]
 
 # Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -57,6 +67,10 @@ MAX_M = 64
 # Weight rows per program: the smallest MMA tile side, which keeps the partials (SPLIT x BLOCK_N x M per tile)
 # small and the programs many.
 BLOCK_N = 16
+# Rows of x per program of the batch-invariant GEMM (`launch_invariant_gemm`), whatever M is: the MMA shape
+# (BLOCK_N x INVARIANT_BLOCK_M x block_k) is one per weight. 64 = MAX_M, so one row block of a decode / verify
+# step fits the split partials `_scratch` holds.
+INVARIANT_BLOCK_M = 64
 # Weight bytes one program reads (its K chunk): enough to keep the SM's memory pipe busy for one round trip,
 # small enough to give ~100+ programs at the router's [288, 4096] (18 tiles x 8 splits of 512 bf16 columns).
 _BYTES_PER_PROGRAM = 16384
@@ -242,4 +256,129 @@ def launch_skinny_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: S
         m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
         SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, PART_M=MAX_M,
         DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _chunk_dot(
+    x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, k_begin, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """``W[n, chunk] @ x[m, chunk]^T`` as ``[BLOCK_N, BLOCK_M]`` fp32, the chunk ``[k_begin, k_begin + K_PER_SPLIT)``
+    walked in ``BLOCK_K`` steps from a zero accumulator (the same steps whichever program calls it)."""
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _invariant_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program ``(t, s, r)``: weight rows ``t * BLOCK_N ..``, x rows ``r * BLOCK_M ..``. ``SPLIT_PROGRAMS``: the
+    ``SPLIT`` chunks are programs ``s`` (one row block; partials reduced by the last arrival in order 0, 1, ..);
+    otherwise the program computes the chunks one after the other and adds them in the same order. Either way
+    each output is ``((0 + p_0) + p_1) + ..`` of the same chunk partials (``p_0`` alone when ``SPLIT == 1``)."""
+    tile = tl.program_id(0)
+    nl = tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + nl
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    m_ok = m < M
+    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    y_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        acc = _chunk_dot(
+            x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, 0, K_PER_SPLIT, BLOCK_N, BLOCK_M, BLOCK_K,
+            DOT_FP32,
+        )  # fmt: skip
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    elif SPLIT_PROGRAMS:
+        s = tl.program_id(1)
+        acc = _chunk_dot(
+            x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, s * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N, BLOCK_M,
+            BLOCK_K, DOT_FP32,
+        )  # fmt: skip
+        part_tile = part_ptr + (tile * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc)
+        # As `_skinny_gemm_kernel`: CTA barrier, then the gpu-scope acq_rel arrival; the last one reduces.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            total += _chunk_dot(
+                x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, i * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N,
+                BLOCK_M, BLOCK_K, DOT_FP32,
+            )  # fmt: skip
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def launch_invariant_gemm(
+    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig, dot_fp32: bool
+) -> None:
+    """Launch `_invariant_gemm_kernel`: ``y = x @ w^T`` (fp32 sums, rounded once to ``y``'s dtype) for any number
+    of rows, with one tile shape (`BLOCK_N` x `INVARIANT_BLOCK_M` x ``cfg.block_k``) and one reduction order
+    (``cfg``'s chunks, summed in order) per weight: a row's bits never depend on ``M`` or on the other rows.
+
+    Up to `INVARIANT_BLOCK_M` rows (decode, verify) the chunks are programs of their own (grid ``(tiles, split,
+    1)``, partials in the cached `_scratch`, as `launch_skinny_gemm`); beyond, the rows give the programs (grid
+    ``(tiles, 1, row blocks)``) and each adds its chunks itself in the same order.
+
+    Args:
+        x: ``[M, K]``, ``M >= 1``, unit last stride.
+        w: ``[N, K]``, unit last stride.
+        y: ``[M, N]`` fp32 / bf16 / fp16, unit last stride; every element is written.
+        cfg: `launch_config` of ``(N, K)`` (never of ``M``).
+        dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
+    """
+    m_rows, k = x.shape
+    n = w.shape[0]
+    tiles = triton.cdiv(n, BLOCK_N)
+    split_programs = cfg.split > 1 and m_rows <= INVARIANT_BLOCK_M
+    if split_programs:
+        partials, counters = _scratch(x.device, tiles, cfg.split)
+    else:
+        partials = counters = y  # unused
+    grid = (tiles, cfg.split if split_programs else 1, triton.cdiv(m_rows, INVARIANT_BLOCK_M))
+    _invariant_gemm_kernel[grid](
+        x, w, y, partials, counters,
+        m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
+        SPLIT=cfg.split, SPLIT_PROGRAMS=split_programs, BLOCK_N=BLOCK_N, BLOCK_M=INVARIANT_BLOCK_M,
+        BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -19,10 +19,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = [
+    "INVARIANT_LINEAR_BACKEND_ENV",
     "MAX_M",
+    "invariant_linear",
+    "invariant_linear_backend",
+    "invariant_linear_reference",
+    "invariant_linear_triton",
+    "model_linear",
     "SKINNY_GEMM_BACKEND_ENV",
     "kernel_module",
     "linear_fp32",
@@ -32,6 +39,7 @@ __all__ = [
 ]
 
 SKINNY_GEMM_BACKEND_ENV = "TRTLLM_GLM_SKINNY_GEMM_BACKEND"
+INVARIANT_LINEAR_BACKEND_ENV = "TRTLLM_GLM_INVARIANT_LINEAR_BACKEND"
 # Rows one kernel launch handles (`kernels.MAX_M`; repeated here so that the dispatcher needs no Triton import).
 MAX_M = 64
 
@@ -178,11 +186,143 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = 
     Returns:
         ``[..., N]`` fp32.
 
+    With the batch-invariant mode on (`trtllm_glm.numerics`) and no ``backend`` given, `invariant_linear` instead
+    (a row's bits then do not depend on the other rows, at any M).
+
     Raises:
         ValueError: ``weight`` not 2-D, a K that does not match, or different devices.
     """
     _check(x, weight)
+    if batch_invariant() and backend is None:
+        # One tile shape and reduction order per weight for any number of rows (`invariant_linear`).
+        return invariant_linear(x, weight, out_dtype=torch.float32)
     if skinny_gemm_backend(x, weight, backend) == "torch":
         return skinny_gemm_reference(x, weight)
     y = skinny_gemm(x.reshape(-1, x.shape[-1]), weight)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` one row at a time in fp32 (a matrix-vector product per row, whose summation order
+    depends on the weight alone), rounded once to ``out_dtype``: row-invariant on any device, for the CPU.
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float.
+        bias: optional ``[N]``.
+        out_dtype: the result's dtype (default ``x.dtype``).
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+    """
+    _check(x, weight)
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    w = weight.float()
+    rows = [torch.mv(w, r) for r in x2]  # differentiable; M is small wherever this runs
+    y = torch.stack(rows) if rows else x2.new_zeros(0, weight.shape[0])
+    if bias is not None:
+        y += bias.float()
+    return y.to(out_dtype or x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def invariant_linear_triton(
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``x @ weight^T`` in one Triton launch whose tile shape and reduction order depend on ``weight``'s shape and
+    the dtypes only, never on ``M`` (`kernels.launch_invariant_gemm`): the same row gives the same bits at any
+    ``M`` and beside any other rows. fp32 accumulation of exact products, rounded once to ``out_dtype``.
+    Capturable in a CUDA graph after one eager call of the weight's shape (the split scratch is cached then).
+
+    Args:
+        x: ``[M, K]`` fp32 / bf16 / fp16, ``M >= 0``.
+        weight: ``[N, K]`` fp32 / bf16 / fp16 on ``x``'s device.
+        out_dtype: fp32 / bf16 / fp16 (default ``x.dtype``).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+        ValueError: wrong dims, mismatched K or devices, or an unsupported dtype.
+    """
+    _check(x, weight)
+    out_dtype = out_dtype or x.dtype
+    if x.dim() != 2:
+        raise ValueError(f"invariant_linear: x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES or out_dtype not in _DTYPES:
+        raise ValueError(
+            f"invariant_linear: dtypes must be fp32 / bf16 / fp16, got x {x.dtype}, weight {weight.dtype}, "
+            f"out {out_dtype}"
+        )
+    m_rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m_rows, n, dtype=out_dtype, device=x.device)
+    if n == 0 or m_rows == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    mod = kernel_module(x.device)
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
+    mod.launch_invariant_gemm(x, weight, out, mod.launch_config(n, k, weight.element_size(), dot_fp32), dot_fp32)
+    return out
+
+
+def invariant_linear_backend(x: torch.Tensor, weight: torch.Tensor, backend: str | None = None) -> str:
+    """``"rows"`` (`invariant_linear_reference`) or ``"triton"`` (`invariant_linear_triton`) for one call.
+
+    ``backend`` (default ``TRTLLM_GLM_INVARIANT_LINEAR_BACKEND``, else ``"auto"``): ``"torch"`` names the
+    per-row reference, ``"triton"`` the kernel on any device (the CPU through Triton's interpreter: slow, for
+    tests); ``"auto"`` the kernel for CUDA inference, the per-row reference otherwise (the CPU; a gradient).
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    choice = kernel_backend("invariant linear", INVARIANT_LINEAR_BACKEND_ENV, [x, weight], backend)
+    covered = x.dtype in _DTYPES and weight.dtype in _DTYPES
+    return "triton" if choice == "triton" and covered else "rows"
+
+
+def invariant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The batch-invariant ``F.linear``: ``x @ weight^T (+ bias)`` whose every row has the bits it would have alone
+    (`invariant_linear_triton` on CUDA, `invariant_linear_reference` elsewhere; `invariant_linear_backend`).
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float on ``x``'s device.
+        bias: optional ``[N]``, added to the fp32 product before the one rounding (none of the model's linears has
+            one).
+        out_dtype: the result's dtype (default ``x.dtype``).
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_INVARIANT_LINEAR_BACKEND``).
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+    """
+    _check(x, weight)
+    if invariant_linear_backend(x, weight, backend) == "rows":
+        return invariant_linear_reference(x, weight, bias, out_dtype=out_dtype)
+    x2 = x.reshape(-1, x.shape[-1])
+    if bias is None:
+        y = invariant_linear_triton(x2, weight, out_dtype=out_dtype)
+    else:
+        y = (invariant_linear_triton(x2, weight, out_dtype=torch.float32) + bias.float()).to(out_dtype or x.dtype)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the model's float projections call: `invariant_linear` with the batch-invariant mode on
+    (`trtllm_glm.numerics.batch_invariant`), ``F.linear`` otherwise."""
+    if batch_invariant():
+        return invariant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
