@@ -1,6 +1,7 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
 above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
-only `triton_interp` and `numerics` (the mode switch, a leaf); `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
+only `triton_interp` and `numerics` (the mode switch, a leaf);
+`speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
 `runtime/` (module-level or lazily)."""
 
 from __future__ import annotations

@@ -349,9 +349,7 @@ def _invariant_gemm_kernel(
         tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def launch_invariant_gemm(
-    x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig, dot_fp32: bool
-) -> None:
+def launch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig, dot_fp32: bool) -> None:
     """Launch `_invariant_gemm_kernel`: ``y = x @ w^T`` (fp32 sums, rounded once to ``y``'s dtype) for any number
     of rows, with one tile shape (`BLOCK_N` x `INVARIANT_BLOCK_M` x ``cfg.block_k``) and one reduction order
     (``cfg``'s chunks, summed in order) per weight: a row's bits never depend on ``M`` or on the other rows.

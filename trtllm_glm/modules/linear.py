@@ -228,9 +228,7 @@ def unswap_empty_(root: nn.Module, names: Iterable[str]) -> list[str]:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
-        setattr(
-            parent, attr, NumericsLinear(mod.in_features, mod.out_features, bias=False, device=mod.weight.device)
-        )
+        setattr(parent, attr, NumericsLinear(mod.in_features, mod.out_features, bias=False, device=mod.weight.device))
         replaced.add(id(mod))
         done.append(name)
     _forget_replaced(root, replaced)
