@@ -1,0 +1,171 @@
+"""The batch-invariant numerics mode (issue 31, docs/numerics.md) on the CPU: each kernel's row invariance under
+Triton's interpreter (the same row alone, at M = 1, 3, 8, 64 and > 64, and at another position gives the same
+bits), the dispatchers the model calls in the mode, the scheduler's prompt-only chunk grid, and the plumbing
+(LLM argument, CLI flag, serve YAML key).
+
+Shapes are awkward on purpose: ``N = 40`` (not a multiple of the 16-row weight tile), ``K = 200`` (not a multiple
+of the step), splits > 1. Inputs are fp32 / fp16 (the interpreter's bf16 arithmetic is wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trtllm_glm.linear import invariant_linear, invariant_linear_triton, linear_fp32, model_linear
+from trtllm_glm.modules.linear import NumericsLinear, use_numerics_linears_
+from trtllm_glm.numerics import batch_invariant, batch_invariant_mode
+from trtllm_glm.quant.fp8 import quantize_block_fp8
+from trtllm_glm.quant.ops import fp8_linear
+
+pytestmark = pytest.mark.cpu_only
+
+N, K = 40, 200
+ROWS = [1, 3, 8, 64, 70, 130]
+
+
+def _inputs(m: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, K, generator=g) * 2).to(dtype), (torch.randn(N, K, generator=g) * K**-0.5).to(dtype)
+
+
+def _assert_rows_invariant(fn, x: torch.Tensor) -> None:
+    """``fn(x[:m])`` row for row equal to ``fn(x)`` at every m of ROWS, and a row computed alone or shifted."""
+    full = fn(x)
+    assert torch.isfinite(full).all()
+    for m in ROWS:
+        assert torch.equal(fn(x[:m]), full[:m]), f"rows differ at M = {m}"
+    for i in (5, 66, x.shape[0] - 1):
+        assert torch.equal(fn(x[i : i + 1])[0], full[i]), f"row {i} alone differs"
+    assert torch.equal(fn(x[60:75]), full[60:75]), "a block straddling the 64-row tile differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_invariant_kernel_rows(dtype: torch.dtype) -> None:
+    x, w = _inputs(ROWS[-1], dtype)
+    _assert_rows_invariant(lambda t: invariant_linear_triton(t, w, out_dtype=torch.float32), x)
+    y = invariant_linear_triton(x, w, out_dtype=torch.float32)
+    ref = x.double() @ w.double().T
+    bound = 300 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)  # block_k + steps + split, as test_skinny_gemm
+    assert ((y.double() - ref).abs() <= bound).all()
+    # The output dtype: the fp32 sum rounded once.
+    assert torch.equal(invariant_linear_triton(x, w), y.to(dtype))
+
+
+def test_invariant_linear_cpu_path_rows_and_bias() -> None:
+    x, w = _inputs(ROWS[-1], torch.float32, seed=1)
+    b = torch.randn(N)
+    _assert_rows_invariant(lambda t: invariant_linear(t, w, b), x)
+    torch.testing.assert_close(invariant_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert invariant_linear(x[:0], w).shape == (0, N)
+
+
+def test_mode_routes_model_linears() -> None:
+    """In the mode, `model_linear`, `linear_fp32`, `NumericsLinear` and `fp8_linear` are row-invariant on the CPU
+    (outside it they are ``F.linear`` and the references, whose CPU GEMM picks another kernel per M)."""
+    x, w = _inputs(ROWS[-1], torch.float32, seed=2)
+    q, s = quantize_block_fp8(torch.randn(130, K) * 0.1, 64)
+    lin = nn.Linear(K, N, bias=False)
+    assert use_numerics_linears_(nn.Sequential(lin)) == 1 and type(lin) is NumericsLinear
+    with torch.no_grad(), batch_invariant_mode(True):
+        for fn in (
+            lambda t: model_linear(t, w),
+            lambda t: linear_fp32(t, w),
+            lin,
+            lambda t: fp8_linear(t, q, s, 64),
+        ):
+            _assert_rows_invariant(fn, x)
+    assert not batch_invariant()
+
+
+def test_mode_off_is_unchanged() -> None:
+    x, w = _inputs(9, torch.float32, seed=3)
+    assert torch.equal(model_linear(x, w), F.linear(x, w))
+    lin = NumericsLinear(K, N, bias=True)
+    with torch.no_grad():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_invariant_rows_differ_from_plain_cpu_gemm() -> None:
+    """The property the mode buys is not free on the CPU: torch's GEMM of many rows and its matrix-vector product
+    of one row round differently for some row (so the tests above can fail)."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(130, 1000, generator=g), torch.randn(300, 1000, generator=g)
+    full = F.linear(x, w)
+    assert any(not torch.equal(F.linear(x[i : i + 1], w)[0], full[i]) for i in range(130))
+
+
+# --------------------------------------------------------------------------------------------------
+# Scheduler: chunk boundaries of the prompt alone.
+def _req(rid: int, n_prompt: int, computed: int = 0):
+    from trtllm_glm.runtime.request import Request
+    from trtllm_glm.runtime.sampling import SamplingParams
+
+    r = Request(rid, list(range(n_prompt)), SamplingParams(max_tokens=4))
+    r.num_computed = computed
+    return r
+
+
+def test_scheduler_grid_in_mode() -> None:
+    from trtllm_glm.runtime.scheduler import Scheduler
+
+    sched = Scheduler(max_batch_size=4, max_num_tokens=32, prefill_chunk_size=None)
+    assert sched.invariant_chunk == 16
+    a, b = _req(0, 40, computed=5), _req(1, 40)
+    with batch_invariant_mode(True):
+        plan = sched.schedule([], [a, b])
+        # a: to the next multiple of 16 (11 rows); b: a whole 16-row chunk.
+        assert [(s.request.request_id, s.num_rows) for s in plan] == [(0, 11), (1, 16)]
+        # A chunk that does not fit the budget waits whole (never cut by the budget).
+        sched2 = Scheduler(max_batch_size=4, max_num_tokens=20, prefill_chunk_size=16)
+        plan = sched2.schedule([], [_req(2, 40), _req(3, 3)])
+        assert [(s.request.request_id, s.num_rows) for s in plan] == [(2, 16), (3, 3)]
+        plan = sched2.schedule([], [_req(4, 40), _req(5, 40)])
+        assert [(s.request.request_id, s.num_rows) for s in plan] == [(4, 16)]
+    plan = Scheduler(4, 20, 16).schedule([], [_req(4, 40), _req(5, 40)])
+    assert [(s.request.request_id, s.num_rows) for s in plan] == [(4, 16), (5, 4)]  # outside the mode: cut
+
+
+# --------------------------------------------------------------------------------------------------
+# Plumbing
+def test_llm_argument_sets_the_mode() -> None:
+    from trtllm_glm.runtime.llm import AUTO_BATCH_INVARIANT, LLM, resolve_batch_invariant
+
+    assert resolve_batch_invariant(None) is AUTO_BATCH_INVARIANT
+    with pytest.raises(TypeError, match="batch_invariant must be True, False or None"):
+        resolve_batch_invariant("yes")  # type: ignore[arg-type]
+    with batch_invariant_mode(False):
+        llm = LLM("tiny", device="cpu", batch_invariant=True, max_seq_len=64)
+        assert llm.batch_invariant and batch_invariant()
+        assert type(llm.model.lm_head) is NumericsLinear
+        out = llm.generate([[1, 2, 3]], SamplingParams_greedy(4))
+        assert len(out[0].outputs[0].token_ids) == 4
+        llm.shutdown()
+    assert not batch_invariant()
+
+
+def SamplingParams_greedy(n: int):  # noqa: N802 - reads like the class it builds
+    from trtllm_glm.runtime.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def test_cli_flag_and_yaml_key(tmp_path) -> None:
+    from trtllm_glm.cli import _batch_invariant, build_parser
+    from trtllm_glm.config import ConfigError
+    from trtllm_glm.serve.config import llm_options_from_dict
+
+    p = build_parser()
+    for flag, want in (("on", True), ("off", False), ("auto", None)):
+        args = p.parse_args(["generate", "--prompt", "x", "--batch_invariant", flag])
+        assert _batch_invariant(args) is want
+    assert _batch_invariant(p.parse_args(["generate", "--prompt", "x"])) is None
+    assert p.parse_args(["serve", "tiny", "--batch-invariant", "on"]).batch_invariant == "on"
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "--prompt", "x", "--batch_invariant", "maybe"])
+    assert llm_options_from_dict({"batch_invariant": True}) == {"batch_invariant": True}
+    assert llm_options_from_dict({"batch_invariant": None}) == {"batch_invariant": None}
+    with pytest.raises(ConfigError, match="batch_invariant: expected true or false or null"):
+        llm_options_from_dict({"batch_invariant": "on"})
