@@ -1,0 +1,107 @@
+"""End to end on the CPU, batch-invariant mode (issue 31): speculative greedy decoding (n-gram oracle drafts of
+K = 3, some wrong, and MTP K = 3) gives the plain greedy run's logits bit for bit, and a request alone gives the
+same logits as inside a batch, on the ``small`` preset's geometry (random weights, fp32).
+
+The CPU path runs torch's references, with two limits the GPU kernels do not have:
+
+* ATen's vectorised elementwise kernels compute a tensor's tail (``numel`` mod the vector width) with the scalar
+  code, whose ``sigmoid`` / ``silu`` round differently: a row's bits would depend on where it sits in the tensor.
+  The cases run in a subprocess with ``ATEN_CPU_CAPABILITY=default`` (ATen's generic per-lane vectors, the scalar
+  functions for every element).
+* The sparse-MLA layer's CPU reference (absorbed-attention einsums, the indexer's gate GEMM) is not yet
+  row-invariant (binv-attn's part of issue 31): the whole-model case is expected to fail until it lands; the
+  KDA-only subset (every KDA layer of the preset, no MTP) covers the rest of the model now.
+
+CPU time: ~10 s (two subprocesses; each builds its model once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cpu_only
+
+ROOT = Path(__file__).resolve().parents[2]
+T = 8  # generated tokens per request
+
+
+def run_cases(kind: str) -> dict:
+    """Plain, speculative and alone runs in the mode; per comparison, whether every logit row is bit-equal."""
+    import torch
+
+    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
+    from trtllm_glm.numerics import batch_invariant_mode
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+    from trtllm_glm.runtime.sampling import SamplingParams
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+    from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+    from trtllm_glm.speculative.drafters import OracleDrafter
+
+    torch.set_num_threads(1)
+    full = Glm5NextConfig.from_pretrained("small")
+    if kind == "kda":
+        keep = [i for i, t in enumerate(full.layer_types) if t == "kda"]
+        cfg = dataclasses.replace(subset_config(full, keep), num_nextn_predict_layers=0)
+    else:
+        cfg = full
+    model = Glm5NextForCausalLM.from_config(cfg, seed=0)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (5, 23, 40)]
+    ecfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+
+    def params() -> SamplingParams:
+        return SamplingParams(max_tokens=T, ignore_eos=True, return_generation_logits=True)
+
+    def same(a, b) -> bool:
+        pairs = zip(a.generation_logits, b.generation_logits)
+        return a.output_ids == b.output_ids and all(torch.equal(x, y) for x, y in pairs)
+
+    out: dict[str, bool] = {}
+    with batch_invariant_mode(True):
+        ex = Executor(model, ecfg)
+        plain = [ex.add_request(p, params()) for p in prompts]
+        ex.run_until_done()
+        cont = {i: r.output_ids for i, r in enumerate(plain)}
+        wrong = {(i, j) for i in range(len(prompts)) for j in range(T) if rng.random() < 0.4}
+        specs = {"oracle": (NGramDecodingConfig(max_draft_len=3),
+                            OracleDrafter(cont, lambda i, j: (i, j) in wrong, vocab_size=cfg.vocab_size))}  # fmt: skip
+        if cfg.num_nextn_predict_layers:
+            specs["mtp"] = (MTPDecodingConfig(num_nextn_predict_layers=3), None)
+        for name, (spec, drafter) in specs.items():
+            sx = SpeculativeExecutor(model, ecfg, spec, drafter=drafter)
+            tests = [sx.add_request(p, params()) for p in prompts]
+            while sx.has_work:
+                sx.step()
+            out[name] = all(same(a, b) for a, b in zip(plain, tests))
+        ax = Executor(model, ecfg)
+        alone = ax.add_request(prompts[1], params())
+        ax.run_until_done()
+        out["alone"] = same(alone, plain[1])
+    return out
+
+
+def _subprocess(kind: str) -> dict:
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}  # fmt: skip
+    code = f"import json, test_batch_invariant_e2e as t; print(json.dumps(t.run_cases({kind!r})))"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_kda_model_speculative_equals_plain_bit_for_bit() -> None:
+    assert _subprocess("kda") == {"oracle": True, "alone": True}
+
+
+@pytest.mark.xfail(strict=True, reason="sparse-MLA CPU reference not yet row-invariant (binv-attn, issue 31)")
+def test_whole_model_speculative_equals_plain_bit_for_bit() -> None:
+    assert _subprocess("full") == {"oracle": True, "mtp": True, "alone": True}
