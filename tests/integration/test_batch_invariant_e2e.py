@@ -105,3 +105,54 @@ def test_kda_model_speculative_equals_plain_bit_for_bit() -> None:
 @pytest.mark.xfail(strict=True, reason="sparse-MLA CPU reference not yet row-invariant (binv-attn, issue 31)")
 def test_whole_model_speculative_equals_plain_bit_for_bit() -> None:
     assert _subprocess("full") == {"oracle": True, "mtp": True, "alone": True}
+
+
+# --------------------------------------------------------------------------------------------------
+# Collectives: the fixed-order all-reduce of a 3-rank gloo world (3: a bf16 sum of two values is rounded once
+# whatever the order; of three it is not).
+def _ordered_rank(rank: int, port: int, q) -> None:
+    import torch
+
+    from trtllm_glm.distributed.mapping import Mapping
+    from trtllm_glm.distributed.process_group import init_rank, shutdown_rank
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    torch.set_num_threads(1)
+    try:
+        comm = init_rank(Mapping.from_sizes(3, None, None, rank=rank), torch.device("cpu"), f"tcp://127.0.0.1:{port}")
+        g = torch.Generator().manual_seed(rank)
+        x = (torch.randn(70, 33, generator=g) * 1e3).to(torch.bfloat16)
+        with batch_invariant_mode(True):
+            full = comm.all_reduce(x.clone())
+            rows = [comm.all_reduce(x[i : i + 1].clone()) for i in (0, 5, 69)]
+        q.put((rank, full.float().tolist(), [r.float().tolist() for r in rows], comm.num_all_reduces))
+        shutdown_rank()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, f"{type(e).__name__}: {e}", None, None))
+
+
+def test_all_reduce_in_rank_order_for_any_message_size() -> None:
+    import multiprocessing as mp
+
+    import torch
+
+    from trtllm_glm.distributed.process_group import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_ordered_rank, args=(r, port, q), daemon=True) for r in range(3)]
+    for p in procs:
+        p.start()
+    got = sorted((q.get(timeout=120) for _ in procs), key=lambda v: v[0])
+    for p in procs:
+        p.join(30)
+    assert all(v[2] is not None for v in got), got
+    (_, full0, rows0, n0), (_, full1, rows1, _), (_, full2, rows2, _) = got
+    assert full0 == full1 == full2 and rows0 == rows1 == rows2 and n0 == 4
+    # The sum in rank order, in fp32, rounded once; one row alone gets that row's bits.
+    xs = [(torch.randn(70, 33, generator=torch.Generator().manual_seed(r)) * 1e3).to(torch.bfloat16) for r in (0, 1, 2)]
+    want = (xs[0].float() + xs[1].float() + xs[2].float()).to(torch.bfloat16).float()
+    assert torch.equal(torch.tensor(full0), want)
+    for i, row in zip((0, 5, 69), rows0):
+        assert torch.equal(torch.tensor(row), want[i : i + 1])

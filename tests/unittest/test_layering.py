@@ -44,7 +44,7 @@ def files(sub: str) -> list[Path]:
         ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.triton_interp", "trtllm_glm.state")),
         ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.linear")),
         # The layers import distributed/: it stays below them (the process machinery lives in runtime/ranks.py).
-        ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.distributed")),
+        ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.numerics", "trtllm_glm.distributed")),
         ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.quant")),
     ],
 )
