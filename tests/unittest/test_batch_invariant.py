@@ -169,3 +169,13 @@ def test_cli_flag_and_yaml_key(tmp_path) -> None:
     assert llm_options_from_dict({"batch_invariant": None}) == {"batch_invariant": None}
     with pytest.raises(ConfigError, match="batch_invariant: expected true or false or null"):
         llm_options_from_dict({"batch_invariant": "on"})
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_invariant_kernel_rows_other_tiles(block_m: int, monkeypatch) -> None:
+    """Any row tile (and split) is row-invariant when every call uses it; bad values are refused."""
+    x, w = _inputs(ROWS[-1], torch.float32, seed=5)
+    _assert_rows_invariant(lambda t: invariant_linear_triton(t, w, block_m=block_m, split_k=2), x)
+    monkeypatch.setenv("TRTLLM_GLM_INVARIANT_BLOCK_M", "48")
+    with pytest.raises(ValueError, match="TRTLLM_GLM_INVARIANT_BLOCK_M must be 16, 32 or 64"):
+        invariant_linear_triton(x[:2], w)

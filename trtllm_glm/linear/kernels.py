@@ -349,13 +349,20 @@ def _invariant_gemm_kernel(
         tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-def launch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: SkinnyConfig, dot_fp32: bool) -> None:
+def launch_invariant_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    cfg: SkinnyConfig,
+    dot_fp32: bool,
+    block_m: int = INVARIANT_BLOCK_M,
+) -> None:
     """Launch `_invariant_gemm_kernel`: ``y = x @ w^T`` (fp32 sums, rounded once to ``y``'s dtype) for any number
-    of rows, with one tile shape (`BLOCK_N` x `INVARIANT_BLOCK_M` x ``cfg.block_k``) and one reduction order
+    of rows, with one tile shape (`BLOCK_N` x ``block_m`` x ``cfg.block_k``) and one reduction order
     (``cfg``'s chunks, summed in order) per weight: a row's bits never depend on ``M`` or on the other rows.
 
-    Up to `INVARIANT_BLOCK_M` rows (decode, verify) the chunks are programs of their own (grid ``(tiles, split,
-    1)``, partials in the cached `_scratch`, as `launch_skinny_gemm`); beyond, the rows give the programs (grid
+    Up to ``block_m`` rows (decode, verify) the chunks are programs of their own (grid ``(tiles, split, 1)``,
+    partials in the cached `_scratch`, as `launch_skinny_gemm`); beyond, the rows give the programs (grid
     ``(tiles, 1, row blocks)``) and each adds its chunks itself in the same order.
 
     Args:
@@ -364,19 +371,23 @@ def launch_invariant_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg
         y: ``[M, N]`` fp32 / bf16 / fp16, unit last stride; every element is written.
         cfg: `launch_config` of ``(N, K)`` (never of ``M``).
         dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
+        block_m: rows per program, a power of two in [16, `MAX_M`] (the same for every call of a weight: the
+            row tile is part of the MMA shape).
     """
+    if block_m < 16 or block_m > MAX_M or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two in [16, {MAX_M}], got {block_m}")
     m_rows, k = x.shape
     n = w.shape[0]
     tiles = triton.cdiv(n, BLOCK_N)
-    split_programs = cfg.split > 1 and m_rows <= INVARIANT_BLOCK_M
+    split_programs = cfg.split > 1 and m_rows <= block_m
     if split_programs:
         partials, counters = _scratch(x.device, tiles, cfg.split)
     else:
         partials = counters = y  # unused
-    grid = (tiles, cfg.split if split_programs else 1, triton.cdiv(m_rows, INVARIANT_BLOCK_M))
+    grid = (tiles, cfg.split if split_programs else 1, triton.cdiv(m_rows, block_m))
     _invariant_gemm_kernel[grid](
         x, w, y, partials, counters,
         m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
-        SPLIT=cfg.split, SPLIT_PROGRAMS=split_programs, BLOCK_N=BLOCK_N, BLOCK_M=INVARIANT_BLOCK_M,
+        SPLIT=cfg.split, SPLIT_PROGRAMS=split_programs, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
         BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -23,9 +23,11 @@ from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = [
+    "INVARIANT_BLOCK_M_ENV",
     "INVARIANT_LINEAR_BACKEND_ENV",
     "MAX_M",
     "invariant_linear",
+    "invariant_block_m",
     "invariant_linear_backend",
     "invariant_linear_reference",
     "invariant_linear_triton",
@@ -40,6 +42,9 @@ __all__ = [
 
 SKINNY_GEMM_BACKEND_ENV = "TRTLLM_GLM_SKINNY_GEMM_BACKEND"
 INVARIANT_LINEAR_BACKEND_ENV = "TRTLLM_GLM_INVARIANT_LINEAR_BACKEND"
+# The invariant GEMM's row tile (`kernels.INVARIANT_BLOCK_M` unless set: 16, 32 or 64), read per call so that a
+# benchmark can A/B it (`bench_e2e.py --env-ab`); a process must keep one value (it is part of the MMA shape).
+INVARIANT_BLOCK_M_ENV = "TRTLLM_GLM_INVARIANT_BLOCK_M"
 # Rows one kernel launch handles (`kernels.MAX_M`; repeated here so that the dispatcher needs no Triton import).
 MAX_M = 64
 
@@ -227,8 +232,30 @@ def invariant_linear_reference(
     return y.to(out_dtype or x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
+def invariant_block_m() -> int | None:
+    """``TRTLLM_GLM_INVARIANT_BLOCK_M`` as an int (``None``: the kernel's default).
+
+    Raises:
+        ValueError: not 16, 32 or 64.
+    """
+    raw = os.environ.get(INVARIANT_BLOCK_M_ENV)
+    if raw is None or raw == "":
+        return None
+    if raw not in ("16", "32", "64"):
+        raise ValueError(f"{INVARIANT_BLOCK_M_ENV} must be 16, 32 or 64, got {raw!r}")
+    return int(raw)
+
+
 def invariant_linear_triton(
-    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    block_m: int | None = None,
+    split_k: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """``x @ weight^T`` in one Triton launch whose tile shape and reduction order depend on ``weight``'s shape and
     the dtypes only, never on ``M`` (`kernels.launch_invariant_gemm`): the same row gives the same bits at any
@@ -239,6 +266,9 @@ def invariant_linear_triton(
         x: ``[M, K]`` fp32 / bf16 / fp16, ``M >= 0``.
         weight: ``[N, K]`` fp32 / bf16 / fp16 on ``x``'s device.
         out_dtype: fp32 / bf16 / fp16 (default ``x.dtype``).
+        block_m: rows per program (default ``TRTLLM_GLM_INVARIANT_BLOCK_M``, else `kernels.INVARIANT_BLOCK_M`).
+        split_k, block_k, num_warps, num_stages: tuning only (`kernels.launch_config`). Any choice is
+            row-invariant as long as every call of a weight makes the same one.
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
@@ -268,7 +298,12 @@ def invariant_linear_triton(
         weight = weight.contiguous()
     mod = kernel_module(x.device)
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
-    mod.launch_invariant_gemm(x, weight, out, mod.launch_config(n, k, weight.element_size(), dot_fp32), dot_fp32)
+    cfg = mod.launch_config(
+        n, k, weight.element_size(), dot_fp32,
+        split_k=split_k, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    bm = block_m or invariant_block_m() or mod.INVARIANT_BLOCK_M
+    mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm)
     return out
 
 
