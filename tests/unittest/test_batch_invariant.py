@@ -179,3 +179,20 @@ def test_invariant_kernel_rows_other_tiles(block_m: int, monkeypatch) -> None:
     monkeypatch.setenv("TRTLLM_GLM_INVARIANT_BLOCK_M", "48")
     with pytest.raises(ValueError, match="TRTLLM_GLM_INVARIANT_BLOCK_M must be 16, 32 or 64"):
         invariant_linear_triton(x[:2], w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_invariant_kernel_rows(dtype: torch.dtype) -> None:
+    """The block-FP8 kernel in the mode (interpreted): every launch at the 64-row launch shape, rows in slices."""
+    from trtllm_glm.quant.ops import fp8_linear_invariant, fp8_linear_reference
+
+    g = torch.Generator().manual_seed(6)
+    q, s = quantize_block_fp8(torch.randn(70, 96, generator=g) * 0.1, 32)
+    x = torch.randn(ROWS[-1], 96, generator=g).to(dtype)
+    _assert_rows_invariant(lambda t: fp8_linear_invariant(t, q, s, 32, backend="triton"), x)
+    torch.testing.assert_close(
+        fp8_linear_invariant(x, q, s, 32, backend="triton").float(),
+        fp8_linear_reference(x, q, s, 32).float(),
+        rtol=2e-3 if dtype == torch.float16 else 1e-5,
+        atol=2e-3 if dtype == torch.float16 else 1e-5,
+    )

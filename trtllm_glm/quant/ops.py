@@ -45,8 +45,8 @@ FP8_DEQUANT_ROWS_ENV = "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS"
 # (benchmarks/results/fp8_linear_h200_2026-12-03.log): at 256 rows dequant+cuBLAS wins on all 12 real shapes
 # (e.g. mlp.gate|up 153 vs 258 us), at 64 rows the kernel wins on 10 of 12 (95 vs 142 us): the cut lies between.
 DEQUANT_MIN_ROWS = 128
-# Rows of one launch in the batch-invariant mode (`fp8_linear_invariant`): every launch has exactly this many rows
-# (the last chunk padded with zeros), so every launch takes one launch shape, that of this M, for any M.
+# Rows of one launch in the batch-invariant mode (`fp8_linear_invariant`): every launch takes the launch shape of
+# this M (and at most this many rows), for any M.
 INVARIANT_ROWS = 64
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -269,11 +269,12 @@ def fp8_linear_invariant(
 ) -> torch.Tensor:
     """`fp8_linear` in the batch-invariant mode: each row's bits independent of ``M`` and of the other rows.
 
-    Kernel path (`fp8_linear_backend` says ``"triton"``): the rows go in chunks of `INVARIANT_ROWS`, the last one
-    padded with zero rows, so every launch is `fp8_linear_triton` at ``M = INVARIANT_ROWS`` (one launch shape per
-    weight: its row tile, split and K steps), whatever the call's ``M`` (no cuBLAS path for prefill rows; a row
-    never mixes with another in a tile's MMA columns). Reference path (the CPU): the weight dequantised in fp32
-    and one matrix-vector product per row (its order depends on the weight alone), cast to ``x.dtype``.
+    Kernel path (`fp8_linear_backend` says ``"triton"``): every launch takes the launch shape of
+    ``M = INVARIANT_ROWS`` (`kernels.launch_config`: its row tile, split and K steps, from the weight's shape),
+    on at most `INVARIANT_ROWS` rows at a time (consecutive row slices, no copy): the same tiles and reduction
+    order for every row whatever the call's ``M`` (no cuBLAS path for prefill rows; a row never mixes with another
+    in a tile's MMA columns). Reference path (the CPU): the weight dequantised in fp32 and one matrix-vector
+    product per row (its order depends on the weight alone), cast to ``x.dtype``.
 
     Args:
         x: ``[..., K]`` float.
@@ -288,20 +289,28 @@ def fp8_linear_invariant(
     _check(x, weight, scale_inv, block)
     n, k = weight.shape
     x2 = x.reshape(-1, k)
+    m_rows = x2.shape[0]
     if fp8_linear_backend(x, weight, scale_inv, block, backend) == "torch":
         w = dequantize_block_fp8(weight, scale_inv, block)
         rows = [torch.mv(w, r) for r in x2.float()]
         y = torch.stack(rows) if rows else x2.new_zeros(0, n, dtype=torch.float32)
         return y.to(x.dtype).view(*x.shape[:-1], n)
-    m_rows = x2.shape[0]
     out = torch.empty(m_rows, n, dtype=x.dtype, device=x.device)
-    pad = torch.zeros(INVARIANT_ROWS, k, dtype=x.dtype, device=x.device) if m_rows % INVARIANT_ROWS else None
+    if n == 0 or m_rows == 0:
+        return out.view(*x.shape[:-1], n)
+    if k == 0:
+        return out.zero_().view(*x.shape[:-1], n)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if scale_inv.stride(-1) != 1:
+        scale_inv = scale_inv.contiguous()
+    mod = kernel_module(x.device)
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype == torch.float32
+    cfg = mod.launch_config(INVARIANT_ROWS, n, k, block, dot_fp32)
+    codes = weight.view(torch.uint8)
     for r0 in range(0, m_rows, INVARIANT_ROWS):
         r1 = min(r0 + INVARIANT_ROWS, m_rows)
-        if r1 - r0 == INVARIANT_ROWS:
-            fp8_linear_triton(x2[r0:r1], weight, scale_inv, block, out=out[r0:r1])
-        else:
-            assert pad is not None
-            pad[: r1 - r0].copy_(x2[r0:r1])
-            out[r0:r1].copy_(fp8_linear_triton(pad, weight, scale_inv, block)[: r1 - r0])
+        mod.launch_fp8_linear(x2[r0:r1], codes, scale_inv, out[r0:r1], block, cfg, dot_fp32)
     return out.view(*x.shape[:-1], n)
