@@ -5,8 +5,9 @@ Per weight shape ``[N, K]`` (the model's projections after `fuse_weights`, the L
 ``M`` in {1, 4, 16, 64, 256, 2048}:
 
 * ``bf16 cuBLAS``: ``F.linear`` (the default mode's float projection);
-* ``invariant bm=B``: `trtllm_glm.linear.invariant_linear_triton` with row tile ``B`` (16, 32, 64; the kernel's
-  default is `INVARIANT_BLOCK_M`), checked row-invariant (rows 0..M-1 against the same rows of a 200-row call)
+* ``invariant bm=B gG``: `trtllm_glm.linear.invariant_linear_triton` with row tile ``B`` (16, 32, 64; the
+  kernel's default is `INVARIANT_BLOCK_M`) and ``G`` weight tiles per program beyond one row tile (1, 4: the
+  same bits; `INVARIANT_GROUP_N`), checked row-invariant (rows 0..M-1 against the same rows of a 200-row call)
   and against the fp64 product before it is timed;
 * with ``--fp8``: ``fp8 default`` (`fp8_linear`) and ``fp8 invariant`` (`fp8_linear_invariant`: 64-row launches).
 
@@ -52,6 +53,7 @@ SHAPES: list[tuple[str, int, int]] = [
 ]
 ROWS = (1, 4, 16, 64, 256, 2048)
 BLOCK_MS = (16, 32, 64)
+GROUPS = (1, 4)  # weight tiles per program beyond one row tile (prefill rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         w0 = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16)
         ws = [w0.clone() for _ in range(copies)]
         x200 = torch.randn(200, k, device=dev, generator=g).to(torch.bfloat16)
-        ref200 = {bm: invariant_linear_triton(x200, w0, block_m=bm) for bm in BLOCK_MS}
+        ref200 = {bm: invariant_linear_triton(x200, w0, block_m=bm, group_n=1) for bm in BLOCK_MS}
         held_fp8 = args.fp8 and not fp32_out and name != "lm_head"  # the router and the LM head stay 16-bit
         qs = [quantize_block_fp8(w0.float(), 128) for _ in range(min(copies * 2, 64))] if held_fp8 else []
         for m in rows_m:
@@ -96,19 +98,19 @@ def main(argv: list[str] | None = None) -> int:
             row["default_us"] = base
             line = f"  {name:<20} [{n:>6}, {k:>5}] M={m:<5} default {base:8.2f} us"
             od = torch.float32 if fp32_out else None
-            for bm in BLOCK_MS:
-                y = invariant_linear_triton(x200[: min(m, 200)], w0, block_m=bm)
+            for bm, gn in [(bm, gn) for bm in BLOCK_MS for gn in GROUPS if gn == 1 or m > bm]:
+                y = invariant_linear_triton(x200[: min(m, 200)], w0, block_m=bm, group_n=gn)
                 if not torch.equal(y, ref200[bm][: min(m, 200)]):
-                    raise AssertionError(f"{name} M={m} bm={bm}: rows differ from the 200-row call")
-                yf = invariant_linear_triton(xs[0], w0, block_m=bm, out_dtype=torch.float32).double()
+                    raise AssertionError(f"{name} M={m} bm={bm} g={gn}: rows differ from the 200-row call")
+                yf = invariant_linear_triton(xs[0], w0, block_m=bm, group_n=gn, out_dtype=torch.float32).double()
                 exact = xs[0].double() @ w0.double().T
                 if ((yf - exact).abs() > 1e-5 * (xs[0].double().abs() @ w0.double().abs().T) + 1e-30).any():
-                    raise AssertionError(f"{name} M={m} bm={bm}: outside the fp32 bound")
-                t = graph_us([partial(invariant_linear_triton, x, w, block_m=bm, out_dtype=od)
+                    raise AssertionError(f"{name} M={m} bm={bm} g={gn}: outside the fp32 bound")
+                t = graph_us([partial(invariant_linear_triton, x, w, block_m=bm, group_n=gn, out_dtype=od)
                               for x, w in zip(xs, ws)], reps)  # fmt: skip
-                row[f"invariant_bm{bm}_us"] = t
-                ratios.setdefault((m, f"bm{bm}"), []).append(t / base)
-                line += f" | bm{bm} {t:8.2f} us x{t / base:5.2f}"
+                row[f"invariant_bm{bm}_g{gn}_us"] = t
+                ratios.setdefault((m, f"bm{bm}g{gn}"), []).append(t / base)
+                line += f" | bm{bm}g{gn} {t:7.2f} us x{t / base:5.2f}"
             if qs:
                 q_calls = list(zip(xs * 2, qs))[: len(qs)]
                 t8 = graph_us([partial(fp8_linear, x, q, s, 128) for x, (q, s) in q_calls], reps)
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     print("geometric mean of invariant / default over the shapes:")
     for (m, kind), rs in sorted(ratios.items()):
         gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
-        print(f"  M={m:<5} {kind:<5} x{gm:5.2f}")
+        print(f"  M={m:<5} {kind:<8} x{gm:5.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -171,13 +171,16 @@ def test_cli_flag_and_yaml_key(tmp_path) -> None:
         llm_options_from_dict({"batch_invariant": "on"})
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_invariant_kernel_rows_other_tiles(block_m: int, monkeypatch) -> None:
-    """Any row tile (and split) is row-invariant when every call uses it; bad values are refused."""
+@pytest.mark.parametrize(("block_m", "group_n"), [(16, 1), (32, 4)])
+def test_invariant_kernel_rows_other_tiles(block_m: int, group_n: int, monkeypatch) -> None:
+    """Any row tile (and split) is row-invariant when every call uses it, and four weight tiles per program give
+    the one-tile bits; bad values are refused."""
     x, w = _inputs(ROWS[-1], torch.float32, seed=5)
-    _assert_rows_invariant(lambda t: invariant_linear_triton(t, w, block_m=block_m, split_k=2), x)
+    _assert_rows_invariant(lambda t: invariant_linear_triton(t, w, block_m=block_m, split_k=2, group_n=group_n), x)
+    one = invariant_linear_triton(x, w, block_m=block_m, split_k=3, group_n=1)
+    assert torch.equal(invariant_linear_triton(x, w, block_m=block_m, split_k=3, group_n=group_n), one)
     monkeypatch.setenv("TRTLLM_GLM_INVARIANT_BLOCK_M", "48")
-    with pytest.raises(ValueError, match="TRTLLM_GLM_INVARIANT_BLOCK_M must be 16, 32 or 64"):
+    with pytest.raises(ValueError, match="TRTLLM_GLM_INVARIANT_BLOCK_M must be 16 or 32 or 64"):
         invariant_linear_triton(x[:2], w)
 
 

@@ -60,6 +60,10 @@ def test_invariant_gemm_rows_at_real_shapes(n: int, k: int) -> None:
     w = _w(n, k)
     x = _x(FULL, k)
     _assert_rows_invariant(lambda t: invariant_linear_triton(t, w), x)
+    # Four weight tiles per program (the prefill option) and other row tiles keep the bits / the invariance.
+    assert torch.equal(invariant_linear_triton(x, w, group_n=4), invariant_linear_triton(x, w, group_n=1))
+    for bm in (16, 32):
+        _assert_rows_invariant(lambda t: invariant_linear_triton(t, w, block_m=bm, group_n=4), x)
     y = invariant_linear_triton(x, w, out_dtype=torch.float32)
     ref = x.double() @ w.double().T
     assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30).all()

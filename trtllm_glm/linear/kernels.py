@@ -50,6 +50,7 @@ __all__ = [
     "BLOCK_N",
     "INTERPRETED",
     "INVARIANT_BLOCK_M",
+    "INVARIANT_GROUP_N",
     "MAX_M",
     "SkinnyConfig",
     "clear_scratch",
@@ -71,6 +72,9 @@ BLOCK_N = 16
 # (BLOCK_N x INVARIANT_BLOCK_M x block_k) is one per weight. 64 = MAX_M, so one row block of a decode / verify
 # step fits the split partials `_scratch` holds.
 INVARIANT_BLOCK_M = 64
+# Weight tiles per program of the invariant GEMM beyond one row tile (prefill): 1 until the H200 measurement
+# (benchmarks/bench_invariant_linear.py) says 4 is faster; the bits are the same either way.
+INVARIANT_GROUP_N = 1
 # Weight bytes one program reads (its K chunk): enough to keep the SM's memory pipe busy for one round trip,
 # small enough to give ~100+ programs at the router's [288, 4096] (18 tiles x 8 splits of 512 bf16 columns).
 _BYTES_PER_PROGRAM = 16384
@@ -284,6 +288,98 @@ def _chunk_dot(
 
 
 @triton.jit
+def _chunk_dot4(
+    x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, k_begin, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """`_chunk_dot` of four consecutive weight tiles (rows ``n``, ``n + BLOCK_N``, ..) against one x tile loaded
+    once per step: four independent ``[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]`` chains, each the very sequence of
+    dots `_chunk_dot` makes for its tile (the x tile is shared, never the sums)."""
+    kk = tl.arange(0, BLOCK_K)
+    n1, n2, n3 = n + BLOCK_N, n + 2 * BLOCK_N, n + 3 * BLOCK_N
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    a0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        w0 = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w1 = tl.load(w_ptr + n1.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n1 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w2 = tl.load(w_ptr + n2.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n2 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w3 = tl.load(w_ptr + n3.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n3 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            xf = xt.to(tl.float32)
+            a0 = tl.dot(w0.to(tl.float32), xf, a0, input_precision="ieee")
+            a1 = tl.dot(w1.to(tl.float32), xf, a1, input_precision="ieee")
+            a2 = tl.dot(w2.to(tl.float32), xf, a2, input_precision="ieee")
+            a3 = tl.dot(w3.to(tl.float32), xf, a3, input_precision="ieee")
+        else:
+            a0 = tl.dot(w0, xt, a0, out_dtype=tl.float32)
+            a1 = tl.dot(w1, xt, a1, out_dtype=tl.float32)
+            a2 = tl.dot(w2, xt, a2, out_dtype=tl.float32)
+            a3 = tl.dot(w3, xt, a3, out_dtype=tl.float32)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _invariant_gemm4_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_wn,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The in-program-chunks path of `_invariant_gemm_kernel` for four weight tiles per program (more rows, from
+    ``block_m`` on: fewer x loads per product). Program ``(g, r)``: weight tiles ``4g .. 4g + 3``, x rows
+    ``r * BLOCK_M ..``; each tile's chunks added in order 0, 1, .. as there (the same bits)."""
+    n = tl.program_id(0) * (4 * BLOCK_N) + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if SPLIT == 1:
+        t0, t1, t2, t3 = _chunk_dot4(
+            x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, 0, K_PER_SPLIT, BLOCK_N, BLOCK_M, BLOCK_K, DOT_FP32
+        )
+    else:
+        t0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            c0, c1, c2, c3 = _chunk_dot4(
+                x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, i * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N,
+                BLOCK_M, BLOCK_K, DOT_FP32,
+            )  # fmt: skip
+            t0 += c0
+            t1 += c1
+            t2 += c2
+            t3 += c3
+    y_rows = y_ptr + m.to(tl.int64)[None, :] * stride_ym
+    n1, n2, n3 = n + BLOCK_N, n + 2 * BLOCK_N, n + 3 * BLOCK_N
+    tl.store(y_rows + n[:, None], t0.to(y_ptr.dtype.element_ty), mask=(n < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n1[:, None], t1.to(y_ptr.dtype.element_ty), mask=(n1 < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n2[:, None], t2.to(y_ptr.dtype.element_ty), mask=(n2 < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n3[:, None], t3.to(y_ptr.dtype.element_ty), mask=(n3 < N)[:, None] & m_ok[None, :])
+
+
+@triton.jit
 def _invariant_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -356,6 +452,7 @@ def launch_invariant_gemm(
     cfg: SkinnyConfig,
     dot_fp32: bool,
     block_m: int = INVARIANT_BLOCK_M,
+    group_n: int = 1,
 ) -> None:
     """Launch `_invariant_gemm_kernel`: ``y = x @ w^T`` (fp32 sums, rounded once to ``y``'s dtype) for any number
     of rows, with one tile shape (`BLOCK_N` x ``block_m`` x ``cfg.block_k``) and one reduction order
@@ -373,13 +470,24 @@ def launch_invariant_gemm(
         dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
         block_m: rows per program, a power of two in [16, `MAX_M`] (the same for every call of a weight: the
             row tile is part of the MMA shape).
+        group_n: 1, or 4: beyond ``block_m`` rows a program computes four weight tiles against one x tile
+            (`_invariant_gemm4_kernel`; the same tiles, dots and order: the same bits, fewer loads).
     """
     if block_m < 16 or block_m > MAX_M or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two in [16, {MAX_M}], got {block_m}")
+    if group_n not in (1, 4):
+        raise ValueError(f"group_n must be 1 or 4, got {group_n}")
     m_rows, k = x.shape
     n = w.shape[0]
     tiles = triton.cdiv(n, BLOCK_N)
     split_programs = cfg.split > 1 and m_rows <= block_m
+    if group_n == 4 and m_rows > block_m:
+        _invariant_gemm4_kernel[(triton.cdiv(tiles, 4), triton.cdiv(m_rows, block_m))](
+            x, w, y, m_rows, n, k, x.stride(0), y.stride(0), w.stride(0), cfg.k_per_split,
+            SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return
     if split_programs:
         partials, counters = _scratch(x.device, tiles, cfg.split)
     else:

@@ -45,6 +45,8 @@ INVARIANT_LINEAR_BACKEND_ENV = "TRTLLM_GLM_INVARIANT_LINEAR_BACKEND"
 # The invariant GEMM's row tile (`kernels.INVARIANT_BLOCK_M` unless set: 16, 32 or 64), read per call so that a
 # benchmark can A/B it (`bench_e2e.py --env-ab`); a process must keep one value (it is part of the MMA shape).
 INVARIANT_BLOCK_M_ENV = "TRTLLM_GLM_INVARIANT_BLOCK_M"
+# Weight tiles per program of the invariant GEMM beyond one row tile (1 or 4; the same bits), for A/B.
+INVARIANT_GROUP_N_ENV = "TRTLLM_GLM_INVARIANT_GROUP_N"
 # Rows one kernel launch handles (`kernels.MAX_M`; repeated here so that the dispatcher needs no Triton import).
 MAX_M = 64
 
@@ -238,11 +240,16 @@ def invariant_block_m() -> int | None:
     Raises:
         ValueError: not 16, 32 or 64.
     """
-    raw = os.environ.get(INVARIANT_BLOCK_M_ENV)
+    return _env_choice(INVARIANT_BLOCK_M_ENV, ("16", "32", "64"))
+
+
+def _env_choice(var: str, allowed: tuple[str, ...]) -> int | None:
+    """The int value of ``var`` if set (one of ``allowed``), else ``None``."""
+    raw = os.environ.get(var)
     if raw is None or raw == "":
         return None
-    if raw not in ("16", "32", "64"):
-        raise ValueError(f"{INVARIANT_BLOCK_M_ENV} must be 16, 32 or 64, got {raw!r}")
+    if raw not in allowed:
+        raise ValueError(f"{var} must be {' or '.join(allowed)}, got {raw!r}")
     return int(raw)
 
 
@@ -252,6 +259,7 @@ def invariant_linear_triton(
     *,
     out_dtype: torch.dtype | None = None,
     block_m: int | None = None,
+    group_n: int | None = None,
     split_k: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
@@ -267,6 +275,8 @@ def invariant_linear_triton(
         weight: ``[N, K]`` fp32 / bf16 / fp16 on ``x``'s device.
         out_dtype: fp32 / bf16 / fp16 (default ``x.dtype``).
         block_m: rows per program (default ``TRTLLM_GLM_INVARIANT_BLOCK_M``, else `kernels.INVARIANT_BLOCK_M`).
+        group_n: weight tiles per program beyond ``block_m`` rows, 1 or 4 (default ``TRTLLM_GLM_INVARIANT_GROUP_N``,
+            else `kernels.INVARIANT_GROUP_N`); the same bits either way.
         split_k, block_k, num_warps, num_stages: tuning only (`kernels.launch_config`). Any choice is
             row-invariant as long as every call of a weight makes the same one.
 
@@ -303,7 +313,8 @@ def invariant_linear_triton(
         split_k=split_k, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     bm = block_m or invariant_block_m() or mod.INVARIANT_BLOCK_M
-    mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm)
+    gn = group_n or _env_choice(INVARIANT_GROUP_N_ENV, ("1", "4")) or mod.INVARIANT_GROUP_N
+    mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm, gn)
     return out
 
 
