@@ -199,3 +199,51 @@ def test_fp8_invariant_kernel_rows(dtype: torch.dtype) -> None:
         rtol=2e-3 if dtype == torch.float16 else 1e-5,
         atol=2e-3 if dtype == torch.float16 else 1e-5,
     )
+
+
+_PTX_CHILD = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import trtllm_glm.linear.kernels as mod
+out = []
+for name, sig, consts, warps in json.loads(sys.stdin.read()):
+    fn = getattr(mod, name)
+    s = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=s, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    out.append({"wgmma": "wgmma" in ptx, "mma": sorted(set(re.findall(r"mma\.sync\.aligned\.\S+", ptx)))})
+print(json.dumps(out))
+"""
+
+
+def test_invariant_kernels_compile_to_one_mma_for_sm90() -> None:
+    """Compiled for the H200 (no GPU needed): every variant of the invariant GEMM (split programs, in-program
+    chunks, one split, four weight tiles; bf16 and fp32 results) builds, and all of them multiply with the one
+    16 x 8 x 16 tensor-core instruction (never wgmma, whose accumulation is another instruction's): the same
+    products and the same accumulation chain per element in every variant."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    common = dict(x_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
+                  stride_ym="i32", K_PER_SPLIT="i32")  # fmt: skip
+    specs = []
+    for y in ("*bf16", "*fp32"):
+        sig = dict(common, y_ptr=y, part_ptr="*fp32", cnt_ptr="*i32")
+        for split, programs in ((8, True), (8, False), (1, False)):
+            consts = dict(SPLIT=split, SPLIT_PROGRAMS=programs, BLOCK_N=16, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False)
+            specs.append(("_invariant_gemm_kernel", sig, consts, 4))
+        specs.append(("_invariant_gemm4_kernel", dict(common, y_ptr=y),
+                      dict(SPLIT=4, BLOCK_N=16, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False), 4))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(__import__("pathlib").Path(__file__).resolve().parents[2])])
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], input=json.dumps(specs), capture_output=True,
+                          text=True, env=env, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = {"wgmma": False, "mma": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]}
+    assert got == [want] * len(specs), got
