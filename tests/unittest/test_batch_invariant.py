@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trtllm_glm.linear import invariant_linear, invariant_linear_triton, linear_fp32, model_linear
+from trtllm_glm.linear import invariant_bmm, invariant_linear, invariant_linear_triton, linear_fp32, model_linear
 from trtllm_glm.modules.linear import NumericsLinear, use_numerics_linears_
 from trtllm_glm.numerics import batch_invariant, batch_invariant_mode
 from trtllm_glm.quant.fp8 import quantize_block_fp8
@@ -230,7 +230,8 @@ def test_invariant_kernels_compile_to_one_mma_for_sm90() -> None:
     import sys
 
     common = dict(x_ptr="*bf16", w_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
-                  stride_ym="i32", K_PER_SPLIT="i32")  # fmt: skip
+                  stride_ym="i32", stride_xb="i32", stride_wb="i32", stride_yb="i32", N_RB="i32",
+                  K_PER_SPLIT="i32")  # fmt: skip
     specs = []
     for y in ("*bf16", "*fp32"):
         sig = dict(common, y_ptr=y, part_ptr="*fp32", cnt_ptr="*i32")
@@ -247,3 +248,20 @@ def test_invariant_kernels_compile_to_one_mma_for_sm90() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     want = {"wgmma": False, "mma": ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"]}
     assert got == [want] * len(specs), got
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_invariant_bmm_rows(backend: str) -> None:
+    """The batched form (per-head products of the absorbed attention): rows invariant, each batch equal to the
+    plain GEMM of its slice, strided activations taken as they are."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(ROWS[-1], 3 * 72, generator=g).view(ROWS[-1], 3, 72)  # a head view of a flat projection
+    w = torch.randn(3, 40, 72, generator=g) * 0.1
+    _assert_rows_invariant(lambda t: invariant_bmm(t, w, backend=backend), x)
+    y = invariant_bmm(x, w, backend=backend)
+    torch.testing.assert_close(y, torch.einsum("mbk,bnk->mbn", x, w), rtol=1e-5, atol=1e-5)
+    if backend == "triton":
+        for b in range(3):
+            assert torch.equal(y[:, b], invariant_linear_triton(x[:, b].contiguous(), w[b]))
+    with pytest.raises(ValueError, match="invariant_bmm: x must be"):
+        invariant_bmm(x, w[:, :, :70])

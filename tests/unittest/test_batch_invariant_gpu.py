@@ -70,6 +70,20 @@ def test_invariant_gemm_rows_at_real_shapes(n: int, k: int) -> None:
     assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + 1e-30).all()
 
 
+@pytest.mark.parametrize(("n", "k"), [(512, 128), (128, 512)])
+def test_invariant_bmm_rows_at_mla_shapes(n: int, k: int) -> None:
+    """The absorbed attention's per-head products (64 heads): ``q_nope @ W_uk`` and ``o_lat @ W_uv^T``."""
+    from trtllm_glm.linear import invariant_bmm
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    w = (torch.randn(64, n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+    x = torch.randn(FULL, 64 * k, device="cuda", generator=g).to(torch.bfloat16).view(FULL, 64, k)
+    _assert_rows_invariant(lambda t: invariant_bmm(t, w), x)
+    ref = torch.einsum("mbk,bnk->mbn", x.double(), w.double())
+    bound = 1e-5 * torch.einsum("mbk,bnk->mbn", x.double().abs(), w.double().abs())
+    assert ((invariant_bmm(x, w, out_dtype=torch.float32).double() - ref).abs() <= bound + 1e-30).all()
+
+
 def test_mode_dispatch_rows_and_cuda_graph() -> None:
     """`model_linear`, `linear_fp32` (router) and the block-FP8 linear in the mode; a captured call replays the
     eager bits."""

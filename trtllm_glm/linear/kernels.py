@@ -340,6 +340,10 @@ def _invariant_gemm4_kernel(
     stride_xm,
     stride_ym,
     stride_wn,
+    stride_xb,
+    stride_wb,
+    stride_yb,
+    N_RB,
     K_PER_SPLIT,
     SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -348,10 +352,14 @@ def _invariant_gemm4_kernel(
     DOT_FP32: tl.constexpr,
 ):
     """The in-program-chunks path of `_invariant_gemm_kernel` for four weight tiles per program (more rows, from
-    ``block_m`` on: fewer x loads per product). Program ``(g, r)``: weight tiles ``4g .. 4g + 3``, x rows
-    ``r * BLOCK_M ..``; each tile's chunks added in order 0, 1, .. as there (the same bits)."""
+    ``block_m`` on: fewer x loads per product). Program ``(g, b * N_RB + r)``: weight tiles ``4g .. 4g + 3`` of
+    batch ``b``, x rows ``r * BLOCK_M ..``; each tile's chunks added in order 0, 1, .. as there (the same bits)."""
+    bid = tl.program_id(1) // N_RB
+    x_ptr += bid.to(tl.int64) * stride_xb
+    w_ptr += bid.to(tl.int64) * stride_wb
+    y_ptr += bid.to(tl.int64) * stride_yb
     n = tl.program_id(0) * (4 * BLOCK_N) + tl.arange(0, BLOCK_N)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = (tl.program_id(1) % N_RB) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
     if SPLIT == 1:
         t0, t1, t2, t3 = _chunk_dot4(
@@ -392,6 +400,10 @@ def _invariant_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_ym,
+    stride_xb,
+    stride_wb,
+    stride_yb,
+    N_RB,
     K_PER_SPLIT,
     SPLIT: tl.constexpr,
     SPLIT_PROGRAMS: tl.constexpr,
@@ -400,14 +412,21 @@ def _invariant_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
-    """Program ``(t, s, r)``: weight rows ``t * BLOCK_N ..``, x rows ``r * BLOCK_M ..``. ``SPLIT_PROGRAMS``: the
-    ``SPLIT`` chunks are programs ``s`` (one row block; partials reduced by the last arrival in order 0, 1, ..);
-    otherwise the program computes the chunks one after the other and adds them in the same order. Either way
-    each output is ``((0 + p_0) + p_1) + ..`` of the same chunk partials (``p_0`` alone when ``SPLIT == 1``)."""
+    """Program ``(t, s, b * N_RB + r)``: weight rows ``t * BLOCK_N ..`` of batch ``b`` (the ``stride_*b`` offsets;
+    one batch for a plain GEMM), x rows ``r * BLOCK_M ..``. ``SPLIT_PROGRAMS``: the ``SPLIT`` chunks are programs
+    ``s`` (one row block; partials reduced by the last arrival in order 0, 1, ..); otherwise the program computes
+    the chunks one after the other and adds them in the same order. Either way each output is
+    ``((0 + p_0) + p_1) + ..`` of the same chunk partials (``p_0`` alone when ``SPLIT == 1``)."""
+    bid = tl.program_id(2) // N_RB
+    x_ptr += bid.to(tl.int64) * stride_xb
+    w_ptr += bid.to(tl.int64) * stride_wb
+    y_ptr += bid.to(tl.int64) * stride_yb
+    # Split partials and arrival counters per (batch, tile).
+    tile_b = bid * tl.cdiv(N, BLOCK_N) + tl.program_id(0)
     tile = tl.program_id(0)
     nl = tl.arange(0, BLOCK_N)
     n = tile * BLOCK_N + nl
-    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m = (tl.program_id(2) % N_RB) * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok = n < N
     m_ok = m < M
     y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
@@ -424,17 +443,17 @@ def _invariant_gemm_kernel(
             x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, s * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N, BLOCK_M,
             BLOCK_K, DOT_FP32,
         )  # fmt: skip
-        part_tile = part_ptr + (tile * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        part_tile = part_ptr + (tile_b * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc)
         # As `_skinny_gemm_kernel`: CTA barrier, then the gpu-scope acq_rel arrival; the last one reduces.
         tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(cnt_ptr + tile_b, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             for i in tl.static_range(SPLIT):
                 total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
             tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(cnt_ptr + tile_b, 0, sem="relaxed", scope="gpu")
     else:
         total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for i in tl.static_range(SPLIT):
@@ -462,10 +481,13 @@ def launch_invariant_gemm(
     partials in the cached `_scratch`, as `launch_skinny_gemm`); beyond, the rows give the programs (grid
     ``(tiles, 1, row blocks)``) and each adds its chunks itself in the same order.
 
+    Batched (``x`` ``[M, B, K]``, ``w`` ``[B, N, K]``, ``y`` ``[M, B, N]``): batch ``b``'s rows times its own
+    weight, every batch with the same launch shape (the absorbed attention's per-head products).
+
     Args:
-        x: ``[M, K]``, ``M >= 1``, unit last stride.
-        w: ``[N, K]``, unit last stride.
-        y: ``[M, N]`` fp32 / bf16 / fp16, unit last stride; every element is written.
+        x: ``[M, K]`` or ``[M, B, K]``, ``M >= 1``, unit last stride.
+        w: ``[N, K]`` or ``[B, N, K]``, unit last stride.
+        y: ``[M, N]`` or ``[M, B, N]``, fp32 / bf16 / fp16, unit last stride; every element is written.
         cfg: `launch_config` of ``(N, K)`` (never of ``M``).
         dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
         block_m: rows per program, a power of two in [16, `MAX_M`] (the same for every call of a weight: the
@@ -477,25 +499,30 @@ def launch_invariant_gemm(
         raise ValueError(f"block_m must be a power of two in [16, {MAX_M}], got {block_m}")
     if group_n not in (1, 4):
         raise ValueError(f"group_n must be 1 or 4, got {group_n}")
-    m_rows, k = x.shape
-    n = w.shape[0]
+    m_rows, k = x.shape[0], x.shape[-1]
+    n = w.shape[-2]
+    if x.dim() == 3:
+        nb, sxb, swb, syb = x.shape[1], x.stride(1), w.stride(0), y.stride(1)
+    else:
+        nb, sxb, swb, syb = 1, 0, 0, 0
     tiles = triton.cdiv(n, BLOCK_N)
-    split_programs = cfg.split > 1 and m_rows <= block_m
+    n_rb = triton.cdiv(m_rows, block_m)
     if group_n == 4 and m_rows > block_m:
-        _invariant_gemm4_kernel[(triton.cdiv(tiles, 4), triton.cdiv(m_rows, block_m))](
-            x, w, y, m_rows, n, k, x.stride(0), y.stride(0), w.stride(0), cfg.k_per_split,
+        _invariant_gemm4_kernel[(triton.cdiv(tiles, 4), nb * n_rb)](
+            x, w, y, m_rows, n, k, x.stride(0), y.stride(0), w.stride(-2), sxb, swb, syb, n_rb, cfg.k_per_split,
             SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return
+    split_programs = cfg.split > 1 and m_rows <= block_m
     if split_programs:
-        partials, counters = _scratch(x.device, tiles, cfg.split)
+        partials, counters = _scratch(x.device, nb * tiles, cfg.split)
     else:
         partials = counters = y  # unused
-    grid = (tiles, cfg.split if split_programs else 1, triton.cdiv(m_rows, block_m))
+    grid = (tiles, cfg.split if split_programs else 1, nb * n_rb)
     _invariant_gemm_kernel[grid](
         x, w, y, partials, counters,
-        m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
+        m_rows, n, k, x.stride(0), w.stride(-2), y.stride(0), sxb, swb, syb, n_rb, cfg.k_per_split,
         SPLIT=cfg.split, SPLIT_PROGRAMS=split_programs, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
         BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -28,9 +28,11 @@ __all__ = [
     "MAX_M",
     "invariant_linear",
     "invariant_block_m",
+    "invariant_bmm",
     "invariant_linear_backend",
     "invariant_linear_reference",
     "invariant_linear_triton",
+    "model_bmm",
     "model_linear",
     "SKINNY_GEMM_BACKEND_ENV",
     "kernel_module",
@@ -372,3 +374,68 @@ def model_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if batch_invariant():
         return invariant_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def invariant_bmm(
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, backend: str | None = None
+) -> torch.Tensor:
+    """Per-batch ``y[m, b] = weight[b] @ x[m, b]`` (``torch.einsum("mbk,bnk->mbn", x, weight)``) with every row's
+    bits independent of ``M``: the batched `invariant_linear` (the absorbed attention's per-head products,
+    e.g. ``einsum("nhd,hdr->nhr", q, w_uk)`` is ``invariant_bmm(q, w_uk.transpose(1, 2))`` with the transposed
+    weight made contiguous once by the caller).
+
+    On CUDA one launch of `kernels.launch_invariant_gemm` (every batch with the launch shape of ``(N, K)``);
+    elsewhere one row at a time through a batched matrix-vector product (`invariant_linear_backend` decides).
+
+    Args:
+        x: ``[M, B, K]`` fp32 / bf16 / fp16, any strides but a unit last one (else copied).
+        weight: ``[B, N, K]`` on ``x``'s device (a non-contiguous weight is copied on every call: pass it
+            contiguous).
+        out_dtype: the result's dtype (default ``x.dtype``).
+        backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_INVARIANT_LINEAR_BACKEND``).
+
+    Returns:
+        ``[M, B, N]`` in ``out_dtype``.
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match.
+    """
+    if x.dim() != 3 or weight.dim() != 3 or x.shape[1] != weight.shape[0] or x.shape[2] != weight.shape[2]:
+        raise ValueError(
+            f"invariant_bmm: x must be [M, B, K] and weight [B, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"invariant_bmm: x is on {x.device}, weight on {weight.device}")
+    out_dtype = out_dtype or x.dtype
+    m_rows, nb, k = x.shape
+    n = weight.shape[1]
+    if invariant_linear_backend(x, weight, backend) == "rows":
+        w = weight.float()
+        rows = [torch.einsum("bnk,bk->bn", w, r) for r in x.float()]
+        y = torch.stack(rows) if rows else x.new_zeros(0, nb, n, dtype=torch.float32)
+        return y.to(out_dtype)
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES or out_dtype not in _DTYPES:
+        raise ValueError(f"invariant_bmm: dtypes must be fp32 / bf16 / fp16, got {x.dtype}, {weight.dtype}")
+    out = torch.empty(m_rows, nb, n, dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    mod = kernel_module(x.device)
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
+    cfg = mod.launch_config(n, k, weight.element_size(), dot_fp32)
+    bm = invariant_block_m() or mod.INVARIANT_BLOCK_M
+    gn = _env_choice(INVARIANT_GROUP_N_ENV, ("1", "4")) or mod.INVARIANT_GROUP_N
+    mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm, gn)
+    return out
+
+
+def model_bmm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum("mbk,bnk->mbn", x, weight)`` normally; `invariant_bmm` in the batch-invariant mode."""
+    if batch_invariant():
+        return invariant_bmm(x, weight)
+    return torch.einsum("mbk,bnk->mbn", x, weight)
