@@ -389,8 +389,8 @@ def invariant_bmm(
 
     Args:
         x: ``[M, B, K]`` fp32 / bf16 / fp16, any strides but a unit last one (else copied).
-        weight: ``[B, N, K]`` on ``x``'s device (a non-contiguous weight is copied on every call: pass it
-            contiguous).
+        weight: ``[B, N, K]`` on ``x``'s device, any strides but a unit last one (else it is copied on every
+            call: keep a copy with a unit last stride).
         out_dtype: the result's dtype (default ``x.dtype``).
         backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_INVARIANT_LINEAR_BACKEND``).
 
@@ -423,7 +423,7 @@ def invariant_bmm(
         return out.zero_()
     if x.stride(2) != 1:
         x = x.contiguous()
-    if not weight.is_contiguous():
+    if weight.stride(2) != 1:
         weight = weight.contiguous()
     mod = kernel_module(x.device)
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
