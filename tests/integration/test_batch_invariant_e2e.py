@@ -1,6 +1,7 @@
 """End to end on the CPU, batch-invariant mode (issue 31): speculative greedy decoding (n-gram oracle drafts of
-K = 3, some wrong, and MTP K = 3) gives the plain greedy run's logits bit for bit, and a request alone gives the
-same logits as inside a batch, on the ``small`` preset's geometry (random weights, fp32).
+K = 3, some wrong, and MTP K = 3) gives the plain greedy run's logits bit for bit, a request alone gives the
+same logits as inside a batch, a prefix-cache hit gives what recomputing the prompt gives, and preempted
+requests recompute to the same bits, on the ``small`` preset's geometry (random weights, fp32).
 
 The CPU path runs torch's references, with two limits the GPU kernels do not have:
 
@@ -88,6 +89,28 @@ def run_cases(kind: str) -> dict:
         alone = ax.add_request(prompts[1], params())
         ax.run_until_done()
         out["alone"] = same(alone, plain[1])
+        # A prefix-cache hit (a checkpoint on the chunk grid) gives what recomputing the prompt gives.
+        longer = prompts[2] + [rng.randrange(cfg.vocab_size) for _ in range(13)]
+        px = Executor(model, dataclasses.replace(ecfg, enable_block_reuse=True, checkpoint_interval=16))
+        px.add_request(prompts[2], params())
+        px.run_until_done()
+        hit = px.add_request(longer, params())
+        px.run_until_done()
+        fresh = Executor(model, ecfg)
+        ref = fresh.add_request(longer, params())
+        fresh.run_until_done()
+        out["prefix_hit"] = hit.num_cached_tokens > 0 and same(hit, ref)
+        # Preempted requests (96 cache tokens for three) recompute to the same bits.
+        small = dataclasses.replace(ecfg, max_tokens=96)
+        short = [p[:30] for p in prompts[1:]] + [prompts[0] * 6]
+        long_params = SamplingParams(max_tokens=20, ignore_eos=True, return_generation_logits=True)
+        qx = Executor(model, small)
+        pre = [qx.add_request(p, long_params) for p in short]
+        qx.run_until_done()
+        rx = Executor(model, ecfg)
+        ref = [rx.add_request(p, long_params) for p in short]
+        rx.run_until_done()
+        out["preempted"] = sum(r.num_preemptions for r in pre) > 0 and all(same(a, b) for a, b in zip(pre, ref))
     return out
 
 
@@ -101,12 +124,12 @@ def _subprocess(kind: str) -> dict:
 
 
 def test_kda_model_speculative_equals_plain_bit_for_bit() -> None:
-    assert _subprocess("kda") == {"oracle": True, "alone": True}
+    assert _subprocess("kda") == {"oracle": True, "alone": True, "prefix_hit": True, "preempted": True}
 
 
 @pytest.mark.xfail(strict=True, reason="sparse-MLA call sites not yet on model_bmm / model_linear (binv-attn)")
 def test_whole_model_speculative_equals_plain_bit_for_bit() -> None:
-    assert _subprocess("full") == {"oracle": True, "mtp": True, "alone": True}
+    assert _subprocess("full") == {"oracle": True, "mtp": True, "alone": True, "prefix_hit": True, "preempted": True}
 
 
 # --------------------------------------------------------------------------------------------------

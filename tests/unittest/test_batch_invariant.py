@@ -126,6 +126,14 @@ def test_scheduler_grid_in_mode() -> None:
         assert [(s.request.request_id, s.num_rows) for s in plan] == [(4, 16)]
     plan = Scheduler(4, 20, 16).schedule([], [_req(4, 40), _req(5, 40)])
     assert [(s.request.request_id, s.num_rows) for s in plan] == [(4, 16), (5, 4)]  # outside the mode: cut
+    # A preempted request recomputing prompt + 5 generated tokens: the prompt's chunks end at its end, the
+    # generated rows go one per step (as the decode steps made them).
+    r = _req(6, 20, computed=16)
+    r.tokens += [1, 2, 3, 4, 5]
+    with batch_invariant_mode(True):
+        assert [s.num_rows for s in sched.schedule([], [r])] == [4]
+        r.num_computed = 20
+        assert [s.num_rows for s in sched.schedule([], [r])] == [1]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 In the batch-invariant mode (`trtllm_glm.numerics`) a prompt's chunk boundaries are a function of the prompt
 alone: chunks end at multiples of `Scheduler.invariant_chunk` (or at the prompt's end), and a chunk that does
 not fit the step's budget waits for a later step instead of being cut shorter. Otherwise the budget left by the
-decode rows would move the boundaries, and with them the chunked recurrent (KDA) state's bits.
+decode rows would move the boundaries, and with them the chunked recurrent (KDA) state's bits. A preempted
+request recomputes its generated tokens one row per step, as its decode steps computed them.
 """
 
 from __future__ import annotations
@@ -63,6 +64,16 @@ class Scheduler:
             return min(self.prefill_chunk_size, self.max_num_tokens)
         return max(1, self.max_num_tokens // 2)
 
+    @staticmethod
+    def _invariant_chunk_rows(r: Request, grid: int) -> int:
+        """The mode's next chunk of ``r``: to the next multiple of ``grid`` inside the prompt, never past the
+        prompt's end; beyond the prompt (a preempted request recomputing what it generated) one row, as the
+        decode steps that first computed those rows had."""
+        c, prompt = r.num_computed, len(r.prompt_ids)
+        if c >= prompt:
+            return 1
+        return min(r.num_pending, grid - c % grid, prompt - c)
+
     def schedule(
         self, running: Iterable[Request], waiting: Iterable[Request], decode_width: dict[int, int] | None = None
     ) -> list[ScheduledSeq]:
@@ -93,8 +104,7 @@ class Scheduler:
             if n_seqs >= self.max_batch_size or budget <= 0:
                 break
             if grid is not None:
-                # To the next multiple of the grid (or the prompt's end), whole or not at all.
-                n = min(r.num_pending, grid - r.num_computed % grid)
+                n = self._invariant_chunk_rows(r, grid)
                 if n > budget:
                     continue
             else:
