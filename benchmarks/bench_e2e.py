@@ -45,7 +45,7 @@ from idle_sites import idle_sites
 
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.numerics import batch_invariant_mode
+from trtllm_glm.numerics import set_batch_invariant
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.lossless import compare_greedy
@@ -840,111 +840,105 @@ def main() -> None:
             from trtllm_glm.distributed.process_group import init_world_of_one
 
             model.set_comm(init_world_of_one(torch.device(args.device)))
-        for B in args.batch:
-            for bi in bi_modes:
-                # Every executor, warm-up and graph capture of these cases runs in the mode (process-wide).
-                with batch_invariant_mode(bi):
-                    plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
-                    # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
-                    plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
-                    for graphs in graph_modes:
-                        for mode, env in [(m, e) for m in args.modes for e in env_settings]:
-                            set_env(env)
-                            if mode.startswith("oracle") and plain is None:
-                                plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device,
-                                                 graphs=graphs,
-                                                 max_batch=args.max_batch_size)  # fmt: skip
-                            cont = plain["outputs"] if plain is not None else None
-                            # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
-                            # An oracle's warm-up runs the whole length and its own output becomes the continuation:
-                            # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
-                            # a continuation that parted from the verify path's greedy tokens would be rejected
-                            # whatever the chosen acceptance.
-                            # Repeated until the continuation is the oracle run's own output (a fixed point; each
-                            # pass moves the first disagreement later), so that the drafts are right exactly as
-                            # often as chosen.
-                            oracle_passes, consistent = 0, None
-                            while True:
-                                warm = run_case(model, mode, B, args.prompt_len,
-                                                args.gen if mode.startswith("oracle") else 4, args.device,
-                                                continuation=cont, graphs=graphs,
-                                                max_batch=args.max_batch_size)  # fmt: skip
-                                if not mode.startswith("oracle"):
-                                    break
-                                oracle_passes += 1
-                                consistent = warm["outputs"] == cont
-                                cont = warm["outputs"]
-                                if consistent or oracle_passes >= args.oracle_passes:
-                                    break
-                            r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
-                                         graphs=graphs, profile_kernels=args.profile_kernels,
-                                         profile_host=args.profile_host, profile_sites=args.profile_sites,
-                                         profile_idle=args.profile_idle, max_batch=args.max_batch_size,
-                                         profile_comm=world > 1 or args.collectives_at_one)  # fmt: skip
-                            # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
-                            # computes the root and the proposed drafts (the rest is filler: never read).
-                            k = draft_len(mode)
-                            # A rank's floor: its share of the weights (``model.config`` is its local geometry: its KDA
-                            # heads; the experts' reach is the whole model's routing).
-                            fl = floor_bytes(model.config, model, B * (1 + k), B, args.prompt_len + args.gen,
-                                             mtp_steps=k if mode.startswith("mtp") else 0,
-                                             expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
-                            # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
-                            floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
-                            # The busiest rank bounds the step (every rank waits for it in the all-reduces).
-                            peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
-                            share = r["collective_share"] if r["collective_share"] is not None else float("nan")
-                            floor_ms, fl, peak, share = reduce_max([floor_ms, float(fl), peak, share], args.device)
-                            total = (
-                                torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-                                if args.device == "cuda"
-                                else 0
-                            )
-                            if mode == "plain":
-                                plain = plain or r
-                                plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
-                            base = plain_step.get((graphs, env))
-                            row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
-                                   "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
-                                   "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
-                                   "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
-                                   "ratio_to_floor": r["step_ms"] / floor_ms,
-                                   "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
-                                   # What step_vs_plain would be with both steps at their floors: verify rows reach
-                                   # more experts, so a verify step's floor is above a width-one step's.
-                                   "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
-                                   "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
-                                   "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
-                                   "expected_tokens_per_step": expected_tokens_per_step(mode),
-                                   "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
-                                   "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
-                                   "graphs": graphs, "capture_s": r["capture_s"],
-                                   "startup_captures": r["startup_captures"],
-                                   "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
-                                   "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
-                                   "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
+        # Each batch size with the batch-invariant mode off and / or on (process-wide: every executor, warm-up
+        # and graph capture of the cases below runs in it).
+        for B, bi in [(B, bi) for B in args.batch for bi in bi_modes]:
+            set_batch_invariant(bi)
+            plain = None  # the first plain run: continuation of the oracle drafts and the lossless reference
+            # (graphs, env setting) -> plain (step_ms, floor_ms, tok/s)
+            plain_step: dict[tuple[bool, str | None], tuple[float, float, float]] = {}
+            for graphs in graph_modes:
+                for mode, env in [(m, e) for m in args.modes for e in env_settings]:
+                    set_env(env)
+                    if mode.startswith("oracle") and plain is None:
+                        plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
+                                         max_batch=args.max_batch_size)  # fmt: skip
+                    cont = plain["outputs"] if plain is not None else None
+                    # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
+                    # An oracle's warm-up runs the whole length and its own output becomes the continuation:
+                    # verify steps round differently from the plain run's width-one steps (bf16 near ties), and
+                    # a continuation that parted from the verify path's greedy tokens would be rejected
+                    # whatever the chosen acceptance.
+                    # Repeated until the continuation is the oracle run's own output (a fixed point; each pass moves
+                    # the first disagreement later), so that the drafts are right exactly as often as chosen.
+                    oracle_passes, consistent = 0, None
+                    while True:
+                        warm = run_case(model, mode, B, args.prompt_len,
+                                        args.gen if mode.startswith("oracle") else 4, args.device,
+                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
+                        if not mode.startswith("oracle"):
+                            break
+                        oracle_passes += 1
+                        consistent = warm["outputs"] == cont
+                        cont = warm["outputs"]
+                        if consistent or oracle_passes >= args.oracle_passes:
+                            break
+                    r = run_case(model, mode, B, args.prompt_len, args.gen, args.device, continuation=cont,
+                                 graphs=graphs, profile_kernels=args.profile_kernels,
+                                 profile_host=args.profile_host, profile_sites=args.profile_sites,
+                                 profile_idle=args.profile_idle, max_batch=args.max_batch_size,
+                                 profile_comm=world > 1 or args.collectives_at_one)  # fmt: skip
+                    # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
+                    # computes the root and the proposed drafts (the rest is filler: never read).
+                    k = draft_len(mode)
+                    # A rank's floor: its share of the weights (``model.config`` is its local geometry: its KDA
+                    # heads; the experts' reach is the whole model's routing).
+                    fl = floor_bytes(model.config, model, B * (1 + k), B, args.prompt_len + args.gen,
+                                     mtp_steps=k if mode.startswith("mtp") else 0,
+                                     expert_rows=min(B * (1 + k), r["live_rows_per_step"]))  # fmt: skip
+                    # The copy ceiling counts bytes read plus written per second: a step's bytes over it.
+                    floor_ms = fl / (bw * 1e9) * 1e3 if bw == bw else float("nan")
+                    # The busiest rank bounds the step (every rank waits for it in the all-reduces).
+                    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+                    share = r["collective_share"] if r["collective_share"] is not None else float("nan")
+                    floor_ms, fl, peak, share = reduce_max([floor_ms, float(fl), peak, share], args.device)
+                    total = (
+                        torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+                        if args.device == "cuda"
+                        else 0
+                    )
+                    if mode == "plain":
+                        plain = plain or r
+                        plain_step[(graphs, env)] = (r["step_ms"], floor_ms, r["tokens_per_s"])
+                    base = plain_step.get((graphs, env))
+                    row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
+                           "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
+                           "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
+                           "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
+                           "ratio_to_floor": r["step_ms"] / floor_ms,
+                           "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,
+                           # What step_vs_plain would be with both steps at their floors: verify rows reach
+                           # more experts, so a verify step's floor is above a width-one step's.
+                           "floor_vs_plain": floor_ms / base[1] if base and base[1] else None,
+                           "speedup_vs_plain": r["tokens_per_s"] / base[2] if base and base[2] else None,
+                           "tokens_per_step": r["tokens_per_step"], "mean_accepted": r["mean_accepted"],
+                           "expected_tokens_per_step": expected_tokens_per_step(mode),
+                           "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
+                           "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
+                           "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
+                           "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
+                           "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
+                           "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
                            "batch_invariant": bi,
-                                   # Oracle modes: warm-up passes, and whether the timed run's tokens are its
-                                   # continuation (if not, some drafts were wrong beyond the chosen rate: the
-                                   # realised rate is lower).
-                                   "oracle_passes": oracle_passes or None,
-                                   "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
-                                   "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len,
-                                   "gen": args.gen,
-                                   "fp8_skip": args.fp8_skip if weights == "fp8" else None,
-                                   "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
-                                   "op_sites": r["op_sites"], "idle_sites": r["idle_sites"],
-                                   "world_size": world, "tp": mapping.tp_size if mapping else 1,
-                                   "ep": mapping.moe_ep_size if mapping else 1, "build_s": build_s,
-                                   "floor_gb": fl / 1e9, "gpu_mem_gib": peak,
-                                   # What the rest of the GPU would hold of the latent / index cache (every rank holds
-                                   # all of it), in tokens; ignores the allocator's slack and other processes.
-                                   "kv_tokens_left": int(max(total - peak, 0) * 2**30 / r["kv_bytes_per_token"])
-                                   if total else None,
-                                   "collective_share": share if share == share else None}  # fmt: skip
-                            rows_out.append(row)
-                            emit(row)
-            if args.transformers:
+                           # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
+                           # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
+                           "oracle_passes": oracle_passes or None,
+                           "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
+                           "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
+                           "fp8_skip": args.fp8_skip if weights == "fp8" else None,
+                           "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],
+                           "op_sites": r["op_sites"], "idle_sites": r["idle_sites"],
+                           "world_size": world, "tp": mapping.tp_size if mapping else 1,
+                           "ep": mapping.moe_ep_size if mapping else 1, "build_s": build_s,
+                           "floor_gb": fl / 1e9, "gpu_mem_gib": peak,
+                           # What the rest of the GPU would hold of the latent / index cache (every rank holds
+                           # all of it), in tokens; ignores the allocator's slack and other processes.
+                           "kv_tokens_left": int(max(total - peak, 0) * 2**30 / r["kv_bytes_per_token"])
+                           if total else None,
+                           "collective_share": share if share == share else None}  # fmt: skip
+                    rows_out.append(row)
+                    emit(row)
+            if args.transformers and bi == bi_modes[-1]:
                 try:
                     t = run_transformers(cfg, model, B, args.prompt_len, args.gen)
                     row = {"layers": L, "batch": B, "mode": "transformers", **t}
@@ -961,6 +955,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     set_env(None)
+    set_batch_invariant(False)
     for line in goal_lines(rows_out):
         say(line)
     if mapping is not None:
