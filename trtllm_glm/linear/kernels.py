@@ -33,6 +33,13 @@ columns of different rows, and `launch_config` ignores ``M``): a row's result do
 of the batch, so a decode row and the same row inside a verify batch get the same bits. (Interpreted, numpy's
 matmul makes no such promise.)
 
+``_invariant_gemm_kernel`` (`launch_invariant_gemm`, the batch-invariant mode's GEMM, docs/numerics.md): the same
+tiles for any number of rows, ``y`` in any float dtype. The row tile is fixed (``INVARIANT_BLOCK_M``, not the
+next power of two of ``M``) and so is the split; up to one row tile the chunks are programs with the partials
+reduced as above, beyond it a program per (weight tile, row tile) adds the same chunks in the same order
+itself (``_invariant_gemm4_kernel``: four weight tiles per program, the same dots). Batched (per-head weights)
+through a batch offset per program.
+
 Launch parameters come from shapes only (`launch_config`) and the scratch (partials and counters) is allocated
 once per (device, tiles, split) and cached (`_scratch`), so calls can be captured in a CUDA graph. Launches that
 share a scratch must be ordered (one stream), as every step of the model is.
