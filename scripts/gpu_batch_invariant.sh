@@ -11,7 +11,7 @@ mkdir -p "$R"
 python -m pytest -q -p no:xdist -m gpu tests/unittest/test_batch_invariant_gpu.py 2>&1 | tee "$R/batch_invariant_gpu_tests_$D.log"
 python benchmarks/bench_invariant_linear.py --quick --fp8 --json "$R/invariant_linear_h200_$D.json" 2>&1 \
   | tee "$R/invariant_linear_h200_$D.log"
-python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 ngram7 oracle0.7k3 --cuda-graphs on \
-  --prompt-len 256 --gen 24 --batch-invariant both --json "$R/e2e_batch_invariant_h200_$D.json" 2>&1 \
+python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 ngram7 --cuda-graphs on \
+  --prompt-len 256 --gen 32 --batch-invariant both --json "$R/e2e_batch_invariant_h200_$D.json" 2>&1 \
   | tee "$R/e2e_batch_invariant_h200_$D.log"
 grep '\[goal\]' "$R/e2e_batch_invariant_h200_$D.log" | grep batch-invariant

@@ -181,7 +181,8 @@ def _run(model, prompts, spec=None, drafter=None):
     from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 
     cfg = ExecutorConfig(tokens_per_block=64, max_tokens=32768, max_batch_size=16, max_num_tokens=1024,
-                         max_seq_len=512, cuda_graph_config=CudaGraphConfig())  # fmt: skip
+                         max_seq_len=512,
+                         cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4, 16], enable_padding=True))  # fmt: skip
     ex = Executor(model, cfg) if spec is None else SpeculativeExecutor(model, cfg, spec, drafter=drafter)
     sp = SamplingParams(max_tokens=GEN, ignore_eos=True, return_generation_logits=True)
     reqs = [ex.add_request(p, sp) for p in prompts]
