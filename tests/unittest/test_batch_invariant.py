@@ -138,10 +138,17 @@ def test_scheduler_grid_in_mode() -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Plumbing
-def test_llm_argument_sets_the_mode() -> None:
+def test_llm_argument_sets_the_mode(monkeypatch) -> None:
     from trtllm_glm.runtime.llm import AUTO_BATCH_INVARIANT, LLM, resolve_batch_invariant
 
+    monkeypatch.delenv("TRTLLM_GLM_BATCH_INVARIANT", raising=False)
     assert resolve_batch_invariant(None) is AUTO_BATCH_INVARIANT
+    monkeypatch.setenv("TRTLLM_GLM_BATCH_INVARIANT", "1")
+    assert resolve_batch_invariant(None) is True and resolve_batch_invariant(False) is False
+    monkeypatch.setenv("TRTLLM_GLM_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="TRTLLM_GLM_BATCH_INVARIANT must be 1 or 0"):
+        resolve_batch_invariant(None)
+    monkeypatch.delenv("TRTLLM_GLM_BATCH_INVARIANT")
     with pytest.raises(TypeError, match="batch_invariant must be True, False or None"):
         resolve_batch_invariant("yes")  # type: ignore[arg-type]
     with batch_invariant_mode(False):

@@ -17,7 +17,7 @@ from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
 from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
-from ..numerics import set_batch_invariant
+from ..numerics import BATCH_INVARIANT_ENV, set_batch_invariant
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
@@ -43,12 +43,18 @@ AUTO_BATCH_INVARIANT = False
 
 
 def resolve_batch_invariant(value: bool | None) -> bool:
-    """``LLM``'s ``batch_invariant`` argument as a bool: ``None`` is `AUTO_BATCH_INVARIANT`.
+    """``LLM``'s ``batch_invariant`` argument as a bool: ``None`` ("auto") is ``TRTLLM_GLM_BATCH_INVARIANT`` when
+    that is set (``1`` / ``0``), else `AUTO_BATCH_INVARIANT`.
 
     Raises:
         TypeError: anything but a bool or ``None``.
+        ValueError: a ``TRTLLM_GLM_BATCH_INVARIANT`` value other than 1 / 0 (on / off, true / false, yes / no).
     """
     if value is None:
+        if os.environ.get(BATCH_INVARIANT_ENV, "").strip():
+            from .. import numerics
+
+            return numerics._from_env()  # the switch's own parser of its variable
         return AUTO_BATCH_INVARIANT
     if not isinstance(value, bool):
         raise TypeError(f"batch_invariant must be True, False or None (auto), got {value!r}")
