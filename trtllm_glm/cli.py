@@ -120,8 +120,25 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
         seed=args.seed,
         prefill_chunk_size=args.prefill_chunk_size,
         speculative_config=speculative_config,
+        batch_invariant=_batch_invariant(args),
         **_parallel_options(args),
     )
+
+
+_BATCH_INVARIANT_CHOICES = {"on": True, "off": False, "auto": None}
+
+
+def _add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--batch_invariant", "--batch-invariant", choices=list(_BATCH_INVARIANT_CHOICES), default=None,
+        help="batch-invariant numerics: speculative greedy == plain greedy bit for bit (docs/numerics.md; "
+        "default auto)",
+    )  # fmt: skip
+
+
+def _batch_invariant(args: argparse.Namespace) -> bool | None:
+    """``--batch_invariant`` as ``LLM``'s argument (``None``: auto, or not given)."""
+    return _BATCH_INVARIANT_CHOICES[args.batch_invariant or "auto"]
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -316,6 +333,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         options = load_llm_options(args.config) if args.config else {}
         options.update(_parallel_options(args))
+        if args.batch_invariant is not None:  # the flag overrides the YAML key
+            options["batch_invariant"] = _batch_invariant(args)
         _check_device(options.get("device"))
     except _setup_errors() as e:
         raise UserError(str(e)) from None
@@ -414,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run without speculation; exit 1 if greedy tokens diverge outside a near tie",
     )  # fmt: skip
     _add_parallel_args(g)
+    _add_batch_invariant_arg(g)
     g.set_defaults(func=_cmd_generate)
 
     s = sub.add_parser(
@@ -442,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="server log level (default info)",
     )  # fmt: skip
     _add_parallel_args(s)
+    _add_batch_invariant_arg(s)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser(

@@ -69,3 +69,33 @@ def test_torchrun_two_ranks_build_their_shares_and_rank0_reports(tmp_path: Path)
     assert rows[1]["vs_plain"]["diverged"] == 0
     # Only rank 0 prints rows.
     assert proc.stdout.count('"mode": "plain"') == 1
+
+
+def test_batch_invariant_goal_lines() -> None:
+    """Issue 31: the mode's plain step against the default plain step, and its speculative rows' divergences."""
+    base = {"layers": 4, "batch": 1, "graphs": True, "env": None, "weights": "bf16", "ratio_to_floor": 1.5,
+            "replay_ms": 1.0, "floor_ms": 1.0}  # fmt: skip
+    rows = [
+        {**base, "mode": "plain", "step_ms": 10.0, "batch_invariant": False},
+        {**base, "mode": "plain", "step_ms": 10.5, "batch_invariant": True},
+        {
+            **base,
+            "mode": "mtp3",
+            "step_ms": 12.0,
+            "batch_invariant": True,
+            "vs_plain": {"identical": 1, "near_tie": 0, "diverged": 0, "gaps": []},
+        },  # fmt: skip
+        {
+            **base,
+            "mode": "ngram7",
+            "step_ms": 12.0,
+            "batch_invariant": True,
+            "vs_plain": {"identical": 0, "near_tie": 1, "diverged": 0, "gaps": [0.01]},
+        },  # fmt: skip
+    ]
+    lines = [x for x in goal_lines(rows) if "batch-invariant" in x]
+    assert lines[0].endswith("step / default plain step 1.050 (goal <= 1.10)")
+    assert "1 identical to plain, 0 near ties, 0 diverged (goal: all identical) OK" in lines[1]
+    assert lines[2].endswith("MISSED")
+    # The default-mode goals still compare with the default plain step.
+    assert any("plain bf16: step / floor 1.50" in x for x in goal_lines(rows))

@@ -378,7 +378,7 @@ def test_dequantize_kernel_is_the_reference(dtype: torch.dtype) -> None:
 
 
 def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:
-    from trtllm_glm.modules.linear import dequantize_fp8_linears_
+    from trtllm_glm.modules.linear import NumericsLinear, dequantize_fp8_linears_
 
     torch.manual_seed(1)
     mlp = GatedMLP(64, 64, swiglu_limit=None)
@@ -392,7 +392,8 @@ def test_swaps_drop_stale_fused_groups_and_dequantize_back() -> None:
     assert mlp._gate_up is not None and mlp._gate_up.scale is not None
     torch.testing.assert_close(mlp(x), fp8_out, rtol=1e-6, atol=1e-6)
     assert dequantize_fp8_linears_(mlp, torch.float32) == ["gate_proj", "up_proj", "down_proj"]
-    assert mlp._gate_up is None and type(mlp.up_proj) is nn.Linear and mlp.up_proj.weight.dtype == torch.float32
+    # A float linear again: the plain nn.Linear that follows the numerics mode.
+    assert mlp._gate_up is None and type(mlp.up_proj) is NumericsLinear and mlp.up_proj.weight.dtype == torch.float32
     torch.testing.assert_close(mlp(x), fp8_out, rtol=1e-5, atol=1e-6)
 
 

@@ -1,6 +1,7 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
 above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
-only `triton_interp`; `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
+only `triton_interp` and `numerics` (the mode switch, a leaf);
+`speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
 `runtime/` (module-level or lazily)."""
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ def files(sub: str) -> list[Path]:
     ("sub", "allowed"),
     [
         ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.triton_interp", "trtllm_glm.state")),
-        ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.linear")),
+        ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.linear")),
         # The layers import distributed/: it stays below them (the process machinery lives in runtime/ranks.py).
-        ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.distributed")),
-        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.quant")),
+        ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.numerics", "trtllm_glm.distributed")),
+        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.quant")),
     ],
 )
 def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:

@@ -4,6 +4,10 @@
 the step (NCCL collectives are capturable; nothing here allocates or syncs with the host). At world size 1
 (`NULL_COMM`) every call returns its input untouched, and the layers pay nothing.
 
+In the batch-invariant mode (`trtllm_glm.numerics`) `Comm.all_reduce` is an all-gather followed by a sum in rank
+order (fp32, rounded once to the tensor's dtype): NCCL's all-reduce picks its algorithm (ring, tree) and its
+chunking by message size, so a row's sum would depend on how many rows the step has; the gathered sum does not.
+
 Control traffic (the per-step lockstep fingerprint, worker errors) goes over a separate gloo group on host
 tensors, so it never enters a captured graph or queues behind device work on the NCCL stream.
 """
@@ -14,9 +18,26 @@ from typing import Any
 
 import torch
 
+from ..numerics import batch_invariant
 from .mapping import Mapping
 
-__all__ = ["Comm", "NULL_COMM", "LockstepError"]
+__all__ = ["Comm", "NULL_COMM", "LockstepError", "sum_in_rank_order"]
+
+
+def sum_in_rank_order(parts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = parts[0] + parts[1] + ..`` in that order, in fp32, rounded once to ``out``'s dtype (elementwise:
+    each element's result depends on its own values only).
+
+    Args:
+        parts: ``[world, *shape]``, one slice per rank.
+        out: ``shape``; written and returned.
+    """
+    acc = parts[0].float()
+    if acc.data_ptr() == parts[0].data_ptr():  # fp32 input: float() is a view, do not add into the gathered slice
+        acc = acc.clone()
+    for r in range(1, parts.shape[0]):
+        acc += parts[r]
+    return out.copy_(acc)
 
 
 class LockstepError(RuntimeError):
@@ -47,12 +68,21 @@ class Comm:
         return self.mapping.world_size
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over every rank, in place; returns ``t``. A no-op at world size 1 (unless ``force``)."""
+        """Sum ``t`` over every rank, in place; returns ``t``. A no-op at world size 1 (unless ``force``). In the
+        batch-invariant mode: all-gather, then `sum_in_rank_order` (the same order for any message size)."""
         if self.mapping.world_size == 1 and not self.force:
             return t
         import torch.distributed as dist
 
         self.num_all_reduces += 1
+        if batch_invariant():
+            world = dist.get_world_size(self.group)
+            src = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+            # Flat (rank-major): gloo takes only the concatenation along dim 0.
+            parts = torch.empty(world * src.numel(), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(parts, src, group=self.group)
+            sum_in_rank_order(parts.view(world, *t.shape), t)
+            return t
         dist.all_reduce(t, group=self.group)
         return t
 

@@ -33,6 +33,13 @@ columns of different rows, and `launch_config` ignores ``M``): a row's result do
 of the batch, so a decode row and the same row inside a verify batch get the same bits. (Interpreted, numpy's
 matmul makes no such promise.)
 
+``_invariant_gemm_kernel`` (`launch_invariant_gemm`, the batch-invariant mode's GEMM, docs/numerics.md): the same
+tiles for any number of rows, ``y`` in any float dtype. The row tile is fixed (``INVARIANT_BLOCK_M``, not the
+next power of two of ``M``) and so is the split; up to one row tile the chunks are programs with the partials
+reduced as above, beyond it a program per (weight tile, row tile) adds the same chunks in the same order
+itself (``_invariant_gemm4_kernel``: four weight tiles per program, the same dots). Batched (per-head weights)
+through a batch offset per program.
+
 Launch parameters come from shapes only (`launch_config`) and the scratch (partials and counters) is allocated
 once per (device, tiles, split) and cached (`_scratch`), so calls can be captured in a CUDA graph. Launches that
 share a scratch must be ordered (one stream), as every step of the model is.
@@ -46,7 +53,18 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_N", "INTERPRETED", "MAX_M", "SkinnyConfig", "clear_scratch", "launch_config", "launch_skinny_gemm"]
+__all__ = [
+    "BLOCK_N",
+    "INTERPRETED",
+    "INVARIANT_BLOCK_M",
+    "INVARIANT_GROUP_N",
+    "MAX_M",
+    "SkinnyConfig",
+    "clear_scratch",
+    "launch_config",
+    "launch_invariant_gemm",
+    "launch_skinny_gemm",
+]
 
 # Fixed when this module is imported: `KernelPackage` imports an interpreted copy for CPU tensors.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -57,6 +75,13 @@ MAX_M = 64
 # Weight rows per program: the smallest MMA tile side, which keeps the partials (SPLIT x BLOCK_N x M per tile)
 # small and the programs many.
 BLOCK_N = 16
+# Rows of x per program of the batch-invariant GEMM (`launch_invariant_gemm`), whatever M is: the MMA shape
+# (BLOCK_N x INVARIANT_BLOCK_M x block_k) is one per weight. 64 = MAX_M, so one row block of a decode / verify
+# step fits the split partials `_scratch` holds.
+INVARIANT_BLOCK_M = 64
+# Weight tiles per program of the invariant GEMM beyond one row tile (prefill): 1 until the H200 measurement
+# (benchmarks/bench_invariant_linear.py) says 4 is faster; the bits are the same either way.
+INVARIANT_GROUP_N = 1
 # Weight bytes one program reads (its K chunk): enough to keep the SM's memory pipe busy for one round trip,
 # small enough to give ~100+ programs at the router's [288, 4096] (18 tiles x 8 splits of 512 bf16 columns).
 _BYTES_PER_PROGRAM = 16384
@@ -242,4 +267,269 @@ def launch_skinny_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: S
         m_rows, n, k, x.stride(0), w.stride(0), y.stride(0), cfg.k_per_split,
         SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, PART_M=MAX_M,
         DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _chunk_dot(
+    x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, k_begin, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """``W[n, chunk] @ x[m, chunk]^T`` as ``[BLOCK_N, BLOCK_M]`` fp32, the chunk ``[k_begin, k_begin + K_PER_SPLIT)``
+    walked in ``BLOCK_K`` steps from a zero accumulator (the same steps whichever program calls it)."""
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc, out_dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _chunk_dot4(
+    x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, k_begin, K_PER_SPLIT,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """`_chunk_dot` of four consecutive weight tiles (rows ``n``, ``n + BLOCK_N``, ..) against one x tile loaded
+    once per step: four independent ``[BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]`` chains, each the very sequence of
+    dots `_chunk_dot` makes for its tile (the x tile is shared, never the sums)."""
+    kk = tl.arange(0, BLOCK_K)
+    n1, n2, n3 = n + BLOCK_N, n + 2 * BLOCK_N, n + 3 * BLOCK_N
+    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    a0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + kk
+        k_ok = k < K
+        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        w0 = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w1 = tl.load(w_ptr + n1.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n1 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w2 = tl.load(w_ptr + n2.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n2 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w3 = tl.load(w_ptr + n3.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                     mask=(n3 < N)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            xf = xt.to(tl.float32)
+            a0 = tl.dot(w0.to(tl.float32), xf, a0, input_precision="ieee")
+            a1 = tl.dot(w1.to(tl.float32), xf, a1, input_precision="ieee")
+            a2 = tl.dot(w2.to(tl.float32), xf, a2, input_precision="ieee")
+            a3 = tl.dot(w3.to(tl.float32), xf, a3, input_precision="ieee")
+        else:
+            a0 = tl.dot(w0, xt, a0, out_dtype=tl.float32)
+            a1 = tl.dot(w1, xt, a1, out_dtype=tl.float32)
+            a2 = tl.dot(w2, xt, a2, out_dtype=tl.float32)
+            a3 = tl.dot(w3, xt, a3, out_dtype=tl.float32)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _invariant_gemm4_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_ym,
+    stride_wn,
+    stride_xb,
+    stride_wb,
+    stride_yb,
+    N_RB,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """The in-program-chunks path of `_invariant_gemm_kernel` for four weight tiles per program (more rows, from
+    ``block_m`` on: fewer x loads per product). Program ``(g, b * N_RB + r)``: weight tiles ``4g .. 4g + 3`` of
+    batch ``b``, x rows ``r * BLOCK_M ..``; each tile's chunks added in order 0, 1, .. as there (the same bits)."""
+    bid = tl.program_id(1) // N_RB
+    x_ptr += bid.to(tl.int64) * stride_xb
+    w_ptr += bid.to(tl.int64) * stride_wb
+    y_ptr += bid.to(tl.int64) * stride_yb
+    n = tl.program_id(0) * (4 * BLOCK_N) + tl.arange(0, BLOCK_N)
+    m = (tl.program_id(1) % N_RB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    if SPLIT == 1:
+        t0, t1, t2, t3 = _chunk_dot4(
+            x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, 0, K_PER_SPLIT, BLOCK_N, BLOCK_M, BLOCK_K, DOT_FP32
+        )
+    else:
+        t0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        t3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            c0, c1, c2, c3 = _chunk_dot4(
+                x_ptr, w_ptr, m, n, m_ok, N, K, stride_xm, stride_wn, i * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N,
+                BLOCK_M, BLOCK_K, DOT_FP32,
+            )  # fmt: skip
+            t0 += c0
+            t1 += c1
+            t2 += c2
+            t3 += c3
+    y_rows = y_ptr + m.to(tl.int64)[None, :] * stride_ym
+    n1, n2, n3 = n + BLOCK_N, n + 2 * BLOCK_N, n + 3 * BLOCK_N
+    tl.store(y_rows + n[:, None], t0.to(y_ptr.dtype.element_ty), mask=(n < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n1[:, None], t1.to(y_ptr.dtype.element_ty), mask=(n1 < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n2[:, None], t2.to(y_ptr.dtype.element_ty), mask=(n2 < N)[:, None] & m_ok[None, :])
+    tl.store(y_rows + n3[:, None], t3.to(y_ptr.dtype.element_ty), mask=(n3 < N)[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _invariant_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_xb,
+    stride_wb,
+    stride_yb,
+    N_RB,
+    K_PER_SPLIT,
+    SPLIT: tl.constexpr,
+    SPLIT_PROGRAMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Program ``(t, s, b * N_RB + r)``: weight rows ``t * BLOCK_N ..`` of batch ``b`` (the ``stride_*b`` offsets;
+    one batch for a plain GEMM), x rows ``r * BLOCK_M ..``. ``SPLIT_PROGRAMS``: the ``SPLIT`` chunks are programs
+    ``s`` (one row block; partials reduced by the last arrival in order 0, 1, ..); otherwise the program computes
+    the chunks one after the other and adds them in the same order. Either way each output is
+    ``((0 + p_0) + p_1) + ..`` of the same chunk partials (``p_0`` alone when ``SPLIT == 1``)."""
+    bid = tl.program_id(2) // N_RB
+    x_ptr += bid.to(tl.int64) * stride_xb
+    w_ptr += bid.to(tl.int64) * stride_wb
+    y_ptr += bid.to(tl.int64) * stride_yb
+    # Split partials and arrival counters per (batch, tile).
+    tile_b = bid * tl.cdiv(N, BLOCK_N) + tl.program_id(0)
+    tile = tl.program_id(0)
+    nl = tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + nl
+    m = (tl.program_id(2) % N_RB) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok = n < N
+    m_ok = m < M
+    y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    y_mask = n_ok[:, None] & m_ok[None, :]
+    if SPLIT == 1:
+        acc = _chunk_dot(
+            x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, 0, K_PER_SPLIT, BLOCK_N, BLOCK_M, BLOCK_K,
+            DOT_FP32,
+        )  # fmt: skip
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    elif SPLIT_PROGRAMS:
+        s = tl.program_id(1)
+        acc = _chunk_dot(
+            x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, s * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N, BLOCK_M,
+            BLOCK_K, DOT_FP32,
+        )  # fmt: skip
+        part_tile = part_ptr + (tile_b * SPLIT * BLOCK_N + nl)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc)
+        # As `_skinny_gemm_kernel`: CTA barrier, then the gpu-scope acq_rel arrival; the last one reduces.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile_b, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in tl.static_range(SPLIT):
+                total += tl.load(part_tile + i * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + tile_b, 0, sem="relaxed", scope="gpu")
+    else:
+        total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for i in tl.static_range(SPLIT):
+            total += _chunk_dot(
+                x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, i * K_PER_SPLIT, K_PER_SPLIT, BLOCK_N,
+                BLOCK_M, BLOCK_K, DOT_FP32,
+            )  # fmt: skip
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def launch_invariant_gemm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    cfg: SkinnyConfig,
+    dot_fp32: bool,
+    block_m: int = INVARIANT_BLOCK_M,
+    group_n: int = 1,
+) -> None:
+    """Launch `_invariant_gemm_kernel`: ``y = x @ w^T`` (fp32 sums, rounded once to ``y``'s dtype) for any number
+    of rows, with one tile shape (`BLOCK_N` x ``block_m`` x ``cfg.block_k``) and one reduction order
+    (``cfg``'s chunks, summed in order) per weight: a row's bits never depend on ``M`` or on the other rows.
+
+    Up to ``block_m`` rows (decode, verify) the chunks are programs of their own (grid ``(tiles, split, 1)``,
+    partials in the cached `_scratch`, as `launch_skinny_gemm`); beyond, the rows give the programs (grid
+    ``(tiles, 1, row blocks)``) and each adds its chunks itself in the same order.
+
+    Batched (``x`` ``[M, B, K]``, ``w`` ``[B, N, K]``, ``y`` ``[M, B, N]``): batch ``b``'s rows times its own
+    weight, every batch with the same launch shape (the absorbed attention's per-head products).
+
+    Args:
+        x: ``[M, K]`` or ``[M, B, K]``, ``M >= 1``, unit last stride.
+        w: ``[N, K]`` or ``[B, N, K]``, unit last stride.
+        y: ``[M, N]`` or ``[M, B, N]``, fp32 / bf16 / fp16, unit last stride; every element is written.
+        cfg: `launch_config` of ``(N, K)`` (never of ``M``).
+        dot_fp32: the IEEE fp32 dot instead of 16-bit MMAs (required for fp32 / mixed inputs and interpreted).
+        block_m: rows per program, a power of two in [16, `MAX_M`] (the same for every call of a weight: the
+            row tile is part of the MMA shape).
+        group_n: 1, or 4: beyond ``block_m`` rows a program computes four weight tiles against one x tile
+            (`_invariant_gemm4_kernel`; the same tiles, dots and order: the same bits, fewer loads).
+    """
+    if block_m < 16 or block_m > MAX_M or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two in [16, {MAX_M}], got {block_m}")
+    if group_n not in (1, 4):
+        raise ValueError(f"group_n must be 1 or 4, got {group_n}")
+    m_rows, k = x.shape[0], x.shape[-1]
+    n = w.shape[-2]
+    if x.dim() == 3:
+        nb, sxb, swb, syb = x.shape[1], x.stride(1), w.stride(0), y.stride(1)
+    else:
+        nb, sxb, swb, syb = 1, 0, 0, 0
+    tiles = triton.cdiv(n, BLOCK_N)
+    n_rb = triton.cdiv(m_rows, block_m)
+    if group_n == 4 and m_rows > block_m:
+        _invariant_gemm4_kernel[(triton.cdiv(tiles, 4), nb * n_rb)](
+            x, w, y, m_rows, n, k, x.stride(0), y.stride(0), w.stride(-2), sxb, swb, syb, n_rb, cfg.k_per_split,
+            SPLIT=cfg.split, BLOCK_N=BLOCK_N, BLOCK_M=block_m, BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return
+    split_programs = cfg.split > 1 and m_rows <= block_m
+    if split_programs:
+        partials, counters = _scratch(x.device, nb * tiles, cfg.split)
+    else:
+        partials = counters = y  # unused
+    grid = (tiles, cfg.split if split_programs else 1, nb * n_rb)
+    _invariant_gemm_kernel[grid](
+        x, w, y, partials, counters,
+        m_rows, n, k, x.stride(0), w.stride(-2), y.stride(0), sxb, swb, syb, n_rb, cfg.k_per_split,
+        SPLIT=cfg.split, SPLIT_PROGRAMS=split_programs, BLOCK_N=BLOCK_N, BLOCK_M=block_m,
+        BLOCK_K=cfg.block_k, DOT_FP32=dot_fp32 or INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -65,6 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtllm_glm.numerics import batch_invariant
+
 __all__ = ["mhc_pre", "mhc_post", "pre_launch_config"]
 
 
@@ -278,10 +280,13 @@ def pre_launch_config(
         ``(block_n, block_k, split, units_per_program)``; ``split * units_per_program >= units`` and every
         program has at least one unit.
     """
+    invariant = batch_invariant()
     if block_n is None:
-        block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
+        # Batch-invariant mode: one token tile and one split whatever ``n`` is (a token's partial sums, and so its
+        # bits, then never depend on the other tokens of the step).
+        block_n = 16 if n <= 16 or invariant else (32 if n <= 32 else 64)
     units = s * triton.cdiv(d, block_k)
-    tblocks = triton.cdiv(max(n, 1), block_n)
+    tblocks = 1 if invariant else triton.cdiv(max(n, 1), block_n)
     if split is None:
         split = min(128, max(1, (2 * _num_sms(device)) // tblocks))
     split = max(1, min(split, units))

@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
-from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_
+from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
 from ..modules.mhc import mhc_block
 from ..modules.norm import RMSNorm
 
@@ -348,6 +348,8 @@ class Glm5NextForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = Glm5NextMTPLayer(config, self.mapping) if config.num_nextn_predict_layers > 0 else None
+        # Every float projection (the LM head too) follows the batch-invariant mode (`NumericsLinear`).
+        use_numerics_linears_(self)
 
     def set_comm(self, comm: Comm) -> None:
         """Give every decoder layer (MTP block included) the rank's collectives."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..act import clamped_swiglu, swiglu
 from ..config import Glm5NextConfig
 from ..distributed.mapping import Mapping
 from ..distributed.sharding import expert_block
-from ..linear import linear_fp32
+from ..linear import linear_fp32, model_linear
+from ..numerics import batch_invariant
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
 
@@ -508,7 +508,10 @@ class MoE(nn.Module):
             raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {choice!r}")
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.experts[0].gate_proj.weight.requires_grad)
         if choice == "auto":
-            fused = x.device.type == "cuda" and x.shape[0] <= self.fused_max_rows and not needs_grad
+            # Batch-invariant mode: one path for every row count (the loop adds a row's experts in id order, the
+            # fused combine in slot order, with other tiles), so prefill chunks too take the fused kernels.
+            max_rows = float("inf") if batch_invariant() else self.fused_max_rows
+            fused = x.device.type == "cuda" and x.shape[0] <= max_rows and not needs_grad
             return "triton" if fused else "torch"
         if choice == "triton" and needs_grad:
             raise RuntimeError("MoE: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
@@ -622,7 +625,7 @@ def _fp8_expert_forward(expert: GatedMLP, x: torch.Tensor, limit: float | None) 
 
     def lin(linear: nn.Module, t: torch.Tensor) -> torch.Tensor:
         w = dequantize_experts(linear.weight, linear.weight_scale_inv, block=_scale_block(linear))
-        return F.linear(t, w.to(t.dtype))
+        return model_linear(t, w.to(t.dtype))
 
     return lin(expert.down_proj, clamped_swiglu(lin(expert.gate_proj, x), lin(expert.up_proj, x), limit))
 

@@ -1,5 +1,7 @@
 """`Fp8Linear`: an ``nn.Linear`` whose weight is held as block-FP8 (DeepSeek-V3 convention), and the swap of
-chosen ``nn.Linear`` modules of a model for it.
+chosen ``nn.Linear`` modules of a model for it; `NumericsLinear`: the float ``nn.Linear`` that follows the
+batch-invariant mode (`trtllm_glm.numerics`), and `use_numerics_linears_`, which makes a model's plain
+``nn.Linear`` modules one (one central dispatch point: no layer changes its calls).
 
 Parameters (checkpoint names unchanged): ``weight [out, in]`` float8_e4m3fn and ``weight_scale_inv
 [ceil(out/block), ceil(in/block)]`` fp32, ``W ~= weight.float() * weight_scale_inv`` per ``block x block`` tile;
@@ -14,13 +16,49 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..linear import model_linear
 from ..quant.fp8 import block_scale_shape, dequantize_block_fp8, quantize_block_fp8
 from ..quant.ops import fp8_linear
 from .weight_views import FusedWeights
 
-__all__ = ["Fp8Linear", "dequantize_fp8_linears_", "is_fp8_linear", "swap_fp8_linears_", "unswap_empty_"]
+__all__ = [
+    "Fp8Linear",
+    "NumericsLinear",
+    "dequantize_fp8_linears_",
+    "is_fp8_linear",
+    "swap_fp8_linears_",
+    "unswap_empty_",
+    "use_numerics_linears_",
+]
 
 _FP8 = torch.float8_e4m3fn
+
+
+class NumericsLinear(nn.Linear):
+    """A float ``nn.Linear`` (same parameters, state-dict names and ``isinstance``) whose forward is
+    `trtllm_glm.linear.model_linear`: ``F.linear`` normally, with the batch-invariant mode on the
+    `trtllm_glm.linear.invariant_linear` whose rows never depend on the other rows of the call. The mode is read
+    at every call, so one model serves both modes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]`` in ``x.dtype``."""
+        return model_linear(x, self.weight, self.bias)
+
+
+def use_numerics_linears_(root: nn.Module) -> int:
+    """Make every plain ``nn.Linear`` under ``root`` (exactly that class: `Fp8Linear` and other subclasses keep
+    their own forward) a `NumericsLinear`, in place (the class is changed; parameters, hooks and graphs captured on
+    them stay as they are). Idempotent.
+
+    Returns:
+        How many modules changed class.
+    """
+    changed = 0
+    for m in root.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = NumericsLinear
+            changed += 1
+    return changed
 
 
 class Fp8Linear(nn.Linear):
@@ -168,7 +206,7 @@ def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype) -> list[str]:
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
         with torch.no_grad():
-            lin = nn.Linear(mod.in_features, mod.out_features, bias=False, device="meta")
+            lin = NumericsLinear(mod.in_features, mod.out_features, bias=False, device="meta")
             lin.weight = nn.Parameter(mod.dequantized(dtype), requires_grad=False)
         setattr(parent, attr, lin)
     _forget_replaced(root, replaced)
@@ -190,7 +228,7 @@ def unswap_empty_(root: nn.Module, names: Iterable[str]) -> list[str]:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
-        setattr(parent, attr, nn.Linear(mod.in_features, mod.out_features, bias=False, device=mod.weight.device))
+        setattr(parent, attr, NumericsLinear(mod.in_features, mod.out_features, bias=False, device=mod.weight.device))
         replaced.add(id(mod))
         done.append(name)
     _forget_replaced(root, replaced)

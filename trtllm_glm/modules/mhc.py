@@ -24,8 +24,8 @@ CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_back
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ..linear import model_linear
 from ..triton_interp import kernel_backend
 
 __all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block", "mhc_backend", "MHC_BACKEND_ENV"]
@@ -61,7 +61,7 @@ def mhc_weights(
     n, s, d = streams.shape
     x = streams.reshape(n, s * d).float()
     x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm_eps)
-    mix = F.linear(x, fn.float())
+    mix = model_linear(x, fn.float())  # row-invariant in the batch-invariant mode
     pre_w, post_w, comb_w = mix.split([s, s, s * s], dim=-1)
     b = base.float()
     pre_b, post_b, comb_b = b.split([s, s, s * s])

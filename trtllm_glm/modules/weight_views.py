@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..linear import model_linear
 from ..quant.ops import fp8_linear
 
 __all__ = ["FusedWeights", "refuse_stale", "same_memory"]
@@ -130,11 +130,11 @@ class FusedWeights:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` times the fused weight: ``[..., sum(sizes)]`` in ``x.dtype`` (`fp8_linear` for a block-FP8
-        group, ``F.linear`` otherwise)."""
+        group, ``F.linear`` otherwise; both take their batch-invariant path in that mode: `model_linear`)."""
         if self.scale is not None:
             backend = getattr(self.modules[0], "backend", None)
             return fp8_linear(x, self.weight, self.scale.weight, self.block, backend=backend)
-        return F.linear(x, self.weight)
+        return model_linear(x, self.weight)
 
 
 def refuse_stale(module: nn.Module, attrs: tuple[str, ...]) -> None:

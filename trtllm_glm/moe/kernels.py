@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics import batch_invariant
 from .ops import FP8_BLOCK, check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
 
@@ -460,13 +461,25 @@ def _live_arg(row_live: torch.Tensor | None, fallback: torch.Tensor) -> torch.Te
     return row_live if row_live.is_contiguous() else row_live.contiguous()
 
 
+# Batch-invariant mode (`trtllm_glm.numerics`): the row block and the columns per program, the same for any number
+# of pairs, so a pair's MMA tiles never depend on the step's other rows (the decode defaults: rows are few there).
+INVARIANT_BLOCK_M = 16
+INVARIANT_BLOCK_N = 32
+
+
 def default_block_m(num_pairs: int, num_experts: int) -> int:
-    """Row block ``M``: 16 (the smallest tensor-core tile) while experts average at most ~16 pairs, else 64."""
+    """Row block ``M``: 16 (the smallest tensor-core tile) while experts average at most ~16 pairs, else 64;
+    `INVARIANT_BLOCK_M` in the batch-invariant mode."""
+    if batch_invariant():
+        return INVARIANT_BLOCK_M
     return 16 if num_pairs <= 16 * num_experts else 64
 
 
 def _block_n(n_blocks: int, width: int, wide: int = 64) -> int:
-    """Columns per program: ``wide`` unless that leaves fewer than ~1024 programs (small N: fill the SMs)."""
+    """Columns per program: ``wide`` unless that leaves fewer than ~1024 programs (small N: fill the SMs);
+    `INVARIANT_BLOCK_N` in the batch-invariant mode."""
+    if batch_invariant():
+        return INVARIANT_BLOCK_N
     return wide if n_blocks * triton.cdiv(width, wide) >= 1024 else max(16, wide // 2)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 from .fp8 import block_scale_shape, dequantize_block_fp8
@@ -30,6 +31,7 @@ __all__ = [
     "fp8_dequantize_triton",
     "fp8_linear",
     "fp8_linear_backend",
+    "fp8_linear_invariant",
     "fp8_linear_reference",
     "fp8_linear_triton",
     "kernel_module",
@@ -43,6 +45,9 @@ FP8_DEQUANT_ROWS_ENV = "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS"
 # (benchmarks/results/fp8_linear_h200_2026-12-03.log): at 256 rows dequant+cuBLAS wins on all 12 real shapes
 # (e.g. mlp.gate|up 153 vs 258 us), at 64 rows the kernel wins on 10 of 12 (95 vs 142 us): the cut lies between.
 DEQUANT_MIN_ROWS = 128
+# Rows of one launch in the batch-invariant mode (`fp8_linear_invariant`): every launch takes the launch shape of
+# this M (and at most this many rows), for any M.
+INVARIANT_ROWS = 64
 
 _ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PACKAGE = KernelPackage(__package__ or "trtllm_glm.quant", [os.path.dirname(os.path.abspath(__file__))])
@@ -248,10 +253,14 @@ def fp8_linear(
         block: scale tile edge.
         backend: ``"auto"`` / ``"torch"`` / ``"triton"`` (default ``TRTLLM_GLM_FP8_LINEAR_BACKEND``, else auto).
 
+    With the batch-invariant mode on (`trtllm_glm.numerics`) and no ``backend`` given: `fp8_linear_invariant`.
+
     Returns:
         ``[..., N]`` in ``x.dtype``.
     """
     _check(x, weight, scale_inv, block)
+    if batch_invariant() and backend is None:
+        return fp8_linear_invariant(x, weight, scale_inv, block)
     if fp8_linear_backend(x, weight, scale_inv, block, backend) == "torch":
         return fp8_linear_reference(x, weight, scale_inv, block)
     x2 = x.reshape(-1, x.shape[-1])
@@ -259,3 +268,55 @@ def fp8_linear(
         return F.linear(x, fp8_dequantize_triton(weight, scale_inv, block, x.dtype))
     y = fp8_linear_triton(x2, weight, scale_inv, block)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_invariant(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int = 128, *, backend: str | None = None
+) -> torch.Tensor:
+    """`fp8_linear` in the batch-invariant mode: each row's bits independent of ``M`` and of the other rows.
+
+    Kernel path (`fp8_linear_backend` says ``"triton"``): every launch takes the launch shape of
+    ``M = INVARIANT_ROWS`` (`kernels.launch_config`: its row tile, split and K steps, from the weight's shape),
+    on at most `INVARIANT_ROWS` rows at a time (consecutive row slices, no copy): the same tiles and reduction
+    order for every row whatever the call's ``M`` (no cuBLAS path for prefill rows; a row never mixes with another
+    in a tile's MMA columns). Reference path (the CPU): the weight dequantised in fp32 and one matrix-vector
+    product per row (its order depends on the weight alone), cast to ``x.dtype``.
+
+    Args:
+        x: ``[..., K]`` float.
+        weight: ``[N, K]`` float8_e4m3fn on ``x``'s device.
+        scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
+        block: scale tile edge.
+        backend: as `fp8_linear`.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+    """
+    _check(x, weight, scale_inv, block)
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    m_rows = x2.shape[0]
+    if fp8_linear_backend(x, weight, scale_inv, block, backend) == "torch":
+        w = dequantize_block_fp8(weight, scale_inv, block)
+        rows = [torch.mv(w, r) for r in x2.float()]
+        y = torch.stack(rows) if rows else x2.new_zeros(0, n, dtype=torch.float32)
+        return y.to(x.dtype).view(*x.shape[:-1], n)
+    out = torch.empty(m_rows, n, dtype=x.dtype, device=x.device)
+    if n == 0 or m_rows == 0:
+        return out.view(*x.shape[:-1], n)
+    if k == 0:
+        return out.zero_().view(*x.shape[:-1], n)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if scale_inv.stride(-1) != 1:
+        scale_inv = scale_inv.contiguous()
+    mod = kernel_module(x.device)
+    dot_fp32 = bool(mod.INTERPRETED) or x.dtype == torch.float32
+    cfg = mod.launch_config(INVARIANT_ROWS, n, k, block, dot_fp32)
+    codes = weight.view(torch.uint8)
+    for r0 in range(0, m_rows, INVARIANT_ROWS):
+        r1 = min(r0 + INVARIANT_ROWS, m_rows)
+        mod.launch_fp8_linear(x2[r0:r1], codes, scale_inv, out[r0:r1], block, cfg, dot_fp32)
+    return out.view(*x.shape[:-1], n)

@@ -18,6 +18,7 @@ from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
 from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
+from ..numerics import BATCH_INVARIANT_ENV, set_batch_invariant
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
@@ -27,7 +28,39 @@ from .speculative_executor import SpeculativeExecutor
 from .tokenizer import load_tokenizer
 from .validation import InvalidRequestError, check_prompt_ids, check_request, check_text
 
-__all__ = ["LLM", "KvCacheConfig", "CompletionOutput", "RequestOutput", "AsyncRequestOutput"]
+__all__ = [
+    "AUTO_BATCH_INVARIANT",
+    "LLM",
+    "KvCacheConfig",
+    "CompletionOutput",
+    "RequestOutput",
+    "AsyncRequestOutput",
+    "resolve_batch_invariant",
+]
+
+# What ``LLM(batch_invariant=None)`` ("auto") means: the mode off, today's numerics, until the H200 measurement of
+# its cost (issue 31's goal: <= 1.10x the default plain step) says otherwise.
+AUTO_BATCH_INVARIANT = False
+
+
+def resolve_batch_invariant(value: bool | None) -> bool:
+    """``LLM``'s ``batch_invariant`` argument as a bool: ``None`` ("auto") is ``TRTLLM_GLM_BATCH_INVARIANT`` when
+    that is set (``1`` / ``0``), else `AUTO_BATCH_INVARIANT`.
+
+    Raises:
+        TypeError: anything but a bool or ``None``.
+        ValueError: a ``TRTLLM_GLM_BATCH_INVARIANT`` value other than 1 / 0 (on / off, true / false, yes / no).
+    """
+    if value is None:
+        if os.environ.get(BATCH_INVARIANT_ENV, "").strip():
+            from .. import numerics
+
+            return numerics._from_env()  # the switch's own parser of its variable
+        return AUTO_BATCH_INVARIANT
+    if not isinstance(value, bool):
+        raise TypeError(f"batch_invariant must be True, False or None (auto), got {value!r}")
+    return value
+
 
 log = logging.getLogger("trtllm_glm")
 
@@ -178,6 +211,12 @@ class LLM:
             (attention then replicated).
         moe_tensor_parallel_size: slices of each routed expert's intermediate dimension (default: the world
             size divided by ``moe_expert_parallel_size``).
+        batch_invariant: the batch-invariant numerics mode (docs/numerics.md; vLLM's name): every row's bits
+            independent of the other rows of a step, of the verify width and of the batch, so speculative greedy
+            decoding equals plain greedy decoding bit for bit. ``None`` ("auto"): `AUTO_BATCH_INVARIANT`. The mode
+            is process-wide (`trtllm_glm.numerics.set_batch_invariant`; kernels read it where they choose a launch
+            shape, CUDA graphs are captured in it): the last LLM built in a process sets it. Spawned workers of a
+            parallel LLM get the same value.
 
     A parallel LLM holds processes and process groups: call `shutdown` (or use ``with LLM(...) as llm:``).
     """
@@ -203,10 +242,12 @@ class LLM:
         tensor_parallel_size: int = 1,
         moe_expert_parallel_size: int | None = None,
         moe_tensor_parallel_size: int | None = None,
+        batch_invariant: bool | None = None,
         _spawned_rank: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(disable_overlap_scheduler, bool):
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
+        self.batch_invariant = resolve_batch_invariant(batch_invariant)
         # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
         init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}
         init_kwargs.pop("__class__", None)
@@ -224,6 +265,8 @@ class LLM:
         self._owns_group = False  # whether shutdown leaves the process group (not one the caller set up)
         self._closed = False
         kv = kv_cache_config or KvCacheConfig()
+        # Before anything runs: weights' first launches and every CUDA graph capture happen in the mode.
+        set_batch_invariant(self.batch_invariant)
         t0 = time.perf_counter()
         if self.mapping.is_parallel:
             self.device, model = self._join_world(model, device, init_kwargs, _spawned_rank)
@@ -291,9 +334,11 @@ class LLM:
             raise
 
         log.debug(
-            "loaded %s in %.1f s (weights %.1f s, graphs %.1f s): %s on %s, %s", model, time.perf_counter() - t0,
-            weights_s, graphs_s, f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
+            "loaded %s in %.1f s (weights %.1f s, graphs %.1f s): %s on %s, %s, batch-invariant %s", model,
+            time.perf_counter() - t0, weights_s, graphs_s,
+            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters",
             self.device, str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            "on" if self.batch_invariant else "off",
         )  # fmt: skip
 
     def _join_world(

@@ -35,6 +35,7 @@ import torch
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint, CheckpointStore, PrefixStats, chain_key, checkpoint_key, extend_page_keys
 from ..errors import CapacityError, StateError
+from ..numerics import batch_invariant
 from .request import Request
 from .scheduler import ScheduledSeq
 
@@ -254,9 +255,19 @@ class PrefixCache:
         """The waiting requests that may be admitted this step (in order): those not waiting for a leader."""
         return [r for r in waiting if r.request_id not in self._held]
 
+    def _grid(self) -> int | None:
+        """The batch-invariant mode's chunk grid (`Scheduler.invariant_chunk`), ``None`` outside the mode.
+
+        In the mode a checkpoint is resumed, and a chunk cut at an endpoint, only on the grid: there the
+        recomputation of the prompt has a chunk boundary too, so a restored state has the bits recomputing gives.
+        """
+        sched = getattr(self.ex, "scheduler", None)
+        return sched.invariant_chunk if batch_invariant() and sched is not None else None
+
     def _lookup(self, r: Request) -> tuple[PrefixMatch | None, int]:
         """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
         P, toks = self.page_size, r.tokens
+        grid = self._grid()
         keys = extend_page_keys(r.page_keys, toks, P)
         pages = self.manager.lookup_pages(keys)
         dm = self.ex.separate_draft_manager
@@ -268,6 +279,8 @@ class PrefixCache:
             for key in self.store.candidates(chain_key(keys, k)):
                 tail = key[1]
                 E = k * P + len(tail) - 1
+                if grid is not None and E % grid:
+                    continue
                 if len(toks) > E and tuple(toks[k * P : E + 1]) == tail and (best is None or best[0] < E):
                     best = (E, key)
             if best is None:
@@ -365,6 +378,7 @@ class PrefixCache:
         branching off a long prompt recomputes, and cutting there would add a step to the time to first
         token of every request that resumed a few tokens before it (a question after a system prompt).
         """
+        grid = self._grid()
         for s in plan:
             if s.is_decode:
                 continue
@@ -372,7 +386,7 @@ class PrefixCache:
             n0, end = r.num_computed, r.num_computed + s.num_rows
             final = end >= len(r.prompt_ids) and self.interval is not None and s.num_rows <= self.interval
             for e in self.endpoints(r):
-                if e <= n0 or e >= end:
+                if e <= n0 or e >= end or (grid is not None and e % grid):
                     continue
                 if final and self._stride_only(r, e):
                     continue

@@ -1,10 +1,18 @@
-"""Batch scheduling: decode rows first, then prefill chunks under a token budget."""
+"""Batch scheduling: decode rows first, then prefill chunks under a token budget.
+
+In the batch-invariant mode (`trtllm_glm.numerics`) a prompt's chunk boundaries are a function of the prompt
+alone: chunks end at multiples of `Scheduler.invariant_chunk` (or at the prompt's end), and a chunk that does
+not fit the step's budget waits for a later step instead of being cut shorter. Otherwise the budget left by the
+decode rows would move the boundaries, and with them the chunked recurrent (KDA) state's bits. A preempted
+request recomputes its generated tokens one row per step, as its decode steps computed them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..numerics import batch_invariant
 from .request import Request
 
 __all__ = ["ScheduledSeq", "Scheduler"]
@@ -35,7 +43,8 @@ class Scheduler:
     Args:
         max_batch_size: sequences per step.
         max_num_tokens: flat rows per step (decode rows count one each, or their verify width).
-        prefill_chunk_size: cap on one prefill chunk (``None``: only the token budget caps it).
+        prefill_chunk_size: cap on one prefill chunk (``None``: only the token budget caps it); in the
+            batch-invariant mode the chunk grid (`invariant_chunk`).
     """
 
     def __init__(self, max_batch_size: int, max_num_tokens: int, prefill_chunk_size: int | None = None) -> None:
@@ -46,6 +55,24 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefill_chunk_size = prefill_chunk_size
+
+    @property
+    def invariant_chunk(self) -> int:
+        """The batch-invariant mode's chunk grid: ``prefill_chunk_size`` (at most ``max_num_tokens``), else half
+        of ``max_num_tokens`` (so that a whole chunk still fits beside the decode rows of a busy step)."""
+        if self.prefill_chunk_size is not None:
+            return min(self.prefill_chunk_size, self.max_num_tokens)
+        return max(1, self.max_num_tokens // 2)
+
+    @staticmethod
+    def _invariant_chunk_rows(r: Request, grid: int) -> int:
+        """The mode's next chunk of ``r``: to the next multiple of ``grid`` inside the prompt, never past the
+        prompt's end; beyond the prompt (a preempted request recomputing what it generated) one row, as the
+        decode steps that first computed those rows had."""
+        c, prompt = r.num_computed, len(r.prompt_ids)
+        if c >= prompt:
+            return 1
+        return min(r.num_pending, grid - c % grid, prompt - c)
 
     def schedule(
         self, running: Iterable[Request], waiting: Iterable[Request], decode_width: dict[int, int] | None = None
@@ -72,10 +99,16 @@ class Scheduler:
                     decodes.append(ScheduledSeq(r, w, True))
                     budget -= w
         n_seqs = len(decodes)
+        grid = self.invariant_chunk if batch_invariant() else None
         for r in [*[r for r in running if not r.is_decode], *waiting]:
             if n_seqs >= self.max_batch_size or budget <= 0:
                 break
-            n = min(r.num_pending, budget)
+            if grid is not None:
+                n = self._invariant_chunk_rows(r, grid)
+                if n > budget:
+                    continue
+            else:
+                n = min(r.num_pending, budget)
             if self.prefill_chunk_size is not None:
                 n = min(n, self.prefill_chunk_size)
             prefills.append(ScheduledSeq(r, n, False))

@@ -21,6 +21,7 @@ Example::
       batch_sizes: [1, 2, 4, 8, 16, 32]
       enable_padding: true
     disable_overlap_scheduler: false  # default: decode steps overlap the host's work (graphs only)
+    batch_invariant: true         # bit-exact speculation (docs/numerics.md); default null: auto
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
 mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
@@ -49,6 +50,7 @@ _INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed", "tensor_
 _OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads", "moe_expert_parallel_size", "moe_tensor_parallel_size"}
 _OPTIONAL_STR_KEYS = {"dtype", "device", "quantization"}
 _BOOL_KEYS = {"disable_overlap_scheduler"}
+_OPTIONAL_BOOL_KEYS = {"batch_invariant"}
 
 
 def _llm_keys() -> list[str]:
@@ -145,9 +147,10 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
                 out[k] = v
             else:
                 raise ConfigError(f"{where}: expected an int, got {v!r}")
-        elif k in _BOOL_KEYS:
-            if not isinstance(v, bool):
-                raise ConfigError(f"{where}: expected true or false, got {v!r}")
+        elif k in _BOOL_KEYS or k in _OPTIONAL_BOOL_KEYS:
+            if not isinstance(v, bool) and not (v is None and k in _OPTIONAL_BOOL_KEYS):
+                also = " or null" if k in _OPTIONAL_BOOL_KEYS else ""
+                raise ConfigError(f"{where}: expected true or false{also}, got {v!r}")
             out[k] = v
         elif k in _OPTIONAL_STR_KEYS:
             if v is not None and not isinstance(v, str):

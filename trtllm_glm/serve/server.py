@@ -83,7 +83,8 @@ def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None
         f"{llm.config.num_hidden_layers} layers, vocab {llm.config.vocab_size}",
         "parallelism: one device (no tensor or expert parallelism)",
         f"speculative decoding: {spec_s}",
-        f"CUDA graphs: {graphs}; overlap scheduler {'on' if cfg.overlap_scheduler else 'off'}",
+        f"CUDA graphs: {graphs}; overlap scheduler {'on' if cfg.overlap_scheduler else 'off'}; batch-invariant "
+        f"numerics {'on' if getattr(llm, 'batch_invariant', False) else 'off'}",
         f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_batch_size {cfg.max_batch_size}, "
         f"max_seq_len {ex.max_seq_len}, max_num_tokens {cfg.max_num_tokens}, queue {engine.max_queue_size}; "
         f"prefix caching {'on' if ex.prefix is not None else 'off'}",

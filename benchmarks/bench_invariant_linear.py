@@ -1,0 +1,134 @@
+"""Benchmark of the batch-invariant mode's GEMMs (docs/numerics.md) at GLM-5.3-Flash's real shapes, against what
+the default mode runs for the same call.
+
+Per weight shape ``[N, K]`` (the model's projections after `fuse_weights`, the LM head, the router) and
+``M`` in {1, 4, 16, 64, 256, 2048}:
+
+* ``bf16 cuBLAS``: ``F.linear`` (the default mode's float projection);
+* ``invariant bm=B gG``: `trtllm_glm.linear.invariant_linear_triton` with row tile ``B`` (16, 32, 64; the
+  kernel's default is `INVARIANT_BLOCK_M`) and ``G`` weight tiles per program beyond one row tile (1, 4: the
+  same bits; `INVARIANT_GROUP_N`), checked row-invariant (rows 0..M-1 against the same rows of a 200-row call)
+  and against the fp64 product before it is timed;
+* with ``--fp8``: ``fp8 default`` (`fp8_linear`) and ``fp8 invariant`` (`fp8_linear_invariant`: 64-row launches).
+
+Each time is the replay of a CUDA graph of ``C`` calls over ``C`` weight copies (together ~2.5x the L2, so each
+call reads its weight from HBM as a decode step does) divided by ``C``, median of several replays. The summary
+prints, per M, the geometric mean of invariant / default over the shapes: the mode's GEMM cost factor.
+
+Usage (on a CUDA machine, from the repository root)::
+
+    PYTHONPATH=. python benchmarks/bench_invariant_linear.py [--quick] [--fp8] [--json PATH]
+
+Without CUDA it prints a message and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sparse_kernels import graph_us  # noqa: E402
+
+SHAPES: list[tuple[str, int, int]] = [
+    ("kda.qkv|f_a|g_a|b", 3 * 8192 + 2 * 128 + 64, 4096),
+    ("kda.o_proj", 4096, 8192),
+    ("kda.f_b/g_b", 8192, 128),
+    ("mla.q_a|kv_a|wk", 1536 + 512 + 128, 4096),
+    ("mla.q_b", 64 * 256, 1536),
+    ("mla.o_proj", 4096, 64 * 256),
+    ("mlp.gate|up", 2 * 12288, 4096),
+    ("mlp.down", 4096, 12288),
+    ("shared.gate|up", 2 * 2048, 4096),
+    ("shared.down", 4096, 2048),
+    ("router (fp32 out)", 288, 4096),
+    ("lm_head", 154880, 4096),
+]
+ROWS = (1, 4, 16, 64, 256, 2048)
+BLOCK_MS = (16, 32, 64)
+GROUPS = (1, 4)  # weight tiles per program beyond one row tile (prefill rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, fewer rows")
+    parser.add_argument("--fp8", action="store_true", help="also the block-FP8 linear, default vs invariant")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_invariant_linear: CUDA is not available; nothing to benchmark.")
+        return 0
+    from trtllm_glm.linear import invariant_linear_triton, linear_fp32
+    from trtllm_glm.linear.kernels import INVARIANT_BLOCK_M
+    from trtllm_glm.quant import quantize_block_fp8
+    from trtllm_glm.quant.ops import fp8_linear, fp8_linear_invariant
+
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    print(f"device: {props.name}; torch {torch.__version__}; default invariant row tile {INVARIANT_BLOCK_M}")
+    reps = 10 if args.quick else 30
+    rows_m = (1, 16, 64, 2048) if args.quick else ROWS
+    g = torch.Generator(device=dev).manual_seed(0)
+    out: list[dict] = []
+    ratios: dict[tuple[int, str], list[float]] = {}
+    for name, n, k in SHAPES:
+        fp32_out = name.startswith("router")
+        w_bytes = n * k * 2
+        copies = max(2, min(64, math.ceil(2.5 * props.L2_cache_size / w_bytes)))
+        w0 = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16)
+        ws = [w0.clone() for _ in range(copies)]
+        x200 = torch.randn(200, k, device=dev, generator=g).to(torch.bfloat16)
+        ref200 = {bm: invariant_linear_triton(x200, w0, block_m=bm, group_n=1) for bm in BLOCK_MS}
+        held_fp8 = args.fp8 and not fp32_out and name != "lm_head"  # the router and the LM head stay 16-bit
+        qs = [quantize_block_fp8(w0.float(), 128) for _ in range(min(copies * 2, 64))] if held_fp8 else []
+        for m in rows_m:
+            xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in range(copies)]
+            row: dict = {"name": name, "n": n, "k": k, "m": m, "copies": copies}
+            if fp32_out:
+                base = graph_us([partial(linear_fp32, x, w, backend="auto") for x, w in zip(xs, ws)], reps)
+            else:
+                base = graph_us([partial(F.linear, x, w) for x, w in zip(xs, ws)], reps)
+            row["default_us"] = base
+            line = f"  {name:<20} [{n:>6}, {k:>5}] M={m:<5} default {base:8.2f} us"
+            od = torch.float32 if fp32_out else None
+            for bm, gn in [(bm, gn) for bm in BLOCK_MS for gn in GROUPS if gn == 1 or m > bm]:
+                y = invariant_linear_triton(x200[: min(m, 200)], w0, block_m=bm, group_n=gn)
+                if not torch.equal(y, ref200[bm][: min(m, 200)]):
+                    raise AssertionError(f"{name} M={m} bm={bm} g={gn}: rows differ from the 200-row call")
+                yf = invariant_linear_triton(xs[0], w0, block_m=bm, group_n=gn, out_dtype=torch.float32).double()
+                exact = xs[0].double() @ w0.double().T
+                if ((yf - exact).abs() > 1e-5 * (xs[0].double().abs() @ w0.double().abs().T) + 1e-30).any():
+                    raise AssertionError(f"{name} M={m} bm={bm} g={gn}: outside the fp32 bound")
+                t = graph_us([partial(invariant_linear_triton, x, w, block_m=bm, group_n=gn, out_dtype=od)
+                              for x, w in zip(xs, ws)], reps)  # fmt: skip
+                row[f"invariant_bm{bm}_g{gn}_us"] = t
+                ratios.setdefault((m, f"bm{bm}g{gn}"), []).append(t / base)
+                line += f" | bm{bm}g{gn} {t:7.2f} us x{t / base:5.2f}"
+            if qs:
+                q_calls = list(zip(xs * 2, qs))[: len(qs)]
+                t8 = graph_us([partial(fp8_linear, x, q, s, 128) for x, (q, s) in q_calls], reps)
+                t8i = graph_us([partial(fp8_linear_invariant, x, q, s, 128) for x, (q, s) in q_calls], reps)
+                row.update(fp8_default_us=t8, fp8_invariant_us=t8i)
+                ratios.setdefault((m, "fp8"), []).append(t8i / t8)
+                line += f" | fp8 {t8:8.2f} -> {t8i:8.2f} us x{t8i / t8:5.2f}"
+            print(line, flush=True)
+            out.append(row)
+    print("geometric mean of invariant / default over the shapes:")
+    for (m, kind), rs in sorted(ratios.items()):
+        gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
+        print(f"  M={m:<5} {kind:<8} x{gm:5.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
