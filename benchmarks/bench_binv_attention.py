@@ -11,7 +11,7 @@ Real GLM-5.3-Flash geometry, one line per (op, rows), the default launch and the
 * ``sparse mla``: W = 2051 selected entries, 64 heads x 512 latent, bf16 (default: the split count follows
   the rows; mode: 11 splits at every row count);
 * ``mla absorb q+o``: the layer's two absorbed per-head products, ``q W_uk`` and ``o_lat W_uv^T`` (default:
-  ``torch.einsum``, cuBLAS; mode: ``kernels.absorb.head_matmul``).
+  ``torch.einsum``, cuBLAS; mode: ``trtllm_glm.linear.invariant_bmm``).
 
 Each graph replays G steps on disjoint data and slots (together larger than the L2), divided by G.
 
@@ -130,21 +130,23 @@ def mla_cases(dev: torch.device, reps: int) -> list[dict]:
 
 
 def absorb_cases(dev: torch.device, reps: int) -> list[dict]:
-    """The sparse-MLA layer's two absorbed per-head products (`layer._per_head`): einsum vs `head_matmul`."""
-    from trtllm_glm.attention.sparse.glm_kpool.layer import _per_head
+    """The sparse-MLA layer's two absorbed per-head products (`layer.absorb_q` / `absorb_o`): einsum vs
+    `invariant_bmm`."""
+    from trtllm_glm.attention.sparse.glm_kpool.layer import absorb_o, absorb_q
 
     nope, vh, R, Hm = _REAL.qk_nope_head_dim, _REAL.v_head_dim, _REAL.kv_lora_rank, _REAL.num_attention_heads
     rows = []
     G = 8
     kv_b = [torch.randn(Hm, nope + vh, R, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(G)]
+    uk_t = [w[:, :nope].transpose(1, 2).contiguous() for w in kv_b]
     for N in KDA_ROWS:
         q = [torch.randn(N, Hm, nope, device=dev, dtype=torch.bfloat16) for _ in range(G)]
         o = [torch.randn(N, Hm, R, device=dev, dtype=torch.bfloat16) for _ in range(G)]
 
         def both(_mode: bool, q=q, o=o) -> list[Callable[[], object]]:
             def step(i: int) -> None:
-                _per_head(q[i], kv_b[i][:, :nope], "nhd,hdr->nhr")
-                _per_head(o[i], kv_b[i][:, nope:].transpose(1, 2), "nhr,hvr->nhv")
+                absorb_q(q[i], kv_b[i][:, :nope], uk_t[i])
+                absorb_o(o[i], kv_b[i][:, nope:])
 
             return [lambda i=i: step(i) for i in range(G)]
 

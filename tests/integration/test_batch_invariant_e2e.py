@@ -3,17 +3,14 @@ K = 3, some wrong, and MTP K = 3) gives the plain greedy run's logits bit for bi
 same logits as inside a batch, a prefix-cache hit gives what recomputing the prompt gives, and preempted
 requests recompute to the same bits, on the ``small`` preset's geometry (random weights, fp32).
 
-The CPU path runs torch's references, with two limits the GPU kernels do not have:
+The CPU path runs torch's references, with a limit the GPU kernels do not have:
 
 * ATen's vectorised elementwise kernels compute a tensor's tail (``numel`` mod the vector width) with the scalar
   code, whose ``sigmoid`` / ``silu`` round differently: a row's bits would depend on where it sits in the tensor.
   The cases run in a subprocess with ``ATEN_CPU_CAPABILITY=default`` (ATen's generic per-lane vectors, the scalar
   functions for every element).
-* The sparse-MLA layer's absorbed-attention einsums and pooling-gate GEMM (``attention/sparse/glm_kpool``:
-  ``layer.py``'s two ``einsum`` and one ``F.linear``, ``indexer.py``'s ``F.linear``) are not yet routed through
-  `trtllm_glm.linear.model_bmm` / `model_linear` (binv-attn's files): the whole-model case is expected to fail
-  until they are (with them switched it passes: oracle, MTP K = 3 and alone); the KDA-only subset (every KDA
-  layer of the preset, no MTP) covers the rest of the model now.
+The whole model (sparse MLA and MTP included) and a KDA-only subset (every KDA layer of the preset, no MTP,
+prefix hits and preemption) are checked.
 
 CPU time: ~10 s (two subprocesses; each builds its model once).
 """
@@ -127,7 +124,6 @@ def test_kda_model_speculative_equals_plain_bit_for_bit() -> None:
     assert _subprocess("kda") == {"oracle": True, "alone": True, "prefix_hit": True, "preempted": True}
 
 
-@pytest.mark.xfail(strict=True, reason="sparse-MLA call sites not yet on model_bmm / model_linear (binv-attn)")
 def test_whole_model_speculative_equals_plain_bit_for_bit() -> None:
     assert _subprocess("full") == {"oracle": True, "mtp": True, "alone": True, "prefix_hit": True, "preempted": True}
 

@@ -266,9 +266,9 @@ def test_indexer_row_same_alone_and_in_batch() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Absorbed per-head products of the sparse-MLA layer (einsum by default, `head_matmul` in the mode)
+# Absorbed per-head products of the sparse-MLA layer (einsum by default, `invariant_bmm` in the mode)
 def test_sparse_mla_absorbed_products_row_same_alone_and_in_batch() -> None:
-    from trtllm_glm.attention.sparse.glm_kpool.layer import _per_head
+    from trtllm_glm.attention.sparse.glm_kpool.layer import absorb_o, absorb_q
 
     gen = torch.Generator().manual_seed(950)
     nope, vh = _REAL.qk_nope_head_dim, _REAL.v_head_dim
@@ -277,8 +277,9 @@ def test_sparse_mla_absorbed_products_row_same_alone_and_in_batch() -> None:
     q_t = torch.randn(1, HM, nope, generator=gen).to(DEV, torch.bfloat16)
     o_t = torch.randn(1, HM, RANK, generator=gen).to(DEV, torch.bfloat16)
     with batch_invariant_mode(True):
-        qa1 = _per_head(q_t, w_uk, "nhd,hdr->nhr")
-        oa1 = _per_head(o_t, w_uv.transpose(1, 2), "nhr,hvr->nhv")
+        w_uk_t = w_uk.transpose(1, 2).contiguous()
+        qa1 = absorb_q(q_t, w_uk, w_uk_t)
+        oa1 = absorb_o(o_t, w_uv)
         ref = torch.einsum("nhd,hdr->nhr", q_t.float(), w_uk.float())
         assert ((qa1.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
         for M in ROWS[1:]:
@@ -286,8 +287,8 @@ def test_sparse_mla_absorbed_products_row_same_alone_and_in_batch() -> None:
             q = torch.randn(M, HM, nope, generator=gen).to(DEV, torch.bfloat16)
             o = torch.randn(M, HM, RANK, generator=gen).to(DEV, torch.bfloat16)
             q[at], o[at] = q_t[0], o_t[0]
-            assert _same(_per_head(q, w_uk, "nhd,hdr->nhr")[at], qa1[0]), f"M={M}: q_abs row differs"
-            assert _same(_per_head(o, w_uv.transpose(1, 2), "nhr,hvr->nhv")[at], oa1[0]), f"M={M}: o row differs"
+            assert _same(absorb_q(q, w_uk, w_uk_t)[at], qa1[0]), f"M={M}: q_abs row differs"
+            assert _same(absorb_o(o, w_uv)[at], oa1[0]), f"M={M}: o row differs"
 
 
 @pytest.mark.parametrize("M", ROWS[1:])

@@ -180,23 +180,3 @@ def test_pool_writes_same_from_decode_steps_and_one_verify_step() -> None:
     for name in ("index_k", "index_scale", "tail_ring"):
         assert torch.equal(_bits(getattr(verify, name)), _bits(getattr(steps, name))), name
     assert torch.isfinite(verify.index_scale).sum() >= 3  # pools were completed and written
-
-
-# ------------------------------------------------------------------------------------------------
-# Absorbed per-head products (`kernels.absorb.head_matmul`, the mode's einsum)
-@pytest.mark.parametrize("transposed", [False, True])
-def test_head_matmul_row_same_alone_and_in_batch(transposed: bool) -> None:
-    """Kd = 72 and J = 136 are not tile multiples; N = 20 puts the row in a second 16-row tile."""
-    g = torch.Generator().manual_seed(3105)
-    Hh, Kd, J = 3, 72, 136
-    w = torch.randn(Hh, J, Kd, generator=g).transpose(1, 2) if transposed else torch.randn(Hh, Kd, J, generator=g)
-    mod = K.kernel_module("absorb", "cpu")
-    x_t = torch.randn(1, Hh, Kd, generator=g)
-    alone = mod.head_matmul(x_t, w, out=torch.full((1, Hh, J), float("nan")))
-    torch.testing.assert_close(alone, torch.einsum("nhk,hkj->nhj", x_t, w), atol=1e-5, rtol=1e-5)
-    for M, at in ((3, 1), (8, 7), (20, 17)):
-        x = torch.randn(M, Hh, Kd, generator=g)
-        x[at] = x_t[0]
-        out = mod.head_matmul(x, w, out=torch.full((M, Hh, J), float("nan")))
-        assert not out.isnan().any()
-        assert torch.equal(_bits(out[at]), _bits(alone[0])), f"M={M}: the row changed"

@@ -13,7 +13,7 @@ from torch import nn
 
 from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
-from ....linear import linear_fp32
+from ....linear import linear_fp32, model_linear
 from .backend import kpool_ops
 from .metadata import GlmKpoolMetadata
 from .ops import expand_selection_window, indexer_head_weights
@@ -65,7 +65,7 @@ class GlmKpoolIndexer(nn.Module):
             projected: ``(wk(h), h @ index_kpool_compress_gate^T)`` when the caller's fused GEMM computed them.
         """
         if projected is None:
-            projected = (self.wk(h), F.linear(h, self.index_kpool_compress_gate.to(h.dtype)))
+            projected = (self.wk(h), model_linear(h, self.index_kpool_compress_gate.to(h.dtype)))
         raw_k, gate = projected
         k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
         return k, gate.float()

@@ -5,15 +5,15 @@ pooled FP8 indexer.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ....cache.manager import KpoolLayerCache
 from ....config import Glm5NextConfig
+from ....linear import invariant_bmm, model_linear
 from ....modules.norm import RMSNorm
 from ....modules.weight_views import FusedWeights, refuse_stale
 from ....numerics import batch_invariant
-from .backend import backend_name, kpool_ops
+from .backend import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
 
@@ -52,6 +52,7 @@ class GlmKpoolSparseMLA(nn.Module):
         self._in_fused: FusedWeights | None = None
         # `_absorbed_fp8`: (key, dequantised kv_b_proj) when that weight is block FP8.
         self._kv_b_cache: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._w_uk_t_cache: tuple[tuple[object, ...], torch.Tensor] | None = None
 
     def _fused_candidates(self) -> list[tuple[list[nn.Module], list[str] | None]]:
         """Groups `fuse_weights` tries, largest first. The pooling gate is a plain parameter: block-FP8
@@ -91,7 +92,7 @@ class GlmKpoolSparseMLA(nn.Module):
             if len(parts) == 4:
                 return parts[0], parts[1], (parts[2], parts[3])
             if len(parts) == 3 and self.indexer is not None:  # FP8 group: the pooling gate on its own
-                gate = F.linear(h, self.indexer.index_kpool_compress_gate.to(h.dtype))
+                gate = model_linear(h, self.indexer.index_kpool_compress_gate.to(h.dtype))
                 return parts[0], parts[1], (parts[2], gate)
             return parts[0], parts[1], None
         return self.q_a_proj(h), self.kv_a_proj_with_mqa(h), None
@@ -165,26 +166,43 @@ class GlmKpoolSparseMLA(nn.Module):
             sel = meta.selection_buf[:N]
         w_uk, w_uv = self.absorbed_weights()
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
-        q_abs = _per_head(q, w_uk, "nhd,hdr->nhr")
+        q_abs = absorb_q(q, w_uk, self._w_uk_t(w_uk) if batch_invariant() else None)
         o_lat = kpool_ops(h.device).sparse_mla_attention(
             q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.page_size, self.softmax_scale
         )
-        o = _per_head(o_lat, w_uv.transpose(1, 2), "nhr,hvr->nhv").reshape(N, self.num_heads * self.v_head)
+        o = absorb_o(o_lat, w_uv).reshape(N, self.num_heads * self.v_head)
         return self.o_proj(o)
 
+    def _w_uk_t(self, w_uk: torch.Tensor) -> torch.Tensor:
+        """``W_uk`` as ``[H, kv_lora, qk_nope]`` with a unit last stride (the batch-invariant GEMM's weight
+        layout), copied once and cached while ``W_uk``'s storage and version stay (graph replays reuse it)."""
+        key = (w_uk.data_ptr(), w_uk._version, w_uk.dtype)
+        hit = self._w_uk_t_cache
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        if w_uk.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("GlmKpoolSparseMLA: W_uk changed since the last eager call; run one first")
+        with torch.inference_mode(False), torch.no_grad():
+            w = w_uk.transpose(1, 2).contiguous()
+        self._w_uk_t_cache = (key, w)
+        return w
 
-def _per_head(x: torch.Tensor, w: torch.Tensor, equation: str) -> torch.Tensor:
-    """``x [N, H, K]`` times the per-head ``w [H, K, J]`` -> ``[N, H, J]`` (the absorbed projections).
 
-    Default: ``torch.einsum(equation, ...)`` on ``w`` as the caller's einsum names it (for ``"nhr,hvr->nhv"``,
-    ``w`` is given transposed and handed back untransposed). In the batch-invariant mode, where the glm_kpool
-    kernels run: `kernels.absorb.head_matmul`, one tile shape for every row count (cuBLAS picks the batched
-    GEMM's algorithm from ``N``, so a row would round differently alone, in a batch or as a verify row).
+def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, w_uk_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [N, H, qk_nope]`` times the per-head ``W_uk [H, qk_nope, kv_lora]`` -> ``[N, H, kv_lora]``.
+
+    ``torch.einsum`` by default; with ``w_uk_t`` (``W_uk`` as ``[H, kv_lora, qk_nope]``, unit last stride) in the
+    batch-invariant mode, `trtllm_glm.linear.invariant_bmm`: cuBLAS picks a batched GEMM's algorithm from ``N``,
+    so a row would round differently alone, in a batch or as a verify row.
     """
-    if batch_invariant() and backend_name(x.device) == "triton":
-        from .kernels import kernel_module
+    if w_uk_t is not None and batch_invariant():
+        return invariant_bmm(q, w_uk_t)
+    return torch.einsum("nhd,hdr->nhr", q, w_uk)
 
-        return kernel_module("absorb", x.device).head_matmul(x, w)
-    if equation == "nhr,hvr->nhv":
-        return torch.einsum(equation, x, w.transpose(1, 2))
-    return torch.einsum(equation, x, w)
+
+def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``o_lat [N, H, kv_lora]`` times the per-head ``W_uv [H, v_head, kv_lora]``^T -> ``[N, H, v_head]``
+    (``invariant_bmm`` in the batch-invariant mode, as `absorb_q`)."""
+    if batch_invariant():
+        return invariant_bmm(o_lat, w_uv)
+    return torch.einsum("nhr,hvr->nhv", o_lat, w_uv)
