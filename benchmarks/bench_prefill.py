@@ -40,6 +40,7 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from bench_e2e import emit, random_model, run_transformers, say, top_kernels
@@ -472,7 +473,7 @@ def main() -> None:
                     row["ms_by_class"] = {k: round(v, 1) for k, v in sorted(timer.totals().items())}
                 if args.profile_kernels and dev == "cuda" and (n == 32768 or n == lens[-1]) and n <= 131072:
                     ids = prompt_ids(n, cfg.vocab_size, 300 + i)
-                    row["top_kernels"] = top_kernels(lambda: timed_prompt(llm, ids, 0, dev), args.profile_kernels)
+                    row["top_kernels"] = top_kernels(partial(timed_prompt, llm, ids, 0, dev), args.profile_kernels)
                 rows.append(row)
                 emit(row)
             llm.shutdown()
