@@ -29,6 +29,7 @@ from .cuda_graph import (
     HostResults,
     greedy_and_gap,
 )
+from .prefill_memory import prefill_workspace_bytes
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -192,12 +193,16 @@ class Executor:
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
         )
-        # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate).
+        # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate), with
+        # room for a prefill chunk's transient buffers at the longest context (`prefill_memory`).
+        max_seq = min(self.cfg.max_seq_len, self.config.max_position_embeddings, kw["num_pages"] * P)
+        self.workspace_bytes = prefill_workspace_bytes(self.config, self.cfg.max_num_tokens, max_seq, self.dtype)
         check_memory(
-            Glm5NextCacheManager.estimate_bytes(self.config, **kw),
+            Glm5NextCacheManager.estimate_bytes(self.config, **kw) + self.workspace_bytes,
             self.device,
             what=f"the KV cache ({kw['num_pages']} pages of {P} tokens, {self.cfg.max_batch_size} state slots)"
-            + (f" on {self.model.mapping.describe()}" if self.model.mapping.is_parallel else ""),
+            + (f" on {self.model.mapping.describe()}" if self.model.mapping.is_parallel else "")
+            + f" and a prefill chunk's workspace ({self.workspace_bytes / 2**30:.1f} GiB)",
         )
         return Glm5NextCacheManager(self.config, **kw, device=self.device)
 
