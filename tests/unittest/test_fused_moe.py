@@ -21,6 +21,7 @@ from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.modules.ffn import MOE_BACKEND_ENV, MoE, clamped_swiglu
 from trtllm_glm.moe import kernels as K
 from trtllm_glm.moe import ops as R
+from trtllm_glm.numerics import batch_invariant_mode
 
 pytestmark = [
     pytest.mark.cpu_only,
@@ -491,6 +492,8 @@ def test_large_m_launch_matches_reference(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(mod, "large_m_launch", spy)
     n, h, inter, e, k = 203, 72, 40, 3, 2
     assert K.large_m_launch(n * k, e) is not None and K.large_m_launch(n * k, 2 * e) is None
+    with batch_invariant_mode():
+        assert K.large_m_launch(n * k, e) is None  # no launch that depends on the row count in that mode
     x, ids, w, w13, w2 = _problem(n, h, inter, e, k, "random", seed=77)
     assert _clamp_active(x, ids, w13, LIMIT)
     out, scratch = _poisoned_run(x, ids, w, w13, w2, LIMIT)

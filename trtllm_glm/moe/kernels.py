@@ -72,6 +72,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..numerics import batch_invariant
 from .ops import FP8_BLOCK, check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
 
@@ -482,9 +483,11 @@ def large_m_launch(num_pairs: int, num_experts: int) -> dict[str, object] | None
     (128 divides them: one scale per K step and column block).
 
     Returns:
-        ``{"block_m", "block_n": (gate_up, down), "block_k": (gate_up, down), "num_warps", "num_stages"}``.
+        ``{"block_m", "block_n": (gate_up, down), "block_k": (gate_up, down), "num_warps", "num_stages"}``;
+        ``None`` in the batch-invariant mode too.
     """
-    if num_pairs < LARGE_M_PAIRS_PER_EXPERT * num_experts:
+    if num_pairs < LARGE_M_PAIRS_PER_EXPERT * num_experts or batch_invariant():
+        # Batch-invariant mode (`trtllm_glm.numerics`): no launch may depend on the number of rows.
         return None
     return {"block_m": 64, "block_n": (64, 128), "block_k": (64, 64), "num_warps": 4, "num_stages": 4}
 
