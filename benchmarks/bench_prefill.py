@@ -10,8 +10,9 @@ of each ``--lens`` length (random tokens, prefix cache off) through ``LLM.genera
 * ``compute_floor_ms``: the prompt's FLOPs counted per op class (`prefill_flops`) at the dense matmul rate measured
   in the same run (`matmul_tflops`: bf16, or FP8 for the weight GEMMs of ``--weights fp8``), and ``ratio`` =
   ``ttft_ms / compute_floor_ms``; ``floor_ms_by_class`` the same per class;
-* ``peak_gib``: peak allocated device memory during the prompt; ``est_workspace_gib``: the executor's estimate of
-  a chunk's transient buffers (`trtllm_glm.runtime.prefill_memory`), checked before allocation;
+* ``peak_gib``: peak allocated device memory during the prompt, ``transient_gib`` the part above what was allocated
+  before it (weights, caches); ``est_workspace_gib``: the executor's estimate of a chunk's transient buffers
+  (`trtllm_glm.runtime.prefill_memory`), checked before allocation (a ``[check]`` line flags an undercount);
 * ``ms_by_class`` (second cold prompt of the same length, ``--attribute``): device time between CUDA events
   recorded around the op classes (innermost range wins): ``kda_core`` (fla chunk kernels), ``kda_layer`` (the
   rest of a KDA layer: projections, conv, gates), ``indexer_score``, ``topk``, ``sparse_mla``, ``indexer_other``
@@ -357,9 +358,11 @@ def timed_prompt(llm: LLM, ids: list[int], decode: int, device: str) -> dict:
         if tokens >= 1 and "first" not in marks:
             marks["first"] = time.perf_counter()
 
+    base = 0
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()  # weights, caches, persistent buffers
     t0 = time.perf_counter()
     out = llm.generate(ids, sp, progress=progress)
     if device == "cuda":
@@ -369,7 +372,9 @@ def timed_prompt(llm: LLM, ids: list[int], decode: int, device: str) -> dict:
     if decode:
         row["decode_ms_per_token"] = (t1 - marks["first"]) * 1e3 / decode
     if device == "cuda":
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        peak = torch.cuda.max_memory_allocated()
+        row["peak_gib"] = peak / 2**30
+        row["transient_gib"] = (peak - base) / 2**30  # what the prompt allocated on top: vs est_workspace_gib
     return row
 
 
@@ -390,6 +395,13 @@ def goal_lines(rows: list[dict]) -> list[str]:
             lines.append(
                 f"[goal] 4 layers, {target} tokens: TTFT {r['ttft_ms']:.0f} ms vs floor {r['compute_floor_ms']:.0f} "
                 f"ms = {r['ratio']:.2f}x (chunk {r['chunk']}; goal <= 3x: {ok})"
+            )
+    for r in ours:
+        if r.get("transient_gib", 0.0) > r.get("est_workspace_gib", float("inf")):
+            lines.append(
+                f"[check] {r['prompt_len']} tokens, chunk {r['chunk']}: the prompt allocated {r['transient_gib']:.1f} "
+                f"GiB beyond the weights and caches, above the executor's workspace estimate "
+                f"{r['est_workspace_gib']:.1f} GiB (runtime/prefill_memory.py undercounts)"
             )
     if ours:
         longest = max(ours, key=lambda r: r["prompt_len"])

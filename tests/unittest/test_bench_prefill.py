@@ -85,6 +85,8 @@ def test_goal_lines() -> None:
          "compute_floor_ms": 5300.0, "ratio": 5.66, "peak_gib": 60.0, "decode_ms_per_token": 9.5},
     ]  # fmt: skip
     a, b, c = goal_lines(rows)
+    rows[1].update(transient_gib=7.0, est_workspace_gib=6.0)
+    assert any("[check] 131072 tokens" in line and "undercounts" in line for line in goal_lines(rows))
     assert "32768 tokens" in a and "2.50x" in a and "MET" in a and "NOT MET" not in a
     assert "131072 tokens" in b and "NOT MET" in b
     assert "1048000 tokens" in c and "30.0 s" in c and "9.5 ms/token" in c
