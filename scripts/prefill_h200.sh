@@ -10,8 +10,8 @@ D=$(date -u +%F)
 R=benchmarks/results
 # 1) GPU tests: indexer + sparse MLA at a 1M context vs references, a 128K prompt across chunk sizes, the MoE at
 #    prefill sizes on the fused path (and its existing decode-size checks).
-timeout 240 "$PY" -m pytest -q -s -p no:xdist tests/unittest/test_prefill_gpu.py tests/unittest/test_fused_moe_gpu.py \
+timeout 200 "$PY" -m pytest -q -s -p no:xdist tests/unittest/test_prefill_gpu.py tests/unittest/test_fused_moe_gpu.py \
   2>&1 | tee "$R/prefill_gpu_tests_h200_$D.log"
 # 2) TTFT vs floor, time per op class, compiles during each prompt, peak memory; decode after the 1M prompt.
-timeout 400 "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192 \
+timeout 300 "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192 \
   --decode 16 --profile-kernels 20 --json "$R/prefill_real4_h200_$D.json" 2>&1 | tee "$R/prefill_real4_h200_$D.log"
