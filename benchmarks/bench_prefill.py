@@ -488,6 +488,7 @@ def main() -> None:
                     row["top_kernels"] = top_kernels(partial(timed_prompt, llm, ids, 0, dev), args.profile_kernels)
                 rows.append(row)
                 emit(row)
+                save(args.json, rates, rows)  # after every row: a run cut short keeps what it measured
             llm.shutdown()
             del llm
             gc.collect()
@@ -510,8 +511,13 @@ def main() -> None:
             torch.cuda.empty_cache()
     for line in goal_lines(rows):
         say(line)
-    if args.json:
-        with open(args.json, "w") as f:
+    save(args.json, rates, rows)
+
+
+def save(path: str | None, rates: dict[str, float], rows: list[dict]) -> None:
+    """The run so far as JSON (rates, rows, goal lines)."""
+    if path:
+        with open(path, "w") as f:
             json.dump({"rates_tflops": rates, "rows": rows, "goals": goal_lines(rows)}, f, indent=1)
 
 
