@@ -451,7 +451,11 @@ def main() -> None:
             continue
         cfg = subset_config(full, list(range(min(L, full.num_hidden_layers))))
         cfg.num_nextn_predict_layers = 0  # prefill of the trunk (no MTP drafts)
-        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max(lens) + args.decode + 1)
+        if max(lens) + args.decode + 1 > cfg.max_position_embeddings:
+            raise SystemExit(
+                f"prompt {max(lens)} + {args.decode} decoded tokens exceed the model's "
+                f"{cfg.max_position_embeddings} positions"
+            )
         model = random_model(cfg, dev, args.dtype, seed=0)
         if args.weights == "fp8":
             from trtllm_glm.config import QuantConfig
