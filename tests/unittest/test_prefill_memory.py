@@ -4,6 +4,7 @@ cache by the executor."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import trtllm_glm.models.glm5_next as glm
 from trtllm_glm.cache.manager import Glm5NextCacheManager
@@ -11,7 +12,12 @@ from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.errors import CheckpointError
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
-from trtllm_glm.runtime.prefill_memory import prefill_workspace, prefill_workspace_bytes
+from trtllm_glm.runtime.prefill_memory import (
+    MAX_STEP_ROWS_CUDA,
+    check_step_rows,
+    prefill_workspace,
+    prefill_workspace_bytes,
+)
 
 pytestmark = pytest.mark.cpu_only
 
@@ -51,3 +57,10 @@ def test_executor_refuses_a_cache_plus_workspace_that_cannot_fit(monkeypatch: py
         Executor(model, ecfg)
     monkeypatch.setattr(glm, "free_bytes", lambda device: cache + ws)
     assert Executor(model, ecfg).workspace_bytes == ws
+
+
+def test_step_rows_past_the_cuda_grid_limit_are_refused() -> None:
+    check_step_rows(MAX_STEP_ROWS_CUDA, "cuda")
+    check_step_rows(1 << 20, "cpu")  # the CPU path has no grid limit
+    with pytest.raises(ValueError, match="max_num_tokens=65536 exceeds 65535"):
+        check_step_rows(65536, torch.device("cuda", 0))

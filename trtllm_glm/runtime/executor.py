@@ -29,7 +29,7 @@ from .cuda_graph import (
     HostResults,
     greedy_and_gap,
 )
-from .prefill_memory import prefill_workspace_bytes
+from .prefill_memory import check_step_rows, prefill_workspace_bytes
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -123,6 +123,7 @@ class Executor:
             # Fewer launches per KDA layer (one input GEMM, taps without a copy); before any graph capture.
             # The CPU keeps separate GEMMs: its results stay bit for bit what they were.
             model.fuse_weights()
+        check_step_rows(cfg.max_num_tokens, self.device)
         P = cfg.tokens_per_block
         # CUDA graphs pad batches with sequences that run on one reserved state slot (cuda_graph.py).
         self._use_graphs = cfg.cuda_graph_config is not None and self._graphs_supported()

@@ -30,7 +30,11 @@ import torch
 from ..config import Glm5NextConfig
 from ..modules.ffn import FUSED_MAX_ROWS
 
-__all__ = ["prefill_workspace", "prefill_workspace_bytes"]
+__all__ = ["MAX_STEP_ROWS_CUDA", "check_step_rows", "prefill_workspace", "prefill_workspace_bytes"]
+
+MAX_STEP_ROWS_CUDA = 65535
+"""Rows one step may hold on CUDA: the top-k chunk kernel and the sparse-MLA kernels put the rows on a grid axis
+other than the first, whose size CUDA caps at 65,535."""
 
 _TOPK_MAX_CANDIDATES = 32768  # the top-k kernels' largest per-row candidate block (`kernels.topk._MAX_BLOCK`)
 _KDA_CHUNK = 64
@@ -90,3 +94,16 @@ def prefill_workspace_bytes(
 ) -> int:
     """``prefill_workspace(...)["total"]``: the bytes the executor reserves for a chunk's transient buffers."""
     return prefill_workspace(config, max_num_tokens, max_seq_len, dtype)["total"]
+
+
+def check_step_rows(max_num_tokens: int, device: torch.device | str) -> None:
+    """Refuse a step size the CUDA kernels cannot launch (`MAX_STEP_ROWS_CUDA`), before anything is allocated.
+
+    Raises:
+        ValueError: ``max_num_tokens`` is above the limit and ``device`` is a CUDA device.
+    """
+    if torch.device(device).type == "cuda" and max_num_tokens > MAX_STEP_ROWS_CUDA:
+        raise ValueError(
+            f"max_num_tokens={max_num_tokens} exceeds {MAX_STEP_ROWS_CUDA}, the most rows one step's top-k and "
+            f"sparse-MLA kernels can launch on CUDA (use a smaller max_num_tokens or prefill_chunk_size)"
+        )
