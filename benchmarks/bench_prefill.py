@@ -22,7 +22,9 @@ of each ``--lens`` length (random tokens, prefix cache off) through ``LLM.genera
 * ``compiles``: Triton kernels compiled during the timed prompt (0 after a warm-up that covers the shapes:
   a prefill of ``2 * chunk + 1`` tokens, then the indexer's score / top-k launches at every power-of-two score
   width up to the prompt's, `warm_indexer_shapes`);
-* ``decode_ms_per_token`` (the longest prompt, ``--decode N`` tokens after it).
+* ``decode_ms_per_token`` (the longest prompt, ``--decode N`` tokens after it);
+* ``ttft_ms_ab`` (``--ab-env VAR=VALUE``, prompts up to ``--ab-max-len``): one more cold prompt with that variable
+  set, e.g. ``TRTLLM_GLM_MOE_BACKEND=torch`` for the MoE's per-expert loop that prefill used before.
 
 ``--transformers`` adds the reference's TTFT (its ``generate`` with one new token, same weights) at the lengths up
 to ``--transformers-max-len`` (its attention masks are dense: 32K needs > 100 GB). ``[goal]`` lines: TTFT <= 3x
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -437,6 +440,12 @@ def main() -> None:
     ap.add_argument("--profile-kernels", type=int, default=0, help="N costliest kernels of the 32K (or last) prompt")
     ap.add_argument("--transformers", action="store_true", help="also the reference's TTFT")
     ap.add_argument("--transformers-max-len", type=int, default=32768)
+    ap.add_argument(
+        "--ab-env", default=None, metavar="VAR=VALUE",
+        help="also time one more cold prompt per length with this environment variable set (ttft_ms_ab), e.g. "
+        "TRTLLM_GLM_MOE_BACKEND=torch: the per-expert loop prefill took before",
+    )  # fmt: skip
+    ap.add_argument("--ab-max-len", type=int, default=32768, help="longest prompt of the --ab-env timing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cap = {int(a): int(b) for a, b in (s.split(":") for s in args.max_len_by_layers)}
@@ -483,6 +492,18 @@ def main() -> None:
                        "floor_ms_by_class": {k: round(v, 2) for k, v in per.items()}}  # fmt: skip
                 if ws is not None:
                     row["est_workspace_gib"] = ws / 2**30
+                if args.ab_env and n <= args.ab_max_len:
+                    var, value = args.ab_env.split("=", 1)
+                    old = os.environ.get(var)
+                    os.environ[var] = value
+                    try:
+                        ab = timed_prompt(llm, prompt_ids(n, cfg.vocab_size, 400 + i), 0, dev)
+                    finally:
+                        if old is None:
+                            os.environ.pop(var)
+                        else:
+                            os.environ[var] = old
+                    row["ab_env"], row["ttft_ms_ab"] = args.ab_env, ab["ttft_ms"]
                 if n <= args.attribute_max_len:
                     with timer.timing():
                         timed_prompt(llm, prompt_ids(n, cfg.vocab_size, 200 + i), 0, dev)

@@ -12,6 +12,7 @@ R=benchmarks/results
 #    prefill sizes on the fused path (and its existing decode-size checks).
 timeout 200 "$PY" -m pytest -q -s -p no:xdist tests/unittest/test_prefill_gpu.py tests/unittest/test_fused_moe_gpu.py \
   2>&1 | tee "$R/prefill_gpu_tests_h200_$D.log"
-# 2) TTFT vs floor, time per op class, compiles during each prompt, peak memory; decode after the 1M prompt.
+# 2) TTFT vs floor, time per op class, compiles during each prompt, peak memory; decode after the 1M prompt; up to
+#    32K also the TTFT with the MoE's per-expert loop (what prefill used before: ttft_ms_ab).
 timeout 300 "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192 \
-  --decode 16 --profile-kernels 20 --json "$R/prefill_real4_h200_$D.json" 2>&1 | tee "$R/prefill_real4_h200_$D.log"
+  --decode 16 --profile-kernels 20 --ab-env TRTLLM_GLM_MOE_BACKEND=torch --json "$R/prefill_real4_h200_$D.json" 2>&1 | tee "$R/prefill_real4_h200_$D.log"
