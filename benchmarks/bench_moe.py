@@ -19,7 +19,8 @@ Each row carries ``"weights": "bf16"`` or ``"fp8"``. GB/s = floor bytes / fused 
 device-to-device copy measured in the same run (bytes read + written); ``x floor`` = fused time / (floor bytes at
 the copy bandwidth). Each case is checked against the fp32 reference (FP8: weights dequantised per tile) before it
 is timed. ``loop`` for FP8: each used expert dequantised per tile (fp32, then bf16) and run in bf16, the
-module's path past ``fused_max_rows`` (``--rows 1024,4096`` times prefill sizes).
+module's torch backend (``--rows 1024,4096`` times prefill sizes; the module's ``auto`` backend takes the fused
+kernels at every size on CUDA, with `kernels.large_m_launch` at prefill sizes).
 
 Usage (on a CUDA machine, from the repository root)::
 

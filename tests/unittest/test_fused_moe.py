@@ -21,6 +21,7 @@ from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.modules.ffn import MOE_BACKEND_ENV, MoE, clamped_swiglu
 from trtllm_glm.moe import kernels as K
 from trtllm_glm.moe import ops as R
+from trtllm_glm.numerics import batch_invariant_mode
 
 pytestmark = [
     pytest.mark.cpu_only,
@@ -470,3 +471,67 @@ def test_align_env_is_read_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(K.ALIGN_ENV, "cub")
     with pytest.raises(ValueError, match=K.ALIGN_ENV):
         K.fused_moe(x, ids, w, w13, w2, LIMIT)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Prefill sizes: the large-M launch and the module's row slabs
+# ------------------------------------------------------------------------------------------------------
+def test_large_m_launch_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill-sized batches (>= LARGE_M_PAIRS_PER_EXPERT pairs per expert on average) take the large-M tiles
+    (64-row blocks, 128-wide down tiles, 64-wide K steps): H = 72 and I = 40 leave ragged K steps and column
+    blocks, skewed routing gives experts several row blocks and others none."""
+    launches: list[dict] = []
+    mod = K._interpreted_module()
+    real = mod.large_m_launch
+
+    def spy(p: int, e: int):
+        got = real(p, e)
+        launches.append({"p": p, "cfg": got})
+        return got
+
+    monkeypatch.setattr(mod, "large_m_launch", spy)
+    n, h, inter, e, k = 203, 72, 40, 3, 2
+    assert K.large_m_launch(n * k, e) is not None and K.large_m_launch(n * k, 2 * e) is None
+    with batch_invariant_mode():
+        assert K.large_m_launch(n * k, e) is None  # no launch that depends on the row count in that mode
+    x, ids, w, w13, w2 = _problem(n, h, inter, e, k, "random", seed=77)
+    assert _clamp_active(x, ids, w13, LIMIT)
+    out, scratch = _poisoned_run(x, ids, w, w13, w2, LIMIT)
+    assert launches and all(c["cfg"] is not None for c in launches), "the large-M launch should be taken"
+    _assert_written(scratch, 64)
+    ref = R.fused_moe_ref(x, ids, w, w13, w2, LIMIT)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # Explicit tiles win over the large-M launch (and give the same values: each row depends on its operands).
+    launches.clear()
+    small = K.fused_moe(x, ids, w, w13, w2, LIMIT, block_m=16)
+    torch.testing.assert_close(small, out, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert all(c["cfg"] is None for c in launches) or not launches
+
+
+def test_module_slabs_equal_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MoE` on the fused path splits a prefill chunk into slabs of `fused_max_rows` rows (bounded pair buffer):
+    the result, dead rows included, equals one call over all rows."""
+    m = MoE(_cfg())
+    m.reset_parameters(torch.Generator().manual_seed(21), 0.4)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(23, 40, generator=g) * 3
+    live = (torch.rand(23, generator=g) > 0.3).to(torch.int32)
+    m.backend = "triton"
+    with torch.no_grad():
+        whole = m(x, row_live=live)
+        m.fused_max_rows = 7  # 23 rows: slabs of 7, 7, 7, 2
+        rows: list[int] = []
+        real = K.fused_moe
+
+        def spy(x2, *a, **kw):
+            rows.append(x2.shape[0])
+            return real(x2, *a, **kw)
+
+        monkeypatch.setattr(K, "fused_moe", spy)
+        slabbed = m(x, row_live=live)
+    assert rows == [7, 7, 7, 2]
+    torch.testing.assert_close(slabbed, whole, rtol=1e-6, atol=1e-6 * whole.abs().max().item())
+    m.backend = "torch"
+    with torch.no_grad():
+        loop = m(x, row_live=live)
+    torch.testing.assert_close(slabbed, loop, rtol=1e-5, atol=1e-5 * loop.abs().max().item())

@@ -401,3 +401,32 @@ def test_kernels_with_32_wide_scale_tiles() -> None:
     _close(out, ref, 2e-5)
     with pytest.raises(ValueError, match="w_gate_up_scale must be fp32"):  # the 128-tile grid is another shape
         K.fused_moe(x, ids, w, q13, q2, LIMIT, w_gate_up_scale=s13, w_down_scale=s2)
+
+
+def test_large_m_launch_with_fp8_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill-sized batch (`kernels.large_m_launch`) of block-FP8 experts: the large-M tiles shrink to the scale
+    tile (32 here) and the result is the reference's (H = 96, I = 72: ragged column blocks)."""
+    launches: list[object] = []
+    mod = K._interpreted_module()
+    real = mod.large_m_launch
+    monkeypatch.setattr(mod, "large_m_launch", lambda p, e: launches.append(real(p, e)) or launches[-1])
+    g = torch.Generator().manual_seed(12)
+    n, h, inter, e, k = 200, 96, 72, 3, 2
+    x = torch.randn(n, h, generator=g) * 4.0
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g) + 0.1
+
+    def quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        factor = torch.exp(torch.randn(math.ceil(t.shape[0] / 32), math.ceil(t.shape[1] / 32), generator=g))
+        t = t * factor.repeat_interleave(32, 0)[: t.shape[0]].repeat_interleave(32, 1)[:, : t.shape[1]]
+        return quantize_block_fp8(t, 32)
+
+    gate_up = [[quant(torch.randn(inter, h, generator=g) * 0.5) for _ in range(2)] for _ in range(e)]
+    down = [quant(torch.randn(h, inter, generator=g) * inter**-0.5) for _ in range(e)]
+    q13 = torch.stack([torch.cat([gq for gq, _ in pair]) for pair in gate_up])
+    s13 = torch.stack([torch.cat([gs for _, gs in pair]) for pair in gate_up])
+    q2, s2 = torch.stack([q for q, _ in down]), torch.stack([s for _, s in down])
+    out, scratch = _poisoned(x, ids, w, q13, s13, q2, s2, fp8_block=32)
+    assert launches and all(c is not None for c in launches), "the large-M launch should be taken"
+    assert not scratch["pair_out"].isnan().any()
+    _close(out, _ref(x, ids, w, q13, s13, q2, s2, fp8_block=32), 2e-5)

@@ -173,3 +173,41 @@ def test_dead_rows_in_a_graph(real_moe: MoE, align: str) -> None:
         assert torch.equal(out[~on], torch.zeros_like(out[~on]))
         used = set(scratch["block_expert"].tolist()) - {-1}
         assert used == set(ids[on].unique().tolist())
+
+
+def test_prefill_rows_on_the_fused_path(real_moe: MoE) -> None:
+    """A prefill chunk (8,192 + 37 rows: the large-M launch over two slabs of `fused_max_rows`) goes to the fused
+    kernels under ``auto`` (no per-expert loop), within the bf16 loop's error of the fp32 reference."""
+    m = real_moe
+    n = m.fused_max_rows + 37
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (torch.randn(n, m.hidden_size, device="cuda", generator=g) * X_SCALE).to(torch.bfloat16)
+    calls: list[int] = []
+    real = K.fused_moe
+
+    def spy(x2, *a, **kw):
+        calls.append(x2.shape[0])
+        return real(x2, *a, **kw)
+
+    with torch.no_grad():
+        ids, w = m.gate(x)
+        assert K.large_m_launch(m.fused_max_rows * 8, 288) is not None
+        K.fused_moe = spy
+        try:
+            out = m(x)  # auto
+        finally:
+            K.fused_moe = real
+        assert calls == [m.fused_max_rows, 37]
+        routed = K.fused_moe(x, ids, w, *m.stacked_expert_weights(), m.swiglu_limit)
+        w13, w2 = m.stacked_expert_weights()
+        ref = R.fused_moe_ref(x, ids, w, w13, w2, m.swiglu_limit)
+        loop = m._routed_loop(x, ids, w)
+        shared = m.shared_experts(x).float()
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    err, err_loop = _rel_err(routed, ref), _rel_err(loop, ref)
+    print(f"N={n}: fused (large-M) rel err {err:.2e}, per-expert bf16 loop {err_loop:.2e}")
+    assert err < 1e-2 and err <= 1.5 * err_loop + 1e-4
+    # The module's result is the fused routed part plus the shared experts, rounded once.
+    full = m.fused_max_rows
+    torch.testing.assert_close(out[:full].float(), (routed[:full] + shared[:full]).to(torch.bfloat16).float())

@@ -827,3 +827,23 @@ def test_sparse_mla_subset_and_minus_one_entries() -> None:
     c = sparse_mla_attention(q, cache.latent, empty, q_seq, table, 4, 0.25)
     assert torch.equal(c[3], torch.zeros_like(c[3]))
     assert_same_bits(c[:3], b[:3])
+
+
+def test_wider_score_matrix_selects_the_same_pools() -> None:
+    """`GlmKpoolMetadata.score_columns` pads the score matrix to a power of two: the extra columns score -inf and
+    the selection (ties included) is the one of the exact width."""
+    g = gen(31)
+    page_size, num_pages, heads = 8, 40, 4
+    index_k, index_scale = random_index_cache(g, num_pages, page_size)
+    table = random_slot_table(g, [20, 13], num_pages, width=24)
+    positions, row_seq = layout([(0, 70, 9), (1, 3, 47)])  # rows with 0 .. 17 complete pools
+    n = positions.shape[0]
+    q8 = (randn(g, n, heads, D) * 50).to(torch.float8_e4m3fn)
+    w = randn(g, n, heads)
+    exact = int(((positions + 1) // 4).max())
+    assert exact & (exact - 1)  # not a power of two already
+    base = score_pools(q8, w, index_k, index_scale, positions, row_seq, table, page_size, exact)
+    wide = score_pools(q8, w, index_k, index_scale, positions, row_seq, table, page_size, 32)
+    assert torch.equal(wide[:, :exact], base) and (wide[:, exact:] == -math.inf).all()
+    for topk in (1, 5, 16, 20):
+        assert torch.equal(select_topk_pools(wide, positions, topk), select_topk_pools(base, positions, topk))

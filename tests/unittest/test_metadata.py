@@ -135,3 +135,19 @@ def test_incremental_table_rows_match_full_writes() -> None:
         _write_rows(want, tables)
         assert np.array_equal(staging.arrays()["table"], want), step
         staging.release()
+
+
+def test_score_columns_are_powers_of_two_covering_the_pools() -> None:
+    """The indexer's score width (`score_columns`) takes few values over a growing prompt (no new top-k compile per
+    chunk) and always covers every complete pool; under graph capture it is the fixed graph bound."""
+    _, meta = setup()
+    widths = set()
+    for kv in range(0, 4 * 70, 3):
+        meta.max_kv_len = kv
+        c = meta.score_columns
+        assert c >= meta.max_pools and (c & (c - 1) == 0 or c == 0)
+        assert c < 2 * meta.max_pools or meta.max_pools <= 1
+        widths.add(c)
+    assert widths == {0, 1, 2, 4, 8, 16, 32, 64, 128}
+    meta.graph_max_pools = 24
+    assert meta.score_columns == 24

@@ -379,7 +379,7 @@ class KimiDeltaAttention(nn.Module):
     def _slots(batch: KdaBatchLike, seqs: list[int], device: torch.device) -> torch.Tensor:
         if seqs == list(range(batch.num_seqs)):
             return batch.state_slots_t.to(device=device, dtype=torch.int64)
-        return torch.tensor([batch.state_slots[b] for b in seqs], dtype=torch.int64, device=device)
+        return to_device([batch.state_slots[b] for b in seqs], device, torch.int64)
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -475,12 +475,13 @@ class KimiDeltaAttention(nn.Module):
             y, conv_new = causal_conv1d_ref(x[s : s + n].float(), prev, weight)
             state.conv[slot].copy_(conv_new)
             ys.append(y)
-            row_ids.append(torch.arange(s, s + n, dtype=torch.int64))
+            # Made on the device: a host index list would be a blocking copy (a stream sync) per layer and chunk.
+            row_ids.append(torch.arange(s, s + n, dtype=torch.int64, device=dev))
             sub_cu.append(sub_cu[-1] + n)
-        rows = torch.cat(row_ids).to(dev)
+        rows = row_ids[0] if len(row_ids) == 1 else torch.cat(row_ids)
         q, k, v = self._split(torch.cat(ys, dim=0))
         slots = self._slots(batch, seqs, dev)
-        fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
+        fresh = to_device([int(batch.past_lens[b] == 0) for b in seqs], dev, torch.int64) != 0
         # torch.where, not a multiply: a never-zeroed slot may hold NaN/inf and must not leak in.
         S0 = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
         op, S_end = kda_prefill(

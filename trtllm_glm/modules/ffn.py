@@ -19,7 +19,6 @@ from ..config import Glm5NextConfig
 from ..distributed.mapping import Mapping
 from ..distributed.sharding import expert_block
 from ..linear import linear_fp32, model_linear
-from ..numerics import batch_invariant
 from .init import init_linear_
 from .weight_views import FusedWeights, refuse_stale, same_memory
 
@@ -197,10 +196,11 @@ MOE_BACKEND_ENV = "TRTLLM_GLM_MOE_BACKEND"
 MOE_BACKENDS = ("auto", "torch", "triton")
 # "0" computes the routed experts of dead rows too (`MoE.forward`'s ``row_live`` ignored): the A/B switch.
 MOE_SKIP_DEAD_ROWS_ENV = "TRTLLM_GLM_MOE_SKIP_DEAD_ROWS"
-# "auto" takes the fused kernels on CUDA up to this many rows. Beyond it (prefill) the per-expert loop is as
-# fast (every expert gets many rows; one host sync per layer is nothing next to the GEMMs) and the fused
-# path's [N * k, H] fp32 pair buffer would grow large (537 MB at 4096 rows of the real model).
-FUSED_MAX_ROWS = 1024
+# Rows per fused call: "auto" takes the fused kernels on CUDA at every row count, a prefill chunk in slabs of at
+# most this many rows (one launch sequence each, no host sync), so that the [N * k, H] fp32 pair buffer stays
+# bounded (1.07 GB at 8192 rows of the real model). The per-expert loop it replaced at prefill sizes paid one
+# host sync and ~12 launches per expert (3,500 GEMM launches per 32K prompt per MoE layer on the H200 profile).
+FUSED_MAX_ROWS = 8192
 
 
 def _mark_stack_dirty(module: nn.Module, incompatible_keys: object) -> None:
@@ -241,8 +241,9 @@ class MoE(nn.Module):
     ``TRTLLM_GLM_MOE_BACKEND`` when `backend` is ``None``): ``"torch"``, a host loop over the experts present
     (one host sync, data-dependent shapes; the exact and fast path on the CPU), ``"triton"``, the fused
     kernels of `trtllm_glm.moe.kernels` (no host sync, CUDA-graph capturable; on the CPU through Triton's
-    interpreter), and ``"auto"`` (default): the fused kernels for CUDA inputs of at most `fused_max_rows`
-    rows when no gradient is needed, the loop otherwise.
+    interpreter), and ``"auto"`` (default): the fused kernels for CUDA inputs when no gradient is needed, the
+    loop otherwise. The fused path takes at most `fused_max_rows` rows per call (a longer prefill chunk runs in
+    slabs: each row's result depends on its own operands only, so slabs change no value).
 
     Weight storage: the experts' weights live in two stacked tensors, ``[E, 2I, H]`` (each expert's gate then
     up rows) and ``[E, H, I]`` (down), and every expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight
@@ -508,10 +509,9 @@ class MoE(nn.Module):
             raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {choice!r}")
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.experts[0].gate_proj.weight.requires_grad)
         if choice == "auto":
-            # Batch-invariant mode: one path for every row count (the loop adds a row's experts in id order, the
-            # fused combine in slot order, with other tiles), so prefill chunks too take the fused kernels.
-            max_rows = float("inf") if batch_invariant() else self.fused_max_rows
-            fused = x.device.type == "cuda" and x.shape[0] <= max_rows and not needs_grad
+            # Every row count takes the fused kernels (prefill chunks in slabs of `fused_max_rows`): no host loop,
+            # no sync, and in the batch-invariant mode one path (and one tile shape) for every row count.
+            fused = x.device.type == "cuda" and not needs_grad
             return "triton" if fused else "torch"
         if choice == "triton" and needs_grad:
             raise RuntimeError("MoE: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
@@ -556,19 +556,29 @@ class MoE(nn.Module):
         w13, w2 = self.stacked_expert_weights()
         s13, s2 = self.stacked_expert_scales() or (None, None)
         partial = len(self.experts) < self.n_routed_experts
-        return kernels.fused_moe(
-            x2,
-            topk_ids,
-            topk_w,
-            w13,
-            w2,
-            self.swiglu_limit,
-            row_live=row_live,
-            w_gate_up_scale=s13,
-            w_down_scale=s2,
-            expert_start=self.expert_start if partial else None,
-            fp8_block=self.fp8_block,
-        )
+        n = x2.shape[0]
+        slab = max(1, self.fused_max_rows)
+        out = torch.empty(n, self.hidden_size, dtype=torch.float32, device=x2.device) if n > slab else None
+        for r0 in range(0, n, slab):
+            r1 = min(n, r0 + slab)
+            part = kernels.fused_moe(
+                x2[r0:r1],
+                topk_ids[r0:r1],
+                topk_w[r0:r1],
+                w13,
+                w2,
+                self.swiglu_limit,
+                out=out[r0:r1] if out is not None else None,
+                row_live=row_live[r0:r1] if row_live is not None else None,
+                w_gate_up_scale=s13,
+                w_down_scale=s2,
+                expert_start=self.expert_start if partial else None,
+                fp8_block=self.fp8_block,
+            )
+            if out is None:
+                return part
+        assert out is not None
+        return out
 
     def forward(self, x: torch.Tensor, row_live: torch.Tensor | None = None) -> torch.Tensor:
         """Routed experts (plus the shared ones) of every row.

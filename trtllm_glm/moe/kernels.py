@@ -1,4 +1,4 @@
-"""Triton fused MoE for decode / verify: routed experts as two grouped GEMMs over expert-sorted pairs.
+"""Triton fused MoE: routed experts as two grouped GEMMs over expert-sorted pairs (decode, verify and prefill).
 
 `fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result):
 
@@ -76,7 +76,7 @@ from ..numerics import batch_invariant
 from .ops import FP8_BLOCK, check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
 
-__all__ = ["fused_moe", "moe_align", "default_block_m", "default_align", "INTERPRETED"]
+__all__ = ["fused_moe", "moe_align", "default_block_m", "large_m_launch", "default_align", "INTERPRETED"]
 
 # Fixed when this module is imported: the CPU path imports an interpreted copy of this file.
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
@@ -475,6 +475,32 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if num_pairs <= 16 * num_experts else 64
 
 
+# Pairs per expert on average from which `fused_moe` takes the large-M launch (`large_m_launch`): prefill chunks.
+# At 128 pairs an expert's run fills two 64-row blocks and its padding wastes at most a third of a block per run.
+LARGE_M_PAIRS_PER_EXPERT = 128
+
+
+def large_m_launch(num_pairs: int, num_experts: int) -> dict[str, object] | None:
+    """Launch of both grouped GEMMs for prefill-sized batches (``None``: the decode defaults apply).
+
+    At decode sizes each expert holds a few pairs and the kernels are bound by the weight bytes; at prefill sizes
+    (``num_pairs >= LARGE_M_PAIRS_PER_EXPERT * num_experts``, e.g. 8 x 288 x 128 pairs = 4,608 rows of the real
+    model) each expert's weights are reused over hundreds of rows and the kernels are bound by the tensor cores:
+    64-row blocks, narrower K steps (64) software-pipelined over 4 stages, and a 128-wide down tile (one fp32
+    accumulator: 64 registers per thread at 4 warps; the gate_up kernel keeps 64 columns for its two
+    accumulators). Shared memory: 24 KB per stage in both kernels (bf16). FP8 weights keep the same tiles
+    (128 divides them: one scale per K step and column block).
+
+    Returns:
+        ``{"block_m", "block_n": (gate_up, down), "block_k": (gate_up, down), "num_warps", "num_stages"}``;
+        ``None`` in the batch-invariant mode too.
+    """
+    if num_pairs < LARGE_M_PAIRS_PER_EXPERT * num_experts or batch_invariant():
+        # Batch-invariant mode (`trtllm_glm.numerics`): no launch may depend on the number of rows.
+        return None
+    return {"block_m": 64, "block_n": (64, 128), "block_k": (64, 64), "num_warps": 4, "num_stages": 4}
+
+
 def _block_n(n_blocks: int, width: int, wide: int = 64) -> int:
     """Columns per program: ``wide`` unless that leaves fewer than ~1024 programs (small N: fill the SMs);
     `INVARIANT_BLOCK_N` in the batch-invariant mode."""
@@ -506,7 +532,7 @@ def _fused_moe(
     block_m: int | None,
     block_n: tuple[int | None, int | None],
     block_k: tuple[int, int] | None,
-    num_warps: int,
+    num_warps: int | None,
     num_stages: int | None,
     scratch: dict[str, torch.Tensor] | None,
     align: str,
@@ -537,6 +563,15 @@ def _fused_moe(
     if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
         raise ValueError("expert weights must be contiguous along their last dim")
     p = n * k
+    # Prefill-sized batches take the large-M tiles where the caller left the launch to us (`large_m_launch`).
+    big = large_m_launch(p, e) if block_m is None and block_n == (None, None) and block_k is None else None
+    if big is not None and num_warps is None and num_stages is None:
+        block_m, block_n, block_k = big["block_m"], big["block_n"], big["block_k"]  # type: ignore[assignment]
+        num_warps, num_stages = big["num_warps"], big["num_stages"]  # type: ignore[assignment]
+        if fp8:  # a K step and a column block stay inside one scale tile
+            block_n = tuple(min(b, fp8_block) for b in block_n)  # type: ignore[assignment]
+            block_k = tuple(min(b, fp8_block) for b in block_k)  # type: ignore[assignment]
+    num_warps = 4 if num_warps is None else num_warps
     m = block_m if block_m is not None else default_block_m(p, e)
     e0 = expert_start or 0
     if align == "triton":
@@ -684,7 +719,7 @@ def fused_moe(
     block_m: int | None = None,
     block_n: tuple[int | None, int | None] = (None, None),
     block_k: tuple[int, int] | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     scratch: dict[str, torch.Tensor] | None = None,
     align: str | None = None,
@@ -709,10 +744,12 @@ def fused_moe(
         w_down: ``[E, H, I]`` stacked ``down_proj`` weights, same dtype, unit last stride.
         swiglu_limit: the clamp ``L`` (``None``: plain SwiGLU).
         out: optional contiguous ``[N, H]`` fp32 output buffer.
-        block_m: row block ``M`` (default `default_block_m`); at least 16.
+        block_m: row block ``M`` (default `default_block_m`, or `large_m_launch`'s for prefill-sized batches);
+            at least 16.
         block_n: columns per program of the gate_up and down kernels (``None``: by the grid size).
         block_k: reduction tile of the two kernels (at least 16; default 128, or the FP8 scale tile if smaller).
-        num_warps, num_stages: launch options (tuning only).
+        num_warps, num_stages: launch options (tuning only; ``None``: 4 warps and Triton's stages, or
+            `large_m_launch`'s when every tile argument is left ``None`` too).
         scratch: optional dict of work buffers: ``inter`` (``[slots, I]``, ``x``'s dtype) and ``pair_out``
             (``[N*k, H]`` fp32) are reused when present with the right shape, else allocated and stored
             there; ``sorted_pairs`` / ``block_expert`` of the call are stored too. For tests (poisoned

@@ -30,6 +30,7 @@ from .cuda_graph import (
     HostResults,
     greedy_and_gap,
 )
+from .prefill_memory import check_step_rows, prefill_workspace_bytes
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
@@ -127,6 +128,7 @@ class Executor:
             # Fewer launches per KDA layer (one input GEMM, taps without a copy); before any graph capture.
             # The CPU keeps separate GEMMs: its results stay bit for bit what they were.
             model.fuse_weights()
+        check_step_rows(cfg.max_num_tokens, self.device)
         P = cfg.tokens_per_block
         # CUDA graphs pad batches with sequences that run on one reserved state slot (cuda_graph.py).
         self._use_graphs = cfg.cuda_graph_config is not None and self._graphs_supported()
@@ -198,12 +200,16 @@ class Executor:
             dtype=self.dtype,
             indexer_key_dtype=self.cfg.indexer_key_dtype,
         )
-        # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate).
+        # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate), with
+        # room for a prefill chunk's transient buffers at the longest context (`prefill_memory`).
+        max_seq = min(self.cfg.max_seq_len, self.config.max_position_embeddings, kw["num_pages"] * P)
+        self.workspace_bytes = prefill_workspace_bytes(self.config, self.cfg.max_num_tokens, max_seq, self.dtype)
         check_memory(
-            Glm5NextCacheManager.estimate_bytes(self.config, **kw),
+            Glm5NextCacheManager.estimate_bytes(self.config, **kw) + self.workspace_bytes,
             self.device,
             what=f"the KV cache ({kw['num_pages']} pages of {P} tokens, {self.cfg.max_batch_size} state slots)"
-            + (f" on {self.model.mapping.describe()}" if self.model.mapping.is_parallel else ""),
+            + (f" on {self.model.mapping.describe()}" if self.model.mapping.is_parallel else "")
+            + f" and a prefill chunk's workspace ({self.workspace_bytes / 2**30:.1f} GiB)",
         )
         return Glm5NextCacheManager(self.config, **kw, device=self.device)
 

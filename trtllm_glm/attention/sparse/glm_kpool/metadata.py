@@ -403,6 +403,23 @@ class GlmKpoolMetadata(AttentionMetadata):
         return self.max_kv_len // 4
 
     @property
+    def score_columns(self) -> int:
+        """Columns of the indexer's ``[N, columns]`` score matrix this step: `max_pools` rounded up to a power of
+        two (eager steps), or ``graph_max_pools`` under capture.
+
+        The top-k launch derives compile-time constants from the column count (chunks per row, evenness), and
+        Triton specialises integer arguments on their divisibility by 16; a growing prompt's chunks would
+        otherwise each see a new count and compile new kernels (a 1M-token prompt in 8K chunks: 128 of them,
+        ~1 s each), and decoding would compile again every few hundred tokens. Powers of two bound that to about
+        ``log2(max_pools)`` shapes; columns past a row's complete pools score ``-inf`` and are never selected, so
+        the selection is the same. Cost: at most twice the score bytes (fp32 per column).
+        """
+        if self.graph_max_pools is not None:
+            return self.graph_max_pools
+        n = self.max_kv_len // 4
+        return 1 << (n - 1).bit_length() if n > 1 else n
+
+    @property
     def graph_pool_capacity(self) -> int:
         """Complete pools a sequence of the widest slot-table row can have (a bound for captured graphs)."""
         return self.max_num_pages_tokens // 4
