@@ -127,11 +127,7 @@ class GlmKpoolIndexer(nn.Module):
         # fp32 head weights (step 4): one Triton launch for decode / verify rows on CUDA (`linear_fp32`).
         w = indexer_head_weights(linear_fp32(h, self.weights_proj.weight), qscale, self.n_heads)
         scores = ops.score_pools(
-<<<<<<< HEAD
-            q, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.max_pools
-=======
-            q8, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.score_columns
->>>>>>> prefill
+            q, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.score_columns
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.spec.last_pool_ids = pool_ids
