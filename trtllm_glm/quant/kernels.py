@@ -90,8 +90,24 @@ _MIN_PROGRAMS = 264
 # Written by `benchmarks/bench_fp8_linear.py --apply SWEEP.json` from an H200 sweep (`--sweep --json`) between the
 # markers below; empty: `launch_config`'s rule.
 # BEGIN TUNED
-_TUNED_SHAPES: dict[tuple[int, int], dict[str, int | bool]] = {}
-_TUNED_CLASSES: dict[str, dict[str, int | bool]] = {}
+_TUNED_SHAPES: dict[tuple[int, int], dict[str, int | bool]] = {
+    (24832, 4096): {"x_as_a": True, "block_n": 128, "k_chunk": 2048},
+    (4096, 8192): {"x_as_a": True, "block_n": 128, "k_chunk": 1024, "num_warps": 8},
+    (8192, 128): {"x_as_a": False, "block_n": 32, "k_chunk": 1024},
+    (2176, 4096): {"x_as_a": True},
+    (16384, 1536): {"x_as_a": True, "block_n": 64, "k_chunk": 2048, "num_stages": 3},
+    (4096, 16384): {"x_as_a": True, "block_n": 128, "k_chunk": 2048},
+    (4096, 1536): {"x_as_a": True},
+    (24576, 4096): {"x_as_a": True, "block_n": 128, "k_chunk": 2048},
+    (4096, 12288): {"x_as_a": True, "block_n": 128, "k_chunk": 1024},
+    (4096, 4096): {"x_as_a": True, "block_n": 64, "k_chunk": 1024},
+    (4096, 2048): {"x_as_a": True},
+}
+_TUNED_CLASSES: dict[str, dict[str, int | bool]] = {
+    "large": {"x_as_a": True, "block_n": 128, "k_chunk": 2048},
+    "tiny": {"x_as_a": False, "block_n": 32, "k_chunk": 1024},
+    "small": {"x_as_a": True},
+}
 # END TUNED
 # Weight bytes (e4m3) below which a matrix is "tiny" (launch-latency bound: a few microseconds whatever the kernel)
 # and "small" (fewer bytes than ~2 waves of 64 KB programs on 132 SMs); the rest are "large".
