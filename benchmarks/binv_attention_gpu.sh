@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks of the batch-invariant mode's attention part (issue 31, docs/numerics_attention.md), one H200,
+# GPU checks of the batch-invariant mode's attention part (issue 31, docs/numerics.md), one H200,
 # under 4 minutes warm: the bitwise row-invariance tests, the verify kernel's accuracy tests (its state update is
 # now an explicit fma), and the default-vs-mode cost of each changed launch.
 #   benchmarks/binv_attention_gpu.sh                 # tests + benchmark (JSON to $OUT, default /tmp)
