@@ -175,25 +175,10 @@ def _skinny_gemm_kernel(
     nl = tl.arange(0, BLOCK_N)
     n = tile * BLOCK_N + nl
     m = tl.arange(0, BLOCK_M)
-    kk = tl.arange(0, BLOCK_K)
     n_ok = n < N
     m_ok = m < M
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
-    k_begin = s * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + kk
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
-        xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if DOT_FP32:
-            # "ieee": the default fp32 dot is TF32, which would round the inputs.
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc, out_dtype=tl.float32)
+    acc = _chunk_dot(x_ptr, w_ptr, m, n, m_ok, n_ok, K, stride_xm, stride_wn, s * K_PER_SPLIT, K_PER_SPLIT,
+                     BLOCK_N, BLOCK_M, BLOCK_K, DOT_FP32)  # fmt: skip
 
     y_ptrs = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
     y_mask = n_ok[:, None] & m_ok[None, :]
@@ -288,8 +273,10 @@ def _chunk_dot(
         k = k0 + kk
         k_ok = k < K
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
         xt = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         if DOT_FP32:
+            # "ieee": the default fp32 dot is TF32, which would round the inputs.
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc, out_dtype=tl.float32)

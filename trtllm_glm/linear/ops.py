@@ -168,6 +168,21 @@ def skinny_gemm(
         return out
     if k == 0:
         return out.zero_()
+    x, weight, mod, cfg, dot_fp32 = _launch_plan(x, weight, split_k, block_k, num_warps, num_stages)
+    mod.launch_skinny_gemm(x, weight, out, cfg, dot_fp32)
+    return out
+
+
+def _launch_plan(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    split_k: int | None,
+    block_k: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, Any, Any, bool]:
+    """``(x, weight)`` with unit last strides, the kernel module, its `launch_config` for ``weight``'s shape
+    (never ``M``) and whether the dot is IEEE fp32: what `skinny_gemm` and `invariant_linear_triton` share."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -175,12 +190,12 @@ def skinny_gemm(
     mod = kernel_module(x.device)
     # Tensor cores for two 16-bit inputs of one dtype on CUDA; IEEE fp32 otherwise (and always when interpreted).
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
+    n, k = weight.shape
     cfg = mod.launch_config(
         n, k, weight.element_size(), dot_fp32,
         split_k=split_k, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    mod.launch_skinny_gemm(x, weight, out, cfg, dot_fp32)
-    return out
+    return x, weight, mod, cfg, dot_fp32
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -304,16 +319,7 @@ def invariant_linear_triton(
         return out
     if k == 0:
         return out.zero_()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    mod = kernel_module(x.device)
-    dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
-    cfg = mod.launch_config(
-        n, k, weight.element_size(), dot_fp32,
-        split_k=split_k, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    x, weight, mod, cfg, dot_fp32 = _launch_plan(x, weight, split_k, block_k, num_warps, num_stages)
     bm = block_m or invariant_block_m() or mod.INVARIANT_BLOCK_M
     gn = group_n or _env_choice(INVARIANT_GROUP_N_ENV, ("1", "4")) or mod.INVARIANT_GROUP_N
     mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm, gn)
