@@ -326,11 +326,14 @@ def warm_indexer_shapes(cfg: Glm5NextConfig, page_size: int, max_pools: int, dev
     w = torch.zeros(1, h, device=dev)
     ik = torch.zeros(1, page_size // 4, cfg.index_head_dim, device=dev).to(torch.float8_e4m3fn)
     isc = torch.ones(1, page_size // 4, device=dev)
-    rs = torch.zeros(1, dtype=torch.int32, device=dev)
-    topk = cfg.index_topk // 4
+    # int64 rows and positions, as the metadata hands them to the kernels (`GlmKpoolMetadata`): a pointer's dtype
+    # is part of a Triton kernel's signature, so int32 here would warm other compilations than a prompt takes.
+    rs = torch.zeros(1, dtype=torch.int64, device=dev)
+    topk = cfg.index_topk_pools
     c = 1
-    while c <= max(1, max_pools):
-        pos = torch.full((1,), 4 * c - 1, dtype=torch.int32, device=dev)
+    # Up to the power of two at or above max_pools: the widths `GlmKpoolMetadata.score_columns` gives.
+    while c < 2 * max(1, max_pools):
+        pos = torch.full((1,), 4 * c - 1, dtype=torch.int64, device=dev)
         table = torch.zeros(1, -(-4 * c // page_size), dtype=torch.int32, device=dev)  # every pool on page 0
         scores = ops.score_pools(q8, w, ik, isc, pos, rs, table, page_size, c)
         ops.select_topk_pools(scores, pos, topk)
