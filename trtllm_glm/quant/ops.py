@@ -71,6 +71,11 @@ def _check_weight(weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> 
         raise ValueError(f"fp8_linear: weight on {weight.device}, scale_inv on {scale_inv.device}")
 
 
+def _unit_last_strides(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``ts`` with a unit last stride each (a copy only where needed): what the kernels' row pointers assume."""
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: int) -> None:
     _check_weight(weight, scale_inv, block)
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -181,12 +186,7 @@ def fp8_linear_triton(
         return out
     if k == 0:
         return out.zero_()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if scale_inv.stride(-1) != 1:
-        scale_inv = scale_inv.contiguous()
+    x, weight, scale_inv = _unit_last_strides(x, weight, scale_inv)
     mod = kernel_module(x.device)
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype == torch.float32
     cfg = mod.launch_config(
@@ -306,12 +306,7 @@ def fp8_linear_invariant(
         return out.view(*x.shape[:-1], n)
     if k == 0:
         return out.zero_().view(*x.shape[:-1], n)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
-    if scale_inv.stride(-1) != 1:
-        scale_inv = scale_inv.contiguous()
+    x2, weight, scale_inv = _unit_last_strides(x2, weight, scale_inv)
     mod = kernel_module(x.device)
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype == torch.float32
     cfg = mod.launch_config(INVARIANT_ROWS, n, k, block, dot_fp32)
