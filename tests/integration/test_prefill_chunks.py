@@ -3,8 +3,9 @@ logits (and context logits) on the ``small`` preset in fp32.
 
 The prompt (300 tokens) is longer than the indexer's selection (``index_topk`` = 64 tokens: 16 pools), so top-k
 drops pools; chunk sizes 7 and 50 end chunks inside a pool (pools are 4 tokens) and inside a page, 128 ends them
-on page boundaries. Also the score width (`GlmKpoolMetadata.score_columns`, a power of two) is larger than the
-exact pool count for most chunks, which must not change the selection.
+on page boundaries. Chunks of 50 pad the score width to a power of two as CUDA does
+(`GlmKpoolMetadata.score_columns`): larger than the exact pool count for most chunks, which must not change the
+selection.
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def model() -> Glm5NextForCausalLM:
     return Glm5NextForCausalLM.from_config(cfg, seed=3, dtype="float32", device="cpu")
 
 
-def _logits(model: Glm5NextForCausalLM, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _logits(
+    model: Glm5NextForCausalLM, ids: list[int], chunk: int, pow2_scores: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     llm = LLM(model, max_seq_len=PROMPT + 8, max_num_tokens=chunk, max_batch_size=1, cuda_graph_config=None,
               kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False))  # fmt: skip
+    llm.executor.meta.round_score_columns = pow2_scores
     try:
         sp = SamplingParams(max_tokens=2, temperature=0.0, return_context_logits=True, return_generation_logits=True)
         out = llm.generate(ids, sp)
@@ -46,7 +50,7 @@ def test_chunked_prefill_equals_one_pass(model: Glm5NextForCausalLM) -> None:
     ctx_ref, gen_ref = _logits(model, ids, PROMPT)
     assert ctx_ref.shape == (PROMPT, cfg.vocab_size) and gen_ref.shape[0] == 2
     scale = gen_ref.abs().max().item()
-    for chunk in (7, 50, 128):
-        ctx, gen = _logits(model, ids, chunk)
+    for chunk, pow2 in ((7, False), (50, True), (128, False)):
+        ctx, gen = _logits(model, ids, chunk, pow2)
         torch.testing.assert_close(gen, gen_ref, rtol=1e-4, atol=1e-4 * scale, msg=f"chunk {chunk}")
         torch.testing.assert_close(ctx, ctx_ref, rtol=1e-4, atol=1e-4 * scale, msg=f"chunk {chunk}")

@@ -141,6 +141,7 @@ def test_score_columns_are_powers_of_two_covering_the_pools() -> None:
     """The indexer's score width (`score_columns`) takes few values over a growing prompt (no new top-k compile per
     chunk) and always covers every complete pool; under graph capture it is the fixed graph bound."""
     _, meta = setup()
+    meta.round_score_columns = True  # what CUDA buffers get (the CPU's reference scoring takes the exact count)
     widths = set()
     for kv in range(0, 4 * 70, 3):
         meta.max_kv_len = kv
@@ -151,3 +152,7 @@ def test_score_columns_are_powers_of_two_covering_the_pools() -> None:
     assert widths == {0, 1, 2, 4, 8, 16, 32, 64, 128}
     meta.graph_max_pools = 24
     assert meta.score_columns == 24
+    meta.graph_max_pools = None
+    meta.round_score_columns = False
+    meta.max_kv_len = 4 * 37 + 2
+    assert meta.score_columns == 37

@@ -113,6 +113,8 @@ class GlmKpoolMetadata(AttentionMetadata):
         )
         self._table_rows = _TableRows(self._table_staging, "table")
         self.selection_buf = torch.full((max_num_tokens, select_width), -1, dtype=torch.int32, device=self.device)
+        # Power-of-two score widths where the indexer's kernels are compiled (`score_columns`).
+        self.round_score_columns = self.device.type == "cuda"
         # Set while a CUDA graph is captured: the score width baked into the graph must hold any later
         # replay's pools, so it is the table's capacity rather than this step's longest sequence.
         self.graph_max_pools: int | None = None
@@ -412,11 +414,15 @@ class GlmKpoolMetadata(AttentionMetadata):
         otherwise each see a new count and compile new kernels (a 1M-token prompt in 8K chunks: 128 of them,
         ~1 s each), and decoding would compile again every few hundred tokens. Powers of two bound that to about
         ``log2(max_pools)`` shapes; columns past a row's complete pools score ``-inf`` and are never selected, so
-        the selection is the same. Cost: at most twice the score bytes (fp32 per column).
+        the selection is the same. Cost: at most twice the score bytes (fp32 per column). Only where kernels are
+        compiled (`round_score_columns`: CUDA buffers): the CPU's reference scoring would pay the padding columns
+        and compiles nothing.
         """
         if self.graph_max_pools is not None:
             return self.graph_max_pools
         n = self.max_kv_len // 4
+        if not self.round_score_columns:
+            return n
         return 1 << (n - 1).bit_length() if n > 1 else n
 
     @property
