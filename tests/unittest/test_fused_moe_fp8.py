@@ -375,12 +375,9 @@ def test_module_fp8_built_on_meta_then_loaded() -> None:
     _close(_run(m, x, "triton"), want, 1e-5)
 
 
-def test_kernels_with_32_wide_scale_tiles() -> None:
-    """A checkpoint with ``weight_block_size`` 32 (the small test models use it: several tiles per matrix): the
-    kernels' K steps and column blocks shrink to the tile and read scale ``[r // 32, c // 32]``; equal to the
-    reference dequantised with the same tiles (a kernel reading 128-wide tiles takes the wrong scales)."""
-    g = torch.Generator().manual_seed(11)
-    n, h, inter, e, k = 5, 96, 72, 3, 2
+def _tiles32_case(g: torch.Generator, n: int, h: int, inter: int, e: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Rows, routing and block-FP8 experts quantised in 32-wide tiles whose scales vary tile to tile (an exp-normal
+    factor per tile): ``(x [n, h], ids [n, k], w [n, k], q13 [e, 2I, h], s13, q2 [e, h, I], s2)``."""
     x = torch.randn(n, h, generator=g) * 4.0
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     w = torch.rand(n, k, generator=g) + 0.1
@@ -395,6 +392,16 @@ def test_kernels_with_32_wide_scale_tiles() -> None:
     q13 = torch.stack([torch.cat([gq for gq, _ in pair]) for pair in gate_up])
     s13 = torch.stack([torch.cat([gs for _, gs in pair]) for pair in gate_up])
     q2, s2 = torch.stack([q for q, _ in down]), torch.stack([s for _, s in down])
+    return x, ids, w, q13, s13, q2, s2
+
+
+def test_kernels_with_32_wide_scale_tiles() -> None:
+    """A checkpoint with ``weight_block_size`` 32 (the small test models use it: several tiles per matrix): the
+    kernels' K steps and column blocks shrink to the tile and read scale ``[r // 32, c // 32]``; equal to the
+    reference dequantised with the same tiles (a kernel reading 128-wide tiles takes the wrong scales)."""
+    g = torch.Generator().manual_seed(11)
+    n, h, inter, e, k = 5, 96, 72, 3, 2
+    x, ids, w, q13, s13, q2, s2 = _tiles32_case(g, n, h, inter, e, k)
     assert s13.shape == (e, 2 * math.ceil(inter / 32), math.ceil(h / 32))
     ref = _ref(x, ids, w, q13, s13, q2, s2, fp8_block=32)
     out, _ = _poisoned(x, ids, w, q13, s13, q2, s2, fp8_block=32)
@@ -412,20 +419,7 @@ def test_large_m_launch_with_fp8_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(mod, "large_m_launch", lambda p, e: launches.append(real(p, e)) or launches[-1])
     g = torch.Generator().manual_seed(12)
     n, h, inter, e, k = 200, 96, 72, 3, 2
-    x = torch.randn(n, h, generator=g) * 4.0
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-    w = torch.rand(n, k, generator=g) + 0.1
-
-    def quant(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        factor = torch.exp(torch.randn(math.ceil(t.shape[0] / 32), math.ceil(t.shape[1] / 32), generator=g))
-        t = t * factor.repeat_interleave(32, 0)[: t.shape[0]].repeat_interleave(32, 1)[:, : t.shape[1]]
-        return quantize_block_fp8(t, 32)
-
-    gate_up = [[quant(torch.randn(inter, h, generator=g) * 0.5) for _ in range(2)] for _ in range(e)]
-    down = [quant(torch.randn(h, inter, generator=g) * inter**-0.5) for _ in range(e)]
-    q13 = torch.stack([torch.cat([gq for gq, _ in pair]) for pair in gate_up])
-    s13 = torch.stack([torch.cat([gs for _, gs in pair]) for pair in gate_up])
-    q2, s2 = torch.stack([q for q, _ in down]), torch.stack([s for _, s in down])
+    x, ids, w, q13, s13, q2, s2 = _tiles32_case(g, n, h, inter, e, k)
     out, scratch = _poisoned(x, ids, w, q13, s13, q2, s2, fp8_block=32)
     assert launches and all(c is not None for c in launches), "the large-M launch should be taken"
     assert not scratch["pair_out"].isnan().any()

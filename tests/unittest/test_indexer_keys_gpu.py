@@ -11,12 +11,18 @@ Run with ``-s`` to see the counts and errors.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from selection_recall import assert_differences_at_near_ties  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -131,14 +137,7 @@ def test_bf16_scores_and_selection() -> None:
     ids_ker = K.select_topk_pools(s_ker, positions, TOPK_POOLS)
     rows_diff = (ids_ref != ids_ker).any(dim=1)
     print(f"[idxkeys-gpu] top-{TOPK_POOLS} with bf16 keys: {int(rows_diff.sum())} of {n} rows differ")
-    s_cpu, tol = s_ref.cpu(), (2e-5 * bound).cpu()
-    for r in rows_diff.nonzero().flatten().tolist():
-        a = {p for p in ids_ref[r].tolist() if p >= 0}
-        b = {p for p in ids_ker[r].tolist() if p >= 0}
-        thr = min(s_cpu[r, p].item() for p in a)
-        for p in a ^ b:
-            gap = abs(s_cpu[r, p].item() - thr)
-            assert gap <= tol[r, p].item() + tol[r].max().item(), f"row {r} pool {p}: not a near tie ({gap:.3e})"
+    assert_differences_at_near_ties(ids_ref, ids_ker, s_ref, bound)
 
 
 def test_bf16_keys_with_cuda_graphs_mtp_equals_plain() -> None:

@@ -11,12 +11,18 @@ the mismatch counts and errors.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from selection_recall import assert_differences_at_near_ties  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -191,14 +197,7 @@ def test_scores_selection_and_expansion() -> None:
     rows_diff = (ids_ref != ids_ker).any(dim=1)
     print(f"[kpool-gpu] top-{TOPK_POOLS} pool selection: {int(rows_diff.sum())} of {n} rows differ")
     # A different choice is allowed only at a near-tie of the reference scores around the row's threshold.
-    s_cpu, tol = s_ref.cpu(), (2e-5 * bound).cpu()
-    for r in rows_diff.nonzero().flatten().tolist():
-        a = {p for p in ids_ref[r].tolist() if p >= 0}
-        b = {p for p in ids_ker[r].tolist() if p >= 0}
-        thr = min(s_cpu[r, p].item() for p in a)
-        for p in a ^ b:
-            gap = abs(s_cpu[r, p].item() - thr)
-            assert gap <= tol[r, p].item() + tol[r].max().item(), f"row {r} pool {p}: not a near-tie ({gap:.3e})"
+    assert_differences_at_near_ties(ids_ref, ids_ker, s_ref, bound)
     sel_ref = R.expand_selection(ids_ref, positions, WIDTH)
     sel_out = torch.randint(-9, 99999, (n, WIDTH), dtype=torch.int32, device=dev)
     sel_ker = K.expand_selection(ids_ref, positions, WIDTH, out=sel_out)

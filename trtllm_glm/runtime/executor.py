@@ -18,7 +18,6 @@ from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
-from ..modules.linear import use_numerics_linears_
 from ..transfer import to_device
 from .cuda_graph import (
     PADDING_PAST_LEN,
@@ -122,8 +121,6 @@ class Executor:
         self.cfg = cfg
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        # Float projections follow the batch-invariant mode also where a module was replaced after construction.
-        use_numerics_linears_(model)
         if self.device.type == "cuda":
             # Fewer launches per KDA layer (one input GEMM, taps without a copy); before any graph capture.
             # The CPU keeps separate GEMMs: its results stay bit for bit what they were.
