@@ -439,6 +439,25 @@ def test_score_pools_is_batch_invariant() -> None:
         assert_same_bits(one, full[r : r + 1])
 
 
+def test_score_pools_one_sequence_block_same_bits_as_mixed_blocks() -> None:
+    """A prefill chunk's rows (one sequence: the keys gathered once per block) score the same bits as the same
+    rows inside blocks that span two sequences (the keys gathered per row), for both key formats."""
+    g = gen(13)
+    page_size, num_pages = 8, 24
+    k8, s8 = random_index_cache(g, num_pages, page_size)
+    kb = (randn(g, num_pages, page_size // 4, D) * 3).to(torch.bfloat16)
+    table = random_slot_table(g, [11, 11], num_pages, width=11)
+    positions, row_seq = layout([(0, 3, 83), (1, 0, 30)])  # 83 rows: a 64-row block and a 19-row one
+    q = randn(g, 113, 4, D) * 30
+    w = randn(g, 113, 4)
+    mixed = torch.cat([torch.arange(60, 83), torch.arange(83, 113), torch.arange(0, 60)])  # blocks span both
+    for qk, k, s in ((q.to(torch.float8_e4m3fn), k8, s8), (q.to(torch.bfloat16), kb, None)):
+        chunk = score_pools(qk[:83], w[:83], k, s, positions[:83], row_seq[:83], table, page_size, 24)
+        both = score_pools(qk[mixed], w[mixed], k, s, positions[mixed], row_seq[mixed], table, page_size, 24)
+        assert torch.isfinite(chunk[:, 0]).all()
+        assert_same_bits(chunk, both[torch.argsort(mixed)][:83])
+
+
 def brute_topk(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32)
     for r in range(scores.shape[0]):

@@ -124,6 +124,14 @@ def score_pools(
         valid = pool[None, :] < n_c[rows, None]
         if not valid.any():
             continue
+        shared = _one_sequence_keys(index_k, index_scale, row_seq[rows], n_c[rows], slot_table, page_size)
+        if shared is not None:
+            # A prefill chunk's rows: one key block for all of them (exact fp64 dots: the same bits).
+            k1, kscale1 = shared
+            width = k1.shape[0]
+            dots = torch.einsum("nhd,md->nhm", q8[rows].to(torch.float64), k1).to(torch.float32)
+            out[rows, :width] = torch.where(valid[:, :width], _head_sum(w[rows], dots) * kscale1, float("-inf"))
+            continue
         seq = row_seq[rows, None].expand_as(valid)
         first_tok = (KPOOL * pool)[None, :].expand_as(valid)
         # Look up only complete pools: later ones may lie on pages the table does not have yet.
@@ -133,12 +141,47 @@ def score_pools(
         k = index_k[pages, within[None, :]].to(torch.float64)
         kscale = 1.0 if index_scale is None else index_scale[pages, within[None, :]].to(torch.float32)
         dots = torch.einsum("nhd,nmd->nhm", q8[rows].to(torch.float64), k).to(torch.float32)
-        terms = w[rows].to(torch.float32)[:, :, None] * torch.relu(dots)
-        acc = terms[:, 0]
-        for h in range(1, n_heads):
-            acc = acc + terms[:, h]
-        out[rows] = torch.where(valid, acc * kscale, out[rows])
+        out[rows] = torch.where(valid, _head_sum(w[rows], dots) * kscale, out[rows])
     return out
+
+
+def _head_sum(w: torch.Tensor, dots: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h * relu(dots_h)`` in fp32, heads added in order: ``w [n, H]``, ``dots [n, H, m]`` -> ``[n, m]``."""
+    terms = w.to(torch.float32)[:, :, None] * torch.relu(dots)
+    acc = terms[:, 0]
+    for h in range(1, terms.shape[1]):
+        acc = acc + terms[:, h]
+    return acc
+
+
+def _one_sequence_keys(
+    index_k: torch.Tensor,
+    index_scale: torch.Tensor | None,
+    seqs: torch.Tensor,
+    n_c: torch.Tensor,
+    slot_table: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | float] | None:
+    """The keys of a row block whose rows all belong to one sequence (a prefill chunk), gathered once
+    (``[pools, 128]`` fp64) instead of once per row (``[rows, pools, 128]``: what made a long-context chunk's
+    reference scoring slow on the CPU). ``None`` when the rows span several sequences, or where a host check
+    is not allowed (a CUDA graph capture: the per-row path needs no sync).
+
+    Args:
+        seqs: ``[n]`` int64 sequence of each row; ``n_c``: ``[n]`` their complete-pool counts.
+        index_k / index_scale / slot_table / page_size: as in `score_pools`.
+
+    Returns:
+        ``(k [width, 128] fp64, kscale [1, width] fp32 or 1.0)`` over the ``width`` pools of the block's longest row.
+    """
+    if not host_checks_allowed(index_k) or not bool((seqs == seqs[0]).all()):
+        return None
+    pool = torch.arange(int(n_c.max()), device=index_k.device)
+    pages = lookup_pages(KPOOL * pool, seqs[:1].expand_as(pool), slot_table, page_size, index_k.shape[0])
+    within = pool % (page_size // KPOOL)
+    k = index_k[pages, within].to(torch.float64)
+    kscale = 1.0 if index_scale is None else index_scale[pages, within][None, :].to(torch.float32)
+    return k, kscale
 
 
 def select_topk_pools(scores: torch.Tensor, positions: torch.Tensor, topk_pools: int) -> torch.Tensor:
