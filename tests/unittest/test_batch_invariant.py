@@ -280,3 +280,36 @@ def test_invariant_bmm_rows(backend: str) -> None:
             assert torch.equal(y[:, b], invariant_linear_triton(x[:, b].contiguous(), w[b]))
     with pytest.raises(ValueError, match="invariant_bmm: x must be"):
         invariant_bmm(x, w[:, :, :70])
+
+
+def test_tuned_launch_shapes_are_per_weight_shape(monkeypatch, tmp_path) -> None:
+    """A tuned entry sets the launch shape of its bf16 weight `(N, K)` whatever M is (so rows stay invariant), never
+    the fp32-dot path's, and explicit knobs win; `bench_invariant_linear.py --apply` writes entries that load."""
+    import importlib.util
+    import shutil
+    import sys
+
+    import trtllm_glm.linear.kernels as kern
+
+    monkeypatch.setitem(kern._TUNED_SHAPES, (N, K), {"split_k": 2, "block_k": 64, "num_warps": 8, "num_stages": 3})
+    cfg = kern.launch_config(N, K, 2, False)
+    assert cfg == kern.SkinnyConfig(block_k=64, k_per_split=128, split=2, num_warps=8, num_stages=3)
+    assert kern.launch_config(N, K, 2, False, tuned=False) != cfg
+    assert kern.launch_config(N, K, 2, True) == kern.launch_config(N, K, 2, True, tuned=False)
+    assert kern.launch_config(N, K, 2, False, num_warps=4).num_warps == 4
+    bench = importlib.util.spec_from_file_location("bench_il", "benchmarks/bench_invariant_linear.py")
+    mod = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(mod)
+    target = tmp_path / "kernels.py"
+    shutil.copy(kern.__file__, target)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text('{"tuned": {"24576,4096": {"split_k": 1, "block_k": 256, "num_warps": 8, "num_stages": 4}}}')
+    assert mod.apply_tuned(str(sweep), str(target)) == 0
+    spec = importlib.util.spec_from_file_location("kern_applied", target)
+    applied = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kern_applied", applied)  # (a dataclass needs its module registered)
+    spec.loader.exec_module(applied)
+    assert applied._TUNED_SHAPES == {(24576, 4096): {"block_k": 256, "num_stages": 4, "num_warps": 8, "split_k": 1}}
+    sweep.write_text('{"tuned": {"24576,4096": {"block_n": 64}}}')
+    with pytest.raises(ValueError, match="unknown knobs"):
+        mod.apply_tuned(str(sweep), str(target))

@@ -92,6 +92,15 @@ _BYTES_PER_PROGRAM = 16384
 _MIN_PROGRAMS = 32
 
 
+# Launch shapes measured best per bf16 weight ``(N, K)`` on the H200 (`benchmarks/bench_invariant_linear.py --sweep`,
+# then ``--apply``): the least time summed over M = 1 and 16 (a launch shape may depend on the weight, never on M, or
+# a row's bits would change with the batch). Knobs a table entry may set: `TUNABLE`.
+TUNABLE = ("split_k", "block_k", "num_warps", "num_stages")
+# BEGIN TUNED
+_TUNED_SHAPES: dict[tuple[int, int], dict[str, int]] = {}
+# END TUNED
+
+
 @dataclasses.dataclass(frozen=True)
 class SkinnyConfig:
     """One launch shape: ``split`` programs per tile of `BLOCK_N` weight rows, each covering ``k_per_split``
@@ -114,6 +123,7 @@ def launch_config(
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    tuned: bool = True,
 ) -> SkinnyConfig:
     """The launch shape for ``W [n, k]`` (shapes and dtypes only, never ``M``: see the module docstring).
 
@@ -127,10 +137,18 @@ def launch_config(
         block_k: reduction columns per step, a power of two >= 16 (default 128 for tensor cores, 32 for fp32).
         num_warps: warps per program (default 4).
         num_stages: pipelined steps in flight (default: up to 4, no more than the steps of a chunk + 1).
+        tuned: fill the knobs not given from `_TUNED_SHAPES` (16-bit weights on tensor cores only; False: the rule
+            alone, for the sweep).
 
     Raises:
         ValueError: a bad ``block_k`` or ``split_k``.
     """
+    hit = _TUNED_SHAPES.get((n, k)) if tuned and weight_bytes == 2 and not dot_fp32 else None
+    if hit:
+        split_k = hit.get("split_k") if split_k is None else split_k
+        block_k = hit.get("block_k") if block_k is None else block_k
+        num_warps = hit.get("num_warps") if num_warps is None else num_warps
+        num_stages = hit.get("num_stages") if num_stages is None else num_stages
     if block_k is None:
         block_k = 32 if dot_fp32 else 128
     if block_k < 16 or block_k & (block_k - 1):
