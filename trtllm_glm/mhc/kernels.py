@@ -67,7 +67,14 @@ import triton.language as tl
 
 from trtllm_glm.numerics import batch_invariant
 
-__all__ = ["mhc_pre", "mhc_post", "pre_launch_config"]
+__all__ = ["mhc_pre", "mhc_post", "pre_launch_config", "pre_path", "pre_tc_launch_config", "TC_MIN_ROWS"]
+
+# From this many tokens (bf16 streams, outside the batch-invariant mode) the projection runs on tensor cores
+# (`_mix_partial_tc_kernel`); below it, the decode-tuned FMA path, unchanged (CUDA graphs capture those sizes).
+TC_MIN_ROWS = 256
+PRE_PATHS = ("auto", "fma", "tc")
+# ``mma=`` of `mhc_pre` -> the ``MMA`` constexpr of `_mix_partial_tc_kernel` on CUDA (the interpreter uses 0).
+MMA_MODES = {"bf16x3": 1, "tf32x3": 2}
 
 
 @triton.jit
@@ -116,6 +123,92 @@ def _mix_partial_kernel(
         acc = tl.dot(x, w, acc, input_precision="ieee")
         sq += tl.sum(x * x, axis=1)
     # Column M (always padding: fn is masked there, so the dot left it 0) carries the sum of squares.
+    acc = tl.where(mm[None, :] == M, sq[:, None], acc)
+    tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split3(w):
+    """``w`` (fp32) as ``hi + mid + lo`` exactly, each part a bf16 value held in fp32.
+
+    Each part keeps the top 16 bits of what is left (truncation by mask, exact: a value whose low 16 bits are 0 is
+    a bf16). ``hi`` takes 8 significant bits, ``w - hi`` has at most 16 left, ``mid`` 8 of them, ``lo`` the last
+    8, so the sum is ``w`` exactly (fn's values are far from the bf16 subnormals). Masks, not casts: the
+    interpreter's fp32 -> bf16 cast is wrong, and this way the CPU tests check the decomposition itself.
+    """
+    hi = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    r = w - hi
+    mid = (r.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return hi, mid, r - mid
+
+
+@triton.jit
+def _mix_partial_tc_kernel(
+    x_ptr,
+    fn_ptr,
+    ws_ptr,
+    N,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_fm,
+    stride_wsp,
+    stride_wn,
+    units_per_prog,
+    n_units,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr,
+):
+    """`_mix_partial_kernel` on tensor cores, for bf16 streams at prefill sizes (same workspace layout).
+
+    ``MMA`` 1 ("bf16x3"): ``fn``'s tile is split into three bf16 parts (`_split3`) and multiplied by the bf16
+    streams (exact in bf16) in three bf16 MMAs with fp32 accumulation: every product is exact (8 x 8
+    significant bits), so only the fp32 accumulation rounds, as in the IEEE fp32 dot. ``hi`` accumulates apart
+    from ``mid + lo`` (~2^-8 of it), added at the end. ``MMA`` 2: Triton's ``tf32x3`` on the fp32 upcast.
+    ``MMA`` 0: the same split, the dots in IEEE fp32 (the interpreter, whose bf16 arithmetic is wrong).
+    The sum of squares is accumulated from the fp32 upcast of ``x`` as in `_mix_partial_kernel`.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    mm = tl.arange(0, M_PAD)
+    m_ok = mm < M
+    kk = tl.arange(0, BLOCK_K)
+    d_blocks = tl.cdiv(D, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xn
+    fn_cols = fn_ptr + mm[None, :].to(tl.int64) * stride_fm
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u0 = pid_k * units_per_prog
+    u1 = tl.minimum(u0 + units_per_prog, n_units)
+    for u in range(u0, u1):
+        s = u // d_blocks
+        d = (u - s * d_blocks) * BLOCK_K + kk
+        d_ok = d < D
+        x = tl.load(x_rows + s * stride_xs + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        w = tl.load(fn_cols + (s * D + d)[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        w = w.to(tl.float32)
+        if MMA == 2:
+            acc = tl.dot(xf, w, acc, input_precision="tf32x3")
+        else:
+            hi, mid, lo = _split3(w)
+            if MMA == 1:
+                xb = x.to(tl.bfloat16)
+                acc = tl.dot(xb, hi.to(tl.bfloat16), acc)
+                acc_lo = tl.dot(xb, mid.to(tl.bfloat16), acc_lo)
+                acc_lo = tl.dot(xb, lo.to(tl.bfloat16), acc_lo)
+            else:
+                acc = tl.dot(xf, hi, acc, input_precision="ieee")
+                acc_lo = tl.dot(xf, mid, acc_lo, input_precision="ieee")
+                acc_lo = tl.dot(xf, lo, acc_lo, input_precision="ieee")
+    acc += acc_lo
     acc = tl.where(mm[None, :] == M, sq[:, None], acc)
     tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
 
@@ -294,6 +387,55 @@ def pre_launch_config(
     return block_n, block_k, triton.cdiv(units, upp), upp
 
 
+def pre_path(n: int, dtype: torch.dtype, path: str = "auto") -> str:
+    """Which projection `mhc_pre` runs for ``n`` tokens of ``dtype`` streams: ``"fma"`` or ``"tc"``.
+
+    ``"auto"``: ``"tc"`` from `TC_MIN_ROWS` tokens of bf16 streams outside the batch-invariant mode (the mode
+    keeps the FMA path's one token tile and one split for every ``n``, so a row's bits never depend on ``n``);
+    ``"fma"`` otherwise. ``"tc"`` needs bf16 streams (their values must be exact MMA operands) and is refused
+    in the batch-invariant mode.
+    """
+    if path not in PRE_PATHS:
+        raise ValueError(f"mhc_pre: path must be one of {PRE_PATHS}, got {path!r}")
+    invariant = batch_invariant()
+    if path == "auto":
+        return "tc" if n >= TC_MIN_ROWS and dtype == torch.bfloat16 and not invariant else "fma"
+    if path == "tc" and (dtype != torch.bfloat16 or invariant):
+        raise ValueError("mhc_pre: path='tc' needs bf16 streams and is not batch invariant")
+    return path
+
+
+def pre_tc_launch_config(
+    n: int, s: int, d: int, device: torch.device, *, split: int | None = None, block_n: int | None = None,
+    block_k: int = 64
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """Launch shape of `_mix_partial_tc_kernel` from the shapes alone (graph safe).
+
+    Args:
+        n: tokens.
+        s: streams.
+        d: hidden size.
+        device: where it runs (the SM count sets the split).
+        split: requested K split (capped to the number of units); default: enough to give ~2 programs per
+            SM over the token tiles, at most 64 (the workspace is ``[split, n, M_PAD]`` fp32: at n = 8192 and
+            132 SMs the split is 5, 5 MB).
+        block_n: tokens per program (power of two >= 16), default 128 from 1024 tokens, else 64.
+        block_k: width of a unit (power of two >= 16).
+
+    Returns:
+        ``(block_n, block_k, split, units_per_program)`` as `pre_launch_config`.
+    """
+    if block_n is None:
+        block_n = 128 if n >= 1024 else 64
+    units = s * triton.cdiv(d, block_k)
+    tblocks = triton.cdiv(max(n, 1), block_n)
+    if split is None:
+        split = min(64, triton.cdiv(2 * _num_sms(device), tblocks))
+    split = max(1, min(split, units))
+    upp = triton.cdiv(units, split)
+    return block_n, block_k, triton.cdiv(units, upp), upp
+
+
 def _check_streams(streams: torch.Tensor) -> torch.Tensor:
     if streams.dim() != 3:
         raise ValueError(f"streams must be [N, S, D], got {tuple(streams.shape)}")
@@ -315,9 +457,11 @@ def mhc_pre(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split: int | None = None,
     block_n: int | None = None,
-    block_k: int = 32,
+    block_k: int | None = None,
     block_d: int = 1024,
     num_warps: int | None = None,
+    path: str = "auto",
+    mma: str = "bf16x3",
 ) -> tuple[torch.Tensor, ...]:
     """Fused ``mhc_weights`` + ``mhc_collapse`` of `trtllm_glm.modules.mhc`.
 
@@ -332,10 +476,14 @@ def mhc_pre(
             ``sinkhorn_iters - 1`` (row, column) pairs).
         return_pre: also return ``pre [N, S]`` fp32 (tests).
         out: optional ``(x_in, post, comb)`` buffers to write (e.g. a graph's static outputs).
-        split / block_n / block_k: launch shape of the split-K projection (`pre_launch_config`).
+        split / block_n / block_k: launch shape of the split-K projection (`pre_launch_config` on the FMA
+            path, block_k 32 by default; `pre_tc_launch_config` on the tensor-core path, block_k 64).
         block_d: hidden slice per program of the collapse (power of two).
-        num_warps: warps per program of the projection (default 4, 8 from 32 tokens per program: keeps
-            the FMA dot under ~130 registers); the finishing kernel uses 4.
+        num_warps: warps per program of the projection (FMA path: default 4, 8 from 32 tokens per program,
+            keeps the FMA dot under ~130 registers; tensor-core path: 4); the finishing kernel uses 4.
+        path: ``"auto"`` / ``"fma"`` / ``"tc"``, the projection's path (`pre_path`).
+        mma: tensor-core path only: ``"bf16x3"`` (three bf16 MMAs on fn's exact split) or ``"tf32x3"``
+            (Triton's); on the CPU the interpreter runs the split in IEEE fp32 either way.
 
     Returns:
         ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)``, with ``pre`` inserted
@@ -367,16 +515,32 @@ def mhc_pre(
         if post.dtype != torch.float32 or comb.dtype != torch.float32:
             raise ValueError("mhc_pre: out post / comb must be fp32")
     pre = torch.empty(n, s, dtype=torch.float32, device=dev) if return_pre else post
+    if mma not in MMA_MODES:
+        raise ValueError(f"mhc_pre: mma must be one of {tuple(MMA_MODES)}, got {mma!r}")
+    tc = pre_path(n, streams.dtype, path) == "tc"
     if n > 0:
-        bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k)
         m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
         s_pad = max(2, triton.next_power_of_2(s))
+        if tc:
+            bn, bk, n_split, upp = pre_tc_launch_config(
+                n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 64
+            )
+        else:
+            bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 32)
         ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
-        _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
+        args = (
             streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
             upp, s * triton.cdiv(d, bk),
-            M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4),
         )  # fmt: skip
+        if tc:
+            _mix_partial_tc_kernel[(triton.cdiv(n, bn), n_split)](
+                *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, MMA=MMA_MODES[mma] if dev.type == "cuda" else 0,
+                num_warps=num_warps or 4,
+            )  # fmt: skip
+        else:
+            _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
+                *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4)
+            )  # fmt: skip
         _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
             streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
