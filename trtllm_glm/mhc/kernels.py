@@ -67,7 +67,15 @@ import triton.language as tl
 
 from trtllm_glm.numerics import batch_invariant
 
-__all__ = ["mhc_pre", "mhc_post", "pre_launch_config", "pre_path", "pre_tc_launch_config", "TC_MIN_ROWS"]
+__all__ = [
+    "mhc_pre",
+    "mhc_post",
+    "pre_launch_config",
+    "pre_path",
+    "pre_tc_launch_config",
+    "mix_partials",
+    "TC_MIN_ROWS",
+]
 
 # From this many tokens (bf16 streams, outside the batch-invariant mode) the projection runs on tensor cores
 # (`_mix_partial_tc_kernel`); below it, the decode-tuned FMA path, unchanged (CUDA graphs capture those sizes).
@@ -444,6 +452,61 @@ def _check_streams(streams: torch.Tensor) -> torch.Tensor:
     return streams
 
 
+def _mma_code(mma: str, device: torch.device) -> int:
+    """The ``MMA`` constexpr of `_mix_partial_tc_kernel`: ``mma``'s on CUDA, 0 (IEEE fp32 dots) in the interpreter."""
+    if mma not in MMA_MODES:
+        raise ValueError(f"mhc_pre: mma must be one of {tuple(MMA_MODES)}, got {mma!r}")
+    return MMA_MODES[mma] if device.type == "cuda" else 0
+
+
+def mix_partials(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    *,
+    path: str = "auto",
+    mma: str = "bf16x3",
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """The projection of `mhc_pre` alone: split-K partial mixing logits and sums of squares.
+
+    Args:
+        streams: ``[N, S, D]`` (N > 0, last dim contiguous).
+        fn: ``[M, S * D]`` with ``M = (2 + S) * S``, last dim contiguous.
+        path / mma / split / block_n / block_k / num_warps: as `mhc_pre`.
+
+    Returns:
+        ``ws [SPLIT, N, M_PAD]`` fp32: summed over its first dim, columns ``< M`` are ``x @ fnᵀ`` (``x`` the
+        flattened streams, not yet RMS-scaled), column ``M`` is ``sum(x^2)``, the rest 0.
+    """
+    n, s, d = streams.shape
+    m = (2 + s) * s
+    dev = streams.device
+    tc = pre_path(n, streams.dtype, path) == "tc"
+    m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
+    if tc:
+        bn, bk, n_split, upp = pre_tc_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 64)
+    else:
+        bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 32)
+    ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
+    args = (
+        streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
+        upp, s * triton.cdiv(d, bk),
+    )  # fmt: skip
+    if tc:
+        _mix_partial_tc_kernel[(triton.cdiv(n, bn), n_split)](
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, MMA=_mma_code(mma, dev),
+            num_warps=num_warps or 4,
+        )  # fmt: skip
+    else:
+        _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4)
+        )  # fmt: skip
+    return ws
+
+
 def mhc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -515,32 +578,14 @@ def mhc_pre(
         if post.dtype != torch.float32 or comb.dtype != torch.float32:
             raise ValueError("mhc_pre: out post / comb must be fp32")
     pre = torch.empty(n, s, dtype=torch.float32, device=dev) if return_pre else post
-    if mma not in MMA_MODES:
-        raise ValueError(f"mhc_pre: mma must be one of {tuple(MMA_MODES)}, got {mma!r}")
-    tc = pre_path(n, streams.dtype, path) == "tc"
+    pre_path(n, streams.dtype, path)  # a bad path / dtype / mma is refused at every n
+    _mma_code(mma, dev)
     if n > 0:
-        m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
+        ws = mix_partials(
+            streams, fn, path=path, mma=mma, split=split, block_n=block_n, block_k=block_k, num_warps=num_warps
+        )
+        n_split, m_pad = ws.shape[0], ws.shape[2]
         s_pad = max(2, triton.next_power_of_2(s))
-        if tc:
-            bn, bk, n_split, upp = pre_tc_launch_config(
-                n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 64
-            )
-        else:
-            bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 32)
-        ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
-        args = (
-            streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
-            upp, s * triton.cdiv(d, bk),
-        )  # fmt: skip
-        if tc:
-            _mix_partial_tc_kernel[(triton.cdiv(n, bn), n_split)](
-                *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, MMA=MMA_MODES[mma] if dev.type == "cuda" else 0,
-                num_warps=num_warps or 4,
-            )  # fmt: skip
-        else:
-            _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
-                *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4)
-            )  # fmt: skip
         _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
             streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
