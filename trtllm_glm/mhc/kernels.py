@@ -82,7 +82,7 @@ __all__ = [
 TC_MIN_ROWS = 256
 PRE_PATHS = ("auto", "fma", "tc")
 # ``mma=`` of `mhc_pre` -> the ``MMA`` constexpr of `_mix_partial_tc_kernel` on CUDA (the interpreter uses 0).
-MMA_MODES = {"bf16x3": 1, "tf32x3": 2}
+MMA_MODES = {"split3": 1, "tf32x3": 2, "bf16x6": 3}
 
 
 @triton.jit
@@ -172,11 +172,13 @@ def _mix_partial_tc_kernel(
 ):
     """`_mix_partial_kernel` on tensor cores, for bf16 streams at prefill sizes (same workspace layout).
 
-    ``MMA`` 1 ("bf16x3"): ``fn``'s tile is split into three bf16 parts (`_split3`) and multiplied by the bf16
-    streams (exact in bf16) in three bf16 MMAs with fp32 accumulation: every product is exact (8 x 8
+    ``MMA`` 1 (``"split3"``): ``fn``'s tile is split into three bf16 parts (`_split3`) and multiplied by the
+    bf16 streams (exact in bf16) in three bf16 MMAs with fp32 accumulation: every product is exact (8 x 8
     significant bits), so only the fp32 accumulation rounds, as in the IEEE fp32 dot. ``hi`` accumulates apart
-    from ``mid + lo`` (~2^-8 of it), added at the end. ``MMA`` 2: Triton's ``tf32x3`` on the fp32 upcast.
-    ``MMA`` 0: the same split, the dots in IEEE fp32 (the interpreter, whose bf16 arithmetic is wrong).
+    from ``mid + lo`` (~2^-8 of it), added at the end. ``MMA`` 2 / 3: Triton's ``tf32x3`` (fn kept to ~22 bits,
+    tf32 MMAs at half the bf16 rate) / ``bf16x6`` (both operands split in three: six MMAs, three of them on the
+    streams' zero low parts) on the fp32 upcast, for comparison. ``MMA`` 0: the split, the dots in IEEE fp32
+    (the interpreter, whose bf16 arithmetic is wrong).
     The sum of squares is accumulated from the fp32 upcast of ``x`` as in `_mix_partial_kernel`.
     """
     pid_n = tl.program_id(0)
@@ -205,6 +207,8 @@ def _mix_partial_tc_kernel(
         w = w.to(tl.float32)
         if MMA == 2:
             acc = tl.dot(xf, w, acc, input_precision="tf32x3")
+        elif MMA == 3:
+            acc = tl.dot(xf, w, acc, input_precision="bf16x6")
         else:
             hi, mid, lo = _split3(w)
             if MMA == 1:
@@ -464,7 +468,7 @@ def mix_partials(
     fn: torch.Tensor,
     *,
     path: str = "auto",
-    mma: str = "bf16x3",
+    mma: str = "split3",
     split: int | None = None,
     block_n: int | None = None,
     block_k: int | None = None,
@@ -524,7 +528,7 @@ def mhc_pre(
     block_d: int = 1024,
     num_warps: int | None = None,
     path: str = "auto",
-    mma: str = "bf16x3",
+    mma: str = "split3",
 ) -> tuple[torch.Tensor, ...]:
     """Fused ``mhc_weights`` + ``mhc_collapse`` of `trtllm_glm.modules.mhc`.
 
@@ -545,8 +549,9 @@ def mhc_pre(
         num_warps: warps per program of the projection (FMA path: default 4, 8 from 32 tokens per program,
             keeps the FMA dot under ~130 registers; tensor-core path: 4); the finishing kernel uses 4.
         path: ``"auto"`` / ``"fma"`` / ``"tc"``, the projection's path (`pre_path`).
-        mma: tensor-core path only: ``"bf16x3"`` (three bf16 MMAs on fn's exact split) or ``"tf32x3"``
-            (Triton's); on the CPU the interpreter runs the split in IEEE fp32 either way.
+        mma: tensor-core path only: ``"split3"`` (three bf16 MMAs on fn's exact three-part split), or Triton's
+            ``"tf32x3"`` / ``"bf16x6"`` (for comparison); on the CPU the interpreter runs the split in IEEE fp32
+            whatever ``mma`` is.
 
     Returns:
         ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)``, with ``pre`` inserted
