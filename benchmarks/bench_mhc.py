@@ -19,8 +19,8 @@ bandwidth). Each case is checked against the reference before it is timed.
 Prefill rows (N in {1024, 8192}): ``mhc_pre`` alone, graph-replayed over the same chain of ``fn``s, block ``i``
 reading the ``i % 4``-th of four stream buffers (4 x 34 MB at N = 1024, 4 x 268 MB at 8192: more than the L2,
 so each block reads its streams from HBM, as in a forward), on the old FMA path (``path="fma"``, IEEE fp32
-``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the default, and Triton's
-``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the projection alone (`mix_partials`;
+``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the default, ``"split3_chain"``,
+and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the projection alone (`mix_partials`;
 floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` / ``comb`` max rel error against
 the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone at the same N for context.
 
@@ -198,6 +198,7 @@ class _Bench:
         variants = {
             "fma (old)": dict(path="fma"),
             "tc split3": dict(path="tc", mma="split3"),
+            "tc split3_chain": dict(path="tc", mma="split3_chain"),
             "tc tf32x3": dict(path="tc", mma="tf32x3"),
             "tc bf16x6": dict(path="tc", mma="bf16x6"),
         }

@@ -82,7 +82,7 @@ __all__ = [
 TC_MIN_ROWS = 256
 PRE_PATHS = ("auto", "fma", "tc")
 # ``mma=`` of `mhc_pre` -> the ``MMA`` constexpr of `_mix_partial_tc_kernel` on CUDA (the interpreter uses 0).
-MMA_MODES = {"split3": 1, "tf32x3": 2, "bf16x6": 3}
+MMA_MODES = {"split3": 1, "tf32x3": 2, "bf16x6": 3, "split3_chain": 4}
 
 
 @triton.jit
@@ -174,12 +174,14 @@ def _mix_partial_tc_kernel(
 
     ``MMA`` 1 (``"split3"``): ``fn``'s tile is split into three bf16 parts (`_split3`) and multiplied by the
     bf16 streams (exact in bf16) in three bf16 MMAs with fp32 accumulation: every product is exact (8 x 8
-    significant bits), so only the fp32 accumulation rounds, as in the IEEE fp32 dot. ``hi`` accumulates apart
-    from ``mid + lo`` (~2^-8 of it), added at the end. ``MMA`` 2 / 3: Triton's ``tf32x3`` (fn kept to ~22 bits,
-    tf32 MMAs at half the bf16 rate) / ``bf16x6`` (both operands split in three: six MMAs, three of them on the
-    streams' zero low parts) on the fp32 upcast, for comparison. ``MMA`` 0: the split, the dots in IEEE fp32
-    (the interpreter, whose bf16 arithmetic is wrong).
-    The sum of squares is accumulated from the fp32 upcast of ``x`` as in `_mix_partial_kernel`.
+    significant bits), so only the fp32 sums round, as in the IEEE fp32 dot. Each unit's MMAs start from zero
+    and the units are added in registers (round-to-nearest); ``hi`` accumulates apart from ``mid + lo`` (~2^-8
+    of it), added at the end. ``MMA`` 4 (``"split3_chain"``): the same, the tensor cores accumulating across
+    units (their fp32 accumulation's rounding is the hardware's). ``MMA`` 2 / 3: Triton's ``tf32x3`` (fn kept
+    to ~22 bits, tf32 MMAs at half the bf16 rate) / ``bf16x6`` (both operands split in three: six MMAs, three of
+    them on the streams' zero low parts) on the fp32 upcast, for comparison. ``MMA`` 0: the split, the dots in
+    IEEE fp32 (the interpreter, whose bf16 arithmetic is wrong). The sum of squares is accumulated from the fp32
+    upcast of ``x`` as in `_mix_partial_kernel`.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -212,6 +214,14 @@ def _mix_partial_tc_kernel(
         else:
             hi, mid, lo = _split3(w)
             if MMA == 1:
+                # The tensor cores sum one unit (BLOCK_K products per entry) from zero; the units are summed in
+                # registers in IEEE fp32. Their own fp32 accumulation may truncate (it is not specified as
+                # round-to-nearest), so it only ever sums short runs.
+                xb = x.to(tl.bfloat16)
+                acc += tl.dot(xb, hi.to(tl.bfloat16))
+                acc_lo += tl.dot(xb, lo.to(tl.bfloat16), tl.dot(xb, mid.to(tl.bfloat16)))
+            elif MMA == 4:
+                # The same products accumulated by the tensor cores over all of the program's units.
                 xb = x.to(tl.bfloat16)
                 acc = tl.dot(xb, hi.to(tl.bfloat16), acc)
                 acc_lo = tl.dot(xb, mid.to(tl.bfloat16), acc_lo)
@@ -549,8 +559,9 @@ def mhc_pre(
         num_warps: warps per program of the projection (FMA path: default 4, 8 from 32 tokens per program,
             keeps the FMA dot under ~130 registers; tensor-core path: 4); the finishing kernel uses 4.
         path: ``"auto"`` / ``"fma"`` / ``"tc"``, the projection's path (`pre_path`).
-        mma: tensor-core path only: ``"split3"`` (three bf16 MMAs on fn's exact three-part split), or Triton's
-            ``"tf32x3"`` / ``"bf16x6"`` (for comparison); on the CPU the interpreter runs the split in IEEE fp32
+        mma: tensor-core path only: ``"split3"`` (three bf16 MMAs on fn's exact three-part split, units summed
+            in registers), ``"split3_chain"`` (summed by the tensor cores), or Triton's ``"tf32x3"`` /
+            ``"bf16x6"`` (for comparison); on the CPU the interpreter runs the split in IEEE fp32
             whatever ``mma`` is.
 
     Returns:
