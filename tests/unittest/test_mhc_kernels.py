@@ -282,3 +282,25 @@ def test_tc_path_not_used_in_batch_invariant_mode() -> None:
         for rows in (slice(0, 1), slice(0, 17), slice(n - 5, n)):
             part = K.mhc_pre(streams[rows], fn, base, scale, **KW)
             assert all(torch.equal(a, b[rows]) for a, b in zip(part, full)), rows
+
+
+def test_tc_kernel_compiles_for_sm90() -> None:
+    """The tensor-core projection compiles for the H200 with every ``mma`` (the interpreter never compiles it),
+    at both default token tiles; the launches are those `mix_partials` makes."""
+    from triton_compile import KernelSpec, compile_sm90
+
+    mod = K.kernel_module("cpu")
+    sig = dict(x_ptr="*bf16", fn_ptr="*fp32", ws_ptr="*fp32", N="i32", D="i32", stride_xn="i32", stride_xs="i32",
+               stride_fm="i32", stride_wsp="i32", stride_wn="i32", units_per_prog="i32", n_units="i32")  # fmt: skip
+    specs = [
+        KernelSpec(
+            "trtllm_glm.mhc.kernels",
+            "_mix_partial_tc_kernel",
+            sig,
+            dict(M=24, M_PAD=32, BLOCK_N=bn, BLOCK_K=64, MMA=code),
+        )  # fmt: skip
+        for code in mod.MMA_MODES.values()
+        for bn in ((64, 128) if code == 1 else (128,))
+    ]
+    results = compile_sm90(specs)
+    assert all(r["ok"] for r in results), results
