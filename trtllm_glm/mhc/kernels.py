@@ -12,6 +12,18 @@ ops), all sizes from shapes only and no host sync, so a block can be captured in
    and a contiguous run of ``BLOCK_K``-wide units (one stream's ``d`` range each: ``D`` may be any size,
    tiles are masked), so ``fn`` (1.5 MB at the real geometry) is read once per token block, and split over
    enough programs to fill the GPU at decode sizes (one program reading all of ``fn`` would take ~10 µs).
+   From `TC_MIN_ROWS` (256) tokens of bf16 streams (prefill chunks), outside the batch-invariant mode,
+   ``_mix_partial_tc_kernel`` takes its place (`pre_path`): the same workspace, filled on tensor cores.
+   ``fn``'s fp32 tile is split in registers into three bf16 parts whose sum is exactly ``fn`` (`_split3`:
+   8 significant bits each, by masks), and the bf16 streams (exact MMA operands) are multiplied by each in
+   three bf16 MMAs with fp32 accumulation, so every product is exact and only fp32 sums round, as in the
+   FMA path; each unit's MMAs start from zero and the units are summed in registers (round-to-nearest), so the
+   tensor cores' own accumulation rounding (not specified as IEEE) only ever covers one unit. Token tiles of
+   64 rows (128 from 1,024 tokens), ``BLOCK_K = 64``, a split giving ~2 programs per SM over the token tiles
+   (`pre_tc_launch_config`; 5 at N = 8192 on 132 SMs: a 5 MB workspace). fp16 / fp32 streams keep the FMA
+   path (their values are not exact bf16 operands). ``mma=`` picks other tensor-core precisions for
+   comparison: ``"split3_chain"`` (the tensor cores accumulate across units), Triton's ``"tf32x3"`` (fn to
+   ~22 bits, tf32 MMAs) and ``"bf16x6"`` (both operands split in three, six MMAs).
 2. ``_pre_finish_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: each program sums its token's partials in a fixed
    order (deterministic, no atomics), applies the RMS scale, the sigmoids, the softmax and the Sinkhorn
    normalisation on the ``[S, S]`` tile in registers, in the reference's order (softmax ``+ hc_eps``, one
@@ -24,15 +36,21 @@ ops), all sizes from shapes only and no host sync, so a block can be captured in
    are rounded to the streams' dtype first, the product ``post * out`` and the ``[S, S] @ [S, D]`` mix are
    each rounded to it (bf16 elementwise product; bf16 matmul with fp32 accumulation), then added and rounded.
 
-Numerics: FP32 in registers throughout. Sums run in a different order than torch's (split-K, sum of
-squares), and ``exp`` / division are the GPU's fast versions, so ``pre``/``post``/``comb`` agree with the
-reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N = 2048), not bit for bit. In bf16
-``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32 value sits on a rounding
-boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix accumulated in
-FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16) differs from
-it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
-mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it
-passed on the H200 on 2026-12-01).
+Numerics: FP32 in registers throughout (on the tensor-core path, exact bf16 products summed in fp32). Sums run in a
+different order than torch's (split-K, sum of squares), and ``exp`` / division are the GPU's fast versions, so
+``pre``/``post``/``comb`` agree with the reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N =
+2048), not bit for bit. In bf16 ``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32
+value sits on a rounding boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix
+accumulated in FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16)
+differs from it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
+mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it passed on the
+H200 on 2026-12-01). The tensor-core path's weights are checked against fp64 weights
+(tests/unittest/test_mhc_kernels_gpu.py, N = 1000 and 8192, bound: max rel error 2e-5, the FMA path's and Triton's
+split precisions printed beside it): not yet run on the H200. On the CPU the interpreter runs the same three-part
+split with IEEE fp32 dots (its bf16 arithmetic is wrong), which checks the split (the sum of the parts is fn
+exactly), the masking and the launch shapes, not the tensor cores' rounding. In the batch-invariant mode ``mhc_pre``
+keeps the FMA path at every N (one token tile, one split), so a row's bits never depend on N; prefill there runs at
+the FMA path's speed.
 
 Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
 ``benchmarks/results/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
@@ -52,9 +70,19 @@ tile, stream loads). Likely next steps, not measured: keep the ``[S, S]`` tile i
 cross-thread exchange in the Sinkhorn), issue the collapse's stream loads before the weights, or fuse block
 ``i + 1``'s projection partials into block ``i``'s expand.
 
+Prefill sizes (issue 32): on the H200 profile of a 128K-token prompt (4 layers, chunks of 8,192 rows) the FMA
+projection took 1.32 ms per launch at N = 8192 (169 ms over 128 launches), ~20x the ~63 µs of reading the
+streams once: IEEE fp32 ``tl.dot`` is bound by the FMA units there. The tensor-core path does 3 bf16 MMAs of
+``[N, S*D] x [S*D, 32]`` (26 GFLOP at N = 8192, a few tens of µs at the H200's bf16 rate) while reading the
+streams once, so it should sit near that byte floor; not yet measured: `benchmarks/bench_mhc.py` times the old
+and new paths (and the ``mma`` variants) at N = 1024 and 8192 in one run, with GB/s against the copy ceiling
+and each variant's error against fp64. The finishing kernel reads ``SPLIT`` partials per token (5 at N = 8192
+instead of 2), unchanged otherwise.
+
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
-arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16.
+arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16 (bf16 streams only on the
+tensor-core path's weights, whose interpreted dots are IEEE fp32; its bf16 ``x_in`` to one ulp).
 """
 
 from __future__ import annotations
