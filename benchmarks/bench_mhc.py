@@ -220,7 +220,7 @@ class _Bench:
             ):  # fmt: skip
                 launch = dict(path="tc", block_n=bn, block_k=bk, split=split, num_warps=nw)
                 t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
-                self.record(f"  proj tc bn={bn} bk={bk} split={split} w={nw}", n, t, "proj")
+                self.record(f"  proj tc {bn}x{bk} s={split or 'auto'} w{nw}", n, t, "proj")
         x_in, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW)
         self.record(
             "  mhc_post alone", n, _graph_us([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN, "post"
