@@ -215,8 +215,8 @@ class _Bench:
             self.record(f"  proj {name}", n, t, "proj")
         if self.sweep:
             for bn, bk, split, nw in (
-                (64, 64, None, 4), (128, 32, None, 4), (128, 128, None, 4), (128, 64, None, 8),
-                (128, 64, 2, 4), (128, 64, 8, 4), (128, 64, 16, 4), (256, 64, None, 8),
+                (64, 64, None, 4), (128, 32, None, 8), (128, 128, None, 8), (128, 64, None, 4),
+                (128, 64, 2, 8), (128, 64, 8, 8), (128, 64, 16, 8), (256, 64, None, 8),
             ):  # fmt: skip
                 launch = dict(path="tc", block_n=bn, block_k=bk, split=split, num_warps=nw)
                 t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN

@@ -540,7 +540,7 @@ def mix_partials(
     if tc:
         _mix_partial_tc_kernel[(triton.cdiv(n, bn), n_split)](
             *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, MMA=_mma_code(mma, dev),
-            num_warps=num_warps or 4,
+            num_warps=num_warps or (8 if bn >= 128 else 4),
         )  # fmt: skip
     else:
         _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
@@ -585,7 +585,8 @@ def mhc_pre(
             path, block_k 32 by default; `pre_tc_launch_config` on the tensor-core path, block_k 64).
         block_d: hidden slice per program of the collapse (power of two).
         num_warps: warps per program of the projection (FMA path: default 4, 8 from 32 tokens per program,
-            keeps the FMA dot under ~130 registers; tensor-core path: 4); the finishing kernel uses 4.
+            keeps the FMA dot under ~130 registers; tensor-core path: 8 for 128-token tiles, else 4: ptxas for
+            sm_90 at D = 4096 gives 102 / 96 registers, 4 warps at 128 tokens 180); the finishing kernel uses 4.
         path: ``"auto"`` / ``"fma"`` / ``"tc"``, the projection's path (`pre_path`).
         mma: tensor-core path only: ``"split3"`` (three bf16 MMAs on fn's exact three-part split, units summed
             in registers), ``"split3_chain"`` (summed by the tensor cores), or Triton's ``"tf32x3"`` /
