@@ -16,13 +16,14 @@ written and the block output read (2 x N x D x 2). GB/s = floor / time; ``%copy`
 device-to-device copy measured in the same run (bytes read + written); ``x floor`` = time / (floor at the copy
 bandwidth). Each case is checked against the reference before it is timed.
 
-Prefill rows (N in {1024, 8192}): ``mhc_pre`` alone, graph-replayed over the same chain of ``fn``s, block ``i``
-reading the ``i % 4``-th of four stream buffers (4 x 34 MB at N = 1024, 4 x 268 MB at 8192: more than the L2,
-so each block reads its streams from HBM, as in a forward), on the old FMA path (``path="fma"``, IEEE fp32
-``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the default, ``"split3_chain"``,
-and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the projection alone (`mix_partials`;
-floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` / ``comb`` max rel error against
-the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone at the same N for context.
+Prefill rows (N in {128, 256, 1024, 8192}): ``mhc_pre`` alone, graph-replayed over the same chain of ``fn``s, block
+``i`` reading the ``i % B``-th of ``B`` stream buffers holding >= 128 MB together (at least 4: 4 x 268 MB at N =
+8192; 31 x 4.2 MB at 128), more than the L2, so each block reads its streams from HBM, as in a forward, on the old
+FMA path (``path="fma"``, IEEE fp32 ``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the
+default, ``"split3_chain"``, and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the
+projection alone (`mix_partials`; floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` /
+``comb`` max rel error against the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone
+at the same N for context.
 
 Usage (on a CUDA machine, from the repository root)::
 
@@ -49,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
 
 ROWS = (1, 16, 64, 128)
-PREFILL_ROWS = (1024, 8192)
+PREFILL_ROWS = (128, 256, 1024, 8192)  # 128 and 256: where the tensor-core path starts to pay (TC_MIN_ROWS)
 S, D = 4, 4096
 CHAIN = 40
 KW = dict(norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
@@ -191,7 +192,8 @@ class _Bench:
 
         q = self.quick
         gen = torch.Generator(device=self.dev).manual_seed(200 + n)
-        bufs = [(3.0 * torch.randn(n, S, D, device=self.dev, generator=gen)).to(torch.bfloat16) for _ in range(4)]
+        n_bufs = min(CHAIN, max(4, -(-(128 << 20) // (n * S * D * 2))))  # >= 128 MB: past the L2
+        bufs = [(3.0 * torch.randn(n, S, D, device=self.dev, generator=gen)).to(torch.bfloat16) for _ in range(n_bufs)]
         streams = bufs[0]
         f0, b0, s0 = self.fns[0], self.bases[0], self.scales[0]
         want = mhc_weights_fp64(streams, f0, b0, s0, **KW)
