@@ -16,12 +16,22 @@ written and the block output read (2 x N x D x 2). GB/s = floor / time; ``%copy`
 device-to-device copy measured in the same run (bytes read + written); ``x floor`` = time / (floor at the copy
 bandwidth). Each case is checked against the reference before it is timed.
 
+Prefill rows (N in {128, 256, 1024, 8192}): ``mhc_pre`` alone, graph-replayed over the same chain of ``fn``s, block
+``i`` reading the ``i % B``-th of ``B`` stream buffers holding >= 128 MB together (at least 4: 4 x 268 MB at N =
+8192; 31 x 4.2 MB at 128), more than the L2, so each block reads its streams from HBM, as in a forward, on the old
+FMA path (``path="fma"``, IEEE fp32 ``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the
+default, ``"split3_chain"``, and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the
+projection alone (`mix_partials`; floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` /
+``comb`` max rel error against the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone
+at the same N for context.
+
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_mhc.py [--quick] [--sweep] [--json PATH]
+    PYTHONPATH=. python3 benchmarks/bench_mhc.py [--quick] [--sweep] [--prefill-only] [--json PATH]
 
 ``--sweep`` also times other launch shapes (the projection's split and block_k, the hidden slice per
-program of the collapse and of the expand). Without CUDA it prints a message and exits 0.
+program of the collapse and of the expand; at prefill sizes the tensor-core path's block_n, block_k, split and
+warps). ``--prefill-only`` skips the decode rows. Without CUDA it prints a message and exits 0.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
 
 ROWS = (1, 16, 64, 128)
+PREFILL_ROWS = (128, 256, 1024, 8192)  # 128 and 256: where the tensor-core path starts to pay (TC_MIN_ROWS)
 S, D = 4, 4096
 CHAIN = 40
 KW = dict(norm_eps=1e-5, hc_eps=1e-6, sinkhorn_iters=20)
@@ -76,6 +87,8 @@ def _floor_bytes(n: int, part: str = "block") -> float:
     streams, row = n * S * D * 2, n * D * 2
     if part == "pre":
         return fn_bytes + streams + row
+    if part == "proj":
+        return fn_bytes + streams
     if part == "post":
         return 2 * streams + row
     return fn_bytes + 2 * streams + 2 * row
@@ -162,11 +175,65 @@ class _Bench:
                 t = _graph_us([partial(self.post_chain, streams, x_in, post, comb, block_d=bd)], q) / CHAIN
                 self.record(f"  post block_d={bd}", n, t, "post")
 
+    def prefill_chain(self, streams: list[torch.Tensor], proj: bool = False, **launch) -> None:
+        """``mhc_pre`` (or, ``proj``, the projection alone) of CHAIN blocks over rotating stream buffers."""
+        mod = self.K.kernel_module(self.dev)
+        for i in range(CHAIN):
+            x = streams[i % len(streams)]
+            if proj:
+                mod.mix_partials(x, self.fns[i], **launch)
+            else:
+                self.K.mhc_pre(x, self.fns[i], self.bases[i], self.scales[i], **KW, **launch)
+
+    def prefill_case(self, n: int) -> None:
+        """``mhc_pre`` at prefill sizes: old (FMA) and new (tensor-core) paths in the same run, with errors."""
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+        from mhc_fp64 import mhc_weights_fp64
+
+        q = self.quick
+        gen = torch.Generator(device=self.dev).manual_seed(200 + n)
+        n_bufs = min(CHAIN, max(4, -(-(128 << 20) // (n * S * D * 2))))  # >= 128 MB: past the L2
+        bufs = [(3.0 * torch.randn(n, S, D, device=self.dev, generator=gen)).to(torch.bfloat16) for _ in range(n_bufs)]
+        streams = bufs[0]
+        f0, b0, s0 = self.fns[0], self.bases[0], self.scales[0]
+        want = mhc_weights_fp64(streams, f0, b0, s0, **KW)
+        variants = {
+            "fma (old)": dict(path="fma"),
+            "tc split3": dict(path="tc", mma="split3"),
+            "tc split3_chain": dict(path="tc", mma="split3_chain"),
+            "tc tf32x3": dict(path="tc", mma="tf32x3"),
+            "tc bf16x6": dict(path="tc", mma="bf16x6"),
+        }
+        base_t = None
+        for name, launch in variants.items():
+            _, pre, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW, return_pre=True, **launch)
+            err = max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip((pre, post, comb), want))
+            t = _graph_us([partial(self.prefill_chain, bufs, **launch)], q) / CHAIN
+            base_t = base_t or t
+            note = f"max rel err of pre/post/comb vs fp64 {err:.2e}; x{base_t / t:.1f} faster than the old path"
+            self.record(f"  pre {name}", n, t, "pre", note=note)
+            print(f"      {note}")
+            t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
+            self.record(f"  proj {name}", n, t, "proj")
+        if self.sweep:
+            for bn, bk, split, nw in (
+                (64, 64, None, 4), (128, 32, None, 8), (128, 128, None, 8), (128, 64, None, 4),
+                (128, 64, 2, 8), (128, 64, 8, 8), (128, 64, 16, 8), (256, 64, None, 8),
+            ):  # fmt: skip
+                launch = dict(path="tc", block_n=bn, block_k=bk, split=split, num_warps=nw)
+                t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
+                self.record(f"  proj tc {bn}x{bk} s={split or 'auto'} w{nw}", n, t, "proj")
+        x_in, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW)
+        self.record(
+            "  mhc_post alone", n, _graph_us([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN, "post"
+        )
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--prefill-only", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -175,10 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 projection, as in the model
     b = _Bench(args.quick, args.sweep)
     print(f"{torch.cuda.get_device_name(b.dev)}; copy ceiling {b.ceiling:.0f} GB/s; chain of {CHAIN} blocks")
-    for n in ROWS:
+    cases = [] if args.prefill_only else [(b.case, n) for n in ROWS]
+    cases += [(b.prefill_case, n) for n in PREFILL_ROWS]
+    for case, n in cases:
+        if case == b.prefill_case:
+            print(f"N={n} (prefill): mhc_pre, old path vs tensor cores")
         try:
             with torch.no_grad():
-                b.case(n)
+                case(n)
         except Exception:  # keep timing the other sizes; the log shows what failed
             traceback.print_exc()
             print(f"N={n}: FAILED")

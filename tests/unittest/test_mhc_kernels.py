@@ -8,11 +8,17 @@ the Sinkhorn iterations change ``comb`` a lot. Outputs are poisoned with NaN fir
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
 from trtllm_glm import mhc as K
 from trtllm_glm.modules import mhc as R
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from mhc_fp64 import mhc_weights_fp64  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only
 
@@ -178,3 +184,123 @@ def test_block_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert R.mhc_backend(streams, fn_p, backend="auto") == "torch"
     with pytest.raises(RuntimeError):
         R.mhc_backend(streams, fn_p, backend="triton")
+
+
+# --------------------------------------------------------------------------------------------------
+# The tensor-core projection (bf16 streams at prefill sizes). The interpreter runs its exact three-part split
+# of fn with IEEE fp32 dots (its bf16 arithmetic is wrong), so these tests check the split, the masking and the
+# launch shape; the tensor cores' rounding is checked on the GPU (test_mhc_kernels_gpu.py).
+
+
+def _bf16_inputs(n: int, s: int, d: int, seed: int):
+    streams, fn, base, scale, _ = _inputs(n, s, d, seed)
+    return streams.to(torch.bfloat16), fn, base, scale
+
+
+def _check_pre_fp64(streams, fn, base, scale, *, tol: float = 2e-6, **launch) -> None:
+    """pre / post / comb against the weights in fp64 of the same (bf16) streams; x_in to one bf16 ulp (the
+    interpreter's fp32 -> bf16 cast of the result is not round-to-nearest)."""
+    n, s, d = streams.shape
+    x_in, post, comb = _poisoned_pre(n, s, d, streams.dtype)
+    _, pre, _, _ = K.mhc_pre(streams, fn, base, scale, **KW, out=(x_in, post, comb), return_pre=True, **launch)
+    want = mhc_weights_fp64(streams, fn, base, scale, **KW)
+    for got, ref in zip((pre, post, comb), want):
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+    want_x = (want[0][:, :, None] * streams.double()).sum(1)
+    torch.testing.assert_close(x_in.double(), want_x, rtol=2.0**-7, atol=1e-6)
+
+
+def test_tc_path_is_taken_for_prefill_sizes() -> None:
+    mod = K.kernel_module("cpu")
+    bf16 = torch.bfloat16
+    assert mod.pre_path(mod.TC_MIN_ROWS, bf16) == "tc"
+    assert mod.pre_path(mod.TC_MIN_ROWS - 1, bf16) == "fma"  # decode / verify sizes: unchanged
+    assert mod.pre_path(8192, torch.float32) == "fma" and mod.pre_path(8192, torch.float16) == "fma"
+    with pytest.raises(ValueError):
+        mod.pre_path(8, torch.float32, "tc")  # fp32 streams are not exact bf16 MMA operands
+    with pytest.raises(ValueError):
+        mod.pre_path(8, bf16, "gemm")
+    streams, fn, base, scale = _bf16_inputs(2, 4, 32, seed=0)
+    with pytest.raises(ValueError):
+        K.mhc_pre(streams, fn, base, scale, **KW, path="tc", mma="fp64")
+    # Launch shape: 128-row tiles from 1024 tokens, every unit covered once, a small split.
+    units = 4 * 64  # S = 4, D = 4096, block_k 64
+    for n in (300, 1000, 8192):
+        bn, bk, split, upp = mod.pre_tc_launch_config(n, 4, 4096, torch.device("cpu"))
+        assert bk == 64 and bn == (128 if n >= 1024 else 64)
+        assert split * upp >= units and (split - 1) * upp < units and split <= 64
+
+
+@pytest.mark.parametrize(
+    "n,d,launch",
+    [
+        (37, 200, dict(path="tc")),  # forced below TC_MIN_ROWS: one partial token tile, d not a multiple of 64
+        (70, 72, dict(path="tc", split=3, block_n=16, block_k=16)),  # uneven units per program, several tiles
+        (257, 40, dict()),  # auto from TC_MIN_ROWS: odd N, the last tile holds one token
+    ],
+)
+def test_tc_path_matches_reference(n: int, d: int, launch: dict) -> None:
+    streams, fn, base, scale = _bf16_inputs(n, 4, d, seed=n + d)
+    if not launch:
+        assert K.kernel_module("cpu").pre_path(n, streams.dtype) == "tc"
+    _check_pre_fp64(streams, fn, base, scale, **launch)
+
+
+def test_tc_projection_uses_all_of_fn() -> None:
+    """The tensor-core path's workspace (`mix_partials`: mixing logits and sum of squares) against fp64, with
+    positive streams and weights so that dropping ``fn``'s low part (relative size ~2^-17 on average, all of one
+    sign here) shows: the bound, 2^-20 of the magnitudes, is ~8x below that."""
+    mod = K.kernel_module("cpu")
+    n, s, d = 45, 4, 136
+    m, m_pad = (2 + s) * s, 32
+    g = torch.Generator().manual_seed(4)
+    streams = (1.0 + torch.rand(n, s, d, generator=g)).to(torch.bfloat16)
+    fn = (torch.rand(m, s * d, generator=g) + 0.5) * 1e-2
+    ws = mod.mix_partials(streams, fn, path="tc", block_n=16, block_k=32, split=3)
+    assert ws.shape == (3, n, m_pad)
+    got = ws.double().sum(0)
+    x = streams.double().reshape(n, s * d)
+    want = x @ fn.double().T
+    assert ((got[:, :m] - want).abs() <= 2.0**-20 * want).all()
+    torch.testing.assert_close(got[:, m], (x * x).sum(1), rtol=1e-6, atol=0)
+    assert (got[:, m + 1 :] == 0).all()
+
+
+def test_tc_path_not_used_in_batch_invariant_mode() -> None:
+    """In the mode every N takes the FMA path (one tile, one split): a row's bits do not depend on N, across
+    TC_MIN_ROWS too."""
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    mod = K.kernel_module("cpu")
+    n = mod.TC_MIN_ROWS + 3
+    streams, fn, base, scale = _bf16_inputs(n, 4, 24, seed=6)
+    with batch_invariant_mode(True):
+        assert mod.pre_path(n, streams.dtype) == "fma"
+        with pytest.raises(ValueError):
+            mod.pre_path(n, streams.dtype, "tc")
+        full = K.mhc_pre(streams, fn, base, scale, **KW)
+        for rows in (slice(0, 1), slice(0, 17), slice(n - 5, n)):
+            part = K.mhc_pre(streams[rows], fn, base, scale, **KW)
+            assert all(torch.equal(a, b[rows]) for a, b in zip(part, full)), rows
+
+
+def test_tc_kernel_compiles_for_sm90() -> None:
+    """The tensor-core projection compiles for the H200 with every ``mma`` (the interpreter never compiles it),
+    at both default token tiles; the launches are those `mix_partials` makes."""
+    from triton_compile import KernelSpec, compile_sm90
+
+    mod = K.kernel_module("cpu")
+    sig = dict(x_ptr="*bf16", fn_ptr="*fp32", ws_ptr="*fp32", N="i32", D="i32", stride_xn="i32", stride_xs="i32",
+               stride_fm="i32", stride_wsp="i32", stride_wn="i32", units_per_prog="i32", n_units="i32")  # fmt: skip
+    specs = [
+        KernelSpec(
+            "trtllm_glm.mhc.kernels",
+            "_mix_partial_tc_kernel",
+            sig,
+            dict(M=24, M_PAD=32, BLOCK_N=bn, BLOCK_K=64, MMA=code),
+        )  # fmt: skip
+        for code in mod.MMA_MODES.values()
+        for bn in ((64, 128) if code == 1 else (128,))
+    ]
+    results = compile_sm90(specs)
+    assert all(r["ok"] for r in results), results

@@ -4,17 +4,27 @@ S = 4 streams of D = 4096, ``fn [24, 16384]`` fp32, 20 Sinkhorn iterations, hc_e
 model) and fp32, N in {1, 7, 128, 2048}. Inputs have a realistic spread (mixing logits of std ~2, so the
 softmax is far from uniform and Sinkhorn matters). Outputs are poisoned with NaN first. Also: bit
 determinism, ``mhc_block`` dispatch on CUDA (triton by default), and a CUDA graph of a whole block captured
-once and replayed on new inputs copied into its static buffers, equal bit for bit to eager calls. Needs CUDA
+once and replayed on new inputs copied into its static buffers, equal bit for bit to eager calls. At prefill
+sizes (N = 1000, 8192, bf16) the tensor-core projection against the weights in fp64, beside the FMA path and
+Triton's split precisions (printed), and row invariance in the batch-invariant mode across the path's
+threshold. Needs CUDA
 (tests/conftest.py skips ``gpu`` tests without it); run with ``-s`` to see the error figures.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import pytest
 import torch
 
 from trtllm_glm import mhc as K
 from trtllm_glm.modules import mhc as R
+from trtllm_glm.numerics import batch_invariant_mode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from mhc_fp64 import mhc_weights_fp64  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,3 +140,62 @@ def test_block_dispatch_and_cuda_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under autograd the default falls back to the reference (the kernels have no backward).
     fn_p = torch.nn.Parameter(fn.clone())
     assert R.mhc_backend(streams, fn_p, base, scale) == "torch"
+
+
+def _poisoned(n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        torch.full((n, D), float("nan"), device="cuda", dtype=dtype),
+        torch.full((n, S), float("nan"), device="cuda"),
+        torch.full((n, S, S), float("nan"), device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("n", [1000, 8192])
+def test_prefill_tensor_core_path_vs_fp64(n: int) -> None:
+    """bf16 streams at prefill sizes take the tensor-core path (fn split in three exact bf16 parts); its weights
+    are as close to fp64 as the FMA path's: max rel error <= 2e-5 (TF32's 2^-11 on fn, or fn in bf16, would
+    exceed it), and within the real-geometry test's tolerances elementwise."""
+    mod = K.kernel_module("cuda")
+    assert mod.pre_path(n, torch.bfloat16) == "tc"
+    streams, fn, base, scale, _ = _inputs(n, torch.bfloat16, seed=n + 1)
+    with torch.no_grad():
+        want = mhc_weights_fp64(streams, fn, base, scale, **KW)
+        errs, outs = {}, {}
+        for name, launch in (
+            ("auto", {}),
+            ("fma", dict(path="fma")),
+            ("split3_chain", dict(path="tc", mma="split3_chain")),
+            ("tf32x3", dict(path="tc", mma="tf32x3")),
+            ("bf16x6", dict(path="tc", mma="bf16x6")),
+        ):
+            x_in, post, comb = _poisoned(n, torch.bfloat16)
+            _, pre, _, _ = K.mhc_pre(streams, fn, base, scale, **KW, out=(x_in, post, comb), return_pre=True, **launch)
+            outs[name] = (x_in, pre, post, comb)
+            errs[name] = max(_max_rel(g.double(), w) for g, w in zip((pre, post, comb), want))
+        again = K.mhc_pre(streams, fn, base, scale, **KW)
+    torch.cuda.synchronize()
+    print(f"\nN={n}: weights max rel err vs fp64: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    x_in, pre, post, comb = outs["auto"]
+    for t in (x_in, pre, post, comb):
+        assert not t.isnan().any()
+    assert errs["auto"] <= 2e-5, errs
+    for got, w in zip((pre, post, comb), want):
+        torch.testing.assert_close(got.double(), w, rtol=1e-4, atol=1e-5)
+    # The collapse of the kernel's own weights: exact but for one-ulp flips on rounding boundaries.
+    want_x = R.mhc_collapse(streams, pre)
+    torch.testing.assert_close(x_in, want_x, rtol=1.6e-2, atol=0.07)
+    assert (x_in != want_x).float().mean().item() < 0.01
+    assert all(torch.equal(a, b) for a, b in zip(again, (x_in, post, comb))), "not deterministic"
+
+
+def test_prefill_rows_invariant_in_batch_invariant_mode() -> None:
+    """In the mode every N takes the FMA path with one tile and one split: rows computed within N = 1000 (over
+    the tensor-core threshold) equal them computed alone or in a short batch, bit for bit."""
+    n = 1000
+    streams, fn, base, scale, _ = _inputs(n, torch.bfloat16, seed=5)
+    with torch.no_grad(), batch_invariant_mode(True):
+        assert K.kernel_module("cuda").pre_path(n, torch.bfloat16) == "fma"
+        full = K.mhc_pre(streams, fn, base, scale, **KW)
+        for rows in (slice(0, 1), slice(0, 300), slice(777, 778), slice(n - 37, n)):
+            part = K.mhc_pre(streams[rows], fn, base, scale, **KW)
+            assert all(torch.equal(a, b[rows]) for a, b in zip(part, full)), rows

@@ -49,7 +49,9 @@ def mhc_pre(
         norm_eps: RMS epsilon.
         hc_eps: mHC epsilon.
         sinkhorn_iters: Sinkhorn iterations.
-        **launch: ``return_pre``, ``out``, ``split``, ``block_n``, ``block_k``, ``block_d``, ``num_warps``.
+        **launch: ``return_pre``, ``out``, ``split``, ``block_n``, ``block_k``, ``block_d``, ``num_warps``,
+            ``path`` (``"auto"`` / ``"fma"`` / ``"tc"``), ``mma`` (``"split3"`` / ``"split3_chain"`` /
+            ``"tf32x3"`` / ``"bf16x6"``).
 
     Returns:
         ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)`` (``pre`` after ``x_in`` with

@@ -12,6 +12,18 @@ ops), all sizes from shapes only and no host sync, so a block can be captured in
    and a contiguous run of ``BLOCK_K``-wide units (one stream's ``d`` range each: ``D`` may be any size,
    tiles are masked), so ``fn`` (1.5 MB at the real geometry) is read once per token block, and split over
    enough programs to fill the GPU at decode sizes (one program reading all of ``fn`` would take ~10 µs).
+   From `TC_MIN_ROWS` (256) tokens of bf16 streams (prefill chunks), outside the batch-invariant mode,
+   ``_mix_partial_tc_kernel`` takes its place (`pre_path`): the same workspace, filled on tensor cores.
+   ``fn``'s fp32 tile is split in registers into three bf16 parts whose sum is exactly ``fn`` (`_split3`:
+   8 significant bits each, by masks), and the bf16 streams (exact MMA operands) are multiplied by each in
+   three bf16 MMAs with fp32 accumulation, so every product is exact and only fp32 sums round, as in the
+   FMA path; each unit's MMAs start from zero and the units are summed in registers (round-to-nearest), so the
+   tensor cores' own accumulation rounding (not specified as IEEE) only ever covers one unit. Token tiles of
+   64 rows (128 from 1,024 tokens), ``BLOCK_K = 64``, a split giving ~2 programs per SM over the token tiles
+   (`pre_tc_launch_config`; 5 at N = 8192 on 132 SMs: a 5 MB workspace). fp16 / fp32 streams keep the FMA
+   path (their values are not exact bf16 operands). ``mma=`` picks other tensor-core precisions for
+   comparison: ``"split3_chain"`` (the tensor cores accumulate across units), Triton's ``"tf32x3"`` (fn to
+   ~22 bits, tf32 MMAs) and ``"bf16x6"`` (both operands split in three, six MMAs).
 2. ``_pre_finish_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: each program sums its token's partials in a fixed
    order (deterministic, no atomics), applies the RMS scale, the sigmoids, the softmax and the Sinkhorn
    normalisation on the ``[S, S]`` tile in registers, in the reference's order (softmax ``+ hc_eps``, one
@@ -24,15 +36,21 @@ ops), all sizes from shapes only and no host sync, so a block can be captured in
    are rounded to the streams' dtype first, the product ``post * out`` and the ``[S, S] @ [S, D]`` mix are
    each rounded to it (bf16 elementwise product; bf16 matmul with fp32 accumulation), then added and rounded.
 
-Numerics: FP32 in registers throughout. Sums run in a different order than torch's (split-K, sum of
-squares), and ``exp`` / division are the GPU's fast versions, so ``pre``/``post``/``comb`` agree with the
-reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N = 2048), not bit for bit. In bf16
-``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32 value sits on a rounding
-boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix accumulated in
-FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16) differs from
-it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
-mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it
-passed on the H200 on 2026-12-01).
+Numerics: FP32 in registers throughout (on the tensor-core path, exact bf16 products summed in fp32). Sums run in a
+different order than torch's (split-K, sum of squares), and ``exp`` / division are the GPU's fast versions, so
+``pre``/``post``/``comb`` agree with the reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N =
+2048), not bit for bit. In bf16 ``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32
+value sits on a rounding boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix
+accumulated in FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16)
+differs from it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
+mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it passed on the
+H200 on 2026-12-01). The tensor-core path's weights are checked against fp64 weights
+(tests/unittest/test_mhc_kernels_gpu.py, N = 1000 and 8192, bound: max rel error 2e-5, the FMA path's and Triton's
+split precisions printed beside it): not yet run on the H200. On the CPU the interpreter runs the same three-part
+split with IEEE fp32 dots (its bf16 arithmetic is wrong), which checks the split (the sum of the parts is fn
+exactly), the masking and the launch shapes, not the tensor cores' rounding. In the batch-invariant mode ``mhc_pre``
+keeps the FMA path at every N (one token tile, one split), so a row's bits never depend on N; prefill there runs at
+the FMA path's speed.
 
 Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
 ``benchmarks/results/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
@@ -52,9 +70,19 @@ tile, stream loads). Likely next steps, not measured: keep the ``[S, S]`` tile i
 cross-thread exchange in the Sinkhorn), issue the collapse's stream loads before the weights, or fuse block
 ``i + 1``'s projection partials into block ``i``'s expand.
 
+Prefill sizes (issue 32): on the H200 profile of a 128K-token prompt (4 layers, chunks of 8,192 rows) the FMA
+projection took 1.32 ms per launch at N = 8192 (169 ms over 128 launches), ~20x the ~63 µs of reading the
+streams once: IEEE fp32 ``tl.dot`` is bound by the FMA units there. The tensor-core path does 3 bf16 MMAs of
+``[N, S*D] x [S*D, 32]`` (26 GFLOP at N = 8192, a few tens of µs at the H200's bf16 rate) while reading the
+streams once, so it should sit near that byte floor; not yet measured: `benchmarks/bench_mhc.py` times the old
+and new paths (and the ``mma`` variants) at N = 1024 and 8192 in one run, with GB/s against the copy ceiling
+and each variant's error against fp64. The finishing kernel reads ``SPLIT`` partials per token (5 at N = 8192
+instead of 2), unchanged otherwise.
+
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
-arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16.
+arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16 (bf16 streams only on the
+tensor-core path's weights, whose interpreted dots are IEEE fp32; its bf16 ``x_in`` to one ulp).
 """
 
 from __future__ import annotations
@@ -67,7 +95,22 @@ import triton.language as tl
 
 from trtllm_glm.numerics import batch_invariant
 
-__all__ = ["mhc_pre", "mhc_post", "pre_launch_config"]
+__all__ = [
+    "mhc_pre",
+    "mhc_post",
+    "pre_launch_config",
+    "pre_path",
+    "pre_tc_launch_config",
+    "mix_partials",
+    "TC_MIN_ROWS",
+]
+
+# From this many tokens (bf16 streams, outside the batch-invariant mode) the projection runs on tensor cores
+# (`_mix_partial_tc_kernel`); below it, the decode-tuned FMA path, unchanged (CUDA graphs capture those sizes).
+TC_MIN_ROWS = 256
+PRE_PATHS = ("auto", "fma", "tc")
+# ``mma=`` of `mhc_pre` -> the ``MMA`` constexpr of `_mix_partial_tc_kernel` on CUDA (the interpreter uses 0).
+MMA_MODES = {"split3": 1, "tf32x3": 2, "bf16x6": 3, "split3_chain": 4}
 
 
 @triton.jit
@@ -116,6 +159,106 @@ def _mix_partial_kernel(
         acc = tl.dot(x, w, acc, input_precision="ieee")
         sq += tl.sum(x * x, axis=1)
     # Column M (always padding: fn is masked there, so the dot left it 0) carries the sum of squares.
+    acc = tl.where(mm[None, :] == M, sq[:, None], acc)
+    tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split3(w):
+    """``w`` (fp32) as ``hi + mid + lo`` exactly, each part a bf16 value held in fp32.
+
+    Each part keeps the top 16 bits of what is left (truncation by mask, exact: a value whose low 16 bits are 0 is
+    a bf16). ``hi`` takes 8 significant bits, ``w - hi`` has at most 16 left, ``mid`` 8 of them, ``lo`` the last
+    8, so the sum is ``w`` exactly (fn's values are far from the bf16 subnormals). Masks, not casts: the
+    interpreter's fp32 -> bf16 cast is wrong, and this way the CPU tests check the decomposition itself.
+    """
+    hi = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    r = w - hi
+    mid = (r.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return hi, mid, r - mid
+
+
+@triton.jit
+def _mix_partial_tc_kernel(
+    x_ptr,
+    fn_ptr,
+    ws_ptr,
+    N,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_fm,
+    stride_wsp,
+    stride_wn,
+    units_per_prog,
+    n_units,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MMA: tl.constexpr,
+):
+    """`_mix_partial_kernel` on tensor cores, for bf16 streams at prefill sizes (same workspace layout).
+
+    ``MMA`` 1 (``"split3"``): ``fn``'s tile is split into three bf16 parts (`_split3`) and multiplied by the
+    bf16 streams (exact in bf16) in three bf16 MMAs with fp32 accumulation: every product is exact (8 x 8
+    significant bits), so only the fp32 sums round, as in the IEEE fp32 dot. Each unit's MMAs start from zero
+    and the units are added in registers (round-to-nearest); ``hi`` accumulates apart from ``mid + lo`` (~2^-8
+    of it), added at the end. ``MMA`` 4 (``"split3_chain"``): the same, the tensor cores accumulating across
+    units (their fp32 accumulation's rounding is the hardware's). ``MMA`` 2 / 3: Triton's ``tf32x3`` (fn kept
+    to ~22 bits, tf32 MMAs at half the bf16 rate) / ``bf16x6`` (both operands split in three: six MMAs, three of
+    them on the streams' zero low parts) on the fp32 upcast, for comparison. ``MMA`` 0: the split, the dots in
+    IEEE fp32 (the interpreter, whose bf16 arithmetic is wrong). The sum of squares is accumulated from the fp32
+    upcast of ``x`` as in `_mix_partial_kernel`.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    mm = tl.arange(0, M_PAD)
+    m_ok = mm < M
+    kk = tl.arange(0, BLOCK_K)
+    d_blocks = tl.cdiv(D, BLOCK_K)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xn
+    fn_cols = fn_ptr + mm[None, :].to(tl.int64) * stride_fm
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u0 = pid_k * units_per_prog
+    u1 = tl.minimum(u0 + units_per_prog, n_units)
+    for u in range(u0, u1):
+        s = u // d_blocks
+        d = (u - s * d_blocks) * BLOCK_K + kk
+        d_ok = d < D
+        x = tl.load(x_rows + s * stride_xs + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sq += tl.sum(xf * xf, axis=1)
+        w = tl.load(fn_cols + (s * D + d)[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        w = w.to(tl.float32)
+        if MMA == 2:
+            acc = tl.dot(xf, w, acc, input_precision="tf32x3")
+        elif MMA == 3:
+            acc = tl.dot(xf, w, acc, input_precision="bf16x6")
+        else:
+            hi, mid, lo = _split3(w)
+            if MMA == 1:
+                # The tensor cores sum one unit (BLOCK_K products per entry) from zero; the units are summed in
+                # registers in IEEE fp32. Their own fp32 accumulation may truncate (it is not specified as
+                # round-to-nearest), so it only ever sums short runs.
+                xb = x.to(tl.bfloat16)
+                acc += tl.dot(xb, hi.to(tl.bfloat16))
+                acc_lo += tl.dot(xb, lo.to(tl.bfloat16), tl.dot(xb, mid.to(tl.bfloat16)))
+            elif MMA == 4:
+                # The same products accumulated by the tensor cores over all of the program's units.
+                xb = x.to(tl.bfloat16)
+                acc = tl.dot(xb, hi.to(tl.bfloat16), acc)
+                acc_lo = tl.dot(xb, mid.to(tl.bfloat16), acc_lo)
+                acc_lo = tl.dot(xb, lo.to(tl.bfloat16), acc_lo)
+            else:
+                acc = tl.dot(xf, hi, acc, input_precision="ieee")
+                acc_lo = tl.dot(xf, mid, acc_lo, input_precision="ieee")
+                acc_lo = tl.dot(xf, lo, acc_lo, input_precision="ieee")
+    acc += acc_lo
     acc = tl.where(mm[None, :] == M, sq[:, None], acc)
     tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
 
@@ -294,12 +437,116 @@ def pre_launch_config(
     return block_n, block_k, triton.cdiv(units, upp), upp
 
 
+def pre_path(n: int, dtype: torch.dtype, path: str = "auto") -> str:
+    """Which projection `mhc_pre` runs for ``n`` tokens of ``dtype`` streams: ``"fma"`` or ``"tc"``.
+
+    ``"auto"``: ``"tc"`` from `TC_MIN_ROWS` tokens of bf16 streams outside the batch-invariant mode (the mode
+    keeps the FMA path's one token tile and one split for every ``n``, so a row's bits never depend on ``n``);
+    ``"fma"`` otherwise. ``"tc"`` needs bf16 streams (their values must be exact MMA operands) and is refused
+    in the batch-invariant mode.
+    """
+    if path not in PRE_PATHS:
+        raise ValueError(f"mhc_pre: path must be one of {PRE_PATHS}, got {path!r}")
+    invariant = batch_invariant()
+    if path == "auto":
+        return "tc" if n >= TC_MIN_ROWS and dtype == torch.bfloat16 and not invariant else "fma"
+    if path == "tc" and (dtype != torch.bfloat16 or invariant):
+        raise ValueError("mhc_pre: path='tc' needs bf16 streams and is not batch invariant")
+    return path
+
+
+def pre_tc_launch_config(
+    n: int, s: int, d: int, device: torch.device, *, split: int | None = None, block_n: int | None = None,
+    block_k: int = 64
+) -> tuple[int, int, int, int]:  # fmt: skip
+    """Launch shape of `_mix_partial_tc_kernel` from the shapes alone (graph safe).
+
+    Args:
+        n: tokens.
+        s: streams.
+        d: hidden size.
+        device: where it runs (the SM count sets the split).
+        split: requested K split (capped to the number of units); default: enough to give ~2 programs per
+            SM over the token tiles, at most 64 (the workspace is ``[split, n, M_PAD]`` fp32: at n = 8192 and
+            132 SMs the split is 5, 5 MB).
+        block_n: tokens per program (power of two >= 16), default 128 from 1024 tokens, else 64.
+        block_k: width of a unit (power of two >= 16).
+
+    Returns:
+        ``(block_n, block_k, split, units_per_program)`` as `pre_launch_config`.
+    """
+    if block_n is None:
+        block_n = 128 if n >= 1024 else 64
+    units = s * triton.cdiv(d, block_k)
+    tblocks = triton.cdiv(max(n, 1), block_n)
+    if split is None:
+        split = min(64, triton.cdiv(2 * _num_sms(device), tblocks))
+    split = max(1, min(split, units))
+    upp = triton.cdiv(units, split)
+    return block_n, block_k, triton.cdiv(units, upp), upp
+
+
 def _check_streams(streams: torch.Tensor) -> torch.Tensor:
     if streams.dim() != 3:
         raise ValueError(f"streams must be [N, S, D], got {tuple(streams.shape)}")
     if streams.stride(-1) != 1:
         streams = streams.contiguous()
     return streams
+
+
+def _mma_code(mma: str, device: torch.device) -> int:
+    """The ``MMA`` constexpr of `_mix_partial_tc_kernel`: ``mma``'s on CUDA, 0 (IEEE fp32 dots) in the interpreter."""
+    if mma not in MMA_MODES:
+        raise ValueError(f"mhc_pre: mma must be one of {tuple(MMA_MODES)}, got {mma!r}")
+    return MMA_MODES[mma] if device.type == "cuda" else 0
+
+
+def mix_partials(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    *,
+    path: str = "auto",
+    mma: str = "split3",
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """The projection of `mhc_pre` alone: split-K partial mixing logits and sums of squares.
+
+    Args:
+        streams: ``[N, S, D]`` (N > 0, last dim contiguous).
+        fn: ``[M, S * D]`` with ``M = (2 + S) * S``, last dim contiguous.
+        path / mma / split / block_n / block_k / num_warps: as `mhc_pre`.
+
+    Returns:
+        ``ws [SPLIT, N, M_PAD]`` fp32: summed over its first dim, columns ``< M`` are ``x @ fnᵀ`` (``x`` the
+        flattened streams, not yet RMS-scaled), column ``M`` is ``sum(x^2)``, the rest 0.
+    """
+    n, s, d = streams.shape
+    m = (2 + s) * s
+    dev = streams.device
+    tc = pre_path(n, streams.dtype, path) == "tc"
+    m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
+    if tc:
+        bn, bk, n_split, upp = pre_tc_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 64)
+    else:
+        bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 32)
+    ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
+    args = (
+        streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
+        upp, s * triton.cdiv(d, bk),
+    )  # fmt: skip
+    if tc:
+        _mix_partial_tc_kernel[(triton.cdiv(n, bn), n_split)](
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, MMA=_mma_code(mma, dev),
+            num_warps=num_warps or (8 if bn >= 128 else 4),
+        )  # fmt: skip
+    else:
+        _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4)
+        )  # fmt: skip
+    return ws
 
 
 def mhc_pre(
@@ -315,9 +562,11 @@ def mhc_pre(
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     split: int | None = None,
     block_n: int | None = None,
-    block_k: int = 32,
+    block_k: int | None = None,
     block_d: int = 1024,
     num_warps: int | None = None,
+    path: str = "auto",
+    mma: str = "split3",
 ) -> tuple[torch.Tensor, ...]:
     """Fused ``mhc_weights`` + ``mhc_collapse`` of `trtllm_glm.modules.mhc`.
 
@@ -332,10 +581,17 @@ def mhc_pre(
             ``sinkhorn_iters - 1`` (row, column) pairs).
         return_pre: also return ``pre [N, S]`` fp32 (tests).
         out: optional ``(x_in, post, comb)`` buffers to write (e.g. a graph's static outputs).
-        split / block_n / block_k: launch shape of the split-K projection (`pre_launch_config`).
+        split / block_n / block_k: launch shape of the split-K projection (`pre_launch_config` on the FMA
+            path, block_k 32 by default; `pre_tc_launch_config` on the tensor-core path, block_k 64).
         block_d: hidden slice per program of the collapse (power of two).
-        num_warps: warps per program of the projection (default 4, 8 from 32 tokens per program: keeps
-            the FMA dot under ~130 registers); the finishing kernel uses 4.
+        num_warps: warps per program of the projection (FMA path: default 4, 8 from 32 tokens per program,
+            keeps the FMA dot under ~130 registers; tensor-core path: 8 for 128-token tiles, else 4: ptxas for
+            sm_90 at D = 4096 gives 102 / 96 registers, 4 warps at 128 tokens 180); the finishing kernel uses 4.
+        path: ``"auto"`` / ``"fma"`` / ``"tc"``, the projection's path (`pre_path`).
+        mma: tensor-core path only: ``"split3"`` (three bf16 MMAs on fn's exact three-part split, units summed
+            in registers), ``"split3_chain"`` (summed by the tensor cores), or Triton's ``"tf32x3"`` /
+            ``"bf16x6"`` (for comparison); on the CPU the interpreter runs the split in IEEE fp32
+            whatever ``mma`` is.
 
     Returns:
         ``(x_in [N, D] streams' dtype, post [N, S] fp32, comb [N, S, S] fp32)``, with ``pre`` inserted
@@ -367,16 +623,14 @@ def mhc_pre(
         if post.dtype != torch.float32 or comb.dtype != torch.float32:
             raise ValueError("mhc_pre: out post / comb must be fp32")
     pre = torch.empty(n, s, dtype=torch.float32, device=dev) if return_pre else post
+    pre_path(n, streams.dtype, path)  # a bad path / dtype / mma is refused at every n
+    _mma_code(mma, dev)
     if n > 0:
-        bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k)
-        m_pad = max(16, triton.next_power_of_2(m + 1))  # + 1: the spare column of the sum of squares
+        ws = mix_partials(
+            streams, fn, path=path, mma=mma, split=split, block_n=block_n, block_k=block_k, num_warps=num_warps
+        )
+        n_split, m_pad = ws.shape[0], ws.shape[2]
         s_pad = max(2, triton.next_power_of_2(s))
-        ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
-        _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
-            streams, fn, ws, n, d, streams.stride(0), streams.stride(1), fn.stride(0), ws.stride(0), ws.stride(1),
-            upp, s * triton.cdiv(d, bk),
-            M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4),
-        )  # fmt: skip
         _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
             streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
