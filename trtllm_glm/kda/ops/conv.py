@@ -211,6 +211,10 @@ def conv_prefill_reference(
     ys = []
     for i, slot in enumerate(slot_list):
         n_i, s = cu[i + 1] - cu[i], starts[i]
+        if n_i == 0:  # no rows: the window stays (zeros when fresh)
+            if is_fresh[i]:
+                conv_state[slot].zero_()
+            continue
         prev = None if is_fresh[i] else conv_state[slot]
         y, new_state = causal_conv1d_ref(x[s : s + n_i].float(), prev, weight)
         conv_state[slot].copy_(new_state)
