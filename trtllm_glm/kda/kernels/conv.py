@@ -553,10 +553,11 @@ def _conv_prefill_kernel(
         # j + w of the slot's window (zeros for a fresh sequence). Taps in order, oldest first, as the decode and
         # verify kernels sum them.
         in_x = (j + w - (W - 1)) >= 0
+        in_state = (j + w - (W - 1)) < 0
         xv = tl.load(x_ptr + (xrow + (w - (W - 1)))[:, None] * stride_xn + ch[None, :],
                      mask=(rm & in_x)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
         sv = tl.load(state_ptr + slot[:, None] * stride_ss + ch[None, :] * stride_sc + (j + w)[:, None],
-                     mask=(use_state & (in_x == 0))[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                     mask=(use_state & in_state)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
         val = tl.where(in_x[:, None], xv, sv)
         acc += val * tl.load(w_ptr + ch * stride_wc + w, mask=dm, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
