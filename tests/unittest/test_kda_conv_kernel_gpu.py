@@ -214,3 +214,27 @@ def test_conv_prefill_matches_reference_at_real_geometry(ragged, state_dtype) ->
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(out_state.isnan(), ref_state.isnan())
     assert torch.equal(out_state.nan_to_num(0.0), ref_state.nan_to_num(0.0))  # bitwise: data movement only
+
+
+def test_conv_prefill_batch_invariant_at_real_geometry() -> None:
+    """Batch-invariant mode: a 1,000-row sequence's q, k, v and window have the same bits alone and behind a
+    333-row sequence (other packed offsets and row-block positions)."""
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    g = torch.Generator(device="cuda").manual_seed(40)
+    L, P = 1000, 333
+    x = (torch.randn(P + L, C, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    window = torch.randn(C, W - 1, generator=g, device="cuda")
+    weight = torch.randn(C, W, generator=g, device="cuda") / W**0.5
+    with batch_invariant_mode(True):
+        alone = torch.full((4, C, W - 1), float("nan"), device="cuda")
+        alone[2] = window
+        a = KK.conv_prefill(x[P:], alone, weight, torch.tensor([2], device="cuda"),
+                            torch.tensor([0, L], device="cuda"), H, K, V)  # fmt: skip
+        batched = torch.full((4, C, W - 1), float("nan"), device="cuda")
+        batched[2], batched[0] = window, torch.randn(C, W - 1, generator=g, device="cuda")
+        b = KK.conv_prefill(x, batched, weight, torch.tensor([0, 2], device="cuda"),
+                            torch.tensor([0, P, P + L], device="cuda"), H, K, V)  # fmt: skip
+    for u, w in zip(a, b):
+        assert torch.equal(u.view(torch.int32), w[P:].view(torch.int32))
+    assert torch.equal(alone[2], batched[2])

@@ -219,3 +219,33 @@ def test_layer_prefill_with_the_kernel_matches_the_reference(monkeypatch, q_lens
     untouched = [s for s in range(10) if s not in slots]
     assert torch.equal(states[1].conv[untouched], st.conv[untouched])
     assert torch.equal(states[1].recurrent[untouched], st.recurrent[untouched])
+
+
+def test_conv_prefill_batch_invariant_and_equal_to_decode_steps() -> None:
+    """Batch-invariant mode: a sequence's prefill rows and window have the same bits alone and behind another
+    sequence (other packed offsets, other row-block positions), and, under the interpreter, the bits of the
+    same rows fed one by one through the decode kernel (same tap order, SiLU and norm)."""
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    H, K, V, W, L = 2, 24, 40, 4, 9
+    C = H * (2 * K + V)
+    g = torch.Generator().manual_seed(31)
+    xs, window, weight = torch.randn(L, C, generator=g) * 2, torch.randn(C, W - 1, generator=g), torch.randn(C, W)
+    with batch_invariant_mode(True):
+        alone = torch.full((6, C, W - 1), float("nan"))
+        alone[4] = window
+        a = KK.conv_prefill(xs, alone, weight, torch.tensor([4]), torch.tensor([0, L]), H, K, V, block_t=4)
+        batched = torch.full((6, C, W - 1), float("nan"))
+        batched[4], batched[1] = window, torch.randn(C, W - 1, generator=g)
+        x = torch.cat([torch.randn(5, C, generator=g), xs])
+        b = KK.conv_prefill(x, batched, weight, torch.tensor([1, 4]), torch.tensor([0, 5, 5 + L]), H, K, V, block_t=4)
+        for u, w in zip(a, b):
+            assert torch.equal(u.view(torch.int32), w[5:].view(torch.int32))
+        assert torch.equal(alone[4], batched[4])
+        dec = torch.full((6, C, W - 1), float("nan"))
+        dec[4] = window
+        for t in range(L):
+            d = KK.conv_decode(xs[t : t + 1], dec, weight, torch.tensor([4]), H, K, V, 1e-6)
+            for u, w in zip(a, d):
+                assert torch.equal(u[t].view(torch.int32), w[0].view(torch.int32))
+        assert torch.equal(dec[4], alone[4])
