@@ -1,4 +1,4 @@
-"""Triton kernels of the KDA short convolution's front half: decode update, speculative verify and its commit.
+"""Triton kernels of the KDA short convolution's front half: decode update, prefill, speculative verify and commit.
 
 Each replaces a dozen small launches per KDA layer and step of its torch reference in
 `trtllm_glm.kda.ops.conv` (gathers of the conv states, window concatenations, tap products and their sum,
@@ -29,6 +29,16 @@ takes position ``a + i``. A ``[BC, W - 1]`` tile is loaded whole, then (after a 
 entries are read and overwritten by different threads of the program) stored into the slot. Stored entries
 keep their bits, rows are rounded as ``.float().to(state dtype)`` rounds them, and a sequence with ``a = 0``
 that is not fresh is not stored at all: data movement, bit-exact against the reference.
+
+``_conv_prefill_kernel`` (`conv_prefill`), grid ``(cdiv(T, BT), 3H)``: one program per block of ``BT`` packed
+prefill rows and one head's q, k or v channels. Each row finds its sequence by a branch-free binary search over
+the packed offsets ``cu_seqlens`` (device tensor: no host sync; a block may hold the end of one sequence and the
+start of the next), then sums the taps oldest first exactly as the verify kernel does: position ``j + w - (W - 1)``
+of the sequence is its own row when ``>= 0``, else entry ``j + w`` of the slot's window (masked for a fresh
+sequence), so only a sequence's first ``W - 1`` rows read the window. SiLU, the head's L2 norm (q and k) and a
+contiguous FP32 store ``[T, H, K|V]`` (what fla-core's chunk kernels read) follow. The window is only read here:
+`conv_prefill` then launches ``_conv_commit_kernel`` with every row accepted (the new window is the last ``W - 1``
+entries of window-then-rows), after all rows have read the old one.
 
 Numerics: the same FP32 operations as the references; the tap sum, SiLU and the norm may round differently
 (agreement to FP32 rounding, not bit for bit). The wrappers allocate only the outputs and never synchronise
