@@ -187,14 +187,16 @@ def _layer():
 
 
 @pytest.mark.parametrize(
-    ("q_lens", "past_lens", "slots"),
+    ("q_lens", "past_lens", "slots", "row0", "N"),
     [
-        ([11], [0], [3]),  # one fresh sequence filling the step: the chunk output is o
-        ([5, 1, 2], [7, 0, 0], [6, 0, 2]),  # back to back, a one-row fresh prompt: views of x, g, beta
-        ([4, 1, 3, 1, 2], [0, 9, 5, 4, 0], [1, 7, 4, 0, 8]),  # decode rows between chunks: gathered rows
+        ([11], [0], [3], None, None),  # one fresh sequence filling the step: the chunk output is o
+        ([5, 1, 2], [7, 0, 0], [6, 0, 2], None, None),  # back to back, a one-row fresh prompt: views of x, g, beta
+        ([4, 1, 3, 1, 2], [0, 9, 5, 4, 0], [1, 7, 4, 0, 8], None, None),  # decode rows between chunks: gathered rows
+        ([3, 4], [2, 0], [9, 5], [0, 4, 8], 9),  # a padding row between the chunks and one after (o rows zero)
+        ([6], [3], [2], [0], 8),  # trailing padding rows after one chunk
     ],
 )
-def test_layer_prefill_with_the_kernel_matches_the_reference(monkeypatch, q_lens, past_lens, slots) -> None:
+def test_layer_prefill_with_the_kernel_matches_the_reference(monkeypatch, q_lens, past_lens, slots, row0, N) -> None:
     """The KDA layer gives the same outputs and state planes with the prefill conv kernel as with the torch
     reference (chunk rows back to back or not, with decode rows beside them); other slots are left alone."""
     from trtllm_glm.kda import KdaBatch
@@ -205,8 +207,10 @@ def test_layer_prefill_with_the_kernel_matches_the_reference(monkeypatch, q_lens
     H, K, V, W = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
     st = KdaLayerState(recurrent=torch.randn(10, H, K, V, generator=g), conv=torch.randn(10, layer.conv_dim, W - 1,
                                                                                          generator=g))  # fmt: skip
-    hidden = torch.randn(sum(q_lens), 32, generator=g)
+    hidden = torch.randn(N or sum(q_lens), 32, generator=g)
     batch = KdaBatch.build(q_lens, past_lens, slots)
+    if row0 is not None:  # rows covered by no sequence (padding) between or after the chunks
+        batch.cu_seqlens = row0
     outs, states = [], []
     for backend in ("torch", "triton"):
         monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", backend)
@@ -214,6 +218,11 @@ def test_layer_prefill_with_the_kernel_matches_the_reference(monkeypatch, q_lens
         outs.append(layer(hidden, batch, s))
         states.append(s)
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=1e-4)
+    covered = torch.zeros(hidden.shape[0], dtype=torch.bool)
+    for b, n in enumerate(q_lens):
+        covered[batch.cu_seqlens[b] : batch.cu_seqlens[b] + n] = True
+    zero_rows = layer.o_proj(torch.zeros(1, layer.o_proj.in_features))
+    assert torch.equal(outs[1][~covered], zero_rows.expand(int((~covered).sum()), -1))
     torch.testing.assert_close(states[1].conv, states[0].conv, atol=0, rtol=0)
     torch.testing.assert_close(states[1].recurrent, states[0].recurrent, atol=2e-5, rtol=1e-4)
     untouched = [s for s in range(10) if s not in slots]

@@ -405,7 +405,7 @@ class KimiDeltaAttention(nn.Module):
             # Every row is one decode row, in order: the decode output is o (no zero fill, no copy).
             return self._decode(x, g, beta, None, batch, dec, state, weight)
         op, rows = self._prefill(x, g, beta, batch, pre, state, weight) if pre else (None, None)
-        if not dec and rows == slice(0, N):
+        if not dec and isinstance(rows, slice) and rows == slice(0, N):
             # Every row is a prefill row, in order: the chunk output is o (no zero fill, no copy).
             return op
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
