@@ -13,7 +13,8 @@ and three sequences back to back (one of 2 rows). Also the conv front half alone
 `conv_prefill_reference`) against a copy ceiling measured in the same run: the kernel reads ``x`` (bf16) and
 writes ``q, k, v`` (FP32). Every path is checked against the legacy one before it is timed.
 
-Usage: ``python benchmarks/bench_kda_prefill.py [--rows 8192] [--json out.json]``. Exits cleanly without CUDA.
+Usage: ``python benchmarks/bench_kda_prefill.py [--rows 8192] [--json out.json] [--sweep]`` (``--sweep``: the conv
+kernel's launch shapes, default ``block_t=32, num_warps=4``). Exits cleanly without CUDA.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=8192, help="prefill rows per call (the chunk size)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--sweep", action="store_true", help="also time the conv kernel's launch shapes (block_t, warps)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kda_prefill: CUDA is not available; nothing to benchmark.")
@@ -161,6 +163,17 @@ def main(argv: list[str] | None = None) -> int:
           f"reference {ms_r:.3f} ms ({ms_r / ms_k:.1f}x)")  # fmt: skip
     results.append({"case": "conv front half", "rows": R, "ms": {"fused": ms_k, "reference": ms_r},
                     "gb_per_s": gbps, "copy_ceiling_gb_per_s": ceiling})  # fmt: skip
+    if args.sweep:
+        from trtllm_glm.kda import kernels as KK
+
+        sweep = {}
+        for bt, nw in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+            ms = _time(lambda bt=bt, nw=nw: KK.conv_prefill(x, pool, weight, slots, cu, H, K, V, block_t=bt,
+                                                             num_warps=nw), iters=args.iters)  # fmt: skip
+            sweep[f"block_t={bt},num_warps={nw}"] = ms
+            g2 = moved / (ms * 1e-3) / 1e9
+            print(f"  conv_prefill block_t={bt:<4} num_warps={nw}: {ms:.3f} ms ({100 * g2 / ceiling:.0f}% of copy)")
+        results.append({"case": "conv launch sweep", "rows": R, "ms": sweep})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
