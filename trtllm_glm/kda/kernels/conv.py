@@ -557,18 +557,23 @@ def _conv_prefill_kernel(
     d = tl.arange(0, BD)
     dm = d < D
     ch = ch0 + d
+    # Only blocks holding one of a sequence's first W - 1 rows read windows (the others skip those loads).
+    reads_state = tl.min(tl.where(rm, j, W - 1), axis=0) < W - 1
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for w in tl.static_range(W):
         # Tap w of row j reads position j + w - (W - 1) of the sequence: its own row when >= 0, else stored entry
         # j + w of the slot's window (zeros for a fresh sequence). Taps in order, oldest first, as the decode and
         # verify kernels sum them.
         in_x = (j + w - (W - 1)) >= 0
-        in_state = (j + w - (W - 1)) < 0
         xv = tl.load(x_ptr + (xrow + (w - (W - 1)))[:, None] * stride_xn + ch[None, :],
                      mask=(rm & in_x)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        sv = tl.load(state_ptr + slot[:, None] * stride_ss + ch[None, :] * stride_sc + (j + w)[:, None],
-                     mask=(use_state & in_state)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        val = tl.where(in_x[:, None], xv, sv)
+        if reads_state:
+            in_state = (j + w - (W - 1)) < 0
+            sv = tl.load(state_ptr + slot[:, None] * stride_ss + ch[None, :] * stride_sc + (j + w)[:, None],
+                         mask=(use_state & in_state)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            val = tl.where(in_x[:, None], xv, sv)
+        else:
+            val = xv
         acc += val * tl.load(w_ptr + ch * stride_wc + w, mask=dm, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
     y = tl.where(dm[None, :], y, 0.0)
