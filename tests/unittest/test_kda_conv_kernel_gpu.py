@@ -238,3 +238,30 @@ def test_conv_prefill_batch_invariant_at_real_geometry() -> None:
     for u, w in zip(a, b):
         assert torch.equal(u.view(torch.int32), w[P:].view(torch.int32))
     assert torch.equal(alone[2], batched[2])
+
+
+def test_conv_prefill_replays_in_a_cuda_graph() -> None:
+    """Captured once (3 sequences, 600 rows), replayed on new rows, windows, slots and sequence lengths written
+    into the captured buffers: no host value is baked into the launch."""
+    from trtllm_glm.kda.ops import conv_prefill_reference
+
+    lens = [250, 3, 347]
+    x, state, weight, slots, cu, kw = _prefill_case(50, lens, torch.float32, S=9, ragged=False)
+    KK.conv_prefill(x, state.clone(), weight, slots, cu, H, K, V, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = KK.conv_prefill(x, state, weight, slots, cu, H, K, V, **kw)
+    for seed, new_lens in ((51, [1, 598, 1]), (52, [300, 200, 100])):
+        x2, st2, _, sl2, cu2, kw2 = _prefill_case(seed, new_lens, torch.float32, S=9, ragged=False)
+        x.copy_(x2)
+        state.copy_(st2)
+        slots.copy_(sl2)
+        cu.copy_(cu2)
+        kw["fresh"].copy_(kw2["fresh"])
+        ref_state = st2.clone()
+        want = conv_prefill_reference(x2, ref_state, weight, sl2, cu2, H, K, V, **kw2)
+        graph.replay()
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state, ref_state, equal_nan=True, atol=0, rtol=0)
