@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kda_prefill: CUDA is not available; nothing to benchmark.")
         return 0
+    torch.set_grad_enabled(False)  # inference only (the parameters require grad; the kernels have no backward)
     dev = torch.device("cuda")
     cfg = Glm5NextConfig.from_pretrained("glm-5.3-flash")
     layer = KimiDeltaAttention(cfg, 0)

@@ -179,13 +179,18 @@ def test_layer_prefill_conv_kernel_vs_torch(monkeypatch, interleaved: bool) -> N
         q_lens, past, slots = [4000, 3, 4189], [100, 0, 9], [5, 0, 7]
     hidden = (torch.randn(sum(q_lens), 1024, generator=gen) * 0.5).to(dev, torch.bfloat16)
     batch = KdaBatch.build(q_lens, past, slots, device=dev)
-    outs, states = {}, {}
+    outs, mixer, states = {}, {}, {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", backend)
         st = KdaLayerState(recurrent=rec0.clone(), conv=conv0.clone())
-        outs[backend] = layer(hidden, batch, st)
+        with torch.no_grad():  # (as `forward` runs: the kernels have no backward)
+            inputs = layer._inputs(hidden)
+            mixer[backend] = layer._forward_o(hidden, batch, st, inputs)  # o [N, H, V] FP32, before the bf16 output
+            outs[backend] = layer._output(hidden, mixer[backend], inputs[3])
         states[backend] = st
-    assert _report("layer prefill out: conv kernel vs torch", outs["triton"], outs["torch"]) < RTOL
+    assert _report("layer prefill o: conv kernel vs torch", mixer["triton"], mixer["torch"]) < RTOL
+    # The layer's bf16 output: a last-bit flip of a bf16 value near the largest is up to 2^-7 of it.
+    assert _report("layer prefill out (bf16): conv kernel vs torch", outs["triton"], outs["torch"]) < 2e-2
     rec_err = _report(
         "layer prefill state: conv kernel vs torch", states["triton"].recurrent, states["torch"].recurrent
     )
