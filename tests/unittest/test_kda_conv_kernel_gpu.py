@@ -166,3 +166,102 @@ def test_conv_verify_commit_replay_in_a_cuda_graph() -> None:
         for a, b in zip(out, want):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state, ref_state, equal_nan=True, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Prefill (`conv_prefill`): 8,192 rows in 3 sequences
+
+
+def _prefill_case(seed: int, lens: list[int], state_dtype: torch.dtype, S: int, *, ragged: bool):
+    """bf16 rows of 3 sequences (the middle one shorter than the window and fresh, its slot NaN); ragged: the
+    sequences in reverse order in ``x`` with a gap before each."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n, cu = len(lens), [0]
+    for length in lens:
+        cu.append(cu[-1] + length)
+    kw: dict = {}
+    if ragged:
+        row0, r = [0] * n, 0
+        for j in reversed(range(n)):
+            row0[j], r = r + 3, r + 3 + lens[j]
+        N = r + 1
+        kw = {"row0": torch.tensor(row0, device="cuda"), "num_rows": cu[-1]}
+    else:
+        N = cu[-1]
+    fresh = [j == 1 for j in range(n)]
+    x = (torch.randn(N, C, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    state = torch.full((S, C, W - 1), float("nan"), dtype=state_dtype, device="cuda")
+    slots = torch.randperm(S, generator=g, device="cuda")[:n]
+    live = slots[torch.tensor([not f for f in fresh], device="cuda")]
+    state[live] = (torch.randn(len(live), C, W - 1, generator=g, device="cuda") * 2).to(state_dtype)
+    weight = (torch.randn(C, W, generator=g, device="cuda") / W**0.5).to(torch.bfloat16)
+    kw["fresh"] = torch.tensor(fresh, device="cuda")
+    return x, state, weight, slots, torch.tensor(cu, device="cuda"), kw
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_matches_reference_at_real_geometry(ragged, state_dtype) -> None:
+    from trtllm_glm.kda.ops import conv_prefill_reference
+
+    lens = [3001, 2, 5189]  # 8,192 rows; the middle sequence shorter than the window
+    x, state, weight, slots, cu, kw = _prefill_case(len(lens) + int(ragged), lens, state_dtype, S=9, ragged=ragged)
+    ref_state, out_state = state.clone(), state.clone()
+    want = conv_prefill_reference(x, ref_state, weight, slots, cu, H, K, V, **kw)
+    got = KK.conv_prefill(x, out_state, weight, slots, cu, H, K, V, **kw)
+    for a, b in zip(got, want):
+        assert a.shape[0] == sum(lens) and a.is_contiguous()
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out_state.isnan(), ref_state.isnan())
+    assert torch.equal(out_state.nan_to_num(0.0), ref_state.nan_to_num(0.0))  # bitwise: data movement only
+
+
+def test_conv_prefill_batch_invariant_at_real_geometry() -> None:
+    """Batch-invariant mode: a 1,000-row sequence's q, k, v and window have the same bits alone and behind a
+    333-row sequence (other packed offsets and row-block positions)."""
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    g = torch.Generator(device="cuda").manual_seed(40)
+    L, P = 1000, 333
+    x = (torch.randn(P + L, C, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    window = torch.randn(C, W - 1, generator=g, device="cuda")
+    weight = torch.randn(C, W, generator=g, device="cuda") / W**0.5
+    with batch_invariant_mode(True):
+        alone = torch.full((4, C, W - 1), float("nan"), device="cuda")
+        alone[2] = window
+        a = KK.conv_prefill(x[P:], alone, weight, torch.tensor([2], device="cuda"),
+                            torch.tensor([0, L], device="cuda"), H, K, V)  # fmt: skip
+        batched = torch.full((4, C, W - 1), float("nan"), device="cuda")
+        batched[2], batched[0] = window, torch.randn(C, W - 1, generator=g, device="cuda")
+        b = KK.conv_prefill(x, batched, weight, torch.tensor([0, 2], device="cuda"),
+                            torch.tensor([0, P, P + L], device="cuda"), H, K, V)  # fmt: skip
+    for u, w in zip(a, b):
+        assert torch.equal(u.view(torch.int32), w[P:].view(torch.int32))
+    assert torch.equal(alone[2], batched[2])
+
+
+def test_conv_prefill_replays_in_a_cuda_graph() -> None:
+    """Captured once (3 sequences, 600 rows), replayed on new rows, windows, slots and sequence lengths written
+    into the captured buffers: no host value is baked into the launch."""
+    from trtllm_glm.kda.ops import conv_prefill_reference
+
+    lens = [250, 3, 347]
+    x, state, weight, slots, cu, kw = _prefill_case(50, lens, torch.float32, S=9, ragged=False)
+    KK.conv_prefill(x, state.clone(), weight, slots, cu, H, K, V, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = KK.conv_prefill(x, state, weight, slots, cu, H, K, V, **kw)
+    for seed, new_lens in ((51, [1, 598, 1]), (52, [300, 200, 100])):
+        x2, st2, _, sl2, cu2, kw2 = _prefill_case(seed, new_lens, torch.float32, S=9, ragged=False)
+        x.copy_(x2)
+        state.copy_(st2)
+        slots.copy_(sl2)
+        cu.copy_(cu2)
+        kw["fresh"].copy_(kw2["fresh"])
+        ref_state = st2.clone()
+        want = conv_prefill_reference(x2, ref_state, weight, sl2, cu2, H, K, V, **kw2)
+        graph.replay()
+        for a, b in zip(out, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state, ref_state, equal_nan=True, atol=0, rtol=0)

@@ -153,3 +153,49 @@ def test_layer_fla_vs_torch_backend() -> None:
     assert _report("width-one decode vs verify+commit(1): out", out_v, out_d) < 1e-5
     assert _report("width-one decode vs verify+commit(1): state", b.recurrent, a.recurrent) < 1e-5
     assert _report("width-one decode vs verify+commit(1): conv", b.conv, a.conv) < 1e-6
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layer_prefill_conv_kernel_vs_torch(monkeypatch, interleaved: bool) -> None:
+    """The layer's prefill of 8,192 rows in 3 sequences (one fresh), real KDA geometry, bf16 weights and fused
+    input GEMM as served: the fused prefill conv kernel against the torch conv path (fla chunk core in both),
+    outputs within the fla tolerance and conv windows bit for bit. ``interleaved``: a decode row between the
+    chunks (the rows are gathered, ``o`` is filled by index)."""
+    _need_fla()
+    dev = torch.device("cuda")
+    cfg = Glm5NextConfig(hidden_size=1024, kda_num_heads=H, kda_head_dim=K, kda_gate_low_rank=128)
+    layer = KimiDeltaAttention(cfg, kda_idx=0, device=dev)
+    layer.reset_parameters(torch.Generator().manual_seed(1), std=0.03)
+    layer = layer.to(torch.bfloat16)
+    layer.A_log.data, layer.dt_bias.data = layer.A_log.data.float(), layer.dt_bias.data.float()
+    layer.fuse_weights()
+    S = 8
+    gen = torch.Generator().manual_seed(6)
+    rec0 = 0.5 * torch.randn(S, H, K, V, generator=gen).to(dev)
+    conv0 = torch.randn(S, layer.conv_dim, 3, generator=gen).to(dev)
+    if interleaved:
+        q_lens, past, slots = [4000, 1, 3, 4188], [100, 57, 0, 9], [5, 2, 0, 7]
+    else:
+        q_lens, past, slots = [4000, 3, 4189], [100, 0, 9], [5, 0, 7]
+    hidden = (torch.randn(sum(q_lens), 1024, generator=gen) * 0.5).to(dev, torch.bfloat16)
+    batch = KdaBatch.build(q_lens, past, slots, device=dev)
+    outs, mixer, states = {}, {}, {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", backend)
+        st = KdaLayerState(recurrent=rec0.clone(), conv=conv0.clone())
+        with torch.no_grad():  # (as `forward` runs: the kernels have no backward)
+            inputs = layer._inputs(hidden)
+            mixer[backend] = layer._forward_o(hidden, batch, st, inputs)  # o [N, H, V] FP32, before the bf16 output
+            outs[backend] = layer._output(hidden, mixer[backend], inputs[3])
+        states[backend] = st
+    assert _report("layer prefill o: conv kernel vs torch", mixer["triton"], mixer["torch"]) < RTOL
+    # The layer's bf16 output: a last-bit flip of a bf16 value near the largest is up to 2^-7 of it.
+    assert _report("layer prefill out (bf16): conv kernel vs torch", outs["triton"], outs["torch"]) < 2e-2
+    rec_err = _report(
+        "layer prefill state: conv kernel vs torch", states["triton"].recurrent, states["torch"].recurrent
+    )
+    assert rec_err < RTOL
+    assert torch.equal(states["triton"].conv, states["torch"].conv)
+    for slot in (1, 3, 4, 6):  # never in the batch
+        assert torch.equal(states["triton"].recurrent[slot], rec0[slot])
+        assert torch.equal(states["triton"].conv[slot], conv0[slot])

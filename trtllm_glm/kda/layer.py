@@ -47,16 +47,15 @@ from ..transfer import to_device
 from .batch import KdaBatch, KdaBatchLike
 from .ops import (
     KdaRecords,
-    causal_conv1d_ref,
     conv_commit_slots,
     conv_decode,
+    conv_prefill,
     conv_verify_qkv,
     kda_commit,
     kda_decode_inplace,
     kda_gate_beta,
     kda_prefill,
     kda_verify,
-    l2_normalize,
 )
 from .ops.conv import verify_rows
 
@@ -354,17 +353,6 @@ class KimiDeltaAttention(nn.Module):
         g, beta = kda_gate_beta(self.f_b_proj(fa), b, self.A_log, self.dt_bias, self.lower_bound)
         return x, g, beta, ga
 
-    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv outputs ``[..., C]`` -> L2-normalised ``q, k [..., H, K]`` and ``v [..., H, V]``."""
-        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        q, k, v = y.split([H * K, H * K, H * V], dim=-1)
-        lead = y.shape[:-1]
-        return (
-            l2_normalize(q.reshape(*lead, H, K)),
-            l2_normalize(k.reshape(*lead, H, K)),
-            v.reshape(*lead, H, V),
-        )
-
     def _output(self, hidden: torch.Tensor, o: torch.Tensor, ga: torch.Tensor | None = None) -> torch.Tensor:
         """``o [N, H, V]`` FP32 -> gated RMSNorm -> ``o_proj`` -> ``[N, D]`` in ``hidden``'s dtype (``ga``:
         ``g_a_proj(hidden)`` when the fused input GEMM computed it already)."""
@@ -416,11 +404,17 @@ class KimiDeltaAttention(nn.Module):
         if not pre and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec)):
             # Every row is one decode row, in order: the decode output is o (no zero fill, no copy).
             return self._decode(x, g, beta, None, batch, dec, state, weight)
+        op, rows = self._prefill(x, g, beta, batch, pre, state, weight) if pre else (None, None)
+        if not dec and isinstance(rows, slice) and rows == slice(0, N):
+            # Every row is a prefill row, in order: the chunk output is o (no zero fill, no copy).
+            return op
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         if dec:
             self._decode(x, g, beta, o, batch, dec, state, weight)
-        if pre:
-            self._prefill(x, g, beta, o, batch, pre, state, weight)
+        if isinstance(rows, slice):
+            o[rows] = op
+        elif rows is not None:
+            o.index_copy_(0, rows, op)
         return o
 
     def _decode(
@@ -461,35 +455,52 @@ class KimiDeltaAttention(nn.Module):
         x: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        o: torch.Tensor,
         batch: KdaBatchLike,
         seqs: list[int],
         state: KdaLayerState,
         weight: torch.Tensor,
-    ) -> None:
-        dev = x.device
-        ys, row_ids, sub_cu = [], [], [0]
+    ) -> tuple[torch.Tensor, slice | torch.Tensor]:
+        """The chunked path of the prefill sequences ``seqs``: their conv windows and recurrent slots updated in
+        place. Returns ``(o [T, H, V] FP32, rows)``, the rows of the step they fill, in order: a slice when the
+        sequences lie back to back (then no gathers: ``x``, ``g``, ``beta`` are read as views), else an index."""
+        dev, n = x.device, len(seqs)
+        starts = [batch.cu_seqlens[b] for b in seqs]
+        sub_cu = [0]
         for b in seqs:
-            s, n, slot = batch.cu_seqlens[b], batch.q_lens[b], batch.state_slots[b]
-            prev = state.conv[slot] if batch.past_lens[b] > 0 else None
-            y, conv_new = causal_conv1d_ref(x[s : s + n].float(), prev, weight)
-            state.conv[slot].copy_(conv_new)
-            ys.append(y)
-            # Made on the device: a host index list would be a blocking copy (a stream sync) per layer and chunk.
-            row_ids.append(torch.arange(s, s + n, dtype=torch.int64, device=dev))
-            sub_cu.append(sub_cu[-1] + n)
-        rows = row_ids[0] if len(row_ids) == 1 else torch.cat(row_ids)
-        q, k, v = self._split(torch.cat(ys, dim=0))
+            sub_cu.append(sub_cu[-1] + batch.q_lens[b])
+        T = sub_cu[-1]
+        back_to_back = all(s == starts[0] + c for s, c in zip(starts, sub_cu))
+        fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
+        # One host-to-device copy (no stream sync): packed offsets, first rows, fresh flags.
+        meta = to_device(sub_cu + starts + fresh_h, dev, torch.int64)
+        cu_t, row0_t, fresh = meta[: n + 1], meta[n + 1 : 2 * n + 1], meta[2 * n + 1 :]
+        fresh_t = fresh if any(fresh_h) else None
         slots = self._slots(batch, seqs, dev)
-        fresh = to_device([int(batch.past_lens[b] == 0) for b in seqs], dev, torch.int64) != 0
-        # torch.where, not a multiply: a never-zeroed slot may hold NaN/inf and must not leak in.
-        S0 = torch.where(fresh.view(-1, 1, 1, 1), 0.0, state.recurrent.index_select(0, slots))
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        rows: slice | torch.Tensor
+        # The short convolution, SiLU, the q/k norms and the new windows: two launches on CUDA
+        # (`ops.conv.conv_prefill`), q / k / v contiguous FP32 as the chunk kernels read them.
+        if back_to_back:
+            rows = slice(starts[0], starts[0] + T)
+            q, k, v = conv_prefill(x[rows], state.conv, weight, slots, cu_t, H, K, V, fresh=fresh_t)
+            gr, br = g[rows], beta[rows]
+        else:
+            # Made on the device: a host index list would be a blocking copy (a stream sync) per layer and chunk.
+            rows = torch.cat([torch.arange(s, s + batch.q_lens[b], dtype=torch.int64, device=dev)
+                              for s, b in zip(starts, seqs)])  # fmt: skip
+            q, k, v = conv_prefill(x, state.conv, weight, slots, cu_t, H, K, V, row0=row0_t, num_rows=T,
+                                   fresh=fresh_t)  # fmt: skip
+            gr, br = g[rows], beta[rows]
+        S0 = state.recurrent.index_select(0, slots)
+        if fresh_t is not None:
+            # torch.where, not a multiply: a never-zeroed slot may hold NaN/inf and must not leak in.
+            S0 = torch.where(fresh_t.view(-1, 1, 1, 1) != 0, 0.0, S0)
         op, S_end = kda_prefill(
-            q, k, v, g[rows], beta[rows], self.scale, S0, sub_cu,
+            q, k, v, gr, br, self.scale, S0, sub_cu,
             lower_bound=self.lower_bound, backend=self.backend, chunk_size=self.chunk_size,
         )  # fmt: skip
         state.recurrent.index_copy_(0, slots, S_end.to(state.recurrent.dtype))
-        o.index_copy_(0, rows, op)
+        return op, rows
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit

@@ -29,6 +29,7 @@ from trtllm_glm.triton_interp import KernelPackage
 __all__ = [
     "conv_commit_slots",
     "conv_decode",
+    "conv_prefill",
     "conv_verify_qkv",
     "kda_gate_beta",
     "kda_verify",
@@ -174,6 +175,44 @@ def conv_decode(
     """
     mod = kernel_module("conv", x.device)
     return mod.conv_decode(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps, **launch)
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    *,
+    row0: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    fresh: torch.Tensor | None = None,
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `ops.conv.conv_prefill_reference` (``conv.py`` has the kernel design), without a host sync.
+
+    Args:
+        x: ``[N, C]`` the step's conv inputs, ``C = H * (2K + V)``.
+        conv_state: ``[S, C, W - 1]`` state pool, each sequence's slot given its new window in place.
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` integer state slots.
+        cu_seqlens: ``[n + 1]`` integer offsets of the sequences in the packed output.
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        row0: optional ``[n]`` first row of each sequence in ``x`` (with ``num_rows``); ``None``: ``x`` holds
+            the packed rows.
+        num_rows: packed rows ``T`` (host int; default ``N`` without ``row0``).
+        fresh: optional ``[n]`` bool: start from zeros.
+        **launch: ``eps``, ``block_t``, ``num_warps``.
+
+    Returns:
+        ``(q [T, H, K], k [T, H, K], v [T, H, V])`` FP32, contiguous.
+    """
+    mod = kernel_module("conv", x.device)
+    return mod.conv_prefill(x, conv_state, weight, slots, cu_seqlens, num_heads, head_k_dim, head_v_dim,
+                            row0=row0, num_rows=num_rows, fresh=fresh, **launch)  # fmt: skip
 
 
 def conv_verify_qkv(

@@ -1,4 +1,4 @@
-"""Triton kernels of the KDA short convolution's front half: decode update, speculative verify and its commit.
+"""Triton kernels of the KDA short convolution's front half: decode update, prefill, speculative verify and commit.
 
 Each replaces a dozen small launches per KDA layer and step of its torch reference in
 `trtllm_glm.kda.ops.conv` (gathers of the conv states, window concatenations, tap products and their sum,
@@ -30,6 +30,16 @@ entries are read and overwritten by different threads of the program) stored int
 keep their bits, rows are rounded as ``.float().to(state dtype)`` rounds them, and a sequence with ``a = 0``
 that is not fresh is not stored at all: data movement, bit-exact against the reference.
 
+``_conv_prefill_kernel`` (`conv_prefill`), grid ``(cdiv(T, BT), 3H)``: one program per block of ``BT`` packed
+prefill rows and one head's q, k or v channels. Each row finds its sequence by a branch-free binary search over
+the packed offsets ``cu_seqlens`` (device tensor: no host sync; a block may hold the end of one sequence and the
+start of the next), then sums the taps oldest first exactly as the verify kernel does: position ``j + w - (W - 1)``
+of the sequence is its own row when ``>= 0``, else entry ``j + w`` of the slot's window (masked for a fresh
+sequence), so only a sequence's first ``W - 1`` rows read the window. SiLU, the head's L2 norm (q and k) and a
+contiguous FP32 store ``[T, H, K|V]`` (what fla-core's chunk kernels read) follow. The window is only read here:
+`conv_prefill` then launches ``_conv_commit_kernel`` with every row accepted (the new window is the last ``W - 1``
+entries of window-then-rows), after all rows have read the old one.
+
 Numerics: the same FP32 operations as the references; the tap sum, SiLU and the norm may round differently
 (agreement to FP32 rounding, not bit for bit). The wrappers allocate only the outputs and never synchronise
 with the host: graph-capturable. Under Triton's interpreter (CPU tests) bf16 arithmetic is not IEEE, so inputs
@@ -45,7 +55,7 @@ import triton.language as tl
 from trtllm_glm.kda.contract import L2NORM_EPS
 from trtllm_glm.numerics import batch_invariant
 
-__all__ = ["conv_commit_slots", "conv_decode", "conv_verify_qkv"]
+__all__ = ["conv_commit_slots", "conv_decode", "conv_prefill", "conv_verify_qkv"]
 
 
 def _fusion_opts() -> dict[str, bool]:
@@ -481,3 +491,169 @@ def conv_commit_slots(
         HAS_FRESH=fresh is not None, num_warps=num_warps,
     )  # fmt: skip
     return conv_state
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Prefill (chunked path)
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,
+    state_ptr,
+    w_ptr,
+    slots_ptr,
+    cu_ptr,
+    row0_ptr,
+    fresh_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    T,
+    n,
+    stride_xn,
+    stride_ss,
+    stride_sc,
+    stride_wc,
+    eps,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    LOG_N: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_FRESH: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    p = tl.program_id(1)  # 0..3H-1: q heads, k heads, v heads
+    h = p % H
+    r = pid_t * BT + tl.arange(0, BT)  # packed output rows
+    rm = r < T
+    # Sequence of each row: the largest s < n with cu[s] <= r (branch-free binary search over cu_seqlens; an
+    # empty sequence, cu[s] == cu[s + 1], is skipped since the later of equal offsets wins).
+    s = tl.zeros([BT], dtype=tl.int32)
+    for b in tl.static_range(LOG_N - 1, -1, -1):
+        cand = s + (1 << b)
+        ok = cand < n
+        c_off = tl.load(cu_ptr + cand, mask=ok & rm, other=0)
+        s = tl.where(ok & (c_off <= r), cand, s)
+    start = tl.load(cu_ptr + s, mask=rm, other=0)
+    j = r - start  # position of the row in its sequence
+    if HAS_ROWS:
+        xrow = tl.load(row0_ptr + s, mask=rm, other=0).to(tl.int64) + j
+    else:
+        xrow = r.to(tl.int64)
+    slot = tl.load(slots_ptr + s, mask=rm, other=0).to(tl.int64)
+    if HAS_FRESH:
+        # Masked, not multiplied: a fresh sequence's slot may hold NaN/inf from an earlier owner.
+        use_state = rm & (tl.load(fresh_ptr + s, mask=rm, other=1) == 0)
+    else:
+        use_state = rm
+    is_qk = p < 2 * H
+    ch0 = tl.where(is_qk, p * K, 2 * H * K + h * V)
+    D = tl.where(is_qk, K, V)
+    d = tl.arange(0, BD)
+    dm = d < D
+    ch = ch0 + d
+    # Only blocks holding one of a sequence's first W - 1 rows read windows (the others skip those loads).
+    reads_state = tl.min(tl.where(rm, j, W - 1), axis=0) < W - 1
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for w in tl.static_range(W):
+        # Tap w of row j reads position j + w - (W - 1) of the sequence: its own row when >= 0, else stored entry
+        # j + w of the slot's window (zeros for a fresh sequence). Taps in order, oldest first, as the decode and
+        # verify kernels sum them.
+        in_x = (j + w - (W - 1)) >= 0
+        xv = tl.load(x_ptr + (xrow + (w - (W - 1)))[:, None] * stride_xn + ch[None, :],
+                     mask=(rm & in_x)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        if reads_state:
+            in_state = (j + w - (W - 1)) < 0
+            sv = tl.load(state_ptr + slot[:, None] * stride_ss + ch[None, :] * stride_sc + (j + w)[:, None],
+                         mask=(use_state & in_state)[:, None] & dm[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            val = tl.where(in_x[:, None], xv, sv)
+        else:
+            val = xv
+        acc += val * tl.load(w_ptr + ch * stride_wc + w, mask=dm, other=0.0).to(tl.float32)[None, :]
+    y = acc / (1.0 + tl.exp(-acc))
+    y = tl.where(dm[None, :], y, 0.0)
+    if is_qk:
+        y = y / tl.sqrt(tl.sum(y * y, axis=1) + eps)[:, None]
+    om = rm[:, None] & dm[None, :]
+    r64 = r.to(tl.int64)
+    if p < H:
+        tl.store(q_ptr + ((r64 * H + h) * K)[:, None] + d[None, :], y, mask=om)
+    elif p < 2 * H:
+        tl.store(k_ptr + ((r64 * H + h) * K)[:, None] + d[None, :], y, mask=om)
+    else:
+        tl.store(v_ptr + ((r64 * H + h) * V)[:, None] + d[None, :], y, mask=om)
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    *,
+    row0: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    fresh: torch.Tensor | None = None,
+    eps: float = L2NORM_EPS,
+    block_t: int = 32,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton `conv_prefill_reference`: two launches (the rows, then the windows) and one tiny subtraction.
+
+    Args:
+        x: ``[N, C]`` conv inputs (any float dtype, unit last stride), ``C = H * (2K + V)``.
+        conv_state: ``[S, C, W - 1]`` state pool (unit last stride); each sequence's slot gets its new window
+            (the last ``W - 1`` inputs of window-then-rows), no other slot is written.
+        weight: ``[C, W]`` taps (unit last stride).
+        slots: ``[n]`` integer state slot of each sequence, distinct.
+        cu_seqlens: ``[n + 1]`` integer offsets of the sequences in the packed output (``cu[0] = 0``, ascending).
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        row0: optional ``[n]`` integer first row of each sequence in ``x`` (then give ``num_rows``); ``None``:
+            ``x`` holds the packed rows themselves (sequence ``i`` at rows ``cu[i] .. cu[i + 1] - 1``).
+        num_rows: ``T = cu[-1]`` on the host (default ``N`` when ``row0`` is ``None``).
+        fresh: optional ``[n]`` bool: those sequences start from zeros (their slot is not read).
+        eps: added to the squared norm of each query / key head.
+        block_t: rows per program; num_warps: warps per program (tuning only).
+
+    Returns:
+        ``(q [T, H, K], k [T, H, K], v [T, H, V])`` FP32, contiguous; ``q`` and ``k`` L2-normalised per head.
+    """
+    _check_conv_args("conv_prefill", x, conv_state, slots)
+    n, (N, C), Wm1 = slots.shape[0], x.shape, conv_state.shape[2]
+    H, K, V = num_heads, head_k_dim, head_v_dim
+    if C != H * (2 * K + V) or weight.shape != (C, Wm1 + 1) or weight.stride(1) != 1:
+        raise ValueError(f"conv_prefill: x {tuple(x.shape)}, weight {tuple(weight.shape)} (unit last stride) "
+                         f"do not fit H={H}, K={K}, V={V}, W={Wm1 + 1}")  # fmt: skip
+    if row0 is not None and num_rows is None:
+        raise ValueError("conv_prefill: give num_rows (the packed row count) with row0")
+    T = N if num_rows is None else int(num_rows)
+    if T < 0 or (row0 is None and T > N):
+        raise ValueError(f"conv_prefill: {T} packed rows do not fit x with {N} rows")
+    cu = _index_arg(cu_seqlens, n + 1, "cu_seqlens", slots)
+    dev = x.device
+    q = torch.empty(T, H, K, dtype=torch.float32, device=dev)
+    k = torch.empty(T, H, K, dtype=torch.float32, device=dev)
+    v = torch.empty(T, H, V, dtype=torch.float32, device=dev)
+    if n == 0:
+        return q, k, v
+    if T > 0:
+        _conv_prefill_kernel[(triton.cdiv(T, block_t), 3 * H)](
+            x, conv_state, weight, slots, cu, _index_arg(row0, n, "row0", slots), _index_arg(fresh, n, "fresh", slots),
+            q, k, v, T, n, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
+            H=H, K=K, V=V, W=Wm1 + 1, BT=block_t, BD=triton.next_power_of_2(max(K, V)),
+            LOG_N=max(1, (n - 1).bit_length()), HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None,
+            num_warps=num_warps, **_fusion_opts(),
+        )  # fmt: skip
+    # The new windows after every row was read (stream order): the commit of all `len` rows of each sequence
+    # is exactly a prefill's window update (data movement, bit-exact).
+    lengths = cu[1:] - cu[:-1]
+    conv_commit_slots(conv_state, x, slots, lengths, 0, row0=cu[:-1] if row0 is None else row0, fresh=fresh)
+    return q, k, v

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ...numerics import batch_invariant
+from ...transfer import to_device
 from .chunk import chunk_kda
 from .recurrent import normalize_cu_seqlens, recurrent_kda_step
 from .verify import resolve_verify_backend
@@ -119,6 +120,8 @@ def kda_prefill(
     cu = normalize_cu_seqlens(cu_seqlens, q.shape[0])
     T = cu[-1]
     cu_cpu = torch.tensor(cu, dtype=torch.int64)
+    # From pinned memory: a copy from pageable memory would wait for the stream (a host sync per layer and chunk).
+    cu_dev = to_device(cu, q.device, torch.int64)
     safe = lower_bound is not None and -5.0 <= lower_bound < 0.0
     o, final = fla_chunk_kda(
         q=q[:T].float().unsqueeze(0).contiguous(),
@@ -129,7 +132,7 @@ def kda_prefill(
         scale=scale,
         initial_state=initial_state.float().contiguous(),
         output_final_state=True,
-        cu_seqlens=cu_cpu.to(q.device, non_blocking=True),
+        cu_seqlens=cu_dev,
         cu_seqlens_cpu=cu_cpu,
         safe_gate=safe,
         lower_bound=lower_bound if safe else None,

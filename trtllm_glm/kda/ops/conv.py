@@ -29,11 +29,13 @@ __all__ = [
     "conv_verify_qkv_reference",
     "conv_commit_slots",
     "conv_commit_slots_reference",
+    "conv_prefill",
+    "conv_prefill_reference",
     "verify_rows",
 ]
 
-# Picks the implementation of `conv_decode`, `conv_verify_qkv` and `conv_commit_slots`: auto (the Triton kernels
-# for CUDA tensors), torch or triton.
+# Picks the implementation of `conv_decode`, `conv_prefill`, `conv_verify_qkv` and `conv_commit_slots`: auto (the
+# Triton kernels for CUDA tensors), torch or triton.
 CONV_BACKEND_ENV = "TRTLLM_GLM_KDA_CONV_BACKEND"
 
 
@@ -156,6 +158,103 @@ def conv_decode(
 
         return kernel(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
     return conv_decode_reference(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, eps)
+
+
+def _host_ints(t: torch.Tensor | Sequence[int]) -> list[int]:
+    return [int(v) for v in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+
+
+def conv_prefill_reference(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | Sequence[int],
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    *,
+    row0: torch.Tensor | Sequence[int] | None = None,
+    num_rows: int | None = None,
+    fresh: torch.Tensor | Sequence[bool] | None = None,
+    eps: float = L2NORM_EPS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A KDA prefill step's front half: each sequence's rows convolved from its window (`causal_conv1d_ref`),
+    SiLU, split into heads, q/k L2 norm; each sequence's slot gets its new window.
+
+    Args:
+        x: ``[N, C]`` conv inputs, ``C = H * (2K + V)`` (channels ``q | k | v``).
+        conv_state: ``[S, C, W - 1]`` state pool, updated in place at ``slots`` only (the last ``W - 1`` inputs
+            of window-then-rows, rounded to the pool's dtype).
+        weight: ``[C, W]`` taps.
+        slots: ``[n]`` int64 distinct state slot of each sequence.
+        cu_seqlens: ``n + 1`` offsets of the sequences in the packed output (tensor or host list; a device tensor
+            is read on the host here: the reference syncs, the kernel does not).
+        num_heads, head_k_dim, head_v_dim: ``H``, ``K``, ``V``.
+        row0: optional ``n`` first row of each sequence in ``x`` (then give ``num_rows``); ``None``: ``x`` holds
+            the packed rows (sequence ``i`` at rows ``cu[i] .. cu[i + 1] - 1``).
+        num_rows: packed rows ``T = cu[-1]`` (default ``N`` when ``row0`` is ``None``).
+        fresh: optional ``n`` flags: those sequences start from zeros (their slot's contents are not read).
+        eps: added to the squared norm of each query / key head.
+
+    Returns:
+        ``(q [T, H, K], k [T, H, K], v [T, H, V])`` FP32; ``q`` and ``k`` are ``y / sqrt(sum(y^2) + eps)`` per head.
+    """
+    if row0 is not None and num_rows is None:
+        raise ValueError("conv_prefill: give num_rows (the packed row count) with row0")
+    H, K, V = num_heads, head_k_dim, head_v_dim
+    T = x.shape[0] if num_rows is None else int(num_rows)
+    cu = _host_ints(cu_seqlens)
+    starts = cu[:-1] if row0 is None else _host_ints(row0)
+    is_fresh = [False] * len(starts) if fresh is None else [bool(f) for f in _host_ints(fresh)]
+    slot_list = _host_ints(slots)
+    ys = []
+    for i, slot in enumerate(slot_list):
+        n_i, s = cu[i + 1] - cu[i], starts[i]
+        if n_i == 0:  # no rows: the window stays (zeros when fresh)
+            if is_fresh[i]:
+                conv_state[slot].zero_()
+            continue
+        prev = None if is_fresh[i] else conv_state[slot]
+        y, new_state = causal_conv1d_ref(x[s : s + n_i].float(), prev, weight)
+        conv_state[slot].copy_(new_state)
+        ys.append(y)
+    y = torch.cat(ys, dim=0) if ys else x.new_zeros(0, x.shape[1], dtype=torch.float32)
+    if y.shape[0] != T:
+        raise ValueError(f"conv_prefill: cu_seqlens cover {y.shape[0]} rows, expected {T}")
+    q, k, v = y.split([H * K, H * K, H * V], dim=-1)
+    q, k = q.reshape(T, H, K), k.reshape(T, H, K)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + eps)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
+    return q, k, v.reshape(T, H, V)
+
+
+def conv_prefill(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    weight: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    *,
+    row0: torch.Tensor | None = None,
+    num_rows: int | None = None,
+    fresh: torch.Tensor | None = None,
+    eps: float = L2NORM_EPS,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`conv_prefill_reference` in two Triton launches (`trtllm_glm.kda.kernels.conv_prefill`) for CUDA tensors,
+    without a host sync (``cu_seqlens``, ``row0``, ``fresh``, ``slots`` device tensors); ``backend`` as in
+    `conv_decode`. Same arguments and results (to FP32 rounding; the windows bit for bit) as the reference."""
+    if _use_kernel(x, backend):
+        from ..kernels import conv_prefill as kernel
+
+        return kernel(x, conv_state, weight, slots, cu_seqlens, num_heads, head_k_dim, head_v_dim,
+                      row0=row0, num_rows=num_rows, fresh=fresh, eps=eps)  # fmt: skip
+    return conv_prefill_reference(x, conv_state, weight, slots, cu_seqlens, num_heads, head_k_dim, head_v_dim,
+                                  row0=row0, num_rows=num_rows, fresh=fresh, eps=eps)  # fmt: skip
 
 
 def _use_kernel(x: torch.Tensor, backend: str | None) -> bool:
