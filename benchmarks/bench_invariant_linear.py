@@ -220,12 +220,12 @@ def sweep(json_path: str | None, props: torch.cuda._CudaDeviceProperties) -> int
             tot["copy"][i] += copy_us
             tot["rule"][i] += (rule_ts or best_ts)[m]
         print(f"  -> {name}: {tuned[f'{n},{k}']} ({len(seen)} launch shapes timed)", flush=True)
+        if json_path:  # after every shape: a run cut by a time limit keeps the winners found so far
+            with open(json_path, "w") as f:
+                json.dump({"device": props.name, "rows": rows, "tuned": tuned}, f, indent=1)
     for i, m in enumerate(SWEEP_ROWS):
         c, r, w, cp = (tot[key][i] for key in ("cublas", "rule", "winner", "copy"))
         print(f"[sum] M={m}: cuBLAS {c:.1f} us, rule {r:.1f}, winners {w:.1f} (x{w / c:.2f}), copy {cp:.1f}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"device": props.name, "rows": rows, "tuned": tuned}, f, indent=1)
     return 0
 
 

@@ -342,11 +342,14 @@ def warm_indexer_shapes(cfg: Glm5NextConfig, page_size: int, max_pools: int, dev
         torch.cuda.synchronize()
 
 
-def make_llm(model: Glm5NextForCausalLM, max_seq_len: int, chunk: int, page: int, graphs: bool) -> LLM:
+def make_llm(
+    model: Glm5NextForCausalLM, max_seq_len: int, chunk: int, page: int, graphs: bool, batch_invariant: bool = False
+) -> LLM:
     from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 
     return LLM(
         model,
+        batch_invariant=batch_invariant,
         max_seq_len=max_seq_len,
         max_num_tokens=chunk,
         max_batch_size=1,
@@ -435,6 +438,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--weights", choices=["bf16", "fp8"], default="bf16")
+    ap.add_argument(
+        "--batch-invariant", choices=["on", "off"], default="off",
+        help="the LLM's batch-invariant numerics mode (docs/numerics.md): its prefill cost; rows carry it",
+    )  # fmt: skip
     ap.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs (prefill stays eager)")
     ap.add_argument(
         "--attribute-max-len", type=int, default=131072,
@@ -476,7 +483,7 @@ def main() -> None:
         timer = install_class_timer(model, dev)
         for chunk in args.chunks:
             max_seq = max(lens) + args.decode + 1
-            llm = make_llm(model, max_seq, chunk, args.page, args.cuda_graphs)
+            llm = make_llm(model, max_seq, chunk, args.page, args.cuda_graphs, args.batch_invariant == "on")
             ws = getattr(llm.executor, "workspace_bytes", None)
             # Warm-up: every launch shape of a chunk (full and partial), then the indexer's score widths.
             timed_prompt(llm, prompt_ids(min(2 * chunk + 1, max_seq - 2), cfg.vocab_size, 1), 1, dev)
@@ -488,7 +495,8 @@ def main() -> None:
                 flops = prefill_flops(cfg, model, n)
                 per = floor_ms(flops, rates["bf16"], rates["fp8"], args.weights == "fp8")
                 floor = sum(per.values())
-                row = {"impl": "ours", "layers": L, "weights": args.weights, "prompt_len": n, "chunk": chunk,
+                row = {"impl": "ours", "layers": L, "weights": args.weights, "batch_invariant": args.batch_invariant == "on",
+                       "prompt_len": n, "chunk": chunk,
                        **r, "compute_floor_ms": floor, "ratio": r["ttft_ms"] / floor,
                        "gflop": sum(flops.values()) / 1e9, "compiles": len(cc.names),
                        "compiled": sorted(set(cc.names))[:8],

@@ -97,7 +97,19 @@ _MIN_PROGRAMS = 32
 # a row's bits would change with the batch). Knobs a table entry may set: `TUNABLE`.
 TUNABLE = ("split_k", "block_k", "num_warps", "num_stages")
 # BEGIN TUNED
-_TUNED_SHAPES: dict[tuple[int, int], dict[str, int]] = {}
+_TUNED_SHAPES: dict[tuple[int, int], dict[str, int]] = {
+    (24896, 4096): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (4096, 8192): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 2},
+    (8192, 128): {"block_k": 128, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (2176, 4096): {"block_k": 128, "num_stages": 4, "num_warps": 4, "split_k": 4},
+    (16384, 1536): {"block_k": 128, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (4096, 16384): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 2},
+    (24576, 4096): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (4096, 12288): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 2},
+    (4096, 4096): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (4096, 2048): {"block_k": 256, "num_stages": 4, "num_warps": 4, "split_k": 1},
+    (154880, 4096): {"block_k": 128, "num_stages": 4, "num_warps": 4, "split_k": 1},
+}
 # END TUNED
 
 

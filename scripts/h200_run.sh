@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One H200 call made of named stages (run from the repository root on the device machine):
+#   bash scripts/h200_run.sh STAGE [STAGE ...]
+# Stages: setup (the fla-core wheel from .whl/, a Triton cache from .tcache/ when carried), tests (the GPU tests
+# of the kernels named in $GPU_TESTS), prefill (bench_prefill 8K / 32K / 128K), sweep (bench_invariant_linear
+# --sweep), prefill_binv (8K / 32K in the batch-invariant mode), prefill_1m (a 1,048,000-token prompt), binv (the batch-invariant mode's cost: bench_e2e plain with the mode off and on), fp8 (bench_e2e
+# plain bf16 vs fp8), prefix (bench_prefix_workloads on the 4-layer slice), cache (the Triton cache to $OUT).
+# Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/triton_cache
+O=${OUT:-/tmp/out}
+mkdir -p "$O" "$TRITON_CACHE_DIR"
+PY=${PYTHON:-python3}
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%T)"
+  case $stage in
+    setup)
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+      export PYTHONPATH="/tmp/site:$PYTHONPATH"
+      if ls .tcache/tcache_* >/dev/null 2>&1; then cat .tcache/tcache_* | tar xzf - -C "$TRITON_CACHE_DIR"; fi
+      nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader ;;
+    tests)
+      timeout "${T_TESTS:-200}" "$PY" -m pytest -q -p no:xdist -m gpu -rf ${GPU_TESTS:?} 2>&1 | tee "$O/gpu_tests.log" ;;
+    prefill)
+      timeout "${T_PREFILL:-200}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 \
+        --chunks 8192 --decode 16 --profile-kernels 20 --json "$O/prefill.json" 2>&1 | tee "$O/prefill.log" ;;
+    prefill_binv)
+      timeout "${T_PREFILL_BINV:-120}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 --chunks 8192 \
+        --decode 0 --batch-invariant on --json "$O/prefill_binv.json" 2>&1 | tee "$O/prefill_binv.log" ;;
+    prefill_1m)
+      timeout "${T_PREFILL_1M:-150}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 1048000 --chunks 8192 \
+        --decode 16 --json "$O/prefill_1m.json" 2>&1 | tee "$O/prefill_1m.log" ;;
+    sweep)
+      timeout "${T_SWEEP:-240}" "$PY" benchmarks/bench_invariant_linear.py --sweep --json "$O/sweep.json" 2>&1 \
+        | tee "$O/sweep.log" ;;
+    binv)
+      timeout "${T_BINV:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
+        --prompt-len 256 --gen 32 --batch-invariant both --json "$O/binv.json" 2>&1 | tee "$O/binv.log" ;;
+    fp8)
+      timeout "${T_FP8:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
+        --prompt-len 256 --gen 32 --weights bf16 fp8 --quality --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;
+    prefix)
+      timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \
+        --json "$O/prefix.json" 2>&1 | tee "$O/prefix.log" ;;
+    cache)
+      tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
+    *) echo "h200_run: unknown stage $stage" ;;
+  esac
+done
