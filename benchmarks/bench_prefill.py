@@ -495,8 +495,8 @@ def main() -> None:
                 flops = prefill_flops(cfg, model, n)
                 per = floor_ms(flops, rates["bf16"], rates["fp8"], args.weights == "fp8")
                 floor = sum(per.values())
-                row = {"impl": "ours", "layers": L, "weights": args.weights, "batch_invariant": args.batch_invariant == "on",
-                       "prompt_len": n, "chunk": chunk,
+                row = {"impl": "ours", "layers": L, "weights": args.weights,
+                       "batch_invariant": args.batch_invariant == "on", "prompt_len": n, "chunk": chunk,
                        **r, "compute_floor_ms": floor, "ratio": r["ttft_ms"] / floor,
                        "gflop": sum(flops.values()) / 1e9, "compiles": len(cc.names),
                        "compiled": sorted(set(cc.names))[:8],
