@@ -64,3 +64,24 @@ def test_step_rows_past_the_cuda_grid_limit_are_refused() -> None:
     check_step_rows(1 << 20, "cpu")  # the CPU path has no grid limit
     with pytest.raises(ValueError, match="max_num_tokens=65536 exceeds 65535"):
         check_step_rows(65536, torch.device("cuda", 0))
+
+
+def test_batch_invariant_mode_counts_the_attention_split_partials() -> None:
+    """The mode fixes the sparse-MLA split count per selection width (11 at the real model's 2,051), so prefill
+    rows carry fp32 partials too, `PARTIAL_SLAB_ROWS` rows at a time; the default mode's prefill rows have none.
+    (H200 2026-12-04: a mode prompt of 8K allocated 6.4 GiB against an estimate of 3.9 before this was counted.)"""
+    from trtllm_glm.attention.sparse.glm_kpool.kernels.sparse_mla import PARTIAL_SLAB_ROWS
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    cfg = Glm5NextConfig.from_pretrained("glm-5.3-flash")
+    off = prefill_workspace(cfg, 8192, 32768, batch_invariant=False)
+    on = prefill_workspace(cfg, 8192, 32768, batch_invariant=True)
+    heads, rank = cfg.num_attention_heads, cfg.kv_lora_rank
+    assert on["sparse_mla"] - off["sparse_mla"] == PARTIAL_SLAB_ROWS * 11 * heads * (rank + 1) * 4
+    assert on["total"] > off["total"]
+    # Few rows: the partials of those rows only; the process's mode is the default.
+    small = prefill_workspace(cfg, 64, 32768, batch_invariant=True)["sparse_mla"]
+    assert small - prefill_workspace(cfg, 64, 32768, batch_invariant=False)["sparse_mla"] == 64 * 11 * heads * 513 * 4
+    with batch_invariant_mode(True):
+        assert prefill_workspace_bytes(cfg, 8192, 32768) == on["total"]
+    assert prefill_workspace_bytes(cfg, 8192, 32768) == off["total"]

@@ -154,6 +154,34 @@ def test_sparse_mla_combine_head_blocks_agree(combine_block_h: int) -> None:
     assert err < 2e-6, f"combine_block_h={combine_block_h}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("slab", [1, 2, 4])
+def test_sparse_mla_row_slabs_keep_bits(monkeypatch: pytest.MonkeyPatch, slab: int) -> None:
+    """More rows than `PARTIAL_SLAB_ROWS` at several splits (the batch-invariant mode's prefill chunks) run in
+    slabs of rows: the same bits as one launch of every row, every row written (a tail slab shorter than the
+    others included)."""
+    case = _MlaCase(
+        11, n_heads=4, rank=32, page_size=16, lens=[70, 45, 9], row_seq=[0, 1, 2, 1, 0, 2, 1], width=67,
+        empty_rows=(5,), dtype=torch.bfloat16,
+    )  # fmt: skip
+    mod = K.kernel_module("sparse_mla", "cpu")
+    whole = mod.sparse_mla_attention(*case.args(), out=_poisoned_out(case), splits=3, block_w=16)
+    monkeypatch.setattr(mod._module, "PARTIAL_SLAB_ROWS", slab)
+    calls: list[int] = []
+    launch = mod._module._combine_kernel
+
+    class _Count:
+        def __getitem__(self, grid: tuple) -> object:
+            calls.append(grid[1])
+            return launch[grid]
+
+    monkeypatch.setattr(mod._module, "_combine_kernel", _Count())
+    sliced = mod.sparse_mla_attention(*case.args(), out=_poisoned_out(case), splits=3, block_w=16)
+    assert calls == [min(slab, 7 - r0) for r0 in range(0, 7, slab)], "one launch per slab of rows"
+    assert torch.equal(sliced.view(torch.int16), whole.view(torch.int16))
+    err = ((sliced.float() - _reference(case)).abs().max() / _reference(case).abs().max()).item()
+    assert err < 8e-3
+
+
 def test_sparse_mla_launch_choices_fill_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Split count and combine head block at the GLM geometry on a 132-SM device (the H200's count)."""
     # The imported module (pure-Python choices; the interpreted copy's callables are wrappers).

@@ -14,7 +14,9 @@ and the caches (counted elsewhere):
     (``w``, ``u``, the within-chunk matrix) and the per-chunk states ``[N / 64, heads, dk, dv]`` fp32 it stores;
   - ``sparse_mla``: the indexer's ``[N, score_columns]`` fp32 scores (``score_columns``: the pool count ``S / 4``
     rounded up to a power of two), the top-k's candidate scratch (at most 32,768 int32 key / id pairs per row), the
-    FP8 queries, and the attention's per-row query, absorbed query, fp32 latent output and value rows;
+    FP8 queries, and the attention's per-row query, absorbed query, fp32 latent output and value rows; in the
+    batch-invariant mode also the attention's fp32 split partials (the mode fixes the split count per selection
+    width, so prefill rows are split too; `sparse_mla.PARTIAL_SLAB_ROWS` rows at a time);
   - ``ffn``: the MoE's fused-path buffers for a slab of at most ``FUSED_MAX_ROWS`` rows (``[rows * k, hidden]``
     fp32 pair outputs, the ``[padded pairs, I]`` intermediate) and its fp32 ``[N, hidden]`` accumulator, or a
     dense MLP's ``[N, 2 I]`` gate / up rows.
@@ -29,6 +31,7 @@ import torch
 
 from ..config import Glm5NextConfig
 from ..modules.ffn import FUSED_MAX_ROWS
+from ..numerics import batch_invariant as _mode_on
 
 __all__ = ["MAX_STEP_ROWS_CUDA", "check_step_rows", "prefill_workspace", "prefill_workspace_bytes"]
 
@@ -45,7 +48,11 @@ def _pow2_ceil(n: int) -> int:
 
 
 def prefill_workspace(
-    config: Glm5NextConfig, max_num_tokens: int, max_seq_len: int, dtype: torch.dtype = torch.bfloat16
+    config: Glm5NextConfig,
+    max_num_tokens: int,
+    max_seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool | None = None,
 ) -> dict[str, int]:
     """Bytes of each part of a chunk's transient buffers (see the module docstring) and their ``total``.
 
@@ -54,6 +61,7 @@ def prefill_workspace(
         max_num_tokens: rows of the largest step (the prefill chunk).
         max_seq_len: longest context a row of the chunk can attend to.
         dtype: the activations' dtype.
+        batch_invariant: the numerics mode the chunk runs in (default: the process's, `trtllm_glm.numerics`).
 
     Returns:
         ``{"hidden", "kda", "sparse_mla", "ffn", "total"}`` in bytes; ``total`` is ``hidden`` plus the largest of
@@ -79,6 +87,14 @@ def prefill_workspace(
         heads, r = config.num_attention_heads, config.kv_lora_rank + config.qk_rope_head_dim
         attn = n * heads * (config.qk_nope_head_dim * el + r * el + r * 4 + config.v_head_dim * el)
         mla = scores + topk + q8 + attn
+        if _mode_on() if batch_invariant is None else batch_invariant:
+            # Imported here: the kernel module imports Triton, which nothing else of this module needs.
+            from ..attention.sparse.glm_kpool.kernels import sparse_mla as sm
+
+            width = config.index_select_width
+            # The mode's split count depends on the width and the heads only (not the device, not the rows).
+            splits = sm.choose_splits(n, heads, width, torch.device("cpu"), 64, 64, invariant=True)
+            mla += sm.partial_bytes(n, heads, width, r, splits)
     rows = min(n, FUSED_MAX_ROWS)
     k, inter, experts = config.num_experts_per_tok, config.moe_intermediate_size, config.n_routed_experts
     pairs = rows * k
@@ -90,10 +106,14 @@ def prefill_workspace(
 
 
 def prefill_workspace_bytes(
-    config: Glm5NextConfig, max_num_tokens: int, max_seq_len: int, dtype: torch.dtype = torch.bfloat16
+    config: Glm5NextConfig,
+    max_num_tokens: int,
+    max_seq_len: int,
+    dtype: torch.dtype = torch.bfloat16,
+    batch_invariant: bool | None = None,
 ) -> int:
     """``prefill_workspace(...)["total"]``: the bytes the executor reserves for a chunk's transient buffers."""
-    return prefill_workspace(config, max_num_tokens, max_seq_len, dtype)["total"]
+    return prefill_workspace(config, max_num_tokens, max_seq_len, dtype, batch_invariant)["total"]
 
 
 def check_step_rows(max_num_tokens: int, device: torch.device | str) -> None:

@@ -64,7 +64,15 @@ try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; the H
 except ImportError:  # pragma: no cover - older triton: the Triton kernel serves every case
     _HAVE_GLUON = False
 
-__all__ = ["sparse_mla_attention", "choose_splits", "choose_combine_block_h", "split_layout", "gluon_eligible"]
+__all__ = [
+    "PARTIAL_SLAB_ROWS",
+    "choose_combine_block_h",
+    "choose_splits",
+    "gluon_eligible",
+    "partial_bytes",
+    "sparse_mla_attention",
+    "split_layout",
+]
 
 _LOG2E = 1.4426950408889634
 
@@ -86,6 +94,9 @@ _GLUON_NBUF = {64: 2, 32: 4, 16: 8}
 # Operational switch, read once at import: "auto" (the Gluon kernel where `gluon_eligible`, the default) or
 # "triton" (never the Gluon kernel).
 _DEFAULT_IMPL = os.environ.get("TRTLLM_GLM_SPARSE_MLA_IMPL", "auto")
+# Rows per launch when the split count was not chosen for the rows (more rows than this and more than one split):
+# bounds the fp32 partials to ~1.5 GB at the real model's 64 heads, 512 latent columns and 11 splits.
+PARTIAL_SLAB_ROWS = 1024
 
 
 @triton.jit
@@ -448,7 +459,10 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, block_h: int, block_w: int) -> int:
+def choose_splits(
+    n_rows: int, n_heads: int, width: int, device: torch.device, block_h: int, block_w: int,
+    invariant: bool | None = None,
+) -> int:  # fmt: skip
     """Split count over the ``width`` selected entries, from shapes only (graph-capture safe).
 
     Enough ``(head block, split, row)`` programs to fill the multiprocessors once (the default program
@@ -465,6 +479,7 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
         n_rows: query rows ``N``. n_heads: heads ``H``. width: selection width ``W``.
         device: where the kernel runs (its multiprocessor count sets the target).
         block_h: heads per program. block_w: entries per tile.
+        invariant: the numerics mode to choose for (default: the process's).
 
     In the batch-invariant mode (`trtllm_glm.numerics.batch_invariant`) the count depends on the width and the
     heads only, never on ``n_rows`` or the device: the bytes cap above (``min(width / (2 H), tiles)``, 16
@@ -477,7 +492,7 @@ def choose_splits(n_rows: int, n_heads: int, width: int, device: torch.device, b
         The split count (``>= 1``).
     """
     tiles = max(1, triton.cdiv(width, block_w))
-    if batch_invariant():
+    if batch_invariant() if invariant is None else invariant:
         return max(1, min(width // (2 * n_heads), tiles))
     target = _num_programs_target(device)
     programs_per_split = max(1, n_rows * triton.cdiv(n_heads, block_h))
@@ -515,6 +530,15 @@ def _num_programs_target(device: torch.device) -> int:
     if device.type != "cuda":
         return 8
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def partial_bytes(n_rows: int, n_heads: int, width: int, rank: int, splits: int, block_w: int = _BLOCK_W) -> int:
+    """Bytes of the fp32 partials (``o`` and log-sum-exp) that `sparse_mla_attention` allocates for ``n_rows``
+    rows at ``splits`` requested splits: none with one split, at most `PARTIAL_SLAB_ROWS` rows' worth."""
+    _, splits = split_layout(width, block_w, splits)
+    if splits == 1:
+        return 0
+    return min(n_rows, PARTIAL_SLAB_ROWS) * splits * n_heads * (rank + 1) * 4
 
 
 def split_layout(width: int, block_w: int, splits: int) -> tuple[int, int]:
@@ -673,6 +697,21 @@ def sparse_mla_attention(
     if splits is None:
         splits = choose_splits(n_rows, n_heads, width, q_abs.device, block_h, block_w)
     rows_per_split, splits = split_layout(width, block_w, splits)
+    if splits > 1 and n_rows > PARTIAL_SLAB_ROWS:
+        # Many rows at a split count they did not choose (the batch-invariant mode's prefill chunks): the fp32
+        # partials are [rows, splits, H, R] (11.8 GB for 8,192 rows of the real model), so run slabs of rows with
+        # the same launch; a row's result does not depend on the other rows of its launch.
+        if combine_block_h is None:
+            combine_block_h = choose_combine_block_h(n_rows, n_heads, q_abs.device)
+        for r0 in range(0, n_rows, PARTIAL_SLAB_ROWS):
+            r1 = min(n_rows, r0 + PARTIAL_SLAB_ROWS)
+            sparse_mla_attention(
+                q_abs[r0:r1], latent_cache, sel[r0:r1], row_seq[r0:r1], slot_table, page_size, softmax_scale,
+                out=out[r0:r1], splits=splits, impl="gluon" if use_gluon else "triton", block_h=block_h,
+                block_w=block_w, num_warps=num_warps, num_stages=num_stages, combine_block_h=combine_block_h,
+                gluon_nbuf=gluon_nbuf, gluon_p_smem=gluon_p_smem, gluon_diag=gluon_diag,
+            )  # fmt: skip
+        return out
     head_blocks = triton.cdiv(n_heads, block_h)
     # The interpreter rounds fp32 -> bf16 stores incorrectly: write fp32 there and cast with torch.
     dst = out
