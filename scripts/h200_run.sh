@@ -3,7 +3,8 @@
 #   bash scripts/h200_run.sh STAGE [STAGE ...]
 # Stages: setup (the fla-core wheel from .whl/, a Triton cache from .tcache/ when carried), tests (the GPU tests
 # of the kernels named in $GPU_TESTS), prefill (bench_prefill 8K / 32K / 128K), sweep (bench_invariant_linear
-# --sweep), prefill_binv (8K / 32K in the batch-invariant mode), prefill_1m (a 1,048,000-token prompt), binv (the batch-invariant mode's cost: bench_e2e plain with the mode off and on), fp8 (bench_e2e
+# --sweep), prefill_binv (8K / 32K in the batch-invariant mode), prefill_1m (a 1,048,000-token prompt), binv (the batch-invariant mode's cost: bench_e2e plain with the mode off and on), binv_spec (the mode's speculative rows
+# vs plain), fp8 (bench_e2e
 # plain bf16 vs fp8), prefix (bench_prefix_workloads on the 4-layer slice), cache (the Triton cache to $OUT).
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -38,6 +39,10 @@ for stage in "$@"; do
     binv)
       timeout "${T_BINV:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
         --prompt-len 256 --gen 32 --batch-invariant both --json "$O/binv.json" 2>&1 | tee "$O/binv.log" ;;
+    binv_spec)
+      timeout "${T_BINV_SPEC:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7k3 \
+        --cuda-graphs on --prompt-len 256 --gen 32 --batch-invariant on --json "$O/binv_spec.json" 2>&1 \
+        | tee "$O/binv_spec.log" ;;
     fp8)
       timeout "${T_FP8:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
         --prompt-len 256 --gen 32 --weights bf16 fp8 --quality --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;

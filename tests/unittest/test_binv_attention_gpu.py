@@ -327,3 +327,23 @@ def test_kda_conv_and_gate_rows_same_alone_and_in_batch(M: int) -> None:
     alone = run(1, 0)
     for i, (a, b) in enumerate(zip(run(M, M // 3), alone)):
         assert _same(a, b), f"M={M}: output {i} of the row changed"
+
+
+def test_sparse_mla_row_slabs_keep_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk in the mode (more rows than `PARTIAL_SLAB_ROWS`, the mode's 11 splits) runs in slabs of rows:
+    the same bits as one launch over every row (the default kernel; the tail slab shorter)."""
+    from trtllm_glm.attention.sparse.glm_kpool.kernels import sparse_mla as SM
+
+    gen = torch.Generator().manual_seed(932)
+    cache, table = _mla_case(gen)
+    n = SM.PARTIAL_SLAB_ROWS + 77
+    seqs = torch.randint(0, len(CONTEXTS), (n,), generator=gen)
+    rows = [_mla_row(gen, int(s)) for s in seqs]
+    q = torch.stack([r[0] for r in rows]).to(DEV)
+    sel = torch.stack([r[1] for r in rows]).to(DEV)
+    with batch_invariant_mode(True):
+        sliced = _mla(q, cache, sel, seqs.to(DEV), table, PAGE, 0.05, out=torch.full_like(q, float("nan")))
+        monkeypatch.setattr(SM, "PARTIAL_SLAB_ROWS", 1 << 30)
+        whole = _mla(q, cache, sel, seqs.to(DEV), table, PAGE, 0.05, out=torch.full_like(q, float("nan")))
+    assert not torch.isnan(sliced).any()
+    assert _same(sliced, whole)
