@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # One H200 call made of named stages (run from the repository root on the device machine):
 #   bash scripts/h200_run.sh STAGE [STAGE ...]
-# Stages: setup (the fla-core wheel from .whl/, a Triton cache from .tcache/ when carried), tests (the GPU tests
-# of the kernels named in $GPU_TESTS), prefill (bench_prefill 8K / 32K / 128K), sweep (bench_invariant_linear
-# --sweep), prefill_binv (8K / 32K in the batch-invariant mode), prefill_1m (a 1,048,000-token prompt), binv (the batch-invariant mode's cost: bench_e2e plain with the mode off and on), binv_spec (the mode's speculative rows
-# vs plain), fp8 (bench_e2e
-# plain bf16 vs fp8), prefix (bench_prefix_workloads on the 4-layer slice), cache (the Triton cache to $OUT).
+# Stages:
+#   setup         the fla-core wheel from .whl/ onto the path, a Triton cache from .tcache/ when carried
+#   tests         the GPU tests named in $GPU_TESTS
+#   prefill       bench_prefill at 8K / 32K / 128K (4 layers, chunks of 8,192)
+#   prefill_binv  bench_prefill at 8K / 32K in the batch-invariant mode
+#   prefill_1m    bench_prefill of one 1,048,000-token prompt
+#   sweep         bench_invariant_linear --sweep (then --apply here)
+#   binv          bench_e2e plain with the batch-invariant mode off and on (its cost)
+#   binv_spec     bench_e2e plain / MTP K=3 / oracle K=3 in the mode (speculative vs plain greedy)
+#   fp8           bench_e2e plain with bf16 and FP8 weights, with --quality
+#   prefix        bench_prefix_workloads on the 4-layer slice
+#   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -208,6 +208,29 @@ def test_backend_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(pool[s], before[s])
 
 
+def test_cuda_without_fla_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA a missing fla-core silently cost ~30x in KDA prefill (the torch reference): one warning per process
+    says so; an explicit ``torch`` choice and the CPU stay silent."""
+    import warnings
+
+    from trtllm_glm.kda.ops import backend as B
+
+    monkeypatch.setattr(B, "_fla_kda", lambda: None)
+    B._warn_no_fla.cache_clear()
+    monkeypatch.delenv("TRTLLM_GLM_KDA_BACKEND", raising=False)
+    cuda = torch.device("cuda", 0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert resolve_backend(torch.device("cpu")) == "torch"
+        assert resolve_backend(cuda, "torch") == "torch"
+        assert not seen
+        assert resolve_backend(cuda) == "torch"
+        assert resolve_backend(cuda, "auto") == "torch"
+    assert len(seen) == 1 and issubclass(seen[0].category, RuntimeWarning)
+    assert "fla-core is not importable" in str(seen[0].message)
+    B._warn_no_fla.cache_clear()
+
+
 # --------------------------------------------------------------------------------------------------
 # Short convolution
 def _conv_reference(hist: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -38,8 +38,8 @@ __all__ = [
     "resolve_batch_invariant",
 ]
 
-# What ``LLM(batch_invariant=None)`` ("auto") means: the mode off, today's numerics, until the H200 measurement of
-# its cost (issue 31's goal: <= 1.10x the default plain step) says otherwise.
+# What ``LLM(batch_invariant=None)`` ("auto") means: the mode off. On the H200 the mode's plain decode step costs
+# 1.05-1.09x the default's, but 64-row verify steps 1.6x and prefill 6.2-6.5x (docs/numerics.md, "What it costs").
 AUTO_BATCH_INVARIANT = False
 
 
