@@ -216,6 +216,28 @@ def test_third_request_reuses_the_shared_prefix_at_default_settings(model) -> No
     assert llm.executor.prefix.store.nbytes <= llm.executor.prefix.max_bytes
 
 
+@pytest.mark.parametrize("mode", ["plain", "ngram3", "mtp2", "mtp2-sep"])
+def test_a_shared_prefix_of_whole_pages_is_reused_whole_without_an_mtp_drafter(model, mode: str) -> None:
+    """A system prompt of exactly 5 pages: its followers resume at its end (5P) where no drafter reads the token
+    after a page; with MTP, whose row of a page's last position reads the next page's first token (a question's,
+    different per request), one page less. Greedy tokens equal a cold run's either way."""
+    rng = random.Random(12)
+    sysp = rand(rng, 5 * P)
+    prompts = [sysp + rand(rng, rng.randrange(2, 2 * P)) for _ in range(4)]
+    cold = make(model, mode, P=P, reuse=False)
+    ex = make(model, mode, P=P, **defaults())
+    cached = []
+    for p in prompts:
+        want = cold.add_request(p, greedy(4))
+        cold.run_until_done()
+        got = ex.add_request(p, greedy(4))
+        ex.run_until_done()
+        assert got.output_ids == want.output_ids
+        cached.append(got.num_cached_tokens)
+    expect = 4 * P if mode.startswith("mtp") else 5 * P
+    assert cached[2:] == [expect, expect], (mode, cached)
+
+
 def test_lost_reuse_counter_moves_without_checkpoints_and_stays_zero_when_reuse_works(model) -> None:
     rng = random.Random(7)
     prompts = system_prompt_prompts(rng)

@@ -351,6 +351,13 @@ class Executor:
         """A draft cache manager apart from the target's, whose pages and slot checkpoints follow the target's."""
         return None
 
+    @property
+    def state_reads_next_token(self) -> bool:
+        """Whether a request's state at committed length ``E`` depends on token ``E`` too (an MTP drafter's row
+        ``E - 1`` reads that token's embedding): then a checkpoint there serves only prompts with the same token
+        ``E`` (`cache.prefix.checkpoint_key`). Without a drafter the state is the tokens before ``E`` alone."""
+        return False
+
     def draft_history_len(self, req: Request) -> int:
         """Positions the drafter's per-position cache covers for ``req`` (all computed ones without one)."""
         return req.num_computed

@@ -64,6 +64,9 @@ class PrefixHost(Protocol):
     @property
     def separate_draft_manager(self) -> Glm5NextCacheManager | None: ...
 
+    @property
+    def state_reads_next_token(self) -> bool: ...
+
     def restore_draft(self, req: Request, ck: Checkpoint, draft_pages: list[int]) -> None: ...
 
     def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None: ...
@@ -142,6 +145,10 @@ class PrefixCache:
         self.stats = PrefixStats()
         self._warned_short = False
         self._warned_oom = False
+
+    def _keys(self, keys: list[bytes], tokens: list[int], limit: int | None = None) -> list[bytes]:
+        """`extend_page_keys` with this executor's page content rule (`PrefixHost.state_reads_next_token`)."""
+        return extend_page_keys(keys, tokens, self.page_size, limit, self.ex.state_reads_next_token)
 
     @property
     def manager(self) -> Glm5NextCacheManager:
@@ -231,14 +238,14 @@ class PrefixCache:
                 continue
             keys = self._prompt_keys.get(r.request_id)
             if keys is None:
-                keys = self._prompt_keys[r.request_id] = extend_page_keys([], r.prompt_ids, self.page_size)
+                keys = self._prompt_keys[r.request_id] = self._keys([], r.prompt_ids)
             for k in keys[r.num_computed // self.page_size :]:
                 out.setdefault(k, r)
         return out
 
     def _wait(self, r: Request, ahead: dict[bytes, Request], have: int, limit: int) -> bool:
         """Hold ``r`` (and give its leader an endpoint) if a leader's prefill will reach past ``have``."""
-        keys = extend_page_keys(r.page_keys, r.tokens, self.page_size)
+        keys = self._keys(r.page_keys, r.tokens)
         j = next((j for j in range(len(keys) - 1, -1, -1) if keys[j] in ahead), -1)
         if j < 0:
             return False
@@ -268,20 +275,21 @@ class PrefixCache:
         """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
         P, toks = self.page_size, r.tokens
         grid = self._grid()
-        keys = extend_page_keys(r.page_keys, toks, P)
+        keys = self._keys(r.page_keys, toks)
         pages = self.manager.lookup_pages(keys)
         dm = self.ex.separate_draft_manager
         draft_pages = dm.lookup_pages(keys) if dm is not None else None
         k_max = len(pages) if draft_pages is None else min(len(pages), len(draft_pages))
         reach = k_max * P
+        nxt = int(self.ex.state_reads_next_token)  # the key's tail holds token E too (`checkpoint_key`)
         for k in range(k_max, -1, -1):
             best: tuple[int, tuple] | None = None
             for key in self.store.candidates(chain_key(keys, k)):
                 tail = key[1]
-                E = k * P + len(tail) - 1
+                E = k * P + len(tail) - nxt
                 if grid is not None and E % grid:
                     continue
-                if len(toks) > E and tuple(toks[k * P : E + 1]) == tail and (best is None or best[0] < E):
+                if len(toks) > E and tuple(toks[k * P : E + nxt]) == tail and (best is None or best[0] < E):
                     best = (E, key)
             if best is None:
                 continue
@@ -416,7 +424,7 @@ class PrefixCache:
             if r.finished or not self.manager.has_request(r.request_id):
                 continue
             done = min(r.num_computed, history(r))
-            keys = extend_page_keys(r.page_keys, r.tokens, P, done // P)
+            keys = self._keys(r.page_keys, r.tokens, done // P)
             n_final = min(len(keys), done // P)
             # Only pages that became final since the last step: this runs for every sequence every step.
             for j in range(r.pages_sealed, n_final):
@@ -424,12 +432,15 @@ class PrefixCache:
                 self.ex.seal_draft_page(r, j, keys[j])
             r.pages_sealed = max(r.pages_sealed, n_final)
             E = r.num_computed
-            at_end = self.prompt_end and len(r.prompt_ids) == E  # the first output token is in the key
+            # A prompt shorter than a page gets no prompt-end checkpoint: it would save fewer than P tokens of
+            # prefill for a whole state-slot copy, and without the next token in its key it matches every prompt
+            # that starts with it (a 1-token prompt's: every prompt with that first token).
+            at_end = self.prompt_end and len(r.prompt_ids) == E >= P
             if s.is_decode or done < E or not (at_end or (len(r.prompt_ids) > E and E in self.endpoints(r))):
                 continue
             if n_final < E // P:
                 continue  # a full page is not sealable yet (cannot happen: E < len(tokens))
-            key = checkpoint_key(keys, r.tokens, E, P)
+            key = checkpoint_key(keys, r.tokens, E, P, self.ex.state_reads_next_token)
             branch = self.branch_points and self._branch.get(r.request_id) == E
             if branch:
                 del self._branch[r.request_id]
@@ -453,16 +464,16 @@ class PrefixCache:
         if not self.request_end or not self.eligible(r) or not self.manager.has_request(r.request_id):
             return
         P, E = self.page_size, r.num_computed
-        if E <= 0 or len(r.tokens) <= E or history(r) < E:
-            return
-        keys = extend_page_keys(r.page_keys, r.tokens, P, E // P)
+        if E < P or len(r.tokens) <= E or history(r) < E:
+            return  # (a sequence shorter than a page: see the prompt-end rule in `after_step`)
+        keys = self._keys(r.page_keys, r.tokens, E // P)
         if len(keys) < E // P:
             return
         for j in range(r.pages_sealed, E // P):
             self.manager.seal_page(r.request_id, j, keys[j])
             self.ex.seal_draft_page(r, j, keys[j])
         r.pages_sealed = max(r.pages_sealed, E // P)
-        key = checkpoint_key(keys, r.tokens, E, P)
+        key = checkpoint_key(keys, r.tokens, E, P, self.ex.state_reads_next_token)
         # Its own prompt-end and last-page checkpoints that nobody used give way to this one: demoted to be
         # evicted first, so that they do not push other conversations' out (the next turn of a conversation
         # resumes here), yet still serve a request that shares the prompt and branches before its end (a

@@ -179,6 +179,10 @@ class SpeculativeExecutor(Executor):
         dm = self.draft_manager
         return dm if dm is not None and dm is not self.manager else None
 
+    @property
+    def state_reads_next_token(self) -> bool:
+        return self.use_mtp
+
     def draft_history_len(self, req: Request) -> int:
         if not self.use_mtp:
             return req.num_computed
