@@ -116,16 +116,16 @@ def test_kda_verify_then_commit_equals_decode_steps(M: int) -> None:
     assert _same(committed, expect), f"M={M}: committed states differ from the decode steps'"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="H200 2026-12-03: this layer-level harness sees verify and decode rows differ, while the same conv and "
-    "recurrence ops called directly agree bit for bit and the whole model's speculative == plain logits test "
-    "(test_batch_invariant_gpu.py) passes; open until the harness difference is found",
-)
 @pytest.mark.parametrize("M", ROWS)
 def test_kda_layer_verify_commit_equals_decode_steps(M: int) -> None:
     """Through the layer (bf16 weights): short conv + gates + recurrence; mixer outputs, recurrent and conv
-    states bitwise. The projections run once for the verify rows (GEMM invariance is not this test's)."""
+    states bitwise. The projections run once for the verify rows (GEMM invariance is not this test's).
+
+    Under no_grad, as serving runs: with a gradient (the layer's parameters require one) the conv ops' `auto`
+    backend takes their torch references instead of the kernels, which no serving path runs. That is the likely
+    reason this test failed on the H200 on 2026-12-03 (it then ran with a gradient) while the ops called directly
+    agreed; not yet confirmed there. The CPU twin, test_binv_kda.py::test_layer_verify_commit_equals_decode_steps,
+    passes with the kernels forced and fails without the mode."""
     dev = DEV
     cfg = Glm5NextConfig(hidden_size=1024, kda_num_heads=H, kda_head_dim=K, kda_gate_low_rank=128)
     layer = KimiDeltaAttention(cfg, kda_idx=0, device=dev)
@@ -141,7 +141,7 @@ def test_kda_layer_verify_commit_equals_decode_steps(M: int) -> None:
     conv0[slots] = torch.randn(M, layer.conv_dim, 3, generator=gen).to(dev)
     hidden = torch.randn(M * W, 1024, generator=gen).to(dev, torch.bfloat16)
     a = torch.randint(0, W + 1, (M,), generator=gen).tolist()
-    with batch_invariant_mode(True):
+    with batch_invariant_mode(True), torch.no_grad():
         inputs = layer._inputs(hidden)
         st_v = KdaLayerState(recurrent=rec0.clone(), conv=conv0.clone())
         o_v, records = layer._verify_o(hidden, KdaBatch.build([W] * M, past, slots, device=dev), st_v, inputs)

@@ -7,7 +7,9 @@ runs the Triton kernel, with one launch shape for every batch size. Checked bit 
 * a row's decode output and new state are the same alone (M = 1) and at any position of a batch of 3 or 8;
 * ``W`` verify rows then a commit of ``a`` equal ``W`` decode steps: every verify output equals that step's
   decode output and the committed state the state after ``a`` steps (per sequence, mixed ``a``);
-* the short-conv decode / verify / commit kernels likewise (``q, k, v`` and the conv window).
+* the short-conv decode / verify / commit kernels likewise (``q, k, v`` and the conv window);
+* through the KDA layer (conv, gates and recurrence, kernels forced as CUDA runs them, no gradient as in serving):
+  ``W`` verify rows then a commit equal ``W`` decode steps (mixer outputs, recurrent and conv states).
 
 Inputs are fresh seeded random FP32 values (the interpreter's bf16 arithmetic is not IEEE); outputs are
 poisoned with NaN first and state slots outside the batch hold NaN that must stay untouched. Geometry is small
@@ -19,12 +21,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
 from trtllm_glm.kda import kernels as KK
 from trtllm_glm.kda.contract import L2NORM_EPS
 from trtllm_glm.kda.ops import kda_gate, l2_normalize
 from trtllm_glm.kda.ops import verify as R
 from trtllm_glm.kda.ops.backend import kda_decode_inplace
 from trtllm_glm.numerics import batch_invariant_mode
+from trtllm_glm.state import KdaLayerState
 
 pytest.importorskip("triton")
 
@@ -182,3 +187,42 @@ def test_conv_and_gate_rows_same_alone_and_in_batch() -> None:
     for M, at in ((3, 2), (8, 4)):
         for i, (a, b) in enumerate(zip(run(M, at), alone)):
             assert torch.equal(_bits(a), _bits(b)), f"M={M}: output {i} of the row changed"
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_layer_verify_commit_equals_decode_steps(M: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's verify then commit against its decode steps, bitwise, with the conv and verify kernels forced (as
+    CUDA runs them under no_grad; with a gradient `auto` takes the torch references, which no serving path does).
+    Without the mode the decode kernel's rounding differs from the verify step's (this test fails then)."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_VERIFY", "triton")
+    monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", "triton")
+    cfg = Glm5NextConfig(hidden_size=64, kda_num_heads=H, kda_head_dim=16, kda_gate_low_rank=16)
+    layer = KimiDeltaAttention(cfg, kda_idx=0)
+    layer.reset_parameters(torch.Generator().manual_seed(0), std=0.1)
+    kd = cfg.kda_head_dim
+    gen = torch.Generator().manual_seed(920 + M)
+    W, S = 4, M + 2
+    slots = torch.randperm(S, generator=gen)[:M].tolist()
+    past = torch.randint(5, 400, (M,), generator=gen).tolist()
+    rec0 = torch.full((S, H, kd, kd), float("nan"))
+    rec0[slots] = 0.5 * torch.randn(M, H, kd, kd, generator=gen)
+    conv0 = torch.full((S, layer.conv_dim, 3), float("nan"))
+    conv0[slots] = torch.randn(M, layer.conv_dim, 3, generator=gen)
+    hidden = torch.randn(M * W, 64, generator=gen)
+    a = torch.randint(0, W + 1, (M,), generator=gen).tolist()
+    with batch_invariant_mode(True), torch.no_grad():
+        inputs = layer._inputs(hidden)
+        st_v = KdaLayerState(recurrent=rec0.clone(), conv=conv0.clone())
+        o_v, records = layer._verify_o(hidden, KdaBatch.build([W] * M, past, slots), st_v, inputs)
+        records.commit(a, st_v)
+        st_d = KdaLayerState(recurrent=rec0.clone(), conv=conv0.clone())
+        exp_rec, exp_conv = rec0.clone(), conv0.clone()
+        for t in range(W):
+            step = tuple(x[t::W] for x in inputs[:3]) + (None,)
+            o_t = layer._forward_o(hidden[t::W], KdaBatch.build([1] * M, [p + t for p in past], slots), st_d, step)
+            assert torch.equal(_bits(o_v[t::W]), _bits(o_t)), f"M={M}: verify row {t} differs from decode step {t}"
+            for j, s in enumerate(slots):
+                if a[j] == t + 1:
+                    exp_rec[s], exp_conv[s] = st_d.recurrent[s], st_d.conv[s]
+    assert torch.equal(_bits(st_v.recurrent), _bits(exp_rec)), f"M={M}: committed recurrent states differ"
+    assert torch.equal(_bits(st_v.conv), _bits(exp_conv)), f"M={M}: committed conv windows differ"
