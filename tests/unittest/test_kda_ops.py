@@ -209,7 +209,7 @@ def test_backend_dispatch_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cuda_without_fla_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA a missing fla-core silently cost ~30x in KDA prefill (the torch reference): one warning per process
+    """On CUDA a missing fla-core silently cost ~40x in KDA prefill (the torch reference): one warning per process
     says so; an explicit ``torch`` choice and the CPU stay silent."""
     import warnings
 

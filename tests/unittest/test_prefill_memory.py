@@ -79,9 +79,10 @@ def test_batch_invariant_mode_counts_the_attention_split_partials() -> None:
     heads, rank = cfg.num_attention_heads, cfg.kv_lora_rank
     assert on["sparse_mla"] - off["sparse_mla"] == PARTIAL_SLAB_ROWS * 11 * heads * (rank + 1) * 4
     assert on["total"] > off["total"]
-    # Few rows: the partials of those rows only; the process's mode is the default.
+    # Few rows: the partials of those rows only.
     small = prefill_workspace(cfg, 64, 32768, batch_invariant=True)["sparse_mla"]
     assert small - prefill_workspace(cfg, 64, 32768, batch_invariant=False)["sparse_mla"] == 64 * 11 * heads * 513 * 4
+    # Without the argument, the process's mode decides.
     with batch_invariant_mode(True):
         assert prefill_workspace_bytes(cfg, 8192, 32768) == on["total"]
     assert prefill_workspace_bytes(cfg, 8192, 32768) == off["total"]
