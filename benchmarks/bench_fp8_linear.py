@@ -106,6 +106,15 @@ CANDIDATES: list[dict] = [
     dict(x_as_a=True, block_n=32, k_chunk=2048, unroll=2),
     dict(x_as_a=True, block_n=64, k_chunk=2048, unroll=2),
     dict(x_as_a=True, block_n=64, k_chunk=2048, block_k=64),
+    # Programmatic dependent launch (`trtllm_glm.pdl`): each call starts streaming (and prefetching into L2 the start
+    # of its chunk) while the call before it finishes; in the model the kernel before is a norm or an activation.
+    dict(x_as_a=True, pdl=True),
+    dict(x_as_a=True, block_n=64, k_chunk=1024, pdl=True),
+    dict(x_as_a=True, block_n=128, k_chunk=1024, pdl=True),
+    dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True),
+    dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True, prefetch=0),
+    dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True, prefetch=2048),
+    dict(x_as_a=False, block_n=32, k_chunk=1024, pdl=True),
 ]
 # Timed by --sweep for M > 16 (prefill-sized: no split).
 SWEEP_LARGE: list[dict] = [

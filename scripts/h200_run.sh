@@ -10,7 +10,11 @@
 #   sweep         bench_invariant_linear --sweep (then --apply here)
 #   binv          bench_e2e plain with the batch-invariant mode off and on (its cost)
 #   binv_spec     bench_e2e plain / MTP K=3 / oracle K=3 in the mode (speculative vs plain greedy)
-#   fp8           bench_e2e plain with bf16 and FP8 weights, with --quality
+#   fp8           bench_e2e plain and overlap-scheduler decode with bf16 and FP8 weights, with --quality and the
+#                 costliest kernels of a step
+#   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_FP8_PDL=0,1)
+#   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1
+#   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
@@ -51,8 +55,20 @@ for stage in "$@"; do
         --cuda-graphs on --prompt-len 256 --gen 32 --batch-invariant on --json "$O/binv_spec.json" 2>&1 \
         | tee "$O/binv_spec.log" ;;
     fp8)
-      timeout "${T_FP8:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
-        --prompt-len 256 --gen 32 --weights bf16 fp8 --quality --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;
+      timeout "${T_FP8:-240}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --quality --profile-kernels 40 \
+        --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;
+    fp8_pdl)
+      timeout "${T_FP8_PDL:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_FP8_PDL=0,1 \
+        --json "$O/fp8_pdl.json" 2>&1 | tee "$O/fp8_pdl.log" ;;
+    fp8_head)
+      timeout "${T_FP8_HEAD:-150}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --fp8-skip none \
+        --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
+    fp8_sweep)
+      timeout "${T_FP8_SWEEP:-300}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
+        2>&1 | tee "$O/fp8_sweep.log" ;;
     prefix)
       timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \
         --json "$O/prefix.json" 2>&1 | tee "$O/prefix.log" ;;

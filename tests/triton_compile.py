@@ -50,30 +50,32 @@ from triton.compiler import ASTSource
 def value(v):
     return getattr(tl, v["tl_dtype"]) if isinstance(v, dict) else v
 out = []
-for s in json.loads(sys.stdin.read()):
+req = json.loads(sys.stdin.read())
+for s in req["specs"]:
     fn = getattr(importlib.import_module(s["module"]), s["kernel"])
     consts = {k: value(v) for k, v in s["constexprs"].items()}
     sig = {n: ("constexpr" if n in consts else s["signature"][n]) for n in fn.arg_names}
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": s["num_warps"]})
-        out.append({"ok": True, "ptx_lines": k.asm["ptx"].count("\n")})
+        out.append({"ok": True, "ptx_lines": k.asm["ptx"].count("\n"), **({"ptx": k.asm["ptx"]} if req["ptx"] else {})})
     except Exception as e:  # reported to the parent
         out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
 print(json.dumps(out))
 """
 
 
-def compile_sm90(specs: list[KernelSpec]) -> list[dict[str, Any]]:
-    """Compile every spec for sm_90 in one fresh Python process.
+def compile_sm90(specs: list[KernelSpec], ptx: bool = False) -> list[dict[str, Any]]:
+    """Compile every spec for sm_90 in one fresh Python process (through ``ptxas``).
 
     Returns:
-        One ``{"ok": True, "ptx_lines": n}`` or ``{"ok": False, "error": "..."}`` per spec, in order.
+        One ``{"ok": True, "ptx_lines": n}`` (with ``"ptx"``: the PTX text, if ``ptx``) or ``{"ok": False,
+        "error": "..."}`` per spec, in order.
     """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD],
-        input=json.dumps([asdict(s) for s in specs]),
+        input=json.dumps({"specs": [asdict(s) for s in specs], "ptx": ptx}),
         capture_output=True,
         text=True,
         env=env,

@@ -34,11 +34,18 @@ def test_oracle_goal_line_reports_realised_and_expected() -> None:
 def test_fp8_goal_lines_compare_with_the_bf16_step_and_report_quality() -> None:
     plain = {"layers": 4, "batch": 1, "mode": "plain", "graphs": True, "env": None, "ratio_to_floor": 1.8,
              "replay_ms": 1.5, "floor_ms": 0.9}  # fmt: skip
-    rows = [dict(plain, weights="bf16", step_ms=1.6), dict(plain, weights="fp8", step_ms=0.96),
+    overlap = dict(plain, mode="overlap")
+    rows = [dict(plain, weights="bf16", step_ms=1.6), dict(plain, weights="fp8", step_ms=0.96, fp8_skip=["lm_head"],
+            replay_ms=1.2, floor_ms=0.6), dict(overlap, weights="bf16", step_ms=1.5),
+            dict(overlap, weights="fp8", step_ms=1.2, floor_ms=0.45, fp8_skip=[]),
             {"layers": 4, "mode": "quality", "weights": "fp8", "kl_fp8": 1.5e-4, "argmax_fp8": 0.97,
              "kl_bf16": 2e-5, "argmax_bf16": 0.99}]  # fmt: skip
     lines = goal_lines(rows)
-    assert any("plain fp8: fp8 step / bf16 step 0.60 (goal <= 0.6 at batch 1)" in x for x in lines)
+    assert any("plain fp8: fp8 step / bf16 step 0.60 (goal <= 0.6 at batch 1); the graphs alone 0.80, the floors "
+               "0.67 (fp8_skip ['lm_head'])" in x for x in lines)  # fmt: skip
+    # The overlap scheduler's fp8 row is compared with the bf16 overlap row, not with the plain one.
+    assert any("overlap fp8: fp8 step / bf16 step 0.80 (goal <= 0.6 at batch 1); the graphs alone 1.00, the floors "
+               "0.50 (fp8_skip [])" in x for x in lines)  # fmt: skip
     assert any("KL(bf16-dequantised || fp8) 1.50e-04, argmax 97.0%; bf16 floor KL(fp32 || bf16) 2.00e-05" in x
                for x in lines)  # fmt: skip
 

@@ -90,6 +90,52 @@ def test_fp8_linear_graph_capture_and_row_independence() -> None:
     assert torch.equal(fp8_linear_triton(x[1:2], q, s), y_eager[1:2])
 
 
+@pytest.mark.parametrize("n, k", [(3 * 8192 + 256, 4096), (4096, 12288), (8192, 128), (1000, 1000)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m) -> None:
+    """Programmatic dependent launch (`trtllm_glm.pdl`): the FP8 linear may start while the norm before it (which
+    triggers early) still writes x. Poisoned before every step (NaN), x is produced by that norm and read by the
+    PDL launch: a read before the wait gives NaN or stale rows. Eager and graph-replayed, over many steps with
+    fresh inputs, the results equal the plain launch's bit for bit (PDL changes no arithmetic)."""
+    from trtllm_glm.norm import row_norm
+    from trtllm_glm.pdl import has_pdl
+
+    if not has_pdl(torch.device("cuda")):
+        pytest.skip("needs sm_90+")
+    _, q, s = _case(n, k, m, torch.bfloat16, seed=n + 7 * m)
+    src = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    w = torch.rand(k, device="cuda").to(torch.bfloat16) + 0.5
+    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def step(pdl: bool) -> None:
+        x.fill_(float("nan"))
+        row_norm(src, 1e-6, weight=w, out=x)
+        fp8_linear_triton(x, q, s, out=y, pdl=pdl)
+
+    want = []
+    for i in range(8):
+        src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+        step(False)
+        want.append(y.clone())
+    step(True)  # compile, cache the scratch
+    for i in range(8):
+        src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+        y.fill_(float("nan"))
+        step(True)
+        assert torch.equal(y, want[i]), i
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(True)
+    for _ in range(3):
+        for i in range(8):
+            src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, want[i]), i
+
+
 def test_dispatch_takes_the_kernel_on_cuda() -> None:
     x, q, s = _case(512, 384, 3, torch.bfloat16, seed=5)
     y = fp8_linear(x, q, s)

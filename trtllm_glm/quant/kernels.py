@@ -51,19 +51,26 @@ so calls can be captured in a CUDA graph after one eager call of the same shape.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from trtllm_glm.pdl import has_pdl, prefetch_l2
 
 __all__ = [
     "INTERPRETED",
     "MAX_M_SPLIT",
+    "PDL_ENV",
+    "PDL_PREFETCH_BYTES",
     "TUNABLE",
     "TUNED_BLOCK_M",
     "Fp8LinearConfig",
     "clear_scratch",
     "launch_config",
+    "pdl_from_env",
     "shape_class",
     "tuned_knobs",
     "launch_fp8_dequant",
@@ -117,7 +124,13 @@ _SMALL_BYTES = 24 << 20
 # the rule.
 TUNED_BLOCK_M = 16
 # The knobs a tuned entry may set.
-TUNABLE = ("block_n", "block_k", "k_chunk", "num_warps", "num_stages", "unroll", "x_as_a")
+TUNABLE = ("block_n", "block_k", "k_chunk", "num_warps", "num_stages", "unroll", "x_as_a", "pdl", "prefetch")
+# Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): "1" / "0" override the tuned table and
+# the default (off until an H200 A/B says it pays); read per call, so that benchmarks can switch it.
+PDL_ENV = "TRTLLM_GLM_FP8_PDL"
+# With PDL, bytes of each weight row a program asks L2 to prefetch before it waits for the kernel before it (the
+# start of its K chunk): ~17 MB over 264 resident programs of 128 rows, what HBM moves in ~4 us.
+PDL_PREFETCH_BYTES = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +148,18 @@ class Fp8LinearConfig:
     num_stages: int
     unroll: int = 1
     x_as_a: bool = False
+    pdl: bool = False
+    prefetch: int = 0
+
+
+def pdl_from_env() -> bool | None:
+    """`PDL_ENV` as a bool (``None``: unset)."""
+    raw = os.environ.get(PDL_ENV)
+    if raw is None or raw == "":
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _pow2_divisor(qblock: int, cap: int) -> int:
@@ -174,6 +199,8 @@ def launch_config(
     k_chunk: int | None = None,
     unroll: int | None = None,
     x_as_a: bool | None = None,
+    pdl: bool | None = None,
+    prefetch: int | None = None,
     tuned: bool = True,
 ) -> Fp8LinearConfig:
     """The launch shape for ``x [m, k] @ W [n, k]^T`` with ``qblock``-square scale tiles.
@@ -198,18 +225,24 @@ def launch_config(
             split). Ignored when ``split_k`` is given.
         unroll: ``block_k`` steps per loop iteration (default 1).
         x_as_a: x as the MMA's left operand, the weight tile as ``[block_k, block_n]`` (default False).
+        pdl: decode launches: launch with programmatic dependent launch (`trtllm_glm.pdl`; default `PDL_ENV` if set,
+            else the tuned knob, else off). Larger ``m`` never does. Applied on sm_90+ devices only.
+        prefetch: with ``pdl``, bytes of each weight row prefetched into L2 before the wait (default
+            `PDL_PREFETCH_BYTES`; rounded down to 16 and capped at the program's chunk; 0: none).
         tuned: launches with a ``TUNED_BLOCK_M``-row tile (``m <= 16``) take `tuned_knobs` for the knobs not given
             here.
 
     Raises:
         ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, ``split_k < 1``,
-            ``unroll < 1`` or ``k_chunk < 1``.
+            ``unroll < 1``, ``k_chunk < 1``, ``prefetch < 0`` or a `PDL_ENV` other than 0 / 1.
     """
     skinny = m <= MAX_M_SPLIT
     block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    if pdl is None:
+        pdl = pdl_from_env()
     if block_m == TUNED_BLOCK_M and tuned:
         given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, k_chunk=k_chunk,
-                     unroll=unroll, x_as_a=x_as_a)  # fmt: skip
+                     unroll=unroll, x_as_a=x_as_a, pdl=pdl, prefetch=prefetch)  # fmt: skip
         knobs = tuned_knobs(n, k, qblock, dot_fp32)
         if split_k is not None:
             knobs.pop("k_chunk", None)
@@ -218,6 +251,7 @@ def launch_config(
                 given[name] = value
         block_n, block_k, num_warps, num_stages = (given[a] for a in ("block_n", "block_k", "num_warps", "num_stages"))
         k_chunk, unroll, x_as_a = given["k_chunk"], given["unroll"], given["x_as_a"]
+        pdl, prefetch = given["pdl"], given["prefetch"]
     if block_k is None:
         block_k = _pow2_divisor(qblock, 32 if dot_fp32 else 128)
     if block_k < 16 or block_k & (block_k - 1) or qblock % block_k:
@@ -248,7 +282,15 @@ def launch_config(
     steps = kps // step
     if num_stages is None:
         num_stages = max(2, min(4, steps + 1))
-    return Fp8LinearConfig(block_n, block_m, block_k, kps, split, num_warps, num_stages, unroll, bool(x_as_a))
+    pdl = bool(pdl) and skinny
+    if prefetch is None:
+        prefetch = PDL_PREFETCH_BYTES
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    prefetch = min(int(prefetch), kps) // 16 * 16 if pdl else 0
+    return Fp8LinearConfig(
+        block_n, block_m, block_k, kps, split, num_warps, num_stages, unroll, bool(x_as_a), pdl, prefetch
+    )
 
 
 @triton.jit
@@ -306,6 +348,8 @@ def _fp8_linear_kernel(
     DOT_FP32: tl.constexpr,
     HW_FP8: tl.constexpr,
     X_POW2: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     tile = tl.program_id(0)
     s = tl.program_id(1)
@@ -320,6 +364,18 @@ def _fp8_linear_kernel(
     s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
     k_begin = s * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if PDL:
+        # Launched early (programmatic dependent launch, `trtllm_glm.pdl`): the next kernel may be scheduled now;
+        # the weight (a constant) starts moving into L2 while the kernel before this one finishes; then wait for
+        # it before x is read or anything (y, partials, counters) is written.
+        gdc_launch_dependents()
+        if PREFETCH > 0:
+            # Rows past N repeat the last row (harmless); PREFETCH <= the chunk, a multiple of 16 (host-checked,
+            # with K, the row stride and the base 16-byte aligned).
+            rows = tl.minimum(n, N - 1).to(tl.int64)
+            nbytes = tl.minimum(k_end - k_begin, PREFETCH)
+            prefetch_l2((w_ptr + rows * stride_wn + k_begin).to(tl.int64), tl.zeros([BLOCK_N], tl.int32) + nbytes)
+        gdc_wait()
     if X_AS_A:
         # The fused MoE's orientation: x [BLOCK_M, BLOCK_K] is the MMA's left operand, the weight tile the right one,
         # loaded as [BLOCK_K, BLOCK_N] (k runs along memory); y^T tiles [BLOCK_M, BLOCK_N].
@@ -464,14 +520,18 @@ def launch_fp8_linear(
     else:
         partials = counters = y  # unused (SPLIT == 1 never touches them)
     grid = (tiles, cfg.split, triton.cdiv(m_rows, cfg.block_m))
+    pdl = cfg.pdl and not INTERPRETED and has_pdl(x.device)
+    aligned = k % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
     _fp8_linear_kernel[grid](
         x, w_codes, scale_inv, y, partials, counters,
         m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split, cfg.split,
         SPLIT_K=cfg.split > 1, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
         X_AS_A=cfg.x_as_a, QBLOCK=qblock,
         DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
+        PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
 
 
