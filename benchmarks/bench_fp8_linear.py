@@ -115,6 +115,13 @@ CANDIDATES: list[dict] = [
     dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True, prefetch=0),
     dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True, prefetch=2048),
     dict(x_as_a=False, block_n=32, k_chunk=1024, pdl=True),
+    # Stream-K (`kernels._fp8_linear_sk_kernel`): the tiles x steps units shared equally by this many programs (two
+    # or four per SM on 132 SMs), so no wave runs half empty; with PDL too.
+    dict(x_as_a=True, block_n=64, stream_k=264),
+    dict(x_as_a=True, block_n=128, stream_k=132),
+    dict(x_as_a=True, block_n=128, stream_k=264),
+    dict(x_as_a=True, block_n=128, stream_k=528),
+    dict(x_as_a=True, block_n=128, stream_k=264, pdl=True),
 ]
 # Timed by --sweep for M > 16 (prefill-sized: no split).
 SWEEP_LARGE: list[dict] = [

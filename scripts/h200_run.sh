@@ -67,7 +67,7 @@ for stage in "$@"; do
         --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --fp8-skip none \
         --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
     fp8_sweep)
-      timeout "${T_FP8_SWEEP:-300}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
+      timeout "${T_FP8_SWEEP:-420}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
         2>&1 | tee "$O/fp8_sweep.log" ;;
     prefix)
       timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \

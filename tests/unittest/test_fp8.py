@@ -100,6 +100,15 @@ def test_fp8_linear_kernel_equals_reference(m, n, k, block, dtype, split) -> Non
         # Ten chunks: the last program reads the partials in groups of four (the last group partly past SPLIT).
         (2, 70, 300, 32, torch.float32, dict(x_as_a=True, k_chunk=32)),
         (2, 70, 300, 32, torch.float32, dict(k_chunk=32, block_k=32)),
+        # Stream-K: runs that end inside a tile, cover whole tiles, start in one tile and end in another; fewer
+        # programs than tiles (a run spans several), more (a tile has up to ceil(P / T) + 1 partials), more than
+        # units (capped: one unit each), ragged N and K, 16-bit activations.
+        (1, 200, 300, 64, torch.float32, dict(stream_k=7, block_n=32)),
+        (3, 150, 140, 64, torch.float32, dict(stream_k=2, block_n=32, block_k=32)),
+        (5, 150, 140, 64, torch.float16, dict(stream_k=11, block_n=16, block_k=32)),
+        (17, 100, 96, 32, torch.float32, dict(stream_k=13, block_n=16, block_k=16)),
+        (2, 70, 300, 32, torch.float32, dict(stream_k=1000, block_n=32, block_k=16)),
+        (2, 70, 300, 32, torch.float32, dict(stream_k=1)),
     ],
 )
 def test_fp8_linear_variants_equal_reference(m, n, k, block, dtype, knobs) -> None:
@@ -150,6 +159,36 @@ def test_fp8_linear_tuned_table_keys_on_the_weight_only(monkeypatch) -> None:
     for bad, msg in ((dict(unroll=0), "unroll must be >= 1"), (dict(k_chunk=0), "k_chunk must be >= 1")):
         with pytest.raises(ValueError, match=msg):
             kern.launch_config(1, 256, 256, 128, False, **bad)
+
+
+def test_stream_k_cut_and_row_independence(monkeypatch) -> None:
+    """A stream-K launch (`kernels._fp8_linear_sk_kernel`): its configuration, the partials a tile can need, and a
+    row's bits alone equal to its bits inside a batch of the same row tile (the cut never depends on M); the
+    interpreter runs the programs in order, so every tile's last partial arrives last: the bits are the fixed slot
+    order's, and a second launch (counters reset) gives them again."""
+    from trtllm_glm.quant import kernels as kern
+
+    c = kern.launch_config(1, 4096, 8192, 128, False, stream_k=264, block_n=128)
+    tiles, steps = 32, 64
+    assert (c.programs, c.x_as_a, c.unroll) == (264, True, 1)
+    assert c.split == min(264, steps, -(-264 // tiles) + 1) == 10  # ceil(264 / 32) + 1 partials at most
+    assert kern.launch_config(16, 4096, 8192, 128, False, stream_k=264, block_n=128) == c  # M-independent
+    assert kern.launch_config(1, 256, 256, 128, False, stream_k=100, block_n=128).programs == 4  # 2 x 2 units
+    assert not kern.launch_config(65, 4096, 8192, 128, False, stream_k=264).programs  # prefill: the row grid
+    for bad, msg in ((dict(stream_k=-1), "stream_k must be >= 0"), (dict(stream_k=8, x_as_a=False), "x_as_a"),
+                     (dict(stream_k=8, unroll=2), "unroll 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            kern.launch_config(1, 256, 256, 128, False, **bad)
+    monkeypatch.setattr(kern, "_TUNED_CLASSES", {"tiny": dict(stream_k=9, block_n=16, x_as_a=False)})
+    tuned = kern.launch_config(1, 200, 300, 128, False)
+    assert (tuned.programs, tuned.x_as_a) == (9, True)  # a tuned knob like the others; it implies x_as_a
+    q, s = _weight(200, 300, 64, seed=11)
+    x = _x(16, 300, torch.float16, seed=11)
+    knobs = dict(stream_k=9, block_n=16, block_k=32)
+    y = fp8_linear_triton(x, q, s, 64, **knobs)
+    for r in (0, 7, 15):
+        assert torch.equal(fp8_linear_triton(x[r : r + 1], q, s, 64, **knobs), y[r : r + 1])
+    assert torch.equal(fp8_linear_triton(x, q, s, 64, **knobs), y)
 
 
 def test_fp8_linear_split_is_deterministic_and_counters_reset() -> None:

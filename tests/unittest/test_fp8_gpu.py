@@ -52,6 +52,9 @@ VARIANTS = [
     dict(x_as_a=True, block_n=64, k_chunk=1 << 30),
     dict(x_as_a=True, block_n=64, k_chunk=2048, unroll=2),
     dict(x_as_a=False, block_n=64, k_chunk=2048, unroll=2),
+    dict(x_as_a=True, block_n=128, k_chunk=2048, pdl=True),
+    dict(x_as_a=True, block_n=128, stream_k=264),
+    dict(x_as_a=True, block_n=64, stream_k=264, pdl=True),
 ]
 
 

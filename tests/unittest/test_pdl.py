@@ -1,5 +1,5 @@
-"""Programmatic dependent launch of the FP8 linear (`trtllm_glm.pdl`, `quant.kernels`): how a launch resolves it,
-and what the compiled kernels do before they wait (sm_90 PTX, compiled without a GPU).
+"""Programmatic dependent launch of the FP8 linear (`trtllm_glm.pdl`, `quant.kernels`: split-K and stream-K): how a
+launch resolves it, and what the compiled kernels do before they wait (sm_90 PTX, compiled without a GPU).
 
 A PDL-launched kernel may run while the kernel before it still writes; its only safe accesses before
 ``griddepcontrol.wait`` are reads of constants. The PTX checks below fail if a load, store or atomic of the kernel
@@ -107,11 +107,16 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> 
                "limit": "fp32"}  # fmt: skip
     act = KernelSpec("trtllm_glm.act.kernels", "_swiglu_kernel", act_sig,
                      dict(HAS_LIMIT=True, PRECISE_EXP=True, BLOCK=1024, TRIGGER=True), 4)  # fmt: skip
-    specs = [linear(True, True, 512), linear(False, True, 512, 64), linear(True, False, 0), norm, act]
+    sk_sig = {**{k: v for k, v in sig.items() if k not in ("K_PER_SPLIT", "SPLIT")},
+              "TILES": "i32", "STEPS": "i32", "PROGRAMS": "i32", "MAX_SEG": "i32"}  # fmt: skip
+    sk = KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_sk_kernel", sk_sig,
+                    dict(QBLOCK=128, HW_FP8=True, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True,
+                         PDL=True, PREFETCH=512), 4)  # fmt: skip
+    specs = [linear(True, True, 512), linear(False, True, 512, 64), linear(True, False, 0), sk, norm, act]
     results = compile_sm90(specs, ptx=True)
     for spec, res in zip(specs, results):
         assert res["ok"], (spec.kernel, spec.constexprs, res.get("error", "")[:2000])
-    for spec, res in zip(specs[:3], results[:3]):
+    for spec, res in zip(specs[:4], results[:4]):
         trig, pf, wait, access = _ptx_order(res["ptx"])
         assert len(trig) == 1 and len(wait) == 1 and access, spec.constexprs
         assert trig[0] < wait[0] < min(access), spec.constexprs  # nothing touches memory before the wait
@@ -119,7 +124,7 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> 
             assert len(pf) == 1 and trig[0] < pf[0] < wait[0]  # the weight starts moving before the wait
         else:
             assert not pf
-    for spec, res in zip(specs[3:], results[3:]):
+    for spec, res in zip(specs[4:], results[4:]):
         trig, _, wait, access = _ptx_order(res["ptx"])
         # The producers only let the next kernel launch; they never wait themselves (nothing changes for them).
         assert len(trig) == 1 and not wait and trig[0] < min(access), spec.kernel

@@ -124,7 +124,18 @@ _SMALL_BYTES = 24 << 20
 # the rule.
 TUNED_BLOCK_M = 16
 # The knobs a tuned entry may set.
-TUNABLE = ("block_n", "block_k", "k_chunk", "num_warps", "num_stages", "unroll", "x_as_a", "pdl", "prefetch")
+TUNABLE = (
+    "block_n",
+    "block_k",
+    "k_chunk",
+    "num_warps",
+    "num_stages",
+    "unroll",
+    "x_as_a",
+    "pdl",
+    "prefetch",
+    "stream_k",
+)
 # Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): "1" / "0" override the tuned table and
 # the default (off until an H200 A/B says it pays); read per call, so that benchmarks can switch it.
 PDL_ENV = "TRTLLM_GLM_FP8_PDL"
@@ -150,6 +161,9 @@ class Fp8LinearConfig:
     x_as_a: bool = False
     pdl: bool = False
     prefetch: int = 0
+    # > 0: a stream-K launch of this many programs (`_fp8_linear_sk_kernel`); ``split`` is then the most partials a
+    # tile can have and ``k_per_split`` is unused.
+    programs: int = 0
 
 
 def pdl_from_env() -> bool | None:
@@ -201,6 +215,7 @@ def launch_config(
     x_as_a: bool | None = None,
     pdl: bool | None = None,
     prefetch: int | None = None,
+    stream_k: int | None = None,
     tuned: bool = True,
 ) -> Fp8LinearConfig:
     """The launch shape for ``x [m, k] @ W [n, k]^T`` with ``qblock``-square scale tiles.
@@ -229,20 +244,25 @@ def launch_config(
             else the tuned knob, else off). Larger ``m`` never does. Applied on sm_90+ devices only.
         prefetch: with ``pdl``, bytes of each weight row prefetched into L2 before the wait (default
             `PDL_PREFETCH_BYTES`; rounded down to 16 and capped at the program's chunk; 0: none).
+        stream_k: decode launches: this many programs share the ``tiles x steps`` units equally (stream-K, no wave
+            tail; at most one per unit; x as the MMA's left operand; ``k_chunk`` / ``split_k`` / ``unroll`` do not
+            apply). 0 / None: the split-K grid.
         tuned: launches with a ``TUNED_BLOCK_M``-row tile (``m <= 16``) take `tuned_knobs` for the knobs not given
             here.
 
     Raises:
         ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, ``split_k < 1``,
-            ``unroll < 1``, ``k_chunk < 1``, ``prefetch < 0`` or a `PDL_ENV` other than 0 / 1.
+            ``unroll < 1``, ``k_chunk < 1``, ``prefetch < 0``, ``stream_k < 0`` or with ``x_as_a=False`` or
+            ``unroll > 1``, or a `PDL_ENV` other than 0 / 1.
     """
     skinny = m <= MAX_M_SPLIT
     block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
+    asked_x_as_a, asked_unroll = x_as_a, unroll  # a stream-K launch overrides tuned values of these, not given ones
     if pdl is None:
         pdl = pdl_from_env()
     if block_m == TUNED_BLOCK_M and tuned:
         given = dict(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages, k_chunk=k_chunk,
-                     unroll=unroll, x_as_a=x_as_a, pdl=pdl, prefetch=prefetch)  # fmt: skip
+                     unroll=unroll, x_as_a=x_as_a, pdl=pdl, prefetch=prefetch, stream_k=stream_k)  # fmt: skip
         knobs = tuned_knobs(n, k, qblock, dot_fp32)
         if split_k is not None:
             knobs.pop("k_chunk", None)
@@ -251,7 +271,7 @@ def launch_config(
                 given[name] = value
         block_n, block_k, num_warps, num_stages = (given[a] for a in ("block_n", "block_k", "num_warps", "num_stages"))
         k_chunk, unroll, x_as_a = given["k_chunk"], given["unroll"], given["x_as_a"]
-        pdl, prefetch = given["pdl"], given["prefetch"]
+        pdl, prefetch, stream_k = given["pdl"], given["prefetch"], given["stream_k"]
     if block_k is None:
         block_k = _pow2_divisor(qblock, 32 if dot_fp32 else 128)
     if block_k < 16 or block_k & (block_k - 1) or qblock % block_k:
@@ -287,6 +307,20 @@ def launch_config(
         prefetch = PDL_PREFETCH_BYTES
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    stream_k = int(stream_k or 0)
+    if stream_k < 0:
+        raise ValueError(f"stream_k must be >= 0, got {stream_k}")
+    if stream_k and skinny:
+        if asked_x_as_a is False or (asked_unroll or 1) > 1:
+            raise ValueError("stream_k launches take x as the MMA's left operand (x_as_a) and unroll 1")
+        tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+        programs = min(stream_k, tiles * steps)  # every program gets at least one unit
+        max_seg = min(programs, steps, triton.cdiv(programs, tiles) + 1)
+        prefetch = min(int(prefetch), triton.cdiv(tiles * steps, programs) * block_k) // 16 * 16 if pdl else 0
+        if num_stages is None:
+            num_stages = max(2, min(4, triton.cdiv(tiles * steps, programs) + 1))
+        return Fp8LinearConfig(block_n, block_m, block_k, k, max_seg, num_warps, num_stages, 1, True, pdl, prefetch,
+                               programs)  # fmt: skip
     prefetch = min(int(prefetch), kps) // 16 * 16 if pdl else 0
     return Fp8LinearConfig(
         block_n, block_m, block_k, kps, split, num_warps, num_stages, unroll, bool(x_as_a), pdl, prefetch
@@ -318,6 +352,95 @@ def _pow2_fp16(a, AXIS: tl.constexpr):
         return (af * inv[None, :]).to(tl.float16), p
     else:
         return (af * inv[:, None]).to(tl.float16), p
+
+
+@triton.jit
+def _k_step(
+    acc, x_base, w_base, s_rows, k0, kk, K, n_ok, m_ok,
+    X_AS_A: tl.constexpr, QBLOCK: tl.constexpr, DOT_FP32: tl.constexpr, HW_FP8: tl.constexpr, X_POW2: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus one ``BLOCK_K`` step at column ``k0`` (inside one scale column): the step's partial product
+    scaled by its tile scales. ``X_AS_A``: ``acc [BLOCK_M, BLOCK_N]``, ``x_base`` the rows' pointers ``[BLOCK_M, 1]``
+    and ``w_base`` the weight rows' ``[1, BLOCK_N]``; else ``acc [BLOCK_N, BLOCK_M]`` and the transposes."""
+    k = k0 + kk
+    k_ok = k < K
+    # One scale per weight row for this step (the step lies inside one scale column).
+    sc = tl.load(s_rows + k0 // QBLOCK, mask=n_ok & (k0 < K), other=0.0)
+    if X_AS_A:
+        wb = tl.load(w_base + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        xa = tl.load(x_base + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        wb = tl.load(w_base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+        # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
+        xa = tl.load(x_base + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+    if HW_FP8:
+        w = wb.to(tl.float8e4nv, bitcast=True)
+    else:
+        w = _e4m3_to_f32(wb.to(tl.int32))
+    if X_AS_A:
+        if DOT_FP32:
+            # "ieee": the default fp32 dot is TF32, which would round the activations.
+            part = tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        elif X_POW2:
+            x16, p = _pow2_fp16(xa, 1)
+            part = tl.dot(x16, w.to(tl.float16), out_dtype=tl.float32) * p[:, None]
+        else:
+            part = tl.dot(xa.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
+        return acc + part * sc[None, :]
+    else:
+        if DOT_FP32:
+            part = tl.dot(w.to(tl.float32), xa.to(tl.float32), input_precision="ieee")
+        elif X_POW2:
+            # fp16 operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 costs two
+            # more (the conversions, not the bytes, bounded the bf16 version: 19 % of the copy ceiling at
+            # M = 1 on the H200). bf16 activations go to fp16 exactly after a power of two per row and step,
+            # undone on the partial.
+            x16, p = _pow2_fp16(xa, 0)
+            part = tl.dot(w.to(tl.float16), x16, out_dtype=tl.float32) * p[None, :]
+        else:
+            part = tl.dot(w.to(tl.float16), xa.to(tl.float16), out_dtype=tl.float32)
+        return acc + part * sc[:, None]
+
+
+@triton.jit
+def _join_partial(acc, part_tile, slot, n_slots, cnt, y_ptrs, y_mask, p_mask, TILE: tl.constexpr):
+    """Store ``acc`` as partial ``slot`` of a tile (``part_tile``: its ``n_slots`` partials, ``TILE`` floats apart);
+    the program arriving last at the tile's counter ``cnt`` sums them in slot order ``0, 1, ..`` (whichever program
+    got there last: bitwise reproducible), stores ``y`` and resets the counter for the next launch."""
+    tl.store(part_tile + slot * TILE, acc, mask=p_mask)
+    # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
+    # acq_rel atomic, which is cumulative over what the barrier ordered before it.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_slots - 1:
+        # Every partial is visible. ".cg" reads from L2, never from a stale L1 line. n_slots is a runtime value:
+        # groups of 4 partials are loaded together (one L2 round trip per group, not per partial), then added in
+        # order; past n_slots nothing is added.
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for i0 in range(0, n_slots, 4):
+            for j in tl.static_range(4):
+                i = i0 + j
+                v = tl.load(part_tile + i * TILE, mask=p_mask & (i < n_slots), other=0.0, cache_modifier=".cg")
+                total = tl.where(i < n_slots, total + v, total)
+        tl.store(y_ptrs, total.to(y_ptrs.dtype.element_ty), mask=y_mask)
+        # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _pdl_start(w_ptr, rows, stride_wn, k0, nbytes, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+    """With PDL (`trtllm_glm.pdl`): let the next kernel be scheduled, start moving the first ``nbytes`` of each weight
+    row (a constant) at column ``k0`` into L2 while the kernel before this one finishes, then wait for it: after
+    this, x may be read and y, partials and counters written. ``rows``: in-bounds row indices (a row past N
+    repeats the last one, harmless); ``PREFETCH > 0`` only when K, the row stride and the base are 16-byte aligned
+    (host-checked) and ``0 < nbytes``, a multiple of 16."""
+    if PDL:
+        gdc_launch_dependents()
+        if PREFETCH > 0:
+            prefetch_l2(
+                (w_ptr + rows.to(tl.int64) * stride_wn + k0).to(tl.int64), tl.zeros(rows.shape, tl.int32) + nbytes
+            )
+        gdc_wait()
 
 
 # M not specialised: a decode step (M = 1) and a verify batch share one compile.
@@ -364,72 +487,24 @@ def _fp8_linear_kernel(
     s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
     k_begin = s * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    if PDL:
-        # Launched early (programmatic dependent launch, `trtllm_glm.pdl`): the next kernel may be scheduled now;
-        # the weight (a constant) starts moving into L2 while the kernel before this one finishes; then wait for
-        # it before x is read or anything (y, partials, counters) is written.
-        gdc_launch_dependents()
-        if PREFETCH > 0:
-            # Rows past N repeat the last row (harmless); PREFETCH <= the chunk, a multiple of 16 (host-checked,
-            # with K, the row stride and the base 16-byte aligned).
-            rows = tl.minimum(n, N - 1).to(tl.int64)
-            nbytes = tl.minimum(k_end - k_begin, PREFETCH)
-            prefetch_l2((w_ptr + rows * stride_wn + k_begin).to(tl.int64), tl.zeros([BLOCK_N], tl.int32) + nbytes)
-        gdc_wait()
+    _pdl_start(w_ptr, tl.minimum(n, N - 1), stride_wn, k_begin, tl.minimum(k_end - k_begin, PREFETCH), PDL, PREFETCH)
     if X_AS_A:
         # The fused MoE's orientation: x [BLOCK_M, BLOCK_K] is the MMA's left operand, the weight tile the right one,
         # loaded as [BLOCK_K, BLOCK_N] (k runs along memory); y^T tiles [BLOCK_M, BLOCK_N].
-        w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
-        x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+        w_base = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+        x_base = x_ptr + m.to(tl.int64)[:, None] * stride_xm
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         # Weight rows on the MMA's "M" side (a single activation row still fills a tensor-core tile).
-        w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-        x_cols = x_ptr + m.to(tl.int64)[None, :] * stride_xm
+        w_base = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        x_base = x_ptr + m.to(tl.int64)[None, :] * stride_xm
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     # UNROLL steps of BLOCK_K per iteration (more loads issued together); chunks are multiples of the iteration,
     # so only the end of K can cut a step (masked: zeros, scale 0).
     for k_it in range(k_begin, k_end, BLOCK_K * UNROLL):
         for u in tl.static_range(UNROLL):
-            k0 = k_it + u * BLOCK_K
-            k = k0 + kk
-            k_ok = k < K
-            # One scale per weight row for this step (the step lies inside one scale column).
-            sc = tl.load(s_rows + k0 // QBLOCK, mask=n_ok & (k0 < K), other=0.0)
-            if X_AS_A:
-                wb = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
-                xa = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            else:
-                wb = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                # x^T tile [BLOCK_K, BLOCK_M]: the rows of x are contiguous along K, the tile's first dim.
-                xa = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            if HW_FP8:
-                w = wb.to(tl.float8e4nv, bitcast=True)
-            else:
-                w = _e4m3_to_f32(wb.to(tl.int32))
-            if X_AS_A:
-                if DOT_FP32:
-                    # "ieee": the default fp32 dot is TF32, which would round the activations.
-                    part = tl.dot(xa.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                elif X_POW2:
-                    x16, p = _pow2_fp16(xa, 1)
-                    part = tl.dot(x16, w.to(tl.float16), out_dtype=tl.float32) * p[:, None]
-                else:
-                    part = tl.dot(xa.to(tl.float16), w.to(tl.float16), out_dtype=tl.float32)
-                acc += part * sc[None, :]
-            else:
-                if DOT_FP32:
-                    part = tl.dot(w.to(tl.float32), xa.to(tl.float32), input_precision="ieee")
-                elif X_POW2:
-                    # fp16 operands: e4m3 -> fp16 is one packed conversion per two weights, e4m3 -> bf16 costs two
-                    # more (the conversions, not the bytes, bounded the bf16 version: 19 % of the copy ceiling at
-                    # M = 1 on the H200). bf16 activations go to fp16 exactly after a power of two per row and step,
-                    # undone on the partial.
-                    x16, p = _pow2_fp16(xa, 0)
-                    part = tl.dot(w.to(tl.float16), x16, out_dtype=tl.float32) * p[None, :]
-                else:
-                    part = tl.dot(w.to(tl.float16), xa.to(tl.float16), out_dtype=tl.float32)
-                acc += part * sc[:, None]
+            acc = _k_step(acc, x_base, w_base, s_rows, k_it + u * BLOCK_K, kk, K, n_ok, m_ok,
+                          X_AS_A, QBLOCK, DOT_FP32, HW_FP8, X_POW2)  # fmt: skip
 
     if X_AS_A:
         y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
@@ -447,26 +522,84 @@ def _fp8_linear_kernel(
     else:
         # x_as_a: partials of the tile's live activation rows only (a decode step's one row: 1/16 of the bytes).
         part_tile = part_ptr + tile.to(tl.int64) * SPLIT * (BLOCK_N * BLOCK_M) + p_offs
-        tl.store(part_tile + s * (BLOCK_N * BLOCK_M), acc, mask=p_mask)
-        # Every warp's partial stores before the (single-thread) release below: CTA barrier, then a gpu-scope
-        # acq_rel atomic, which is cumulative over what the barrier ordered before it.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            # The last program of the tile: every partial is visible. Fixed order 0..SPLIT-1 whichever program
-            # got here; ".cg" reads from L2, never from a stale L1 line.
-            # SPLIT is a runtime value: groups of 4 partials are loaded together (one L2 round trip per group,
-            # not per partial), then added in order; past SPLIT nothing is added.
-            total = tl.zeros(acc.shape, dtype=tl.float32)
-            for i0 in range(0, SPLIT, 4):
-                for j in tl.static_range(4):
-                    i = i0 + j
-                    v = tl.load(part_tile + i * (BLOCK_N * BLOCK_M), mask=p_mask & (i < SPLIT), other=0.0,
-                                cache_modifier=".cg")  # fmt: skip
-                    total = tl.where(i < SPLIT, total + v, total)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            # Ready for the next launch (or graph replay): nobody else touches this counter in this launch.
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _join_partial(acc, part_tile, s, SPLIT, cnt_ptr + tile, y_ptrs, y_mask, p_mask, BLOCK_N * BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_sk_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    TILES,
+    STEPS,
+    PROGRAMS,
+    MAX_SEG,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    X_POW2: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """Stream-K decode launch (x as the MMA's left operand, one row tile), grid ``(PROGRAMS,)``: the ``TILES *
+    STEPS`` units (a tile of ``BLOCK_N`` weight rows times one ``BLOCK_K`` step) are cut into ``PROGRAMS`` equal
+    runs, program ``p`` taking units ``[p U / P, (p + 1) U / P)``; a run covers the end of one tile, whole tiles,
+    the start of another. A tile covered by one run stores ``y`` directly; otherwise each of its runs stores a
+    partial in the slot ``p - (first program of the tile)`` and the last to arrive sums them in slot order
+    (`_join_partial`). The cut depends on ``(N, K, PROGRAMS)`` only, never on M."""
+    p = tl.program_id(0).to(tl.int64)
+    nl = tl.arange(0, BLOCK_N)
+    ml = tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    m_ok = ml < M
+    x_base = x_ptr + ml.to(tl.int64)[:, None] * stride_xm
+    units = TILES.to(tl.int64) * STEPS
+    u = p * units // PROGRAMS
+    end = (p + 1) * units // PROGRAMS
+    t0 = u // STEPS
+    j0 = u - t0 * STEPS
+    first = tl.minimum(end - u, STEPS - j0) * BLOCK_K
+    _pdl_start(w_ptr, tl.minimum(t0 * BLOCK_N + nl, N - 1), stride_wn, j0 * BLOCK_K,
+               tl.minimum(tl.minimum(first, K - j0 * BLOCK_K), PREFETCH) // 16 * 16, PDL, PREFETCH)  # fmt: skip
+    p_offs = ml[:, None] * BLOCK_N + nl[None, :]
+    p_mask = m_ok[:, None] & (nl >= 0)[None, :]
+    while u < end:
+        t = u // STEPS
+        j0 = u - t * STEPS
+        j1 = tl.minimum(STEPS, j0 + (end - u))
+        n = t * BLOCK_N + nl
+        n_ok = n < N
+        s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
+        w_base = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in range(j0, j1):
+            acc = _k_step(acc, x_base, w_base, s_rows, j * BLOCK_K, kk, K, n_ok, m_ok,
+                          True, QBLOCK, DOT_FP32, HW_FP8, X_POW2)  # fmt: skip
+        y_ptrs = y_ptr + ml.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        y_mask = m_ok[:, None] & n_ok[None, :]
+        if (j0 == 0) & (j1 == STEPS):
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        else:
+            # Programs of this tile: from the one whose run holds its first unit to the one holding its last.
+            lo = ((t * STEPS + 1) * PROGRAMS - 1) // units
+            hi = ((t * STEPS + STEPS) * PROGRAMS - 1) // units
+            part_tile = part_ptr + t * MAX_SEG * (BLOCK_N * BLOCK_M) + p_offs
+            _join_partial(acc, part_tile, p - lo, hi - lo + 1, cnt_ptr + t, y_ptrs, y_mask, p_mask,
+                          BLOCK_N * BLOCK_M)  # fmt: skip
+        u += j1 - j0
 
 
 _SCRATCH: dict[tuple[str, int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -515,23 +648,31 @@ def launch_fp8_linear(
     m_rows, k = x.shape
     n = w_codes.shape[0]
     tiles = triton.cdiv(n, cfg.block_n)
+    pdl = cfg.pdl and not INTERPRETED and has_pdl(x.device)
+    aligned = k % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
+    common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
+                  DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
+                  PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))  # fmt: skip
+    if cfg.programs:
+        if m_rows > cfg.block_m:
+            raise ValueError(f"a stream-K launch covers one row tile of {cfg.block_m} rows, got {m_rows}")
+        partials, counters = _scratch(x.device, tiles, cfg.split, cfg.block_n, cfg.block_m)
+        _fp8_linear_sk_kernel[(cfg.programs,)](
+            x, w_codes, scale_inv, y, partials, counters, m_rows, n, k,
+            x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0),
+            tiles, triton.cdiv(k, cfg.block_k), cfg.programs, cfg.split, **common,
+        )  # fmt: skip
+        return
     if cfg.split > 1:
         partials, counters = _scratch(x.device, tiles, cfg.split, cfg.block_n, cfg.block_m)
     else:
         partials = counters = y  # unused (SPLIT == 1 never touches them)
     grid = (tiles, cfg.split, triton.cdiv(m_rows, cfg.block_m))
-    pdl = cfg.pdl and not INTERPRETED and has_pdl(x.device)
-    aligned = k % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
     _fp8_linear_kernel[grid](
         x, w_codes, scale_inv, y, partials, counters,
         m_rows, n, k, x.stride(0), w_codes.stride(0), scale_inv.stride(0), y.stride(0), cfg.k_per_split, cfg.split,
-        SPLIT_K=cfg.split > 1, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, UNROLL=cfg.unroll,
-        X_AS_A=cfg.x_as_a, QBLOCK=qblock,
-        DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
-        PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        SPLIT_K=cfg.split > 1, UNROLL=cfg.unroll, X_AS_A=cfg.x_as_a, **common,
     )  # fmt: skip
 
 

@@ -144,6 +144,7 @@ def fp8_linear_triton(
     x_as_a: bool | None = None,
     pdl: bool | None = None,
     prefetch: int | None = None,
+    stream_k: int | None = None,
     tuned: bool = True,
 ) -> torch.Tensor:
     """`fp8_linear_reference` in one Triton launch (`kernels`): e4m3 tiles decoded in registers, fp32 accumulation.
@@ -159,9 +160,9 @@ def fp8_linear_triton(
         scale_inv: ``[ceil(N/block), ceil(K/block)]`` fp32.
         block: scale tile edge (a multiple of 16).
         out: optional ``[M, N]`` result buffer in ``x.dtype`` with a unit last stride.
-        split_k, block_n, block_k, num_warps, num_stages, k_chunk, unroll, x_as_a, pdl, prefetch, tuned: tuning
-            only (`kernels.launch_config`; decode launches take the tuned table's knobs for those not given; ``pdl``:
-            programmatic dependent launch, which changes no bit of the result).
+        split_k, block_n, block_k, num_warps, num_stages, k_chunk, unroll, x_as_a, pdl, prefetch, stream_k, tuned:
+            tuning only (`kernels.launch_config`; decode launches take the tuned table's knobs for those not
+            given; ``pdl``: programmatic dependent launch, which changes no bit of the result).
 
     Returns:
         ``[M, N]`` in ``x.dtype``.
@@ -195,7 +196,8 @@ def fp8_linear_triton(
     cfg = mod.launch_config(
         m_rows, n, k, block, dot_fp32,
         split_k=split_k, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-        k_chunk=k_chunk, unroll=unroll, x_as_a=x_as_a, pdl=pdl, prefetch=prefetch, tuned=tuned,
+        k_chunk=k_chunk, unroll=unroll, x_as_a=x_as_a, pdl=pdl, prefetch=prefetch, stream_k=stream_k,
+        tuned=tuned,
     )  # fmt: skip
     mod.launch_fp8_linear(x, weight.view(torch.uint8), scale_inv, out, block, cfg, dot_fp32)
     return out
