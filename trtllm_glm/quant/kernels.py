@@ -1,4 +1,4 @@
-"""One Triton kernel for the weight-only block-FP8 linear ``y = x @ (fp8 * scale_inv)^T`` (`trtllm_glm.quant.ops`).
+"""Triton kernels for the weight-only block-FP8 linear ``y = x @ (fp8 * scale_inv)^T`` (`trtllm_glm.quant.ops`).
 
 Why: decode reads every weight once per step; a block-FP8 weight read as one byte per element halves the bytes
 of the bf16 weight it replaces, but only if nothing dequantises it to memory first. Here each weight tile is
@@ -32,6 +32,18 @@ orientations (``X_AS_A``, same products, same per-step order):
   program that arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores
   ``y``, then resets the counter: bitwise reproducible, no memset between launches or graph replays. ``SPLIT`` is
   a runtime argument (``SPLIT_K`` tells the compiler whether there is a reduction): one compile serves every split.
+* Stream-K decode launches (``stream_k=P``, `_fp8_linear_sk_kernel`, x as the left operand): the split-K grid
+  runs ``tiles x split`` programs in waves of what fits on the SMs (2 per SM for 128-row tiles), so 388 programs
+  on 132 SMs leave the last wave half empty. Here ``P`` programs (e.g. 264, a full wave) share the ``tiles x
+  steps`` units equally; a program's run may end inside a tile, cover whole tiles and start another. A tile
+  covered by one run stores ``y``; otherwise each run's partial takes the slot ``p - (the tile's first program)``
+  and the last to arrive sums them in slot order (`_join_partial`, as the split's). The cut depends on ``(N, K,
+  P)`` only: a row's bits never depend on M. Not yet timed on the H200 (sweep candidates).
+* Programmatic dependent launch (``pdl=True`` / ``TRTLLM_GLM_FP8_PDL=1``, decode launches, sm_90+; off by default
+  until an H200 A/B says it pays): the kernel lets the next one launch at once, asks L2 to prefetch the first
+  ``prefetch`` bytes of each weight row of its chunk, and waits (``griddepcontrol.wait``) before it reads x or
+  writes anything (`_pdl_start`; `trtllm_glm.pdl`). The kernels before the projections (row norm, SwiGLU) let
+  it launch early, so the weight starts moving while they run. No arithmetic changes: the bits are the same.
 * Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
 
 Loads are pipelined by the compiler (``cp.async``, ``num_stages`` iterations in flight) when ``K`` and the strides
