@@ -12,7 +12,7 @@
 #   binv_spec     bench_e2e plain / MTP K=3 / oracle K=3 in the mode (speculative vs plain greedy)
 #   fp8           bench_e2e plain and overlap-scheduler decode with bf16 and FP8 weights, with --quality and the
 #                 costliest kernels of a step
-#   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_FP8_PDL=0,1)
+#   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_PDL=0,1)
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   prefix        bench_prefix_workloads on the 4-layer slice
@@ -60,7 +60,7 @@ for stage in "$@"; do
         --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;
     fp8_pdl)
       timeout "${T_FP8_PDL:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
-        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_FP8_PDL=0,1 \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_PDL=0,1 \
         --json "$O/fp8_pdl.json" 2>&1 | tee "$O/fp8_pdl.log" ;;
     fp8_head)
       timeout "${T_FP8_HEAD:-150}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \

@@ -10,18 +10,44 @@ starts moving its weight while the kernel before it finishes, instead of paying 
 round trips after it. Stream capture keeps the dependency as a programmatic edge, so it holds inside CUDA graphs.
 
 No kernel here relies on PDL for correctness: every early start is followed by a wait before the first dependent
-access, and a kernel launched without the attribute simply starts late.
+access, and a kernel launched without the attribute simply starts late. Where a chain of small decode kernels
+(mHC, norms, the FP8 projections, SwiGLU, the KDA gate and conv) all launch this way, each is resident and
+waiting when the one before it ends, so a step of ~100 dependent launches stops paying each launch's latency
+in series.
+
+`PDL_ENV` (``TRTLLM_GLM_PDL``, read per call so that benchmarks can switch it): ``1`` launches those kernels with
+PDL on sm_90+ devices, ``0`` never; unset: off (until an H200 A/B says it pays), except FP8 launches whose tuned
+knobs ask for it (`trtllm_glm.quant.kernels`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["has_pdl", "prefetch_l2"]
+__all__ = ["PDL_ENV", "has_pdl", "launch_kwargs", "pdl_enter", "pdl_from_env", "prefetch_l2", "use_pdl"]
+
+PDL_ENV = "TRTLLM_GLM_PDL"
+
+
+def pdl_from_env() -> bool | None:
+    """`PDL_ENV` as a bool (``None``: unset).
+
+    Raises:
+        ValueError: a value other than ``0`` / ``1``.
+    """
+    raw = os.environ.get(PDL_ENV)
+    if raw is None or raw == "":
+        return None
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 @functools.cache
@@ -32,6 +58,25 @@ def _capability_major(index: int | None) -> int:
 def has_pdl(device: torch.device) -> bool:
     """Whether ``device`` can launch with PDL (``griddepcontrol`` exists from compute capability 9.0 on)."""
     return device.type == "cuda" and _capability_major(device.index) >= 9
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether a decode kernel on ``device`` launches with PDL now (`PDL_ENV` is ``1`` and `has_pdl`)."""
+    return pdl_from_env() is True and has_pdl(device)
+
+
+def launch_kwargs(pdl: bool) -> dict[str, Any]:
+    """Triton launch options for a kernel launched with (``pdl``) or without PDL."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A PDL-launched kernel's first statement: let the next kernel launch, then wait for the previous one (its
+    writes visible). Without ``PDL`` nothing."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit

@@ -95,13 +95,13 @@ def test_fp8_linear_graph_capture_and_row_independence() -> None:
 
 @pytest.mark.parametrize("n, k", [(3 * 8192 + 256, 4096), (4096, 12288), (8192, 128), (1000, 1000)])
 @pytest.mark.parametrize("m", [1, 16])
-def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m) -> None:
+def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m, monkeypatch) -> None:
     """Programmatic dependent launch (`trtllm_glm.pdl`): the FP8 linear may start while the norm before it (which
     triggers early) still writes x. Poisoned before every step (NaN), x is produced by that norm and read by the
     PDL launch: a read before the wait gives NaN or stale rows. Eager and graph-replayed, over many steps with
     fresh inputs, the results equal the plain launch's bit for bit (PDL changes no arithmetic)."""
     from trtllm_glm.norm import row_norm
-    from trtllm_glm.pdl import has_pdl
+    from trtllm_glm.pdl import PDL_ENV, has_pdl
 
     if not has_pdl(torch.device("cuda")):
         pytest.skip("needs sm_90+")
@@ -116,11 +116,13 @@ def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m) -> None:
         row_norm(src, 1e-6, weight=w, out=x)
         fp8_linear_triton(x, q, s, out=y, pdl=pdl)
 
+    monkeypatch.setenv(PDL_ENV, "0")
     want = []
     for i in range(8):
         src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
         step(False)
         want.append(y.clone())
+    monkeypatch.setenv(PDL_ENV, "1")  # the norm too: it lets the projection launch as it starts
     step(True)  # compile, cache the scratch
     for i in range(8):
         src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))

@@ -36,7 +36,7 @@ def test_launch_config_resolves_pdl_from_the_argument_the_environment_then_off(m
     monkeypatch.setenv(K.PDL_ENV, "0")
     assert not K.launch_config(1, 4096, 8192, 128, False).pdl
     monkeypatch.setenv(K.PDL_ENV, "yes")
-    with pytest.raises(ValueError, match="TRTLLM_GLM_FP8_PDL must be 0 or 1"):
+    with pytest.raises(ValueError, match="TRTLLM_GLM_PDL must be 0 or 1"):
         K.launch_config(1, 4096, 8192, 128, False)
     monkeypatch.delenv(K.PDL_ENV)
     with pytest.raises(ValueError, match="prefetch must be >= 0"):
@@ -70,6 +70,51 @@ def _ptx_order(ptx: str) -> tuple[list[int], list[int], list[int], list[int]]:
             find(r"griddepcontrol\.wait"), find(_ACCESS.pattern))  # fmt: skip
 
 
+def _decode_kernels() -> list:
+    """The small decode kernels that launch with PDL (`trtllm_glm.pdl.use_pdl`), as `KernelSpec`s recorded from
+    interpreted CPU launches (argument types and constexprs) with ``PDL=True``."""
+    import dataclasses
+
+    from triton_compile import recording
+
+    from trtllm_glm import act, mhc, norm
+    from trtllm_glm.kda import kernels as kda
+
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    cpu = torch.device("cpu")
+    with recording() as rec:
+        norm.kernel_module(cpu).row_norm(r(2, 64), 1e-6, weight=r(64))
+        act.kernel_module(cpu).swiglu(r(2, 64), 7.0)
+        streams = r(2, 4, 64)
+        x_in, post, comb = mhc.mhc_pre(streams, r(24, 256) * 0.1, r(24) * 0.1, torch.ones(3), norm_eps=1e-6,
+                                       hc_eps=1e-6, sinkhorn_iters=3)  # fmt: skip
+        mhc.mhc_post(streams, x_in, post, comb)
+        kda.kda_gate_beta(r(2, 2 * 16), r(2, 2), r(2), r(2 * 16), -5.0)
+        kda.conv_decode(r(2, 3 * 2 * 16), r(4, 3 * 2 * 16, 3), r(3 * 2 * 16, 4), torch.tensor([1, 3]), 2, 16, 16, 1e-6)
+    assert not rec.unsupported, rec.unsupported
+    names = sorted(sp.kernel for sp in rec.specs.values())
+    assert names == sorted(["_row_norm_kernel", "_swiglu_kernel", "_mix_partial_kernel", "_pre_finish_kernel",
+                            "_post_kernel", "_gate_beta_kernel", "_conv_decode_kernel"]), names  # fmt: skip
+    out = []
+    for sp in rec.specs.values():
+        assert sp.constexprs["PDL"] is False  # the CPU never launches with PDL
+        out.append(dataclasses.replace(sp, constexprs={**sp.constexprs, "PDL": True}))
+    return out
+
+
+def test_use_pdl_reads_the_switch_per_call(monkeypatch) -> None:
+    from trtllm_glm import pdl
+
+    monkeypatch.delenv(pdl.PDL_ENV, raising=False)
+    assert pdl.pdl_from_env() is None and pdl.launch_kwargs(False) == {}
+    monkeypatch.setenv(pdl.PDL_ENV, "1")
+    assert pdl.pdl_from_env() is True and pdl.launch_kwargs(True) == {"launch_pdl": True}
+    assert not pdl.use_pdl(torch.device("cpu"))  # no griddepcontrol off CUDA
+    monkeypatch.setenv(pdl.PDL_ENV, "0")
+    assert pdl.pdl_from_env() is False
+
+
 def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> None:
     import sys
     from pathlib import Path
@@ -86,33 +131,12 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> 
                  BLOCK_K=128, DOT_FP32=False, X_POW2=True, PDL=True, PREFETCH=prefetch)  # fmt: skip
         return KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, c, 4)
 
-    norm_sig = {
-        "x_ptr": "*bf16",
-        "w_ptr": "*bf16",
-        "g_ptr": "*bf16",
-        "o_ptr": "*bf16",
-        "B": "i32",
-        "D": "i32",
-        "sxa": "i32",
-        "sxb": "i32",
-        "sga": "i32",
-        "sgb": "i32",
-        "soa": "i32",
-        "sob": "i32",
-        "eps": "fp32",
-    }
-    norm = KernelSpec("trtllm_glm.norm.kernels", "_row_norm_kernel", norm_sig,
-                      dict(HAS_W=True, HAS_GATE=False, MEAN=True, BLOCK_D=4096, TRIGGER=True), 8)  # fmt: skip
-    act_sig = {"gu_ptr": "*bf16", "out_ptr": "*bf16", "I": "i32", "stride_gu": "i32", "stride_out": "i32",
-               "limit": "fp32"}  # fmt: skip
-    act = KernelSpec("trtllm_glm.act.kernels", "_swiglu_kernel", act_sig,
-                     dict(HAS_LIMIT=True, PRECISE_EXP=True, BLOCK=1024, TRIGGER=True), 4)  # fmt: skip
     sk_sig = {**{k: v for k, v in sig.items() if k not in ("K_PER_SPLIT", "SPLIT")},
               "TILES": "i32", "STEPS": "i32", "PROGRAMS": "i32", "MAX_SEG": "i32"}  # fmt: skip
     sk = KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_sk_kernel", sk_sig,
                     dict(QBLOCK=128, HW_FP8=True, BLOCK_N=128, BLOCK_M=16, BLOCK_K=128, DOT_FP32=False, X_POW2=True,
                          PDL=True, PREFETCH=512), 4)  # fmt: skip
-    specs = [linear(True, True, 512), linear(False, True, 512, 64), linear(True, False, 0), sk, norm, act]
+    specs = [linear(True, True, 512), linear(False, True, 512, 64), linear(True, False, 0), sk, *_decode_kernels()]
     results = compile_sm90(specs, ptx=True)
     for spec, res in zip(specs, results):
         assert res["ok"], (spec.kernel, spec.constexprs, res.get("error", "")[:2000])
@@ -126,5 +150,34 @@ def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> 
             assert not pf
     for spec, res in zip(specs[4:], results[4:]):
         trig, _, wait, access = _ptx_order(res["ptx"])
-        # The producers only let the next kernel launch; they never wait themselves (nothing changes for them).
-        assert len(trig) == 1 and not wait and trig[0] < min(access), spec.kernel
+        # The small decode kernels of a PDL chain: trigger, wait, then their first load or store.
+        assert len(trig) == 1 and len(wait) == 1 and trig[0] < wait[0] < min(access), spec.kernel
+
+
+@pytest.mark.gpu
+def test_pdl_chain_changes_no_bit_of_a_model(monkeypatch) -> None:
+    """A block-FP8 model with every small decode kernel launched with PDL (``TRTLLM_GLM_PDL=1``): context logits
+    bit for bit those of the plain launches, and greedy tokens with CUDA graphs (captured under each setting) the
+    same. A kernel that read before its wait would race the kernel before it and show here."""
+    from trtllm_glm import LLM, SamplingParams
+    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.pdl import PDL_ENV
+
+    if not has_pdl(torch.device("cuda")):
+        pytest.skip("needs sm_90+")
+    m = Glm5NextForCausalLM.from_config(Glm5NextConfig.from_pretrained("tiny"), seed=4)
+    m.quantize_fp8_()
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    m.keep_fp32_params_()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    ctx = SamplingParams(max_tokens=1, return_context_logits=True)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(PDL_ENV, setting)
+        logits = LLM(m.eval(), cuda_graph_config=None).generate(prompts[1], ctx).context_logits
+        tokens = [o.outputs[0].token_ids for o in LLM(m.eval()).generate(prompts, sp)]
+        runs[setting] = (logits, tokens)
+    assert torch.equal(runs["0"][0], runs["1"][0])
+    assert runs["0"][1] == runs["1"][1]

@@ -31,11 +31,10 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.language.extra.cuda import gdc_launch_dependents
 
 # Absolute: the interpreted copy of this module lives in an alias package without the package's own names.
 from trtllm_glm.act import check_gate_up
-from trtllm_glm.pdl import has_pdl
+from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
 
 __all__ = ["INTERPRETED", "swiglu"]
 
@@ -67,11 +66,10 @@ def _swiglu_kernel(
     HAS_LIMIT: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
     BLOCK: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if TRIGGER:
-        # The down projection follows: a PDL-launched one (`trtllm_glm.pdl`) may start streaming its weight now.
-        gdc_launch_dependents()
+    # With PDL (`trtllm_glm.pdl`) the down projection after this launches now and starts streaming its weight.
+    pdl_enter(PDL)
     # int64 row offsets: N * 2I exceeds 2**31 elements for long prefills of the 12288-wide dense MLP.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -136,9 +134,10 @@ def swiglu(
     blk = block or min(1024, triton.next_power_of_2(inter))
     lim = 0.0 if limit is None else _limit_in(limit, gate_up.dtype)
     grid = (gate_up.shape[0], triton.cdiv(inter, blk))
+    pdl = use_pdl(gate_up.device)
     _swiglu_kernel[grid](
         gate_up, out, inter, gate_up.stride(0), out.stride(0), lim,
-        HAS_LIMIT=limit is not None, PRECISE_EXP=not INTERPRETED, BLOCK=blk, TRIGGER=has_pdl(gate_up.device),
-        num_warps=num_warps,
+        HAS_LIMIT=limit is not None, PRECISE_EXP=not INTERPRETED, BLOCK=blk, PDL=pdl,
+        num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return out

@@ -94,6 +94,7 @@ import triton
 import triton.language as tl
 
 from trtllm_glm.numerics import batch_invariant
+from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
 
 __all__ = [
     "mhc_pre",
@@ -131,7 +132,9 @@ def _mix_partial_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the block before it
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,7 +294,9 @@ def _pre_finish_kernel(
     SPLIT_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_PRE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     # The token's mixing logits and sum of squares: its partials summed in split order.
@@ -369,7 +374,9 @@ def _post_kernel(
     S: tl.constexpr,
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -543,8 +550,10 @@ def mix_partials(
             num_warps=num_warps or (8 if bn >= 128 else 4),
         )  # fmt: skip
     else:
+        pdl = use_pdl(dev)
         _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
-            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or (8 if bn >= 32 else 4)
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=num_warps or (8 if bn >= 32 else 4),
+            **launch_kwargs(pdl),
         )  # fmt: skip
     return ws
 
@@ -636,7 +645,7 @@ def mhc_pre(
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
             float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             S=s, S_PAD=s_pad, M=m, M_PAD=m_pad, SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d,
-            WRITE_PRE=return_pre, num_warps=4,
+            WRITE_PRE=return_pre, PDL=use_pdl(dev), num_warps=4, **launch_kwargs(use_pdl(dev)),
         )  # fmt: skip
     if return_pre:
         return x_in, pre, post, comb
@@ -684,9 +693,11 @@ def mhc_post(
     elif out.shape != (n, s, d) or out.dtype != streams.dtype or out.stride(-1) != 1:
         raise ValueError("mhc_post: out must be [N, S, D] of the streams' dtype, last dim contiguous")
     if n > 0:
+        pdl = use_pdl(streams.device)
         _post_kernel[(n, triton.cdiv(d, block_d))](
             streams, block_out, post, comb, out, d,
             streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
-            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, num_warps=num_warps,
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl, num_warps=num_warps,
+            **launch_kwargs(pdl),
         )  # fmt: skip
     return out

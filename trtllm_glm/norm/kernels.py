@@ -5,9 +5,9 @@ views such as the per-head slices of a split projection need no copy; more leadi
 program loads a row, upcasts it to FP32 (the interpreter's bf16 arithmetic is wrong, and the references
 compute in FP32), reduces the sum of squares (divided by ``D`` for RMSNorm), scales by ``rsqrt(stat + eps)``,
 then by the weight and by ``sigmoid(gate)`` when given, in the references' order, and stores once in the
-output dtype. On sm_90+ it lets the next kernel launch at once (``griddepcontrol.launch_dependents``): a
-projection launched with programmatic dependent launch starts streaming its weight while the norm runs
-(`trtllm_glm.pdl`); other kernels are unaffected.
+output dtype. With ``TRTLLM_GLM_PDL=1`` on sm_90+ it launches with programmatic dependent launch
+(`trtllm_glm.pdl`): it lets the next kernel launch at once (a projection then streams its weight while the norm
+runs) and waits for the previous one before it reads.
 
 Numerics: the sum runs in a different order than torch's reduction, so results agree with the references
 to a few FP32 ulps, not bit for bit (then rounded to the output dtype, where a value on a rounding boundary
@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from trtllm_glm.pdl import has_pdl
+from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
 
 __all__ = ["row_norm"]
 
@@ -45,11 +44,10 @@ def _row_norm_kernel(
     HAS_GATE: tl.constexpr,
     MEAN: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if TRIGGER:
-        # A norm feeds a projection: let a PDL-launched one (`trtllm_glm.pdl`) start streaming its weight now.
-        gdc_launch_dependents()
+    # With PDL (`trtllm_glm.pdl`) the projection after the norm launches now and starts streaming its weight.
+    pdl_enter(PDL)
     row = tl.program_id(0)
     a = row // B
     b = row % B
@@ -131,11 +129,12 @@ def row_norm(
     A, B = x3.shape[0], x3.shape[1]
     block = triton.next_power_of_2(D)
     warps = num_warps or max(1, min(8, block // 256))
+    pdl = use_pdl(x.device)
     _row_norm_kernel[(A * B,)](
         x3, w, g3, o3, B, D,
         x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), o3.stride(0), o3.stride(1),
         float(eps),
-        HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK_D=block, TRIGGER=has_pdl(x.device),
-        num_warps=warps,
+        HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK_D=block, PDL=pdl,
+        num_warps=warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return out

@@ -39,7 +39,7 @@ orientations (``X_AS_A``, same products, same per-step order):
   covered by one run stores ``y``; otherwise each run's partial takes the slot ``p - (the tile's first program)``
   and the last to arrive sums them in slot order (`_join_partial`, as the split's). The cut depends on ``(N, K,
   P)`` only: a row's bits never depend on M. Not yet timed on the H200 (sweep candidates).
-* Programmatic dependent launch (``pdl=True`` / ``TRTLLM_GLM_FP8_PDL=1``, decode launches, sm_90+; off by default
+* Programmatic dependent launch (``pdl=True`` / ``TRTLLM_GLM_PDL=1``, decode launches, sm_90+; off by default
   until an H200 A/B says it pays): the kernel lets the next one launch at once, asks L2 to prefetch the first
   ``prefetch`` bytes of each weight row of its chunk, and waits (``griddepcontrol.wait``) before it reads x or
   writes anything (`_pdl_start`; `trtllm_glm.pdl`). The kernels before the projections (row norm, SwiGLU) let
@@ -63,14 +63,13 @@ so calls can be captured in a CUDA graph after one eager call of the same shape.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from trtllm_glm.pdl import has_pdl, prefetch_l2
+from trtllm_glm.pdl import PDL_ENV, has_pdl, launch_kwargs, pdl_from_env, prefetch_l2
 
 __all__ = [
     "INTERPRETED",
@@ -82,7 +81,6 @@ __all__ = [
     "Fp8LinearConfig",
     "clear_scratch",
     "launch_config",
-    "pdl_from_env",
     "shape_class",
     "tuned_knobs",
     "launch_fp8_dequant",
@@ -148,9 +146,8 @@ TUNABLE = (
     "prefetch",
     "stream_k",
 )
-# Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): "1" / "0" override the tuned table and
-# the default (off until an H200 A/B says it pays); read per call, so that benchmarks can switch it.
-PDL_ENV = "TRTLLM_GLM_FP8_PDL"
+# Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): `PDL_ENV` "1" / "0" overrides the tuned
+# table and the default (off until an H200 A/B says it pays).
 # With PDL, bytes of each weight row a program asks L2 to prefetch before it waits for the kernel before it (the
 # start of its K chunk): ~17 MB over 264 resident programs of 128 rows, what HBM moves in ~4 us.
 PDL_PREFETCH_BYTES = 512
@@ -176,16 +173,6 @@ class Fp8LinearConfig:
     # > 0: a stream-K launch of this many programs (`_fp8_linear_sk_kernel`); ``split`` is then the most partials a
     # tile can have and ``k_per_split`` is unused.
     programs: int = 0
-
-
-def pdl_from_env() -> bool | None:
-    """`PDL_ENV` as a bool (``None``: unset)."""
-    raw = os.environ.get(PDL_ENV)
-    if raw is None or raw == "":
-        return None
-    if raw not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
 
 
 def _pow2_divisor(qblock: int, cap: int) -> int:
@@ -665,7 +652,7 @@ def launch_fp8_linear(
     common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
                   DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
                   PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))  # fmt: skip
+                  num_stages=cfg.num_stages, **launch_kwargs(pdl))  # fmt: skip
     if cfg.programs:
         if m_rows > cfg.block_m:
             raise ValueError(f"a stream-K launch covers one row tile of {cfg.block_m} rows, got {m_rows}")

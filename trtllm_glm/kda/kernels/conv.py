@@ -54,6 +54,7 @@ import triton.language as tl
 
 from trtllm_glm.kda.contract import L2NORM_EPS
 from trtllm_glm.numerics import batch_invariant
+from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
 
 __all__ = ["conv_commit_slots", "conv_decode", "conv_prefill", "conv_verify_qkv"]
 
@@ -117,7 +118,9 @@ def _conv_decode_kernel(
     W: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the kernel before it
     row = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -189,11 +192,12 @@ def conv_decode(
     v = torch.empty(n, H, V, dtype=torch.float32, device=dev)
     if n == 0:
         return q, k, v
+    pdl = use_pdl(dev)
     _conv_decode_kernel[(n, H)](
         x, conv_state, weight, slots, q, k, v,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
-        H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), num_warps=num_warps,
-        **_fusion_opts(),
+        H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), PDL=pdl,
+        num_warps=num_warps, **_fusion_opts(), **launch_kwargs(pdl),
     )  # fmt: skip
     return q, k, v
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+
 __all__ = ["kda_gate_beta"]
 
 
@@ -35,7 +37,9 @@ def _gate_beta_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     H_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the projections before it
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c = j * BLOCK + tl.arange(0, BLOCK)
@@ -83,8 +87,9 @@ def kda_gate_beta(
     if N == 0:
         return g, beta
     block = min(block, triton.next_power_of_2(H * K))
+    pdl = use_pdl(dev)
     _gate_beta_kernel[(N, triton.cdiv(H * K, block))](
         g_raw, b, A_log, dt_bias, g, beta, g_raw.stride(0), b.stride(0), float(lower_bound),
-        H=H, K=K, BLOCK=block, H_PAD=triton.next_power_of_2(H), num_warps=num_warps,
+        H=H, K=K, BLOCK=block, H_PAD=triton.next_power_of_2(H), PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return g, beta
