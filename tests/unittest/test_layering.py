@@ -45,13 +45,19 @@ def files(sub: str) -> list[Path]:
         ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.linear")),
         # The layers import distributed/: it stays below them (the process machinery lives in runtime/ranks.py).
         ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.numerics", "trtllm_glm.distributed")),
-        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.quant")),
+        # trtllm_glm.pdl: launch helpers that import nothing of the package (test below).
+        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.pdl", "trtllm_glm.quant")),
     ],
 )
 def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
     for f in files(sub):
         bad = {m for m in imported(f) if not m.startswith(allowed)}
         assert not bad, f"{f.relative_to(PKG)} imports {bad}"
+
+
+def test_launch_helpers_are_a_leaf() -> None:
+    """Kernel modules of every layer import `trtllm_glm.pdl`: it must import nothing of the package."""
+    assert imported(PKG / "pdl.py") == set()
 
 
 @pytest.mark.parametrize(
