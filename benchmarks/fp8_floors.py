@@ -36,9 +36,9 @@ def floors(layers: int, batch: int, skip: list[str], context: int, preset: str, 
     m.quantize_fp8_(QuantConfig.block_fp8(128, skip))
     fp8 = floor_bytes(cfg, m, batch, batch, context)
     head = m.lm_head.weight.numel() * m.lm_head.weight.element_size()
-    ms = lambda b: round(b / (ceiling_gbs * 1e9) * 1e3, 4)  # noqa: E731
+    ms = lambda b: b / (ceiling_gbs * 1e9) * 1e3  # noqa: E731
     return {"layers": len(cfg.layer_types), "batch": batch, "fp8_skip": skip, "bf16_ms": ms(bf16), "fp8_ms": ms(fp8),
-            "ratio": round(fp8 / bf16, 3), "lm_head_share_fp8": round(head / fp8, 3)}  # fmt: skip
+            "ratio": fp8 / bf16, "lm_head_share_fp8": head / fp8}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     for layers in args.layers:
         for skip in skips:
             for batch in args.batch:
-                print(json.dumps(floors(layers, batch, skip, args.context, args.preset, args.ceiling_gbs)))
+                row = floors(layers, batch, skip, args.context, args.preset, args.ceiling_gbs)
+                digits = {"bf16_ms": 4, "fp8_ms": 4, "ratio": 3, "lm_head_share_fp8": 3}
+                print(json.dumps({k: round(v, digits[k]) if k in digits else v for k, v in row.items()}))
     return 0
 
 

@@ -106,3 +106,15 @@ def test_batch_invariant_goal_lines() -> None:
     assert lines[2].endswith("MISSED")
     # The default-mode goals still compare with the default plain step.
     assert any("plain bf16: step / floor 1.50" in x for x in goal_lines(rows))
+
+
+def test_fp8_floors_on_the_meta_device() -> None:
+    """`benchmarks/fp8_floors.py`: FP8 floors below bf16's, lower still with the LM head in FP8, and the LM head's
+    share of the FP8 floor shrinking with the batch (more experts reached)."""
+    from fp8_floors import floors
+
+    kept = [floors(4, b, ["lm_head"], 64, "tiny", 4000.0) for b in (1, 16)]
+    quantised = floors(4, 1, [], 64, "tiny", 4000.0)
+    assert all(0 < r["fp8_ms"] < r["bf16_ms"] for r in kept)
+    assert quantised["fp8_ms"] < kept[0]["fp8_ms"] and quantised["bf16_ms"] == kept[0]["bf16_ms"]
+    assert kept[1]["lm_head_share_fp8"] < kept[0]["lm_head_share_fp8"]
