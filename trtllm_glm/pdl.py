@@ -62,7 +62,8 @@ def has_pdl(device: torch.device) -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether a decode kernel on ``device`` launches with PDL now (`PDL_ENV` is ``1`` and `has_pdl`)."""
-    return pdl_from_env() is True and has_pdl(device)
+    # The device first: off CUDA (the CPU's interpreted kernels) no environment lookup per launch.
+    return device.type == "cuda" and pdl_from_env() is True and has_pdl(device)
 
 
 def launch_kwargs(pdl: bool) -> dict[str, Any]:
