@@ -13,7 +13,7 @@
 #   fp8           bench_e2e plain and overlap-scheduler decode with bf16 and FP8 weights, with --quality and the
 #                 costliest kernels of a step
 #   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_PDL=0,1)
-#   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1
+#   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
@@ -63,8 +63,8 @@ for stage in "$@"; do
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_PDL=0,1 \
         --json "$O/fp8_pdl.json" 2>&1 | tee "$O/fp8_pdl.log" ;;
     fp8_head)
-      timeout "${T_FP8_HEAD:-150}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \
-        --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --fp8-skip none \
+      timeout "${T_FP8_HEAD:-120}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --fp8-skip none \
         --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
     fp8_sweep)
       timeout "${T_FP8_SWEEP:-420}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
