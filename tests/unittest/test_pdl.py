@@ -13,19 +13,19 @@ import re
 import pytest
 import torch
 
-from trtllm_glm.pdl import has_pdl
+from trtllm_glm.pdl import PDL_ENV, has_pdl
 from trtllm_glm.quant import kernels as K
 
 
 def test_launch_config_resolves_pdl_from_the_argument_the_environment_then_off(monkeypatch) -> None:
-    monkeypatch.delenv(K.PDL_ENV, raising=False)
+    monkeypatch.delenv(PDL_ENV, raising=False)
     base = K.launch_config(1, 4096, 8192, 128, False)
     assert (base.pdl, base.prefetch) == (False, 0)  # off until measured
     on = K.launch_config(1, 4096, 8192, 128, False, pdl=True)
     assert on.pdl and on.prefetch == min(K.PDL_PREFETCH_BYTES, on.k_per_split)
     # Nothing else of the launch changes: the same tiles and reduction order, so the same bits.
     assert {**vars(on), "pdl": False, "prefetch": 0} == vars(base)
-    monkeypatch.setenv(K.PDL_ENV, "1")
+    monkeypatch.setenv(PDL_ENV, "1")
     env = K.launch_config(1, 4096, 8192, 128, False)
     assert env == on
     assert not K.launch_config(1, 4096, 8192, 128, False, pdl=False).pdl  # the argument wins
@@ -33,12 +33,12 @@ def test_launch_config_resolves_pdl_from_the_argument_the_environment_then_off(m
     small = K.launch_config(4, 300, 256, 128, False, k_chunk=128)
     assert small.pdl and small.prefetch == 128  # capped at the program's chunk
     assert not K.launch_config(256, 4096, 8192, 128, False).pdl  # prefill chunks: never
-    monkeypatch.setenv(K.PDL_ENV, "0")
+    monkeypatch.setenv(PDL_ENV, "0")
     assert not K.launch_config(1, 4096, 8192, 128, False).pdl
-    monkeypatch.setenv(K.PDL_ENV, "yes")
+    monkeypatch.setenv(PDL_ENV, "yes")
     with pytest.raises(ValueError, match="TRTLLM_GLM_PDL must be 0 or 1"):
         K.launch_config(1, 4096, 8192, 128, False)
-    monkeypatch.delenv(K.PDL_ENV)
+    monkeypatch.delenv(PDL_ENV)
     with pytest.raises(ValueError, match="prefetch must be >= 0"):
         K.launch_config(1, 4096, 8192, 128, False, pdl=True, prefetch=-16)
 
@@ -54,7 +54,7 @@ def test_a_pdl_launch_on_the_cpu_is_the_plain_launch(monkeypatch) -> None:
     q, s = quantize_block_fp8(torch.randn(96, 400, generator=g), 32)
     x = torch.randn(3, 400, generator=g)
     want = fp8_linear_triton(x, q, s, 32, k_chunk=96)
-    monkeypatch.setenv(K.PDL_ENV, "1")
+    monkeypatch.setenv(PDL_ENV, "1")
     got = fp8_linear_triton(x, q, s, 32, k_chunk=96)
     assert torch.equal(got, want)
 
@@ -162,7 +162,6 @@ def test_pdl_chain_changes_no_bit_of_a_model(monkeypatch) -> None:
     from trtllm_glm import LLM, SamplingParams
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-    from trtllm_glm.pdl import PDL_ENV
 
     if not has_pdl(torch.device("cuda")):
         pytest.skip("needs sm_90+")

@@ -639,13 +639,14 @@ def mhc_pre(
             streams, fn, path=path, mma=mma, split=split, block_n=block_n, block_k=block_k, num_warps=num_warps
         )
         n_split, m_pad = ws.shape[0], ws.shape[2]
+        pdl = use_pdl(dev)
         s_pad = max(2, triton.next_power_of_2(s))
         _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
             streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
             float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             S=s, S_PAD=s_pad, M=m, M_PAD=m_pad, SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d,
-            WRITE_PRE=return_pre, PDL=use_pdl(dev), num_warps=4, **launch_kwargs(use_pdl(dev)),
+            WRITE_PRE=return_pre, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
         )  # fmt: skip
     if return_pre:
         return x_in, pre, post, comb

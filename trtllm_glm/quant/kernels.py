@@ -69,12 +69,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from trtllm_glm.pdl import PDL_ENV, has_pdl, launch_kwargs, pdl_from_env, prefetch_l2
+from trtllm_glm.pdl import has_pdl, launch_kwargs, pdl_from_env, prefetch_l2
 
 __all__ = [
     "INTERPRETED",
     "MAX_M_SPLIT",
-    "PDL_ENV",
     "PDL_PREFETCH_BYTES",
     "TUNABLE",
     "TUNED_BLOCK_M",
@@ -146,7 +145,7 @@ TUNABLE = (
     "prefetch",
     "stream_k",
 )
-# Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): `PDL_ENV` "1" / "0" overrides the tuned
+# Programmatic dependent launch of the decode launches (`trtllm_glm.pdl`): `pdl.PDL_ENV` "1" / "0" overrides the tuned
 # table and the default (off until an H200 A/B says it pays).
 # With PDL, bytes of each weight row a program asks L2 to prefetch before it waits for the kernel before it (the
 # start of its K chunk): ~17 MB over 264 resident programs of 128 rows, what HBM moves in ~4 us.
@@ -239,7 +238,7 @@ def launch_config(
             split). Ignored when ``split_k`` is given.
         unroll: ``block_k`` steps per loop iteration (default 1).
         x_as_a: x as the MMA's left operand, the weight tile as ``[block_k, block_n]`` (default False).
-        pdl: decode launches: launch with programmatic dependent launch (`trtllm_glm.pdl`; default `PDL_ENV` if set,
+        pdl: decode launches: launch with programmatic dependent launch (`trtllm_glm.pdl`; default `pdl.PDL_ENV` if set,
             else the tuned knob, else off). Larger ``m`` never does. Applied on sm_90+ devices only.
         prefetch: with ``pdl``, bytes of each weight row prefetched into L2 before the wait (default
             `PDL_PREFETCH_BYTES`; rounded down to 16 and capped at the program's chunk; 0: none).
@@ -252,7 +251,7 @@ def launch_config(
     Raises:
         ValueError: a ``block_k`` that is not a power of two >= 16 dividing ``qblock``, ``split_k < 1``,
             ``unroll < 1``, ``k_chunk < 1``, ``prefetch < 0``, ``stream_k < 0`` or with ``x_as_a=False`` or
-            ``unroll > 1``, or a `PDL_ENV` other than 0 / 1.
+            ``unroll > 1``, or a `pdl.PDL_ENV` other than 0 / 1.
     """
     skinny = m <= MAX_M_SPLIT
     block_m = max(16, triton.next_power_of_2(m)) if skinny else 64
