@@ -60,6 +60,11 @@ def test_launch_helpers_are_a_leaf() -> None:
     assert imported(PKG / "pdl.py") == set()
 
 
+def test_graph_capture_is_a_leaf() -> None:
+    """`trtllm_glm.graph_capture` (every CUDA-graph capture of the package) imports nothing of the package."""
+    assert imported(PKG / "graph_capture.py") == set()
+
+
 @pytest.mark.parametrize(
     "sub", ["state", "linear", "quant", "distributed", "attention", "kda", "cache", "models", "speculative"]
 )

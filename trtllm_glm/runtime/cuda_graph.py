@@ -47,6 +47,7 @@ import torch
 
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
+from ..graph_capture import capture_graph
 from ..logits import greedy_pack
 from ..transfer import to_device
 
@@ -417,7 +418,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
             state.discard_pending()
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            with torch.inference_mode(), capture_graph(graph, pool=self.pool):
                 hidden, logits, packed = self._body(P, W)
             state.discard_pending()
         finally:

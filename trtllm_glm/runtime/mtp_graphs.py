@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..attention.graph_check import GraphAddressGuard
+from ..graph_capture import capture_graph
 from ..transfer import to_device
 from .cuda_graph import PADDING_PAST_LEN, PADDING_REQUEST_ID, CudaGraphRunner, padded_batch_size
 
@@ -358,7 +359,7 @@ class MtpChainGraphs:
                     self._prepare_catchup([], [], [], P, W)
                 with self._scope():
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.runner.pool):
+                    with capture_graph(graph, pool=self.runner.pool):
                         out = self._body(key)
                     guard = GraphAddressGuard()
                     guard.capture(meta)

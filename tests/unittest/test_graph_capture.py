@@ -1,0 +1,113 @@
+"""`trtllm_glm.graph_capture.capture_graph` on the CPU, with torch's capture calls replaced by recorders: the
+garbage collector runs before the capture and is held off during it; a failed capture ends its pool's recording
+and still raises. The GPU twin (`test_graph_capture_gpu.py`) captures for real."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+from trtllm_glm import graph_capture
+from trtllm_glm.graph_capture import capture_graph, end_pool_recording
+
+pytestmark = pytest.mark.cpu_only
+
+
+class _Finalized:
+    """Sits in a reference cycle; records when the collector frees it."""
+
+    log: list[str] = []
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        _Finalized.log.append("freed")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's capture calls as recorders: ``events`` lists what happened, in order."""
+    events: list[tuple] = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None):
+        events.append(("begin", pool, gc.isenabled()))
+        yield
+        if getattr(graph, "fail_at_end", False):  # what capture_end does after an invalidated capture
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+        events.append(("end", pool))
+
+    ends: list[tuple[int, tuple[int, int]]] = []
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: ends.append((d, p)), raising=False)
+    return events, ends
+
+
+class _Graph:
+    fail_at_end = False
+
+
+def test_collects_before_and_holds_the_collector_off_during_the_capture(fake_cuda) -> None:
+    events, ends = fake_cuda
+    _Finalized.log.clear()
+    old = gc.get_threshold()
+    gc.set_threshold(1_000_000)  # no automatic collection: only an explicit one frees the cycle
+    try:
+        _Finalized()  # garbage in a cycle: only the collector frees it
+        assert gc.isenabled() and _Finalized.log == []
+        with capture_graph(_Graph(), pool=(0, 7)):
+            assert _Finalized.log == ["freed"]  # freed before the capture began
+            assert not gc.isenabled()
+        assert gc.isenabled()
+    finally:
+        gc.set_threshold(*old)
+    assert events == [("begin", (0, 7), False), ("end", (0, 7))]
+    assert ends == []  # a capture that succeeded leaves the allocator alone
+
+
+def test_a_pool_of_its_own_when_none_is_given(fake_cuda) -> None:
+    events, _ = fake_cuda
+    with capture_graph(_Graph()):
+        pass
+    assert events[0][:2] == ("begin", (0, 99))
+
+
+@pytest.mark.parametrize("where", ["body", "capture_end"])
+def test_a_failed_capture_ends_its_pool_recording_and_raises(fake_cuda, where: str) -> None:
+    events, ends = fake_cuda
+    g = _Graph()
+    g.fail_at_end = where == "capture_end"
+    match = "inside" if where == "body" else "previous error"
+    with pytest.raises(RuntimeError, match=match), capture_graph(g, pool=(0, 5)):
+        if where == "body":
+            raise RuntimeError("raised inside the capture")
+    assert ends == [(3, (0, 5))]
+    assert gc.isenabled()
+
+
+def test_a_disabled_collector_stays_disabled(fake_cuda) -> None:
+    gc.disable()
+    try:
+        with capture_graph(_Graph(), pool=(0, 1)):
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_ending_a_recording_that_is_not_under_way_is_not_an_error(monkeypatch) -> None:
+    def refuse(device, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", refuse, raising=False)
+    assert end_pool_recording(0, (0, 1)) is False
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool", raising=False)
+    monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", raising=False)
+    assert end_pool_recording(0, (0, 1)) is False
+    assert graph_capture.__all__ == ["capture_graph", "end_pool_recording"]

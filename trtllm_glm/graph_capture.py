@@ -1,0 +1,77 @@
+"""CUDA-graph capture that survives the rest of the process: `capture_graph`, the one way the package captures.
+
+Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, both seen on an H200 (2026-12-06,
+`bench_e2e.py` building one executor after another in one process):
+
+* **The cyclic garbage collector runs inside the capture.** Objects of a dropped executor (its CUDA graphs,
+  events, pinned staging) that sit in reference cycles are freed whenever Python's collector happens to run, and
+  that can be in the middle of a capture, where destroying a graph (``cudaGraphExecDestroy``) or freeing pinned
+  memory is not permitted: it invalidates the capture in progress ("operation not permitted when stream is
+  capturing (function reset)", then "operation failed due to a previous error during capture"). torch no longer
+  collects before capturing by default. Here the collector runs once before the capture and is held off during
+  it.
+* **A failed capture leaves the memory pool recording.** ``CUDAGraph.capture_end`` raises before it ends the
+  caching allocator's allocation to the graph's pool, so every later capture into that pool fails with
+  "beginAllocateToPool: already recording to mempool_id" (one failure became four eager batch sizes). Here a
+  failed capture ends that recording, so the next capture starts clean.
+
+The module imports nothing of the package (a leaf), so that any layer may capture through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["capture_graph", "end_pool_recording"]
+
+
+def end_pool_recording(device: int, pool: tuple[int, int]) -> bool:
+    """End the caching allocator's allocation to ``pool`` on ``device`` (after a failed capture).
+
+    Returns:
+        True if a recording was ended; False if none was under way (or this torch has no such call).
+    """
+    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
+        fn = getattr(torch._C, name, None)
+        if fn is None:
+            continue
+        try:
+            fn(device, pool)
+        except RuntimeError:  # "not currently recording": the capture failed before it began allocating
+            return False
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def capture_graph(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None, stream: torch.cuda.Stream | None = None
+) -> Iterator[None]:
+    """``torch.cuda.graph(graph, pool, stream)`` with the garbage collector run before and held off during the
+    capture, and the pool's recording ended if the capture fails (the exception still propagates).
+
+    Args:
+        graph: the graph to capture into.
+        pool: a ``torch.cuda.graph_pool_handle()`` to share with other graphs, or None (a pool of its own).
+        stream: the capture stream (None: torch's default capture stream).
+    """
+    if pool is None:  # a pool of its own, but one whose id we know (to end its recording after a failure)
+        pool = torch.cuda.graph_pool_handle()
+    gc.collect()  # a dropped executor's graphs and pinned buffers are destroyed now, not inside the capture
+    enabled = gc.isenabled()
+    gc.disable()
+    device = torch.cuda.current_device()
+    ok = False
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            yield
+        ok = True
+    finally:
+        if enabled:
+            gc.enable()
+        if not ok:
+            end_pool_recording(device, pool)
