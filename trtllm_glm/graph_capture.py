@@ -10,10 +10,12 @@ Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, bot
   capturing (function reset)", then "operation failed due to a previous error during capture"). torch no longer
   collects before capturing by default. Here the collector runs once before the capture and is held off during
   it.
-* **A failed capture leaves the memory pool recording.** ``CUDAGraph.capture_end`` raises before it ends the
-  caching allocator's allocation to the graph's pool, so every later capture into that pool fails with
-  "beginAllocateToPool: already recording to mempool_id" (one failure became four eager batch sizes). Here a
-  failed capture ends that recording, so the next capture starts clean.
+* **A failed capture poisons its memory pool and leaves the capture stream current.** ``CUDAGraph.capture_end``
+  raises before it ends the caching allocator's allocation to the graph's pool, and torch 2.11 refuses every
+  later capture into that pool ("beginAllocateToPool: already recording to mempool_id"; one failure became four
+  eager batch sizes), even once that recording is ended (checked on an H100, 2026-12-06); ``torch.cuda.graph``
+  also skips restoring the stream that was current. Here a failed capture ends the recording, restores the
+  stream and raises `GraphCaptureError`, which tells the caller to capture the next graph into a fresh pool.
 
 The module imports nothing of the package (a leaf), so that any layer may capture through it.
 """
@@ -26,7 +28,12 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["capture_graph", "end_pool_recording"]
+__all__ = ["GraphCaptureError", "capture_graph", "end_pool_recording"]
+
+
+class GraphCaptureError(RuntimeError):
+    """A CUDA-graph capture failed. Its memory pool can take no further capture: capture the next graph into a
+    fresh ``torch.cuda.graph_pool_handle()`` (graphs captured into the pool before stay valid)."""
 
 
 def end_pool_recording(device: int, pool: tuple[int, int]) -> bool:
@@ -52,7 +59,8 @@ def capture_graph(
     graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None, stream: torch.cuda.Stream | None = None
 ) -> Iterator[None]:
     """``torch.cuda.graph(graph, pool, stream)`` with the garbage collector run before and held off during the
-    capture, and the pool's recording ended if the capture fails (the exception still propagates).
+    capture; a failed capture ends the pool's recording, restores the current stream and raises
+    `GraphCaptureError` (from the original exception).
 
     Args:
         graph: the graph to capture into.
@@ -65,13 +73,14 @@ def capture_graph(
     enabled = gc.isenabled()
     gc.disable()
     device = torch.cuda.current_device()
-    ok = False
+    current = torch.cuda.current_stream(device)
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
-        ok = True
+    except Exception as e:
+        end_pool_recording(device, pool)
+        torch.cuda.set_stream(current)  # torch.cuda.graph leaves its capture stream current when capture_end raises
+        raise GraphCaptureError(f"CUDA graph capture failed: {type(e).__name__}: {e}") from e
     finally:
         if enabled:
             gc.enable()
-        if not ok:
-            end_pool_recording(device, pool)

@@ -1,6 +1,7 @@
 """`trtllm_glm.graph_capture.capture_graph` on the CPU, with torch's capture calls replaced by recorders: the
-garbage collector runs before the capture and is held off during it; a failed capture ends its pool's recording
-and still raises. The GPU twin (`test_graph_capture_gpu.py`) captures for real."""
+garbage collector runs before the capture and is held off during it; a failed capture ends its pool's recording,
+restores the current stream and raises `GraphCaptureError`, after which the graph runner captures into a fresh
+pool. The GPU twin (`test_graph_capture_gpu.py`) captures for real."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from trtllm_glm import graph_capture
-from trtllm_glm.graph_capture import capture_graph, end_pool_recording
+from trtllm_glm.graph_capture import GraphCaptureError, capture_graph, end_pool_recording
+from trtllm_glm.runtime.cuda_graph import CudaGraphRunner, GraphStats
 
 pytestmark = pytest.mark.cpu_only
 
@@ -36,16 +38,21 @@ def fake_cuda(monkeypatch):
     @contextlib.contextmanager
     def fake_graph(graph, pool=None, stream=None):
         events.append(("begin", pool, gc.isenabled()))
+        current[0] = "capture stream"  # as torch.cuda.graph makes its capture stream current
         yield
         if getattr(graph, "fail_at_end", False):  # what capture_end does after an invalidated capture
             raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         events.append(("end", pool))
 
     ends: list[tuple[int, tuple[int, int]]] = []
+    current = ["the caller's stream"]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: current.__setitem__(0, s))
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: ends.append((d, p)), raising=False)
+    fake_graph.current = current
     return events, ends
 
 
@@ -79,16 +86,44 @@ def test_a_pool_of_its_own_when_none_is_given(fake_cuda) -> None:
 
 
 @pytest.mark.parametrize("where", ["body", "capture_end"])
-def test_a_failed_capture_ends_its_pool_recording_and_raises(fake_cuda, where: str) -> None:
+def test_a_failed_capture_ends_its_pool_recording_restores_the_stream_and_raises(fake_cuda, where: str) -> None:
     events, ends = fake_cuda
     g = _Graph()
     g.fail_at_end = where == "capture_end"
     match = "inside" if where == "body" else "previous error"
-    with pytest.raises(RuntimeError, match=match), capture_graph(g, pool=(0, 5)):
+    with pytest.raises(GraphCaptureError, match=match) as info, capture_graph(g, pool=(0, 5)):
         if where == "body":
             raise RuntimeError("raised inside the capture")
+    assert isinstance(info.value.__cause__, RuntimeError)
     assert ends == [(3, (0, 5))]
+    assert torch.cuda.current_stream() == "the caller's stream"
     assert gc.isenabled()
+
+
+def _runner(pool) -> CudaGraphRunner:
+    """A runner with just what `_try_capture` touches (no model, no device)."""
+    r = CudaGraphRunner.__new__(CudaGraphRunner)
+    r.pool, r.stats = pool, GraphStats()
+    r.manager = type("M", (), {"state": type("S", (), {"discard_pending": lambda self: None})()})()
+    return r
+
+
+@pytest.mark.parametrize("error", [GraphCaptureError("capture failed"), RuntimeError("warm-up failed")])
+def test_the_runner_captures_into_a_fresh_pool_after_a_failed_capture(monkeypatch, error) -> None:
+    r = _runner((0, 5))
+
+    def fail(key):
+        raise error
+
+    monkeypatch.setattr(r, "capture", fail)
+    assert r._try_capture((2, 1)) is False
+    assert (2, 1) in r.stats.failed
+    if isinstance(error, GraphCaptureError):  # the pool takes no further capture: a fresh one next
+        assert r.pool is None
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 6))
+        assert r.capture_pool() == (0, 6)
+    else:  # failed before capturing (e.g. the warm-up): the pool is fine
+        assert r.pool == (0, 5)
 
 
 def test_a_disabled_collector_stays_disabled(fake_cuda) -> None:
@@ -110,4 +145,4 @@ def test_ending_a_recording_that_is_not_under_way_is_not_an_error(monkeypatch) -
     monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool", raising=False)
     monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", raising=False)
     assert end_pool_recording(0, (0, 1)) is False
-    assert graph_capture.__all__ == ["capture_graph", "end_pool_recording"]
+    assert graph_capture.__all__ == ["GraphCaptureError", "capture_graph", "end_pool_recording"]

@@ -3,9 +3,10 @@
 * Dropped CUDA graphs held in reference cycles, with the collector set to run at almost every allocation: a capture
   through `capture_graph` succeeds (the collector frees them before the capture and is held off during it). Through
   plain ``torch.cuda.graph`` the collector may destroy them mid-capture, which invalidates the capture.
-* A capture that fails (a host synchronisation inside it) is followed by a capture into the same pool, which
-  succeeds and replays correctly; without ending the failed capture's recording it fails with "already recording
-  to mempool_id".
+* A capture that fails (a host synchronisation inside it) raises `GraphCaptureError` with the caller's stream
+  current again, and the next capture (into a fresh pool, as the error asks) succeeds and replays correctly.
+  Plain ``torch.cuda.graph`` leaves its capture stream current, and a capture into the failed one's pool is
+  refused ("already recording to mempool_id"; H100, torch 2.11, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from trtllm_glm.graph_capture import capture_graph
+from trtllm_glm.graph_capture import GraphCaptureError, capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -53,20 +54,65 @@ def test_capture_survives_dropped_graphs_and_an_eager_collector() -> None:
     assert torch.equal(y, x * 2.0)
 
 
-def test_a_failed_capture_does_not_poison_the_next_one_in_its_pool() -> None:
+def test_a_failed_capture_restores_the_stream_and_the_next_capture_succeeds() -> None:
     pool = torch.cuda.graph_pool_handle()
     x = torch.randn(1000, device="cuda")
+    caller = torch.cuda.current_stream()
     bad = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError), capture_graph(bad, pool=pool):
+    with pytest.raises(GraphCaptureError), capture_graph(bad, pool=pool):
         torch.mul(x, 3.0)
         torch.cuda.synchronize()  # not permitted while capturing: the capture fails
+    assert torch.cuda.current_stream() == caller
+    assert not torch.cuda.is_current_stream_capturing()
     del bad
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with capture_graph(g, pool=pool):
+    with capture_graph(g, pool=torch.cuda.graph_pool_handle()):
         y = x * 2.0  # allocated from the pool
     x.copy_(torch.randn_like(x))
     y.fill_(float("nan"))
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, x * 2.0)
+
+
+def test_an_executor_captures_every_other_size_after_one_capture_fails() -> None:
+    """The failure seen on the H200: one size's capture fails; the sizes captured after it must still capture (a
+    fresh pool), and greedy tokens with the graphs equal an eager executor's."""
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+    from trtllm_glm.runtime.sampling import SamplingParams
+
+    model = Glm5NextForCausalLM.from_pretrained("small", dtype="float32", device="cuda").eval()
+
+    def make(graphs: CudaGraphConfig | None) -> Executor:
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
+                             max_seq_len=256, cuda_graph_config=graphs)  # fmt: skip
+        return Executor(model, cfg)
+
+    ex = make(CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True))
+    runner = ex.graph_runner
+    body = runner._body
+
+    def failing_body(P: int, W: int):
+        out = body(P, W)
+        if P == 2 and torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: this size's capture fails
+        return out
+
+    runner._body = failing_body
+    ex.capture_cuda_graphs()
+    runner._body = body
+    assert (2, 1) in runner.stats.failed and "GraphCaptureError" in runner.stats.failed[(2, 1)]
+    assert {(1, 1), (4, 1)} <= set(runner.graphs)  # (4, 1) was captured after the failure
+    prompts = [list(b"def add(a, b):\n    return a + b\n"), list(b"import os\nimport sys\n"), list(b"for i in ra")]
+
+    def tokens(e: Executor) -> list[list[int]]:
+        reqs = [e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        while e.has_work:
+            e.step()
+        return [r.output_ids for r in reqs]
+
+    assert tokens(ex) == tokens(make(None))
+    assert runner.stats.replays > 0

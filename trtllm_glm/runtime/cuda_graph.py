@@ -47,7 +47,7 @@ import torch
 
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
-from ..graph_capture import capture_graph
+from ..graph_capture import GraphCaptureError, capture_graph
 from ..logits import greedy_pack
 from ..transfer import to_device
 
@@ -361,9 +361,22 @@ class CudaGraphRunner:
         except Exception as e:  # noqa: BLE001 - any capture failure must leave the step runnable eagerly
             self.stats.failed[key] = f"{type(e).__name__}: {e}"
             self.manager.state.discard_pending()
+            self.drop_pool_after(e)
             logger.warning("CUDA graph capture of (batch %d, width %d) failed, running it eagerly: %s", *key, e)
             return False
         return True
+
+    def capture_pool(self) -> Any:
+        """The memory pool the graphs share (made on first use, and again after a capture failed in it)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+    def drop_pool_after(self, error: BaseException) -> None:
+        """After a failed capture: a `GraphCaptureError` means the pool takes no further capture, so the next
+        one gets a fresh pool (the graphs captured into the old one keep it alive)."""
+        if isinstance(error, GraphCaptureError):
+            self.pool = None
 
     def startup_keys(self, max_size: dict[int, int] | None = None) -> list[tuple[int, int]]:
         """The ``(size, width)`` keys `capture_all` captures: every captured size of every width, except sizes
@@ -403,8 +416,7 @@ class CudaGraphRunner:
         torch.cuda.empty_cache()
         pool_before = torch.cuda.memory_reserved(self.device)
         self._inputs.zero_()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        pool = self.capture_pool()
         meta.graph_max_pools = meta.graph_pool_capacity
         try:
             self._prepare([], P, W)
@@ -418,7 +430,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize(self.device)
             state.discard_pending()
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), capture_graph(graph, pool=self.pool):
+            with torch.inference_mode(), capture_graph(graph, pool=pool):
                 hidden, logits, packed = self._body(P, W)
             state.discard_pending()
         finally:

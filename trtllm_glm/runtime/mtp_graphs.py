@@ -195,6 +195,7 @@ class MtpChainGraphs:
                 self._capture(key)
             except Exception as e:  # noqa: BLE001 - the step then runs eagerly
                 self.failed[key] = f"{type(e).__name__}: {e}"
+                self.runner.drop_pool_after(e)
                 logger.warning("CUDA graph capture of the MTP %s graph %s failed: %s", key[0], key[1:], e)
                 return None
         return key
@@ -359,7 +360,7 @@ class MtpChainGraphs:
                     self._prepare_catchup([], [], [], P, W)
                 with self._scope():
                     graph = torch.cuda.CUDAGraph()
-                    with capture_graph(graph, pool=self.runner.pool):
+                    with capture_graph(graph, pool=self.runner.capture_pool()):
                         out = self._body(key)
                     guard = GraphAddressGuard()
                     guard.capture(meta)
