@@ -1,8 +1,8 @@
 """`capture_graph` on a GPU: the two hazards it exists for, reproduced.
 
-* Dropped CUDA graphs held in reference cycles, with the collector set to run at almost every allocation: a capture
-  through `capture_graph` succeeds (the collector frees them before the capture and is held off during it). Through
-  plain ``torch.cuda.graph`` the collector may destroy them mid-capture, which invalidates the capture.
+* Dropped CUDA graphs held in reference cycles and a collection in the middle of the capture: through
+  `capture_graph` the capture succeeds (the collector freed them before it began). Through plain
+  ``torch.cuda.graph`` the collection destroys them mid-capture, which invalidates the capture.
 * A capture that fails (a host synchronisation inside it) raises `GraphCaptureError` with the caller's stream
   current again, and the next capture (into a fresh pool, as the error asks) succeeds and replays correctly.
   Plain ``torch.cuda.graph`` leaves its capture stream current, and a capture into the failed one's pool is
@@ -32,21 +32,19 @@ def _garbage_graphs(n: int) -> None:
         cycle.append(cycle)
 
 
-def test_capture_survives_dropped_graphs_and_an_eager_collector() -> None:
+def test_capture_survives_dropped_graphs_collected_mid_capture() -> None:
     x = torch.randn(1000, device="cuda")
     y = torch.empty_like(x)
     torch.cuda.synchronize()
-    _garbage_graphs(4)
-    old = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
+    gc.disable()  # the dropped graphs stay uncollected until the capture runs the collector
     try:
+        _garbage_graphs(4)
         g = torch.cuda.CUDAGraph()
         with capture_graph(g):
-            junk = [[i] for i in range(200)]  # container allocations: the collector would run here
             torch.mul(x, 2.0, out=y)
-            del junk
+            gc.collect()  # a collection at this moment (an automatic one would run here if the collector were on)
     finally:
-        gc.set_threshold(*old)
+        gc.enable()
     y.fill_(float("nan"))
     x.copy_(torch.randn_like(x))
     g.replay()
