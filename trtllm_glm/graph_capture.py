@@ -1,7 +1,8 @@
 """CUDA-graph capture that survives the rest of the process: `capture_graph`, the one way the package captures.
 
-Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, both seen on an H200 (2026-12-06,
-`bench_e2e.py` building one executor after another in one process):
+Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, seen on an H200 (2026-12-06,
+`bench_e2e.py` building one executor after another in one process; the first inferred from its warnings, the
+second reproduced on an H100):
 
 * **The cyclic garbage collector runs inside the capture.** Objects of a dropped executor (its CUDA graphs,
   events, pinned staging) that sit in reference cycles are freed whenever Python's collector happens to run, and
@@ -9,7 +10,9 @@ Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, bot
   memory is not permitted: it invalidates the capture in progress ("operation not permitted when stream is
   capturing (function reset)", then "operation failed due to a previous error during capture"). torch no longer
   collects before capturing by default. Here the collector runs once before the capture and is held off during
-  it.
+  it. A full collection walks every object of the process (~120 ms with the server imported, on the CPU here);
+  `capture_session` (start-up: many captures in a row) collects once and freezes what is alive, so each capture's
+  collection walks only what was made since (~1 us).
 * **A failed capture poisons its memory pool and leaves the capture stream current.** ``CUDAGraph.capture_end``
   raises before it ends the caching allocator's allocation to the graph's pool, and torch 2.11 refuses every
   later capture into that pool ("beginAllocateToPool: already recording to mempool_id"; one failure became four
@@ -28,7 +31,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["GraphCaptureError", "capture_graph", "end_pool_recording"]
+__all__ = ["GraphCaptureError", "capture_graph", "capture_session", "end_pool_recording"]
 
 
 class GraphCaptureError(RuntimeError):
@@ -42,16 +45,35 @@ def end_pool_recording(device: int, pool: tuple[int, int]) -> bool:
     Returns:
         True if a recording was ended; False if none was under way (or this torch has no such call).
     """
-    for name in ("_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool"):
-        fn = getattr(torch._C, name, None)
-        if fn is None:
-            continue
-        try:
-            fn(device, pool)
-        except RuntimeError:  # "not currently recording": the capture failed before it began allocating
-            return False
-        return True
-    return False
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)  # torch >= 2.6 (CUDA and CPU builds)
+    if end is None:
+        return False
+    try:
+        end(device, pool)
+    except RuntimeError:  # "not currently recording": the capture failed before it began allocating
+        return False
+    return True
+
+
+_sessions = 0
+
+
+@contextlib.contextmanager
+def capture_session() -> Iterator[None]:
+    """Many captures in a row: one full collection now, then the objects alive are frozen (``gc.freeze``) so
+    that each `capture_graph` inside collects only what was made since; unfrozen when the outermost session
+    ends (sessions nest)."""
+    global _sessions
+    if _sessions == 0:
+        gc.collect()
+        gc.freeze()
+    _sessions += 1
+    try:
+        yield
+    finally:
+        _sessions -= 1
+        if _sessions == 0:
+            gc.unfreeze()
 
 
 @contextlib.contextmanager
@@ -70,6 +92,7 @@ def capture_graph(
     if pool is None:  # a pool of its own, but one whose id we know (to end its recording after a failure)
         pool = torch.cuda.graph_pool_handle()
     gc.collect()  # a dropped executor's graphs and pinned buffers are destroyed now, not inside the capture
+    # (inside a `capture_session` this walks only the objects made since the session began)
     enabled = gc.isenabled()
     gc.disable()
     device = torch.cuda.current_device()

@@ -11,8 +11,7 @@ import gc
 import pytest
 import torch
 
-from trtllm_glm import graph_capture
-from trtllm_glm.graph_capture import GraphCaptureError, capture_graph, end_pool_recording
+from trtllm_glm.graph_capture import GraphCaptureError, capture_graph, capture_session, end_pool_recording
 from trtllm_glm.runtime.cuda_graph import CudaGraphRunner, GraphStats
 
 pytestmark = pytest.mark.cpu_only
@@ -52,7 +51,6 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: ends.append((d, p)), raising=False)
-    fake_graph.current = current
     return events, ends
 
 
@@ -143,6 +141,19 @@ def test_ending_a_recording_that_is_not_under_way_is_not_an_error(monkeypatch) -
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", refuse, raising=False)
     assert end_pool_recording(0, (0, 1)) is False
     monkeypatch.delattr(torch._C, "_cuda_endAllocateToPool", raising=False)
-    monkeypatch.delattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", raising=False)
     assert end_pool_recording(0, (0, 1)) is False
-    assert graph_capture.__all__ == ["GraphCaptureError", "capture_graph", "end_pool_recording"]
+
+
+def test_a_session_freezes_what_is_alive_and_captures_still_free_garbage_made_inside_it(fake_cuda) -> None:
+    _Finalized.log.clear()
+    assert gc.get_freeze_count() == 0
+    with capture_session():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0  # the process's objects: each capture's collection skips them
+        with capture_session():  # nested (the MTP graphs inside an executor's start-up): still frozen
+            pass
+        assert gc.get_freeze_count() == frozen
+        _Finalized()  # garbage made after the freeze: a capture's collection still frees it
+        with capture_graph(_Graph(), pool=(0, 2)):
+            assert _Finalized.log == ["freed"]
+    assert gc.get_freeze_count() == 0

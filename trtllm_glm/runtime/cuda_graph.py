@@ -47,7 +47,7 @@ import torch
 
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
-from ..graph_capture import GraphCaptureError, capture_graph
+from ..graph_capture import GraphCaptureError, capture_graph, capture_session
 from ..logits import greedy_pack
 from ..transfer import to_device
 
@@ -388,9 +388,10 @@ class CudaGraphRunner:
         """Capture `startup_keys` now (start-up), rather than on first use (emulation: nothing to do)."""
         if self.emulate:
             return
-        for key in self.startup_keys(max_size):
-            if key not in self.graphs and key not in self.stats.failed:
-                self._try_capture(key)
+        with capture_session():
+            for key in self.startup_keys(max_size):
+                if key not in self.graphs and key not in self.stats.failed:
+                    self._try_capture(key)
 
     def _body(self, P: int, W: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step's forward, logits, greedy choice and, for a verify step, acceptance and KDA commit."""

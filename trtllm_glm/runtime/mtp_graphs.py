@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..attention.graph_check import GraphAddressGuard
-from ..graph_capture import capture_graph
+from ..graph_capture import capture_graph, capture_session
 from ..transfer import to_device
 from .cuda_graph import PADDING_PAST_LEN, PADDING_REQUEST_ID, CudaGraphRunner, padded_batch_size
 
@@ -184,8 +184,9 @@ class MtpChainGraphs:
         ~0.1-0.5 s each at real geometry)."""
         if not self.runner.enabled or self.runner.emulate:
             return
-        for key in self.startup_keys(max_wide_size):
-            self._ready(key)
+        with capture_session():
+            for key in self.startup_keys(max_wide_size):
+                self._ready(key)
 
     def _ready(self, key: GraphKey) -> GraphKey | None:
         if key in self.failed:
