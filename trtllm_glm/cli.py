@@ -414,7 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--indexer-key-dtype", choices=["fp8", "bf16"], default="fp8",
         help="precision of the cached indexer keys (default fp8; bf16: closer to the reference, 2x their bytes)",
     )  # fmt: skip
-    g.add_argument("--max-num-tokens", type=int, default=512, metavar="N", help="token rows per step (default 512)")
+    g.add_argument(
+        "--max-num-tokens", type=int, default=None, metavar="N",
+        help="token rows per step (default: 8192, smaller where memory is short)",
+    )  # fmt: skip
     g.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="prompt + output limit (default 2048)")
     g.add_argument(
         "--prefill-chunk-size", type=int, default=None, metavar="N", help="cap on a prefill chunk (default: none)"

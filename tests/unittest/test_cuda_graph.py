@@ -39,7 +39,7 @@ pytestmark = pytest.mark.cpu_only
 # Config and padding plan
 def test_config_defaults_and_sizes() -> None:
     c = CudaGraphConfig()
-    assert (c.batch_sizes, c.max_batch_size, c.enable_padding) == (None, 0, False)
+    assert (c.batch_sizes, c.max_batch_size, c.enable_padding) == (None, 0, True)
     assert default_batch_sizes(16) == [1, 2, 4, 8, 16]
     assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert default_batch_sizes(3) == [1, 2, 3]

@@ -171,3 +171,9 @@ def test_imports_run_downward(sub: str, forbidden: tuple[str, ...]) -> None:
 
 def test_circle_finder_finds_a_circle() -> None:
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_compile_counter_is_a_leaf() -> None:
+    """`trtllm_glm.jit_compiles` (counting Triton compiles for the warm-up and the benchmarks) imports nothing of
+    the package."""
+    assert imported(PKG / "jit_compiles.py") == set()

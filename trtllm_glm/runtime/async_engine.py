@@ -32,6 +32,7 @@ from typing import Any
 from .output import OutputProcessor
 from .request import Request
 from .sampling import Logprob, SamplingParams
+from .step_log import RequestTiming, StepLog, now
 
 __all__ = [
     "AsyncEngine",
@@ -164,6 +165,7 @@ class _Track:
     arrival: float
     consumed: int = 0  # output tokens already processed
     first_token_t: float | None = None
+    delivered_t: float | None = None  # the first token's flush
     last_token_t: float | None = None
     # Speculative counters already exported to the metrics.
     seen_rounds: int = 0
@@ -187,9 +189,15 @@ class AsyncEngine:
             ``llm.generate`` while the engine runs).
         max_queue_size: generations that may wait beyond the running batch before `submit` refuses.
         metrics: where to record: the server's `ServeMetrics` (default: nothing is recorded).
+        step_log: a `StepLog` to attach to the executor (every step, and each request's time to its first
+            token split into queue, prefill and delivery; runtime/step_log.py). ``None``: none.
+
+    Times are ``time.perf_counter`` seconds (the step log's clock).
     """
 
-    def __init__(self, llm: Any, *, max_queue_size: int = 64, metrics: Any | None = None) -> None:
+    def __init__(
+        self, llm: Any, *, max_queue_size: int = 64, metrics: Any | None = None, step_log: StepLog | None = None
+    ) -> None:
         if not isinstance(max_queue_size, int) or max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an int >= 0, got {max_queue_size!r}")
         self.llm = llm
@@ -197,6 +205,12 @@ class AsyncEngine:
         self.tokenizer = llm.tokenizer
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.max_queue_size = max_queue_size
+        self.step_log = step_log
+        if step_log is not None:
+            self.executor.step_log = step_log
+            step_log.delivered_by_engine = True
+        self._first_delivered: list[_Track] = []  # tracks whose first token is in the outbox
+        self._retired: list[_Track] = []  # finished tracks whose timing the step log records at the flush
         self.capacity = self.executor.cfg.max_batch_size + max_queue_size
         self.max_seq_len: int = self.executor.max_seq_len
         self.vocab_size: int = self.executor.config.vocab_size
@@ -300,7 +314,7 @@ class AsyncEngine:
                     f"(max_batch_size {self.executor.cfg.max_batch_size} + max_queue_size {self.max_queue_size})"
                 )
             self._live += n
-            self._inbox.append(("add", stream, list(requests), fut, time.monotonic()))
+            self._inbox.append(("add", stream, list(requests), fut, now()))
             self._cv.notify_all()
         try:
             await fut
@@ -423,10 +437,10 @@ class AsyncEngine:
 
     def _collect(self) -> None:
         """Turn every live request's new tokens into deltas; retire the finished ones."""
-        now = time.monotonic()
+        t_now = now()
         for t in list(self._tracks.values()):
             try:
-                self._collect_one(t, now)
+                self._collect_one(t, t_now)
             except Exception as e:  # noqa: BLE001 - one bad request must not stop the others
                 log.exception("output processing failed for request %d", t.req.request_id)
                 self._fail_track(t, f"output processing failed: {type(e).__name__}: {e}")
@@ -450,7 +464,7 @@ class AsyncEngine:
         if d.token_ids:
             if t.first_token_t is None:
                 t.first_token_t = now
-                self.metrics.ttft.observe(now - t.arrival)
+                self._first_delivered.append(t)
             elif t.last_token_t is not None:
                 self.metrics.itl.observe(now - t.last_token_t)
             t.last_token_t = now
@@ -489,7 +503,7 @@ class AsyncEngine:
             return
         if not t.req.finished:
             self.executor.abort_request(t.req.request_id)
-        self._finish(t, Delta(index=t.index, num_prompt_tokens=len(t.req.prompt_ids)), reason, time.monotonic())
+        self._finish(t, Delta(index=t.index, num_prompt_tokens=len(t.req.prompt_ids)), reason, now())
 
     def _fail_track(self, t: _Track, message: str) -> None:
         if t.done:
@@ -500,7 +514,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the executor may be inconsistent after the failure
                 log.exception("abort after a failure raised for request %d", t.req.request_id)
         d = Delta(index=t.index, num_prompt_tokens=len(t.req.prompt_ids), error=message)
-        self._finish(t, d, "error", time.monotonic())
+        self._finish(t, d, "error", now())
 
     def _finish(self, t: _Track, d: Delta, reason: str, now: float) -> None:
         t.done = True
@@ -513,6 +527,10 @@ class AsyncEngine:
             self._streams.pop(id(t.stream), None)
         self.metrics.requests_finished.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe(now - t.arrival)
+        if t.first_token_t is not None:
+            self.metrics.decode_time.observe(now - t.first_token_t)
+        if self.step_log is not None:
+            self._retired.append(t)  # recorded at the flush that delivers its last delta
         with self._cv:
             self._live -= 1
             self._cv.notify_all()
@@ -529,6 +547,27 @@ class AsyncEngine:
         for stream, deltas in box.values():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
                 stream._loop.call_soon_threadsafe(stream._deliver, deltas)
+        if self._first_delivered:
+            # TTFT ends here (the token is on its caller's loop); its parts: queue (arrival to admission),
+            # prefill (admission to the step that produced it being read back), delivery (to this flush).
+            t_now = now()
+            m = self.metrics
+            for t in self._first_delivered:
+                t.delivered_t = t_now
+                m.ttft.observe(t_now - t.arrival)
+                r = t.req
+                if r.t_admitted is not None:
+                    m.queue_time.observe(max(0.0, r.t_admitted - t.arrival))
+                    if r.t_first_token is not None:
+                        m.prefill_time.observe(r.t_first_token - r.t_admitted)
+                if r.t_first_token is not None:
+                    m.delivery_time.observe(t_now - r.t_first_token)
+            self._first_delivered = []
+        if self._retired:
+            assert self.step_log is not None
+            for t in self._retired:
+                self.step_log.add_request(RequestTiming.of(t.req, arrival=t.arrival, delivered=t.delivered_t))
+            self._retired = []
 
     def _export_gauges(self) -> None:
         ex = self.executor

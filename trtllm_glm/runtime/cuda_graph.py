@@ -89,7 +89,9 @@ class CudaGraphConfig:
         batch_sizes: batch sizes to capture; ``None``: `default_batch_sizes` of ``max_batch_size``.
         max_batch_size: largest size captured when ``batch_sizes`` is None (0: the executor's
             ``max_batch_size``). With ``batch_sizes`` given it is their maximum.
-        enable_padding: pad a batch to the next captured size (otherwise only exact sizes replay).
+        enable_padding: pad a batch to the next captured size (otherwise only exact sizes replay). On by default
+            (TensorRT-LLM's default is off): a served batch's size moves with every arrival and finish, and a size
+            that was not captured runs eagerly, at several times a replay's host time.
 
     Sizes above the executor's ``max_batch_size``, or whose rows (``size * width``) exceed its
     ``max_num_tokens``, are dropped for that executor. Graphs only run on CUDA; elsewhere the config is
@@ -98,7 +100,7 @@ class CudaGraphConfig:
 
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
-    enable_padding: bool = False
+    enable_padding: bool = True
 
     def __post_init__(self) -> None:
         mbs = self.max_batch_size

@@ -34,6 +34,7 @@ from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
 from .scheduler import ScheduledSeq, Scheduler
+from .step_log import RequestTiming, StepLog, StepRecord, now, step_kind
 
 __all__ = ["Executor", "ExecutorConfig"]
 
@@ -166,6 +167,10 @@ class Executor:
         # The overlap scheduler's launched-but-unread step (`_InFlight`) and how many steps it launched ahead.
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0
+        # Opt-in record of every step and request (runtime/step_log.py); None: nothing is recorded.
+        self.step_log: StepLog | None = None
+        # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
+        self._launched: tuple[list[ScheduledSeq], bool, bool] | None = None
         self.prefix: PrefixCache | None = None
         if cfg.enable_block_reuse:
             self.prefix = PrefixCache(
@@ -226,7 +231,7 @@ class Executor:
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + rid)
-        req = Request(rid, list(prompt_ids), params, arrival=next(self._arrivals), generator=gen)
+        req = Request(rid, list(prompt_ids), params, arrival=next(self._arrivals), generator=gen, t_queued=now())
         self.waiting.append(req)
         return req
 
@@ -245,14 +250,43 @@ class Executor:
 
         With the overlap scheduler a steady decode step may be left running when this returns; the next
         call launches the step after it and only then reads it back (its finished requests return then).
+        With a `step_log` attached, the step's `StepRecord` is stored (a call that only reads a step back
+        launches nothing and records nothing).
         """
+        log = self.step_log
+        if log is None:
+            return self._run_step()
+        token = log.begin_step(self.device)
+        self._launched = None
+        finished = self._run_step()
+        if self._launched is not None:
+            plan, graph, ahead = self._launched
+            n_dec = sum(1 for s in plan if s.is_decode)
+            prefill_rows = sum(s.num_rows for s in plan if not s.is_decode)
+            verify = any(s.is_decode and s.num_rows > 1 for s in plan)
+            rec = StepRecord(
+                index=self.num_steps, kind=step_kind(n_dec, len(plan) - n_dec, verify), num_seqs=len(plan),
+                decode_seqs=n_dec, prefill_seqs=len(plan) - n_dec, rows=sum(s.num_rows for s in plan),
+                prefill_rows=prefill_rows, graph=graph, overlapped=ahead, t_start=0.0,
+            )  # fmt: skip
+            log.end_step(token, rec)
+        if not log.delivered_by_engine:
+            for r in finished:
+                log.add_request(RequestTiming.of(r))
+        return finished
+
+    def _run_step(self) -> list[Request]:
         if self._inflight is not None:
             return self._step_overlapped()
         plan = self._plan(self._decode_widths())
         if not plan:
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
         self.num_steps += 1
+        for s in plan:
+            if not s.is_decode and s.request.t_first_token is None:
+                s.request.num_prefill_steps += 1
         rows = self._forward(plan)
+        self._launched = (plan, self._step_out is not None, False)
         if self._step_out is not None and self._may_launch_ahead(plan):
             assert self.graph_runner is not None
             out = self._choose_tokens(plan, self._step_out)
@@ -309,6 +343,7 @@ class Executor:
                     out = self._choose_tokens(plan, self.graph_runner.replay_chained(key, plan, cur.out))
                 nxt = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
                 self.num_overlapped_steps += 1
+                self._launched = (plan, True, True)
         self._inflight = nxt
         cur.out._host = cur.results.wait()
         self._step_out = cur.out
@@ -414,9 +449,12 @@ class Executor:
                     break
                 planned.append(s)
             if victim is None:
+                t_admit = now() if admitted else 0.0
                 for r in admitted:
                     self.waiting.remove(r)
                     r.state = RequestState.RUNNING
+                    if r.t_admitted is None:
+                        r.t_admitted = t_admit
                     self.running.append(r)
                     if self.prefix is not None:
                         self.prefix.admitted(r)
@@ -649,6 +687,8 @@ class Executor:
         p = req.params
         if logits is not None and p.logprobs is not None:
             lps = token_logprobs(logits[: len(tokens)], tokens, p.logprobs)
+        if req.t_first_token is None and tokens:
+            req.t_first_token = now()
         for i, (t, gp) in enumerate(zip(tokens, gaps)):
             req.tokens.append(int(t))
             req.logit_gaps.append(float(gp))

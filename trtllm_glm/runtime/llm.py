@@ -7,7 +7,7 @@ import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,9 +24,11 @@ from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
 from .request import Request
 from .sampling import Logprob, SamplingParams
+from .sizing import StepSizes, resolve_step_sizes
 from .speculative_executor import SpeculativeExecutor
 from .tokenizer import load_tokenizer
 from .validation import InvalidRequestError, check_prompt_ids, check_request, check_text
+from .warmup import WarmupReport, warm_up
 
 __all__ = [
     "AUTO_BATCH_INVARIANT",
@@ -177,8 +179,11 @@ class LLM:
         model: a preset name (``"tiny"``: the embedded seeded tiny model), a checkpoint directory, or a
             `Glm5NextForCausalLM` already built (its device and dtype are used as they are).
         kv_cache_config: paged cache sizing.
-        max_batch_size: sequences per step.
-        max_num_tokens: flat rows per step (prefill chunks are cut to fit).
+        max_batch_size: sequences per step. ``None`` (default): 64, halved (down to 8) while the caches and a
+            prefill chunk's buffers do not fit the device's free memory (`trtllm_glm.runtime.sizing`).
+        max_num_tokens: flat rows per step (prefill chunks are cut to fit). ``None`` (default): 8,192 (TensorRT-LLM's
+            default), halved (down to 512) while it does not fit, before the batch is. A value given is kept, and
+            one that cannot fit is refused with the estimate and what is free.
         max_seq_len: longest prompt + output.
         dtype: parameter dtype (default: the checkpoint's ``torch_dtype``); block-FP8 weights stay FP8.
         quantization: how weights are held (vLLM's name): ``None`` / ``"auto"``, a block-FP8 checkpoint's
@@ -218,6 +223,11 @@ class LLM:
             shape, CUDA graphs are captured in it): the last LLM built in a process sets it. Spawned workers of a
             parallel LLM get the same value.
 
+        warmup: on CUDA, run every kind of step a served batch can take once while the LLM is built (prefill
+            widths, mixed steps, a full batch, growing contexts, sampling: `trtllm_glm.runtime.warmup`), so that no
+            Triton kernel compiles while serving. Ignored on the CPU (nothing compiles there) and, for now, by a
+            parallel LLM. ``llm.warmup_report`` says what it ran.
+
     A parallel LLM holds processes and process groups: call `shutdown` (or use ``with LLM(...) as llm:``).
     """
 
@@ -226,8 +236,8 @@ class LLM:
         model: str | os.PathLike[str] | Glm5NextForCausalLM,
         *,
         kv_cache_config: KvCacheConfig | None = None,
-        max_batch_size: int = 8,
-        max_num_tokens: int = 512,
+        max_batch_size: int | None = None,
+        max_num_tokens: int | None = None,
         max_seq_len: int = 2048,
         dtype: str | torch.dtype | None = None,
         quantization: str | None = None,
@@ -243,10 +253,13 @@ class LLM:
         moe_expert_parallel_size: int | None = None,
         moe_tensor_parallel_size: int | None = None,
         batch_invariant: bool | None = None,
+        warmup: bool = True,
         _spawned_rank: tuple[int, int] | None = None,
     ) -> None:
         if not isinstance(disable_overlap_scheduler, bool):
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
+        if not isinstance(warmup, bool):
+            raise TypeError(f"warmup must be a bool, got {warmup!r}")
         self.batch_invariant = resolve_batch_invariant(batch_invariant)
         # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
         init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}
@@ -254,6 +267,8 @@ class LLM:
         for name, value in (
             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens), ("max_seq_len", max_seq_len),
         ):  # fmt: skip
+            if value is None and name != "max_seq_len":
+                continue  # sized at start-up (`resolve_step_sizes`)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if max_seq_len < 2:
@@ -294,6 +309,8 @@ class LLM:
         self.config = self.model.config
         self.tokenizer = tokenizer or load_tokenizer(model, self.config)
         max_seq_len = min(max_seq_len, self.config.max_position_embeddings)
+        self.step_sizes = self._step_sizes(max_batch_size, max_num_tokens, max_seq_len, kv)
+        max_batch_size, max_num_tokens = self.step_sizes.max_batch_size, self.step_sizes.max_num_tokens
         self.executor_config = ExecutorConfig(
             tokens_per_block=kv.tokens_per_block,
             max_tokens=kv.max_tokens or max_batch_size * max_seq_len,
@@ -322,6 +339,9 @@ class LLM:
             # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
             self.executor.capture_cuda_graphs()
             graphs_s = time.perf_counter() - t_graphs
+            self.warmup_report: WarmupReport | None = None
+            if warmup and torch.device(self.device).type == "cuda" and not self.mapping.is_parallel:
+                self.warmup_report = warm_up(self.executor, seed=seed)
             if self.mapping.is_parallel:
                 from .ranks import install_lockstep
 
@@ -437,6 +457,28 @@ class LLM:
     def worker_pids(self) -> list[int]:
         """Process ids of the ranks this LLM started (empty on one device or under torchrun)."""
         return self._ranks.pids if self._ranks is not None else []
+
+    def _step_sizes(
+        self, max_batch_size: int | None, max_num_tokens: int | None, max_seq_len: int, kv: KvCacheConfig
+    ) -> StepSizes:
+        """The batch and token budget (`resolve_step_sizes`); the ranks of a parallel LLM agree on the smallest."""
+        sizes = resolve_step_sizes(
+            self.config, self.device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+            max_seq_len=max_seq_len, tokens_per_block=kv.tokens_per_block, kv_max_tokens=kv.max_tokens,
+            dtype=next(self.model.parameters()).dtype,  # the executor's activation and cache dtype
+            indexer_key_dtype=kv.indexer_key_dtype,
+        )  # fmt: skip
+        if self.mapping.is_parallel and sizes.auto:
+            # Every rank must run the same steps: take the smallest automatic sizes over the world.
+            got = self.comm.gather_ints([sizes.max_batch_size, sizes.max_num_tokens])
+            b, n = min(g[0] for g in got), min(g[1] for g in got)
+            sizes = replace(
+                sizes,
+                max_batch_size=b,
+                max_num_tokens=n,
+                reduced=sizes.reduced or (b, n) != (sizes.max_batch_size, sizes.max_num_tokens),
+            )
+        return sizes
 
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:

@@ -70,6 +70,12 @@ class Request:
     pages_sealed: int = 0
     # The ids that finish this request (`SamplingParams.stop_ids` with the model's EOS), set on first use.
     stop_id_set: set[int] | None = field(default=None, repr=False)
+    # Where its time went (``time.perf_counter`` seconds; `trtllm_glm.runtime.step_log.RequestTiming`): queued
+    # by ``add_request``, first admitted, first output token read back; prefill steps before that token.
+    t_queued: float = 0.0
+    t_admitted: float | None = None
+    t_first_token: float | None = None
+    num_prefill_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -21,6 +21,7 @@ Example::
       batch_sizes: [1, 2, 4, 8, 16, 32]
       enable_padding: true
     disable_overlap_scheduler: false  # default: decode steps overlap the host's work (graphs only)
+    warmup: true                  # default: run every step shape once at start-up (CUDA: no compiles later)
     batch_invariant: true         # bit-exact speculation (docs/numerics.md); default null: auto
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
@@ -46,10 +47,13 @@ SPECULATIVE_TYPES = {"mtp": "MTPDecodingConfig", "ngram": "NGramDecodingConfig"}
 _FIXED_KEYS = {"enable_chunked_prefill": True}
 # Keys that cannot come from a YAML file.
 _NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
-_INT_KEYS = {"max_batch_size", "max_num_tokens", "max_seq_len", "seed", "tensor_parallel_size"}
-_OPTIONAL_INT_KEYS = {"prefill_chunk_size", "num_threads", "moe_expert_parallel_size", "moe_tensor_parallel_size"}
+_INT_KEYS = {"max_seq_len", "seed", "tensor_parallel_size"}
+_OPTIONAL_INT_KEYS = {
+    "max_batch_size", "max_num_tokens", "prefill_chunk_size", "num_threads", "moe_expert_parallel_size",
+    "moe_tensor_parallel_size",
+}  # fmt: skip
 _OPTIONAL_STR_KEYS = {"dtype", "device", "quantization"}
-_BOOL_KEYS = {"disable_overlap_scheduler"}
+_BOOL_KEYS = {"disable_overlap_scheduler", "warmup"}
 _OPTIONAL_BOOL_KEYS = {"batch_invariant"}
 
 

@@ -31,5 +31,10 @@ class AsyncEngine(_RuntimeEngine):
     """`trtllm_glm.runtime.async_engine.AsyncEngine` with ``metrics`` defaulting to a new `ServeMetrics`
     (its own registry), which ``/metrics`` renders."""
 
-    def __init__(self, llm: Any, *, max_queue_size: int = 64, metrics: ServeMetrics | None = None) -> None:
-        super().__init__(llm, max_queue_size=max_queue_size, metrics=metrics if metrics is not None else ServeMetrics())
+    def __init__(
+        self, llm: Any, *, max_queue_size: int = 64, metrics: ServeMetrics | None = None, step_log: Any = None
+    ) -> None:
+        super().__init__(
+            llm, max_queue_size=max_queue_size, metrics=metrics if metrics is not None else ServeMetrics(),
+            step_log=step_log,
+        )  # fmt: skip

@@ -62,6 +62,23 @@ class ServeMetrics:
             p + "e2e_request_latency_seconds", "Submission to the end of the request.", buckets=_E2E_BUCKETS,
             registry=r,
         )  # fmt: skip
+        self.queue_time = Histogram(
+            p + "request_queue_time_seconds", "Submission to admission into the running batch (TTFT's first part).",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prefill_time = Histogram(
+            p + "request_prefill_time_seconds", "Admission to the step that produced the first token being read "
+            "back (TTFT's second part: prefill steps and the steps around them).", buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.delivery_time = Histogram(
+            p + "request_first_token_delivery_seconds", "First token read back to handed to the request's stream "
+            "(TTFT's third part: output processing and the engine loop's other work).", buckets=_TTFT_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.decode_time = Histogram(
+            p + "request_decode_time_seconds", "First token to the end of the request.", buckets=_E2E_BUCKETS,
+            registry=r,
+        )  # fmt: skip
         self.running = Gauge(p + "num_requests_running", "Requests in the executor's running batch.", registry=r)
         self.waiting = Gauge(
             p + "num_requests_waiting", "Queue depth: accepted requests not running yet (incl. preempted).", registry=r

@@ -52,7 +52,10 @@ def make_app(
     t0 = time.perf_counter()
     llm = LLM(model=model, **(llm_options or {}))
     engine = AsyncEngine(llm, max_queue_size=max_queue_size)
-    for line in describe_engine(engine, model, time.perf_counter() - t0):
+    lines = describe_engine(engine, model, time.perf_counter() - t0)
+    if getattr(llm, "warmup_report", None) is not None:
+        lines.append(llm.warmup_report.describe())
+    for line in lines:
         log.info("%s", line)
     return build_app(
         engine, served_model_name=served_model_name or os.fspath(model), chat_template=template,
@@ -77,6 +80,7 @@ def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None
     runner = getattr(ex, "graph_runner", None)
     graphs = "off" if runner is None else f"{len(runner.graphs)} captured at start-up"
     mgr = ex.manager
+    sizes = getattr(llm, "step_sizes", None)
     loaded = f" in {load_s:.1f} s" if load_s is not None else ""
     return [
         f"model {os.fspath(model)}{loaded}: {params / 1e6:.1f}M parameters, {dtype}, on {llm.device}, "
@@ -85,9 +89,14 @@ def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None
         f"speculative decoding: {spec_s}",
         f"CUDA graphs: {graphs}; overlap scheduler {'on' if cfg.overlap_scheduler else 'off'}; batch-invariant "
         f"numerics {'on' if getattr(llm, 'batch_invariant', False) else 'off'}",
-        f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_batch_size {cfg.max_batch_size}, "
-        f"max_seq_len {ex.max_seq_len}, max_num_tokens {cfg.max_num_tokens}, queue {engine.max_queue_size}; "
-        f"prefix caching {'on' if ex.prefix is not None else 'off'}",
+        f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_seq_len {ex.max_seq_len}, queue "
+        f"{engine.max_queue_size}; prefix caching {'on' if ex.prefix is not None else 'off'}",
+        "step sizes: "
+        + (
+            sizes.describe()
+            if sizes is not None
+            else f"max_batch_size {cfg.max_batch_size}, max_num_tokens {cfg.max_num_tokens}"
+        ),
     ]
 
 

@@ -1,0 +1,118 @@
+"""Serving defaults (issue 42): the token budget and batch sized against memory, graph padding on, and the
+start-up warm-up that leaves the executor as it was built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_glm import LLM, SamplingParams
+from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.errors import CheckpointError
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+from trtllm_glm.runtime.sizing import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_NUM_TOKENS,
+    MIN_AUTO_BATCH_SIZE,
+    MIN_AUTO_NUM_TOKENS,
+    resolve_step_sizes,
+)
+from trtllm_glm.runtime.step_log import StepLog
+from trtllm_glm.runtime.warmup import length_ladder, warm_up
+
+pytestmark = pytest.mark.cpu_only
+
+REAL = Glm5NextConfig.from_pretrained("glm-5.3-flash")
+
+
+def sizes(free: int | None, **kw):
+    args = dict(max_batch_size=None, max_num_tokens=None, max_seq_len=2048, tokens_per_block=64, kv_max_tokens=None,
+                dtype=torch.bfloat16)  # fmt: skip
+    args.update(kw)
+    return resolve_step_sizes(REAL, "cuda", free=free, **args)
+
+
+def test_defaults_are_serving_sizes_when_memory_allows() -> None:
+    s = sizes(1 << 40)
+    assert (s.max_batch_size, s.max_num_tokens, s.reduced) == (DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_NUM_TOKENS, False)
+    assert s.auto == ("max_batch_size", "max_num_tokens")
+    # Unknown free memory: the defaults as they are (the executor's own check still runs).
+    assert (sizes(None).max_batch_size, sizes(None).max_num_tokens) == (64, 8192)
+
+
+def test_defaults_shrink_token_budget_first_then_batch() -> None:
+    """The real model's 64 state slots and 8K-row chunk need ~14 GiB: with less free, the budget halves first,
+    then the batch; the result fits the planned share of memory."""
+    full = sizes(1 << 40).estimate_bytes
+    s = sizes(int(full / 0.85) - 4096)  # just short of the defaults: one halving of the budget fits
+    assert (s.reduced, s.max_batch_size, s.max_num_tokens) == (True, 64, 4096)
+    assert s.estimate_bytes <= full
+    tight = sizes(6 << 30)
+    assert tight.max_num_tokens == MIN_AUTO_NUM_TOKENS and tight.max_batch_size < 64
+    assert tight.estimate_bytes <= 0.85 * (6 << 30)
+    # Nothing fits: the floor is returned and the executor's check refuses it with the numbers.
+    floor = sizes(1 << 20)
+    assert (floor.max_batch_size, floor.max_num_tokens) == (MIN_AUTO_BATCH_SIZE, MIN_AUTO_NUM_TOKENS)
+    assert "reduced to fit" in floor.describe()
+
+
+def test_values_given_are_kept() -> None:
+    s = sizes(1 << 20, max_batch_size=4, max_num_tokens=100)
+    assert (s.max_batch_size, s.max_num_tokens, s.auto, s.reduced) == (4, 100, (), False)
+    # Only the automatic one moves.
+    s = sizes(6 << 30, max_num_tokens=8192)
+    assert s.max_num_tokens == 8192 and s.max_batch_size < 64 and s.auto == ("max_batch_size",)
+
+
+def test_llm_defaults_and_refusal() -> None:
+    llm = LLM("tiny", device="cpu", max_seq_len=256)
+    cfg = llm.executor.cfg
+    assert (cfg.max_batch_size, cfg.max_num_tokens) == (64, 8192)
+    assert "auto" in llm.step_sizes.describe()
+    # Two 192-token prompts prefill side by side: up to their last page boundary (prefix caching's checkpoint
+    # there) in one step, the rest in a second (512-row steps before: 16 prompts of 512 tokens took 16 steps).
+    llm.executor.step_log = log = StepLog()
+    llm.generate([[5] * 192, [6] * 192], SamplingParams(max_tokens=1, temperature=0.0))
+    steps, _ = log.snapshot()
+    assert [(s.rows, s.prefill_seqs) for s in steps] == [(352, 2), (32, 2)]
+    # An explicit size that cannot fit is refused at start-up with the estimate.
+    with pytest.raises(CheckpointError, match="GiB"):
+        LLM("tiny", device="cpu", max_seq_len=256, max_batch_size=2, max_num_tokens=1 << 28)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        LLM("tiny", device="cpu", max_num_tokens=0)
+    with pytest.raises(TypeError, match="warmup"):
+        LLM("tiny", device="cpu", warmup=1)
+
+
+def test_graph_padding_is_on_by_default() -> None:
+    assert CudaGraphConfig().enable_padding is True
+
+
+def test_length_ladder_meets_every_specialisation() -> None:
+    lad = length_ladder(100)
+    assert lad[:16] == list(range(1, 17)) and lad[-1] == 100
+    assert {31, 32, 33, 63, 64, 65} <= set(lad) and 127 not in lad
+    assert length_ladder(1) == [1] and length_ladder(0) == []
+
+
+def test_warm_up_leaves_the_executor_as_built() -> None:
+    """After the warm-up: no request, page or slot held, counters as before, prefix cache untouched, and the next
+    requests generate exactly what a fresh executor generates."""
+    kw = dict(device="cpu", max_seq_len=96, max_batch_size=4, max_num_tokens=40)
+    llm = LLM("tiny", **kw)
+    fresh = LLM("tiny", **kw)
+    ex = llm.executor
+    free_pages, free_slots = ex.manager.num_free_pages, ex.manager.num_free_slots
+    rep = warm_up(ex)
+    assert rep.requests > 20 and rep.steps > rep.requests and not rep.skipped and rep.compiles == 0
+    assert not ex.has_work and ex.num_steps == 0 and ex.num_preemptions == 0
+    assert (ex.manager.num_free_pages, ex.manager.num_free_slots) == (free_pages, free_slots)
+    assert ex.prefix is not None and ex.prefix.stats.queries == 0 and len(ex.prefix.store) == 0
+    prompts = [[9, 8, 7, 6, 5] * 7, [3, 1, 4, 1, 5, 9, 2, 6]]
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == [
+        o.outputs[0].token_ids for o in fresh.generate(prompts, p)
+    ]
+    with pytest.raises(RuntimeError, match="idle"):
+        ex.add_request([1, 2], p)
+        warm_up(ex)

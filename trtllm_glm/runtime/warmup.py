@@ -1,0 +1,190 @@
+"""Start-up warm-up: run every kind of step a served batch can take, so that no kernel compiles while serving.
+
+Triton compiles a kernel the first time it meets a new specialisation: a new ``tl.constexpr`` (block sizes
+chosen from a row count or a context length), an integer argument that newly is 1 or a multiple of 16. On a GPU
+that first launch stalls the step for hundreds of milliseconds or more, and a served step meets new shapes all
+the time (each prompt length, each mix of decode and prefill rows, each context length). CUDA graphs cover the
+decode and verify steps of the captured batch sizes; `warm_up` covers the rest by running synthetic requests
+through the executor itself (the same code path as serving):
+
+1. prefill widths alone: one prompt of every length of a ladder (1..16, then each power of two and its
+   neighbours, then the token budget), each decoded a step;
+2. mixed steps: the same ladder of prompt chunks beside a request that is decoding;
+3. a full batch: ``max_batch_size`` short prompts at once, decoded together;
+4. contexts: a prompt at each power of two beyond the budget up to ``max_seq_len`` (chunked prefill at growing
+   contexts; the indexer's top-k widths follow the context);
+5. sampling: seeded temperature / top-p / top-k requests and logprobs.
+
+Prefix caching is detached while it runs (its pages and checkpoints would only hold synthetic prompts) and the
+executor's step counters are restored afterwards, so that the first served request finds the executor as it
+was built. `WarmupReport.compiles` counts the Triton compilations it caused (0 on the CPU, where kernels are
+interpreted or not used).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..jit_compiles import CompileCounter
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .executor import Executor
+
+__all__ = ["WarmupReport", "warm_up", "length_ladder"]
+
+log = logging.getLogger("trtllm_glm")
+
+
+def length_ladder(n_max: int) -> list[int]:
+    """Row counts that meet every specialisation a kernel can take from a count up to ``n_max``: 1..16 (the small
+    tiles and the value 1), each power of two with its neighbours (block sizes from ``next_power_of_2``, multiples
+    of 16 and not), and ``n_max`` itself."""
+    if n_max < 1:
+        return []
+    out = set(range(1, min(16, n_max) + 1))
+    p = 16
+    while p <= 2 * n_max:
+        out.update(x for x in (p - 1, p, p + 1) if 1 <= x <= n_max)
+        p *= 2
+    out.add(n_max)
+    return sorted(out)
+
+
+@dataclass
+class WarmupReport:
+    """What the warm-up ran.
+
+    Attributes:
+        requests: synthetic requests run.
+        steps: executor steps.
+        seconds: wall time.
+        compiles: Triton kernels compiled during it (one per new specialisation).
+        kernels: their names (qualified, with the specialisation), in order.
+        skipped: phases left out for the time limit.
+    """
+
+    requests: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    compiles: int = 0
+    kernels: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        """One start-up log line."""
+        s = (
+            f"warm-up: {self.requests} requests, {self.steps} steps in {self.seconds:.1f} s, "
+            f"{self.compiles} kernels compiled"
+        )
+        return s + (f" (skipped for time: {', '.join(self.skipped)})" if self.skipped else "")
+
+
+def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> WarmupReport:
+    """Run the synthetic workload of the module docstring through ``ex`` and restore its counters.
+
+    Args:
+        ex: an idle executor (no request waiting or running).
+        time_limit_s: phases not started by then are skipped (and named in the report).
+        seed: seed of the synthetic prompts and samples.
+
+    Returns:
+        The `WarmupReport`.
+
+    Raises:
+        RuntimeError: ``ex`` has requests.
+    """
+    if ex.has_work:
+        raise RuntimeError("warm_up needs an idle executor (requests are waiting or running)")
+    rep = WarmupReport()
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)
+    vocab = ex.config.vocab_size
+    N, B, S = ex.cfg.max_num_tokens, ex.cfg.max_batch_size, ex.max_seq_len
+    counters = {k: getattr(ex, k) for k in ("num_steps", "num_preemptions", "num_overlapped_steps")}
+    spec_counters = {k: getattr(ex, k) for k in ("num_unspeculated_rounds",) if hasattr(ex, k)}
+    runner = ex.graph_runner
+    eager0 = runner.stats.eager_steps if runner is not None else 0
+    replays0 = runner.stats.replays if runner is not None else 0
+    prefix, ex.prefix = ex.prefix, None
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def run() -> None:
+        while ex.has_work:
+            ex.step()
+            rep.steps += 1
+
+    def add(n: int, params: SamplingParams) -> None:
+        ex.add_request(prompt(n), params)
+        rep.requests += 1
+
+    def phase_alone() -> None:
+        for n in length_ladder(min(N, S - 2)):
+            add(n, greedy(2))
+            run()
+
+    def phase_mixed() -> None:
+        lens = length_ladder(min(N - 1, S - 2))
+        if not lens:
+            return
+        add(1, greedy(min(len(lens) * 3 + 2, S - 2)))  # decodes beside every chunk below
+        ex.step()
+        rep.steps += 1
+        for n in lens:
+            add(n, greedy(1))
+            ex.step()  # the decode row and the new prompt's chunk in one step
+            rep.steps += 1
+        run()
+
+    def phase_batch() -> None:
+        for i in range(B):
+            add(1 + i % 8, greedy(3))
+        run()
+
+    def phase_contexts() -> None:
+        p = 1 << max(N, 1).bit_length()
+        while p + 1 <= S - 2:
+            add(p + 1, greedy(2))
+            run()
+            p *= 2
+        if S - 2 > N:
+            add(S - 2, greedy(1))
+            run()
+
+    def phase_sampling() -> None:
+        for i, extra in enumerate(({"top_p": 0.9}, {"top_k": 8}, {"logprobs": 2}, {})):
+            add(3 + i, SamplingParams(max_tokens=3, temperature=0.7, seed=seed + i, ignore_eos=True, **extra))
+        run()
+
+    phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
+              ("contexts", phase_contexts), ("sampling", phase_sampling)]  # fmt: skip
+    try:
+        with CompileCounter() as cc, torch.inference_mode():
+            for name, fn in phases:
+                if time.perf_counter() - t0 > time_limit_s:
+                    rep.skipped.append(name)
+                    continue
+                fn()
+        rep.compiles, rep.kernels = cc.count, list(cc.names)
+    finally:
+        # Whatever happened, hand the executor back idle and as it was built.
+        for r in list(ex.waiting) + list(ex.running):
+            ex.abort_request(r.request_id)
+        ex.prefix = prefix
+        for k, v in {**counters, **spec_counters}.items():
+            setattr(ex, k, v)
+        if runner is not None:
+            runner.stats.eager_steps, runner.stats.replays = eager0, replays0
+    rep.seconds = time.perf_counter() - t0
+    log.info("%s", rep.describe())
+    return rep
