@@ -1,21 +1,36 @@
-"""Load generator for ``trtllm-glm serve``: throughput and TTFT / ITL / TPOT / E2E percentiles.
+"""Load generator for ``trtllm-glm serve``: throughput, TTFT / ITL / TPOT / E2E percentiles, goodput, and where
+the time to first token goes.
 
-Bounded by construction: loopback only (127.0.0.0/8, ::1, localhost), a fixed number of requests per
-concurrency level and a wall-clock limit per level (outstanding requests are cancelled at the limit).
-Without ``--url`` it starts its own server in-process on 127.0.0.1 and a free port.
+Bounded by construction: loopback only (127.0.0.0/8, ::1, localhost), a fixed number of requests per load level
+and a wall-clock limit per level (outstanding requests are cancelled at the limit). Without ``--url`` it starts
+``trtllm-glm serve`` as a child process on 127.0.0.1 and a free port (the client's Python then never competes
+with the server's for one interpreter), with ``--step-log`` so that each level also reports the server's own
+split of TTFT and its steps; the child is stopped at the end.
 
-Each request streams ``/v1/completions`` (greedy, ``ignore_eos``, fixed ``--max-tokens``) with
-``stream_options.continuous_usage_stats`` so that every engine step that produced tokens is one chunk
-carrying the running token count:
+Workloads (token-id prompts, so lengths are exact and no tokenizer is needed):
 
-- TTFT: request sent to the first chunk with a token.
-- ITL: gaps between consecutive token chunks (one engine step; a speculative step can carry several).
-- TPOT: ``(E2E - TTFT) / (output tokens - 1)`` per request.
-- E2E: request sent to the last byte.
+- ``--input-len I --output-len O``: every request I prompt tokens and exactly O output tokens (``ignore_eos``);
+  prompts are seeded random ids, distinct per request (no prefix is shared).
+- ``--workload FILE``: a JSON-lines file of ``{"input_len", "output_len"}`` per request, used in order and
+  cycled (``benchmarks/workloads/mixed_chat.jsonl``, made by ``benchmarks/make_workload.py``).
+
+Load: ``--concurrency 1,16,64`` (closed loop: that many requests in flight) or ``--request-rate 4,16`` (open
+loop: Poisson arrivals at that many requests per second, seeded; ``inf`` sends all at once).
+
+Per request (streamed ``/v1/completions``, greedy, ``continuous_usage_stats``): TTFT (sent to the first token),
+ITL (gaps between token chunks), TPOT ``(E2E - TTFT) / (tokens - 1)``, E2E. Goodput: requests per second that met
+``--slo-ttft-ms`` and ``--slo-tpot-ms``. With a child server each level also prints the server's TTFT parts
+(p50 of queue, prefill and delivery, from its step log; the rest of the client's TTFT is HTTP and the
+event loop), its steps by kind, and the Triton kernels it compiled during the level (``kernel_compiles_total``;
+the start-up warm-up should leave none).
+
+``--engine-baseline`` (child-server mode): after the levels and with the server stopped, the same model and
+options run the engine alone (``LLM``'s executor, steady decode of ``min(level, max_batch_size)`` requests of
+the same lengths) and each level's row carries ``engine_tok_per_s`` and the ratio of the server's tokens/s to it.
 
 Run (CPU, tiny preset)::
 
-    .venv/bin/python benchmarks/bench_serve.py --model tiny --concurrency 1,8,32
+    .venv/bin/python benchmarks/bench_serve.py --model tiny --concurrency 1,8,32 --input-len 32 --output-len 32
 """
 
 from __future__ import annotations
@@ -26,27 +41,33 @@ import ipaddress
 import json
 import os
 import platform
+import random
 import socket
+import subprocess
 import sys
-import threading
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 
 HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
 class Result:
     ok: bool = False
     error: str = ""
+    sent: float = 0.0
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
+    input_len: int = 0
 
 
 def percentiles(xs: list[float], ps=(50, 90, 99)) -> list[float]:
@@ -75,36 +96,83 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace) -> tuple[str, Any, threading.Thread, Any]:
-    """An in-process server for ``args.model`` on 127.0.0.1 (its engine starts with the app)."""
-    import uvicorn
+# ------------------------------------------------------------------------------------------------
+# Workloads
+def load_workload(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """``(input_len, output_len)`` per request slot (cycled by the levels)."""
+    if args.workload:
+        rows = [json.loads(x) for x in Path(args.workload).read_text().splitlines() if x.strip()]
+        if not rows:
+            raise SystemExit(f"bench_serve: {args.workload} holds no request")
+        return [(int(r["input_len"]), int(r["output_len"])) for r in rows]
+    return [(args.input_len, args.output_len)]
 
-    from trtllm_glm.serve.config import load_llm_options
-    from trtllm_glm.serve.server import make_app
 
-    opts: dict[str, Any] = {"max_batch_size": 32, "max_seq_len": 512}
-    if args.config:
-        opts.update(load_llm_options(args.config))
-    app = make_app(args.model, opts, served_model_name=args.model, max_queue_size=args.max_queue_size)
+def make_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """``n`` random ids in ``[1, vocab)``; the first one per request makes prompts distinct (no shared prefix)."""
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
+# The child server
+def start_child_server(args: argparse.Namespace, step_log: str) -> tuple[str, subprocess.Popen, Path]:
+    """``trtllm-glm serve`` in a child process on a free loopback port; waits for ``/health``."""
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning", lifespan="on"))
-    th = threading.Thread(target=srv.run, name="bench-server", daemon=True)
-    th.start()
-    deadline = time.monotonic() + 120
-    while not srv.started:
-        if not th.is_alive() or time.monotonic() > deadline:
-            raise SystemExit("bench_serve: the server did not start")
-        time.sleep(0.05)
-    return f"http://{HOST}:{port}", srv, th, app
+    log_path = Path(step_log).with_suffix(".server.log")
+    cmd = [sys.executable, "-m", "trtllm_glm.cli", "serve", args.model_path, "--host", HOST, "--port", str(port),
+           "--max-queue-size", str(args.max_queue_size), "--step-log", step_log, "--log-level", "info",
+           "--served-model-name", args.model]  # fmt: skip
+    if args.config:
+        cmd += ["--config", args.config]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(REPO)
+    f = open(log_path, "w", encoding="utf-8")  # noqa: SIM115 - the child writes to it until it exits
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://{HOST}:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"bench_serve: the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return url, proc, log_path
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(
+                f"bench_serve: no /health after {args.start_timeout:.0f} s:\n{log_path.read_text()[-3000:]}"
+            )
+        time.sleep(0.2)
 
 
-async def one_request(c: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+def stop_child_server(proc: subprocess.Popen) -> None:
+    proc.terminate()  # the server drains (nothing is in flight now), then exits
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def metric_value(text: str, name: str) -> float:
+    """Sum of the samples named ``name`` in a Prometheus text page (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name)] in " {"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+async def one_request(c: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Result:
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }  # fmt: skip
-    res = Result()
-    t0 = time.perf_counter()
+    res = Result(input_len=len(prompt))
+    t0 = res.sent = time.perf_counter()
     last = None
     seen = 0
     try:
@@ -137,112 +205,303 @@ async def one_request(c: httpx.AsyncClient, url: str, model: str, prompt: str, m
     return res
 
 
-async def run_level(url: str, args: argparse.Namespace, concurrency: int, n_requests: int) -> dict[str, Any]:
-    prompts = [f"Request {i}: tell me about sparse attention. " * (1 + i % 3) for i in range(n_requests)]
-    sem = asyncio.Semaphore(concurrency)
+async def run_level(
+    url: str, args: argparse.Namespace, load: tuple[str, float], jobs: list[tuple[list[int], int]]
+) -> tuple[dict[str, Any], list[Result]]:
+    """Run ``jobs`` (prompt, output length) under ``load`` (``("concurrency", n)`` or ``("rate", r)``)."""
+    kind, value = load
+    inflight = int(value) if kind == "concurrency" else (args.max_concurrency or len(jobs))
+    sem = asyncio.Semaphore(inflight)
     results: list[Result] = []
-    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    limits = httpx.Limits(max_connections=inflight + 4, max_keepalive_connections=inflight + 4)
+    rng = random.Random(args.seed + 1)
     async with httpx.AsyncClient(timeout=args.time_limit, limits=limits, trust_env=False) as c:
 
-        async def worker(p: str) -> None:
+        async def worker(prompt: list[int], n_out: int) -> None:
             async with sem:
-                results.append(await one_request(c, url, args.model, p, args.max_tokens))
+                results.append(await one_request(c, url, args.model, prompt, n_out))
 
         t0 = time.perf_counter()
-        tasks = [asyncio.ensure_future(worker(p)) for p in prompts]
-        done, pending = await asyncio.wait(tasks, timeout=args.time_limit)
+        tasks = []
+        for prompt, n_out in jobs:
+            if kind == "rate" and value != float("inf") and tasks:
+                await asyncio.sleep(rng.expovariate(value))  # Poisson arrivals
+            tasks.append(asyncio.ensure_future(worker(prompt, n_out)))
+        left = max(0.0, args.time_limit - (time.perf_counter() - t0))
+        done, pending = await asyncio.wait(tasks, timeout=left)
         for t in pending:  # the time limit: cancel what is left (the server aborts those requests)
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - t0
     ok = [r for r in results if r.ok]
     toks = sum(r.tokens for r in ok)
-    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1]
-    return {
-        "concurrency": concurrency, "requests": n_requests, "completed": len(ok),
+    tpot = {id(r): (r.e2e - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1}
+    good = [r for r in ok if r.ttft * 1e3 <= args.slo_ttft_ms and tpot.get(id(r), 0.0) * 1e3 <= args.slo_tpot_ms]
+    itl = [x for r in ok for x in r.itl]
+    row = {
+        "load": kind, "level": value, "requests": len(jobs), "completed": len(ok),
         "failed": len(results) - len(ok), "cancelled": len(pending), "wall_s": wall,
         "req_per_s": len(ok) / wall, "out_tok_per_s": toks / wall,
+        "in_tokens": sum(r.input_len for r in ok), "out_tokens": toks,
         "ttft_ms": [x * 1e3 for x in percentiles([r.ttft for r in ok])],
-        "itl_ms": [x * 1e3 for x in percentiles([x for r in ok for x in r.itl])],
-        "tpot_ms": [x * 1e3 for x in percentiles(tpot)],
+        "itl_ms": [x * 1e3 for x in percentiles(itl)],
+        "tpot_ms": [x * 1e3 for x in percentiles(list(tpot.values()))],
         "e2e_ms": [x * 1e3 for x in percentiles([r.e2e for r in ok])],
+        "goodput_req_per_s": len(good) / wall, "goodput_share": len(good) / max(1, len(jobs)),
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "t_start": t0, "t_end": t0 + wall,
         "errors": sorted({r.error for r in results if not r.ok})[:3],
     }  # fmt: skip
+    if itl:
+        p50 = percentiles(itl, (50,))[0]
+        row["itl_p99_over_p50"] = percentiles(itl, (99,))[0] / p50 if p50 > 0 else float("nan")
+    if ok:
+        p = percentiles([r.ttft for r in ok], (50, 99))
+        row["ttft_p99_over_p50"] = p[1] / p[0] if p[0] > 0 else float("nan")
+    return row, results
 
 
+# ------------------------------------------------------------------------------------------------
+# The server's own account (its step log)
+def server_split(step_log: Path, t0: float, t1: float) -> dict[str, Any]:
+    """TTFT parts of the requests that arrived in ``[t0, t1]`` and the steps that began then (the step log's
+    clock is ``perf_counter``: CLOCK_MONOTONIC, the same in every process of the machine)."""
+    reqs, steps = [], []
+    for line in step_log.read_text().splitlines():
+        obj = json.loads(line)
+        if "request" in obj and t0 <= obj["request"]["arrival"] <= t1:
+            reqs.append(obj["request"])
+        elif "step" in obj and t0 <= obj["step"]["t_start"] <= t1:
+            steps.append(obj["step"])
+    out: dict[str, Any] = {"server_requests": len(reqs)}
+    for part in ("ttft_s", "inbox_s", "schedule_s", "queue_s", "prefill_s", "delivery_s"):
+        xs = [r[part] for r in reqs if r.get(part) is not None]
+        out[f"server_{part[:-2]}_ms"] = [x * 1e3 for x in percentiles(xs)]
+    out["server_prefill_steps_p50"] = percentiles([r["prefill_steps"] for r in reqs], (50,))[0]
+    by_kind: dict[str, int] = {}
+    for s in steps:
+        by_kind[s["kind"]] = by_kind.get(s["kind"], 0) + 1
+    n = max(1, len(steps))
+    gpu = [s["gpu_s"] for s in steps if s.get("gpu_s") is not None]
+    out.update(
+        steps=len(steps), steps_by_kind=by_kind, eager_steps=sum(not s["graph"] for s in steps),
+        overlapped_steps=sum(s["overlapped"] for s in steps),
+        step_host_ms_mean=sum(s["host_s"] for s in steps) / n * 1e3,
+        step_gap_ms_mean=sum(s["gap_s"] for s in steps) / n * 1e3,
+        step_gpu_ms_mean=(sum(gpu) / len(gpu) * 1e3) if gpu else None,
+        rows_per_step_mean=sum(s["rows"] for s in steps) / n,
+    )  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The engine alone (same model and options, server stopped)
+def engine_decode_rate(llm: Any, batch: int, input_len: int, output_len: int, seed: int) -> float:
+    """Steady decode tokens/s of ``batch`` requests through the executor (after every request's first token)."""
+    from trtllm_glm import SamplingParams
+
+    ex = llm.executor
+    rng = random.Random(seed)
+    p = SamplingParams(max_tokens=max(2, output_len), temperature=0.0, ignore_eos=True)
+    reqs = [ex.add_request(make_prompt(rng, input_len, llm.config.vocab_size), p) for _ in range(batch)]
+    while any(r.num_output == 0 for r in reqs):
+        ex.step()
+    _sync(llm)
+    n0, t0 = sum(r.num_output for r in reqs), time.perf_counter()
+    while ex.has_work:
+        ex.step()
+    _sync(llm)
+    return (sum(r.num_output for r in reqs) - n0) / (time.perf_counter() - t0)
+
+
+def _sync(llm: Any) -> None:
+    import torch
+
+    if str(llm.device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------------
 def fmt_row(s: dict[str, Any]) -> str:
     def trio(v: list[float]) -> str:
         return "/".join(f"{x:.1f}" for x in v)
 
-    return (
-        f"{s['concurrency']:>4} {s['completed']:>4}/{s['requests']:<4} {s['wall_s']:7.2f} {s['req_per_s']:7.2f} "
+    lvl = f"c={int(s['level'])}" if s["load"] == "concurrency" else f"r={s['level']:g}"
+    line = (
+        f"{lvl:>6} {s['completed']:>4}/{s['requests']:<4} {s['wall_s']:7.2f} {s['req_per_s']:7.2f} "
         f"{s['out_tok_per_s']:9.1f}  {trio(s['ttft_ms']):>22} {trio(s['itl_ms']):>18} {trio(s['tpot_ms']):>18} "
-        f"{trio(s['e2e_ms']):>24}"
+        f"{trio(s['e2e_ms']):>24} {s['goodput_req_per_s']:7.2f}"
     )
+    if "server_ttft_ms" in s:
+        line += (
+            f"\n       server TTFT p50 {s['server_ttft_ms'][0]:.1f} ms = queue {s['server_queue_ms'][0]:.1f} "
+            f"(inbox {s['server_inbox_ms'][0]:.1f}, schedule {s['server_schedule_ms'][0]:.1f}) + prefill "
+            f"{s['server_prefill_ms'][0]:.1f} ({s['server_prefill_steps_p50']:.0f} steps) + delivery "
+            f"{s['server_delivery_ms'][0]:.1f}; client TTFT p50 {s['ttft_ms'][0]:.1f}"
+            f"\n       steps {s['steps']} {s['steps_by_kind']}, eager {s['eager_steps']}, overlapped "
+            f"{s['overlapped_steps']}, rows/step {s['rows_per_step_mean']:.1f}, host {s['step_host_ms_mean']:.2f} ms"
+            f" + gap {s['step_gap_ms_mean']:.2f} ms"
+            + (f", GPU {s['step_gpu_ms_mean']:.2f} ms" if s.get("step_gpu_ms_mean") is not None else "")
+            + f"; kernels compiled {s.get('kernel_compiles', 'n/a')}"
+        )
+    return line
 
 
-async def main_async(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
+async def main_async(args: argparse.Namespace, url: str, step_log: Path | None) -> list[dict[str, Any]]:
+    shapes = load_workload(args)
+    vocab = args.vocab_size
     async with httpx.AsyncClient(timeout=60, trust_env=False) as c:
         r = await c.get(f"{url}/health")
         if r.status_code != 200:
             raise SystemExit(f"bench_serve: {url}/health answered {r.status_code}")
-        # Warm-up, not measured: a burst at each concurrency level, so that first-use kernel compilation
-        # and autotuning (per batch shape on a GPU) stay out of the measured levels.
-        for conc in args.concurrency:
-            prompts = [f"Request {i}: tell me about sparse attention. " * (1 + i % 3) for i in range(conc)]
-            await asyncio.gather(*(one_request(c, url, args.model, p, min(8, args.max_tokens)) for p in prompts))
     out = []
-    for conc in args.concurrency:
-        n = args.num_requests or max(8, 2 * conc)
-        out.append(await run_level(url, args, conc, n))
-        print(fmt_row(out[-1]), flush=True)
-        if out[-1]["errors"]:
-            print(f"     errors: {out[-1]['errors']}", flush=True)
+    rng = random.Random(args.seed)
+    i = 0
+    for load in args.loads:
+        n = args.num_requests or max(8, 2 * int(load[1] if load[0] == "concurrency" else 8))
+        jobs = []
+        for _ in range(n):
+            il, ol = shapes[i % len(shapes)]
+            jobs.append((make_prompt(rng, il, vocab), ol))
+            i += 1
+        if args.warmup_requests:
+            # Not measured: the level's first requests (connections, the server's first uses of each shape).
+            await run_level(url, args, load, jobs[: min(len(jobs), args.warmup_requests)])
+        before = (await _metrics(url)) if step_log is not None else ""
+        row, _ = await run_level(url, args, load, jobs)
+        if step_log is not None:
+            await asyncio.sleep(0.3)  # the idle engine writes its last steps' GPU times
+            row.update(server_split(step_log, row["t_start"], row["t_end"] + 0.2))
+            after = await _metrics(url)
+            name = "trtllm:kernel_compiles_total"
+            row["kernel_compiles"] = int(metric_value(after, name) - metric_value(before, name))
+        out.append(row)
+        print(fmt_row(row), flush=True)
+        if row["errors"]:
+            print(f"     errors: {row['errors']}", flush=True)
     return out
+
+
+async def _metrics(url: str) -> str:
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as c:
+        return (await c.get(f"{url}/metrics")).text
+
+
+def parse_loads(args: argparse.Namespace) -> list[tuple[str, float]]:
+    if args.request_rate:
+        return [("rate", float(x)) for x in args.request_rate.split(",")]
+    return [("concurrency", float(int(x))) for x in args.concurrency.split(",")]
+
+
+def prepare_model(args: argparse.Namespace, tmp: Path) -> None:
+    """``args.model_path``: the model as given, or a ``--layers`` slice of a preset saved as a checkpoint."""
+    args.model_path = args.model
+    if args.layers is None:
+        return
+    import torch
+
+    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.models.glm5_next import subset_config
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_e2e import random_model  # a slice drawn on the GPU itself, as bench_e2e times it
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    full = Glm5NextConfig.from_pretrained(args.model)
+    cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
+    cfg.num_nextn_predict_layers = max(1, cfg.num_nextn_predict_layers)
+    args.model_path = os.path.join(args.slice_dir, f"{args.model}-{args.layers}l-{args.dtype or 'bfloat16'}")
+    if os.path.isfile(os.path.join(args.model_path, "config.json")):
+        return  # saved by an earlier run (the same seed: the same weights)
+    model = random_model(cfg, dev, args.dtype or "bfloat16", seed=0)
+    model.save_pretrained(args.model_path)
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default=None, help="a running server (loopback only); default: start one in-process")
+    ap.add_argument("--url", default=None, help="a running server (loopback only); default: start one as a child")
     ap.add_argument("--model", default="tiny", help="preset or checkpoint (also the model name sent)")
-    ap.add_argument("--config", default=None, help="LLM options YAML for the in-process server")
-    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels")
+    ap.add_argument("--layers", type=int, default=None, help="serve the preset cut to its first N layers")
+    ap.add_argument("--dtype", default=None, help="dtype of a --layers slice (default: bfloat16)")
+    ap.add_argument("--slice-dir", default=tempfile.gettempdir(), help="where a --layers slice is saved and reused")
+    ap.add_argument("--config", default=None, help="LLM options YAML for the child server (default: its defaults)")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated concurrency levels (closed loop)")
+    ap.add_argument("--request-rate", default=None, help="comma-separated Poisson request rates (req/s); replaces "
+                    "--concurrency")  # fmt: skip
+    ap.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight at a request rate")
     ap.add_argument("--num-requests", type=int, default=0, help="requests per level (default max(8, 2 x level))")
-    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    ap.add_argument("--time-limit", type=float, default=120.0, help="seconds per level before cancelling")
-    ap.add_argument("--max-queue-size", type=int, default=256, help="queue of the in-process server")
+    ap.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (fixed-length workload)")
+    ap.add_argument("--output-len", "--max-tokens", type=int, default=32, help="output tokens per request")
+    ap.add_argument("--workload", default=None, help="JSON lines of {input_len, output_len} (replaces the lengths)")
+    ap.add_argument("--slo-ttft-ms", type=float, default=float("inf"), help="goodput: TTFT at most this")
+    ap.add_argument("--slo-tpot-ms", type=float, default=float("inf"), help="goodput: TPOT at most this")
+    ap.add_argument("--warmup-requests", type=int, default=4, help="unmeasured requests before each level")
+    ap.add_argument("--time-limit", type=float, default=180.0, help="seconds per level before cancelling")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds the child server may take to start")
+    ap.add_argument("--max-queue-size", type=int, default=256, help="queue of the child server")
+    ap.add_argument("--engine-baseline", action="store_true", help="also measure the engine alone (child mode)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
-    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.loads = parse_loads(args)
+    from trtllm_glm.config import Glm5NextConfig, resolve_preset_dir
+
+    args.vocab_size = Glm5NextConfig.from_pretrained(resolve_preset_dir(args.model)).vocab_size
+    tmp = Path(tempfile.mkdtemp(prefix="bench_serve_"))
+    proc = None
+    step_log: Path | None = None
     if args.url:
         check_loopback(args.url)
-        url, srv = args.url.rstrip("/"), None
+        url = args.url.rstrip("/")
         info = f"url={url}"
     else:
-        url, srv, th, app = start_server(args)
-        eng = app.state.engine
-        import torch
-
-        spec = eng.llm.speculative_config
-        info = (f"in-process server: model={args.model} device={eng.llm.device} "
-                f"torch_threads={torch.get_num_threads()} max_batch_size={eng.executor.cfg.max_batch_size} "
-                f"max_seq_len={eng.max_seq_len} speculative={spec!r}")  # fmt: skip
-    print(f"# bench_serve  {time.strftime('%Y-%m-%d %H:%M:%S')}  {platform.node()}  {platform.processor() or ''} "
-          f"cpus={os.cpu_count()}  python={sys.version.split()[0]}")  # fmt: skip
+        prepare_model(args, tmp)
+        step_log = tmp / "steps.jsonl"
+        url, proc, server_log = start_child_server(args, str(step_log))
+        info = f"child server: model={args.model_path} config={args.config or 'defaults'}"
+    print(f"# bench_serve  {time.strftime('%Y-%m-%d %H:%M:%S')}  {platform.node()}  cpus={os.cpu_count()}  "
+          f"python={sys.version.split()[0]}")  # fmt: skip
     print(f"# {info}")
-    print(f"# /v1/completions streaming, greedy, ignore_eos, max_tokens={args.max_tokens}, "
-          f"time limit {args.time_limit:.0f} s per level; percentiles p50/p90/p99 in ms")  # fmt: skip
-    print(f"{'conc':>4} {'done/req':>9} {'wall_s':>7} {'req/s':>7} {'out_tok/s':>9}  {'TTFT p50/p90/p99':>22} "
-          f"{'ITL p50/p90/p99':>18} {'TPOT p50/p90/p99':>18} {'E2E p50/p90/p99':>24}")  # fmt: skip
+    wl = args.workload or f"input {args.input_len} / output {args.output_len} tokens"
+    print(f"# /v1/completions streaming, greedy, ignore_eos, token-id prompts ({wl}); time limit "
+          f"{args.time_limit:.0f} s per level; percentiles p50/p90/p99 in ms; goodput req/s under TTFT <= "
+          f"{args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms")  # fmt: skip
+    print(f"{'level':>6} {'done/req':>9} {'wall_s':>7} {'req/s':>7} {'out_tok/s':>9}  {'TTFT p50/p90/p99':>22} "
+          f"{'ITL p50/p90/p99':>18} {'TPOT p50/p90/p99':>18} {'E2E p50/p90/p99':>24} {'goodput':>7}")  # fmt: skip
+    results: list[dict[str, Any]] = []
+    startup: list[str] = []
     try:
-        results = asyncio.run(main_async(args, url))
+        results = asyncio.run(main_async(args, url, step_log))
     finally:
-        if srv is not None:
-            srv.should_exit = True
-            th.join(timeout=60)
+        if proc is not None:
+            stop_child_server(proc)
+            startup = [x for x in server_log.read_text().splitlines() if "warm-up" in x or "step sizes" in x]
+            for line in startup:
+                print(f"# server: {line.strip()}")
+    if args.engine_baseline and proc is not None:
+        from trtllm_glm import LLM
+        from trtllm_glm.serve.config import load_llm_options
+
+        opts = load_llm_options(args.config) if args.config else {}
+        llm = LLM(args.model_path, **{**opts, "warmup": False})  # the decode graphs are captured; no prefill timed
+        il, ol = load_workload(args)[0]
+        B = llm.executor.cfg.max_batch_size
+        for row in results:
+            b = min(B, int(row["level"])) if row["load"] == "concurrency" else None
+            if b is None:
+                continue
+            row["engine_batch"] = b
+            row["engine_tok_per_s"] = engine_decode_rate(llm, b, il, max(ol, 16), args.seed + 7)
+            row["server_over_engine"] = row["out_tok_per_s"] / row["engine_tok_per_s"]
+            print(f"# engine alone, batch {b}: {row['engine_tok_per_s']:.1f} tok/s; server c={b}: "
+                  f"{row['out_tok_per_s']:.1f} tok/s = {row['server_over_engine']:.2f}x")  # fmt: skip
+        llm.shutdown()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"info": info, "max_tokens": args.max_tokens, "levels": results}, f, indent=2)
+            json.dump({"info": info, "workload": wl, "startup": startup, "levels": results}, f, indent=2)
     return 0 if all(r["failed"] == 0 and r["cancelled"] == 0 for r in results) else 1
 
 

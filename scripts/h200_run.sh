@@ -16,6 +16,10 @@
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   prefix        bench_prefix_workloads on the 4-layer slice
+#   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
+#                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
+#   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
+#                 graph padding off, no warm-up) at concurrency 16
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -72,6 +76,19 @@ for stage in "$@"; do
     prefix)
       timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \
         --json "$O/prefix.json" 2>&1 | tee "$O/prefix.log" ;;
+    serve)
+      timeout "${T_SERVE:-420}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+        --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 --engine-baseline \
+        --json "$O/serve.json" 2>&1 | tee "$O/serve.log"
+      timeout "${T_SERVE_1K:-240}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+        --concurrency 1,16 --input-len 1024 --output-len 128 --num-requests 48 \
+        --json "$O/serve_1k.json" 2>&1 | tee "$O/serve_1k.log" ;;
+    serve_old)
+      printf 'max_batch_size: 8\nmax_num_tokens: 512\nwarmup: false\ncuda_graph_config:\n  enable_padding: false\n' \
+        > /tmp/serve_old.yaml
+      timeout "${T_SERVE_OLD:-300}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+        --config /tmp/serve_old.yaml --concurrency 16 --input-len 30 --output-len 128 --num-requests 64 \
+        --json "$O/serve_old.json" 2>&1 | tee "$O/serve_old.log" ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;

@@ -343,7 +343,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         try:
             app = make_app(
                 args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
-                drain_timeout=args.drain_timeout,
+                drain_timeout=args.drain_timeout, step_log=args.step_log,
             )  # fmt: skip
         except _setup_errors() as e:
             raise UserError(str(e)) from None
@@ -463,6 +463,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="server log level (default info)",
+    )  # fmt: skip
+    s.add_argument(
+        "--step-log", default=None, metavar="FILE",
+        help="append a JSON line per engine step and per request (TTFT split into queue, prefill, delivery)",
     )  # fmt: skip
     _add_parallel_args(s)
     _add_batch_invariant_arg(s)

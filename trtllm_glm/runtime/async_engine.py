@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..jit_compiles import CompileCounter
 from .output import OutputProcessor
 from .request import Request
 from .sampling import Logprob, SamplingParams
@@ -246,6 +247,10 @@ class AsyncEngine:
         # graphs would stall the first requests of each batch size.
         self.executor.capture_cuda_graphs()
         self._accepting = True
+        # Kernels compiled from here on stalled a served step (the start-up warm-up should leave none): counted
+        # in `/metrics` (kernel_compiles_total) and logged.
+        self._compiles = CompileCounter().__enter__()
+        self._compiles_seen = 0
         self._thread = threading.Thread(target=self._run, name="trtllm-glm-engine", daemon=True)
         self._thread.start()
 
@@ -333,6 +338,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
+                if self.step_log is not None and not self.executor.has_work:
+                    self.step_log.flush()  # idle: the last steps' GPU times are known now
                 with self._cv:
                     while not self._inbox and not self.executor.has_work and not self._stop_now:
                         self._cv.wait()
@@ -357,6 +364,8 @@ class AsyncEngine:
                 self._fail_track(t, f"engine loop died: {e!r}")
             self._flush()
         finally:
+            if getattr(self, "_compiles", None) is not None:
+                self._compiles.__exit__(None, None, None)
             with self._cv:
                 self._accepting = False
                 self._cv.notify_all()
@@ -572,6 +581,12 @@ class AsyncEngine:
     def _export_gauges(self) -> None:
         ex = self.executor
         m = self.metrics
+        cc = getattr(self, "_compiles", None)
+        if cc is not None and cc.count > self._compiles_seen:
+            new = cc.names[self._compiles_seen : cc.count]
+            self._compiles_seen += len(new)
+            m.kernel_compiles.inc(len(new))
+            log.warning("compiled %d kernel(s) while serving: %s", len(new), "; ".join(n[:160] for n in new[:4]))
         steps = ex.num_steps - self._last_steps
         if steps > 0:
             m.engine_steps.inc(steps)

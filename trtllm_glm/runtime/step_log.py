@@ -178,7 +178,8 @@ class StepLog:
         # tokens; otherwise the executor records them when requests finish.
         self.delivered_by_engine = False
         self._lock = threading.Lock()
-        self._file: TextIO | None = open(self.path, "a", encoding="utf-8") if self.path else None  # noqa: SIM115
+        # Line-buffered: a reader of the file (bench_serve) sees every record written so far.
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8", buffering=1) if self.path else None  # noqa: SIM115
 
     # ---------------------------------------------------------------------------------------------
     # Steps (the executor)
@@ -228,6 +229,10 @@ class StepLog:
         self._write({"request": {**asdict(timing), **timing.parts()}})
 
     # ---------------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Resolve the pending GPU times (waits for their events: call it when the engine is idle)."""
+        self._resolve_gpu(block=True)
+
     def snapshot(self) -> tuple[list[StepRecord], list[RequestTiming]]:
         """Copies of the stored steps and finished requests' timings (GPU times resolved first when the
         caller is the engine thread at rest: pending events are waited for)."""

@@ -116,6 +116,10 @@ class ServeMetrics:
             p + "prefix_cache_checkpoint_bytes", "Device bytes held by recurrent-state checkpoints.", registry=r
         )
         self.engine_steps = Counter(p + "engine_steps", "Executor steps run.", registry=r)
+        self.kernel_compiles = Counter(
+            p + "kernel_compiles", "Triton kernels compiled after start-up (each one stalled a served step; the "
+            "start-up warm-up should leave none).", registry=r,
+        )  # fmt: skip
         self.step_errors = Counter(
             p + "engine_step_errors", "Executor steps that raised (their requests failed).", registry=r
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 import uvicorn
 
+from ..runtime.step_log import StepLog
 from .app import build_app
 from .chat import load_chat_template
 from .engine import AsyncEngine
@@ -36,6 +37,7 @@ def make_app(
     served_model_name: str | None = None,
     max_queue_size: int = 64,
     drain_timeout: float = 30.0,
+    step_log: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Build the `LLM`, its `AsyncEngine` and the app (the engine starts with the app).
 
@@ -45,13 +47,15 @@ def make_app(
         served_model_name: the name clients use (default: ``model`` as given).
         max_queue_size: generations that may queue beyond the running batch.
         drain_timeout: seconds in-flight requests get at shutdown.
+        step_log: a JSON-lines file for the engine's `StepLog` (every step, each request's TTFT parts).
     """
     from ..runtime.llm import LLM
 
     template = load_chat_template(model)  # a broken template fails before the model is built
     t0 = time.perf_counter()
     llm = LLM(model=model, **(llm_options or {}))
-    engine = AsyncEngine(llm, max_queue_size=max_queue_size)
+    log_ = StepLog(step_log) if step_log is not None else None
+    engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
     lines = describe_engine(engine, model, time.perf_counter() - t0)
     if getattr(llm, "warmup_report", None) is not None:
         lines.append(llm.warmup_report.describe())
