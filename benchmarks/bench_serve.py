@@ -393,11 +393,22 @@ def parse_loads(args: argparse.Namespace) -> list[tuple[str, float]]:
     return [("concurrency", float(int(x))) for x in args.concurrency.split(",")]
 
 
-def prepare_model(args: argparse.Namespace, tmp: Path) -> None:
-    """``args.model_path``: the model as given, or a ``--layers`` slice of a preset saved as a checkpoint."""
+def prepare_model(args: argparse.Namespace) -> None:
+    """``args.model_path``: the model as given, or a ``--layers`` slice of a preset saved as a checkpoint (drawn in
+    a child process, so that this one holds no GPU memory the server needs; reused when already saved)."""
     args.model_path = args.model
     if args.layers is None:
         return
+    args.model_path = os.path.join(args.slice_dir, f"{args.model}-{args.layers}l-{args.dtype or 'bfloat16'}")
+    if os.path.isfile(os.path.join(args.model_path, "config.json")):
+        return  # saved by an earlier run (the same seed: the same weights)
+    cmd = [sys.executable, __file__, "--save-slice", args.model_path, "--model", args.model, "--layers",
+           str(args.layers), "--dtype", args.dtype or "bfloat16"]  # fmt: skip
+    subprocess.run(cmd, check=True)
+
+
+def save_slice(args: argparse.Namespace) -> None:
+    """Draw the ``--layers`` slice of the preset (seed 0, on the GPU when there is one) and save it."""
     import torch
 
     from trtllm_glm.config import Glm5NextConfig
@@ -410,14 +421,7 @@ def prepare_model(args: argparse.Namespace, tmp: Path) -> None:
     full = Glm5NextConfig.from_pretrained(args.model)
     cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
     cfg.num_nextn_predict_layers = max(1, cfg.num_nextn_predict_layers)
-    args.model_path = os.path.join(args.slice_dir, f"{args.model}-{args.layers}l-{args.dtype or 'bfloat16'}")
-    if os.path.isfile(os.path.join(args.model_path, "config.json")):
-        return  # saved by an earlier run (the same seed: the same weights)
-    model = random_model(cfg, dev, args.dtype or "bfloat16", seed=0)
-    model.save_pretrained(args.model_path)
-    del model
-    if dev == "cuda":
-        torch.cuda.empty_cache()
+    random_model(cfg, dev, args.dtype, seed=0).save_pretrained(args.save_slice)
 
 
 def main() -> int:
@@ -445,7 +449,11 @@ def main() -> int:
     ap.add_argument("--engine-baseline", action="store_true", help="also measure the engine alone (child mode)")
     ap.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--save-slice", default=None, help=argparse.SUPPRESS)  # the child process of prepare_model
     args = ap.parse_args()
+    if args.save_slice:
+        save_slice(args)
+        return 0
     args.loads = parse_loads(args)
     from trtllm_glm.config import Glm5NextConfig, resolve_preset_dir
 
@@ -458,7 +466,7 @@ def main() -> int:
         url = args.url.rstrip("/")
         info = f"url={url}"
     else:
-        prepare_model(args, tmp)
+        prepare_model(args)
         step_log = tmp / "steps.jsonl"
         url, proc, server_log = start_child_server(args, str(step_log))
         info = f"child server: model={args.model_path} config={args.config or 'defaults'}"

@@ -49,3 +49,32 @@ def test_request_end_checkpoints_skip_slots_a_launched_ahead_step_wrote(emulated
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     assert got[1].num_cached_tokens == len(first[1].tokens) - 1  # ended on its budget: checkpointed at its end
     assert got[0].num_cached_tokens < len(first[0].tokens) - 1  # a step was launched past its end: not
+
+
+def test_full_batch_overlaps_while_requests_wait(emulated) -> None:  # noqa: F811
+    """A batch at max_batch_size with requests waiting keeps launching steps ahead (none could be admitted until
+    one finishes; a served batch at capacity runs like this), admits the waiting ones once a slot frees, and
+    generates exactly what the plain loop generates."""
+    model = _model()
+    prompts = [[5, 9, 2, 7, 5], [3, 1, 4, 1, 5, 9], [2, 7, 1, 8], [6, 6, 2, 1, 9, 9, 3], [4, 4, 4]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 6, 8, 5, 7)]
+
+    def run(overlap: bool) -> tuple[Executor, list[list[int]]]:
+        cfg = dict(EX_CFG, max_batch_size=2)
+        ex = Executor(model, ExecutorConfig(**cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2]),
+                                            overlap_scheduler=overlap, enable_block_reuse=True))  # fmt: skip
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
+        waited = 0
+        while ex.has_work:
+            before = ex.num_overlapped_steps
+            ex.step()
+            if ex.num_overlapped_steps > before and ex.waiting:
+                waited += 1
+        ex.waited_overlaps = waited  # type: ignore[attr-defined]
+        return ex, [r.output_ids for r in reqs]
+
+    emulated(True)
+    _, want = run(False)
+    ex, got = run(True)
+    assert got == want
+    assert ex.waited_overlaps > 3  # type: ignore[attr-defined]

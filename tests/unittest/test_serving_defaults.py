@@ -89,10 +89,19 @@ def test_graph_padding_is_on_by_default() -> None:
 
 
 def test_length_ladder_meets_every_specialisation() -> None:
+    """Every next-power-of-two bucket up to the budget holds a count that is a multiple of 16 (from 16 on) and one
+    that is not, and 1 is there."""
     lad = length_ladder(100)
-    assert lad[:16] == list(range(1, 17)) and lad[-1] == 100
-    assert {31, 32, 33, 63, 64, 65} <= set(lad) and 127 not in lad
-    assert length_ladder(1) == [1] and length_ladder(0) == []
+    assert lad == [1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 96, 100]
+    for n_max in (1, 5, 100, 8192, 5000):
+        lad = length_ladder(n_max)
+        assert lad[0] == 1 and lad[-1] == n_max and all(1 <= x <= n_max for x in lad)
+        buckets: dict[int, set[bool]] = {}
+        for x in lad:
+            buckets.setdefault(1 << (x - 1).bit_length(), set()).add(x % 16 == 0)
+        for b, kinds in buckets.items():
+            assert b <= 16 or kinds == {True, False}, (n_max, b, kinds)
+    assert length_ladder(0) == []
 
 
 def test_warm_up_leaves_the_executor_as_built() -> None:

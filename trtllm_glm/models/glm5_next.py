@@ -844,11 +844,17 @@ def check_memory(nbytes: int, device: str | torch.device, *, what: str, hint: st
 
 
 def free_bytes(device: str | torch.device) -> int | None:
-    """Free memory of ``device`` in bytes (CUDA: ``mem_get_info``; CPU: ``MemAvailable``), ``None`` if unknown."""
+    """Free memory of ``device`` in bytes, ``None`` if unknown.
+
+    CUDA: the driver's free memory (``mem_get_info``) plus what torch's caching allocator holds reserved but
+    unallocated (freed tensors it keeps for reuse: after loading a checkpoint through staging copies that can be
+    most of the card, which the driver then reports as used); CPU: ``MemAvailable``.
+    """
     dev = torch.device(device)
     free = None
     if dev.type == "cuda" and torch.cuda.is_available():
         free = torch.cuda.mem_get_info(dev)[0]
+        free += max(0, torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
     elif dev.type == "cpu":
         try:
             with open("/proc/meminfo", encoding="ascii") as f:

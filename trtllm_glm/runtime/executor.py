@@ -302,16 +302,21 @@ class Executor:
         """Whether the step after ``plan`` can be launched before ``plan``'s tokens are read back.
 
         It must be the same requests one row further: plain decoding of every running request, nobody
-        waiting to be admitted, no request that reaches its length limit with this step (a stop token is
-        not known ahead: a request that stops here has its next row computed and dropped), and no per-token
+        waiting who could be admitted now (requests may wait while the batch is full: only a finish frees a
+        slot, and a finish is seen at a read-back), no request that reaches its length limit with this step (a stop
+        token is not known ahead: a request that stops here has its next row computed and dropped), and no per-token
         outputs that read the logits (the next replay overwrites them). Sampled requests draw their tokens
         on the device right after the step's replay (`_choose_tokens`), in the order an ordinary step's
         read-back would, so seeded outputs are the same. Prefix caching may stay on: after a decode step it
         only seals pages that became full, and the step launched ahead writes the next position, which is
         never on such a page (checkpoints are taken after prefill chunks only, and admissions wait for a
-        step that was read back, as nobody may be waiting here).
+        step that was read back).
         """
-        if not (self.cfg.overlap_scheduler and self.supports_overlap and not self.waiting):
+        if not (self.cfg.overlap_scheduler and self.supports_overlap):
+            return False
+        # Requests waiting are admitted only by a step that was read back (the plan changes); while the batch is
+        # full none could be admitted anyway, so a steady batch keeps overlapping (a served batch at capacity).
+        if self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0:
             return False
         if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != 1 for s in plan):
             return False

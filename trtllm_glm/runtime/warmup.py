@@ -7,10 +7,11 @@ the time (each prompt length, each mix of decode and prefill rows, each context 
 decode and verify steps of the captured batch sizes; `warm_up` covers the rest by running synthetic requests
 through the executor itself (the same code path as serving):
 
-1. prefill widths alone: one prompt of every length of a ladder (1..16, then each power of two and its
-   neighbours, then the token budget), each decoded a step;
+1. prefill widths alone: one prompt of every length of a ladder (each power of two and the count below it,
+   and the token budget: `length_ladder`), each decoded a step;
 2. mixed steps: the same ladder of prompt chunks beside a request that is decoding;
-3. a full batch: ``max_batch_size`` short prompts at once, decoded together;
+3. sequence counts: n short prompts at once for n on the ladder up to ``max_batch_size``, decoded together,
+   and beside a decoding request;
 4. contexts: a prompt at each power of two beyond the budget up to ``max_seq_len`` (chunked prefill at growing
    contexts; the indexer's top-k widths follow the context);
 5. sampling: seeded temperature / top-p / top-k requests and logprobs.
@@ -42,17 +43,20 @@ log = logging.getLogger("trtllm_glm")
 
 
 def length_ladder(n_max: int) -> list[int]:
-    """Row counts that meet every specialisation a kernel can take from a count up to ``n_max``: 1..16 (the small
-    tiles and the value 1), each power of two with its neighbours (block sizes from ``next_power_of_2``, multiples
-    of 16 and not), and ``n_max`` itself."""
+    """Row counts that meet every specialisation a kernel can take from a count up to ``n_max``. Triton specialises
+    an integer argument on being 1 and on being a multiple of 16, and kernels choose block sizes from
+    ``next_power_of_2``: each power of two ``p`` (a multiple of 16 from 16 on) and ``p - 1`` (not one) share that
+    bucket, so the pairs ``(p - 1, p)`` with 1 and ``n_max`` cover them all."""
     if n_max < 1:
         return []
-    out = set(range(1, min(16, n_max) + 1))
-    p = 16
-    while p <= 2 * n_max:
-        out.update(x for x in (p - 1, p, p + 1) if 1 <= x <= n_max)
+    out = {1, n_max}
+    p = 2
+    while p <= n_max:
+        out.update((p - 1, p))
         p *= 2
-    out.add(n_max)
+    if p // 2 < n_max:
+        out.add(n_max)  # the last bucket (n_max itself is in it; add a multiple of 16 below it too)
+        out.add(max(1, n_max // 16 * 16))
     return sorted(out)
 
 
@@ -147,9 +151,24 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
         run()
 
     def phase_batch() -> None:
-        for i in range(B):
-            add(1 + i % 8, greedy(3))
-        run()
+        # Steps of every sequence count (kernels take block sizes from it, e.g. the KDA conv's log2 of the count):
+        # n short prompts prefilled together and decoded together, for n on the ladder up to the batch.
+        for n in length_ladder(B):
+            for i in range(n):
+                add(1 + i % 8, greedy(3))
+            run()
+        # ... and beside a decoding request (mixed steps of n + 1 sequences).
+        lens = length_ladder(B - 1)
+        if lens:
+            add(1, greedy(min(len(lens) * 4 + 2, S - 2)))
+            ex.step()
+            rep.steps += 1
+            for n in lens:
+                for i in range(n):
+                    add(2 + i % 5, greedy(1))
+                ex.step()
+                rep.steps += 1
+            run()
 
     def phase_contexts() -> None:
         p = 1 << max(N, 1).bit_length()
@@ -169,7 +188,9 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
     phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
               ("contexts", phase_contexts), ("sampling", phase_sampling)]  # fmt: skip
     try:
-        with CompileCounter() as cc, torch.inference_mode():
+        # No inference_mode here: buffers the executor allocates lazily in its first steps (pinned read-back
+        # buffers) would become inference tensors that later steps, outside the mode, cannot write.
+        with CompileCounter() as cc:
             for name, fn in phases:
                 if time.perf_counter() - t0 > time_limit_s:
                     rep.skipped.append(name)
