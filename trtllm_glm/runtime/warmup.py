@@ -150,24 +150,44 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
             rep.steps += 1
         run()
 
+    def counts_prompts(n: int, aligned: bool) -> list[int]:
+        """``n`` short prompt lengths whose total is a multiple of 16 (``aligned``) or not (kernels specialise on
+        the step's row count and sequence count together: each count bucket meets both kinds of total)."""
+        lens = [1 + i % 8 for i in range(n)]
+        r = sum(lens) % 16
+        if aligned and r:
+            lens[-1] += 16 - r
+        elif not aligned and not r:
+            lens[-1] += 1
+        return [min(x, S - 2) for x in lens]
+
     def phase_batch() -> None:
         # Steps of every sequence count (kernels take block sizes from it, e.g. the KDA conv's log2 of the count):
-        # n short prompts prefilled together and decoded together, for n on the ladder up to the batch.
+        # n short prompts prefilled together and decoded together, for n on the ladder up to the batch, with row
+        # totals that are and are not multiples of 16.
         for n in length_ladder(B):
+            for aligned in (True, False):
+                for m in counts_prompts(n, aligned):
+                    add(m, greedy(3))
+                run()
+        # Full-budget steps split over n sequences (block sizes chosen from the rows and the count together).
+        for n in length_ladder(min(B, N)):
+            per = max(1, min(N // n, S - 2))
             for i in range(n):
-                add(1 + i % 8, greedy(3))
+                add(per - (i == n - 1 and per > 1), greedy(2))
             run()
         # ... and beside a decoding request (mixed steps of n + 1 sequences).
         lens = length_ladder(B - 1)
         if lens:
-            add(1, greedy(min(len(lens) * 4 + 2, S - 2)))
+            add(1, greedy(min(len(lens) * 6 + 2, S - 2)))
             ex.step()
             rep.steps += 1
             for n in lens:
-                for i in range(n):
-                    add(2 + i % 5, greedy(1))
-                ex.step()
-                rep.steps += 1
+                for aligned in (True, False):
+                    for m in counts_prompts(n, not aligned):  # + the decode row: the other parity of the total
+                        add(m, greedy(1))
+                    ex.step()
+                    rep.steps += 1
             run()
 
     def phase_contexts() -> None:
