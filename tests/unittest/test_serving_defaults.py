@@ -125,3 +125,30 @@ def test_warm_up_leaves_the_executor_as_built() -> None:
     with pytest.raises(RuntimeError, match="idle"):
         ex.add_request([1, 2], p)
         warm_up(ex)
+
+
+def test_warm_up_of_a_speculative_executor_with_a_separate_draft_pool() -> None:
+    """MTP with its own draft pages: the warm-up's sealed draft pages go back too, and speculative outputs after
+    it equal a fresh executor's."""
+    from trtllm_glm.speculative.config import MTPDecodingConfig
+
+    kw = dict(device="cpu", max_seq_len=80, max_batch_size=3, max_num_tokens=32, dtype="float32")
+
+    def make() -> LLM:
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        return LLM("tiny", speculative_config=spec, **kw)
+
+    llm, fresh = make(), make()
+    ex = llm.executor
+    dm = ex.separate_draft_manager
+    assert dm is not None
+    free = (ex.manager.num_free_pages, dm.num_free_pages, ex.manager.num_free_slots)
+    rep = warm_up(ex)
+    assert rep.requests > 10 and not ex.has_work
+    assert (ex.manager.num_free_pages, dm.num_free_pages, ex.manager.num_free_slots) == free
+    assert dm.num_cached_pages == 0 and ex.manager.num_cached_pages == 0
+    prompts = [[9, 8, 7, 6, 5] * 5, [3, 1, 4, 1, 5, 9, 2, 6] * 3]
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == [
+        o.outputs[0].token_ids for o in fresh.generate(prompts, p)
+    ]

@@ -280,6 +280,17 @@ class Glm5NextCacheManager:
         self._page_refs[page] = 1
         return True
 
+    def drop_cached_pages(self) -> int:
+        """Forget every sealed page no request holds (they return to the free list); returns how many. Pages
+        that live requests share stay sealed."""
+        n = len(self._cached)
+        for page in self._cached:
+            del self._key_page[self._page_key.pop(page)]
+            self._page_refs.pop(page, None)
+            self._free_pages.append(page)
+        self._cached.clear()
+        return n
+
     def lookup_pages(self, keys: Sequence[bytes]) -> list[int]:
         """Sealed pages of the longest prefix of ``keys`` that is cached here (page ids, logical order)."""
         out = []

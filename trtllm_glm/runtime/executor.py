@@ -171,18 +171,21 @@ class Executor:
         self.step_log: StepLog | None = None
         # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
         self._launched: tuple[list[ScheduledSeq], bool, bool] | None = None
-        self.prefix: PrefixCache | None = None
-        if cfg.enable_block_reuse:
-            self.prefix = PrefixCache(
-                self,
-                checkpoint_interval=cfg.checkpoint_interval,
-                prompt_end=cfg.checkpoint_prompt_end,
-                branch_points=cfg.checkpoint_branch_points,
-                wait_for_leader=cfg.prefix_wait_for_leader,
-                request_end=cfg.checkpoint_request_end,
-                max_checkpoints=cfg.max_checkpoints,
-                max_bytes=cfg.checkpoint_max_bytes,
-            )
+        self.prefix: PrefixCache | None = self.new_prefix_cache() if cfg.enable_block_reuse else None
+
+    def new_prefix_cache(self) -> PrefixCache:
+        """An empty `PrefixCache` with the configured policy (the executor's, or a fresh one after a warm-up)."""
+        cfg = self.cfg
+        return PrefixCache(
+            self,
+            checkpoint_interval=cfg.checkpoint_interval,
+            prompt_end=cfg.checkpoint_prompt_end,
+            branch_points=cfg.checkpoint_branch_points,
+            wait_for_leader=cfg.prefix_wait_for_leader,
+            request_end=cfg.checkpoint_request_end,
+            max_checkpoints=cfg.max_checkpoints,
+            max_bytes=cfg.checkpoint_max_bytes,
+        )
 
     def _select_width(self) -> int:
         """Columns of the metadata's selection buffer (subclasses may attend wider windows)."""

@@ -16,10 +16,12 @@ through the executor itself (the same code path as serving):
    contexts; the indexer's top-k widths follow the context);
 5. sampling: seeded temperature / top-p / top-k requests and logprobs.
 
-Prefix caching is detached while it runs (its pages and checkpoints would only hold synthetic prompts) and the
-executor's step counters are restored afterwards, so that the first served request finds the executor as it
-was built. `WarmupReport.compiles` counts the Triton compilations it caused (0 on the CPU, where kernels are
-interpreted or not used).
+Prefix caching stays on while it runs (its chunk cuts at page boundaries and checkpoint restores are steps a
+served request takes: H100, a warm-up without them left the KDA conv's continued-chunk kernels to compile
+while serving); afterwards the prefix cache starts empty (the synthetic prompts' sealed pages go back to the
+free lists, their checkpoints are dropped) and the executor's step counters are restored, so that the first
+served request finds the executor as it was built. `WarmupReport.compiles` counts the Triton compilations it
+caused (0 on the CPU, where kernels are interpreted or not used).
 """
 
 from __future__ import annotations
@@ -115,7 +117,6 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
     runner = ex.graph_runner
     eager0 = runner.stats.eager_steps if runner is not None else 0
     replays0 = runner.stats.replays if runner is not None else 0
-    prefix, ex.prefix = ex.prefix, None
 
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
@@ -221,7 +222,12 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
         # Whatever happened, hand the executor back idle and as it was built.
         for r in list(ex.waiting) + list(ex.running):
             ex.abort_request(r.request_id)
-        ex.prefix = prefix
+        if ex.prefix is not None:
+            # The synthetic prompts' pages and checkpoints go: a fresh cache, sealed pages back to the free lists.
+            ex.prefix = ex.new_prefix_cache()
+            ex.manager.drop_cached_pages()
+            if ex.separate_draft_manager is not None:
+                ex.separate_draft_manager.drop_cached_pages()
         for k, v in {**counters, **spec_counters}.items():
             setattr(ex, k, v)
         if runner is not None:
