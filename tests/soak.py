@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from trtllm_glm import LLM
 from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.runtime.lossless import compare_greedy
