@@ -277,10 +277,18 @@ class StoreAudit:
             fresh = [k for k in keys if not store.is_shared(k)] or keys
             want = min(fresh, key=lambda k: self.last.get(k, 0))
             if v != want and len(self.violations) < 5:
-                self.violations.append(f"evicted {v} (used at {self.last.get(v)}), not {want} ({self.last.get(want)})")
+                self.violations.append(
+                    f"evicted {self._name(v)} (last used at tick {self.last.get(v)}), not {self._name(want)} "
+                    f"(tick {self.last.get(want)})"
+                )
             return v
 
         store.get, store.put, store.demote, store.victim = audited_get, audited_put, audited_demote, audited_victim
+
+    def _name(self, key: tuple) -> str:
+        """A short name of a checkpoint key: its page chain's first bytes and its endpoint."""
+        ck = self.store._items.get(key)
+        return f"{key[0][:4].hex()}..@{ck.endpoint if ck is not None else '?'}"
 
 
 @dataclass
