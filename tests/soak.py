@@ -169,11 +169,16 @@ class SoakRequest:
     expected_reason: str = "length"
 
 
-def prompt_pool(seed: int, n: int = 14) -> list[list[int]]:
-    """The seed's distinct prompts: three shared system prefixes (whole pages and more, so that checkpoints and
-    branch points are hit), prompts extending earlier ones (a conversation's next turn) and repetitive ones (the
-    n-gram drafter finds matches)."""
-    rng = random.Random(f"{seed}:prompts")
+ROUNDS_PER_POOL = 100
+"""Rounds that draw from one prompt pool: the CI soak uses one (each distinct prompt's reference is computed once);
+the long soak moves to a new pool every `ROUNDS_PER_POOL` rounds."""
+
+
+def prompt_pool(seed: int, rnd: int = 0, n: int = 14) -> list[list[int]]:
+    """The distinct prompts of round ``rnd``'s pool: three shared system prefixes (whole pages and more, so that
+    checkpoints and branch points are hit), prompts extending earlier ones (a conversation's next turn) and
+    repetitive ones (the n-gram drafter finds matches)."""
+    rng = random.Random(f"{seed}:prompts:{rnd // ROUNDS_PER_POOL}")
     systems = [[rng.randrange(VOCAB) for _ in range(rng.randint(12, 40))] for _ in range(3)]
     out: list[list[int]] = []
     for _ in range(n):
@@ -432,7 +437,7 @@ def run_round(model: Any, refs: ReferenceCache, seed: int, rnd: int, leg: Leg) -
     from trtllm_glm.numerics import batch_invariant_mode
 
     t0 = time.perf_counter()
-    pool = prompt_pool(seed)
+    pool = prompt_pool(seed, rnd)
     mix = make_mix(round_rng(seed, rnd, "mix"), pool, refs)
     arrival_order = sorted(mix, key=lambda m: m.arrival)  # stable: `drive`'s submission order
     res = RoundResult()
@@ -450,7 +455,7 @@ def run_llm_round(llm: LLM, refs: ReferenceCache, seed: int, rnd: int, name: str
     """Round ``rnd`` of leg ``name`` through a parallel LLM's executor (rank 0's; its calls are mirrored to the
     workers)."""
     t0 = time.perf_counter()
-    mix = make_mix(round_rng(seed, rnd, f"{name}:mix"), prompt_pool(seed), refs)
+    mix = make_mix(round_rng(seed, rnd, f"{name}:mix"), prompt_pool(seed, rnd), refs)
     res = RoundResult()
     ex = llm.executor
     reqs, res.steps = drive(ex, mix)

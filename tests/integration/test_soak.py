@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cpu_only
 # The single-process legs of the CI soak, in order (every kind, both draft-KV modes, the mode); round r runs
 # CI_LEGS[r % len(CI_LEGS)] with sizes drawn from (seed, r). The long soak then draws the kind at random too.
 CI_LEGS = ["plain", "mtp", "mtp", "mtp", "ngram", "oracle", "oracle", "mtp*", "oracle*"]
-CI_ROUNDS = 5 * len(CI_LEGS)
+CI_ROUNDS = 7 * len(CI_LEGS)
 
 
 def soak_config() -> Glm5NextConfig:
@@ -113,7 +113,7 @@ def test_soak_parallel(
             checkpoint, device="cpu", kv_cache_config=kv, max_batch_size=5, max_num_tokens=24, prefill_chunk_size=12,
             max_seq_len=soak.MAX_SEQ_LEN, speculative_config=spec, **parallel,
         ) as llm:  # fmt: skip
-            for rnd in soak.rounds(3, share=0.1):
+            for rnd in soak.rounds(4, share=0.1):
                 res = soak.run_llm_round(llm, refs, seed, rnd, name)
                 assert not res.problems, soak.failure_message(seed, rnd, name, res, name)
                 total.add(res)
