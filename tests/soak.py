@@ -317,6 +317,7 @@ class RoundResult:
 
 
 def executor_config(leg: Leg) -> Any:
+    """The leg's `ExecutorConfig`: prefix caching on (prompt-end and request-end checkpoints too), eager steps."""
     from trtllm_glm.runtime.executor import ExecutorConfig
 
     return ExecutorConfig(
