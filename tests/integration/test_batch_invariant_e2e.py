@@ -130,7 +130,12 @@ def test_whole_model_speculative_equals_plain_bit_for_bit() -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Collectives: the fixed-order all-reduce of a 3-rank gloo world (3: a bf16 sum of two values is rounded once
-# whatever the order; of three it is not).
+# whatever the order; of three it is not). fp32 sums of three bf16 values are mostly exact in any order, so the
+# world also sums fp32 parts that cancel: [1e8, -1e8, 1] gives 1 in rank order and 0 in any order that adds the
+# 1 to one of the large parts first (reversed: (1 + -1e8) + 1e8 = 0).
+RANK_ORDER_PARTS = (1e8, -1e8, 1.0)
+
+
 def _ordered_rank(rank: int, port: int, q) -> None:
     import torch
 
@@ -146,10 +151,11 @@ def _ordered_rank(rank: int, port: int, q) -> None:
         with batch_invariant_mode(True):
             full = comm.all_reduce(x.clone())
             rows = [comm.all_reduce(x[i : i + 1].clone()) for i in (0, 5, 69)]
-        q.put((rank, full.float().tolist(), [r.float().tolist() for r in rows], comm.num_all_reduces))
+            cancel = comm.all_reduce(torch.full((4, 3), RANK_ORDER_PARTS[rank], dtype=torch.float32))
+        q.put((rank, full.float().tolist(), [r.float().tolist() for r in rows], comm.num_all_reduces, cancel.tolist()))
         shutdown_rank()
     except Exception as e:  # noqa: BLE001 - reported to the test
-        q.put((rank, f"{type(e).__name__}: {e}", None, None))
+        q.put((rank, f"{type(e).__name__}: {e}", None, None, None))
 
 
 def test_all_reduce_in_rank_order_for_any_message_size() -> None:
@@ -169,8 +175,10 @@ def test_all_reduce_in_rank_order_for_any_message_size() -> None:
     for p in procs:
         p.join(30)
     assert all(v[2] is not None for v in got), got
-    (_, full0, rows0, n0), (_, full1, rows1, _), (_, full2, rows2, _) = got
-    assert full0 == full1 == full2 and rows0 == rows1 == rows2 and n0 == 4
+    (_, full0, rows0, n0, c0), (_, full1, rows1, _, c1), (_, full2, rows2, _, c2) = got
+    assert full0 == full1 == full2 and rows0 == rows1 == rows2 and n0 == 5
+    # Parts that cancel: only the sum in rank order keeps the 1 (every rank gets it).
+    assert c0 == c1 == c2 == [[1.0] * 3] * 4, (c0, c1, c2)
     # The sum in rank order, in fp32, rounded once; one row alone gets that row's bits.
     xs = [(torch.randn(70, 33, generator=torch.Generator().manual_seed(r)) * 1e3).to(torch.bfloat16) for r in (0, 1, 2)]
     want = (xs[0].float() + xs[1].float() + xs[2].float()).to(torch.bfloat16).float()

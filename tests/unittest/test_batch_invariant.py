@@ -313,3 +313,25 @@ def test_tuned_launch_shapes_are_per_weight_shape(monkeypatch, tmp_path) -> None
     sweep.write_text('{"tuned": {"24576,4096": {"block_n": 64}}}')
     with pytest.raises(ValueError, match="unknown knobs"):
         mod.apply_tuned(str(sweep), str(target))
+
+
+def test_fp8_invariant_launch_shape_with_several_k_steps_per_split() -> None:
+    """The block-FP8 kernel in the mode at a weight whose splits take several K steps each (70 x 8448, 128-wide
+    scale tiles): a row alone (1-row call) and inside a 65-row call (past the 64-row launch tile, where a launch
+    shape chosen by M turns to one split) gives the same bits. With one K step per split
+    (`test_fp8_invariant_kernel_rows`' K = 96) any split adds the same partials, so a launch shape taken from the
+    call's rows instead of the fixed row tile would pass there; here the split count changes the sum."""
+    from trtllm_glm.quant import kernels as qk
+    from trtllm_glm.quant.ops import INVARIANT_ROWS, fp8_linear_invariant
+
+    n, k = 70, 8448
+    g = torch.Generator().manual_seed(7)
+    q, s = quantize_block_fp8(torch.randn(n, k, generator=g) * 0.05, 128)
+    x = torch.randn(65, k, generator=g)
+    # The premise: the fixed launch shape splits K into chunks of several steps, and a launch shape chosen for 65
+    # rows would cut K otherwise (another order of adds).
+    wide, fixed = qk.launch_config(65, n, k, 128, True), qk.launch_config(INVARIANT_ROWS, n, k, 128, True)
+    assert fixed.k_per_split > fixed.block_k and wide.split != fixed.split, (wide, fixed)
+    full = fp8_linear_invariant(x, q, s, 128, backend="triton")
+    for i in (0, 64):
+        assert torch.equal(fp8_linear_invariant(x[i : i + 1], q, s, 128, backend="triton")[0], full[i]), f"row {i}"
