@@ -1,0 +1,47 @@
+"""`benchmarks/bench_serve.py` end to end on the CPU: a child server on ``tiny``, a committed mixed workload at a
+Poisson rate and a closed-loop level, goodput, the server's TTFT split and the engine alone; plus its pieces."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serve import metric_value, percentiles  # noqa: E402
+
+pytestmark = pytest.mark.cpu_only
+
+
+def test_percentiles_and_metric_parsing() -> None:
+    assert percentiles([5.0, 1.0, 3.0, 2.0, 4.0]) == [3.0, 5.0, 5.0]
+    page = 'trtllm:kernel_compiles_total 3.0\ntrtllm:kernel_compiles_created 1.7e9\nx{a="b"} 2\nx{a="c"} 5\n'
+    assert metric_value(page, "trtllm:kernel_compiles_total") == 3.0 and metric_value(page, "x") == 7.0
+    assert metric_value(page, "absent") == 0.0
+
+
+def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"input_len": n, "output_len": m}) + "\n" for n, m in ((5, 3), (40, 6), (17, 2))))
+    out = tmp_path / "out.json"
+    cfg = tmp_path / "opts.yaml"
+    cfg.write_text("max_seq_len: 128\nmax_batch_size: 4\n")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--model", "tiny", "--config", str(cfg),
+           "--workload", str(wl), "--request-rate", "40", "--num-requests", "6", "--warmup-requests", "1",
+           "--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000", "--time-limit", "120", "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (lvl,) = json.loads(out.read_text())["levels"]
+    assert lvl["load"] == "rate" and lvl["completed"] == 6 and lvl["failed"] == 0
+    assert lvl["out_tokens"] == 3 + 6 + 2 + 3 + 6 + 2  # the workload cycled, every output length exact
+    assert lvl["in_tokens"] == 5 + 40 + 17 + 5 + 40 + 17
+    assert lvl["goodput_req_per_s"] == pytest.approx(lvl["req_per_s"])
+    # The server's own account of the same requests: its TTFT parts add up and it counted every request.
+    assert lvl["server_requests"] == 6 and lvl["kernel_compiles"] == 0 and lvl["steps"] > 0
+    ttft, queue, prefill, delivery = (lvl[f"server_{k}_ms"][0] for k in ("ttft", "queue", "prefill", "delivery"))
+    assert 0 < ttft <= lvl["ttft_ms"][2] and min(queue, prefill, delivery) >= 0
+    assert "server TTFT p50" in r.stdout
