@@ -203,7 +203,9 @@ def test_third_request_reuses_the_shared_prefix_at_default_settings(model) -> No
     assert (
         kv.enable_block_reuse and kv.checkpoint_branch_points and kv.checkpoint_prompt_end and kv.checkpoint_request_end
     )
-    assert llm.executor_config.checkpoint_interval == 512 and llm.executor.prefix.max_bytes > 0
+    # The stride follows the default chunk (8,192 rows, a page multiple): checkpoints where long prompts' chunks end.
+    assert llm.executor_config.checkpoint_interval == llm.executor_config.max_num_tokens == 8192
+    assert llm.executor.prefix.max_bytes > 0
     rng = random.Random(6)
     S, page = 300, kv.tokens_per_block
     sysp = rand(rng, S)

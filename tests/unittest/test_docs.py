@@ -34,7 +34,7 @@ def test_python_blocks_run(page: Path, capsys) -> None:
 def test_named_files_exist() -> None:
     """Paths the pages name (``examples/...``, ``benchmarks/...``, ``docs/...``) exist, and so do the result
     files they name alone (``e2e_..._2026-12-01.log``: in benchmarks/results/)."""
-    pat = re.compile(r"(?<![\w/.])((?:examples|benchmarks|docs|scripts|tests)/[\w./-]+\.(?:py|md|yaml|log|json))")
+    pat = re.compile(r"(?<![\w/.])((?:examples|benchmarks|docs|scripts|tests)/[\w./-]+\.(?:py|md|yaml|log|jsonl|json))")
     result = re.compile(r"(?<![\w/.-])([\w-]+_20\d\d-\d\d-\d\d\w*\.(?:log|json|md))")
     missing = []
     for page in [*PAGES, ROOT / "benchmarks" / "results" / "README.md"]:

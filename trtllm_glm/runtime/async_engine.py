@@ -586,7 +586,7 @@ class AsyncEngine:
             new = cc.names[self._compiles_seen : cc.count]
             self._compiles_seen += len(new)
             m.kernel_compiles.inc(len(new))
-            log.warning("compiled %d kernel(s) while serving: %s", len(new), "; ".join(n[:160] for n in new[:4]))
+            log.warning("compiled %d kernel(s) while serving: %s", len(new), "; ".join(new[:4]))
         steps = ex.num_steps - self._last_steps
         if steps > 0:
             m.engine_steps.inc(steps)
