@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
@@ -274,6 +275,9 @@ class LLM:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2 (a prompt token and a generated one), got {max_seq_len}")
         self._engine: Any = None  # the AsyncEngine of generate_async, started on first use
+        # One stepper of the executor at a time: `generate` callers from several threads take turns, and the
+        # engine of `generate_async` is started only between them (two steppers corrupt a step).
+        self._executor_lock = threading.RLock()
         self.mapping = Mapping.from_sizes(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
         self.comm: Comm = NULL_COMM
         self._ranks = None  # RankGroup: the workers this process (rank 0) started
@@ -509,11 +513,21 @@ class LLM:
             One `RequestOutput` per prompt (a single one for a single prompt), in prompt order.
         """
         single, plist, params = _split_args(prompts, sampling_params)
-        self._stop_engine()  # generate steps the executor itself
         # Validate every prompt before queueing any, so a bad one loses nothing.
         encoded = [self._encode(i, p) for i, p in enumerate(plist)]
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             self._check(i if not single else None, ids, sp)
+        with self._executor_lock:  # callers from other threads wait for this one's batch
+            self._stop_engine()  # generate steps the executor itself
+            return self._generate_locked(single, encoded, params, progress)
+
+    def _generate_locked(
+        self,
+        single: bool,
+        encoded: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        progress: Callable[[int, int], None] | None,
+    ) -> RequestOutput | list[RequestOutput]:
         ex = self.executor
         reqs: list[Request] = []
         try:
@@ -618,13 +632,14 @@ class LLM:
         return AsyncRequestOutput(self, text, ids, params[0], streaming)
 
     def _async_engine(self) -> Any:
-        """The engine of `generate_async`, started on first use."""
-        if self._engine is None or not self._engine.running:
-            from .async_engine import AsyncEngine
+        """The engine of `generate_async`, started on first use (after a `generate` call in progress ends)."""
+        with self._executor_lock:
+            if self._engine is None or not self._engine.running:
+                from .async_engine import AsyncEngine
 
-            self._engine = AsyncEngine(self, max_queue_size=1 << 20)  # callers queue without limit, as generate
-            self._engine.start()
-        return self._engine
+                self._engine = AsyncEngine(self, max_queue_size=1 << 20)  # callers queue without limit, as generate
+                self._engine.start()
+            return self._engine
 
     def _stop_engine(self) -> None:
         if self._engine is None:
