@@ -82,5 +82,26 @@ def test_start_up_lines_say_what_was_loaded() -> None:
     lines = describe_engine(engine, "tiny", 1.25)
     text = "\n".join(lines)
     for part in ("model tiny in 1.2 s", "float32", "on cpu", "speculative decoding: off", "CUDA graphs: off",
-                 f"KV cache: {engine.executor.manager.num_pages} pages of 16 tokens", "parallelism"):  # fmt: skip
+                 f"KV cache: {engine.executor.manager.num_pages} pages of 16 tokens", "parallelism: one device",
+                 "overlap scheduler off (needs CUDA graphs)",
+                 "step sizes: max_batch_size 2, max_num_tokens 8192 [auto (max_num_tokens)]"):  # fmt: skip
         assert part in text, text
+
+
+def test_start_up_lines_of_a_parallel_or_speculative_llm() -> None:
+    """What the lines say for a world of ranks and for speculation is read from the LLM, not assumed (issue 45):
+    the world's sizes, rank 0's parameter share, and where the overlap scheduler applies."""
+    from types import SimpleNamespace
+
+    from trtllm_glm.distributed.mapping import Mapping
+
+    engine = AsyncEngine(make_llm(max_batch_size=2, max_seq_len=64))
+    llm = engine.llm
+    llm.mapping = Mapping.from_sizes(2, None, None).with_rank(0)
+    engine.executor.graph_runner = SimpleNamespace(graphs={(1, 1): None})  # as on CUDA
+    text = "\n".join(describe_engine(engine, "tiny"))
+    assert "parallelism: 2 ranks: tp 2" in text and "parameters on rank 0" in text and "overlap scheduler on;" in text
+    llm.speculative_config = SimpleNamespace(max_concurrency=8)
+    text = "\n".join(describe_engine(engine, "tiny"))
+    assert "overlap scheduler on for width-one rounds above max_concurrency" in text
+    engine.executor.graph_runner = None

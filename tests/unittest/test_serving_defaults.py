@@ -152,3 +152,15 @@ def test_warm_up_of_a_speculative_executor_with_a_separate_draft_pool() -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, p)] == [
         o.outputs[0].token_ids for o in fresh.generate(prompts, p)
     ]
+
+
+def test_checkpoint_interval_below_a_page_is_refused() -> None:
+    """A stride of 1 or 3 cut every prefill chunk into a few rows (4.5-6x slower prefill) and was accepted
+    silently (issue 45); below a page it is refused, naming the minimum."""
+    from trtllm_glm import KvCacheConfig
+
+    for bad in (1, 3, 15):
+        with pytest.raises(ValueError, match=r"at least tokens_per_block \(16\)"):
+            KvCacheConfig(checkpoint_interval=bad)
+    assert KvCacheConfig(checkpoint_interval=16).checkpoint_interval == 16
+    assert KvCacheConfig(tokens_per_block=8, checkpoint_interval=8).checkpoint_interval == 8

@@ -83,15 +83,31 @@ def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None
         spec_s = f"{type(spec).__name__}({fields})"
     runner = getattr(ex, "graph_runner", None)
     graphs = "off" if runner is None else f"{len(runner.graphs)} captured at start-up"
+    if not (cfg.overlap_scheduler and runner is not None):
+        overlap = "off" if not cfg.overlap_scheduler else "off (needs CUDA graphs)"
+    elif spec is not None:
+        overlap = "on for width-one rounds above max_concurrency (speculative rounds run one at a time)"
+    else:
+        overlap = "on"
+    mapping = getattr(llm, "mapping", None)
+    parallel = mapping is not None and mapping.is_parallel
+    if parallel:
+        par_s = (
+            f"{mapping.world_size} ranks: tp {mapping.tp_size}, moe_ep {mapping.moe_ep_size}, "
+            f"moe_tp {mapping.moe_tp_size}"
+        )
+    else:
+        par_s = "one device (no tensor or expert parallelism)"
     mgr = ex.manager
     sizes = getattr(llm, "step_sizes", None)
     loaded = f" in {load_s:.1f} s" if load_s is not None else ""
     return [
-        f"model {os.fspath(model)}{loaded}: {params / 1e6:.1f}M parameters, {dtype}, on {llm.device}, "
+        f"model {os.fspath(model)}{loaded}: {params / 1e6:.1f}M parameters{' on rank 0' if parallel else ''}, "
+        f"{dtype}, on {llm.device}, "
         f"{llm.config.num_hidden_layers} layers, vocab {llm.config.vocab_size}",
-        "parallelism: one device (no tensor or expert parallelism)",
+        f"parallelism: {par_s}",
         f"speculative decoding: {spec_s}",
-        f"CUDA graphs: {graphs}; overlap scheduler {'on' if cfg.overlap_scheduler else 'off'}; batch-invariant "
+        f"CUDA graphs: {graphs}; overlap scheduler {overlap}; batch-invariant "
         f"numerics {'on' if getattr(llm, 'batch_invariant', False) else 'off'}",
         f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_seq_len {ex.max_seq_len}, queue "
         f"{engine.max_queue_size}; prefix caching {'on' if ex.prefix is not None else 'off'}",
