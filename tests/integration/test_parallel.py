@@ -232,6 +232,18 @@ def test_serve_cli_with_tp_size_2(tmp_path: Path) -> None:
                 break
             assert time.monotonic() < deadline, "/health stayed healthy after a worker died"
             time.sleep(0.2)
+        # A new request gets 503 with the plain reason (not a 500 with the collective's internals), and the
+        # server drains and exits by itself (a supervisor restarts it) instead of lingering with a dead world.
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("a request was served by a dead world")
+        except urllib.error.HTTPError as e:
+            body_text = e.read().decode()
+            assert e.code == 503 and "a model rank failed" in body_text and "gloo" not in body_text.lower()
+        except urllib.error.URLError:
+            pass  # already closed: it was exiting
+        proc.wait(60)
+        assert proc.returncode != 0
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -210,6 +210,10 @@ class AsyncEngine:
         if step_log is not None:
             self.executor.step_log = step_log
             step_log.delivered_by_engine = True
+        # Called once (from the engine thread) when the LLM's world of ranks failed: the server exits on it (a
+        # supervisor restarts it) instead of lingering with a dead world.
+        self.on_fatal: Any = None
+        self._fatal_reported = False
         self._first_delivered: list[_Track] = []  # tracks whose first token is in the outbox
         self._retired: list[_Track] = []  # finished tracks whose timing the step log records at the flush
         self.capacity = self.executor.cfg.max_batch_size + max_queue_size
@@ -340,9 +344,12 @@ class AsyncEngine:
             while True:
                 if self.step_log is not None and not self.executor.has_work:
                     self.step_log.flush()  # idle: the last steps' GPU times are known now
+                self._check_fatal()
                 with self._cv:
                     while not self._inbox and not self.executor.has_work and not self._stop_now:
-                        self._cv.wait()
+                        # Woken at least each second while idle: a rank that died meanwhile is noticed.
+                        if not self._cv.wait(timeout=1.0):
+                            break
                     cmds, self._inbox = self._inbox, []
                     stop_now = self._stop_now
                 for cmd in cmds:
@@ -426,7 +433,11 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("executor step failed; failing the requests of the running batch")
             self.metrics.step_errors.inc()
-            msg = f"internal error while generating: {type(e).__name__}: {e}"
+            failed = self.fatal_error()
+            if failed is not None:  # the requests' callers get the plain reason, not the collective's internals
+                msg = f"a model rank failed: {failed}"
+            else:
+                msg = f"internal error while generating: {type(e).__name__}: {e}"
             # The step's requests: the running batch, plus waiting ones that were being admitted (they
             # hold pages). With none of those, the failure came from scheduling the queue's head: fail
             # it, so that every failed step retires at least one request and a bad one cannot wedge the
@@ -443,6 +454,19 @@ class AsyncEngine:
                 if ex.manager.has_request(r.request_id):  # an admission cut short keeps its pages
                     ex.manager.free_request(r.request_id)
             self._step_errors += 1
+
+    def fatal_error(self) -> str | None:
+        """Why the LLM cannot serve any more (a rank of its parallel world failed), else ``None``."""
+        return getattr(self.llm, "parallel_error", None)
+
+    def _check_fatal(self) -> None:
+        if self._fatal_reported or self.on_fatal is None:
+            return
+        failed = self.fatal_error()
+        if failed is not None:
+            self._fatal_reported = True
+            log.error("a model rank failed (%s): the server shuts down", failed)
+            self.on_fatal(failed)
 
     def _collect(self) -> None:
         """Turn every live request's new tokens into deltas; retire the finished ones."""

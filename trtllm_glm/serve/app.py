@@ -299,6 +299,13 @@ class _Server:
     # Submission and collection
     async def submit(self, job: _Job) -> ResultStream:
         m = self.engine.metrics
+        failed = self.engine.fatal_error()
+        if failed is not None:  # a rank of the world died: nothing can run (the server is shutting down)
+            m.requests_rejected.labels(reason="shutting_down").inc()
+            raise ApiError(
+                503, f"a model rank failed: {failed}; the server is shutting down", type="server_error",
+                code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
         try:
             return await self.engine.submit(job.gens)
         except QueueFullError as e:

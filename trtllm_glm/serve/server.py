@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from types import FrameType
@@ -163,7 +164,11 @@ def make_server(
     """The uvicorn server of ``app`` with the engine's drain on the first exit signal (`DrainingServer`)."""
     # uvicorn's own grace period only covers connections the drain left (it has already ended every stream).
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=FLUSH_S)
-    return DrainingServer(config, app.state.engine, drain_timeout)
+    server = DrainingServer(config, app.state.engine, drain_timeout)
+    # A rank of a parallel world that fails leaves nothing to serve: drain and exit (non-zero), so that a
+    # supervisor restarts the server rather than it lingering with a dead world.
+    app.state.engine.on_fatal = lambda reason: server.handle_exit(signal.SIGTERM, None)
+    return server
 
 
 def run_server(app: Any, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:
