@@ -95,3 +95,31 @@ def test_checkpoint_without_tokenizer_serves_token_ids_and_refuses_text(tmp_path
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     for r in (text, chat):
         assert r.status_code == 400 and "has no tokenizer.json" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("stop", [LONE, '["ok", ' + LONE + "]"])
+def test_stop_string_with_a_lone_surrogate_is_a_400(app, stop) -> None:
+    """Issue 45: prompts with a lone surrogate were refused but stop strings with one were accepted."""
+    r = post_raw(app, "/v1/completions", '{"prompt": "hi", "max_tokens": 2, "stop": ' + stop + "}")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "stop" and "lone surrogate" in err["message"], err
+
+
+@pytest.mark.parametrize(
+    ("message", "status", "param"),
+    [
+        ('{"role": "user", "content": "hi", "tool_calls": null}', 200, None),
+        ('{"role": "assistant", "content": "hi", "tool_calls": [], "refusal": null}', 200, None),
+        ('{"role": "user", "content": "hi", "colour": "red"}', 400, "messages.0.colour"),
+        ('{"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]}', 400, "messages.0"),
+    ],
+)
+def test_unknown_keys_inside_a_chat_message_are_refused_by_name(app, message, status, param) -> None:
+    """Issue 45: unknown keys inside a message were ignored while unknown top-level fields got a 400; empty
+    tool-call keys that clients send with every turn stay accepted."""
+    body = '{"messages": [' + message + '], "max_tokens": 2, "temperature": 0}'
+    r = post_raw(app, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == param, r.text

@@ -205,6 +205,11 @@ class _Server:
             raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}", param="stop")
         if any(s == "" for s in stop):
             raise ApiError(400, "stop strings must not be empty", param="stop")
+        for i, s in enumerate(stop):  # as prompts: text that has no UTF-8 form can never match generated text
+            try:
+                check_text(s, f"stop[{i}]")
+            except InvalidRequestError as e:
+                raise ApiError(400, str(e), param="stop") from None
         kw = dict(
             temperature=float(req.temperature),
             top_p=float(req.top_p),

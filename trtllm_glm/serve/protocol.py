@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..runtime.sampling import MAX_LOGPROBS
 
@@ -76,12 +76,26 @@ class _ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; extra keys (``tool_calls: null`` from some clients) are ignored."""
+    """One chat message. Unknown keys are refused by name, as at the top level; OpenAI's other message keys
+    (``tool_calls``, ``tool_call_id``, ``function_call``, ``refusal``, ``audio``) are accepted when empty (clients
+    send ``tool_calls: null`` or ``[]`` with every turn) and refused otherwise: this server has no tool calling."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[_ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> ChatMessage:
+        for key in ("tool_calls", "tool_call_id", "function_call", "audio"):
+            if getattr(self, key):
+                raise ValueError(f"{key}: tool and audio messages are not supported by this server")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
