@@ -101,7 +101,7 @@ def test_options_are_checked_before_the_model_is_built(monkeypatch, capsys) -> N
         raise AssertionError("the model must not be built for invalid options")
 
     monkeypatch.setattr(llm_mod.LLM, "__init__", boom)
-    for argv in (["generate", "--prompt", "x", "--top-k", "-1"], ["generate", "--prompt", "x", "--draft-len", "2"]):
+    for argv in (["generate", "--prompt", "x", "--top-k", "-2"], ["generate", "--prompt", "x", "--draft-len", "2"]):
         rc, _, err = run_cli(argv, capsys)
         assert rc == 2 and "must not be built" not in err
 

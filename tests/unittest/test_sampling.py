@@ -31,7 +31,7 @@ def test_defaults_are_greedy() -> None:
         (dict(temperature=float("inf")), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
-        (dict(top_k=-1), "top_k"),
+        (dict(top_k=-2), "top_k"),  # -1 is off, as at the server
         (dict(top_k=2.5), "top_k"),
         (dict(max_tokens=0), "max_tokens"),
         (dict(max_tokens=True), "max_tokens"),

@@ -23,7 +23,8 @@ from ..numerics import BATCH_INVARIANT_ENV, set_batch_invariant
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
-from .request import Request
+from .output import OutputProcessor
+from .request import FinishReason, Request
 from .sampling import Logprob, SamplingParams
 from .sizing import StepSizes, resolve_step_sizes
 from .speculative_executor import SpeculativeExecutor
@@ -537,22 +538,58 @@ class LLM:
         progress: Callable[[int, int], None] | None,
     ) -> RequestOutput | list[RequestOutput]:
         ex = self.executor
-        reqs: list[Request] = []
+        groups: list[list[Request]] = []  # per prompt, its n requests
+        procs: dict[int, OutputProcessor] = {}  # requests with stop strings: their detokenizer and stop search
         try:
             for (_, ids), sp in zip(encoded, params):
-                reqs.append(ex.add_request(ids, sp))
+                group = []
+                for i in range(sp.n):
+                    # Choice i draws with seed + i (the server's rule), so the n samples differ.
+                    spi = sp if sp.seed is None or i == 0 else replace(sp, seed=sp.seed + i)
+                    r = ex.add_request(ids, spi)
+                    group.append(r)
+                    if sp.stop:
+                        procs[r.request_id] = OutputProcessor(self.tokenizer, sp.stop_strings)
+                groups.append(group)
         except Exception:
-            for r in reqs:
+            for r in (r for g in groups for r in g):
                 ex.waiting.remove(r)
             raise
+        reqs = [r for g in groups for r in g]
+        live = {r.request_id: r for r in reqs if r.request_id in procs}
+        seen = dict.fromkeys(live, 0)
         steps = 0
         while ex.has_work:
             ex.step()
             steps += 1
+            for rid, r in list(live.items()):
+                self._apply_stop_strings(r, procs[rid], seen)
+                if r.finished:
+                    del live[rid]
             if progress is not None:
                 progress(sum(r.num_output for r in reqs), steps)
-        outs = [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
+        outs = []
+        for group, (text, _) in zip(groups, encoded):
+            comps = [self._completion(i, r, procs.get(r.request_id)) for i, r in enumerate(group)]
+            r0 = group[0]
+            outs.append(RequestOutput(r0.request_id, text, list(r0.prompt_ids), comps, context_logits=self._context(r0),
+                                      num_cached_tokens=r0.num_cached_tokens))  # fmt: skip
         return outs[0] if single else outs
+
+    def _apply_stop_strings(self, r: Request, proc: OutputProcessor, seen: dict[int, int]) -> None:
+        """Feed ``r``'s new tokens to its stop search; a stop string ends it (finish reason ``stop``), keeping the
+        tokens up to the one that completed the string."""
+        base = len(r.prompt_ids)
+        while seen[r.request_id] < r.num_output and not proc.stopped:
+            proc.add(r.tokens[base + seen[r.request_id]])
+            seen[r.request_id] += 1
+        if proc.stopped:
+            if not r.finished:
+                self.executor.abort_request(r.request_id)
+            del r.tokens[base + seen[r.request_id] :]
+            r.finish_reason = FinishReason.STOP
+        elif r.finished:
+            proc.finish()
 
     def _check(self, i: int | None, ids: list[int], sp: SamplingParams) -> None:
         """The server's request checks (`validation.check_request`), raised as ``ValueError``s."""
@@ -579,12 +616,14 @@ class LLM:
             )
         return None, list(p)
 
-    def _output(self, r: Request, prompt: str | None) -> RequestOutput:
+    def _completion(self, index: int, r: Request, proc: OutputProcessor | None = None) -> CompletionOutput:
+        """Completion ``index`` of a prompt from its finished request (the stop search's text when it had one)."""
         out = r.output_ids
         rounds = r.num_verify_rounds
-        comp = CompletionOutput(
-            index=0,
-            text=self.tokenizer.decode(out),  # type: ignore[attr-defined]
+        n = len(out)
+        return CompletionOutput(
+            index=index,
+            text=proc.text if proc is not None else self.tokenizer.decode(out),  # type: ignore[attr-defined]
             token_ids=list(out),
             finish_reason=r.finish_reason.value if r.finish_reason else None,
             num_draft_rounds=rounds,
@@ -592,17 +631,23 @@ class LLM:
             acceptance_per_position=[
                 a / p if p else 0.0 for a, p in zip(r.accepted_per_position, r.proposed_per_position)
             ],
-            logit_gaps=list(r.logit_gaps),
-            logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+            logit_gaps=list(r.logit_gaps[:n]),
+            logprobs=list(r.logprobs[:n]) if r.params.logprobs is not None else None,
             prompt_logprobs=list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None,
-            generation_logits=_stack(r.generation_logits, self.config.vocab_size)
+            generation_logits=_stack(r.generation_logits[:n], self.config.vocab_size)
             if r.params.return_generation_logits
             else None,
         )
-        ctx = torch.cat(r.context_logits) if r.params.return_context_logits and r.context_logits else None
+
+    @staticmethod
+    def _context(r: Request) -> torch.Tensor | None:
+        return torch.cat(r.context_logits) if r.params.return_context_logits and r.context_logits else None
+
+    def _output(self, r: Request, prompt: str | None) -> RequestOutput:
         return RequestOutput(
-            r.request_id, prompt, list(r.prompt_ids), [comp], context_logits=ctx, num_cached_tokens=r.num_cached_tokens
-        )
+            r.request_id, prompt, list(r.prompt_ids), [self._completion(0, r)], context_logits=self._context(r),
+            num_cached_tokens=r.num_cached_tokens,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
     def generate_async(
@@ -635,6 +680,8 @@ class LLM:
         single, plist, params = _split_args(prompt, sampling_params)
         if not single:
             raise TypeError("generate_async takes one prompt (a string or a list of token ids), not a list of them")
+        if params[0].n != 1:
+            raise ValueError(f"generate_async makes one completion (n=1); n={params[0].n} is for generate()")
         text, ids = self._encode(0, plist[0])
         self._check(None, ids, params[0])
         return AsyncRequestOutput(self, text, ids, params[0], streaming)
@@ -684,7 +731,8 @@ class AsyncRequestOutput:
             from .async_engine import GenerationRequest
 
             engine = self._llm._async_engine()
-            self._stream = await engine.submit([GenerationRequest(self.prompt_token_ids, self._params)])
+            gen = GenerationRequest(self.prompt_token_ids, self._params, self._params.stop_strings)
+            self._stream = await engine.submit([gen])
         return self._stream
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
@@ -698,8 +746,10 @@ class AsyncRequestOutput:
         text: list[str] = []
         ids: list[int] = []
         lps: list = []
+        reason = None
         try:
             async for d in stream:
+                reason = d.finish_reason or reason
                 if d.finish_reason == "error":
                     raise RuntimeError(f"generation failed: {d.error}")
                 text.append(d.text)
@@ -714,7 +764,14 @@ class AsyncRequestOutput:
         finally:
             stream.abort()  # the caller stopped iterating early: free the request's pages now
         req = stream.requests[0]
+        if self._params.stop:
+            # The engine cut the text before the stop string and dropped the tokens after it; so does the result.
+            del req.tokens[len(req.prompt_ids) + len(ids) :]
+            if reason == "stop":
+                req.finish_reason = FinishReason.STOP
         self._final = self._llm._output(req, self.prompt)
+        if self._params.stop:
+            self._final.outputs[0].text = "".join(text)
         self.finished = True
         yield self._final
 

@@ -23,6 +23,9 @@ __all__ = ["SamplingParams", "Sampler", "Logprob", "top2_gap", "make_generator",
 
 # Top logprobs returned per token at most (a bound so that one request cannot ask for the whole vocabulary).
 MAX_LOGPROBS = 20
+# Most completions per prompt (OpenAI's own bound) and stop strings one request may ask for (API and server).
+MAX_N = 128
+MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class SamplingParams:
         max_tokens: new tokens to generate at most (>= 1).
         temperature: 0 means greedy (argmax, ties to the lower id); > 0 samples from ``softmax(logits / T)``.
         top_p: nucleus mass in ``(0, 1]``; 1 disables it.
-        top_k: keep the ``k`` most likely tokens (ties to the lower id); 0 disables it.
+        top_k: keep the ``k`` most likely tokens (ties to the lower id); 0 (or -1, vLLM's spelling) disables it.
         seed: seeds the request's own generator; ``None`` draws from torch's global RNG.
         stop_token_ids: extra ids that end the request (the stop token is kept in the output).
         end_id: end-of-sequence id overriding the model's EOS ids; ``None`` uses the model's.
@@ -71,6 +74,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    # TensorRT-LLM's / vLLM's: completions per prompt (`LLM.generate`; choice i of n draws with seed + i when a
+    # seed is given) and stop strings (the text is cut before the first one and the request ends, finish
+    # reason "stop"; tokens after the one that completed it are dropped).
+    n: int = 1
+    stop: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -85,8 +93,26 @@ class SamplingParams:
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 = disabled), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 0 (0 or -1 = disabled), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0  # the same as the server: -1 and 0 both mean off
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None:
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+                raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            if len(stop) > MAX_STOP_STRINGS:
+                raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+            for i, s in enumerate(stop):
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(
+                        f"stop[{i}]: not valid Unicode text (a lone surrogate at character {e.start})"
+                    ) from None
+            self.stop = list(stop)
         if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
             raise ValueError(f"seed must be None or an int in [-2**63, 2**64), got {self.seed!r}")
         if self.stop_token_ids is not None:
@@ -106,6 +132,11 @@ class SamplingParams:
         for name in ("return_context_logits", "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (empty without any)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
 
     @property
     def greedy(self) -> bool:

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import CapacityError
-from ..runtime.sampling import Logprob, SamplingParams
+from ..runtime.sampling import MAX_STOP_STRINGS, Logprob, SamplingParams
 from ..runtime.validation import InvalidRequestError, check_prompt_ids, check_request, check_text
 from .chat import ChatTemplate, ChatTemplateError
 from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
@@ -42,8 +42,6 @@ log = logging.getLogger("trtllm_glm.serve")
 
 # Seconds a client told "overloaded" should wait before retrying.
 RETRY_AFTER_S = 1
-# Most stop strings one request may give.
-MAX_STOP_STRINGS = 16
 # Logprobs below this are reported as this (JSON has no -inf).
 MIN_LOGPROB = -9999.0
 

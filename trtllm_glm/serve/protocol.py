@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ..runtime.sampling import MAX_LOGPROBS
+from ..runtime.sampling import MAX_LOGPROBS, MAX_N
 
 __all__ = [
     "CompletionRequest",
@@ -21,9 +21,6 @@ __all__ = [
     "MAX_N",
     "format_validation_error",
 ]
-
-# Most choices one request may ask for (OpenAI's own bound).
-MAX_N = 128
 
 
 class _Strict(BaseModel):
