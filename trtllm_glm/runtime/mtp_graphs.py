@@ -87,6 +87,8 @@ class MtpChainGraphs:
         replay_scope: ``replay_scope(meta, draft_manager)`` context binding the draft domain (`draft_replay`).
         max_draft_len: ``K``; 0 captures the chained steps only.
         fused: capture and use the fused draft (default `fused_draft_default`).
+        draft_vocab: the restricted draft vocabulary (`speculative.draft_vocab.DraftVocab`, its ``[N, D]`` head
+            rows allocated once, before any capture); None: the full LM head.
     """
 
     def __init__(
@@ -102,8 +104,10 @@ class MtpChainGraphs:
         replay_scope: Callable[..., Any],
         max_draft_len: int = 0,
         fused: bool | None = None,
+        draft_vocab: Any = None,
     ) -> None:
         self.runner = runner
+        self.draft_vocab = draft_vocab
         self.model = model
         self.meta = runner.meta
         self.draft_manager = draft_manager
@@ -266,6 +270,8 @@ class MtpChainGraphs:
     # --------------------------------------------------------------------------------------------
     # Bodies (captured, or run eagerly when emulating)
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is not None:
+            return self.draft_vocab.greedy(h)
         return torch.argmax(self.model.compute_logits(h), dim=-1)
 
     def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ..cache.prefix import Checkpoint
 from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
+from ..speculative.draft_vocab import resolve_draft_vocab
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
@@ -81,6 +82,7 @@ class SpeculativeExecutor(Executor):
         if isinstance(spec, NGramDecodingConfig) and drafter is None:
             drafter = NGramDrafter(K, spec.max_matching_ngram_size, spec.min_matching_ngram_size)
         self.draft_manager: Glm5NextCacheManager | None = None
+        self.draft_vocab = None
         if self.use_mtp:
             if self.shared_mtp:
                 self.draft_manager = self.manager
@@ -99,15 +101,21 @@ class SpeculativeExecutor(Executor):
                     device=self.device,
                 )
                 self.mtp_plane = 0
+            # The restricted draft vocabulary's head rows: copied once here, before any graph captures them.
+            self.draft_vocab = resolve_draft_vocab(
+                model.lm_head, self.config.vocab_size, spec.draft_vocab_size,  # type: ignore[union-attr]
+                spec.draft_vocab_file, model.checkpoint_dir, self.dtype,  # type: ignore[union-attr]
+            )  # fmt: skip
             drafter = MTPDrafter(
                 model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
-                share_selection=self.share_mtp_selection,
+                share_selection=self.share_mtp_selection, draft_vocab=self.draft_vocab,
             )  # fmt: skip
             if self.graph_runner is not None:
                 drafter.chain_graphs = MtpChainGraphs(
                     self.graph_runner, model, self.draft_manager, self.mtp_plane,
                     separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
                     padding_slot=self._padding_slot, replay_scope=draft_replay, max_draft_len=K,
+                    draft_vocab=self.draft_vocab,
                 )  # fmt: skip
                 # The fused draft's tokens go straight into the next verify's input rows on the device.
                 drafter.defer = defer_drafts_default()

@@ -21,6 +21,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..transfer import to_device
+from .draft_vocab import DraftVocab
 from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq
 from .interface import draft_replay
 
@@ -38,6 +39,8 @@ class MTPDrafter(Drafter):
         mtp_plane: the MTP layer's sparse plane in ``draft_manager``.
         max_draft_len: ``K``.
         share_selection: chained steps reuse step 0's pool selection (index_share_for_mtp_iteration).
+        draft_vocab: the restricted draft vocabulary (`DraftVocab`: each draft is the argmax over its ids);
+            None scores the full vocabulary.
     """
 
     def __init__(
@@ -50,8 +53,10 @@ class MTPDrafter(Drafter):
         max_draft_len: int,
         *,
         share_selection: bool,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         self.model = model
+        self.draft_vocab = draft_vocab
         self.meta = meta
         self.manager = manager
         self.draft_manager = draft_manager
@@ -144,8 +149,7 @@ class MTPDrafter(Drafter):
             prev_last = prev_h[last]
             h_last = out[last]
             pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
-            with torch.inference_mode():
-                d = self.model.compute_logits(h_last).argmax(-1)
+            d = self.greedy(h_last)
         self._caught_up(cat, committed, prev_last)
         # The drafts stay on the device until the round is drafted: one host copy for all of them (each
         # chained step needs only the previous step's tokens, which it reads on the device).
@@ -162,6 +166,14 @@ class MTPDrafter(Drafter):
                 if len(cat[j].state.drafts) < cat[j].want:
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, D]`` MTP output -> ``[n]`` int64 greedy drafts: over the draft vocabulary when there is one
+        (`DraftVocab.greedy`), else over the full LM head."""
+        with torch.inference_mode():
+            if self.draft_vocab is not None:
+                return self.draft_vocab.greedy(h)
+            return self.model.compute_logits(h).argmax(-1)
 
     def _caught_up(self, cat: list[DraftSeq], committed: list[int], prev_last: torch.Tensor) -> None:
         """Book the catch-up: MTP history lengths, a separate draft manager's committed lengths, and each
@@ -216,8 +228,7 @@ class MTPDrafter(Drafter):
                     h, nd = self.chain_graphs.run(key, [s.request_id for s in reqs], past, tok, h, shared)
                 else:
                     h = self._mtp_step(reqs, past, [1] * len(reqs), tok, h, decode=True, shared=shared)
-                    with torch.inference_mode():
-                        nd = self.model.compute_logits(h).argmax(-1)
+                    nd = self.greedy(h)
                 pieces.append((list(active), nd))
                 # After step c a sequence has c + 1 drafts.
                 keep = [k for k, s in enumerate(reqs) if c + 1 < s.want]
