@@ -65,7 +65,7 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         n = None if size == "full" else int(size)
-        spec = MTPDecodingConfig(num_nextn_predict_layers=args.k, draft_vocab_size=n)
+        spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=args.k, draft_vocab_size=n)
         reqs, dt = run(model, prompts, args.gen, args.device, spec, args.batch)
         rounds = sum(r.num_verify_rounds for r in reqs)
         prop = [sum(r.proposed_per_position[j] for r in reqs if j < len(r.proposed_per_position))

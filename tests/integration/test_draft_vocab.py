@@ -89,20 +89,20 @@ def test_ranking_file_and_subset_errors(tmp_path) -> None:
 def test_bad_configs_refused(model, tmp_path) -> None:
     for bad in (0, -3, 2.5, True, "64"):
         with pytest.raises(ValueError, match="draft_vocab_size"):
-            MTPDecodingConfig(draft_vocab_size=bad)
+            MTPDecodingConfig(adaptive=False, draft_vocab_size=bad)
     with pytest.raises(ValueError, match="set draft_vocab_size too"):
-        MTPDecodingConfig(draft_vocab_file="freq.json")
+        MTPDecodingConfig(adaptive=False, draft_vocab_file="freq.json")
     with pytest.raises(ValueError, match="draft_vocab_file"):
-        MTPDecodingConfig(draft_vocab_size=8, draft_vocab_file="")
+        MTPDecodingConfig(adaptive=False, draft_vocab_size=8, draft_vocab_file="")
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=256, max_batch_size=2, max_num_tokens=32, max_seq_len=64)
     # The tiny preset is built from a seed: no ranking ships with it.
     with pytest.raises(ValueError, match="needs a token-frequency ranking"):
-        SpeculativeExecutor(model, cfg, MTPDecodingConfig(draft_vocab_size=32))
+        SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, draft_vocab_size=32))
     f = write_ranking(tmp_path, ranking(0))
     with pytest.raises(ValueError, match=r"must be in \[1, 264\]"):
-        SpeculativeExecutor(model, cfg, MTPDecodingConfig(draft_vocab_size=300, draft_vocab_file=f))
+        SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, draft_vocab_size=300, draft_vocab_file=f))
     # The whole vocabulary is the full head (no copy).
-    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(draft_vocab_size=264, draft_vocab_file=f))
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, draft_vocab_size=264, draft_vocab_file=f))
     assert ex.draft_vocab is None and ex.drafter.draft_vocab is None
 
 
@@ -176,7 +176,7 @@ def test_restricted_drafts_change_drafts_never_output(model, tmp_path, k, mode, 
                          max_seq_len=128, prefill_chunk_size=rng.choice([None, 7]))  # fmt: skip
 
     def spec(**kw) -> MTPDecodingConfig:
-        return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=mode,
+        return MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k, draft_kv_mode=mode,
                                  draft_len_fn=lambda r: (r.request_id + len(r.tokens)) % (k + 2), **kw)  # fmt: skip
 
     seen: list[list[int]] = []
@@ -209,7 +209,7 @@ def test_restricted_drafts_through_emulated_mtp_graphs(model, tmp_path, monkeypa
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96,
                          cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))  # fmt: skip
     seen: list[list[int]] = []
-    spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_vocab_size=24, draft_vocab_file=f)
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_vocab_size=24, draft_vocab_file=f)
     tests, ex = run_mtp(m, ps, cfg, spec, seen.append)
     chain = ex.drafter.chain_graphs
     assert ex.graph_runner.emulate and chain is not None and chain.draft_vocab is ex.draft_vocab

@@ -240,7 +240,7 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
         if mode == "ngram":
             return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2))
         # The separate draft manager: the chained steps' padding also goes through the draft binding.
-        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2, draft_kv_mode="separate")
         return SpeculativeExecutor(model, cfg, spec)
 
     max_tokens = [4, 6, 3, 4]
@@ -297,7 +297,7 @@ def test_emulated_graphs_with_prefix_hits_match_eager(emulated, mode: str) -> No
                              if graphs else None)  # fmt: skip
         if mode == "plain":
             return Executor(model, cfg)
-        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
+        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2))
 
     emulated(False)
     ref = _run(make(False, False), prompts, max_tokens)
@@ -378,7 +378,7 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
 def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
     """The MTP catch-up (and the fused draft) replays at (padded size, the round's largest committed count),
     not always K + 1 rows per sequence: a round that accepted nothing catches up on one row."""
-    spec = MTPDecodingConfig(num_nextn_predict_layers=3)
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3)
     ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
         batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
     chain = ex.drafter.chain_graphs
@@ -394,7 +394,8 @@ def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
     for k, env in ((1, "1"), (3, "0")):
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", env)
         ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
-            batch_sizes=[1, 2], enable_padding=True)), MTPDecodingConfig(num_nextn_predict_layers=k))  # fmt: skip
+            batch_sizes=[1, 2], enable_padding=True)),
+            MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k))  # fmt: skip
         assert not ex.drafter.chain_graphs.fused and ex.drafter.chain_graphs.draft_key([1]) is None
 
 
@@ -413,7 +414,9 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
 
     def run(fused: str) -> tuple[list, list, list, list, SpeculativeExecutor]:
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
-        spec = MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=kv_mode, index_share_for_mtp_iteration=share)
+        spec = MTPDecodingConfig(
+            adaptive=False, num_nextn_predict_layers=k, draft_kv_mode=kv_mode, index_share_for_mtp_iteration=share
+        )
         ex = SpeculativeExecutor(model, ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
             batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
         # Per round: the drafts, and the hidden rows the last chained step fed the LM head (drafts are
@@ -570,7 +573,9 @@ def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, m
     emulated(False)
     graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8, 16], enable_padding=True)
     cfg = ExecutorConfig(**{**EX_CFG, "max_batch_size": 16, "max_num_tokens": 128}, cuda_graph_config=graphs)
-    ex = SpeculativeExecutor(_model(), cfg, MTPDecodingConfig(num_nextn_predict_layers=3, max_concurrency=mc))
+    ex = SpeculativeExecutor(
+        _model(), cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, max_concurrency=mc)
+    )
     runner, chain = ex.graph_runner, ex.drafter.chain_graphs
     seen: dict[str, list] = {}
     runner.capture_all = lambda limits=None: seen.setdefault("target", runner.startup_keys(limits))
@@ -837,7 +842,7 @@ def test_emulated_overlap_while_max_concurrency_keeps_speculation_off(emulated) 
         assert d is None or d.excused, (i, d)
     assert ex.manager.num_free_pages == ex.manager.num_pages
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
-    mtp, _, _ = run(True, MTPDecodingConfig(num_nextn_predict_layers=2, max_concurrency=1))
+    mtp, _, _ = run(True, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2, max_concurrency=1))
     assert mtp.num_overlapped_steps == 0 and mtp.num_unspeculated_rounds > 0
 
 

@@ -46,7 +46,9 @@ def _make(model, mode: str, graphs: CudaGraphConfig | None) -> Executor:
     if mode == "ngram":
         return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=7))
     kv_mode = "separate" if mode == "mtp_separate" else "shared"
-    return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode))
+    return SpeculativeExecutor(
+        model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode=kv_mode)
+    )
 
 
 def _run(ex: Executor, join_after: int, on_step=None):
@@ -161,7 +163,9 @@ def test_fused_mtp_draft_matches_per_step_graphs(model, monkeypatch, kv_mode: st
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
         cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
                              max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
-        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode))
+        ex = SpeculativeExecutor(
+            model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode=kv_mode)
+        )
         log: list[list[tuple[int, list[int]]]] = []
         orig = ex.drafter.draft
 

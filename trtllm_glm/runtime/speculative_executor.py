@@ -25,6 +25,7 @@ from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
+from ..speculative.adaptive import AdaptiveDraftPolicy
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 from ..speculative.draft_vocab import resolve_draft_vocab
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
@@ -53,6 +54,8 @@ class SpeculativeExecutor(Executor):
         spec: the speculative configuration.
         seed: base sampling seed.
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
+        draft_policy: the adaptive draft-length policy (default: a fresh `AdaptiveDraftPolicy` when
+            ``spec.adaptive``, else none; tests pass one with an injected clock).
     """
 
     # A round's drafts come from its tokens, so a speculating round cannot be launched before the previous
@@ -67,6 +70,7 @@ class SpeculativeExecutor(Executor):
         *,
         seed: int = 0,
         drafter: Drafter | None = None,
+        draft_policy: AdaptiveDraftPolicy | None = None,
     ) -> None:
         self.spec = spec
         self.use_mtp = isinstance(spec, MTPDecodingConfig) and drafter is None
@@ -125,6 +129,13 @@ class SpeculativeExecutor(Executor):
         self._n_submitted = 0
         # Rounds run width one because the batch exceeded `max_concurrency`.
         self.num_unspeculated_rounds = 0
+        # Each rank of a parallel world runs its own scheduler in lockstep (runtime/ranks.py): a choice made
+        # from each rank's own clock would differ between ranks, so the world drafts a fixed K.
+        if draft_policy is None and spec.adaptive and not model.mapping.is_parallel:
+            draft_policy = AdaptiveDraftPolicy(K)
+        if draft_policy is not None and draft_policy.max_draft_len != K:
+            raise ValueError(f"draft_policy.max_draft_len={draft_policy.max_draft_len} but the config drafts {K}")
+        self.draft_policy = draft_policy
 
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
@@ -328,6 +339,8 @@ class SpeculativeExecutor(Executor):
             # A width-one step read back late (the overlap scheduler, `_may_launch_ahead`): the plain commit,
             # sampling and retirement, then this round's drafting decision as after any step.
             finished = super()._advance(plan, hidden, slots=slots)
+            if self.draft_policy is not None:
+                self.draft_policy.reset_interval()  # a step launched ahead: no round interval to measure
             for s in plan:
                 st = self.state.get(s.request.request_id)
                 if st is not None:
@@ -394,6 +407,8 @@ class SpeculativeExecutor(Executor):
                 if proposed:  # all filler: a width-one round as far as the statistics go
                     r.num_verify_rounds += 1
                     r.num_accepted_total += a
+                    if self.draft_policy is not None:
+                        self.draft_policy.observe_acceptance(proposed, a - 1)
                 for j in range(proposed):
                     if j >= len(r.proposed_per_position):
                         r.proposed_per_position.append(0)
@@ -445,11 +460,14 @@ class SpeculativeExecutor(Executor):
 
     # --------------------------------------------------------------------------------------------
     # Drafting for the next round
-    def _draft_len(self, r: Request) -> int:
-        """Drafts to propose for ``r``'s next round (0 = a width-one round)."""
+    def _draft_len(self, r: Request, cap: int | None = None) -> int:
+        """Drafts to propose for ``r``'s next round (0 = a width-one round), at most ``cap`` (the adaptive
+        policy's round length; None: ``max_draft_len``)."""
         if not r.params.greedy or not r.is_decode:
             return 0
-        k = self.max_draft_len
+        k = self.max_draft_len if cap is None else cap
+        if k <= 0:
+            return 0
         if self.spec.draft_len_fn is not None:
             k = max(0, min(k, int(self.spec.draft_len_fn(r))))
         # The bonus token is always emitted: never verify past the request's budget or the context.
@@ -471,8 +489,11 @@ class SpeculativeExecutor(Executor):
             # so the MTP layer keeps catching up and can draft again once the batch shrinks).
             want = {s.request.request_id: 0 for _, s in live}
             self.num_unspeculated_rounds += 1
+            if self.draft_policy is not None:
+                self.draft_policy.reset_interval()
         else:
-            want = {s.request.request_id: self._draft_len(s.request) for _, s in live}
+            cap = self._policy_draft_len(live, plan)
+            want = {s.request.request_id: self._draft_len(s.request, cap) for _, s in live}
         seqs, row = [], 0
         for i, s in enumerate(plan):
             r = s.request
@@ -500,6 +521,26 @@ class SpeculativeExecutor(Executor):
         if self.graph_runner is not None and any(s.live and s.state.drafts for s in seqs):
             _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
                                for _, s in live})  # fmt: skip
+
+    def _policy_draft_len(self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq]) -> int | None:
+        """The adaptive policy's draft length for the next round (None without a policy).
+
+        Called once per round right after the step's results were read back (the host already waited for
+        the device there), it stamps the policy's clock: the interval since the previous stamp is one round
+        (its drafting, its verify step, the host's work) of the length chosen then, a cost sample when that
+        step was a steady decode step of the same batch.
+        """
+        pol = self.draft_policy
+        if pol is None:
+            return None
+        decode = [s.request for _, s in live if s.request.is_decode]
+        if not any(r.params.greedy for r in decode):  # nothing can speculate: no round to choose or measure
+            pol.reset_interval()
+            return 0
+        # The whole decode batch sets the cost (sampled requests ride the verify rows as filler).
+        b = len(decode)
+        steady = all(s.is_decode for s in plan) and pol.open_batch_size == len(plan)
+        return pol.begin_round(steady, b)
 
     def _padded_len(self, r: Request, k: int) -> int:
         """Draft slots of ``r``'s next round when CUDA graphs replay full-width verify steps.

@@ -23,6 +23,8 @@ class _SpecBase:
     max_concurrency: int | None = None
 
     def _check_common(self) -> None:
+        if not isinstance(getattr(self, "adaptive", False), bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")  # type: ignore[attr-defined]
         mc = self.max_concurrency
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc <= 0):
             raise ValueError(f"max_concurrency must be None or a positive int, got {mc!r}")
@@ -54,6 +56,10 @@ class MTPDecodingConfig(_SpecBase):
             token-frequency ranking: ``draft_vocab_file``, or the checkpoint's ``token_frequency.json``.
         draft_vocab_file: the token-frequency ranking (JSON, `speculative.draft_vocab.load_token_ranking`) for
             ``draft_vocab_size``; None takes the checkpoint's own.
+        adaptive: each round's draft length (``0 .. num_nextn_predict_layers``) is chosen by an
+            `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
+            acceptance, down to 0 where speculation cannot pay (default on; ``False`` drafts the maximum
+            every round).
     """
 
     num_nextn_predict_layers: int = 1
@@ -62,6 +68,7 @@ class MTPDecodingConfig(_SpecBase):
     index_share_for_mtp_iteration: bool | None = None
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -99,11 +106,14 @@ class NGramDecodingConfig(_SpecBase):
         min_matching_ngram_size: shortest suffix accepted as a match.
         max_concurrency: speculate only while the decode batch holds at most this many requests (None:
             always); larger batches run plain width-one rounds, where verifying drafts costs more than it saves.
+        adaptive: choose each round's draft length with an `AdaptiveDraftPolicy` (as MTP's option; off by
+            default here: prompt-lookup acceptance swings between requests and rounds far more than MTP's).
     """
 
     max_draft_len: int = 4  # type: ignore[assignment]
     max_matching_ngram_size: int = 4
     min_matching_ngram_size: int = 1
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         self._check_common()
