@@ -18,7 +18,8 @@ graphs as filler), and the lossless check then covers the greedy half; a ``+mcN`
 speculative config's ``max_concurrency=N`` (batches above N run width one); ``+adaptive`` turns on the adaptive
 draft length (`AdaptiveDraftPolicy`; the MTP config's default, off in the fixed-K modes above so that ``mtp3``
 stays the K = 3 of earlier results); ``+dvN`` drafts over the N most frequent tokens (``draft_vocab_size``;
-needs a checkpoint's ranking, e.g. ``--trained --preset small``); ``transformers`` runs the
+needs a checkpoint's ranking, e.g. ``--trained --preset small``, except under an oracle: ``mtporacle0.7k3+dv32768``
+times the restricted head on random weights with the first N ids); ``transformers`` runs the
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
@@ -382,6 +383,11 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
 
         oracle = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
     if mode.startswith("mtp"):
+        if "draft_vocab_size" in opts and oracle is not None and model.checkpoint_dir is None:
+            # Random weights ship no token ranking. Under an oracle the ranking cannot change the acceptance (the
+            # oracle's tokens are proposed), only the cost, which does not depend on which rows are kept: the
+            # first N ids serve, for timing only.
+            opts["draft_vocab_file"] = timing_ranking_file(model.config.vocab_size)
         spec = MTPDecodingConfig(num_nextn_predict_layers=draft_len(mode), max_concurrency=mc, **opts)
         ex = SpeculativeExecutor(model, cfg, spec)
         if oracle is not None:
@@ -396,6 +402,17 @@ def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int,
         spec = NGramDecodingConfig(max_draft_len=draft_len(mode), max_concurrency=mc, **opts)
         return SpeculativeExecutor(model, cfg, spec, drafter=oracle)
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def timing_ranking_file(vocab_size: int) -> str:
+    """A token ranking of ids ``0 .. V-1`` in order (a file in the temp directory), for timing the restricted
+    draft vocabulary under an oracle only (`make_executor`)."""
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"bench_e2e_timing_ranking_{vocab_size}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"ranking": list(range(vocab_size)), "source": "bench_e2e timing only (not frequencies)"}, f)
+    return path
 
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
@@ -482,6 +499,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "drafter_proposals": proposed,
         "overlap": bool(ex.cfg.overlap_scheduler and ex.supports_overlap),
         "adaptive": pol is not None,
+        "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
         "adaptive_k": {k: pol.chosen.count(k) for k in sorted(set(pol.chosen))} if pol is not None else None,
         "capture_s": capture_s,
         "startup_captures": startup_captures,
@@ -750,7 +768,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
-                   "overlap": r["overlap"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"]}  # fmt: skip
+                   "overlap": r["overlap"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                   "draft_vocab_size": r["draft_vocab_size"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             if args.profile_idle:
@@ -981,6 +1000,7 @@ def main() -> None:
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
                            "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                           "draft_vocab_size": r["draft_vocab_size"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,

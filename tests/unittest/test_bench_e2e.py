@@ -160,7 +160,8 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(bench), "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4",
-           "--batch", "2", "--modes", "plain", "mtporacle0.7k3", "mtporacle0.7k3+adaptive", "--gen", "8",
+           "--batch", "2", "--modes", "plain", "mtporacle0.7k3", "mtporacle0.7k3+adaptive", "mtporacle0.7k3+dv64",
+           "--gen", "8",
            "--prompt-len", "12", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -171,4 +172,7 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
         assert (r["K"], r["acceptance"], r["overlap"], r["drafter"]) == (3, 0.7, False, "mtp+oracle")
         assert r["vs_plain"]["diverged"] == 0 and r["expected_tokens_per_step"] == pytest.approx(2.533)
     assert not fixed["adaptive"] and adaptive["adaptive"] and sum(adaptive["adaptive_k"].values()) > 0
+    # Random weights ship no ranking: under the oracle the restricted head is timed with the first N ids.
+    dv = rows["mtporacle0.7k3+dv64"]
+    assert dv["draft_vocab_size"] == 64 and fixed["draft_vocab_size"] is None and dv["vs_plain"]["diverged"] == 0
     assert rows["plain"]["K"] == 0 and rows["plain"]["acceptance"] is None
