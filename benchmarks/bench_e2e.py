@@ -500,7 +500,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "overlap": bool(ex.cfg.overlap_scheduler and ex.supports_overlap),
         "adaptive": pol is not None,
         "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
-        "adaptive_k": {k: pol.chosen.count(k) for k in sorted(set(pol.chosen))} if pol is not None else None,
+        "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
         "capture_s": capture_s,
         "startup_captures": startup_captures,
         "graph_captures": gstats.captures if gstats else 0,

@@ -94,6 +94,15 @@ def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
     assert ks[6:] == [0 if i % 64 != 63 else 1 for i in range(6, 60)]
 
 
+def test_policy_history_is_bounded() -> None:
+    """A server runs for millions of rounds: the list of choices keeps the latest ones, the counts all."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(2, clock=clock, history=4)
+    ks = feed(pol, clock, 50, 2, lambda k: 1.0 + 0.1 * k, lambda k: k)
+    assert 4 <= len(pol.chosen) <= 8 and pol.chosen == ks[-len(pol.chosen) :]
+    assert sum(pol.counts.values()) == 50 and pol.counts == {k: ks.count(k) for k in set(ks)}
+
+
 def test_policy_config_errors() -> None:
     with pytest.raises(ValueError, match="max_draft_len"):
         AdaptiveDraftPolicy(0)

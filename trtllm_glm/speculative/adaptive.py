@@ -36,7 +36,12 @@ def expected_tokens(k: int, a: float) -> float:
 def best_draft_len(costs: dict[int, float], a: float) -> int:
     """The ``K`` of ``costs`` (``K -> seconds per round``) with the most expected tokens per second; ties go to
     the smaller ``K`` (less work for the same rate)."""
-    return max(sorted(costs), key=lambda k: (expected_tokens(k, a) / costs[k], -k))
+    # E(k) for k = 0 .. max(costs), built up once (the policy calls this every round).
+    e, p = [1.0], 1.0
+    for _ in range(max(costs)):
+        p *= a
+        e.append(e[-1] + p)
+    return max(sorted(costs), key=lambda k: (e[k] / costs[k], -k))
 
 
 @dataclass
@@ -62,7 +67,9 @@ class AdaptiveDraftPolicy:
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
     Attributes:
-        chosen: ``K`` of every round `choose` returned (tests and statistics read it).
+        chosen: ``K`` of the rounds `choose` returned, oldest first (the latest ``history`` to ``2 * history``
+            of them: a server runs for millions of rounds).
+        counts: ``K -> rounds`` over every choice.
     """
 
     max_draft_len: int
@@ -73,7 +80,9 @@ class AdaptiveDraftPolicy:
     explore_every: int = 64
     prior_acceptance: float = 0.5
     clock: Callable[[], float] | None = None
+    history: int = 4096
     chosen: list[int] = field(default_factory=list)
+    counts: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_draft_len < 1:
@@ -119,11 +128,12 @@ class AdaptiveDraftPolicy:
                 out[k] = c.seconds
         return out
 
-    def estimated_costs(self, batch_size: int) -> dict[int, float]:
+    def estimated_costs(self, batch_size: int, got: dict[int, float] | None = None) -> dict[int, float]:
         """``K -> seconds per round`` for every candidate of ``batch_size``'s bucket once ``0`` and the largest
         ``K`` are trusted: the measured cost, else the straight line between those two (drafting costs about
-        the same per draft step; the verify grows with its width). Empty before that."""
-        got = self.costs(batch_size)
+        the same per draft step; the verify grows with its width). Empty before that. ``got``: `costs` of the
+        same batch size, when the caller has it."""
+        got = self.costs(batch_size) if got is None else got
         kmax = self.candidates[-1]  # type: ignore[index]
         if 0 not in got or kmax not in got:
             return {}
@@ -146,7 +156,7 @@ class AdaptiveDraftPolicy:
         for k in (cands[-1], 0):
             if k not in got:
                 return self._pick(k)
-        best = best_draft_len(self.estimated_costs(batch_size), self.acceptance)
+        best = best_draft_len(self.estimated_costs(batch_size, got), self.acceptance)
         if best in got and n % self.explore_every == self.explore_every - 1:
             i = cands.index(best)
             near = {cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)} | {cands[-1]}
@@ -161,6 +171,9 @@ class AdaptiveDraftPolicy:
 
     def _pick(self, k: int) -> int:
         self.chosen.append(k)
+        if len(self.chosen) > 2 * self.history:
+            del self.chosen[: self.history]
+        self.counts[k] = self.counts.get(k, 0) + 1
         return k
 
     # --------------------------------------------------------------------------------------------
