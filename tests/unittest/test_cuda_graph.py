@@ -611,6 +611,34 @@ def test_set_decode_rows_matches_prepare() -> None:
         a.set_decode_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), past[:3])
 
 
+@pytest.mark.parametrize("live", [None, [4, 1, 3, 2]])
+def test_set_verify_rows_matches_prepare(live) -> None:
+    """`AttentionMetadata.set_verify_rows` writes what `prepare` writes for ``W`` verify rows per sequence, from a
+    batch another step described (the fused draft's catch-up shape)."""
+    from trtllm_glm.attention.metadata import AttentionMetadata
+
+    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 2, 4, 1], state_slots=[7, 1, 2, 0], num_decode_seqs=0,
+              num_padding_seqs=1, valid_q_lens=[2, 2, 3, 0])  # fmt: skip
+    past, W = [8, 3, 11, 4], 4
+    a.set_verify_rows(torch.tensor(past), torch.tensor([True, True, True, False]), W, past,
+                      None if live is None else torch.tensor(live))  # fmt: skip
+    b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[W] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
+              num_padding_seqs=1, live_q_lens=live)  # fmt: skip
+    for name in ("positions_t", "row_seq_t", "row_live_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t",
+                 "cu_seqlens_t"):  # fmt: skip
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.row_seq_t.tolist()[-W:] == [-1] * W and a.positions_t.tolist()[:W] == [8, 9, 10, 11]
+    for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
+                 "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
+        assert getattr(a, name) == getattr(b, name), name
+    with pytest.raises(ValueError, match="4 lengths"):
+        a.set_verify_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), W, past[:3])
+    with pytest.raises(ValueError, match="do not fit"):
+        a.set_verify_rows(torch.tensor(past), torch.ones(4, dtype=torch.bool), 9, past)
+
+
 def test_row_live_marks_padding_and_filler() -> None:
     """``row_live_t``: 0 on padding rows (sequences and widths) and on the verify filler ``live_q_lens`` names,
     which keep their ``row_seq`` (computed like any row); refreshed in place by the next `prepare`."""
