@@ -16,6 +16,12 @@
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   prefix        bench_prefix_workloads on the 4-layer slice
+#   spec_real     issue 43, 4-layer slice, batch 1 / 16: plain, overlap, MTP K=3 fixed and adaptive, MTP rounds at oracle
+#                 acceptance 0.7 (the MTP layer's full cost; also with a 32,768-token draft head, and adaptive), the
+#                 oracle without the MTP layer
+#   spec_real64   the same at batch 64 (fewer modes)
+#   spec_small    issue 43, trained small, bf16 then fp32, batch 1 / 16 / 64: plain, overlap, MTP K=3 fixed and
+#                 adaptive, each with and without the 32-token draft vocabulary
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -72,6 +78,20 @@ for stage in "$@"; do
     prefix)
       timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \
         --json "$O/prefix.json" 2>&1 | tee "$O/prefix.log" ;;
+    spec_real)
+      timeout "${T_SPEC_REAL:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap mtp3 \
+        mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+dv32768 mtporacle0.7k3+adaptive oracle0.7k3 --cuda-graphs on \
+        --prompt-len 256 --gen 48 --json "$O/spec_real.json" 2>&1 | tee "$O/spec_real.log" ;;
+    spec_real64)
+      timeout "${T_SPEC_REAL64:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 64 --modes plain overlap \
+        mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+adaptive --cuda-graphs on --prompt-len 256 --gen 48 \
+        --json "$O/spec_real64.json" 2>&1 | tee "$O/spec_real64.log" ;;
+    spec_small)
+      for dt in bfloat16 float32; do
+        timeout "${T_SPEC_SMALL:-270}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype $dt \
+          --batch 1 16 64 --modes plain overlap mtp3 mtp3+dv32 mtp3+adaptive mtp3+adaptive+dv32 --cuda-graphs on \
+          --json "$O/spec_small_$dt.json" 2>&1 | tee "$O/spec_small_$dt.log"
+      done ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;

@@ -270,6 +270,61 @@ def test_lossless_while_k_changes_every_round(model, kind) -> None:
     assert sum(r.num_verify_rounds for r in tests) > 0
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) -> None:
+    """A round in which nobody drafts (here: the first rounds of each request, by ``draft_len_fn``) runs the MTP
+    catch-up without the LM head (eagerly and through the `CATCHUP_ONLY` graphs of an emulating runner); drafting
+    then resumes from a caught-up MTP cache, and the output is plain greedy's."""
+    import dataclasses
+
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.mtp_graphs import MtpChainGraphs
+    from trtllm_glm.speculative.mtp import MTPDrafter
+
+    m = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+    ps, mt = prompts(3, 9), [14, 14, 14]
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
+    refs = plain(m, ps, mt)
+    if graphs:
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+        monkeypatch.setattr(interpreter_builder, "options",
+                            dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
+        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+        cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))
+    heads: list[int] = []  # draft-head calls: the number of drafting requests of the round
+    wanted: list[int] = []
+    greedy, body = MTPDrafter.greedy, MtpChainGraphs._greedy
+    monkeypatch.setattr(MTPDrafter, "greedy", lambda self, h: (heads.append(wanted[-1]), greedy(self, h))[1])
+    monkeypatch.setattr(MtpChainGraphs, "_greedy", lambda self, h: (heads.append(wanted[-1]), body(self, h))[1])
+    spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, draft_len_fn=lambda r: 2 * (r.num_output > 6))
+    ex = SpeculativeExecutor(m, cfg, spec)
+    draft = ex.drafter.draft
+    only: list = []
+    if graphs:
+        run_only = ex.drafter.chain_graphs.run_catchup_only
+
+        def counted(key, *a):
+            only.append(key)
+            return run_only(key, *a)
+
+        ex.drafter.chain_graphs.run_catchup_only = counted
+
+    def spy(seqs, hidden):
+        wanted.append(sum(1 for s in seqs if s.live and s.want > 0))
+        draft(seqs, hidden)
+
+    ex.drafter.draft = spy
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=t, ignore_eos=True)) for p, t in zip(ps, mt)]
+    ex.run_until_done()
+    assert_lossless(refs, reqs)
+    assert 0 in wanted and heads and all(n > 0 for n in heads)  # no head in a round that drafts nothing
+    assert sum(r.num_verify_rounds for r in reqs) > 0
+    if graphs:
+        assert only and all(k[0] == "catchup_only" for k in only)  # the head-free catch-up graphs served
+
+
 def test_default_mtp_executor_is_adaptive(model) -> None:
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=512, max_batch_size=2, max_num_tokens=32, max_seq_len=64)
     ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))

@@ -583,8 +583,9 @@ def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, m
     ex.capture_cuda_graphs()
     every, wide = [1, 2, 4, 8, 16], ([1, 2, 4] if mc == 3 else [1, 2, 4, 8, 16])
     assert sorted(seen["target"]) == sorted([(p, 1) for p in every] + [(p, 4) for p in wide])
-    want = [("chain", p, 1) for p in every] + [("catchup", p, 1) for p in every]
-    want += [("catchup", p, w) for p in wide for w in (2, 3, 4)] + [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
+    want = [("chain", p, 1) for p in every] + [(k, p, 1) for p in every for k in ("catchup", "catchup_only")]
+    want += [(k, p, w) for p in wide for w in (2, 3, 4) for k in ("catchup", "catchup_only")]
+    want += [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
     assert sorted(seen["mtp"]) == sorted(want)
 
 

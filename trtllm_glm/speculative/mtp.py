@@ -123,6 +123,12 @@ class MTPDrafter(Drafter):
         fused = graphs.draft_key(committed) if graphs is not None and all(s.want == K for s in cat) else None
         # Each sequence's last committed row of the target step (the graph paths take it from `hidden`).
         last_src = [s.row_offset + c - 1 for s, c in zip(cat, committed)]
+        if not any(s.want > 0 for s in cat):
+            # Nobody drafts this round (an adaptive length of 0, max_concurrency, budgets): the MTP layer only
+            # catches up (its cache must follow every committed token), without the LM head, which is most of
+            # a draft step's cost at real geometry.
+            self._catch_up_only(cat, rids, starts, committed, toks, hidden, src_rows, last_src)
+            return
         if fused is not None:
             # The whole draft in one replay (catch-up + chained steps; `MtpChainGraphs`, fused draft).
             drafts = graphs.run_draft(fused, rids, starts, committed, toks, hidden, src_rows)
@@ -166,6 +172,34 @@ class MTPDrafter(Drafter):
                 if len(cat[j].state.drafts) < cat[j].want:
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
+
+    def _catch_up_only(
+        self,
+        cat: list[DraftSeq],
+        rids: list[int],
+        starts: list[int],
+        committed: list[int],
+        toks: list[int],
+        hidden: torch.Tensor,
+        src_rows: list[int],
+        last_src: list[int],
+    ) -> None:
+        """The catch-up of a round in which nobody drafts: the MTP forward over the committed rows, no LM head.
+
+        Args: as `draft` computed them (``toks`` / ``src_rows``: ``sum(committed)`` tokens and rows of
+        ``hidden [N, D]``; ``last_src``: each sequence's last committed row).
+        """
+        graphs = self.chain_graphs
+        key = graphs.catchup_key(committed, head=False) if graphs is not None else None
+        if key is not None:
+            graphs.run_catchup_only(key, rids, starts, committed, toks, hidden, src_rows)
+        else:
+            prev_h = hidden[to_device(src_rows, self.device)]
+            nxt = to_device(toks, self.device, torch.int64)
+            self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
+        self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
+        for s in cat:
+            s.state.drafts = []
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """``h [n, D]`` MTP output -> ``[n]`` int64 greedy drafts: over the draft vocabulary when there is one
