@@ -22,6 +22,24 @@ def test_expected_tokens_per_step(mode: str, want: float | None) -> None:
     assert got == pytest.approx(want) if want is not None else got is None
 
 
+@pytest.mark.parametrize(
+    ("mode", "base", "opts", "k", "rate"),
+    [
+        ("mtp3", "mtp3", {"adaptive": False}, 3, None),
+        ("mtp3+adaptive+dv32", "mtp3", {"adaptive": True, "draft_vocab_size": 32}, 3, None),
+        ("mtporacle0.7k3", "mtporacle0.7k3", {"adaptive": False}, 3, 0.7),
+        ("mtporacle0.9", "mtporacle0.9", {"adaptive": False}, 3, 0.9),
+        ("oracle0.5k2+mix+mc8", "oracle0.5k2", {"adaptive": False}, 2, 0.5),
+    ],
+)
+def test_mode_suffixes(mode: str, base: str, opts: dict, k: int, rate: float | None) -> None:
+    from bench_e2e import base_mode, draft_len, mode_options, oracle_rate
+
+    assert (base_mode(mode), mode_options(mode), draft_len(mode), oracle_rate(mode)) == (base, opts, k, rate)
+    with pytest.raises(ValueError, match="unknown mode suffix"):
+        base_mode(mode + "+fast")
+
+
 def test_oracle_goal_line_reports_realised_and_expected() -> None:
     row = {"layers": 4, "batch": 1, "mode": "oracle0.7k3", "graphs": True, "step_ms": 2.5,
            "speedup_vs_plain": 1.6, "tokens_per_step": 2.0, "expected_tokens_per_step": 2.533,
