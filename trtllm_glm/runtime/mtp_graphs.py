@@ -492,6 +492,32 @@ class MtpChainGraphs:
         self.meta.trim_padding()
         self.catchup_replays += 1
 
+    def run_catchup_only_rows(
+        self, key: GraphKey, rids: Sequence[int], starts: Sequence[int], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """A one-row-per-sequence catch-up without the LM head whose tokens and hidden rows are already on the
+        device (`MTPDrafter.catch_up_ahead`: the overlap scheduler's in-flight step, not read back yet).
+
+        Args:
+            key: ``catchup_key([1] * n, head=False)``.
+            rids: ``[n]`` request ids.
+            starts: ``[n]`` position of each sequence's row.
+            tokens: ``[n]`` int64 token ``i + 1`` of each row, on the device.
+            hidden: ``[n, D]`` target hidden ``i`` of each row, on the device.
+        """
+        _, P, W = key
+        n = len(rids)
+        if W != 1 or tokens.shape[0] != n or hidden.shape[0] != n:
+            raise ValueError(f"a catch-up of device rows needs width one and {n} rows, got {key}")
+        self._prepare_catchup(rids, starts, [1] * n, P, 1)
+        self.c_tokens[:n].copy_(tokens)
+        self.c_tokens[n:P].zero_()
+        self.c_hidden[:n].copy_(hidden)
+        self.c_hidden[n:P].copy_(hidden[:1].expand(P - n, -1))  # padding rows: finite, never read back
+        self._replay_or_run(key)
+        self.meta.trim_padding()
+        self.catchup_replays += 1
+
     def run_draft(
         self,
         key: GraphKey,

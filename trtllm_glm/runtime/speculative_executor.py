@@ -136,6 +136,13 @@ class SpeculativeExecutor(Executor):
         if draft_policy is not None and draft_policy.max_draft_len != K:
             raise ValueError(f"draft_policy.max_draft_len={draft_policy.max_draft_len} but the config drafts {K}")
         self.draft_policy = draft_policy
+        # The adaptive length decided at the last read-back for the next round that can draft (None: none yet),
+        # and a length decided while a step launched ahead ran (it could not draft then: the next read-back
+        # uses it).
+        self._next_k: int | None = None
+        self._carry_k: int | None = None
+        # MTP catch-ups made on the device before a step launched ahead (`_before_chained_launch`).
+        self.num_catchups_ahead = 0
 
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
@@ -319,28 +326,47 @@ class SpeculativeExecutor(Executor):
         self.meta.set_num_accepted([self.state[s.request.request_id].last_accepted for s in plan])
 
     def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
-        """The overlap scheduler's test, for the rounds where speculation is off because the batch exceeds
-        ``max_concurrency``: width-one rounds of a drafter that needs no model state (the MTP layer catches
-        up on every step's hidden rows, so its rounds are never launched ahead) with no drafts pending.
+        """The overlap scheduler's test, for the rounds where speculation is off: the batch exceeds
+        ``max_concurrency``, or the adaptive policy's last choice was K = 0. Width-one rounds with no drafts
+        pending, of a drafter that needs no model state or of the MTP drafter with CUDA graphs, whose catch-up
+        on the in-flight step is launched on the device before the next step (`_before_chained_launch`).
 
         The step launched ahead reuses the in-flight step's accepted counts (`_before_forward` reads them
         before that step is read back). They only cross-check a tail-ring rollback, and a width-one step
         after a width-one step rolls nothing back, so a stale count there is never read.
         """
         mc = self.spec.max_concurrency
-        if mc is None or len(self.running) <= mc or not isinstance(self.drafter, ParallelDrafter):
+        above = mc is not None and len(self.running) > mc
+        idle = self.draft_policy is not None and self._next_k == 0 and self._carry_k is None
+        if not (above or idle):
+            return False
+        mtp = getattr(self.drafter, "chain_graphs", None) is not None and hasattr(self.drafter, "catch_up_ahead")
+        if not (isinstance(self.drafter, ParallelDrafter) or mtp):
             return False
         if any(s.request.request_id not in self.state or self.state[s.request.request_id].drafts for s in plan):
             return False
         return super()._may_launch_ahead(plan)
+
+    def _before_chained_launch(self, cur) -> None:  # noqa: ANN001 - executor._InFlight
+        """The MTP catch-up on the in-flight step's rows, on the device, before the next step overwrites them."""
+        catch = getattr(self.drafter, "catch_up_ahead", None)
+        if catch is None:
+            return
+        seqs = []
+        for s in cur.plan:
+            st = self.state.get(s.request.request_id)
+            if st is None:  # (every request of a plan has a state; keep the rows aligned regardless)
+                st = DraftState(mtp_disabled=True)
+            seqs.append((s.request.request_id, st, s.start, s.request.params.greedy))
+        with torch.inference_mode():
+            catch(seqs, cur.out.packed[:, 0], cur.out.hidden)
+        self.num_catchups_ahead += 1
 
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor, slots: list[int] | None = None) -> list[Request]:
         if slots is not None:
             # A width-one step read back late (the overlap scheduler, `_may_launch_ahead`): the plain commit,
             # sampling and retirement, then this round's drafting decision as after any step.
             finished = super()._advance(plan, hidden, slots=slots)
-            if self.draft_policy is not None:
-                self.draft_policy.reset_interval()  # a step launched ahead: no round interval to measure
             for s in plan:
                 st = self.state.get(s.request.request_id)
                 if st is not None:
@@ -540,7 +566,16 @@ class SpeculativeExecutor(Executor):
         # The whole decode batch sets the cost (sampled requests ride the verify rows as filler).
         b = len(decode)
         steady = all(s.is_decode for s in plan) and pol.open_batch_size == len(plan)
-        return pol.begin_round(steady, b)
+        if self._inflight is not None:
+            # A step launched ahead is running: the round after this one is width one whatever is chosen (drafts
+            # made now would be a token stale); a length chosen now is carried to the next read-back.
+            k = pol.begin_round(steady, b, running=0)
+            self._next_k = k
+            self._carry_k = k if k > 0 else None
+            return 0
+        k = pol.begin_round(steady, b, k=self._carry_k)
+        self._next_k, self._carry_k = k, None
+        return k
 
     def _padded_len(self, r: Request, k: int) -> int:
         """Draft slots of ``r``'s next round when CUDA graphs replay full-width verify steps.

@@ -198,7 +198,7 @@ class AdaptiveDraftPolicy:
         c.seconds = (1 - w) * c.seconds + w * seconds
         c.samples += 1
 
-    def begin_round(self, steady: bool, batch_size: int) -> int:
+    def begin_round(self, steady: bool, batch_size: int, *, k: int | None = None, running: int | None = None) -> int:
         """Stamp the clock and choose the draft length of the round that starts now (once per round, after the
         previous round's results were read back: the stamp adds no device synchronisation).
 
@@ -209,16 +209,21 @@ class AdaptiveDraftPolicy:
         Args:
             steady: see above.
             batch_size: the decode batch of the round that starts now.
+            k: the length decided already (a choice the previous call made but no round could run yet); None
+                chooses now (`choose`).
+            running: the length of the round that really runs until the next stamp when it is not the returned
+                one (the overlap scheduler: a width-one step launched ahead, 0); its interval is booked under it.
 
         Returns:
-            The round's ``K``.
+            The chosen ``K``.
         """
         now = self.clock()  # type: ignore[misc]
         if self._open is not None and steady:
             t0, ob, ok = self._open
             self.observe_cost(ob, ok, now - t0)
-        k = self.choose(batch_size)
-        self._open = (now, batch_size, k)
+        if k is None:
+            k = self.choose(batch_size)
+        self._open = (now, batch_size, k if running is None else running)
         return k
 
     @property

@@ -22,7 +22,7 @@ from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..transfer import to_device
 from .draft_vocab import DraftVocab
-from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq
+from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq, DraftState
 from .interface import draft_replay
 
 __all__ = ["MTPDrafter"]
@@ -94,6 +94,8 @@ class MTPDrafter(Drafter):
             st = s.state
             if st.mtp_disabled:
                 continue
+            if st.mtp_len == s.num_computed:
+                continue  # caught up already, on the device, before the step after it launched (`catch_up_ahead`)
             start = s.num_computed - s.committed
             if st.mtp_len != start:
                 # The MTP history has a gap (cannot happen: every step catches up); drop speculation.
@@ -172,6 +174,57 @@ class MTPDrafter(Drafter):
                 if len(cat[j].state.drafts) < cat[j].want:
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
+
+    def catch_up_ahead(
+        self, seqs: Sequence[tuple[int, DraftState, int, bool]], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """Catch the MTP layer up on a width-one step whose tokens the host has not read yet (the overlap
+        scheduler, about to launch the next step over the same graph buffers): the step's chosen tokens and
+        hidden rows are taken on the device; no LM head (nobody drafts from a step followed by one launched
+        ahead: its drafts would be one token stale). The next `draft` call skips these sequences.
+
+        Args:
+            seqs: ``(request_id, state, row position, greedy)`` of each row of the step, in row order.
+            tokens: ``[B]`` the step's chosen token of each row (``GraphOutputs.packed[:, 0]``, float64 ids).
+            hidden: ``[B, D]`` the step's final hidden rows.
+        """
+        dm = self.draft_manager
+        cat: list[DraftSeq] = []
+        sel: list[int] = []
+        for b, (rid, st, pos, greedy) in enumerate(seqs):
+            if not greedy or st.mtp_disabled:
+                continue
+            if st.mtp_len != pos:
+                st.mtp_disabled = True  # a gap in the MTP history (as in `draft`): no speculation from here
+                continue
+            if self.separate:
+                try:
+                    if not dm.has_request(rid):
+                        dm.add_request(rid)
+                    dm.ensure_capacity(rid, pos + 1)
+                except CapacityError:
+                    st.mtp_disabled = True
+                    self.release(rid)
+                    continue
+            cat.append(DraftSeq(request_id=rid, state=st, tokens=(), num_output=0, num_computed=pos + 1, committed=1,
+                                row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
+            sel.append(b)
+        if not cat:
+            return
+        idx = to_device(sel, self.device)
+        toks = tokens.index_select(0, idx).to(torch.int64)
+        rows = hidden.index_select(0, idx)
+        rids = [s.request_id for s in cat]
+        starts = [s.num_computed - 1 for s in cat]
+        graphs = self.chain_graphs
+        key = graphs.catchup_key([1] * len(cat), head=False) if graphs is not None else None
+        if key is not None:
+            graphs.run_catchup_only_rows(key, rids, starts, toks, rows)
+        else:
+            self._mtp_step(cat, starts, [1] * len(cat), toks, rows, decode=False)
+        self._caught_up(cat, [1] * len(cat), rows)
+        for s in cat:
+            s.state.drafts = []
 
     def _catch_up_only(
         self,
