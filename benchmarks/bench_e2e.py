@@ -9,10 +9,17 @@ of the step time to that floor at the copy bandwidth measured in the same run. M
 ``overlap`` (plain decoding with the overlap scheduler: each step launched before the previous one is read
 back; needs graphs), ``mtp3`` (MTP, 3 chained drafts), ``ngram7`` (prompt lookup, 7 drafts) and
 ``oracleA`` (7 drafts, or K with ``oracleAkK``, e.g. ``oracle0.7k3``, from a replay of the greedy output,
-each right with probability ``A``), which traces the verify cost curve; a ``+mix`` suffix (``oracle0.7k3+mix``)
+each right with probability ``A``), which traces the verify cost curve; ``mtporacleA`` / ``mtporacleAkK`` (e.g.
+``mtporacle0.7k3``, K = 3 by default) drafts through the real MTP layer (catch-up, chained steps, the LM head of
+each: its full cost) and then proposes the oracle's tokens instead (`OracleAcceptanceDrafter`), so that an MTP
+round is timed at acceptance ``A`` even with random weights; a ``+mix`` suffix (``oracle0.7k3+mix``)
 makes every second request sampled (temperature 0.8, seeded; never drafted for, so it rides the verify
 graphs as filler), and the lossless check then covers the greedy half; a ``+mcN`` suffix sets the
-speculative config's ``max_concurrency=N`` (batches above N run width one); ``transformers`` runs the
+speculative config's ``max_concurrency=N`` (batches above N run width one); ``+adaptive`` turns on the adaptive
+draft length (`AdaptiveDraftPolicy`; the MTP config's default, off in the fixed-K modes above so that ``mtp3``
+stays the K = 3 of earlier results); ``+dvN`` drafts over the N most frequent tokens (``draft_vocab_size``;
+needs a checkpoint's ranking, e.g. ``--trained --preset small``, except under an oracle: ``mtporacle0.7k3+dv32768``
+times the restricted head on random weights with the first N ids); ``transformers`` runs the
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
@@ -52,7 +59,7 @@ from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
-from trtllm_glm.speculative.drafters import OracleDrafter
+from trtllm_glm.speculative.drafters import OracleAcceptanceDrafter, OracleDrafter
 
 
 def copy_ceiling_gbs(device: str) -> float:
@@ -305,7 +312,8 @@ def local_model(cfg: Glm5NextConfig, args: argparse.Namespace, weights: str, map
 def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     """``(base, mix, max_concurrency)`` of a mode: ``oracle0.7k3+mix+mc32`` -> ``("oracle0.7k3", True, 32)``.
 
-    ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``.
+    ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``;
+    ``+adaptive`` and ``+dvN``: `mode_options`.
     """
     base, *flags = mode.split("+")
     mix, mc = False, None
@@ -314,14 +322,40 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
             mix = True
         elif f.startswith("mc") and f[2:].isdigit():
             mc = int(f[2:])
+        elif f == "adaptive" or (f.startswith("dv") and f[2:].isdigit()):
+            continue
         else:
-            raise ValueError(f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix or +mcN)")
+            raise ValueError(f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive or +dvN)")
     return base, mix, mc
+
+
+def mode_options(mode: str) -> dict:
+    """The speculative config options a mode's suffixes set: ``adaptive`` (``+adaptive``; False otherwise: the
+    fixed-K modes) and ``draft_vocab_size`` (``+dvN``, MTP modes)."""
+    flags = mode.split("+")[1:]
+    out: dict = {"adaptive": "adaptive" in flags}
+    for f in flags:
+        if f.startswith("dv") and f[2:].isdigit():
+            out["draft_vocab_size"] = int(f[2:])
+    return out
 
 
 def base_mode(mode: str) -> str:
     """A mode without its suffixes."""
     return mode_parts(mode)[0]
+
+
+def is_oracle(mode: str) -> bool:
+    """Whether a mode's drafts come from an oracle replay of the greedy output (``oracle*``, ``mtporacle*``)."""
+    return base_mode(mode).startswith(("oracle", "mtporacle"))
+
+
+def oracle_rate(mode: str) -> float | None:
+    """The chosen acceptance ``A`` of an oracle mode (``oracle0.7k3`` / ``mtporacle0.7k3`` -> 0.7), else None."""
+    base = base_mode(mode)
+    if not is_oracle(base):
+        return None
+    return float(base.removeprefix("mtp")[6:].split("k")[0])
 
 
 def request_params(mode: str, i: int, gen: int) -> SamplingParams:
@@ -332,28 +366,53 @@ def request_params(mode: str, i: int, gen: int) -> SamplingParams:
 
 
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
+    opts = mode_options(mode)
     mode, _, mc = mode_parts(mode)
     if mode == "plain":
         return Executor(model, cfg)
     if mode == "overlap":  # plain decoding with the overlap scheduler (ExecutorConfig.overlap_scheduler)
         return Executor(model, dataclasses.replace(cfg, overlap_scheduler=True))
-    if mode.startswith("mtp"):
-        spec = MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:]), max_concurrency=mc)
-        return SpeculativeExecutor(model, cfg, spec)
-    if mode.startswith("ngram"):
-        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:]), max_concurrency=mc))
-    if mode.startswith("oracle"):
-        acc = float(mode[6:].split("k")[0])
+    oracle = None
+    if is_oracle(mode):
+        acc = oracle_rate(mode)
         rng = random.Random(seed)
         wrong = {}
 
         def corrupt(i: int, j: int) -> bool:
             return wrong.setdefault((i, j), rng.random() >= acc)
 
-        drafter = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
-        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=draft_len(mode), max_concurrency=mc),
-                                   drafter=drafter)  # fmt: skip
+        oracle = OracleDrafter(continuation or {}, corrupt, vocab_size=model.config.vocab_size)
+    if mode.startswith("mtp"):
+        if "draft_vocab_size" in opts and oracle is not None and model.checkpoint_dir is None:
+            # Random weights ship no token ranking. Under an oracle the ranking cannot change the acceptance (the
+            # oracle's tokens are proposed), only the cost, which does not depend on which rows are kept: the
+            # first N ids serve, for timing only.
+            opts["draft_vocab_file"] = timing_ranking_file(model.config.vocab_size)
+        spec = MTPDecodingConfig(num_nextn_predict_layers=draft_len(mode), max_concurrency=mc, **opts)
+        ex = SpeculativeExecutor(model, cfg, spec)
+        if oracle is not None:
+            # The MTP layer drafts (its whole cost); the oracle's tokens are proposed in place of its drafts.
+            ex.drafter = OracleAcceptanceDrafter(ex.drafter, oracle, model.config.vocab_size)
+        return ex
+    opts.pop("draft_vocab_size", None)
+    if mode.startswith("ngram"):
+        spec = NGramDecodingConfig(max_draft_len=int(mode[5:]), max_concurrency=mc, **opts)
+        return SpeculativeExecutor(model, cfg, spec)
+    if oracle is not None:
+        spec = NGramDecodingConfig(max_draft_len=draft_len(mode), max_concurrency=mc, **opts)
+        return SpeculativeExecutor(model, cfg, spec, drafter=oracle)
     raise ValueError(f"unknown mode {mode!r}")
+
+
+def timing_ranking_file(vocab_size: int) -> str:
+    """A token ranking of ids ``0 .. V-1`` in order (a file in the temp directory), for timing the restricted
+    draft vocabulary under an oracle only (`make_executor`)."""
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"bench_e2e_timing_ranking_{vocab_size}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"ranking": list(range(vocab_size)), "source": "bench_e2e timing only (not frequencies)"}, f)
+    return path
 
 
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
@@ -434,7 +493,14 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     rounds = sum(r.num_verify_rounds for r in reqs)
     mean_acc = (sum(r.num_accepted_total for r in reqs) / rounds) if rounds else 1.0
     gstats = ex.graph_runner.stats if ex.graph_runner is not None else None
+    pol = getattr(ex, "draft_policy", None)
+    proposed = sum(sum(r.proposed_per_position) for r in reqs)
     return {
+        "drafter_proposals": proposed,
+        "overlap": bool(ex.cfg.overlap_scheduler and ex.supports_overlap),
+        "adaptive": pol is not None,
+        "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
+        "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
         "capture_s": capture_s,
         "startup_captures": startup_captures,
         "graph_captures": gstats.captures if gstats else 0,
@@ -609,6 +675,8 @@ def draft_len(mode: str) -> int:
     """Drafts per round of a mode (``mtp3`` -> 3, ``ngram7`` -> 7, ``oracle0.7`` -> 7, ``oracle0.7k3`` -> 3,
     plain 0)."""
     mode = base_mode(mode)
+    if mode.startswith("mtporacle"):
+        return int(mode.split("k")[1]) if "k" in mode else 3
     if mode.startswith("mtp"):
         return int(mode[3:])
     if mode.startswith("ngram"):
@@ -626,10 +694,10 @@ def expected_tokens_per_step(mode: str) -> float | None:
     rounds: a standard error of ~0.3 tokens at A = 0.7, K = 3) and by the last rounds' drafts being cut to the
     tokens left. ``None`` for other modes.
     """
-    mode = base_mode(mode)
-    if not mode.startswith("oracle"):
+    a = oracle_rate(mode)
+    if a is None:
         return None
-    a, k = float(mode[6:].split("k")[0]), draft_len(mode)
+    k = draft_len(mode)
     return sum(a**i for i in range(k + 1))
 
 
@@ -699,7 +767,9 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "startup_captures": r["startup_captures"], "graph_captures": r["graph_captures"],
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
-                   "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"]}  # fmt: skip
+                   "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
+                   "overlap": r["overlap"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                   "draft_vocab_size": r["draft_vocab_size"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             if args.profile_idle:
@@ -852,7 +922,7 @@ def main() -> None:
             for graphs in graph_modes:
                 for mode, env in [(m, e) for m in args.modes for e in env_settings]:
                     set_env(env)
-                    if mode.startswith("oracle") and plain is None:
+                    if is_oracle(mode) and plain is None:
                         plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
                                          max_batch=args.max_batch_size)  # fmt: skip
                     cont = plain["outputs"] if plain is not None else None
@@ -866,9 +936,9 @@ def main() -> None:
                     oracle_passes, consistent = 0, None
                     while True:
                         warm = run_case(model, mode, B, args.prompt_len,
-                                        args.gen if mode.startswith("oracle") else 4, args.device,
+                                        args.gen if is_oracle(mode) else 4, args.device,
                                         continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
-                        if not mode.startswith("oracle"):
+                        if not is_oracle(mode):
                             break
                         oracle_passes += 1
                         consistent = warm["outputs"] == cont
@@ -925,7 +995,13 @@ def main() -> None:
                            # Oracle modes: warm-up passes, and whether the timed run's tokens are its continuation
                            # (if not, some drafts were wrong beyond the chosen rate: the realised rate is lower).
                            "oracle_passes": oracle_passes or None,
-                           "oracle_consistent": (r["outputs"] == cont) if mode.startswith("oracle") else None,
+                           "oracle_consistent": (r["outputs"] == cont) if is_oracle(mode) else None,
+                           # What the row measured: the drafter, K, the oracle's acceptance, the overlap scheduler
+                           # and the adaptive draft length (its choices: K -> rounds).
+                           "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
+                           "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                           "draft_vocab_size": r["draft_vocab_size"],
+                           "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,
                            "top_kernels": r["top_kernels"], "host_profile": r["host_profile"],

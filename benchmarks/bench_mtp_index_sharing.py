@@ -23,7 +23,7 @@ def main() -> None:
     prompts = [src[i : i + 600] for i in range(2000, 2000 + 12 * 1500, 1500)]
     for k in (3, 5):
         for share in (False, True):
-            spec = MTPDecodingConfig(num_nextn_predict_layers=k, index_share_for_mtp_iteration=share)
+            spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k, index_share_for_mtp_iteration=share)
             outs = LLM(model="small", speculative_config=spec).generate(prompts, SamplingParams(max_tokens=64))
             comps = [o.outputs[0] for o in outs]
             rounds = sum(c.num_draft_rounds for c in comps)

@@ -82,7 +82,9 @@ def main() -> None:
         if mode == "plain":
             ex = Executor(model, cfg)
         elif mode.startswith("mtp"):
-            ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=int(mode[3:])))
+            ex = SpeculativeExecutor(
+                model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=int(mode[3:]))
+            )
         else:
             ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
         ex.capture_cuda_graphs()

@@ -276,7 +276,7 @@ def spec_runs(model_dir: str, prompts: list[str], gen: int, ks: list[int], ngram
     plain = LLM(model=model_dir, **common).generate(prompts, sp)
     plain_s = time.perf_counter() - t
     runs = {"plain": {"tokens_per_s": gen * len(prompts) / plain_s}}
-    configs = [(f"mtp K={k}", MTPDecodingConfig(num_nextn_predict_layers=k)) for k in ks]
+    configs = [(f"mtp K={k}", MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k)) for k in ks]
     configs.append((f"ngram K={ngram_k}", NGramDecodingConfig(max_draft_len=ngram_k)))
     for name, cfg in configs:
         llm = LLM(model=model_dir, speculative_config=cfg, **common)

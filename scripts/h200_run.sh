@@ -20,6 +20,13 @@
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
+#   spec_real     issue 43, 4-layer slice, batch 1 / 16: plain, overlap, MTP K=3 fixed and adaptive, MTP rounds at oracle
+#                 acceptance 0.7 (the MTP layer's full cost; also with a 32,768-token draft head, and adaptive), the
+#                 oracle without the MTP layer
+#   spec_real64   the same at batch 64 (fewer modes)
+#   spec_small    issue 43, trained small, bf16 then fp32, batch 1 / 16 / 64: plain, overlap, MTP K=3 fixed and
+#                 adaptive, each with and without the 32-token draft vocabulary
+#                 (256 tokens per request in the spec stages: the adaptive policy's first ~6 rounds measure)
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -89,6 +96,20 @@ for stage in "$@"; do
       timeout "${T_SERVE_OLD:-300}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --config /tmp/serve_old.yaml --concurrency 16 --input-len 30 --output-len 128 --num-requests 64 \
         --json "$O/serve_old.json" 2>&1 | tee "$O/serve_old.log" ;;
+    spec_real)
+      timeout "${T_SPEC_REAL:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap mtp3 \
+        mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+dv32768 mtporacle0.7k3+adaptive oracle0.7k3 --cuda-graphs on \
+        --prompt-len 256 --gen 256 --json "$O/spec_real.json" 2>&1 | tee "$O/spec_real.log" ;;
+    spec_real64)
+      timeout "${T_SPEC_REAL64:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 64 --modes plain overlap \
+        mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+adaptive --cuda-graphs on --prompt-len 256 --gen 256 \
+        --json "$O/spec_real64.json" 2>&1 | tee "$O/spec_real64.log" ;;
+    spec_small)
+      for dt in bfloat16 float32; do
+        timeout "${T_SPEC_SMALL:-270}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype $dt \
+          --batch 1 16 64 --gen 256 --modes plain overlap mtp3 mtp3+dv32 mtp3+adaptive mtp3+adaptive+dv32 --cuda-graphs on \
+          --json "$O/spec_small_$dt.json" 2>&1 | tee "$O/spec_small_$dt.log"
+      done ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;

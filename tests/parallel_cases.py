@@ -19,11 +19,15 @@ def cases(ckpt_dir: str) -> list[tuple[str, str, dict[str, Any]]]:
 
     return [
         ("plain", "small", {}),
-        ("mtp3_shared", "small", {"speculative_config": MTPDecodingConfig(num_nextn_predict_layers=3)}),
+        ("mtp3_shared", "small", {"speculative_config": MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3)}),
         (
             "mtp3_separate",
             "small",
-            {"speculative_config": MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode="separate")},
+            {
+                "speculative_config": MTPDecodingConfig(
+                    adaptive=False, num_nextn_predict_layers=3, draft_kv_mode="separate"
+                )
+            },
         ),
         ("ngram", "small", {"speculative_config": NGramDecodingConfig(max_draft_len=3)}),
         # 96 cache tokens for three growing requests: the newest are preempted and recomputed.

@@ -177,7 +177,8 @@ def _parallel_options(args: argparse.Namespace) -> dict[str, int]:
 def _speculative_config(args: argparse.Namespace) -> object | None:
     """The speculative config, refusing draft options that would be ignored."""
     if args.speculative is None:
-        given = [f for f, v in (("--draft-len", args.draft_len), ("--draft-kv-mode", args.draft_kv_mode)) if v]
+        given = [f for f, v in (("--draft-len", args.draft_len), ("--draft-kv-mode", args.draft_kv_mode),
+                                ("--draft-vocab-size", args.draft_vocab_size)) if v]  # fmt: skip
         if given:
             verb = "need" if len(given) > 1 else "needs"
             raise UserError(f"{' and '.join(given)} {verb} --speculative (mtp or ngram)")
@@ -188,9 +189,12 @@ def _speculative_config(args: argparse.Namespace) -> object | None:
 
     k = 3 if args.draft_len is None else args.draft_len
     if args.speculative == "mtp":
-        return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=args.draft_kv_mode or "shared")
+        return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=args.draft_kv_mode or "shared",
+                                 draft_vocab_size=args.draft_vocab_size)  # fmt: skip
     if args.draft_kv_mode is not None:
         raise UserError("--draft-kv-mode applies to --speculative mtp only (the n-gram drafter has no KV cache)")
+    if args.draft_vocab_size is not None:
+        raise UserError("--draft-vocab-size applies to --speculative mtp only (the n-gram drafter has no LM head)")
     return NGramDecodingConfig(max_draft_len=k)
 
 
@@ -430,6 +434,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--draft-kv-mode", choices=["shared", "separate"], default=None,
         help="where the MTP layer's KV pages live (default shared); needs --speculative mtp",
+    )  # fmt: skip
+    g.add_argument(
+        "--draft-vocab-size", type=int, default=None, metavar="N",
+        help="MTP drafts score only the N most frequent tokens (the checkpoint's token_frequency.json; "
+        "verification keeps the full vocabulary); needs --speculative mtp",
     )  # fmt: skip
     g.add_argument(
         "--check-lossless", action="store_true",

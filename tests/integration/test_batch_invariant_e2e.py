@@ -75,7 +75,7 @@ def run_cases(kind: str) -> dict:
         specs = {"oracle": (NGramDecodingConfig(max_draft_len=3),
                             OracleDrafter(cont, lambda i, j: (i, j) in wrong, vocab_size=cfg.vocab_size))}  # fmt: skip
         if cfg.num_nextn_predict_layers:
-            specs["mtp"] = (MTPDecodingConfig(num_nextn_predict_layers=3), None)
+            specs["mtp"] = (MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3), None)
         for name, (spec, drafter) in specs.items():
             sx = SpeculativeExecutor(model, ecfg, spec, drafter=drafter)
             tests = [sx.add_request(p, params()) for p in prompts]

@@ -102,7 +102,9 @@ def test_bf16_keys_through_mtp_verify_and_prefix_hits() -> None:
     ids = list(CODE.encode())[:150]
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = _llm(path, "bf16").generate(ids, sp).outputs[0].token_ids
-    llm = _llm(path, "bf16", reuse=True, speculative_config=MTPDecodingConfig(num_nextn_predict_layers=3))
+    llm = _llm(
+        path, "bf16", reuse=True, speculative_config=MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3)
+    )
     assert llm.executor.manager.index_scale is None
     first = llm.generate(ids, sp)
     again = llm.generate(ids, sp)

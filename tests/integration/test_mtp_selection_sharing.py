@@ -51,7 +51,9 @@ def test_sharing_is_lossless_and_chained_steps_reuse_step0(model, mode) -> None:
     want = [ref.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in _prompts()]
     ref.run_until_done()
 
-    spec = MTPDecodingConfig(num_nextn_predict_layers=4, draft_kv_mode=mode, index_share_for_mtp_iteration=True)
+    spec = MTPDecodingConfig(
+        adaptive=False, num_nextn_predict_layers=4, draft_kv_mode=mode, index_share_for_mtp_iteration=True
+    )
     ex = SpeculativeExecutor(model, _cfg(), spec)
     assert ex.share_mtp_selection and ex.meta.select_width == model.config.index_select_width + 4
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -80,11 +82,13 @@ def test_sharing_is_lossless_and_chained_steps_reuse_step0(model, mode) -> None:
 
 
 def test_sharing_off_runs_the_indexer(model) -> None:
-    spec = MTPDecodingConfig(num_nextn_predict_layers=3, index_share_for_mtp_iteration=False)
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, index_share_for_mtp_iteration=False)
     ex = SpeculativeExecutor(model, _cfg(), spec)
     assert not ex.share_mtp_selection and ex.meta.select_width == model.config.index_select_width
     # The model config's flag is the default.
-    assert not SpeculativeExecutor(model, _cfg(), MTPDecodingConfig(num_nextn_predict_layers=3)).share_mtp_selection
+    assert not SpeculativeExecutor(
+        model, _cfg(), MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3)
+    ).share_mtp_selection
     # Every MTP step, chained ones included, scores pools itself: no reused selection is ever bound.
     calls = {"mtp": 0, "shared": 0}
 

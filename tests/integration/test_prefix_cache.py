@@ -55,7 +55,9 @@ def make(model, mode: str, *, reuse: bool = True, P: int = 8, max_tokens: int = 
         return Executor(model, cfg)
     if mode.startswith("mtp"):
         k, _, sep = mode[3:].partition("-")
-        spec = MTPDecodingConfig(num_nextn_predict_layers=int(k), draft_kv_mode="separate" if sep else "shared")
+        spec = MTPDecodingConfig(
+            adaptive=False, num_nextn_predict_layers=int(k), draft_kv_mode="separate" if sep else "shared"
+        )
         return SpeculativeExecutor(model, cfg, spec)
     return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
 

@@ -81,7 +81,7 @@ def test_mtp_lossless_mixed_batches(model, k, mode) -> None:
     ps = prompts(5, seed)
     refs = reference(model, ps)
     # Adaptive width: some rounds are width one, others use every draft.
-    spec = MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=mode,
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k, draft_kv_mode=mode,
                              draft_len_fn=lambda r: (r.request_id + len(r.tokens)) % (k + 2))  # fmt: skip
     tests, ex = run_spec(model, ps, exec_cfg(rng), spec)
     assert_lossless(refs, tests)
@@ -105,8 +105,8 @@ def test_mtp_lossless_with_preemption(model) -> None:
     ps = prompts(5, 3)
     refs = reference(model, ps, max_tokens=24)
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=160, max_batch_size=4, max_num_tokens=40, max_seq_len=80)
-    tests, ex = run_spec(model, ps, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode="separate"),
-                         max_tokens=24)  # fmt: skip
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode="separate")
+    tests, ex = run_spec(model, ps, cfg, spec, max_tokens=24)
     assert ex.num_preemptions > 0
     assert_lossless(refs, tests)
 
@@ -221,7 +221,9 @@ def test_max_concurrency_speculates_only_in_small_batches(model, spec_kind) -> N
         spec = NGramDecodingConfig(max_draft_len=3, max_concurrency=mc)
         drafter = OracleDrafter({i: r.output_ids for i, r in enumerate(refs)}, lambda i, j: False)
     else:
-        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode=spec_kind[4:], max_concurrency=mc)
+        spec = MTPDecodingConfig(
+            adaptive=False, num_nextn_predict_layers=2, draft_kv_mode=spec_kind[4:], max_concurrency=mc
+        )
     cfg = ExecutorConfig(tokens_per_block=4, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
     ex = SpeculativeExecutor(model, cfg, spec, drafter=drafter)
     hook, log = _speculation_tracker(mc)
@@ -244,9 +246,9 @@ def test_separate_draft_pool_smaller_and_shifted(model) -> None:
     ps = prompts(4, 41)
     refs = reference(model, ps)
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
-    shared, _ = run_spec(model, ps, cfg, MTPDecodingConfig(num_nextn_predict_layers=3))
-    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode="separate",
-                                                           draft_max_tokens=400))  # fmt: skip
+    shared, _ = run_spec(model, ps, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3))
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3,
+                                                           draft_kv_mode="separate", draft_max_tokens=400))  # fmt: skip
     assert ex.draft_manager is not ex.manager and ex.draft_manager.num_pages < ex.manager.num_pages
     ex.draft_manager.add_request(10**6, num_tokens=64)  # shifts every draft page id away from the target's
     reqs = [ex.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in ps]
@@ -276,16 +278,16 @@ def test_acceptance_statistics_and_cli(capsys) -> None:
 
 def test_bad_speculative_configs(model) -> None:
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        MTPDecodingConfig(num_nextn_predict_layers=6)
+        MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=6)
     with pytest.raises(ValueError, match="max_draft_len"):
         NGramDecodingConfig(max_draft_len=8)
     with pytest.raises(ValueError, match="draft_kv_mode"):
-        MTPDecodingConfig(draft_kv_mode="both")
+        MTPDecodingConfig(adaptive=False, draft_kv_mode="both")
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="max_concurrency"):
             NGramDecodingConfig(max_concurrency=bad)
         with pytest.raises(ValueError, match="max_concurrency"):
-            MTPDecodingConfig(max_concurrency=bad)
+            MTPDecodingConfig(adaptive=False, max_concurrency=bad)
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])
@@ -293,7 +295,9 @@ def test_mtp_tail_ring_restored_after_chained_drafts(model, monkeypatch, mode) -
     """Chained MTP rows are speculative: after drafting, the MTP plane's ring equals what the catch-up
     (real pairs only) left, in both draft KV modes."""
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
-    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=4, draft_kv_mode=mode))
+    ex = SpeculativeExecutor(
+        model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=4, draft_kv_mode=mode)
+    )
     after_catch_up = {}
     orig = ex.drafter._mtp_step
     checked = []

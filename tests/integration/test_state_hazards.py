@@ -213,7 +213,7 @@ def mtp_run(model, mode: str, each_step=None, setup=None) -> tuple[list[Request]
     Returns:
         The requests and, per step, the drafts each running request carries into the next round.
     """
-    spec = MTPDecodingConfig(num_nextn_predict_layers=4, draft_kv_mode=mode,
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=4, draft_kv_mode=mode,
                              draft_max_tokens=DRAFT_MAX_TOKENS if mode == "separate" else None)  # fmt: skip
     ex = SpeculativeExecutor(model, ExecutorConfig(**MTP_CFG), spec)
     # Same dummy in both modes, so that the schedules (and so every forward's numerics) are identical.
@@ -319,7 +319,8 @@ def test_mtp_preemption_frees_draft_state_and_speculation_resumes(model) -> None
     refs = reference(model, ps, [24] * 4)
     K = 3
     ex = SpeculativeExecutor(model, ExecutorConfig(**PREEMPT_CFG),
-                             MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode="separate"))  # fmt: skip
+                             MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=K,
+                                               draft_kv_mode="separate"))  # fmt: skip
     dm = ex.draft_manager
     assert dm is not None and dm is not ex.manager
     reqs = [ex.add_request(p, greedy(24)) for p in ps]

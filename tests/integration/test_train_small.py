@@ -199,7 +199,10 @@ def test_small_preset_is_the_shipped_checkpoint_and_speculation_pays() -> None:
     plain = llm.generate(prompt, sp).outputs[0]
     assert "self" in plain.text  # trained weights, not noise
     spec = LLM(
-        model="small", device="cpu", max_seq_len=512, speculative_config=MTPDecodingConfig(num_nextn_predict_layers=3)
+        model="small",
+        device="cpu",
+        max_seq_len=512,
+        speculative_config=MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3),
     )
     out = spec.generate(prompt, sp).outputs[0]
     assert out.token_ids == plain.token_ids

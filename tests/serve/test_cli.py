@@ -60,6 +60,12 @@ def test_every_option_has_help() -> None:
         (["generate", "--prompt", "x", "--draft-len", "2"], "--draft-len needs --speculative"),
         (["generate", "--prompt", "x", "--draft-kv-mode", "separate"], "--draft-kv-mode needs --speculative"),
         (["generate", "--prompt", "x", "--speculative", "ngram", "--draft-kv-mode", "shared"], "mtp only"),
+        (["generate", "--prompt", "x", "--draft-vocab-size", "32"], "--draft-vocab-size needs --speculative"),
+        (["generate", "--prompt", "x", "--speculative", "ngram", "--draft-vocab-size", "32"], "no LM head"),
+        (
+            ["generate", "--preset", "tiny", "--prompt", "x", "--speculative", "mtp", "--draft-vocab-size", "32"],
+            "needs a token-frequency ranking",
+        ),
         (["generate", "--prompt", "x", "--check-lossless"], "needs --speculative"),
         (["generate", "--prompt", "x", "--speculative", "mtp", "--check-lossless", "--temperature", "1"], "greedy"),
         (["generate", "--prompt", "x", "--speculative", "mtp", "--draft-len", "9"], "num_nextn_predict_layers"),

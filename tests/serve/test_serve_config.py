@@ -62,6 +62,20 @@ def test_ngram_and_empty_file(tmp_path: Path) -> None:
     assert load_llm_options(write(tmp_path, "# nothing\n")) == {}
 
 
+def test_mtp_draft_vocab_and_adaptive_keys() -> None:
+    """Issue 43's MTP options travel through the YAML like the others, and bad values name their key."""
+    d = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "draft_vocab_size": 32, "adaptive": False}
+    spec = llm_options_from_dict({"speculative_config": d})["speculative_config"]
+    assert spec == MTPDecodingConfig(num_nextn_predict_layers=3, draft_vocab_size=32, adaptive=False)
+    assert llm_options_from_dict({"speculative_config": {"decoding_type": "MTP"}})["speculative_config"].adaptive
+    for bad, msg in (({"draft_vocab_size": "32"}, "draft_vocab_size: expected an int"),
+                     ({"draft_vocab_size": 0}, "draft_vocab_size must be None"),
+                     ({"adaptive": "no"}, "adaptive must be a bool"),
+                     ({"draft_vocab_file": "f.json"}, "set draft_vocab_size too")):  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            llm_options_from_dict({"speculative_config": {"decoding_type": "MTP", **bad}})
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

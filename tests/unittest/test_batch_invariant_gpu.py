@@ -214,7 +214,7 @@ def test_speculative_equals_plain_bit_for_bit(model, batch: int) -> None:
         rng = random.Random(batch)
         wrong = {(i, j) for i in range(batch) for j in range(GEN) if rng.random() < 0.3}
         cases = {
-            "mtp3": (MTPDecodingConfig(num_nextn_predict_layers=3), None),
+            "mtp3": (MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3), None),
             "ngram7": (NGramDecodingConfig(max_draft_len=7), None),
             "oracle3": (NGramDecodingConfig(max_draft_len=3),
                         OracleDrafter(cont, lambda i, j: (i, j) in wrong, vocab_size=model.config.vocab_size)),

@@ -22,6 +22,24 @@ def test_expected_tokens_per_step(mode: str, want: float | None) -> None:
     assert got == pytest.approx(want) if want is not None else got is None
 
 
+@pytest.mark.parametrize(
+    ("mode", "base", "opts", "k", "rate"),
+    [
+        ("mtp3", "mtp3", {"adaptive": False}, 3, None),
+        ("mtp3+adaptive+dv32", "mtp3", {"adaptive": True, "draft_vocab_size": 32}, 3, None),
+        ("mtporacle0.7k3", "mtporacle0.7k3", {"adaptive": False}, 3, 0.7),
+        ("mtporacle0.9", "mtporacle0.9", {"adaptive": False}, 3, 0.9),
+        ("oracle0.5k2+mix+mc8", "oracle0.5k2", {"adaptive": False}, 2, 0.5),
+    ],
+)
+def test_mode_suffixes(mode: str, base: str, opts: dict, k: int, rate: float | None) -> None:
+    from bench_e2e import base_mode, draft_len, mode_options, oracle_rate
+
+    assert (base_mode(mode), mode_options(mode), draft_len(mode), oracle_rate(mode)) == (base, opts, k, rate)
+    with pytest.raises(ValueError, match="unknown mode suffix"):
+        base_mode(mode + "+fast")
+
+
 def test_oracle_goal_line_reports_realised_and_expected() -> None:
     row = {"layers": 4, "batch": 1, "mode": "oracle0.7k3", "graphs": True, "step_ms": 2.5,
            "speedup_vs_plain": 1.6, "tokens_per_step": 2.0, "expected_tokens_per_step": 2.533,
@@ -118,3 +136,61 @@ def test_fp8_floors_on_the_meta_device() -> None:
     assert all(0 < r["fp8_ms"] < r["bf16_ms"] for r in kept)
     assert quantised["fp8_ms"] < kept[0]["fp8_ms"] and quantised["bf16_ms"] == kept[0]["bf16_ms"]
     assert kept[1]["lm_head_share_fp8"] < kept[0]["lm_head_share_fp8"]
+
+
+def test_mtp_oracle_mode_drafts_through_the_mtp_layer(monkeypatch) -> None:
+    """``mtporacleAkK``: every round runs the real MTP layer (catch-up and chained steps), yet the proposed
+    drafts are the oracle's: all accepted at A = 1, none at A = 0, and the output is plain greedy's."""
+    import torch
+    from bench_e2e import run_case
+
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+
+    torch.manual_seed(0)
+    model = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 1, 2, 3], dtype="float32").eval()
+    plain = run_case(model, "plain", 2, 12, 16, "cpu")
+    rows = []
+    orig = model.mtp_forward
+
+    def counted(tokens, *a, **k):
+        rows.append(int(tokens.shape[0]))
+        return orig(tokens, *a, **k)
+
+    monkeypatch.setattr(model, "mtp_forward", counted)
+    for acc in (1.0, 0.0):
+        rows.clear()
+        r = run_case(model, f"mtporacle{acc}k3", 2, 12, 16, "cpu", continuation=plain["outputs"])
+        assert r["outputs"] == plain["outputs"]
+        # Random weights accept nothing: the acceptance is the oracle's. Every round drafted through the MTP
+        # layer: a catch-up and two chained steps per round.
+        assert r["mean_accepted"] > 3.0 if acc == 1.0 else r["mean_accepted"] == 1.0
+        steps = round(2 * 16 / r["tokens_per_step"])  # decode steps timed (2 requests, 16 tokens each, fewer timed)
+        assert len(rows) >= 2 * steps
+        assert r["drafter_proposals"] > 0 and not r["adaptive"] and not r["overlap"]
+
+
+def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
+    """The benchmark's command line on the tiny preset: rows name mode, K, acceptance and the overlap setting."""
+    import json
+    import os
+    import subprocess
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(bench), "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4",
+           "--batch", "2", "--modes", "plain", "mtporacle0.7k3", "mtporacle0.7k3+adaptive", "mtporacle0.7k3+dv64",
+           "--gen", "8",
+           "--prompt-len", "12", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    fixed, adaptive = rows["mtporacle0.7k3"], rows["mtporacle0.7k3+adaptive"]
+    for r in (fixed, adaptive):
+        assert (r["K"], r["acceptance"], r["overlap"], r["drafter"]) == (3, 0.7, False, "mtp+oracle")
+        assert r["vs_plain"]["diverged"] == 0 and r["expected_tokens_per_step"] == pytest.approx(2.533)
+    assert not fixed["adaptive"] and adaptive["adaptive"] and sum(adaptive["adaptive_k"].values()) > 0
+    # Random weights ship no ranking: under the oracle the restricted head is timed with the first N ids.
+    dv = rows["mtporacle0.7k3+dv64"]
+    assert dv["draft_vocab_size"] == 64 and fixed["draft_vocab_size"] is None and dv["vs_plain"]["diverged"] == 0
+    assert rows["plain"]["K"] == 0 and rows["plain"]["acceptance"] is None

@@ -240,7 +240,7 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
         if mode == "ngram":
             return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2))
         # The separate draft manager: the chained steps' padding also goes through the draft binding.
-        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2, draft_kv_mode="separate")
         return SpeculativeExecutor(model, cfg, spec)
 
     max_tokens = [4, 6, 3, 4]
@@ -297,7 +297,7 @@ def test_emulated_graphs_with_prefix_hits_match_eager(emulated, mode: str) -> No
                              if graphs else None)  # fmt: skip
         if mode == "plain":
             return Executor(model, cfg)
-        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
+        return SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2))
 
     emulated(False)
     ref = _run(make(False, False), prompts, max_tokens)
@@ -378,7 +378,7 @@ def test_emulated_budget_cut_rounds_replay_full_width(emulated) -> None:
 def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
     """The MTP catch-up (and the fused draft) replays at (padded size, the round's largest committed count),
     not always K + 1 rows per sequence: a round that accepted nothing catches up on one row."""
-    spec = MTPDecodingConfig(num_nextn_predict_layers=3)
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3)
     ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
         batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
     chain = ex.drafter.chain_graphs
@@ -394,7 +394,8 @@ def test_catchup_graph_per_width(emulated, monkeypatch) -> None:
     for k, env in ((1, "1"), (3, "0")):
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", env)
         ex = SpeculativeExecutor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
-            batch_sizes=[1, 2], enable_padding=True)), MTPDecodingConfig(num_nextn_predict_layers=k))  # fmt: skip
+            batch_sizes=[1, 2], enable_padding=True)),
+            MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=k))  # fmt: skip
         assert not ex.drafter.chain_graphs.fused and ex.drafter.chain_graphs.draft_key([1]) is None
 
 
@@ -413,7 +414,9 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
 
     def run(fused: str) -> tuple[list, list, list, list, SpeculativeExecutor]:
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
-        spec = MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=kv_mode, index_share_for_mtp_iteration=share)
+        spec = MTPDecodingConfig(
+            adaptive=False, num_nextn_predict_layers=k, draft_kv_mode=kv_mode, index_share_for_mtp_iteration=share
+        )
         ex = SpeculativeExecutor(model, ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(
             batch_sizes=[1, 2, 4], enable_padding=True)), spec)  # fmt: skip
         # Per round: the drafts, and the hidden rows the last chained step fed the LM head (drafts are
@@ -570,7 +573,9 @@ def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, m
     emulated(False)
     graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8, 16], enable_padding=True)
     cfg = ExecutorConfig(**{**EX_CFG, "max_batch_size": 16, "max_num_tokens": 128}, cuda_graph_config=graphs)
-    ex = SpeculativeExecutor(_model(), cfg, MTPDecodingConfig(num_nextn_predict_layers=3, max_concurrency=mc))
+    ex = SpeculativeExecutor(
+        _model(), cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, max_concurrency=mc)
+    )
     runner, chain = ex.graph_runner, ex.drafter.chain_graphs
     seen: dict[str, list] = {}
     runner.capture_all = lambda limits=None: seen.setdefault("target", runner.startup_keys(limits))
@@ -578,8 +583,9 @@ def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, m
     ex.capture_cuda_graphs()
     every, wide = [1, 2, 4, 8, 16], ([1, 2, 4] if mc == 3 else [1, 2, 4, 8, 16])
     assert sorted(seen["target"]) == sorted([(p, 1) for p in every] + [(p, 4) for p in wide])
-    want = [("chain", p, 1) for p in every] + [("catchup", p, 1) for p in every]
-    want += [("catchup", p, w) for p in wide for w in (2, 3, 4)] + [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
+    want = [("chain", p, 1) for p in every] + [(k, p, 1) for p in every for k in ("catchup", "catchup_only")]
+    want += [(k, p, w) for p in wide for w in (2, 3, 4) for k in ("catchup", "catchup_only")]
+    want += [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
     assert sorted(seen["mtp"]) == sorted(want)
 
 
@@ -604,6 +610,34 @@ def test_set_decode_rows_matches_prepare() -> None:
         assert getattr(a, name) == getattr(b, name), name
     with pytest.raises(ValueError, match="4 lengths"):
         a.set_decode_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), past[:3])
+
+
+@pytest.mark.parametrize("live", [None, [4, 1, 3, 2]])
+def test_set_verify_rows_matches_prepare(live) -> None:
+    """`AttentionMetadata.set_verify_rows` writes what `prepare` writes for ``W`` verify rows per sequence, from a
+    batch another step described (the fused draft's catch-up shape)."""
+    from trtllm_glm.attention.metadata import AttentionMetadata
+
+    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 2, 4, 1], state_slots=[7, 1, 2, 0], num_decode_seqs=0,
+              num_padding_seqs=1, valid_q_lens=[2, 2, 3, 0])  # fmt: skip
+    past, W = [8, 3, 11, 4], 4
+    a.set_verify_rows(torch.tensor(past), torch.tensor([True, True, True, False]), W, past,
+                      None if live is None else torch.tensor(live))  # fmt: skip
+    b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[W] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
+              num_padding_seqs=1, live_q_lens=live)  # fmt: skip
+    for name in ("positions_t", "row_seq_t", "row_live_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t",
+                 "cu_seqlens_t"):  # fmt: skip
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.row_seq_t.tolist()[-W:] == [-1] * W and a.positions_t.tolist()[:W] == [8, 9, 10, 11]
+    for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
+                 "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
+        assert getattr(a, name) == getattr(b, name), name
+    with pytest.raises(ValueError, match="4 lengths"):
+        a.set_verify_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), W, past[:3])
+    with pytest.raises(ValueError, match="do not fit"):
+        a.set_verify_rows(torch.tensor(past), torch.ones(4, dtype=torch.bool), 9, past)
 
 
 def test_row_live_marks_padding_and_filler() -> None:
@@ -781,7 +815,7 @@ def test_emulated_overlap_while_max_concurrency_keeps_speculation_off(emulated) 
     ``max_concurrency``, launching ahead stops and speculation resumes. Tokens equal the same run without the
     overlap scheduler (greedy and seeded sampled requests alike: the sampled draws are made once, on the
     device, not again at the read-back), and the greedy ones the plain greedy tokens; every slot and page is
-    free afterwards. An MTP drafter (model state) never launches ahead."""
+    free afterwards. The MTP drafter launches ahead as well (its catch-up on the device, before the launch)."""
     from trtllm_glm.speculative.drafters import OracleDrafter
 
     model = _model()
@@ -837,8 +871,13 @@ def test_emulated_overlap_while_max_concurrency_keeps_speculation_off(emulated) 
         assert d is None or d.excused, (i, d)
     assert ex.manager.num_free_pages == ex.manager.num_pages
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
-    mtp, _, _ = run(True, MTPDecodingConfig(num_nextn_predict_layers=2, max_concurrency=1))
-    assert mtp.num_overlapped_steps == 0 and mtp.num_unspeculated_rounds > 0
+    # The MTP drafter launches ahead too, its catch-up on the in-flight step made on the device before each
+    # launch (tests/integration/test_mtp_overlap.py checks its cache bit for bit).
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2, max_concurrency=1)
+    _, mtp_base, _ = run(False, spec)
+    mtp, mtp_got, _ = run(True, spec)
+    assert mtp.num_overlapped_steps > 0 and mtp.num_catchups_ahead > 0 and mtp.num_unspeculated_rounds > 0
+    assert [r.output_ids for r in mtp_got] == [r.output_ids for r in mtp_base]
 
 
 def test_emulated_sampled_requests_ride_the_verify_graph(emulated) -> None:

@@ -46,7 +46,9 @@ def _make(model, mode: str, graphs: CudaGraphConfig | None) -> Executor:
     if mode == "ngram":
         return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=7))
     kv_mode = "separate" if mode == "mtp_separate" else "shared"
-    return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode))
+    return SpeculativeExecutor(
+        model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode=kv_mode)
+    )
 
 
 def _run(ex: Executor, join_after: int, on_step=None):
@@ -161,7 +163,9 @@ def test_fused_mtp_draft_matches_per_step_graphs(model, monkeypatch, kv_mode: st
         monkeypatch.setenv("TRTLLM_GLM_MTP_FUSED_DRAFT", fused)
         cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
                              max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
-        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode))
+        ex = SpeculativeExecutor(
+            model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode=kv_mode)
+        )
         log: list[list[tuple[int, list[int]]]] = []
         orig = ex.drafter.draft
 
@@ -248,3 +252,55 @@ def test_llm_api_overlaps_by_default(model) -> None:
         launched = llm.executor.num_overlapped_steps
         assert (launched > 0) != disable, launched
     assert outs[False] == outs[True]
+
+
+@pytest.mark.parametrize("kv_mode", ["shared", "separate"])
+def test_idle_mtp_rounds_launch_ahead(model, kv_mode: str) -> None:
+    """Issue 43: width-one MTP rounds (the adaptive policy's K = 0) under the overlap scheduler, the MTP catch-up
+    on the in-flight step made on the device before the next step's replay overwrites its outputs. With K = 0
+    every round, the MTP cache equals the synchronous run's bit for bit; with drafting stretches between, the
+    tokens are plain greedy's and the drafts after each overlapped stretch accept as the trained MTP layer does
+    (a catch-up that read overwritten rows would leave a wrong MTP cache: drafts rejected)."""
+    from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
+
+    class Scripted(AdaptiveDraftPolicy):
+        def __init__(self, script) -> None:  # noqa: ANN001
+            super().__init__(3, clock=lambda: 0.0)
+            self.script, self.i = script, 0
+
+        def choose(self, batch_size: int) -> int:
+            self.i += 1
+            return self._pick(self.script(self.i - 1))
+
+    def run(overlap: bool, script):  # noqa: ANN001
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
+                             max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]),
+                             overlap_scheduler=overlap)  # fmt: skip
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode)
+        ex = SpeculativeExecutor(model, cfg, spec, draft_policy=Scripted(script))
+        ex.capture_cuda_graphs()
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+        ex.run_until_done()
+        return ex, reqs
+
+    plain = _make(model, "plain", None)
+    ref = [plain.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    plain.run_until_done()
+    ex_o, got_o = run(True, lambda i: 0)
+    ex_s, got_s = run(False, lambda i: 0)
+    assert ex_o.num_overlapped_steps > 10 and ex_o.num_catchups_ahead > 10 and ex_s.num_overlapped_steps == 0
+    assert [r.output_ids for r in got_o] == [r.output_ids for r in got_s]
+    for name in ("latent", "index_k"):
+        a = getattr(ex_o.draft_manager, name)[ex_o.mtp_plane]
+        b = getattr(ex_s.draft_manager, name)[ex_s.mtp_plane]
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    ex, got = run(True, lambda i: 3 if i % 6 < 2 else 0)
+    for a, b in zip(ref, got):
+        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
+        assert d is None or d.excused, d
+    rounds = sum(r.num_verify_rounds for r in got)
+    per_round = sum(r.num_accepted_total for r in got) / max(rounds, 1)
+    print(f"\n[{kv_mode}] launched ahead {ex.num_overlapped_steps}, catch-ups ahead {ex.num_catchups_ahead}, "
+          f"{rounds} verify rounds, {per_round:.2f} tokens each")  # fmt: skip
+    assert ex.num_catchups_ahead > 0 and rounds > 0
+    assert per_round > 2.0  # the trained layer: ~2.9 at K = 3

@@ -334,7 +334,7 @@ def test_fp8_checkpoint_logits_tokens_and_speculation(fp8_ckpt) -> None:
     greedy = [o.outputs[0].token_ids for o in LLM(str(fp8_ckpt), **kw).generate(prompts, sp)]
     deq = [o.outputs[0].token_ids for o in LLM(str(fp8_ckpt), quantization="none", **kw).generate(prompts, sp)]
     assert greedy == deq
-    spec = LLM(str(fp8_ckpt), speculative_config=MTPDecodingConfig(num_nextn_predict_layers=2), **kw)
+    spec = LLM(str(fp8_ckpt), speculative_config=MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2), **kw)
     assert isinstance(spec.model.mtp.eh_proj, Fp8Linear)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, sp)] == greedy
 

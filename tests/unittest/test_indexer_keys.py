@@ -344,7 +344,7 @@ def test_bf16_keys_under_emulated_graphs_with_mtp(monkeypatch) -> None:
             tokens_per_block=8, max_tokens=512, max_batch_size=4, max_num_tokens=64, max_seq_len=64,
             cuda_graph_config=graph_cfg, indexer_key_dtype="bf16",
         )  # fmt: skip
-        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2, draft_kv_mode="separate")
         ex = SpeculativeExecutor(model, cfg, spec)
         reqs = [ex.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
         ex.run_until_done()

@@ -152,7 +152,7 @@ def test_bf16_keys_with_cuda_graphs_mtp_equals_plain() -> None:
     want = [o.outputs[0] for o in plain.generate(prompts, sp)]
     spec = LLM(
         "small", dtype=torch.float32, device="cuda", kv_cache_config=kv,
-        speculative_config=MTPDecodingConfig(num_nextn_predict_layers=3),
+        speculative_config=MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3),
     )  # fmt: skip
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp)]
     for w, g in zip(want, got):

@@ -136,7 +136,7 @@ def test_model_with_the_kernel_matches_reference(monkeypatch) -> None:
 
     def run(backend: str):
         monkeypatch.setenv(NORM_BACKEND_ENV, backend)
-        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
+        ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=2))
         reqs = [ex.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in ([5, 9, 2, 7, 5], [3, 1])]
         ex.run_until_done()
         return [r.output_ids for r in reqs], [r.num_accepted_total for r in reqs]

@@ -230,7 +230,9 @@ def _make(model, mode: str) -> Executor:
     if mode == "ngram":
         return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
     kv = "separate" if mode == "mtp_separate" else "shared"
-    return SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv))
+    return SpeculativeExecutor(
+        model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_kv_mode=kv)
+    )
 
 
 @pytest.mark.parametrize("mode", ["plain", "ngram", "mtp_separate", "mtp_shared"])

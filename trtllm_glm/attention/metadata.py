@@ -111,6 +111,8 @@ class AttentionMetadata:
         self._tok_buf = torch.zeros(3, N, dtype=i64, device=self.device)
         # 0 .. B: cu_seqlens and row owners of one-row-per-sequence steps written on the device (`set_decode_rows`).
         self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
+        # 0 .. N - 1: row indices of verify steps described on the device (`set_verify_rows`).
+        self._tok_arange = torch.arange(N, dtype=i64, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
@@ -264,6 +266,62 @@ class AttentionMetadata:
         self.max_kv_len = max((p + 1 for p in self.past_lens), default=0)
         self.valid_q_lens = None
         self.spec = SpecMetadata()
+
+    def set_verify_rows(
+        self,
+        past_lens: torch.Tensor,
+        real: torch.Tensor,
+        width: int,
+        host_past_lens: Sequence[int],
+        live_lens: torch.Tensor | None = None,
+    ) -> None:
+        """Make the current batch ``width`` verify rows per sequence at device-held lengths, by device ops only.
+
+        The verify sibling of `set_decode_rows` (a step whose lengths are known only on the device: a round
+        launched before the previous round's accepted counts reached the host, docs/speculation.md's design
+        note). The sequences, their state slots and the slot table stay; lengths, positions, row ownership and
+        liveness are rewritten as `prepare` would write them for ``q_lens = [width] * num_seqs`` with every
+        sequence a decode (verify) sequence.
+
+        Args:
+            past_lens: ``[num_seqs]`` int64 on the device: each sequence's cached tokens before its rows.
+            real: ``[num_seqs]`` bool on the device; False makes the sequence's rows padding (``row_seq = -1``).
+            width: rows per sequence ``W`` (root + drafts).
+            host_past_lens: ``[num_seqs]`` lengths for the host description (an upper bound is fine: it only
+                sizes ``max_kv_len``).
+            live_lens: optional ``[num_seqs]`` int64 on the device: leading rows whose outputs are read (one plus
+                the proposed drafts; `prepare`'s ``live_q_lens``); default every row.
+        """
+        B = self.num_seqs
+        N = B * width
+        if width < 1 or self.max_num_tokens < N:
+            raise ValueError(f"{B} sequences of {width} rows do not fit max_num_tokens={self.max_num_tokens}")
+        if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
+            raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
+        if live_lens is not None and live_lens.shape != (B,):
+            raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
+        seq, tok = self._seq_buf, self._tok_buf
+        seq[1, :B].copy_(past_lens)
+        seq[2, :B].fill_(width)
+        torch.add(past_lens, width, out=seq[3, :B])
+        torch.mul(self._arange[: B + 1], width, out=seq[4, : B + 1])
+        rows = self._tok_arange[:N]
+        owner = torch.div(rows, width, rounding_mode="floor")
+        offset = rows - owner * width
+        tok[0, :N].copy_(past_lens.index_select(0, owner) + offset)
+        tok[1, :N].copy_(torch.where(real.index_select(0, owner), owner, -1))
+        live = tok[1, :N] >= 0
+        if live_lens is not None:
+            live = live & (offset < live_lens.index_select(0, owner))
+        tok[2, :N].copy_(live)
+        self.q_lens = [width] * B
+        self.past_lens = list(host_past_lens)
+        self.cu_seqlens = [width * b for b in range(B + 1)]
+        self.num_decode_seqs = B
+        self.num_decode_tokens = N
+        self.num_tokens = N
+        self.max_kv_len = max((p + width for p in self.past_lens), default=0)
+        self.valid_q_lens = None
 
     def set_num_accepted(self, counts: Sequence[int]) -> None:
         """Set ``spec.num_accepted_t`` ``[num_seqs]`` from per-sequence counts (padding entries get 0).

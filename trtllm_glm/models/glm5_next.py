@@ -348,6 +348,9 @@ class Glm5NextForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = Glm5NextMTPLayer(config, self.mapping) if config.num_nextn_predict_layers > 0 else None
+        # The directory `from_pretrained` loaded the weights from (None: built from a config): files shipped
+        # beside them (e.g. the draft vocabulary's token-frequency ranking) are looked up there.
+        self.checkpoint_dir: str | None = None
         # Every float projection (the LM head too) follows the batch-invariant mode (`NumericsLinear`).
         use_numerics_linears_(self)
 
@@ -646,6 +649,7 @@ class Glm5NextForCausalLM(nn.Module):
             unswap_empty_(m, [n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear) and n not in names])
             swap_fp8_linears_(m, sorted(names), quant.block)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
+        m.checkpoint_dir = os.fspath(model)
         return m.eval()
 
     def param_bytes(self, dtype: torch.dtype) -> int:

@@ -347,6 +347,7 @@ class Executor:
                 key = None
             if key is not None:
                 self.num_steps += 1
+                self._before_chained_launch(cur)
                 with torch.inference_mode():
                     out = self._choose_tokens(plan, self.graph_runner.replay_chained(key, plan, cur.out))
                 nxt = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
@@ -358,6 +359,10 @@ class Executor:
         finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
         self._after_step(cur.plan)
         return finished
+
+    def _before_chained_launch(self, cur: _InFlight) -> None:
+        """Work that needs the in-flight step's outputs on the device before the step launched after it replays
+        the same graph and overwrites them (the speculative executor's MTP catch-up); nothing here."""
 
     def _choose_tokens(self, plan: list[ScheduledSeq], out: GraphOutputs) -> GraphOutputs:
         """``out`` with each row's token chosen on the device (a step launched ahead feeds the next one).

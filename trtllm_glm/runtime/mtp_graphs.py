@@ -27,6 +27,8 @@ __all__ = ["MtpChainGraphs", "defer_drafts_default", "fused_draft_default"]
 
 # Graph kinds (a key is ``(kind, P, W)``).
 CHAIN, CATCHUP, DRAFT = "chain", "catchup", "draft"
+# The catch-up of a round in which nobody drafts: the MTP forward alone, no LM head.
+CATCHUP_ONLY = "catchup_only"
 GraphKey = tuple[str, int, int]
 
 
@@ -60,6 +62,9 @@ class MtpChainGraphs:
       run as prefill rows, per width ``W = max(committed)`` (a round that accepted little catches up on
       fewer rows); a sequence's rows past its committed count are padding rows (``row_seq = -1``,
       `AttentionMetadata.prepare`'s ``valid_q_lens``).
+    * Catch-up only (``CATCHUP_ONLY``): the catch-up's MTP forward without the LM head and argmax, for rounds
+      in which nobody drafts (an adaptive draft length of 0, ``max_concurrency``): the MTP cache follows every
+      committed token, but a draft step's largest cost, the LM head, is skipped.
     * Fused draft (``DRAFT``, ``K >= 2``): the catch-up and then the ``K - 1`` chained steps in one graph,
       drafts ``[P, K]`` out. Between the steps the graph itself rewrites the batch description on the
       device (`AttentionMetadata.set_decode_rows`: one decode row per sequence at committed length
@@ -87,6 +92,8 @@ class MtpChainGraphs:
         replay_scope: ``replay_scope(meta, draft_manager)`` context binding the draft domain (`draft_replay`).
         max_draft_len: ``K``; 0 captures the chained steps only.
         fused: capture and use the fused draft (default `fused_draft_default`).
+        draft_vocab: the restricted draft vocabulary (`speculative.draft_vocab.DraftVocab`, its ``[N, D]`` head
+            rows allocated once, before any capture); None: the full LM head.
     """
 
     def __init__(
@@ -102,8 +109,10 @@ class MtpChainGraphs:
         replay_scope: Callable[..., Any],
         max_draft_len: int = 0,
         fused: bool | None = None,
+        draft_vocab: Any = None,
     ) -> None:
         self.runner = runner
+        self.draft_vocab = draft_vocab
         self.model = model
         self.meta = runner.meta
         self.draft_manager = draft_manager
@@ -150,9 +159,10 @@ class MtpChainGraphs:
         P = padded_batch_size(n, self.sizes, self.runner.config.enable_padding)
         return None if P is None else self._ready((CHAIN, P, 1))
 
-    def catchup_key(self, committed: Sequence[int]) -> GraphKey | None:
-        """The key a catch-up of these committed counts replays at (padded size, largest count), or None."""
-        return self._catch_or_draft_key(CATCHUP, committed)
+    def catchup_key(self, committed: Sequence[int], head: bool = True) -> GraphKey | None:
+        """The key a catch-up of these committed counts replays at (padded size, largest count), or None;
+        ``head=False``: the catch-up without the LM head (`CATCHUP_ONLY`)."""
+        return self._catch_or_draft_key(CATCHUP if head else CATCHUP_ONLY, committed)
 
     def draft_key(self, committed: Sequence[int]) -> GraphKey | None:
         """The key of the fused draft for these committed counts (padded size, largest count), or None when
@@ -175,6 +185,7 @@ class MtpChainGraphs:
             for w in range(1, self.width + 1):
                 if w == 1 or small:
                     keys.append((CATCHUP, size, w))
+                    keys.append((CATCHUP_ONLY, size, w))
                 if self.fused and small:
                     keys.append((DRAFT, size, w))
         return keys
@@ -266,6 +277,8 @@ class MtpChainGraphs:
     # --------------------------------------------------------------------------------------------
     # Bodies (captured, or run eagerly when emulating)
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        if self.draft_vocab is not None:
+            return self.draft_vocab.greedy(h)
         return torch.argmax(self.model.compute_logits(h), dim=-1)
 
     def _mtp(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -278,6 +291,8 @@ class MtpChainGraphs:
             return h, self._greedy(h)
         n = P * W
         h = self._mtp(self.c_tokens[:n], self.c_hidden[:n])
+        if kind == CATCHUP_ONLY:
+            return (h,)
         pools = self.meta.spec.last_pool_ids
         if kind == DRAFT:
             return (self._draft_chain(P, W, h, pools, host_committed_lens),)
@@ -459,6 +474,49 @@ class MtpChainGraphs:
         last_t = to_device(last, self.meta.device)
         pools_last = pools[last_t] if self.share_selection else None
         return h[last_t], pools_last, toks[last_t]
+
+    def run_catchup_only(
+        self,
+        key: GraphKey,
+        rids: Sequence[int],
+        starts: Sequence[int],
+        committed: Sequence[int],
+        tokens: Sequence[int],
+        hidden: torch.Tensor,
+        src_rows: Sequence[int],
+    ) -> None:
+        """The catch-up of a round in which nobody drafts (``key`` from ``catchup_key(..., head=False)``):
+        the MTP forward writes its cache rows; no LM head, nothing read back. Arguments as `run_catchup`."""
+        self._stage_catchup(key, rids, starts, committed, tokens, hidden, src_rows)
+        self._replay_or_run(key)
+        self.meta.trim_padding()
+        self.catchup_replays += 1
+
+    def run_catchup_only_rows(
+        self, key: GraphKey, rids: Sequence[int], starts: Sequence[int], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """A one-row-per-sequence catch-up without the LM head whose tokens and hidden rows are already on the
+        device (`MTPDrafter.catch_up_ahead`: the overlap scheduler's in-flight step, not read back yet).
+
+        Args:
+            key: ``catchup_key([1] * n, head=False)``.
+            rids: ``[n]`` request ids.
+            starts: ``[n]`` position of each sequence's row.
+            tokens: ``[n]`` int64 token ``i + 1`` of each row, on the device.
+            hidden: ``[n, D]`` target hidden ``i`` of each row, on the device.
+        """
+        _, P, W = key
+        n = len(rids)
+        if W != 1 or tokens.shape[0] != n or hidden.shape[0] != n:
+            raise ValueError(f"a catch-up of device rows needs width one and {n} rows, got {key}")
+        self._prepare_catchup(rids, starts, [1] * n, P, 1)
+        self.c_tokens[:n].copy_(tokens)
+        self.c_tokens[n:P].zero_()
+        self.c_hidden[:n].copy_(hidden)
+        self.c_hidden[n:P].copy_(hidden[:1].expand(P - n, -1))  # padding rows: finite, never read back
+        self._replay_or_run(key)
+        self.meta.trim_padding()
+        self.catchup_replays += 1
 
     def run_draft(
         self,

@@ -25,7 +25,9 @@ from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
+from ..speculative.adaptive import AdaptiveDraftPolicy
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
+from ..speculative.draft_vocab import resolve_draft_vocab
 from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
@@ -52,6 +54,8 @@ class SpeculativeExecutor(Executor):
         spec: the speculative configuration.
         seed: base sampling seed.
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
+        draft_policy: the adaptive draft-length policy (default: a fresh `AdaptiveDraftPolicy` when
+            ``spec.adaptive``, else none; tests pass one with an injected clock).
     """
 
     # A round's drafts come from its tokens, so a speculating round cannot be launched before the previous
@@ -66,6 +70,7 @@ class SpeculativeExecutor(Executor):
         *,
         seed: int = 0,
         drafter: Drafter | None = None,
+        draft_policy: AdaptiveDraftPolicy | None = None,
     ) -> None:
         self.spec = spec
         self.use_mtp = isinstance(spec, MTPDecodingConfig) and drafter is None
@@ -81,6 +86,7 @@ class SpeculativeExecutor(Executor):
         if isinstance(spec, NGramDecodingConfig) and drafter is None:
             drafter = NGramDrafter(K, spec.max_matching_ngram_size, spec.min_matching_ngram_size)
         self.draft_manager: Glm5NextCacheManager | None = None
+        self.draft_vocab = None
         if self.use_mtp:
             if self.shared_mtp:
                 self.draft_manager = self.manager
@@ -99,15 +105,21 @@ class SpeculativeExecutor(Executor):
                     device=self.device,
                 )
                 self.mtp_plane = 0
+            # The restricted draft vocabulary's head rows: copied once here, before any graph captures them.
+            self.draft_vocab = resolve_draft_vocab(
+                model.lm_head, self.config.vocab_size, spec.draft_vocab_size,  # type: ignore[union-attr]
+                spec.draft_vocab_file, model.checkpoint_dir, self.dtype,  # type: ignore[union-attr]
+            )  # fmt: skip
             drafter = MTPDrafter(
                 model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
-                share_selection=self.share_mtp_selection,
+                share_selection=self.share_mtp_selection, draft_vocab=self.draft_vocab,
             )  # fmt: skip
             if self.graph_runner is not None:
                 drafter.chain_graphs = MtpChainGraphs(
                     self.graph_runner, model, self.draft_manager, self.mtp_plane,
                     separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
                     padding_slot=self._padding_slot, replay_scope=draft_replay, max_draft_len=K,
+                    draft_vocab=self.draft_vocab,
                 )  # fmt: skip
                 # The fused draft's tokens go straight into the next verify's input rows on the device.
                 drafter.defer = defer_drafts_default()
@@ -117,6 +129,20 @@ class SpeculativeExecutor(Executor):
         self._n_submitted = 0
         # Rounds run width one because the batch exceeded `max_concurrency`.
         self.num_unspeculated_rounds = 0
+        # Each rank of a parallel world runs its own scheduler in lockstep (runtime/ranks.py): a choice made
+        # from each rank's own clock would differ between ranks, so the world drafts a fixed K.
+        if draft_policy is None and spec.adaptive and not model.mapping.is_parallel:
+            draft_policy = AdaptiveDraftPolicy(K)
+        if draft_policy is not None and draft_policy.max_draft_len != K:
+            raise ValueError(f"draft_policy.max_draft_len={draft_policy.max_draft_len} but the config drafts {K}")
+        self.draft_policy = draft_policy
+        # The adaptive length decided at the last read-back for the next round that can draft (None: none yet),
+        # and a length decided while a step launched ahead ran (it could not draft then: the next read-back
+        # uses it).
+        self._next_k: int | None = None
+        self._carry_k: int | None = None
+        # MTP catch-ups made on the device before a step launched ahead (`_before_chained_launch`).
+        self.num_catchups_ahead = 0
 
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
@@ -300,20 +326,41 @@ class SpeculativeExecutor(Executor):
         self.meta.set_num_accepted([self.state[s.request.request_id].last_accepted for s in plan])
 
     def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
-        """The overlap scheduler's test, for the rounds where speculation is off because the batch exceeds
-        ``max_concurrency``: width-one rounds of a drafter that needs no model state (the MTP layer catches
-        up on every step's hidden rows, so its rounds are never launched ahead) with no drafts pending.
+        """The overlap scheduler's test, for the rounds where speculation is off: the batch exceeds
+        ``max_concurrency``, or the adaptive policy's last choice was K = 0. Width-one rounds with no drafts
+        pending, of a drafter that needs no model state or of the MTP drafter with CUDA graphs, whose catch-up
+        on the in-flight step is launched on the device before the next step (`_before_chained_launch`).
 
         The step launched ahead reuses the in-flight step's accepted counts (`_before_forward` reads them
         before that step is read back). They only cross-check a tail-ring rollback, and a width-one step
         after a width-one step rolls nothing back, so a stale count there is never read.
         """
         mc = self.spec.max_concurrency
-        if mc is None or len(self.running) <= mc or not isinstance(self.drafter, ParallelDrafter):
+        above = mc is not None and len(self.running) > mc
+        idle = self.draft_policy is not None and self._next_k == 0 and self._carry_k is None
+        if not (above or idle):
+            return False
+        mtp = getattr(self.drafter, "chain_graphs", None) is not None and hasattr(self.drafter, "catch_up_ahead")
+        if not (isinstance(self.drafter, ParallelDrafter) or mtp):
             return False
         if any(s.request.request_id not in self.state or self.state[s.request.request_id].drafts for s in plan):
             return False
         return super()._may_launch_ahead(plan)
+
+    def _before_chained_launch(self, cur) -> None:  # noqa: ANN001 - executor._InFlight
+        """The MTP catch-up on the in-flight step's rows, on the device, before the next step overwrites them."""
+        catch = getattr(self.drafter, "catch_up_ahead", None)
+        if catch is None:
+            return
+        seqs = []
+        for s in cur.plan:
+            st = self.state.get(s.request.request_id)
+            if st is None:  # (every request of a plan has a state; keep the rows aligned regardless)
+                st = DraftState(mtp_disabled=True)
+            seqs.append((s.request.request_id, st, s.start, s.request.params.greedy))
+        with torch.inference_mode():
+            catch(seqs, cur.out.packed[:, 0], cur.out.hidden)
+        self.num_catchups_ahead += 1
 
     def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor, slots: list[int] | None = None) -> list[Request]:
         if slots is not None:
@@ -386,6 +433,8 @@ class SpeculativeExecutor(Executor):
                 if proposed:  # all filler: a width-one round as far as the statistics go
                     r.num_verify_rounds += 1
                     r.num_accepted_total += a
+                    if self.draft_policy is not None:
+                        self.draft_policy.observe_acceptance(proposed, a - 1)
                 for j in range(proposed):
                     if j >= len(r.proposed_per_position):
                         r.proposed_per_position.append(0)
@@ -437,11 +486,14 @@ class SpeculativeExecutor(Executor):
 
     # --------------------------------------------------------------------------------------------
     # Drafting for the next round
-    def _draft_len(self, r: Request) -> int:
-        """Drafts to propose for ``r``'s next round (0 = a width-one round)."""
+    def _draft_len(self, r: Request, cap: int | None = None) -> int:
+        """Drafts to propose for ``r``'s next round (0 = a width-one round), at most ``cap`` (the adaptive
+        policy's round length; None: ``max_draft_len``)."""
         if not r.params.greedy or not r.is_decode:
             return 0
-        k = self.max_draft_len
+        k = self.max_draft_len if cap is None else cap
+        if k <= 0:
+            return 0
         if self.spec.draft_len_fn is not None:
             k = max(0, min(k, int(self.spec.draft_len_fn(r))))
         # The bonus token is always emitted: never verify past the request's budget or the context.
@@ -463,8 +515,11 @@ class SpeculativeExecutor(Executor):
             # so the MTP layer keeps catching up and can draft again once the batch shrinks).
             want = {s.request.request_id: 0 for _, s in live}
             self.num_unspeculated_rounds += 1
+            if self.draft_policy is not None:
+                self.draft_policy.reset_interval()
         else:
-            want = {s.request.request_id: self._draft_len(s.request) for _, s in live}
+            cap = self._policy_draft_len(live, plan)
+            want = {s.request.request_id: self._draft_len(s.request, cap) for _, s in live}
         seqs, row = [], 0
         for i, s in enumerate(plan):
             r = s.request
@@ -492,6 +547,35 @@ class SpeculativeExecutor(Executor):
         if self.graph_runner is not None and any(s.live and s.state.drafts for s in seqs):
             _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
                                for _, s in live})  # fmt: skip
+
+    def _policy_draft_len(self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq]) -> int | None:
+        """The adaptive policy's draft length for the next round (None without a policy).
+
+        Called once per round right after the step's results were read back (the host already waited for
+        the device there), it stamps the policy's clock: the interval since the previous stamp is one round
+        (its drafting, its verify step, the host's work) of the length chosen then, a cost sample when that
+        step was a steady decode step of the same batch.
+        """
+        pol = self.draft_policy
+        if pol is None:
+            return None
+        decode = [s.request for _, s in live if s.request.is_decode]
+        if not any(r.params.greedy for r in decode):  # nothing can speculate: no round to choose or measure
+            pol.reset_interval()
+            return 0
+        # The whole decode batch sets the cost (sampled requests ride the verify rows as filler).
+        b = len(decode)
+        steady = all(s.is_decode for s in plan) and pol.open_batch_size == len(plan)
+        if self._inflight is not None:
+            # A step launched ahead is running: the round after this one is width one whatever is chosen (drafts
+            # made now would be a token stale); a length chosen now is carried to the next read-back.
+            k = pol.begin_round(steady, b, running=0)
+            self._next_k = k
+            self._carry_k = k if k > 0 else None
+            return 0
+        k = pol.begin_round(steady, b, k=self._carry_k)
+        self._next_k, self._carry_k = k, None
+        return k
 
     def _padded_len(self, r: Request, k: int) -> int:
         """Draft slots of ``r``'s next round when CUDA graphs replay full-width verify steps.

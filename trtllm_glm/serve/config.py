@@ -16,6 +16,7 @@ Example::
       num_nextn_predict_layers: 3
       draft_kv_mode: separate
       max_concurrency: 16         # larger decode batches run without speculation
+      adaptive: true              # default: each round's draft length from measured costs and acceptance
     enable_chunked_prefill: true  # accepted: prefill is always chunked
     cuda_graph_config:            # default on (CUDA only); null turns graphs off
       batch_sizes: [1, 2, 4, 8, 16, 32]

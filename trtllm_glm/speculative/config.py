@@ -23,6 +23,8 @@ class _SpecBase:
     max_concurrency: int | None = None
 
     def _check_common(self) -> None:
+        if not isinstance(getattr(self, "adaptive", False), bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")  # type: ignore[attr-defined]
         mc = self.max_concurrency
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc <= 0):
             raise ValueError(f"max_concurrency must be None or a positive int, got {mc!r}")
@@ -48,12 +50,25 @@ class MTPDecodingConfig(_SpecBase):
         max_concurrency: speculate only while the decode batch holds at most this many requests (None:
             always). Above it a round drafts nothing and verifies nothing, but the MTP layer still catches up
             on each committed token, so drafting resumes as soon as the batch shrinks.
+        draft_vocab_size: the draft steps score only this many most frequent token ids (FR-Spec style: a
+            ``[N, D]`` slice of the LM head made once at load; `speculative.draft_vocab`); verification keeps
+            the full vocabulary, so the output is unchanged. None (default): the full vocabulary. Needs a
+            token-frequency ranking: ``draft_vocab_file``, or the checkpoint's ``token_frequency.json``.
+        draft_vocab_file: the token-frequency ranking (JSON, `speculative.draft_vocab.load_token_ranking`) for
+            ``draft_vocab_size``; None takes the checkpoint's own.
+        adaptive: each round's draft length (``0 .. num_nextn_predict_layers``) is chosen by an
+            `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
+            acceptance, down to 0 where speculation cannot pay (default on; ``False`` drafts the maximum
+            every round).
     """
 
     num_nextn_predict_layers: int = 1
     draft_kv_mode: str = "shared"
     draft_max_tokens: int | None = None
     index_share_for_mtp_iteration: bool | None = None
+    draft_vocab_size: int | None = None
+    draft_vocab_file: str | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -65,6 +80,14 @@ class MTPDecodingConfig(_SpecBase):
             raise ValueError(f"draft_kv_mode must be one of {DRAFT_KV_MODES}, got {self.draft_kv_mode!r}")
         if self.draft_max_tokens is not None and self.draft_max_tokens <= 0:
             raise ValueError("draft_max_tokens must be positive")
+        n = self.draft_vocab_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+            raise ValueError(f"draft_vocab_size must be None (the full vocabulary) or a positive int, got {n!r}")
+        f = self.draft_vocab_file
+        if f is not None and (not isinstance(f, str) or not f):
+            raise ValueError(f"draft_vocab_file must be None or a file path, got {f!r}")
+        if f is not None and n is None:
+            raise ValueError("draft_vocab_file is the ranking of draft_vocab_size: set draft_vocab_size too")
 
     @property
     def max_draft_len(self) -> int:
@@ -83,11 +106,14 @@ class NGramDecodingConfig(_SpecBase):
         min_matching_ngram_size: shortest suffix accepted as a match.
         max_concurrency: speculate only while the decode batch holds at most this many requests (None:
             always); larger batches run plain width-one rounds, where verifying drafts costs more than it saves.
+        adaptive: choose each round's draft length with an `AdaptiveDraftPolicy` (as MTP's option; off by
+            default here: prompt-lookup acceptance swings between requests and rounds far more than MTP's).
     """
 
     max_draft_len: int = 4  # type: ignore[assignment]
     max_matching_ngram_size: int = 4
     min_matching_ngram_size: int = 1
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         self._check_common()

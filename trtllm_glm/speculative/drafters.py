@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..transfer import to_device
+
 __all__ = [
     "PENDING_DRAFT",
     "DeviceDrafts",
@@ -21,6 +23,7 @@ __all__ = [
     "DraftState",
     "Drafter",
     "NGramDrafter",
+    "OracleAcceptanceDrafter",
     "OracleDrafter",
     "ParallelDrafter",
 ]
@@ -278,3 +281,71 @@ class OracleDrafter(ParallelDrafter):
                     t = (t + 1) % self.vocab_size
             out.append(t)
         return out
+
+
+class OracleAcceptanceDrafter(Drafter):
+    """Drafts through a real drafter (its full cost) but proposes an oracle's tokens: the end-to-end benchmark's
+    way to time MTP rounds at a chosen acceptance rate (random weights accept nothing).
+
+    ``inner`` (the MTP drafter) runs exactly as it would: its catch-up, its chained steps and the LM head of
+    each; then each sequence's drafts are replaced by ``oracle``'s for the same positions (right with the
+    oracle's rate). Drafts the inner drafter left on the device (`DeviceDrafts`, the fused MTP graph) are
+    replaced on the device: the oracle's tokens are copied up and queued behind the draft on the same stream,
+    so the verify still waits for the MTP compute and no host synchronisation is added.
+
+    Args:
+        inner: the drafter whose compute is timed (attributes such as ``chain_graphs`` are reached through).
+        oracle: proposes the tokens (`OracleDrafter`: a continuation with chosen positions corrupted).
+        vocab_size: token range (fills a proposal cut short by the end of the continuation).
+    """
+
+    def __init__(self, inner: Drafter, oracle: OracleDrafter, vocab_size: int) -> None:
+        self.inner = inner
+        self.oracle = oracle
+        self.vocab_size = vocab_size
+        self.max_draft_len = inner.max_draft_len
+        self._host: torch.Tensor | None = None  # pinned landing buffer of the replaced device drafts
+
+    def __getattr__(self, name: str) -> object:
+        # Only called for attributes this object lacks: the inner drafter's (chain_graphs, defer, ...).
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def release(self, request_id: int) -> None:
+        self.inner.release(request_id)
+
+    def _oracle_row(self, seq: DraftSeq, k: int) -> list[int]:
+        row = self.oracle.propose_for(seq.state.index, seq.num_output, k)
+        while len(row) < k:  # past the continuation: a token the target will not take there
+            row.append((row[-1] + 1) % self.vocab_size if row else (int(seq.tokens[-1]) + 1) % self.vocab_size)
+        return row
+
+    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        self.inner.draft(seqs, hidden)
+        on_device: list[tuple[DraftSeq, list[int]]] = []
+        for s in seqs:
+            if not s.live or not s.state.drafts:
+                continue
+            row = self._oracle_row(s, len(s.state.drafts))
+            if s.state.pending is not None:
+                on_device.append((s, row))
+            else:
+                s.state.drafts = row
+        if not on_device:
+            return
+        # One [n, K] device tensor of the oracle's tokens, queued behind the draft; its host copy is what the
+        # executor reads back for acceptance, the device rows what the verify takes as input.
+        K = max(len(r) for _, r in on_device)
+        rows = [r + [r[-1]] * (K - len(r)) for _, r in on_device]
+        dev = on_device[0][0].state.pending[0].tensor.device  # type: ignore[index]
+        host = None
+        if dev.type == "cuda":
+            if self._host is None or self._host.shape[0] < len(rows) or self._host.shape[1] < K:
+                self._host = torch.zeros(max(len(rows), 64), K, dtype=torch.int64, pin_memory=True)
+            host = self._host[:, :K]
+        # Through the pinned staging ring: a plain host tensor's copy would wait for the stream (the draft).
+        t = to_device([x for r in rows for x in r], dev, torch.int64).view(len(rows), K)
+        pend = DeviceDrafts(t, host)
+        for j, (s, _) in enumerate(on_device):
+            s.state.pending = (pend, j)

@@ -21,7 +21,8 @@ from ..cache.manager import Glm5NextCacheManager
 from ..errors import CapacityError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..transfer import to_device
-from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq
+from .draft_vocab import DraftVocab
+from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq, DraftState
 from .interface import draft_replay
 
 __all__ = ["MTPDrafter"]
@@ -38,6 +39,8 @@ class MTPDrafter(Drafter):
         mtp_plane: the MTP layer's sparse plane in ``draft_manager``.
         max_draft_len: ``K``.
         share_selection: chained steps reuse step 0's pool selection (index_share_for_mtp_iteration).
+        draft_vocab: the restricted draft vocabulary (`DraftVocab`: each draft is the argmax over its ids);
+            None scores the full vocabulary.
     """
 
     def __init__(
@@ -50,8 +53,10 @@ class MTPDrafter(Drafter):
         max_draft_len: int,
         *,
         share_selection: bool,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         self.model = model
+        self.draft_vocab = draft_vocab
         self.meta = meta
         self.manager = manager
         self.draft_manager = draft_manager
@@ -89,6 +94,8 @@ class MTPDrafter(Drafter):
             st = s.state
             if st.mtp_disabled:
                 continue
+            if st.mtp_len == s.num_computed:
+                continue  # caught up already, on the device, before the step after it launched (`catch_up_ahead`)
             start = s.num_computed - s.committed
             if st.mtp_len != start:
                 # The MTP history has a gap (cannot happen: every step catches up); drop speculation.
@@ -118,6 +125,12 @@ class MTPDrafter(Drafter):
         fused = graphs.draft_key(committed) if graphs is not None and all(s.want == K for s in cat) else None
         # Each sequence's last committed row of the target step (the graph paths take it from `hidden`).
         last_src = [s.row_offset + c - 1 for s, c in zip(cat, committed)]
+        if not any(s.want > 0 for s in cat):
+            # Nobody drafts this round (an adaptive length of 0, max_concurrency, budgets): the MTP layer only
+            # catches up (its cache must follow every committed token), without the LM head, which is most of
+            # a draft step's cost at real geometry.
+            self._catch_up_only(cat, rids, starts, committed, toks, hidden, src_rows, last_src)
+            return
         if fused is not None:
             # The whole draft in one replay (catch-up + chained steps; `MtpChainGraphs`, fused draft).
             drafts = graphs.run_draft(fused, rids, starts, committed, toks, hidden, src_rows)
@@ -144,8 +157,7 @@ class MTPDrafter(Drafter):
             prev_last = prev_h[last]
             h_last = out[last]
             pools0 = self.meta.spec.last_pool_ids[last] if self.share_selection else None
-            with torch.inference_mode():
-                d = self.model.compute_logits(h_last).argmax(-1)
+            d = self.greedy(h_last)
         self._caught_up(cat, committed, prev_last)
         # The drafts stay on the device until the round is drafted: one host copy for all of them (each
         # chained step needs only the previous step's tokens, which it reads on the device).
@@ -162,6 +174,93 @@ class MTPDrafter(Drafter):
                 if len(cat[j].state.drafts) < cat[j].want:
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
+
+    def catch_up_ahead(
+        self, seqs: Sequence[tuple[int, DraftState, int, bool]], tokens: torch.Tensor, hidden: torch.Tensor
+    ) -> None:
+        """Catch the MTP layer up on a width-one step whose tokens the host has not read yet (the overlap
+        scheduler, about to launch the next step over the same graph buffers): the step's chosen tokens and
+        hidden rows are taken on the device; no LM head (nobody drafts from a step followed by one launched
+        ahead: its drafts would be one token stale). The next `draft` call skips these sequences.
+
+        Args:
+            seqs: ``(request_id, state, row position, greedy)`` of each row of the step, in row order.
+            tokens: ``[B]`` the step's chosen token of each row (``GraphOutputs.packed[:, 0]``, float64 ids).
+            hidden: ``[B, D]`` the step's final hidden rows.
+        """
+        dm = self.draft_manager
+        cat: list[DraftSeq] = []
+        sel: list[int] = []
+        for b, (rid, st, pos, greedy) in enumerate(seqs):
+            if not greedy or st.mtp_disabled:
+                continue
+            if st.mtp_len != pos:
+                st.mtp_disabled = True  # a gap in the MTP history (as in `draft`): no speculation from here
+                continue
+            if self.separate:
+                try:
+                    if not dm.has_request(rid):
+                        dm.add_request(rid)
+                    dm.ensure_capacity(rid, pos + 1)
+                except CapacityError:
+                    st.mtp_disabled = True
+                    self.release(rid)
+                    continue
+            cat.append(DraftSeq(request_id=rid, state=st, tokens=(), num_output=0, num_computed=pos + 1, committed=1,
+                                row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
+            sel.append(b)
+        if not cat:
+            return
+        idx = to_device(sel, self.device)
+        toks = tokens.index_select(0, idx).to(torch.int64)
+        rows = hidden.index_select(0, idx)
+        rids = [s.request_id for s in cat]
+        starts = [s.num_computed - 1 for s in cat]
+        graphs = self.chain_graphs
+        key = graphs.catchup_key([1] * len(cat), head=False) if graphs is not None else None
+        if key is not None:
+            graphs.run_catchup_only_rows(key, rids, starts, toks, rows)
+        else:
+            self._mtp_step(cat, starts, [1] * len(cat), toks, rows, decode=False)
+        self._caught_up(cat, [1] * len(cat), rows)
+        for s in cat:
+            s.state.drafts = []
+
+    def _catch_up_only(
+        self,
+        cat: list[DraftSeq],
+        rids: list[int],
+        starts: list[int],
+        committed: list[int],
+        toks: list[int],
+        hidden: torch.Tensor,
+        src_rows: list[int],
+        last_src: list[int],
+    ) -> None:
+        """The catch-up of a round in which nobody drafts: the MTP forward over the committed rows, no LM head.
+
+        Args: as `draft` computed them (``toks`` / ``src_rows``: ``sum(committed)`` tokens and rows of
+        ``hidden [N, D]``; ``last_src``: each sequence's last committed row).
+        """
+        graphs = self.chain_graphs
+        key = graphs.catchup_key(committed, head=False) if graphs is not None else None
+        if key is not None:
+            graphs.run_catchup_only(key, rids, starts, committed, toks, hidden, src_rows)
+        else:
+            prev_h = hidden[to_device(src_rows, self.device)]
+            nxt = to_device(toks, self.device, torch.int64)
+            self._mtp_step(cat, starts, committed, nxt, prev_h, decode=False)
+        self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
+        for s in cat:
+            s.state.drafts = []
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """``h [n, D]`` MTP output -> ``[n]`` int64 greedy drafts: over the draft vocabulary when there is one
+        (`DraftVocab.greedy`), else over the full LM head."""
+        with torch.inference_mode():
+            if self.draft_vocab is not None:
+                return self.draft_vocab.greedy(h)
+            return self.model.compute_logits(h).argmax(-1)
 
     def _caught_up(self, cat: list[DraftSeq], committed: list[int], prev_last: torch.Tensor) -> None:
         """Book the catch-up: MTP history lengths, a separate draft manager's committed lengths, and each
@@ -216,8 +315,7 @@ class MTPDrafter(Drafter):
                     h, nd = self.chain_graphs.run(key, [s.request_id for s in reqs], past, tok, h, shared)
                 else:
                     h = self._mtp_step(reqs, past, [1] * len(reqs), tok, h, decode=True, shared=shared)
-                    with torch.inference_mode():
-                        nd = self.model.compute_logits(h).argmax(-1)
+                    nd = self.greedy(h)
                 pieces.append((list(active), nd))
                 # After step c a sequence has c + 1 drafts.
                 keep = [k for k, s in enumerate(reqs) if c + 1 < s.want]

@@ -1,0 +1,336 @@
+"""The adaptive draft length (`speculative.adaptive.AdaptiveDraftPolicy`, ``MTPDecodingConfig.adaptive``): the
+policy's choice against a brute-force reference, K = 0 with a drafter made slow on purpose (and then the
+throughput of plain decoding), the maximum K with a perfect, cheap drafter, and lossless output while K
+changes from round to round in mixed batches. Every clock here is injected: the costs are deterministic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy, best_draft_len, expected_tokens
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.speculative.drafters import OracleDrafter
+
+pytestmark = pytest.mark.cpu_only
+
+GEN = 24
+
+
+class FakeClock:
+    """Seconds that only move when the test says so."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, dt: float) -> None:
+        self.t += dt
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm5NextForCausalLM:
+    return Glm5NextForCausalLM.from_pretrained("tiny", seed=0, dtype="float32").eval()
+
+
+# --------------------------------------------------------------------------------------------------
+def test_expected_tokens_and_best_len_match_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        a = rng.random()
+        k = rng.randrange(0, 8)
+        # Drafts right independently with probability a, accepted up to the first miss, plus the root token.
+        exact = sum(a**i for i in range(k + 1))
+        assert expected_tokens(k, a) == pytest.approx(exact)
+        costs = {j: rng.uniform(0.5, 3.0) for j in range(k + 1)}
+        rates = {j: exact_j / costs[j] for j, exact_j in ((j, sum(a**i for i in range(j + 1))) for j in costs)}
+        assert rates[best_draft_len(costs, a)] == pytest.approx(max(rates.values()))
+
+
+def feed(pol: AdaptiveDraftPolicy, clock: FakeClock, rounds: int, b: int, cost, acc) -> list[int]:
+    """Run ``rounds`` steady rounds: each chosen K costs ``cost(K)`` and accepts ``acc(K)`` drafts."""
+    out = []
+    for _ in range(rounds):
+        k = pol.begin_round(True, b)
+        out.append(k)
+        clock.sleep(cost(k))
+        if k:
+            pol.observe_acceptance(k, acc(k))
+    return out
+
+
+def test_policy_explores_then_picks_the_best_rate() -> None:
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=16)
+    # Drafts cost 0.3 each on top of a 1.0 step, and every draft is accepted: K = 3 gives 4 tokens per 1.9.
+    ks = feed(pol, clock, 80, 4, lambda k: 1.0 + 0.3 * k, lambda k: k)
+    # The largest K, then 0, are measured first (each interval reaches the policy at the next round's stamp;
+    # the first one is discarded, then min_samples = 2).
+    assert ks[:3] == [3, 3, 3] and ks[3:6] == [0, 0, 0]
+    steady = ks[6:]
+    # K = 3 except the periodic re-measurement of its neighbour K = 2 (once every 16 rounds).
+    assert steady.count(3) >= len(steady) - 2 * (len(steady) // 16 + 1) and set(steady) == {2, 3}
+    assert pol.acceptance == pytest.approx(1.0, abs=0.01)
+    # A batch of another bucket measures afresh; the same bucket (3 -> 4) shares the table.
+    assert pol.bucket(3) == pol.bucket(4) == 4 and pol.bucket(5) == 8 and pol.bucket(1) == 1
+    assert pol.costs(8) == {} and set(pol.costs(3)) == {0, 2, 3}
+    # K = 1 was never worth measuring: its cost is the line between K = 0 and K = 3.
+    assert pol.estimated_costs(4)[1] == pytest.approx(1.3)
+
+
+def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    # Half the drafts are right, but a draft costs as much as a whole step.
+    ks = feed(pol, clock, 60, 1, lambda k: 1.0 + 1.0 * k, lambda k: k // 2)
+    assert ks[6:] == [0 if i % 64 != 63 else 1 for i in range(6, 60)]
+
+
+def test_policy_history_is_bounded() -> None:
+    """A server runs for millions of rounds: the list of choices keeps the latest ones, the counts all."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(2, clock=clock, history=4)
+    ks = feed(pol, clock, 50, 2, lambda k: 1.0 + 0.1 * k, lambda k: k)
+    assert 4 <= len(pol.chosen) <= 8 and pol.chosen == ks[-len(pol.chosen) :]
+    assert sum(pol.counts.values()) == 50 and pol.counts == {k: ks.count(k) for k in set(ks)}
+
+
+def test_policy_config_errors() -> None:
+    with pytest.raises(ValueError, match="max_draft_len"):
+        AdaptiveDraftPolicy(0)
+    with pytest.raises(ValueError, match="candidates"):
+        AdaptiveDraftPolicy(3, candidates=[1, 3])
+    with pytest.raises(ValueError, match="candidates"):
+        AdaptiveDraftPolicy(3, candidates=[0, 4])
+    with pytest.raises(ValueError, match="adaptive"):
+        MTPDecodingConfig(adaptive="yes")
+    assert MTPDecodingConfig().adaptive and not NGramDecodingConfig().adaptive
+
+
+# --------------------------------------------------------------------------------------------------
+def plain(model, ps, max_tokens):
+    ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=2048, max_batch_size=8, max_num_tokens=512,
+                                        max_seq_len=160))  # fmt: skip
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(ps, max_tokens)]
+    ex.run_until_done()
+    return reqs
+
+
+def timed(ex, clock: FakeClock, step_cost, draft_cost) -> None:
+    """Charge ``step_cost(rows)`` per forward and ``draft_cost(max drafts wanted)`` per drafting call to the clock
+    (the drafter's cost is its sleep: a drafter made slow on purpose)."""
+    fwd, draft = ex._forward, ex.drafter.draft
+    ex.wants = []  # the largest draft count asked for in each drafting call
+    # (the policy's choice, the largest want) of the calls where the policy just chose and no greedy request
+    # was near its budget (which cuts a round short) or prefilling
+    ex.agree = []
+    pol = ex.draft_policy
+    seen = [0]
+
+    def forward(plan, _f=fwd):
+        clock.sleep(step_cost(sum(s.num_rows for s in plan)))
+        return _f(plan)
+
+    def drafting(seqs, hidden, _d=draft):
+        ex.wants.append(max((s.want for s in seqs if s.live), default=0))
+        clock.sleep(draft_cost(ex.wants[-1]))
+        if pol is not None and len(pol.chosen) > seen[0]:
+            seen[0] = len(pol.chosen)
+            reqs = {r.request_id: r for r in ex.running}
+            live = [reqs.get(s.request_id) for s in seqs if s.live and s.greedy]
+            if live and all(r is not None and r.is_decode and r.params.max_tokens - r.num_output > 8 for r in live):
+                ex.agree.append((pol.chosen[-1], ex.wants[-1]))
+        return _d(seqs, hidden)
+
+    ex._forward, ex.drafter.draft = forward, drafting
+
+
+def spec_run(model, ps, max_tokens, spec, clock, step_cost, draft_cost, *, drafter=None, sampled=(), policy=None,
+             adaptive=True):  # fmt: skip
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=2048, max_batch_size=4, max_num_tokens=64, max_seq_len=160)
+    pol = policy or AdaptiveDraftPolicy(spec.max_draft_len, clock=clock, explore_every=8)
+    if not adaptive:
+        pol = None
+    ex = SpeculativeExecutor(model, cfg, spec, drafter=drafter, draft_policy=pol)
+    timed(ex, clock, step_cost, draft_cost)
+    reqs = []
+    for i, (p, m) in enumerate(zip(ps, max_tokens)):
+        sp = SamplingParams(max_tokens=m, ignore_eos=True)
+        if i in sampled:
+            sp = SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.8, seed=i)
+        reqs.append(ex.add_request(p, sp))
+    ex.run_until_done()
+    return reqs, ex
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+def assert_lossless(refs, tests, skip=()) -> None:
+    for i, (a, b) in enumerate(zip(refs, tests)):
+        if i in skip:
+            continue
+        assert len(a.output_ids) == len(b.output_ids)
+        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
+        assert d is None or d.excused, f"request {i}: {d}"
+
+
+def oracle(refs) -> OracleDrafter:
+    return OracleDrafter({i: list(r.output_ids) for i, r in enumerate(refs)})
+
+
+def plain_time(model, ps, max_tokens, step_cost) -> float:
+    clock = FakeClock()
+    ex = Executor(model, ExecutorConfig(tokens_per_block=8, max_tokens=2048, max_batch_size=4, max_num_tokens=64,
+                                        max_seq_len=160))  # fmt: skip
+    fwd = ex._forward
+
+    def forward(plan, _f=fwd):
+        clock.sleep(step_cost(sum(s.num_rows for s in plan)))
+        return _f(plan)
+
+    ex._forward = forward
+    for p, m in zip(ps, max_tokens):
+        ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+    ex.run_until_done()
+    return clock.t
+
+
+def test_slow_drafter_falls_back_to_plain(model) -> None:
+    """A perfect drafter that sleeps two steps' worth per draft: speculation cannot pay, the policy settles on
+    K = 0, and the run's (injected) time is plain decoding's plus the few rounds that measured K = 3; a fixed
+    K = 3 takes far longer."""
+    ps, mt = prompts(3, 1), [120, 120, 120]
+    refs = plain(model, ps, mt)
+    step = lambda rows: 1.0 + 0.01 * rows  # noqa: E731
+    slow = lambda k: 2.0 * k  # noqa: E731
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    tests, ex = spec_run(model, ps, mt, NGramDecodingConfig(max_draft_len=3), clock, step, slow,
+                         drafter=oracle(refs), policy=pol)  # fmt: skip
+    assert_lossless(refs, tests)
+    ks = pol.chosen
+    assert ks[:3] == [3, 3, 3] and set(ks[6:]) <= {0, 1} and ks[6:].count(1) <= len(ks) // 64 + 1
+    t_plain = plain_time(model, ps, mt, step)
+    assert clock.t < 1.25 * t_plain
+    fixed = FakeClock()
+    spec_run(model, ps, mt, NGramDecodingConfig(max_draft_len=3), fixed, step, slow, drafter=oracle(refs),
+             adaptive=False)  # fmt: skip
+    assert fixed.t > 1.5 * t_plain
+
+
+def test_perfect_cheap_drafter_drafts_the_maximum(model) -> None:
+    ps, mt = prompts(3, 2), [60, 60, 60]
+    refs = plain(model, ps, mt)
+    clock = FakeClock()
+    tests, ex = spec_run(model, ps, mt, NGramDecodingConfig(max_draft_len=4), clock, lambda rows: 1.0 + 0.01 * rows,
+                         lambda k: 0.02 * k, drafter=oracle(refs))  # fmt: skip
+    assert_lossless(refs, tests)
+    ks = ex.draft_policy.chosen
+    assert ks[:3] == [4, 4, 4] and ks[3:6] == [0, 0, 0]
+    settled = [k for i, k in enumerate(ks[6:], 6) if i % 8 != 7]  # not a periodic re-measurement
+    assert settled and set(settled) == {4}
+    assert ex.draft_policy.acceptance > 0.95
+
+
+@pytest.mark.parametrize("kind", ["oracle", "mtp-shared", "mtp-separate"])
+def test_lossless_while_k_changes_every_round(model, kind) -> None:
+    """Random round costs keep the policy switching K (explore_every=2) in a mixed batch (a sampled request,
+    different budgets, a late-joining request through the page pool): greedy output stays plain greedy."""
+    ps, mt = prompts(4, 3), [30, 18, 26, 12]
+    refs = plain(model, ps, mt)
+    rng = random.Random(5)
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, min_samples=1)
+    step = lambda rows: rng.uniform(0.5, 2.0)  # noqa: E731
+    if kind == "oracle":
+        corrupt = lambda i, j: (i + j) % 3 == 0  # noqa: E731
+        drafter = OracleDrafter({i: list(r.output_ids) for i, r in enumerate(refs)}, corrupt)
+        spec = NGramDecodingConfig(max_draft_len=3)
+    else:
+        drafter = None
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kind.split("-")[1])
+    tests, ex = spec_run(model, ps, mt, spec, clock, step, lambda k: rng.uniform(0.0, 0.5) * k,
+                         drafter=drafter, sampled={1}, policy=pol)  # fmt: skip
+    assert_lossless(refs, tests, skip={1})
+    ks = pol.chosen
+    assert len(set(ks)) >= 3 and any(a != b for a, b in zip(ks, ks[1:]))
+    # The rounds really drafted the lengths the policy chose.
+    assert ex.agree and all(k == w for k, w in ex.agree) and len({k for k, _ in ex.agree}) >= 3
+    assert sum(r.num_verify_rounds for r in tests) > 0
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) -> None:
+    """A round in which nobody drafts (here: the first rounds of each request, by ``draft_len_fn``) runs the MTP
+    catch-up without the LM head (eagerly and through the `CATCHUP_ONLY` graphs of an emulating runner); drafting
+    then resumes from a caught-up MTP cache, and the output is plain greedy's."""
+    import dataclasses
+
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.mtp_graphs import MtpChainGraphs
+    from trtllm_glm.speculative.mtp import MTPDrafter
+
+    m = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+    ps, mt = prompts(3, 9), [14, 14, 14]
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
+    refs = plain(m, ps, mt)
+    if graphs:
+        from triton.runtime.interpreter import interpreter_builder
+
+        monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+        monkeypatch.setattr(interpreter_builder, "options",
+                            dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
+        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+        cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))
+    heads: list[int] = []  # draft-head calls: the number of drafting requests of the round
+    wanted: list[int] = []
+    greedy, body = MTPDrafter.greedy, MtpChainGraphs._greedy
+    monkeypatch.setattr(MTPDrafter, "greedy", lambda self, h: (heads.append(wanted[-1]), greedy(self, h))[1])
+    monkeypatch.setattr(MtpChainGraphs, "_greedy", lambda self, h: (heads.append(wanted[-1]), body(self, h))[1])
+    spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, draft_len_fn=lambda r: 2 * (r.num_output > 6))
+    ex = SpeculativeExecutor(m, cfg, spec)
+    draft = ex.drafter.draft
+    only: list = []
+    if graphs:
+        run_only = ex.drafter.chain_graphs.run_catchup_only
+
+        def counted(key, *a):
+            only.append(key)
+            return run_only(key, *a)
+
+        ex.drafter.chain_graphs.run_catchup_only = counted
+
+    def spy(seqs, hidden):
+        wanted.append(sum(1 for s in seqs if s.live and s.want > 0))
+        draft(seqs, hidden)
+
+    ex.drafter.draft = spy
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=t, ignore_eos=True)) for p, t in zip(ps, mt)]
+    ex.run_until_done()
+    assert_lossless(refs, reqs)
+    assert 0 in wanted and heads and all(n > 0 for n in heads)  # no head in a round that drafts nothing
+    assert sum(r.num_verify_rounds for r in reqs) > 0
+    if graphs:
+        assert only and all(k[0] == "catchup_only" for k in only)  # the head-free catch-up graphs served
+
+
+def test_default_mtp_executor_is_adaptive(model) -> None:
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=512, max_batch_size=2, max_num_tokens=32, max_seq_len=64)
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
+    assert isinstance(ex.draft_policy, AdaptiveDraftPolicy) and ex.draft_policy.max_draft_len == 2
+    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False))
+    assert ex.draft_policy is None
+    with pytest.raises(ValueError, match="draft_policy.max_draft_len"):
+        SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2),
+                            draft_policy=AdaptiveDraftPolicy(3))  # fmt: skip

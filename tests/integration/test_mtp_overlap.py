@@ -1,0 +1,134 @@
+"""MTP width-one rounds under the overlap scheduler (issue 43 item 1, first part): when the adaptive policy drafts
+nothing, steps are launched before the previous one is read back, and the MTP layer catches up on the in-flight
+step on the device (`MTPDrafter.catch_up_ahead`) before the next step overwrites its outputs. Emulated CUDA
+graphs on the CPU (tests/unittest/test_cuda_graph.py's `emulated`), fp32: the output is plain greedy's and the
+MTP cache is bit for bit the one of the same rounds run without the overlap scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
+from trtllm_glm.speculative.config import MTPDecodingConfig
+
+pytestmark = pytest.mark.cpu_only
+
+PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8, 1, 2, 3, 8, 8, 1]]
+MAX_TOKENS = [16, 12, 14]
+
+
+class Scripted(AdaptiveDraftPolicy):
+    """A policy whose every choice comes from ``script(i)`` (the i-th choice): the rounds are fixed, not timed."""
+
+    def __init__(self, k: int, script) -> None:  # noqa: ANN001
+        super().__init__(k, clock=lambda: 0.0)
+        self.script = script
+        self.i = 0
+
+    def choose(self, batch_size: int) -> int:
+        k = self.script(self.i)
+        self.i += 1
+        return self._pick(k)
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    from triton.runtime.interpreter import interpreter_builder
+
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    monkeypatch.setattr(interpreter_builder, "options",
+                        dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
+    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+
+
+@pytest.fixture(scope="module")
+def model() -> Glm5NextForCausalLM:
+    return Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+
+
+def plain(model):
+    ex = Executor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64,
+                                        max_seq_len=96))  # fmt: skip
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    ex.run_until_done()
+    return reqs
+
+
+def run(model, mode: str, overlap: bool, script, **spec_kw):  # noqa: ANN001
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96,
+                         cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                         overlap_scheduler=overlap)  # fmt: skip
+    spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode=mode, **spec_kw)
+    ex = SpeculativeExecutor(model, cfg, spec, draft_policy=Scripted(2, script) if script is not None else None)
+    chained = ex.graph_runner.replay_chained
+
+    def replay_chained(key, plan, prev):  # noqa: ANN001
+        # A captured graph writes every replay's outputs into the same buffers: the step launched ahead
+        # overwrites the in-flight step's hidden rows. The emulating runner returns fresh tensors, so the
+        # overwrite is made here; a catch-up reading them after the launch would read the next step's rows.
+        out = chained(key, plan, prev)
+        prev.hidden.copy_(out.hidden)
+        return out
+
+    ex.graph_runner.replay_chained = replay_chained
+    reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    disabled = 0
+    while ex.has_work:
+        ex.step()
+        disabled += sum(st.mtp_disabled for st in ex.state.values())
+    return ex, reqs, disabled
+
+
+def assert_lossless(ref, got) -> None:
+    for a, b in zip(ref, got):
+        assert len(a.output_ids) == len(b.output_ids)
+        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
+        assert d is None or d.excused, d
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_idle_mtp_rounds_overlap_and_catch_up_on_the_device(emulated, model, mode: str) -> None:
+    ref = plain(model)
+    # K = 0 every round: with the overlap scheduler each step but the last few of a request is launched ahead.
+    ex_o, got_o, dis_o = run(model, mode, True, lambda i: 0)
+    ex_s, got_s, dis_s = run(model, mode, False, lambda i: 0)
+    assert_lossless(ref, got_o)
+    assert [r.output_ids for r in got_o] == [r.output_ids for r in got_s]
+    assert ex_o.num_overlapped_steps > 5 and ex_o.num_catchups_ahead > 5 and ex_s.num_overlapped_steps == 0
+    assert dis_o == dis_s == 0  # the MTP history never has a gap
+    # The MTP cache the device catch-ups wrote is the one the synchronous rounds write, bit for bit.
+    for name in ("latent", "index_k"):
+        a = getattr(ex_o.draft_manager, name)[ex_o.mtp_plane]
+        b = getattr(ex_s.draft_manager, name)[ex_s.mtp_plane]
+        assert a.float().abs().sum() > 0 and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_drafting_resumes_after_overlapped_stretches(emulated, model, mode: str) -> None:
+    """Stretches of K = 0 (launched ahead) and K = 2 (synchronous verify rounds) alternate; a K chosen while a
+    step launched ahead runs waits for the next read-back. Output stays plain greedy's."""
+    ref = plain(model)
+    ex, got, disabled = run(model, mode, True, lambda i: 2 if i % 7 in (0, 1) else 0)
+    assert_lossless(ref, got)
+    assert ex.num_overlapped_steps > 0 and ex.num_catchups_ahead > 0 and disabled == 0
+    assert sum(r.num_verify_rounds for r in got) >= 4  # drafting resumed after every stretch
+    assert 2 in ex.draft_policy.chosen and 0 in ex.draft_policy.chosen
+
+
+def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:
+    """Without the adaptive policy, the rounds above ``max_concurrency`` (width one) launch ahead the same way;
+    once the batch shrinks to the cap, drafting resumes."""
+    ref = plain(model)
+    ex, got, disabled = run(model, "shared", True, None, adaptive=False, max_concurrency=2)
+    assert_lossless(ref, got)
+    assert ex.draft_policy is None and ex.num_overlapped_steps > 0 and ex.num_catchups_ahead > 0 and disabled == 0
+    assert ex.num_unspeculated_rounds > 0 and sum(r.num_verify_rounds for r in got) > 0

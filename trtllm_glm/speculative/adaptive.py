@@ -1,0 +1,236 @@
+"""`AdaptiveDraftPolicy`: the draft length of each round, down to 0, from measured round costs and acceptance.
+
+A round with ``K`` drafts gains ``E(K) = 1 + a + a^2 + ... + a^K`` tokens per request on average when each
+draft is accepted with probability ``a`` given that the ones before it were (drafts are accepted up to the
+first miss, plus the target's own token); it costs ``T(b, K)`` seconds for a decode batch of ``b`` requests
+(drafting, the verify of width ``K + 1``, the host's work). The policy picks the ``K`` that maximises
+``E(K) / T(b, K)``: ``K = 0`` (a plain width-one round) when no draft length pays for its cost.
+
+``T`` is measured online, per batch-size bucket (powers of two) and ``K``: the caller stamps a cheap host
+clock once per round at a point where it already waits for the round's results (the speculative executor
+reads the accepted tokens back there, so the stamp adds no device synchronisation), and hands the policy the
+interval between consecutive stamps with the ``K`` and batch size that round ran with. ``a`` is a running
+estimate over the batch: accepted drafts over drafts reached (a draft is reached when every draft before it
+was accepted; the maximum-likelihood estimate of ``a`` under that model), both exponentially averaged.
+
+Every (bucket, ``K``) is measured before it is trusted (its first interval is discarded: a first-use graph
+capture or kernel compilation lands there), and each bucket re-measures its least recently tried ``K`` every
+``explore_every`` rounds, so the policy follows costs and acceptance that change (a long context, a new
+prompt mix) instead of locking in its first choice. Everything is deterministic given the intervals it is
+fed: tests inject a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["AdaptiveDraftPolicy", "expected_tokens", "best_draft_len"]
+
+
+def expected_tokens(k: int, a: float) -> float:
+    """``1 + sum_{i=1..k} a^i``: tokens a round of ``k`` drafts gains per request at acceptance ``a``."""
+    return 1.0 + sum(a**i for i in range(1, k + 1))
+
+
+def best_draft_len(costs: dict[int, float], a: float) -> int:
+    """The ``K`` of ``costs`` (``K -> seconds per round``) with the most expected tokens per second; ties go to
+    the smaller ``K`` (less work for the same rate)."""
+    # E(k) for k = 0 .. max(costs), built up once (the policy calls this every round).
+    e, p = [1.0], 1.0
+    for _ in range(max(costs)):
+        p *= a
+        e.append(e[-1] + p)
+    return max(sorted(costs), key=lambda k: (e[k] / costs[k], -k))
+
+
+@dataclass
+class _Cost:
+    seconds: float = 0.0
+    samples: int = 0  # intervals averaged (the discarded first one not counted)
+    seen: int = 0  # intervals received
+    last_round: int = -1  # the bucket round it was last measured in
+
+
+@dataclass
+class AdaptiveDraftPolicy:
+    """Chooses each round's draft length (``0 .. max_draft_len``) from measured costs and acceptance.
+
+    Args:
+        max_draft_len: the largest ``K``.
+        candidates: the ``K`` values it may pick (default every ``0 .. max_draft_len``).
+        cost_weight: weight of a new interval in a cost's exponential average.
+        acceptance_weight: weight of a new round in the acceptance averages.
+        min_samples: intervals a (bucket, ``K``) needs (after the discarded first) before it is trusted.
+        explore_every: a bucket re-measures its least recently tried ``K`` once every this many rounds.
+        prior_acceptance: ``a`` before any draft was verified.
+        clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
+
+    Attributes:
+        chosen: ``K`` of the rounds `choose` returned, oldest first (the latest ``history`` to ``2 * history``
+            of them: a server runs for millions of rounds).
+        counts: ``K -> rounds`` over every choice.
+    """
+
+    max_draft_len: int
+    candidates: Sequence[int] | None = None
+    cost_weight: float = 0.25
+    acceptance_weight: float = 0.05
+    min_samples: int = 2
+    explore_every: int = 64
+    prior_acceptance: float = 0.5
+    clock: Callable[[], float] | None = None
+    history: int = 4096
+    chosen: list[int] = field(default_factory=list)
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_draft_len < 1:
+            raise ValueError(f"max_draft_len must be >= 1, got {self.max_draft_len}")
+        cands = sorted(set(range(self.max_draft_len + 1) if self.candidates is None else self.candidates))
+        if not cands or cands[0] < 0 or cands[-1] > self.max_draft_len or 0 not in cands:
+            raise ValueError(f"candidates must include 0 and lie in [0, {self.max_draft_len}], got {self.candidates}")
+        self.candidates = cands
+        if not 0 < self.cost_weight <= 1 or not 0 < self.acceptance_weight <= 1:
+            raise ValueError("cost_weight and acceptance_weight must be in (0, 1]")
+        if self.min_samples < 1 or self.explore_every < 2:
+            raise ValueError("min_samples must be >= 1 and explore_every >= 2")
+        if self.clock is None:
+            import time
+
+            self.clock = time.perf_counter
+        # Acceptance as running sums of accepted and reached drafts (a = accepted / reached).
+        self._accepted = self.prior_acceptance
+        self._reached = 1.0
+        self._costs: dict[tuple[int, int], _Cost] = {}
+        self._rounds: dict[int, int] = {}  # bucket -> rounds chosen in it
+        # The open interval: (stamp, bucket, K) of the round now running.
+        self._open: tuple[float, int, int] | None = None
+
+    # --------------------------------------------------------------------------------------------
+    @staticmethod
+    def bucket(batch_size: int) -> int:
+        """The cost table's batch-size bucket: the next power of two (1, 2, 4, 8, ...)."""
+        return 1 << max(batch_size - 1, 0).bit_length()
+
+    @property
+    def acceptance(self) -> float:
+        """The running estimate of ``a`` (per-draft acceptance given the drafts before it were accepted)."""
+        return self._accepted / self._reached if self._reached > 0 else self.prior_acceptance
+
+    def costs(self, batch_size: int) -> dict[int, float]:
+        """``K -> seconds per round`` trusted so far in ``batch_size``'s bucket."""
+        b = self.bucket(batch_size)
+        out = {}
+        for k in self.candidates:  # type: ignore[union-attr]
+            c = self._costs.get((b, k))
+            if c is not None and c.samples >= self.min_samples:
+                out[k] = c.seconds
+        return out
+
+    def estimated_costs(self, batch_size: int, got: dict[int, float] | None = None) -> dict[int, float]:
+        """``K -> seconds per round`` for every candidate of ``batch_size``'s bucket once ``0`` and the largest
+        ``K`` are trusted: the measured cost, else the straight line between those two (drafting costs about
+        the same per draft step; the verify grows with its width). Empty before that. ``got``: `costs` of the
+        same batch size, when the caller has it."""
+        got = self.costs(batch_size) if got is None else got
+        kmax = self.candidates[-1]  # type: ignore[index]
+        if 0 not in got or kmax not in got:
+            return {}
+        c0, cm = got[0], got[kmax]
+        return {k: got.get(k, c0 + (cm - c0) * k / kmax) for k in self.candidates}  # type: ignore[union-attr]
+
+    def choose(self, batch_size: int) -> int:
+        """The draft length of the next round of a ``batch_size``-request decode batch.
+
+        The largest ``K`` and ``0`` are measured first (in that order); then the ``K`` of the best expected
+        rate over `estimated_costs` is chosen, which measures an estimated one when it looks best. Every
+        ``explore_every`` rounds the least recently measured of the best's neighbours (and the largest ``K``)
+        is re-measured, so a change in cost or acceptance moves the choice step by step.
+        """
+        b = self.bucket(batch_size)
+        n = self._rounds.get(b, 0)
+        self._rounds[b] = n + 1
+        cands: list[int] = list(self.candidates)  # type: ignore[arg-type]
+        got = self.costs(batch_size)
+        for k in (cands[-1], 0):
+            if k not in got:
+                return self._pick(k)
+        best = best_draft_len(self.estimated_costs(batch_size, got), self.acceptance)
+        if best in got and n % self.explore_every == self.explore_every - 1:
+            i = cands.index(best)
+            near = {cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)} | {cands[-1]}
+            near.discard(best)
+            if near:
+                return self._pick(min(sorted(near), key=lambda k: self._last_round(b, k)))
+        return self._pick(best)
+
+    def _last_round(self, b: int, k: int) -> int:
+        c = self._costs.get((b, k))
+        return -1 if c is None else c.last_round
+
+    def _pick(self, k: int) -> int:
+        self.chosen.append(k)
+        if len(self.chosen) > 2 * self.history:
+            del self.chosen[: self.history]
+        self.counts[k] = self.counts.get(k, 0) + 1
+        return k
+
+    # --------------------------------------------------------------------------------------------
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        """One request's verify round: ``accepted`` of its ``proposed`` drafts (0 <= accepted <= proposed)."""
+        if proposed <= 0:
+            return
+        reached = accepted + (1 if accepted < proposed else 0)
+        w = self.acceptance_weight
+        self._accepted = (1 - w) * self._accepted + w * accepted
+        self._reached = (1 - w) * self._reached + w * reached
+
+    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+        """One round of ``k`` drafts over ``batch_size`` requests took ``seconds``."""
+        b = self.bucket(batch_size)
+        c = self._costs.setdefault((b, k), _Cost())
+        c.seen += 1
+        c.last_round = self._rounds.get(b, 0)
+        if c.seen == 1:
+            return  # the first interval: first-use captures and compilation, not the steady cost
+        w = self.cost_weight if c.samples else 1.0
+        c.seconds = (1 - w) * c.seconds + w * seconds
+        c.samples += 1
+
+    def begin_round(self, steady: bool, batch_size: int, *, k: int | None = None, running: int | None = None) -> int:
+        """Stamp the clock and choose the draft length of the round that starts now (once per round, after the
+        previous round's results were read back: the stamp adds no device synchronisation).
+
+        The interval since the previous stamp is the previous round's cost (its drafting, its verify, the
+        host's work) when ``steady``: it was a decode round of the batch it was opened for (no prefill rows
+        joined it, no request arrived); otherwise it is dropped.
+
+        Args:
+            steady: see above.
+            batch_size: the decode batch of the round that starts now.
+            k: the length decided already (a choice the previous call made but no round could run yet); None
+                chooses now (`choose`).
+            running: the length of the round that really runs until the next stamp when it is not the returned
+                one (the overlap scheduler: a width-one step launched ahead, 0); its interval is booked under it.
+
+        Returns:
+            The chosen ``K``.
+        """
+        now = self.clock()  # type: ignore[misc]
+        if self._open is not None and steady:
+            t0, ob, ok = self._open
+            self.observe_cost(ob, ok, now - t0)
+        if k is None:
+            k = self.choose(batch_size)
+        self._open = (now, batch_size, k if running is None else running)
+        return k
+
+    @property
+    def open_batch_size(self) -> int | None:
+        """The batch size of the running interval (None: none is open)."""
+        return None if self._open is None else self._open[1]
+
+    def reset_interval(self) -> None:
+        """Drop the running interval (the next `stamp` only opens one)."""
+        self._open = None
