@@ -143,8 +143,13 @@ def test_warm_up_of_a_speculative_executor_with_a_separate_draft_pool() -> None:
     dm = ex.separate_draft_manager
     assert dm is not None
     free = (ex.manager.num_free_pages, dm.num_free_pages, ex.manager.num_free_slots)
+    policy = ex.draft_policy
+    assert policy is not None  # adaptive by default
     rep = warm_up(ex)
     assert rep.requests > 10 and not ex.has_work
+    # A fresh adaptive policy: nothing the synthetic rounds measured carries over.
+    assert ex.draft_policy is not policy and not ex.draft_policy.counts and policy.counts
+    assert ex.draft_policy.costs(1) == {} and ex.draft_policy.acceptance == ex.draft_policy.prior_acceptance
     assert (ex.manager.num_free_pages, dm.num_free_pages, ex.manager.num_free_slots) == free
     assert dm.num_cached_pages == 0 and ex.manager.num_cached_pages == 0
     prompts = [[9, 8, 7, 6, 5] * 5, [3, 1, 4, 1, 5, 9, 2, 6] * 3]

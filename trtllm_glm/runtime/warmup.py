@@ -26,6 +26,7 @@ caused (0 on the CPU, where kernels are interpreted or not used).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -232,6 +233,12 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
             setattr(ex, k, v)
         if runner is not None:
             runner.stats.eager_steps, runner.stats.replays = eager0, replays0
+        policy = getattr(ex, "draft_policy", None)
+        if policy is not None:
+            # The adaptive draft length starts afresh: the warm-up's rounds were timed with compiles in them and
+            # accepted random prompts' drafts, neither of which says anything about served requests.
+            ex.draft_policy = dataclasses.replace(policy, chosen=[], counts={})
+            ex._next_k = ex._carry_k = None
     rep.seconds = time.perf_counter() - t0
     log.info("%s", rep.describe())
     return rep
