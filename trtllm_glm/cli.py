@@ -78,8 +78,8 @@ def _check_device(device: str | None) -> None:
 
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError) as e:
-        raise UserError(f"--device {device!r} is not a device torch knows ({e})") from None
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device must be cpu, cuda or cuda:N (a device torch knows), got {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {device!r} asked for but CUDA is not available on this machine")
 
@@ -185,9 +185,12 @@ def _speculative_config(args: argparse.Namespace) -> object | None:
         if args.check_lossless:
             raise UserError("--check-lossless compares a speculative run with a plain one: it needs --speculative")
         return None
-    from .speculative.config import MTPDecodingConfig, NGramDecodingConfig
+    from .speculative.config import MAX_MTP_DRAFTS, MAX_PARALLEL_DRAFTS, MTPDecodingConfig, NGramDecodingConfig
 
     k = 3 if args.draft_len is None else args.draft_len
+    top = MAX_MTP_DRAFTS if args.speculative == "mtp" else MAX_PARALLEL_DRAFTS
+    if not 1 <= k <= top:  # named as the user wrote it, not as the config field it becomes
+        raise UserError(f"--draft-len must be in [1, {top}] for --speculative {args.speculative}, got {k}")
     if args.speculative == "mtp":
         return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=args.draft_kv_mode or "shared",
                                  draft_vocab_size=args.draft_vocab_size)  # fmt: skip
@@ -198,11 +201,20 @@ def _speculative_config(args: argparse.Namespace) -> object | None:
     return NGramDecodingConfig(max_draft_len=k)
 
 
+def _check_prompt_arg(text: str, i: int) -> None:
+    """A ``--prompt`` whose bytes are not UTF-8 (Python keeps them as U+DC80..U+DCFF escapes) is named as such."""
+    for j, ch in enumerate(text):
+        if 0xDC80 <= ord(ch) <= 0xDCFF:
+            raise UserError(f"--prompt {i + 1}: not valid UTF-8 (byte 0x{ord(ch) - 0xDC00:02x} at character {j})")
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .runtime.sampling import SamplingParams
 
     try:
         # Everything a user can get wrong is checked before the model is built.
+        for i, p in enumerate(args.prompt):
+            _check_prompt_arg(p, i)
         sp = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -503,6 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or serve's second one): a line, not a traceback
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

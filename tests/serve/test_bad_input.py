@@ -123,3 +123,14 @@ def test_unknown_keys_inside_a_chat_message_are_refused_by_name(app, message, st
     assert r.status_code == status, r.text
     if status == 400:
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_unknown_field_named_by_a_lone_surrogate_is_named(app) -> None:
+    """Issue 45, item 7: the 400 for an unknown field whose name is a lone surrogate names it (was param null)."""
+    r = post_raw(app, "/v1/completions", '{"prompt": "hi", "max_tokens": 2, ' + LONE + ": 1}")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "\\ud800abc" and "unsupported parameter" in err["message"], err
+    # the same key nested in a chat message is named with its path (pydantic reports it)
+    r = post_raw(app, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", ' + LONE + ": 1}]}")
+    assert r.status_code == 400 and r.json()["error"]["param"] is not None, r.text

@@ -68,12 +68,12 @@ def test_every_option_has_help() -> None:
         ),
         (["generate", "--prompt", "x", "--check-lossless"], "needs --speculative"),
         (["generate", "--prompt", "x", "--speculative", "mtp", "--check-lossless", "--temperature", "1"], "greedy"),
-        (["generate", "--prompt", "x", "--speculative", "mtp", "--draft-len", "9"], "num_nextn_predict_layers"),
+        (["generate", "--prompt", "x", "--speculative", "mtp", "--draft-len", "9"], "--draft-len must be in [1, 5]"),
         (["generate", "--prompt", "x", "--top-p", "2"], "top_p"),
         (["generate", "--prompt", "x", "--temperature", "-1"], "temperature"),
         (["generate", "--prompt", "x", "--max-tokens", "0"], "max_tokens"),
         (["generate", "--prompt", "x", "--tokens-per-block", "6"], "multiple of 4"),
-        (["generate", "--prompt", "x", "--device", "nonsense"], "--device 'nonsense'"),
+        (["generate", "--prompt", "x", "--device", "nonsense"], "got 'nonsense'"),
         (["generate", "--prompt", "x" * 300, "--max-seq-len", "64"], "leaves no room"),
         (["generate", "--model", "/nonexistent/ckpt", "--prompt", "x"], "neither a preset"),
         (["serve", "tiny", "--port", "0"], "--port"),
@@ -135,3 +135,46 @@ def test_serve_config_errors_and_setup(tmp_path: Path, monkeypatch, capsys) -> N
     assert served["port"] == 8123 and served["host"] == "127.0.0.1"
     assert eng.executor.cfg.max_batch_size == 3 and eng.capacity == 8 and eng.max_seq_len == 128
     assert eng.executor.spec.max_draft_len == 2 and not eng.running
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--prompt", "x", "--speculative", "mtp", "--draft-len", "9"],
+         "--draft-len must be in [1, 5] for --speculative mtp, got 9"),
+        (["generate", "--prompt", "x", "--speculative", "ngram", "--draft-len", "8"],
+         "--draft-len must be in [1, 7] for --speculative ngram, got 8"),
+        (["generate", "--prompt", "ok", "--prompt", "caf\udce9"],
+         "--prompt 2: not valid UTF-8 (byte 0xe9 at character 3)"),
+        (["generate", "--prompt", "x", "--device", "tpu"], "--device must be cpu, cuda or cuda:N"),
+    ],
+)  # fmt: skip
+def test_messages_name_what_the_user_wrote(argv: list[str], message: str, capsys) -> None:
+    """Issue 45, item 7: the flag the user gave, not the config field it becomes; invalid UTF-8 bytes called
+    that, not a lone surrogate; an unknown device without torch's list of every backend."""
+    rc, _, err = run_cli(argv, capsys)
+    assert rc == 2 and err.strip().startswith(f"trtllm-glm: error: {message}"), err
+    assert len(err.strip().splitlines()) == 1 and "'mps'" not in err  # torch's list of every backend
+    assert "num_nextn_predict_layers" not in err and "surrogate" not in err
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys) -> None:
+    """Issue 45, item 4: Ctrl-C during generate (or a second one to serve) ends with a line and status 130."""
+    import trtllm_glm.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_generate", interrupted)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_func(parser(), interrupted))
+    rc, _, err = run_cli(["generate", "--prompt", "x"], capsys)
+    assert rc == 130 and err.strip() == "trtllm-glm: interrupted" and "Traceback" not in err
+
+
+def _with_func(parser: argparse.ArgumentParser, fn) -> argparse.ArgumentParser:
+    parser.set_defaults(func=fn)
+    for action in parser._subparsers._group_actions:  # type: ignore[union-attr]
+        for sub in action.choices.values():
+            sub.set_defaults(func=fn)
+    return parser

@@ -83,3 +83,10 @@ _LLM_REF: list[LLM] = []
 def _ref(llm: LLM):
     _LLM_REF[:] = [llm]
     yield
+
+
+def test_unknown_device_is_one_line() -> None:
+    with pytest.raises(
+        ValueError, match=r"^device must be 'cpu', 'cuda' or 'cuda:N' \(a device torch knows\), got 'tpu'$"
+    ):
+        LLM("tiny", device="tpu")

@@ -182,6 +182,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
 
+def _check_device_name(device: object) -> None:
+    """A device torch does not know is a one-line error naming what is accepted (torch's own lists every backend)."""
+    try:
+        torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N' (a device torch knows), got {device!r}") from None
+
+
 class LLM:
     """Offline generation with a Glm5Next model.
 
@@ -270,6 +278,8 @@ class LLM:
             raise TypeError(f"disable_overlap_scheduler must be a bool, got {disable_overlap_scheduler!r}")
         if not isinstance(warmup, bool):
             raise TypeError(f"warmup must be a bool, got {warmup!r}")
+        if device is not None:
+            _check_device_name(device)
         self.batch_invariant = resolve_batch_invariant(batch_invariant)
         # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
         init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}

@@ -168,6 +168,12 @@ class _Server:
             raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
         if not isinstance(obj, dict):
             raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+        for key in obj:  # a field named by text with no UTF-8 form (a lone surrogate) is named with escapes
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                raise ApiError(400, f"unsupported parameter {name!r}", param=name) from None
         try:
             return cls.model_validate(obj)
         except ValidationError as e:

@@ -113,7 +113,8 @@ class ChatCompletionRequest(_SamplingFields):
 def format_validation_error(e: ValidationError) -> tuple[str, str | None]:
     """``(message, param)`` of the first pydantic error, worded for an API user."""
     err = e.errors(include_url=False)[0]
-    loc = [str(x) for x in err.get("loc", ())]
+    # A key that is no UTF-8 text (a lone surrogate) is spelled with escapes: it must still name the parameter.
+    loc = [str(x).encode("utf-8", "backslashreplace").decode("utf-8") for x in err.get("loc", ())]
     param = ".".join(loc) if loc else None
     kind = err.get("type", "")
     if kind == "extra_forbidden":
