@@ -4,7 +4,7 @@ content, a deeply nested body, a text part without text; and /metrics right afte
 from __future__ import annotations
 
 import pytest
-from serve_helpers import client, make_llm, run
+from serve_helpers import client, make_llm, run, sse
 
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine
@@ -87,12 +87,21 @@ def test_checkpoint_without_tokenizer_serves_token_ids_and_refuses_text(tmp_path
     eng.start()
     try:
         app = build_app(eng, served_model_name="m", manage_engine=False)
-        ok = post_raw(app, "/v1/completions", '{"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true}')
+        ok = post_raw(app, "/v1/completions", '{"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true, '
+                      '"temperature": 0}')  # fmt: skip
+        streamed = post_raw(app, "/v1/completions", '{"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": true, '
+                            '"stream": true, "temperature": 0}')  # fmt: skip
         text = post_raw(app, "/v1/completions", '{"prompt": "hello", "max_tokens": 3}')
         chat = post_raw(app, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}]}')
     finally:
         eng.stop(drain_timeout=0)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+    # Without a tokenizer the text is empty: the ids come back (issue 45, item 9), streamed too.
+    choice = ok.json()["choices"][0]
+    assert choice["prompt_token_ids"] == [5, 6, 7] and len(choice["token_ids"]) == 3 and choice["text"] == ""
+    events = [e for e in sse(streamed.text) if e != "[DONE]"]
+    got = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert got == choice["token_ids"] and events[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
     for r in (text, chat):
         assert r.status_code == 400 and "has no tokenizer.json" in r.json()["error"]["message"], r.text
 
@@ -134,3 +143,18 @@ def test_unknown_field_named_by_a_lone_surrogate_is_named(app) -> None:
     # the same key nested in a chat message is named with its path (pydantic reports it)
     r = post_raw(app, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi", ' + LONE + ": 1}]}")
     assert r.status_code == 400 and r.json()["error"]["param"] is not None, r.text
+
+
+def test_return_token_ids(app) -> None:
+    """vLLM's ``return_token_ids``: the prompt's and the choices' ids with the text, for completions and chat."""
+    r = post_raw(app, "/v1/completions", '{"prompt": "hello", "max_tokens": 4, "temperature": 0, "n": 2, '
+                 '"return_token_ids": true}')  # fmt: skip
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["prompt_token_ids"] == app.state.engine.tokenizer.encode("hello") and len(c["token_ids"]) == 4
+    plain = post_raw(app, "/v1/completions", '{"prompt": "hello", "max_tokens": 4, "temperature": 0}')
+    assert "token_ids" not in plain.json()["choices"][0]
+    chat = post_raw(app, "/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, '
+                    '"return_token_ids": true}')  # fmt: skip
+    body = chat.json()
+    assert body["prompt_token_ids"] and len(body["choices"][0]["token_ids"]) == body["usage"]["completion_tokens"]

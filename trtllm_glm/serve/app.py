@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..errors import CapacityError
 from ..runtime.sampling import MAX_STOP_STRINGS, Logprob, SamplingParams
+from ..runtime.tokenizer import NoTokenizer
 from ..runtime.validation import InvalidRequestError, check_prompt_ids, check_request, check_text
 from .chat import ChatTemplate, ChatTemplateError
 from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
@@ -143,6 +144,9 @@ class _Job:
     include_usage: bool
     continuous_usage: bool  # usage in every chunk, a chunk per token-producing step
     logprobs: int | None  # top tokens per position, None: no logprobs
+    token_ids: bool = False  # return the prompt's and the choices' token ids
+    prompts: list[list[int]] = field(default_factory=list)
+    n: int = 1  # choices per prompt
 
 
 class _Server:
@@ -302,7 +306,9 @@ class _Server:
         so = req.stream_options
         include_usage = bool(so and so.include_usage)
         continuous = bool(so and so.continuous_usage_stats)
-        return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, continuous, logprobs)
+        token_ids = bool(req.return_token_ids) or isinstance(self.tokenizer, NoTokenizer)
+        return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, continuous, logprobs, token_ids,
+                    prompts, n)  # fmt: skip
 
     # --------------------------------------------------------------------------------------------
     # Submission and collection
@@ -423,7 +429,10 @@ class _Server:
         out = []
         for i, c in enumerate(choices):
             lp = self.completion_logprobs(c.token_ids, c.logprobs, c.offsets) if job.logprobs is not None else None
-            out.append({"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason})
+            ch = {"index": i, "text": "".join(c.text), "logprobs": lp, "finish_reason": c.finish_reason}
+            if job.token_ids:
+                ch.update(prompt_token_ids=job.prompts[i // job.n], token_ids=c.token_ids)
+            out.append(ch)
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": out,
             "usage": self.usage(job, sum(c.num_output_tokens for c in choices)),
@@ -437,8 +446,15 @@ class _Server:
             lp = None
             if job.logprobs is not None and d.token_ids:
                 lp = self.completion_logprobs(d.token_ids, d.logprobs or [], d.text_offsets)
-            return {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            ch = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            if job.token_ids:
+                ch["token_ids"] = d.token_ids
+                if d.index not in sent_prompt:  # the prompt's ids once, with the choice's first chunk
+                    sent_prompt.add(d.index)
+                    ch["prompt_token_ids"] = job.prompts[d.index // job.n]
+            return ch
 
+        sent_prompt: set[int] = set()
         async for event in self._stream_events(job, stream, head, choice):
             yield event
 
@@ -469,7 +485,7 @@ class _Server:
                     break
                 # Tokens whose text is still held back (half a character, maybe a stop string) make no
                 # chunk of their own unless their logprobs or running usage must be sent.
-                keep = d.token_ids and (job.logprobs is not None or job.continuous_usage)
+                keep = d.token_ids and (job.logprobs is not None or job.continuous_usage or job.token_ids)
                 if not d.text and d.finish_reason is None and not keep:
                     continue
                 so_far[d.index] = d.num_output_tokens
@@ -548,10 +564,14 @@ class _Server:
                 "index": i, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
                 "finish_reason": c.finish_reason,
             })  # fmt: skip
+            if job.token_ids:
+                out[-1]["token_ids"] = c.token_ids
         body = {
             "id": rid, "object": "chat.completion", "created": created, "model": self.model_name, "choices": out,
             "usage": self.usage(job, sum(c.num_output_tokens for c in choices)),
         }  # fmt: skip
+        if job.token_ids:
+            body["prompt_token_ids"] = job.prompts[0]
         return JSONResponse(body)
 
     async def _chat_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
@@ -561,7 +581,10 @@ class _Server:
         def choice(d: Delta) -> dict:
             lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k) if k is not None and d.token_ids else None
             delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            return {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+            ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+            if job.token_ids:
+                ch["token_ids"] = d.token_ids
+            return ch
 
         # The role comes first, once per choice.
         prelude = tuple(

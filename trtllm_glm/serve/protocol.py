@@ -52,6 +52,9 @@ class _SamplingFields(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extension: the prompt's and each choice's token ids in the response (always, for a server without a
+    # tokenizer, whose text is empty).
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_SamplingFields):
