@@ -359,7 +359,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         try:
             app = make_app(
                 args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
-                drain_timeout=args.drain_timeout, step_log=args.step_log,
+                drain_timeout=args.drain_timeout, step_log=args.step_log, reasoning_parser=args.reasoning_parser,
             )  # fmt: skip
         except _setup_errors() as e:
             raise UserError(str(e)) from None
@@ -484,6 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
         help="server log level (default info)",
+    )  # fmt: skip
+    s.add_argument(
+        "--reasoning-parser", default="auto", choices=["auto", "none", "glm45"],
+        help="split chat answers' thinking into reasoning_content (auto: glm45 when the chat template writes "
+        "</think>)",
     )  # fmt: skip
     s.add_argument(
         "--step-log", default=None, metavar="FILE",

@@ -31,11 +31,12 @@ from ..errors import CapacityError
 from ..runtime.sampling import MAX_STOP_STRINGS, Logprob, SamplingParams
 from ..runtime.tokenizer import NoTokenizer
 from ..runtime.validation import InvalidRequestError, check_prompt_ids, check_request, check_text
-from .chat import ChatTemplate, ChatTemplateError
+from .chat import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
 from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
 from .metrics import CONTENT_TYPE_LATEST
 from .output import TokenStrings
 from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
+from .reasoning import ReasoningParser, split_reasoning
 
 __all__ = ["build_app", "ApiError"]
 
@@ -152,7 +153,10 @@ class _Job:
 class _Server:
     """Request handling shared by the routes (one per app)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate) -> None:
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, chat_template: ChatTemplate, reasoning_parser: str | None = None
+    ) -> None:
+        self.reasoning_parser = reasoning_parser  # "glm45" or None (serve/reasoning.py)
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
@@ -535,8 +539,13 @@ class _Server:
             elif isinstance(content, str):
                 check_text_param(content, f"messages.{i}.content")
             messages.append({"role": m.role, "content": content or ""})
+        extra = req.chat_template_kwargs or {}
+        bad = sorted(set(extra) & RESERVED_VARIABLES)
+        if bad:
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
         try:
-            ids = self.chat_template.encode(self.tokenizer, messages, req.add_generation_prompt)
+            prompt_text = self.chat_template.render(messages, req.add_generation_prompt, extra)
+            ids = self.chat_template.encode(self.tokenizer, messages, text=prompt_text)
         except ChatTemplateError as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         except ValueError as e:  # the tokenizer refused the rendered text (a checkpoint without a tokenizer)
@@ -551,8 +560,10 @@ class _Server:
         job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages")
         stream = await self.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        parse = self.reasoning_parser is not None
         if job.stream:
-            return _EventStream(self._chat_events(job, stream, rid, created), stream.abort)
+            return _EventStream(self._chat_events(job, stream, rid, created, prompt_text if parse else None),
+                                stream.abort)  # fmt: skip
         choices = await self.collect(request, stream)
         if choices is None:
             return Response(status_code=499)
@@ -560,10 +571,12 @@ class _Server:
         out = []
         for i, c in enumerate(choices):
             lp = self.chat_logprobs(c.token_ids, c.logprobs, logprobs) if logprobs is not None else None
-            out.append({
-                "index": i, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": lp,
-                "finish_reason": c.finish_reason,
-            })  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+            if parse:
+                reasoning, message["content"] = split_reasoning(message["content"], prompt_text)
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
             if job.token_ids:
                 out[-1]["token_ids"] = c.token_ids
         body = {
@@ -574,13 +587,29 @@ class _Server:
             body["prompt_token_ids"] = job.prompts[0]
         return JSONResponse(body)
 
-    async def _chat_events(self, job: _Job, stream: ResultStream, rid: str, created: int) -> AsyncIterator[str]:
+    async def _chat_events(
+        self, job: _Job, stream: ResultStream, rid: str, created: int, prompt_text: str | None = None
+    ) -> AsyncIterator[str]:
+        """``prompt_text``: the rendered prompt when a reasoning parser splits the thinking from the answer."""
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         k = job.logprobs
+        parsers: dict[int, ReasoningParser] = {}
 
         def choice(d: Delta) -> dict:
             lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k) if k is not None and d.token_ids else None
-            delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+            if prompt_text is not None:
+                p = parsers.setdefault(d.index, ReasoningParser(prompt_text))
+                reasoning, content = p.feed(d.text)
+                if d.finish_reason is not None:
+                    r2, c2 = p.finish()
+                    reasoning, content = reasoning + r2, content + c2
+                delta: dict[str, str] = {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+            else:
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
             ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
             if job.token_ids:
                 ch["token_ids"] = d.token_ids
@@ -622,6 +651,7 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     manage_engine: bool = True,
     drain_timeout: float = 30.0,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app.
 
@@ -632,8 +662,10 @@ def build_app(
         manage_engine: start the engine on app start-up and stop it (draining) on shutdown; ``False`` when
             the caller owns the engine's lifetime (tests that drive the app in-process).
         drain_timeout: seconds in-flight requests get to finish at shutdown before they are aborted.
+        reasoning_parser: ``"glm45"``: chat answers carry the thinking text in ``reasoning_content`` (streamed as
+            its own deltas), apart from ``content``; ``None``: all text is content (serve/reasoning.py).
     """
-    srv = _Server(engine, served_model_name, chat_template or ChatTemplate())
+    srv = _Server(engine, served_model_name, chat_template or ChatTemplate(), reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

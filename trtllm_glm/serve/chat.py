@@ -27,7 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ChatTemplate", "DEFAULT_CHAT_TEMPLATE", "load_chat_template", "ChatTemplateError"]
+__all__ = ["ChatTemplate", "DEFAULT_CHAT_TEMPLATE", "load_chat_template", "ChatTemplateError", "RESERVED_VARIABLES"]
+
+# Template variables a request's chat_template_kwargs may not replace.
+RESERVED_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"})
 
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 
@@ -50,18 +53,29 @@ class ChatTemplate:
     jinja: str | None = None
     special: dict[str, str] | None = None
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of ``messages`` (each ``{"role", "content"}``, content already flattened)."""
+    def render(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True, extra: dict | None = None
+    ) -> str:
+        """The prompt text of ``messages`` (each ``{"role", "content"}``, content already flattened); ``extra``:
+        more template variables (a request's ``chat_template_kwargs``; the preset template has none to read)."""
         if self.jinja is None:
             text = "".join(DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
             return text + ("<|assistant|>\n" if add_generation_prompt else "")
-        return _render_jinja(self.jinja, messages, add_generation_prompt, self.special or {})
+        bad = sorted(set(extra or ()) & RESERVED_VARIABLES)
+        if bad:
+            raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(bad)}")
+        return _render_jinja(self.jinja, messages, add_generation_prompt, {**(self.special or {}), **(extra or {})})
 
     def encode(
-        self, tokenizer: Any, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        tokenizer: Any,
+        messages: Sequence[dict[str, str]],
+        add_generation_prompt: bool = True,
+        extra: dict | None = None,
+        text: str | None = None,
     ) -> list[int]:
-        """Prompt token ids of ``messages``."""
-        text = self.render(messages, add_generation_prompt)
+        """Prompt token ids of ``messages`` (or of ``text``, already rendered from them)."""
+        text = self.render(messages, add_generation_prompt, extra) if text is None else text
         return list(tokenizer.encode(text, add_bos=self.jinja is None))
 
 

@@ -111,6 +111,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's / SGLang's: extra variables for the chat template (GLM's ``enable_thinking: false`` turns thinking off).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def format_validation_error(e: ValidationError) -> tuple[str, str | None]:

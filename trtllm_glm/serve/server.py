@@ -22,6 +22,7 @@ from ..runtime.step_log import StepLog
 from .app import build_app
 from .chat import load_chat_template
 from .engine import AsyncEngine
+from .reasoning import resolve_reasoning_parser
 
 __all__ = ["make_app", "make_server", "run_server", "describe_engine", "DrainingServer"]
 
@@ -39,6 +40,7 @@ def make_app(
     max_queue_size: int = 64,
     drain_timeout: float = 30.0,
     step_log: str | os.PathLike[str] | None = None,
+    reasoning_parser: str | None = "auto",
 ) -> Any:
     """Build the `LLM`, its `AsyncEngine` and the app (the engine starts with the app).
 
@@ -49,22 +51,26 @@ def make_app(
         max_queue_size: generations that may queue beyond the running batch.
         drain_timeout: seconds in-flight requests get at shutdown.
         step_log: a JSON-lines file for the engine's `StepLog` (every step, each request's TTFT parts).
+        reasoning_parser: ``"auto"`` (``glm45`` when the chat template writes ``</think>``), ``"none"`` or a
+            parser name (`trtllm_glm.serve.reasoning`).
     """
     from ..runtime.llm import LLM
 
     template = load_chat_template(model)  # a broken template fails before the model is built
+    parser = resolve_reasoning_parser(reasoning_parser, template.jinja)
     t0 = time.perf_counter()
     llm = LLM(model=model, **(llm_options or {}))
     log_ = StepLog(step_log) if step_log is not None else None
     engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
     lines = describe_engine(engine, model, time.perf_counter() - t0)
+    lines.append(f"reasoning parser: {parser or 'none'}" + (" (auto)" if reasoning_parser in (None, "auto") else ""))
     if getattr(llm, "warmup_report", None) is not None:
         lines.append(llm.warmup_report.describe())
     for line in lines:
         log.info("%s", line)
     return build_app(
         engine, served_model_name=served_model_name or os.fspath(model), chat_template=template,
-        drain_timeout=drain_timeout,
+        drain_timeout=drain_timeout, reasoning_parser=parser,
     )  # fmt: skip
 
 
