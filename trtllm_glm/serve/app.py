@@ -37,6 +37,7 @@ from .metrics import CONTENT_TYPE_LATEST
 from .output import TokenStrings
 from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
 from .reasoning import ReasoningParser, split_reasoning
+from .tool_calls import ToolCallParser, check_tools, parse_tool_calls, render_tool_call
 
 __all__ = ["build_app", "ApiError"]
 
@@ -509,10 +510,7 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         self.check_model(req.model)
-        if req.tools:
-            raise ApiError(400, "tools are not supported", param="tools")
-        if req.tool_choice not in (None, "none"):
-            raise ApiError(400, "tool_choice is not supported", param="tool_choice")
+        tools = self.check_tool_request(req)
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
@@ -538,11 +536,20 @@ class _Server:
                 content = "".join(parts)
             elif isinstance(content, str):
                 check_text_param(content, f"messages.{i}.content")
-            messages.append({"role": m.role, "content": content or ""})
-        extra = req.chat_template_kwargs or {}
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.tool_calls:
+                msg["tool_calls"] = m.tool_calls
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            messages.append(msg)
+        if self.chat_template.jinja is None:  # the preset template writes text only: calls and tools as GLM does
+            messages = _flatten_tools(messages, req.tools)
+        extra = dict(req.chat_template_kwargs or {})
         bad = sorted(set(extra) & RESERVED_VARIABLES)
         if bad:
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+        if req.tools and self.chat_template.jinja is not None:
+            extra["tools"] = req.tools  # Hugging Face's apply_chat_template(tools=...) variable
         try:
             prompt_text = self.chat_template.render(messages, req.add_generation_prompt, extra)
             ids = self.chat_template.encode(self.tokenizer, messages, text=prompt_text)
@@ -562,8 +569,9 @@ class _Server:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         parse = self.reasoning_parser is not None
         if job.stream:
-            return _EventStream(self._chat_events(job, stream, rid, created, prompt_text if parse else None),
-                                stream.abort)  # fmt: skip
+            events = self._chat_events(job, stream, rid, created, prompt_text if parse else None, tools,
+                                       req.parallel_tool_calls)  # fmt: skip
+            return _EventStream(events, stream.abort)
         choices = await self.collect(request, stream)
         if choices is None:
             return Response(status_code=499)
@@ -576,7 +584,16 @@ class _Server:
                 reasoning, message["content"] = split_reasoning(message["content"], prompt_text)
                 if reasoning is not None:
                     message["reasoning_content"] = reasoning
-            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
+            finish = c.finish_reason
+            if tools is not None:
+                message["content"], calls = parse_tool_calls(message["content"], tools)
+                if not req.parallel_tool_calls:
+                    calls = calls[:1]
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                    message["content"] = message["content"] or None
+                    finish = "tool_calls"
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             if job.token_ids:
                 out[-1]["token_ids"] = c.token_ids
         body = {
@@ -588,12 +605,21 @@ class _Server:
         return JSONResponse(body)
 
     async def _chat_events(
-        self, job: _Job, stream: ResultStream, rid: str, created: int, prompt_text: str | None = None
+        self,
+        job: _Job,
+        stream: ResultStream,
+        rid: str,
+        created: int,
+        prompt_text: str | None = None,
+        tools: dict[str, dict] | None = None,
+        parallel_tool_calls: bool = True,
     ) -> AsyncIterator[str]:
-        """``prompt_text``: the rendered prompt when a reasoning parser splits the thinking from the answer."""
+        """``prompt_text``: the rendered prompt when a reasoning parser splits the thinking from the answer;
+        ``tools``: the functions whose calls are parsed out of the answer (streamed whole, one delta each)."""
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         k = job.logprobs
         parsers: dict[int, ReasoningParser] = {}
+        tool_parsers: dict[int, ToolCallParser] = {}
 
         def choice(d: Delta) -> dict:
             lp = self.chat_logprobs(d.token_ids, d.logprobs or [], k) if k is not None and d.token_ids else None
@@ -603,14 +629,27 @@ class _Server:
                 if d.finish_reason is not None:
                     r2, c2 = p.finish()
                     reasoning, content = reasoning + r2, content + c2
-                delta: dict[str, str] = {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
             else:
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-            ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}
+                reasoning, content = "", d.text
+            delta: dict[str, Any] = {}
+            finish = d.finish_reason
+            if tools is not None:
+                tp = tool_parsers.setdefault(d.index, ToolCallParser(tools))
+                done_before = len(tp.calls)
+                content, calls = tp.feed(content)
+                if d.finish_reason is not None:
+                    content += tp.finish()
+                if not parallel_tool_calls:
+                    calls = calls[: max(0, 1 - done_before)]
+                if calls:
+                    delta["tool_calls"] = [c.to_openai(index=done_before + n) for n, c in enumerate(calls)]
+                if finish is not None and tp.calls:
+                    finish = "tool_calls"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or (prompt_text is None and tools is None and d.finish_reason is None):
+                delta["content"] = content
+            ch = {"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             if job.token_ids:
                 ch["token_ids"] = d.token_ids
             return ch
@@ -622,6 +661,32 @@ class _Server:
         )
         async for event in self._stream_events(job, stream, head, choice, prelude):
             yield event
+
+    @staticmethod
+    def check_tool_request(req: ChatCompletionRequest) -> dict[str, dict] | None:
+        """The functions whose calls are parsed from the answers (``None``: no parsing), from ``tools`` and
+        ``tool_choice``. ``required`` and a named function need constrained decoding to hold for any model, which
+        is not built yet: refused, rather than asked of the model and not enforced."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+            return None
+        try:
+            tools = check_tools(req.tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="tools") from None
+        if choice in (None, "auto"):
+            return tools
+        if choice == "none":
+            return None
+        if choice == "required" or isinstance(choice, dict):
+            raise ApiError(
+                400, "tool_choice 'required' and named functions are not supported yet (they need constrained "
+                "decoding); use 'auto' or 'none'", param="tool_choice",
+            )  # fmt: skip
+        raise ApiError(400, f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}",
+                       param="tool_choice")  # fmt: skip
 
     @staticmethod
     def _raise_failed(choices: list[_Choice]) -> None:
@@ -642,6 +707,21 @@ class _Server:
             raise ApiError(503, f"generation check failed: {last.error or last.finish_reason}", type="server_error",
                            code="unhealthy")  # fmt: skip
         return Response(status_code=200)
+
+
+def _flatten_tools(messages: list[dict[str, Any]], tools: list[Any] | None) -> list[dict[str, Any]]:
+    """Messages for the preset template (text only): the tools as a system message in front, an assistant's calls
+    written into its content as GLM writes them, a tool's answer as a ``tool`` message."""
+    out = []
+    if tools:
+        out.append({"role": "system", "content": "# Tools\n" + json.dumps(tools, ensure_ascii=False)})
+    for m in messages:
+        content = m["content"]
+        for c in m.get("tool_calls") or ():
+            fn = c["function"]
+            content += ("\n" if content else "") + render_tool_call(fn["name"], fn.get("arguments"))
+        out.append({"role": m["role"], "content": content})
+    return out
 
 
 def build_app(

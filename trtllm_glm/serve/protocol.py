@@ -76,9 +76,9 @@ class _ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. Unknown keys are refused by name, as at the top level; OpenAI's other message keys
-    (``tool_calls``, ``tool_call_id``, ``function_call``, ``refusal``, ``audio``) are accepted when empty (clients
-    send ``tool_calls: null`` or ``[]`` with every turn) and refused otherwise: this server has no tool calling."""
+    """One chat message. Unknown keys are refused by name, as at the top level. An assistant message may carry its
+    ``tool_calls`` and a ``tool`` message the ``tool_call_id`` it answers (both reach the chat template);
+    ``function_call`` (OpenAI's deprecated form) and ``audio`` are accepted only empty."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -92,9 +92,17 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _no_tools(self) -> ChatMessage:
-        for key in ("tool_calls", "tool_call_id", "function_call", "audio"):
+        for key in ("function_call", "audio"):
             if getattr(self, key):
-                raise ValueError(f"{key}: tool and audio messages are not supported by this server")
+                raise ValueError(f"{key} is not supported by this server (tool_calls is)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries them")
+        for i, c in enumerate(self.tool_calls or ()):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(
+                    f"tool_calls.{i}: expected {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
+                )
         return self
 
 
@@ -109,6 +117,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     # vLLM's / SGLang's: extra variables for the chat template (GLM's ``enable_thinking: false`` turns thinking off).
