@@ -343,7 +343,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     try:
         from .serve.config import load_llm_options
-        from .serve.server import make_app, run_server
+        from .serve.server import bind_socket, make_app, run_server
     except ImportError as e:
         raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
     try:
@@ -354,8 +354,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         _check_device(options.get("device"))
     except _setup_errors() as e:
         raise UserError(str(e)) from None
+    try:  # the address first: a port in use is an error now, not after the model has loaded
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     # uvicorn's format, so that start-up and drain lines read like its own.
-    with _stderr_logging(args.log_level, "%(levelname)s:     %(message)s"):
+    with contextlib.closing(sock), _stderr_logging(args.log_level, "%(levelname)s:     %(message)s"):
         try:
             app = make_app(
                 args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
@@ -364,7 +368,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except _setup_errors() as e:
             raise UserError(str(e)) from None
         try:
-            run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout)
+            run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout,
+                       sock=sock)  # fmt: skip
         finally:
             llm = getattr(getattr(getattr(app, "state", None), "engine", None), "llm", None)
             if llm is not None and hasattr(llm, "shutdown"):

@@ -178,3 +178,22 @@ def _with_func(parser: argparse.ArgumentParser, fn) -> argparse.ArgumentParser:
         for sub in action.choices.values():
             sub.set_defaults(func=fn)
     return parser
+
+
+def test_serve_refuses_a_port_in_use_before_loading(monkeypatch, capsys) -> None:
+    """The address is bound before the model loads: a port in use is a one-line error at once (and nothing the
+    server starts meanwhile, such as a parallel world's rendezvous port, can take it)."""
+    import socket
+
+    import trtllm_glm.runtime.llm as llm_mod
+
+    def boom(*a, **k):
+        raise AssertionError("the model must not be built when the port is taken")
+
+    monkeypatch.setattr(llm_mod.LLM, "__init__", boom)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc, _, err = run_cli(["serve", "tiny", "--port", str(port)], capsys)
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1, err

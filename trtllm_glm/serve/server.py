@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from types import FrameType
@@ -24,7 +25,7 @@ from .chat import load_chat_template
 from .engine import AsyncEngine
 from .reasoning import resolve_reasoning_parser
 
-__all__ = ["make_app", "make_server", "run_server", "describe_engine", "DrainingServer"]
+__all__ = ["make_app", "make_server", "run_server", "bind_socket", "describe_engine", "DrainingServer"]
 
 log = logging.getLogger("trtllm_glm.serve")
 
@@ -177,6 +178,35 @@ def make_server(
     return server
 
 
-def run_server(app: Any, *, host: str, port: int, log_level: str = "info", drain_timeout: float = 30.0) -> None:
-    """Serve ``app`` until SIGINT / SIGTERM; in-flight requests get ``drain_timeout`` seconds to finish."""
-    make_server(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout).run()
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening address, taken before the model loads: a port in use is an error in a second, not
+    after minutes of loading, and nothing started meanwhile (a parallel LLM's rendezvous port, say) can take it.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not this machine's, no permission).
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def run_server(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    drain_timeout: float = 30.0,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve ``app`` until SIGINT / SIGTERM; in-flight requests get ``drain_timeout`` seconds to finish. ``sock``: an
+    address bound already (`bind_socket`), else ``host:port`` is bound now."""
+    server = make_server(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout)
+    server.run(sockets=[sock] if sock is not None else None)
