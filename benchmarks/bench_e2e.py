@@ -1063,7 +1063,8 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
 
     def logits() -> torch.Tensor:
         llm = LLM(model, max_batch_size=1, max_seq_len=prompt_len + 8, max_num_tokens=max(2048, prompt_len),
-                  kv_cache_config=KvCacheConfig(enable_block_reuse=False), cuda_graph_config=None)  # fmt: skip
+                  kv_cache_config=KvCacheConfig(enable_block_reuse=False), cuda_graph_config=None,
+                  warmup=False)  # fmt: skip
         out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True)).context_logits.float()
         del llm
         return out.cpu()

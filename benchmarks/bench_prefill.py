@@ -355,6 +355,7 @@ def make_llm(
         max_batch_size=1,
         kv_cache_config=KvCacheConfig(tokens_per_block=page, enable_block_reuse=False),
         cuda_graph_config=CudaGraphConfig(batch_sizes=[1]) if graphs else None,
+        warmup=False,  # the benchmark warms its own shapes up (a served LLM's start-up warm-up is not timed here)
     )
 
 

@@ -117,7 +117,8 @@ def main() -> None:
     rows = []
     for key_dtype in args.indexer_key_dtype:
         llm = LLM(model=ours.eval(), max_batch_size=4, max_num_tokens=1024, max_seq_len=4096,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=64, indexer_key_dtype=key_dtype))  # fmt: skip
+                  kv_cache_config=KvCacheConfig(tokens_per_block=64, indexer_key_dtype=key_dtype),
+                  warmup=False)  # fmt: skip
         t0 = time.time()
         outs = llm.generate(prompts, SamplingParams(max_tokens=1, return_context_logits=True))
         print(f"ours bf16 prefill ({key_dtype} indexer keys) {time.time() - t0:.1f} s")

@@ -170,13 +170,13 @@ def test_fp8_model_on_cuda_graphs_and_reference(skip) -> None:
     assert fp8.model.layers[0].self_attn.q_proj.weight.dtype == torch.float8_e4m3fn
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in LLM(fp8, cuda_graph_config=None).generate(prompts, sp)]
-    graphs = [o.outputs[0].token_ids for o in LLM(fp8).generate(prompts, sp)]
+    eager = [o.outputs[0].token_ids for o in LLM(fp8, cuda_graph_config=None, warmup=False).generate(prompts, sp)]
+    graphs = [o.outputs[0].token_ids for o in LLM(fp8, warmup=False).generate(prompts, sp)]
     assert graphs == eager
     # Context logits of the FP8 path against the fp32 model holding the dequantised weights.
     ctx = SamplingParams(max_tokens=1, return_context_logits=True)
-    a = LLM(fp8, cuda_graph_config=None).generate(prompts[1], ctx).context_logits.float()
+    a = LLM(fp8, cuda_graph_config=None, warmup=False).generate(prompts[1], ctx).context_logits.float()
     ref = build(torch.float32)
     dequantize_fp8_linears_(ref, torch.float32)
-    b = LLM(ref, cuda_graph_config=None).generate(prompts[1], ctx).context_logits.float()
+    b = LLM(ref, cuda_graph_config=None, warmup=False).generate(prompts[1], ctx).context_logits.float()
     assert (a - b).abs().max() <= 0.05 * b.abs().max()  # bf16 activations against fp32

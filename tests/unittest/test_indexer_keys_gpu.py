@@ -147,11 +147,11 @@ def test_bf16_keys_with_cuda_graphs_mtp_equals_plain() -> None:
     prompts = [[(7 * i + n) % 250 + 2 for i in range(n)] for n in (300, 77, 1030)]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     kv = KvCacheConfig(indexer_key_dtype="bf16")
-    plain = LLM("small", dtype=torch.float32, device="cuda", kv_cache_config=kv)
+    plain = LLM("small", dtype=torch.float32, device="cuda", kv_cache_config=kv, warmup=False)
     assert plain.executor.manager.index_k.dtype == torch.bfloat16 and plain.executor.graph_runner is not None
     want = [o.outputs[0] for o in plain.generate(prompts, sp)]
     spec = LLM(
-        "small", dtype=torch.float32, device="cuda", kv_cache_config=kv,
+        "small", dtype=torch.float32, device="cuda", kv_cache_config=kv, warmup=False,
         speculative_config=MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3),
     )  # fmt: skip
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, sp)]

@@ -118,8 +118,9 @@ def test_128k_prompt_next_token_logits_agree_across_chunk_sizes() -> None:
     ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = []
     for chunk in (8192, 32768):
+        kv = KvCacheConfig(tokens_per_block=P, enable_block_reuse=False)
         llm = LLM(model, max_seq_len=n + 8, max_num_tokens=chunk, max_batch_size=1, cuda_graph_config=None,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=P, enable_block_reuse=False))  # fmt: skip
+                  warmup=False, kv_cache_config=kv)  # fmt: skip
         try:
             out = llm.generate(ids, SamplingParams(max_tokens=1, temperature=0.0, return_generation_logits=True))
         finally:
