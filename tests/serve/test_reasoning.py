@@ -4,8 +4,6 @@ template thinks; ``chat_template_kwargs: {enable_thinking: false}`` turns it off
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from serve_helpers import client, run, sse
 
@@ -104,4 +102,3 @@ def test_server_returns_reasoning_content(thinking_app) -> None:
     assert "".join(d.get("content", "") for d in deltas) == msg["content"]
     bad = _post(thinking_app, {**base, "chat_template_kwargs": {"messages": []}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs", bad.text
-    json.dumps(msg)

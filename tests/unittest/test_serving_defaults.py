@@ -9,7 +9,6 @@ import torch
 from trtllm_glm import LLM, SamplingParams
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.errors import CheckpointError
-from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.sizing import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_NUM_TOKENS,
@@ -82,10 +81,6 @@ def test_llm_defaults_and_refusal() -> None:
         LLM("tiny", device="cpu", max_num_tokens=0)
     with pytest.raises(TypeError, match="warmup"):
         LLM("tiny", device="cpu", warmup=1)
-
-
-def test_graph_padding_is_on_by_default() -> None:
-    assert CudaGraphConfig().enable_padding is True
 
 
 def test_length_ladder_meets_every_specialisation() -> None:

@@ -214,6 +214,9 @@ class AsyncEngine:
         # supervisor restarts it) instead of lingering with a dead world.
         self.on_fatal: Any = None
         self._fatal_reported = False
+        # Kernels compiled after `start` (each stalled a served step): a `CompileCounter` open while serving.
+        self._compiles: CompileCounter | None = None
+        self._compiles_seen = 0
         self._first_delivered: list[_Track] = []  # tracks whose first token is in the outbox
         self._retired: list[_Track] = []  # finished tracks whose timing the step log records at the flush
         self.capacity = self.executor.cfg.max_batch_size + max_queue_size
@@ -254,7 +257,6 @@ class AsyncEngine:
         # Kernels compiled from here on stalled a served step (the start-up warm-up should leave none): counted
         # in `/metrics` (kernel_compiles_total) and logged.
         self._compiles = CompileCounter().__enter__()
-        self._compiles_seen = 0
         self._thread = threading.Thread(target=self._run, name="trtllm-glm-engine", daemon=True)
         self._thread.start()
 
@@ -371,7 +373,7 @@ class AsyncEngine:
                 self._fail_track(t, f"engine loop died: {e!r}")
             self._flush()
         finally:
-            if getattr(self, "_compiles", None) is not None:
+            if self._compiles is not None:
                 self._compiles.__exit__(None, None, None)
             with self._cv:
                 self._accepting = False
@@ -605,7 +607,7 @@ class AsyncEngine:
     def _export_gauges(self) -> None:
         ex = self.executor
         m = self.metrics
-        cc = getattr(self, "_compiles", None)
+        cc = self._compiles
         if cc is not None and cc.count > self._compiles_seen:
             new = cc.names[self._compiles_seen : cc.count]
             self._compiles_seen += len(new)

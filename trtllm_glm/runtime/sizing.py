@@ -22,7 +22,7 @@ import torch
 from ..cache.manager import Glm5NextCacheManager
 from ..config import Glm5NextConfig
 from ..models.glm5_next import free_bytes
-from .prefill_memory import MAX_STEP_ROWS_CUDA, prefill_workspace_bytes
+from .prefill_memory import prefill_workspace_bytes
 
 __all__ = [
     "DEFAULT_MAX_BATCH_SIZE",
@@ -105,8 +105,6 @@ def resolve_step_sizes(
     auto = tuple(n for n, v in (("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)) if v is None)
     B = DEFAULT_MAX_BATCH_SIZE if max_batch_size is None else max_batch_size
     N = DEFAULT_MAX_NUM_TOKENS if max_num_tokens is None else max_num_tokens
-    if torch.device(device).type == "cuda":
-        N = min(N, MAX_STEP_ROWS_CUDA) if max_num_tokens is None else N
 
     def estimate(b: int, n: int) -> int:
         P = tokens_per_block

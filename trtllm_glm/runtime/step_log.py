@@ -3,8 +3,8 @@
 Where a served request's time goes (issue 42): a request waits in the engine's inbox and the executor's
 queue, is admitted, prefills in one or more steps (mixed with other requests' decode rows), gets its first
 token when a step is read back, and that token reaches its stream when the engine thread flushes. With a
-log attached (``executor.step_log = StepLog(...)``; ``trtllm-glm serve --step-log FILE``;
-``bench_serve --step-log``) every step appends a `StepRecord` and every request that gets its first token a
+log attached (``executor.step_log = StepLog(...)``; ``trtllm-glm serve --step-log FILE``, which
+``bench_serve`` reads) every step appends a `StepRecord` and every request that gets its first token a
 `RequestTiming`; both go to a bounded in-memory ring and, when a path is given, to a JSON-lines file.
 
 Cheap when off: the executor tests ``step_log is None`` once per step. When on, a step costs two

@@ -14,7 +14,7 @@ still found), and `finish` releases what is left.
 
 from __future__ import annotations
 
-__all__ = ["ReasoningParser", "REASONING_PARSERS", "resolve_reasoning_parser", "split_reasoning"]
+__all__ = ["ReasoningParser", "REASONING_PARSERS", "resolve_reasoning_parser", "split_reasoning", "partial_suffix"]
 
 REASONING_PARSERS = ("glm45",)
 
@@ -60,7 +60,7 @@ class ReasoningParser:
                 self._state = "content"
                 self._after_close = True
             else:
-                hold = _partial_suffix(buf, _CLOSE)
+                hold = partial_suffix(buf, _CLOSE)
                 reasoning, self._held = buf[: len(buf) - hold], buf[len(buf) - hold :]
                 return reasoning, ""
         if self._state == "content":
@@ -83,8 +83,9 @@ class ReasoningParser:
         return self._state == "think"
 
 
-def _partial_suffix(buf: str, tag: str) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+def partial_suffix(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag`` (text a stream holds back until
+    it knows whether ``tag`` starts there; the tool-call parser's too)."""
     for k in range(min(len(buf), len(tag) - 1), 0, -1):
         if tag.startswith(buf[-k:]):
             return k

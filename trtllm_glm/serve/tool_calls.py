@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .reasoning import partial_suffix
+
 __all__ = ["ToolCall", "ToolCallParser", "parse_tool_calls", "check_tools", "render_tool_call", "TOOL_PARSERS"]
 
 TOOL_PARSERS = ("glm45", "glm47")
@@ -126,7 +128,7 @@ class ToolCallParser:
                     self._after_call = not self._buf
                 i = self._buf.find(_OPEN)
                 if i < 0:
-                    hold = _partial_suffix(self._buf, _OPEN)
+                    hold = partial_suffix(self._buf, _OPEN)
                     content += self._buf[: len(self._buf) - hold]
                     self._buf = self._buf[len(self._buf) - hold :]
                     break
@@ -152,13 +154,6 @@ class ToolCallParser:
         """The generation ended: what is held back is text (an unclosed block included)."""
         held, self._buf, self._in_call = self._buf, "", False
         return held
-
-
-def _partial_suffix(buf: str, tag: str) -> int:
-    for k in range(min(len(buf), len(tag) - 1), 0, -1):
-        if tag.startswith(buf[-k:]):
-            return k
-    return 0
 
 
 def parse_tool_calls(text: str, tools: dict[str, dict]) -> tuple[str, list[ToolCall]]:
