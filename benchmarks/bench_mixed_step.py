@@ -1,0 +1,179 @@
+"""What admitting new prompts costs a decoding batch: the mixed (prefill + decode) step, timed and profiled.
+
+A served batch at concurrency C keeps C requests decoding; each arrival is prefilled in a step shared with the
+others' decode rows. Such a step cannot replay a decode graph, so it runs eagerly. This benchmark builds the
+`LLM` at its default settings (warm-up included) on a ``--layers`` slice of the real geometry, keeps ``D``
+requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each has its first token. Per
+(D, N, L) it reports, over ``--reps`` repetitions (new requests aborted after their first token, so ``D`` stays):
+
+- ``admit_ms``: wall time from adding the prompts to their first tokens being on the host (synchronised), and
+  ``steps`` it took; ``decode_ms``: one steady decode step of the same batch (the same run), for scale;
+- ``launches`` / ``syncs``: kernel launches and device-to-host waits in one admission (torch profiler);
+- ``gpu_busy_ms``: device time of one admission (sum of kernels) - the rest of ``admit_ms`` is the device idle;
+- ``host_top``: package functions by host time (cProfile) and ``idle_sites``: who the device waited for.
+
+Usage (GPU): ``python benchmarks/bench_mixed_step.py --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
+--json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import count_launches_and_syncs, random_model, top_kernels  # noqa: E402
+from idle_sites import idle_sites  # noqa: E402
+
+from trtllm_glm import LLM, SamplingParams  # noqa: E402
+from trtllm_glm.config import Glm5NextConfig  # noqa: E402
+from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class Batch:
+    """``D`` decoding requests on ``llm``'s executor and the admission of ``N`` new ``L``-token prompts."""
+
+    def __init__(self, llm: LLM, decode: int, seed: int) -> None:
+        self.llm, self.ex = llm, llm.executor
+        self.rng = random.Random(seed)
+        self.vocab = llm.config.vocab_size
+        long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        self.decoding = [self.ex.add_request(self.prompt(16), long) for _ in range(decode)]
+        while any(r.num_output == 0 for r in self.decoding):
+            self.ex.step()
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def decode_step(self) -> None:
+        self.ex.step()
+
+    def admit(self, new: int, length: int) -> int:
+        """Add ``new`` prompts, step until each has its first token; abort them. Returns the steps taken."""
+        p = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+        reqs = [self.ex.add_request(self.prompt(length), p) for _ in range(new)]
+        steps = 0
+        while any(r.num_output == 0 for r in reqs):
+            self.ex.step()
+            steps += 1
+        for r in reqs:
+            self.ex.abort_request(r.request_id)
+        return steps
+
+
+def time_call(fn, device: str, reps: int) -> tuple[float, object]:
+    """Median wall ms of ``fn()`` over ``reps`` synchronised calls, and the last call's result."""
+    times, out = [], None
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append(1e3 * (time.perf_counter() - t0))
+    times.sort()
+    return times[len(times) // 2], out
+
+
+def host_top(fn, n: int) -> list[tuple[str, float, float]]:
+    """The ``n`` package functions with the most cumulative host time in one call of ``fn`` (ms, calls)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    rows = []
+    for (f, line, name), (_, calls, _, cum, _) in pstats.Stats(prof).stats.items():
+        if "trtllm_glm" in f:
+            rows.append((f"{f.split('trtllm_glm/')[-1]}:{line} {name}", round(1e3 * cum, 2), calls))
+    rows.sort(key=lambda r: -r[1])
+    return rows[:n]
+
+
+def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namespace) -> dict:
+    b = Batch(llm, decode, seed=args.seed)
+    dev = args.device
+    for _ in range(3):  # warm
+        b.admit(new, length)
+        b.decode_step()
+    decode_ms = time_call(b.decode_step, dev, 20)[0] if decode else float("nan")
+    admit_ms, steps = time_call(lambda: b.admit(new, length), dev, args.reps)
+    row = {"decode": decode, "new": new, "prompt_len": length, "admit_ms": round(admit_ms, 2), "steps": steps,
+           "decode_ms": round(decode_ms, 3)}  # fmt: skip
+    launches, syncs = count_launches_and_syncs(lambda: b.admit(new, length))
+    row.update(launches=launches, syncs=syncs)
+    if dev == "cuda":
+        row["gpu_busy_ms"] = round(top_kernels(lambda: b.admit(new, length), 0)[0][1] / 1e3, 2)
+        if args.profile:
+            row["kernels_top"] = top_kernels(lambda: b.admit(new, length), args.profile)[1:]
+            row["idle_sites"] = idle_sites(lambda: b.admit(new, length), 2, args.profile)
+    if args.profile:
+        row["host_top"] = host_top(lambda: b.admit(new, length), args.profile)
+    for r in b.decoding:
+        b.ex.abort_request(r.request_id)
+    while b.ex.has_work:
+        b.ex.step()
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="glm-5.3-flash")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--decode", type=int, nargs="+", default=[15, 63], help="requests decoding (D)")
+    ap.add_argument("--new", type=int, nargs="+", default=[1, 16], help="prompts admitted at once (N)")
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[30, 1024], help="their length (L)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--profile", type=int, default=0, help="N: also the top N host functions / kernels / idle sites")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--llm-args", default="{}", help="JSON of extra LLM keyword arguments (A/B against defaults)")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    full = Glm5NextConfig.from_pretrained(args.preset)
+    cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
+    model = random_model(cfg, args.device, args.dtype, seed=args.seed)
+    kw = json.loads(args.llm_args)
+    t0 = time.perf_counter()
+    llm = LLM(model, device=args.device, **kw)
+    print(f"# LLM built (defaults{' + ' + args.llm_args if kw else ''}) in {time.perf_counter() - t0:.1f} s; "
+          f"max_batch_size {llm.executor.cfg.max_batch_size}, max_num_tokens {llm.executor.cfg.max_num_tokens}",
+          flush=True)  # fmt: skip
+    rows = []
+    for d in args.decode:
+        for n in args.new:
+            if d + n > llm.executor.cfg.max_batch_size:
+                continue
+            for length in args.prompt_len:
+                r = run_case(llm, d, n, length, args)
+                rows.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k not in ("kernels_top", "idle_sites", "host_top")}),
+                      flush=True)  # fmt: skip
+                for key in ("host_top", "kernels_top"):
+                    for item in r.get(key, []):
+                        print(f"    {key}: {item}")
+                if "idle_sites" in r:
+                    s = r["idle_sites"]
+                    print(f"    idle: busy {s['busy_us']} us, idle {s['idle_us']} us per admission")
+                    for item in s["sites"]:
+                        print(f"    idle_site: {item}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
