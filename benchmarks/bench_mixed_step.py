@@ -10,7 +10,8 @@ requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each 
   ``steps`` it took; ``decode_ms``: one steady decode step of the same batch (the same run), for scale;
 - ``launches`` / ``syncs``: kernel launches and device-to-host waits in one admission (torch profiler);
 - ``gpu_busy_ms``: device time of one admission (sum of kernels) - the rest of ``admit_ms`` is the device idle;
-- ``host_top``: package functions by host time (cProfile) and ``idle_sites``: who the device waited for.
+- ``host_top`` / ``host_own``: package functions by cumulative host time and any functions by own time (cProfile),
+  ``idle_sites``: who the device waited for, ``sync_sites``: where the host waited for the device.
 
 Usage (GPU): ``python benchmarks/bench_mixed_step.py --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
 --json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test).
@@ -30,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import count_launches_and_syncs, random_model, top_kernels  # noqa: E402
 from idle_sites import idle_sites  # noqa: E402
+from sync_sites import sync_sites  # noqa: E402
 
-from trtllm_glm import LLM, SamplingParams  # noqa: E402
+from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
 
@@ -85,8 +87,9 @@ def time_call(fn, device: str, reps: int) -> tuple[float, object]:
     return times[len(times) // 2], out
 
 
-def host_top(fn, n: int) -> list[tuple[str, float, float]]:
-    """The ``n`` package functions with the most cumulative host time in one call of ``fn`` (ms, calls)."""
+def host_top(fn, n: int) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float]]]:
+    """Where the host spends one call of ``fn`` (cProfile): the ``n`` package functions with the most cumulative
+    time, and the ``n`` functions of any module (fla, triton, torch included) with the most own time (ms, calls)."""
     import cProfile
     import pstats
 
@@ -94,12 +97,15 @@ def host_top(fn, n: int) -> list[tuple[str, float, float]]:
     prof.enable()
     fn()
     prof.disable()
-    rows = []
-    for (f, line, name), (_, calls, _, cum, _) in pstats.Stats(prof).stats.items():
+    cum_rows, own_rows = [], []
+    for (f, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        where = f.split("site-packages/")[-1].split("trtllm_glm/")[-1]
         if "trtllm_glm" in f:
-            rows.append((f"{f.split('trtllm_glm/')[-1]}:{line} {name}", round(1e3 * cum, 2), calls))
-    rows.sort(key=lambda r: -r[1])
-    return rows[:n]
+            cum_rows.append((f"{where}:{line} {name}", round(1e3 * cum, 2), calls))
+        own_rows.append((f"{where}:{line} {name}", round(1e3 * own, 2), calls))
+    cum_rows.sort(key=lambda r: -r[1])
+    own_rows.sort(key=lambda r: -r[1])
+    return cum_rows[:n], own_rows[:n]
 
 
 def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namespace) -> dict:
@@ -119,13 +125,18 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
         if args.profile:
             row["kernels_top"] = top_kernels(lambda: b.admit(new, length), args.profile)[1:]
             row["idle_sites"] = idle_sites(lambda: b.admit(new, length), 2, args.profile)
+            per, sites = sync_sites(lambda: b.admit(new, length), 2)
+            row["sync_sites"] = sites.most_common(args.profile)
     if args.profile:
-        row["host_top"] = host_top(lambda: b.admit(new, length), args.profile)
+        row["host_top"], row["host_own"] = host_top(lambda: b.admit(new, length), args.profile)
     for r in b.decoding:
         b.ex.abort_request(r.request_id)
     while b.ex.has_work:
         b.ex.step()
     return row
+
+
+_LISTS = ("kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
 
 
 def main() -> None:
@@ -141,13 +152,15 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="N: also the top N host functions / kernels / idle sites")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--llm-args", default="{}", help="JSON of extra LLM keyword arguments (A/B against defaults)")
+    ap.add_argument("--llm-args", default="{}", help="extra LLM keyword arguments as JSON (kv_cache_config: a dict)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     full = Glm5NextConfig.from_pretrained(args.preset)
     cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
     model = random_model(cfg, args.device, args.dtype, seed=args.seed)
     kw = json.loads(args.llm_args)
+    if "kv_cache_config" in kw:
+        kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
     t0 = time.perf_counter()
     llm = LLM(model, device=args.device, **kw)
     print(f"# LLM built (defaults{' + ' + args.llm_args if kw else ''}) in {time.perf_counter() - t0:.1f} s; "
@@ -161,9 +174,9 @@ def main() -> None:
             for length in args.prompt_len:
                 r = run_case(llm, d, n, length, args)
                 rows.append(r)
-                print(json.dumps({k: v for k, v in r.items() if k not in ("kernels_top", "idle_sites", "host_top")}),
+                print(json.dumps({k: v for k, v in r.items() if k not in _LISTS}),
                       flush=True)  # fmt: skip
-                for key in ("host_top", "kernels_top"):
+                for key in ("host_top", "host_own", "kernels_top", "sync_sites"):
                     for item in r.get(key, []):
                         print(f"    {key}: {item}")
                 if "idle_sites" in r:

@@ -373,7 +373,10 @@ def test_evicted_pages_make_a_checkpoint_unusable_never_wrong(model) -> None:
 def test_llm_api_reports_cached_tokens_and_notes_short_prompts(model, caplog) -> None:
     # Without prompt- and request-end checkpoints (with them, the default, a short prompt is checkpointed at its
     # end, and a request's own last-page checkpoint gives way to its request-end one when it finishes).
-    kv = KvCacheConfig(tokens_per_block=8, checkpoint_prompt_end=False, checkpoint_request_end=False)
+    # The last-page checkpoint asked for (the default leaves it to a branch point: the next test).
+    kv = KvCacheConfig(
+        tokens_per_block=8, checkpoint_prompt_end=False, checkpoint_request_end=False, checkpoint_last_page=True
+    )
     llm = LLM(model=model, kv_cache_config=kv)
     stem = list(range(10, 40))
     o1 = llm.generate([stem + [1, 2]], greedy(4))[0]
@@ -390,6 +393,28 @@ def test_llm_api_reports_cached_tokens_and_notes_short_prompts(model, caplog) ->
     assert off.executor.prefix is None
     with pytest.raises(ValueError, match="checkpoint_interval"):
         KvCacheConfig(checkpoint_interval=0)
+
+
+def test_default_prefills_a_prompt_in_one_step_and_a_branch_point_serves_repeats(model) -> None:
+    """At the serving defaults a prompt longer than a page is not cut at its last page boundary (that cut costs
+    every prompt one more eager step before its first token); the first request sharing its pages checkpoints
+    there as a branch point, and the requests after it resume there, with the outputs recomputing gives."""
+    kv = KvCacheConfig(tokens_per_block=8, checkpoint_prompt_end=False, checkpoint_request_end=False)
+    llm = LLM(model=model, kv_cache_config=kv)
+    stem = list(range(10, 40))
+    ex = llm.executor
+    reqs = []
+    for t in (1, 3, 5):
+        reqs.append(ex.add_request(stem + [t, t + 1], greedy(4)))
+        ex.run_until_done()
+    # The first prompt (32 tokens, four pages) in one prefill step; the second recomputes to its branch point
+    # (24) and from there; the third resumes at 24 (one step: its last chunk is not cut either).
+    assert [r.num_prefill_steps for r in reqs] == [1, 2, 1]
+    assert [r.num_cached_tokens for r in reqs] == [0, 0, 24]
+    assert ex.prefix.stats.hits == 1
+    cold = LLM(model=model, kv_cache_config=KvCacheConfig(tokens_per_block=8, enable_block_reuse=False))
+    for r, t in zip(reqs, (1, 3, 5)):
+        assert r.output_ids == cold.generate([stem + [t, t + 1]], greedy(4))[0].outputs[0].token_ids
 
 
 def test_page_copies_are_strided_by_each_planes_page_bytes() -> None:

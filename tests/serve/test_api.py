@@ -436,7 +436,8 @@ def test_failed_generation_is_500_or_an_error_event() -> None:
 
 
 def test_prefix_cache_metrics_count_hits(app) -> None:
-    """A repeated long prompt restores a checkpoint: queries, hits and reused tokens move on /metrics."""
+    """A repeated long prompt restores a checkpoint: queries, hits and reused tokens move on /metrics (the first
+    repeat checkpoints where the prompts part, a branch point; the second restores it)."""
     names = ("trtllm:prefix_cache_queries_total", "trtllm:prefix_cache_hits_total",
              "trtllm:prefix_cache_reused_tokens_total")  # fmt: skip
     before = {n: metric(app, n) for n in names}
@@ -444,13 +445,13 @@ def test_prefix_cache_metrics_count_hits(app) -> None:
 
     async def main():
         async with client(app) as c:
-            for tail in ("a", "b"):
+            for tail in ("a", "b", "c"):
                 r = await c.post("/v1/completions", json={"prompt": prompt + tail, "max_tokens": 2})
                 assert r.status_code == 200
 
     run(main())
     after = {n: metric(app, n) for n in names}
-    assert after["trtllm:prefix_cache_queries_total"] - before["trtllm:prefix_cache_queries_total"] == 2
+    assert after["trtllm:prefix_cache_queries_total"] - before["trtllm:prefix_cache_queries_total"] == 3
     assert after["trtllm:prefix_cache_hits_total"] - before["trtllm:prefix_cache_hits_total"] == 1
     assert after["trtllm:prefix_cache_reused_tokens_total"] - before["trtllm:prefix_cache_reused_tokens_total"] >= 64
     assert app.state.engine.stats()["prefix_cache_hits"] >= 1

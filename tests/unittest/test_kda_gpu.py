@@ -85,6 +85,25 @@ def test_fla_chunk_vs_reference_varlen() -> None:
         assert _report(f"fla chunk_kda final state (lower_bound={safe})", S, S_ref) < RTOL
 
 
+def test_fla_chunk_syncs_once_per_batch_layout() -> None:
+    """The KDA layers of a step share one batch layout: after the first layer's chunk call, the same offsets
+    give fla the same tensors, whose chunk indices it memoises, so the next layers launch without waiting for
+    the GPU (before, each layer's call copied fla's host-built indices from pageable memory: a stream sync)."""
+    _need_fla()
+    dev = torch.device("cuda")
+    cu = [0, 37, 38, 140]
+    q, k, v, g, beta = _inputs(cu[-1], 3, dev)
+    S0 = torch.zeros(len(cu) - 1, H, K, V, device=dev)
+    first = kda_prefill(q, k, v, g, beta, K**-0.5, S0, list(cu), lower_bound=LB, backend="fla")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = kda_prefill(q, k, v, g, beta, K**-0.5, S0, list(cu), lower_bound=LB, backend="fla")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
 def test_fla_fused_recurrent_vs_reference() -> None:
     _need_fla()
     dev = torch.device("cuda")

@@ -370,3 +370,18 @@ def test_verify_then_chunk_continuation() -> None:
     o_r, S_r = recurrent_kda(q[idx], k[idx], v[idx], g[idx], beta[idx], K**-0.5, S0)
     _close(o2, o_r[a:])
     _close(S2, S_r)
+
+
+def test_prefill_offsets_are_shared_per_layout() -> None:
+    """`kda_prefill` hands fla the same offset tensors for the same layout (fla memoises its chunk indices by
+    tensor identity: one host-built copy a step, not one a layer); another layout gets its own, with its values."""
+    from trtllm_glm.kda.ops.backend import _offsets
+
+    dev = torch.device("cpu")
+    a = _offsets([0, 3, 9], dev)
+    assert _offsets([0, 3, 9], dev)[0] is a[0] and _offsets([0, 3, 9], dev)[1] is a[1]
+    b = _offsets([0, 4, 9], dev)
+    assert b[0] is not a[0] and b[0].tolist() == [0, 4, 9] and b[1].tolist() == [0, 4, 9]
+    for n in range(10):  # a bounded memo: old layouts are dropped
+        _offsets([0, n + 20], dev)
+    assert _offsets([0, 3, 9], dev)[0] is not a[0]

@@ -24,6 +24,7 @@ decoding, where the extra token only delays sealing by one token.
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -48,7 +49,8 @@ _ROOT = b"trtllm_glm.prefix.v1"
 
 def _digest(prev: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
-    h.update(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes())
+    # int64 in native byte order, as a torch int64 tensor's bytes would be (~10x cheaper: thousands of pages a step).
+    h.update(array.array("q", tokens).tobytes())
     return h.digest()
 
 

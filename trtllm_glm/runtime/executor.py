@@ -59,6 +59,9 @@ class ExecutorConfig:
         checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit; ``"auto"``:
             a quarter of the cache's bytes, at least two checkpoints per state slot: `auto_checkpoint_max_bytes`).
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
+        checkpoint_last_page: cut each prompt's last chunk at its last page boundary and checkpoint there (a
+            repeat of the prompt resumes there; one more prefill step per prompt). Off, only a branch point
+            or a waiting request cuts a prompt's last chunk (`PrefixCache.cut`).
         checkpoint_branch_points: also checkpoint where a prompt stops matching cached pages that no
             checkpoint reaches (a shared system prompt, a document asked different questions).
         checkpoint_request_end: also checkpoint each request where it ends (its prompt and answer: the next
@@ -87,6 +90,7 @@ class ExecutorConfig:
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | str | None = None
     checkpoint_prompt_end: bool = False
+    checkpoint_last_page: bool = True
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = False
     prefix_wait_for_leader: bool = True
@@ -180,6 +184,7 @@ class Executor:
             self,
             checkpoint_interval=cfg.checkpoint_interval,
             prompt_end=cfg.checkpoint_prompt_end,
+            last_page=cfg.checkpoint_last_page,
             branch_points=cfg.checkpoint_branch_points,
             wait_for_leader=cfg.prefix_wait_for_leader,
             request_end=cfg.checkpoint_request_end,

@@ -91,6 +91,10 @@ class KvCacheConfig:
             is a state slot's copy: ~153 MB on GLM-5.3-Flash); ``None``: no limit.
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
             a conversation (this prompt + the answer + more) reuses the whole prompt. On by default.
+        checkpoint_last_page: also cut each prompt's prefill at its last page boundary and checkpoint there, so
+            that the first repeat of the prompt resumes there too. Off by default: the cut costs every prompt
+            longer than a page one more (eager) prefill step before its first token; off, a repeat finds the
+            pages sealed and checkpoints there as a branch point, and the repeats after it resume.
         checkpoint_request_end: also checkpoint each request where it ends (prompt + answer), so that the
             next turn of a conversation resumes after the answer (on by default; MTP requests skip it).
         checkpoint_branch_points: when a prompt matches cached pages further than any checkpoint reaches
@@ -109,6 +113,7 @@ class KvCacheConfig:
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | str | None = "auto"
     checkpoint_prompt_end: bool = True
+    checkpoint_last_page: bool = False
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = True
     indexer_key_dtype: str = "fp8"
@@ -349,6 +354,7 @@ class LLM:
             max_checkpoints=kv.max_checkpoints,
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
             checkpoint_prompt_end=kv.checkpoint_prompt_end,
+            checkpoint_last_page=kv.checkpoint_last_page,
             checkpoint_branch_points=kv.checkpoint_branch_points,
             checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,

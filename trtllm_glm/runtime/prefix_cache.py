@@ -94,6 +94,9 @@ class PrefixCache:
         executor: the executor (its managers and drafter hooks).
         checkpoint_interval: prompt tokens between checkpoints (``None``: only the last page boundary
             before the prompt's end).
+        last_page: also cut a prompt's last chunk at its last page boundary (a checkpoint there serves the next
+            request that repeats the prompt, at the cost of one more prefill step for every prompt; off, a repeat
+            finds the pages sealed and checkpoints there as a branch point: the repeats after it resume).
         prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
             that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
         branch_points: checkpoint at branch points (see the module docstring).
@@ -109,6 +112,7 @@ class PrefixCache:
         *,
         checkpoint_interval: int | None,
         prompt_end: bool = False,
+        last_page: bool = False,
         branch_points: bool = True,
         wait_for_leader: bool = True,
         request_end: bool = False,
@@ -123,6 +127,7 @@ class PrefixCache:
         self.page_size = executor.manager.page_size
         self.interval = checkpoint_interval
         self.prompt_end = prompt_end
+        self.last_page = last_page
         self.branch_points = branch_points
         if max_bytes == "auto":
             max_bytes = auto_checkpoint_max_bytes(executor.manager)
@@ -133,10 +138,9 @@ class PrefixCache:
         self.wait_for_leader = wait_for_leader
         self.request_end = request_end
         # Endpoints given to a leader by the requests waiting for it (request id -> endpoints), the
-        # requests held this step, and the page keys of running requests' prompts (computed once each).
+        # requests held this step.
         self._leads: dict[int, set[int]] = {}
         self._held: set[int] = set()
-        self._prompt_keys: dict[int, list[bytes]] = {}
         # Per running request, its own prompt-end / last-page checkpoints (dropped once its request-end one
         # is taken, unless they served a hit meanwhile).
         self._own: dict[int, list[tuple]] = {}
@@ -206,7 +210,7 @@ class PrefixCache:
         keep = {r.request_id for r in waiting} | {r.request_id for r in live}
         if self._branch:
             self._branch = {k: v for k, v in self._branch.items() if k in keep}
-        for d in (self._leads, self._prompt_keys, self._own):
+        for d in (self._leads, self._own):
             for k in [k for k in d if k not in keep]:
                 del d[k]
         self._held.clear()
@@ -236,9 +240,9 @@ class PrefixCache:
         for r in live:
             if r.num_computed >= len(r.prompt_ids) - 1 or not self.eligible(r):
                 continue
-            keys = self._prompt_keys.get(r.request_id)
-            if keys is None:
-                keys = self._prompt_keys[r.request_id] = self._keys([], r.prompt_ids)
+            # The request's own key cache (its prompt's pages have the same keys over its prompt or its tokens).
+            n = (len(r.prompt_ids) - int(self.ex.state_reads_next_token)) // self.page_size
+            keys = self._keys(r.page_keys, r.prompt_ids)[:n]
             for k in keys[r.num_computed // self.page_size :]:
                 out.setdefault(k, r)
         return out
@@ -381,10 +385,12 @@ class PrefixCache:
     def cut(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """End every prefill chunk at the next checkpoint endpoint inside it.
 
-        A stride endpoint (a multiple of ``checkpoint_interval`` that is no other endpoint) does not cut a
-        chunk that ends the prompt and is no longer than the stride: the stride bounds what a request
-        branching off a long prompt recomputes, and cutting there would add a step to the time to first
-        token of every request that resumed a few tokens before it (a question after a system prompt).
+        A chunk that ends the prompt is cut only where another request needs the checkpoint: at the request's
+        branch point or where a request waiting for it (`match`) resumes. A stride endpoint (a multiple of
+        ``checkpoint_interval``) does not cut it when it is no longer than the stride, and the last page boundary
+        does not cut it unless ``last_page`` is set: each cut adds an eager step to the request's time to first
+        token (two steps for every prompt longer than a page), while the checkpoint serves only a later request
+        that repeats the prompt, which a branch point covers from the second repeat on.
         """
         grid = self._grid()
         for s in plan:
@@ -392,23 +398,24 @@ class PrefixCache:
                 continue
             r = s.request
             n0, end = r.num_computed, r.num_computed + s.num_rows
-            final = end >= len(r.prompt_ids) and self.interval is not None and s.num_rows <= self.interval
+            final = end >= len(r.prompt_ids)
             for e in self.endpoints(r):
                 if e <= n0 or e >= end or (grid is not None and e % grid):
                     continue
-                if final and self._stride_only(r, e):
+                if final and self._lazy(r, e, s.num_rows):
                     continue
                 s.num_rows = e - n0
                 break
         return plan
 
-    def _stride_only(self, r: Request, e: int) -> bool:
-        """Whether endpoint ``e`` of ``r`` is there for the stride alone."""
-        if self.interval is None or e % self.interval:
+    def _lazy(self, r: Request, e: int, rows: int) -> bool:
+        """Whether endpoint ``e`` of ``r`` may be left out of a ``rows``-row chunk that ends the prompt: it is
+        there for the stride (and the chunk is no longer than it) or for the last page (unless ``last_page``)."""
+        if e == self._branch.get(r.request_id) or e in self._leads.get(r.request_id, ()):
             return False
         if e == (len(r.prompt_ids) - 1) // self.page_size * self.page_size:
-            return False
-        return e != self._branch.get(r.request_id) and e not in self._leads.get(r.request_id, ())
+            return not self.last_page
+        return self.interval is not None and e % self.interval == 0 and rows <= self.interval
 
     def after_step(self, plan: list[ScheduledSeq], history: Callable[[Request], int]) -> None:
         """Seal pages that became final and take the checkpoints this step reached.

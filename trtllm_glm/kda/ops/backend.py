@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,6 +100,26 @@ def _warn_no_fla() -> None:
     )
 
 
+# The offset tensors of the last few distinct batches. fla memoises its chunk indices by the *identity* of these
+# tensors, and builds them on the host and copies them from pageable memory: a stream sync. The KDA layers of a
+# step share one batch layout, so handing each the same tensors makes that one sync a step instead of one a layer
+# (34 on GLM-5.3-Flash, each draining the GPU's queue before the host may launch on).
+_OFFSETS: OrderedDict[tuple[tuple[int, ...], torch.device], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_OFFSETS_KEPT = 4
+
+
+def _offsets(cu: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens on the host, on device)`` for ``cu``, the same objects for the same offsets and device."""
+    key = (tuple(cu), device)
+    hit = _OFFSETS.get(key)
+    if hit is None:
+        # The device copy from pinned memory: a copy from pageable memory would wait for the stream.
+        hit = _OFFSETS[key] = (torch.tensor(cu, dtype=torch.int64), to_device(cu, device, torch.int64))
+        while len(_OFFSETS) > _OFFSETS_KEPT:
+            _OFFSETS.popitem(last=False)
+    return hit
+
+
 def kda_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,9 +157,7 @@ def kda_prefill(
     fla_chunk_kda, _ = _fla_kda()
     cu = normalize_cu_seqlens(cu_seqlens, q.shape[0])
     T = cu[-1]
-    cu_cpu = torch.tensor(cu, dtype=torch.int64)
-    # From pinned memory: a copy from pageable memory would wait for the stream (a host sync per layer and chunk).
-    cu_dev = to_device(cu, q.device, torch.int64)
+    cu_cpu, cu_dev = _offsets(cu, q.device)
     safe = lower_bound is not None and -5.0 <= lower_bound < 0.0
     o, final = fla_chunk_kda(
         q=q[:T].float().unsqueeze(0).contiguous(),
