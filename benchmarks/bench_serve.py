@@ -314,6 +314,22 @@ def engine_decode_rate(llm: Any, batch: int, input_len: int, output_len: int, se
     return (sum(r.num_output for r in reqs) - n0) / (time.perf_counter() - t0)
 
 
+def generate_rate(llm: Any, n: int, input_len: int, output_len: int, seed: int) -> float:
+    """Output tokens/s of one ``LLM.generate`` call of ``n`` prompts (the second of two identical calls: the first
+    compiles and captures whatever the call needs)."""
+    from trtllm_glm import SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [make_prompt(rng, input_len, llm.config.vocab_size) for _ in range(n)]
+    p = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, p)
+    _sync(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, p)
+    _sync(llm)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+
+
 def _sync(llm: Any) -> None:
     import torch
 
@@ -365,8 +381,10 @@ async def main_async(args: argparse.Namespace, url: str, step_log: Path | None) 
             jobs.append((make_prompt(rng, il, vocab), ol))
             i += 1
         if args.warmup_requests:
-            # Not measured: the level's first requests (connections, the server's first uses of each shape).
-            await run_level(url, args, load, jobs[: min(len(jobs), args.warmup_requests)])
+            # Not measured: requests of the level's first shapes (connections, the server's first uses of each
+            # shape), with prompts of their own: a measured prompt seen before would be a prefix-cache repeat.
+            warm = [(make_prompt(rng, len(p), vocab), ol) for p, ol in jobs[: min(len(jobs), args.warmup_requests)]]
+            await run_level(url, args, load, warm)
         before = (await _metrics(url)) if step_log is not None else ""
         row, _ = await run_level(url, args, load, jobs)
         if step_log is not None:
@@ -447,6 +465,8 @@ def main() -> int:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="seconds the child server may take to start")
     ap.add_argument("--max-queue-size", type=int, default=256, help="queue of the child server")
     ap.add_argument("--engine-baseline", action="store_true", help="also measure the engine alone (child mode)")
+    ap.add_argument("--generate-check", default=None, metavar="NxLxO", help="with --engine-baseline: LLM.generate of "
+                    "N prompts of L tokens, O out, at the defaults against max_num_tokens 4096 / 16384")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--save-slice", default=None, help=argparse.SUPPRESS)  # the child process of prepare_model
@@ -506,11 +526,25 @@ def main() -> int:
             row["server_over_engine"] = row["out_tok_per_s"] / row["engine_tok_per_s"]
             print(f"# engine alone, batch {b}: {row['engine_tok_per_s']:.1f} tok/s; server c={b}: "
                   f"{row['out_tok_per_s']:.1f} tok/s = {row['server_over_engine']:.2f}x")  # fmt: skip
-        llm.shutdown()
+        if args.generate_check:
+            n, il_g, ol_g = (int(x) for x in args.generate_check.split("x"))
+            rates = {"defaults": generate_rate(llm, n, il_g, ol_g, args.seed + 11)}
+            llm.shutdown()
+            for mnt in (4096, 16384):
+                other = LLM(args.model_path, **{**opts, "warmup": False, "max_num_tokens": mnt})
+                rates[f"max_num_tokens={mnt}"] = generate_rate(other, n, il_g, ol_g, args.seed + 11)
+                other.shutdown()
+            best = max(rates.values())
+            for k, v in rates.items():
+                print(f"# LLM.generate {n} x {il_g} tokens, {ol_g} out, {k}: {v:.1f} tok/s = {v / best:.2f}x the best")
+            results.append({"load": "generate", "level": n, "input_len": il_g, "output_len": ol_g, "rates": rates})
+        else:
+            llm.shutdown()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"info": info, "workload": wl, "startup": startup, "levels": results}, f, indent=2)
-    return 0 if all(r["failed"] == 0 and r["cancelled"] == 0 for r in results) else 1
+    served = [r for r in results if r["load"] != "generate"]
+    return 0 if all(r["failed"] == 0 and r["cancelled"] == 0 for r in served) else 1
 
 
 if __name__ == "__main__":
