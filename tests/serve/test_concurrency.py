@@ -52,7 +52,19 @@ def test_32_concurrent_streams_equal_solo_generate(served) -> None:
         assert r.status_code == 200, r.text
         return sse(r.text)
 
+    wakeups = 0
+
     async def main():
+        nonlocal wakeups
+        loop = asyncio.get_running_loop()
+        orig = loop.call_soon_threadsafe
+
+        def counted(*a, **k):  # the engine thread's wake-ups of this loop (deliveries, submissions resolved)
+            nonlocal wakeups
+            wakeups += 1
+            return orig(*a, **k)
+
+        loop.call_soon_threadsafe = counted
         async with client(app) as c:
             return await asyncio.gather(*(one(c, p) for p in PROMPTS))
 
@@ -67,6 +79,9 @@ def test_32_concurrent_streams_equal_solo_generate(served) -> None:
     s = wait_idle(eng)
     # All 32 shared the batch: about one prefill plus MAX_TOKENS decode steps, not 32 x MAX_TOKENS.
     assert s["num_steps"] - steps0 <= 4 * MAX_TOKENS, s
+    # One wake-up per engine flush for all 32 streams (plus one per submission), not one per stream and step: each
+    # writes the loop's wake-up socket on the engine thread, between two steps.
+    assert wakeups <= (s["num_steps"] - steps0) + NUM + 4, (wakeups, s["num_steps"] - steps0)
     assert s["free_state_slots"] == NUM
     if kind in ("mtp", "ngram"):
         drafts = metric(eng, "trtllm:spec_decode_num_drafts_total")

@@ -155,6 +155,12 @@ class ResultStream:
         return d
 
 
+def _deliver_all(batch: list[tuple[ResultStream, list[Delta]]]) -> None:
+    """On a caller's event loop: each stream's deltas into its queue (`AsyncEngine._flush`)."""
+    for stream, deltas in batch:
+        stream._deliver(deltas)
+
+
 @dataclass
 class _Track:
     """Engine-thread bookkeeping of one live generation."""
@@ -577,11 +583,16 @@ class AsyncEngine:
         self._outbox[key][1].append(d)
 
     def _flush(self) -> None:
-        """Hand the collected deltas to their streams' event loops (one callback per stream)."""
+        """Hand the collected deltas to their streams' event loops: one callback per loop and flush, which
+        delivers every stream's deltas (each `call_soon_threadsafe` writes the loop's wake-up socket: one per
+        stream cost ~4 ms a step at 48 streams on a busy CPU, on the engine thread between two steps)."""
         box, self._outbox = self._outbox, {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ResultStream, list[Delta]]]] = {}
         for stream, deltas in box.values():
+            by_loop.setdefault(stream._loop, []).append((stream, deltas))
+        for loop, batch in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-                stream._loop.call_soon_threadsafe(stream._deliver, deltas)
+                loop.call_soon_threadsafe(_deliver_all, batch)
         if self._first_delivered:
             # TTFT ends here (the token is on its caller's loop); its parts: queue (arrival to admission),
             # prefill (admission to the step that produced it being read back), delivery (to this flush).
