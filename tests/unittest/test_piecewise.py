@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_harness import ModelHarness
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -265,7 +264,9 @@ def test_executor_piecewise_matches_eager(monkeypatch, mode: str) -> None:
         # Exact decode sizes: the torch k-pool ops (the CPU default) refuse padding sequences.
         cgc = CudaGraphConfig(batch_sizes=[1, 2, 3, 4], piecewise=piecewise)
         cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=cgc)
-        return Executor(model, cfg) if mode == "plain" else SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2))
+        if mode == "plain":
+            return Executor(model, cfg)
+        return SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2))
 
     ref = _run(make(False))
     ex = make(True)
