@@ -154,8 +154,9 @@ class PiecewiseRunner:
             max_tokens)``.
         max_tokens: cap on the buckets (0: ``max_num_tokens``); larger steps run eagerly.
         buckets: explicit bucket sizes (ascending after sorting; default `piecewise_buckets`).
-        emulate: run each padded segment eagerly on the carry buffers instead of capturing (tests on the CPU);
-            everything else is as on the GPU.
+        emulate: run each padded segment eagerly on the carry buffers instead of capturing (tests on the CPU),
+            twice the first time (a capture's warm-up runs it once before, in the middle of the step); everything
+            else is as on the GPU.
         allow_batch_invariant: run piecewise in the batch-invariant mode too (module docstring).
     """
 
