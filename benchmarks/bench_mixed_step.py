@@ -14,7 +14,9 @@ requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each 
   ``idle_sites``: who the device waited for, ``sync_sites``: where the host waited for the device.
 
 Usage (GPU): ``python benchmarks/bench_mixed_step.py --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
---json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test).
+--json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test). Piecewise CUDA
+graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-args '{"cuda_graph_config":
+{"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` of one admission.
 """
 
 from __future__ import annotations
@@ -118,8 +120,12 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     admit_ms, steps = time_call(lambda: b.admit(new, length), dev, args.reps)
     row = {"decode": decode, "new": new, "prompt_len": length, "admit_ms": round(admit_ms, 2), "steps": steps,
            "decode_ms": round(decode_ms, 3)}  # fmt: skip
+    pw = b.ex.piecewise
+    pw0 = (pw.stats.steps, pw.stats.replays) if pw is not None else None
     launches, syncs = count_launches_and_syncs(lambda: b.admit(new, length))
     row.update(launches=launches, syncs=syncs)
+    if pw is not None and pw0 is not None:  # piecewise steps / segment replays of that one admission
+        row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1])
     if dev == "cuda":
         row["gpu_busy_ms"] = round(top_kernels(lambda: b.admit(new, length), 0)[0][1] / 1e3, 2)
         if args.profile:
@@ -166,6 +172,14 @@ def main() -> None:
     print(f"# LLM built (defaults{' + ' + args.llm_args if kw else ''}) in {time.perf_counter() - t0:.1f} s; "
           f"max_batch_size {llm.executor.cfg.max_batch_size}, max_num_tokens {llm.executor.cfg.max_num_tokens}",
           flush=True)  # fmt: skip
+    pw = llm.executor.piecewise
+    if pw is not None:  # TRTLLM_GLM_PIECEWISE=1 or cuda_graph_config.piecewise: what its start-up capture cost
+        st = pw.stats
+        print(
+            f"# piecewise: buckets up to {pw.max_tokens}, {st.captures} segment graphs in {st.capture_s:.1f} s, "
+            f"pool +{st.pool_bytes / 2**20:.0f} MiB, carry {st.carry_bytes / 2**20:.0f} MiB",
+            flush=True,
+        )
     rows = []
     for d in args.decode:
         for n in args.new:

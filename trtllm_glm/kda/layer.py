@@ -363,6 +363,22 @@ class KimiDeltaAttention(nn.Module):
         y = self.o_norm(o, gate, _act_dtype(self.o_proj, hidden)).reshape(N, -1)
         return self.o_proj(y).to(hidden.dtype)
 
+    # The forward in its three parts, for the piecewise CUDA graphs (`trtllm_glm.runtime.piecewise`): `project` and
+    # `project_out` are token-wise (graph-safe on padded rows), `mix` reads the batch layout and the state.
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Token-wise input side: ``hidden [N, D]`` -> ``(x [N, C], g [N, H, K], beta [N, H], ga [N, R] | None)``
+        (see `_inputs`)."""
+        return self._inputs(hidden)
+
+    def mix(self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple) -> torch.Tensor:
+        """The sequence-dependent core of `forward` on `project`'s ``inputs``: ``o [N, H, V]`` FP32 (slots updated
+        in place; ``hidden`` gives only the row count and device)."""
+        return self._forward_o(hidden, batch, state, inputs)
+
+    def project_out(self, hidden: torch.Tensor, o: torch.Tensor, ga: torch.Tensor | None) -> torch.Tensor:
+        """Token-wise output side: ``o [N, H, V]`` -> ``[N, D]`` in ``hidden``'s dtype (see `_output`)."""
+        return self._output(hidden, o, ga)
+
     @staticmethod
     def _slots(batch: KdaBatchLike, seqs: list[int], device: torch.device) -> torch.Tensor:
         if seqs == list(range(batch.num_seqs)):

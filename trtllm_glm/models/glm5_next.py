@@ -31,7 +31,7 @@ from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
-from ..modules.mhc import mhc_block
+from ..modules.mhc import mhc_backend, mhc_block, mhc_block_post, mhc_block_pre
 from ..modules.norm import RMSNorm
 
 __all__ = [
@@ -215,13 +215,14 @@ class Glm5NextDecoderLayer(nn.Module):
             return a
         return self.self_attn(x, meta, manager.kda_layer_state(self.cache_idx))
 
+    def _mhc_params(self, blk: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return getattr(self, f"hc_{blk}_fn"), getattr(self, f"hc_{blk}_base"), getattr(self, f"hc_{blk}_scale")
+
     def _mhc(self, blk: str, streams: torch.Tensor, fn) -> torch.Tensor:
         return mhc_block(
             streams,
             fn,
-            getattr(self, f"hc_{blk}_fn"),
-            getattr(self, f"hc_{blk}_base"),
-            getattr(self, f"hc_{blk}_scale"),
+            *self._mhc_params(blk),
             norm_eps=self.norm_eps,
             hc_eps=self.hc_eps,
             sinkhorn_iters=self.hc_iters,
@@ -240,17 +241,67 @@ class Glm5NextDecoderLayer(nn.Module):
         """
         if not self.use_mhc:
             h = h + self._attn(h, meta, manager, sparse_cache_idx)
-            return h + self._ffn(self.post_attention_layernorm(h), meta)
+            return h + self._ffn(self.post_attention_layernorm(h), meta.row_live_t)
         h = self._mhc("attn", h, lambda x: self._attn(x, meta, manager, sparse_cache_idx))
-        return self._mhc("ffn", h, lambda x: self._ffn(self.post_attention_layernorm(x), meta))
+        return self.ffn_block(h, meta.row_live_t)
 
-    def _ffn(self, x: torch.Tensor, meta: GlmKpoolMetadata) -> torch.Tensor:
+    def _ffn(self, x: torch.Tensor, row_live: torch.Tensor) -> torch.Tensor:
         # The MoE skips the routed experts of rows nobody reads (padding, verify filler): fewer experts read.
         # Its output is this rank's experts' and shared-expert slice's partial sum: one all-reduce over every
         # rank (also when attention is replicated); a dense MLP's over the tensor-parallel ranks.
         if isinstance(self.mlp, MoE):
-            return self.comm.all_reduce(self.mlp(x, row_live=meta.row_live_t))
+            return self.comm.all_reduce(self.mlp(x, row_live=row_live))
         return self.comm.all_reduce_tp(self.mlp(x))
+
+    # --------------------------------------------------------------------------------------------
+    # The trunk layer's forward in pieces, for the piecewise CUDA graphs (`trtllm_glm.runtime.piecewise`): every
+    # piece but `attn_core` is token-wise (row i of its outputs depends on row i of its inputs only: no host
+    # sync, no shape from data), so it can run on padded rows inside a graph. `forward` is, op for op,
+    # ``attn_pre``, ``attn_in``, ``attn_core``, ``attn_out``, ``attn_post``, ``ffn_block`` (a verify step aside).
+    def attn_pre(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC collapse of the attention block: streams ``[N, S, D]`` -> ``(x_in [N, D], post [N, S], comb [N, S,
+        S])`` (`mhc_block_pre`)."""
+        fn, base, scale = self._mhc_params("attn")
+        return mhc_block_pre(
+            h, fn, base, scale, norm_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.hc_iters,
+            backend=mhc_backend(h, fn, base, scale),
+        )  # fmt: skip
+
+    def attn_in(self, x_in: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The attention's token-wise input side: ``(x [N, D], inputs)``: ``x`` the normed block input (what the
+        mixer is called with) and, for KDA, ``inputs`` its projections (`KimiDeltaAttention.project`: conv
+        inputs, decay, beta and, with fused weights, the output gate's low-rank input); ``()`` for sparse MLA."""
+        x = self.input_layernorm(x_in)
+        if self.is_sparse:
+            return x, ()
+        return x, self.self_attn.project(x)
+
+    def attn_core(
+        self, x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], meta: GlmKpoolMetadata,
+        manager: Glm5NextCacheManager,
+    ) -> torch.Tensor:  # fmt: skip
+        """The sequence-dependent part (reads the metadata and the caches): KDA's conv and delta rule ->
+        ``o [N, H, V]`` fp32 (`KimiDeltaAttention.mix`); sparse MLA, the whole mixer -> its ``[N, D]`` partial
+        output. Not for verify steps (`forward_spec` keeps records)."""
+        if self.is_sparse:
+            return self.self_attn(x, meta, manager.kpool_layer_cache(self.cache_idx))
+        return self.self_attn.mix(x, meta, manager.kda_layer_state(self.cache_idx), inputs)
+
+    def attn_out(self, x: torch.Tensor, core: torch.Tensor, ga: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output ``[N, D]`` (all-reduced) from `attn_core`'s: KDA's gated norm and ``o_proj``
+        (``ga``: the output gate's low-rank input from `attn_in`, ``None`` without fused weights)."""
+        local = core if self.is_sparse else self.self_attn.project_out(x, core, ga)
+        return self.comm.all_reduce_tp(local)
+
+    def attn_post(self, h: torch.Tensor, a: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """mHC expansion of the attention block: new streams ``[N, S, D]`` (`mhc_block_post`)."""
+        fn, base, scale = self._mhc_params("attn")
+        return mhc_block_post(h, a, post, comb, backend=mhc_backend(h, fn, base, scale))
+
+    def ffn_block(self, h: torch.Tensor, row_live: torch.Tensor) -> torch.Tensor:
+        """The mHC-wrapped FFN block: streams ``[N, S, D] -> [N, S, D]``; ``row_live [N]``: rows whose output is
+        read (the MoE computes no routed expert for the others)."""
+        return self._mhc("ffn", h, lambda x: self._ffn(self.post_attention_layernorm(x), row_live))
 
 
 class Glm5NextModel(nn.Module):

@@ -28,7 +28,16 @@ import torch
 from ..linear import model_linear
 from ..triton_interp import kernel_backend
 
-__all__ = ["mhc_weights", "mhc_collapse", "mhc_expand", "mhc_block", "mhc_backend", "MHC_BACKEND_ENV"]
+__all__ = [
+    "mhc_weights",
+    "mhc_collapse",
+    "mhc_expand",
+    "mhc_block",
+    "mhc_block_pre",
+    "mhc_block_post",
+    "mhc_backend",
+    "MHC_BACKEND_ENV",
+]
 
 MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
 
@@ -111,6 +120,44 @@ def mhc_backend(streams: torch.Tensor, *params: torch.Tensor, backend: str | Non
     return kernel_backend("mHC", MHC_BACKEND_ENV, (streams, *params), backend)
 
 
+def mhc_block_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The half of `mhc_block` before its block: ``(x_in [N, D] streams' dtype, post [N, S], comb [N, S, S])``.
+
+    ``backend`` is a resolved `mhc_backend` choice (``"torch"`` or ``"triton"``); pass the same one to
+    `mhc_block_post`. Row-wise: each row's outputs depend on that row alone (the CUDA-graph padding rows of
+    `trtllm_glm.runtime.piecewise` cannot reach real rows).
+    """
+    kw = {"norm_eps": norm_eps, "hc_eps": hc_eps, "sinkhorn_iters": sinkhorn_iters}
+    if backend == "triton":
+        from trtllm_glm import mhc as kernels
+
+        return kernels.mhc_pre(streams, fn, base, scale, **kw)
+    pre, post, comb = mhc_weights(streams, fn, base, scale, **kw)
+    return mhc_collapse(streams, pre), post, comb
+
+
+def mhc_block_post(
+    streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, backend: str
+) -> torch.Tensor:
+    """The half of `mhc_block` after its block: new streams ``[N, S, D]`` from the block's ``[N, D]`` output and
+    `mhc_block_pre`'s ``post`` / ``comb`` (``backend``: the choice the pre half was run with)."""
+    if backend == "triton":
+        from trtllm_glm import mhc as kernels
+
+        return kernels.mhc_post(streams, block_out, post, comb)
+    return mhc_expand(streams, block_out, post, comb)
+
+
 def mhc_block(
     streams: torch.Tensor,
     block,
@@ -126,16 +173,11 @@ def mhc_block(
     """One whole mHC-wrapped block: ``block`` maps the collapsed ``[N, D]`` input to its ``[N, D]`` output.
 
     ``backend`` (default from ``TRTLLM_GLM_MHC_BACKEND``, see `mhc_backend`) picks the reference functions or
-    the fused kernels (`trtllm_glm.mhc.mhc_pre` before the block, `trtllm_glm.mhc.mhc_post` after it).
+    the fused kernels (`trtllm_glm.mhc.mhc_pre` before the block, `trtllm_glm.mhc.mhc_post` after it). The
+    same as `mhc_block_pre`, ``block``, `mhc_block_post` (the piecewise CUDA graphs run the halves apart).
     """
-    if mhc_backend(streams, fn, base, scale, backend=backend) == "triton":
-        from trtllm_glm import mhc as kernels
-
-        x_in, post, comb = kernels.mhc_pre(
-            streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
-        )
-        return kernels.mhc_post(streams, block(x_in), post, comb)
-    pre, post, comb = mhc_weights(
-        streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+    b = mhc_backend(streams, fn, base, scale, backend=backend)
+    x_in, post, comb = mhc_block_pre(
+        streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, backend=b
     )
-    return mhc_expand(streams, block(mhc_collapse(streams, pre)), post, comb)
+    return mhc_block_post(streams, block(x_in), post, comb, backend=b)

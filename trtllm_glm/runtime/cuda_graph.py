@@ -92,6 +92,12 @@ class CudaGraphConfig:
         enable_padding: pad a batch to the next captured size (otherwise only exact sizes replay). On by default
             (TensorRT-LLM's default is off): a served batch's size moves with every arrival and finish, and a size
             that was not captured runs eagerly, at several times a replay's host time.
+        piecewise: run the eager steps (prefill chunks, mixed prefill + decode steps, decode steps no graph above
+            covers) as piecewise CUDA graphs: token-wise segments replayed around eager attention cores
+            (`trtllm_glm.runtime.piecewise`, docs/gpu.md). ``TRTLLM_GLM_PIECEWISE=1`` / ``0`` overrides it.
+        piecewise_max_num_tokens: largest padded token count captured piecewise (0: the executor's
+            ``max_num_tokens``); larger steps run eagerly. The carry buffers take about this many rows times
+            ~200 KB at the real geometry (`PiecewiseStats.carry_bytes`).
 
     Sizes above the executor's ``max_batch_size``, or whose rows (``size * width``) exceed its
     ``max_num_tokens``, are dropped for that executor. Graphs only run on CUDA; elsewhere the config is
@@ -101,8 +107,15 @@ class CudaGraphConfig:
     batch_sizes: list[int] | None = None
     max_batch_size: int = 0
     enable_padding: bool = True
+    piecewise: bool = False
+    piecewise_max_num_tokens: int = 2048
 
     def __post_init__(self) -> None:
+        if not isinstance(self.piecewise, bool):
+            raise ValueError(f"cuda_graph_config.piecewise must be a bool, got {self.piecewise!r}")
+        pmt = self.piecewise_max_num_tokens
+        if isinstance(pmt, bool) or not isinstance(pmt, int) or pmt < 0:
+            raise ValueError(f"cuda_graph_config.piecewise_max_num_tokens must be an int >= 0, got {pmt!r}")
         mbs = self.max_batch_size
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
             raise ValueError(f"cuda_graph_config.max_batch_size must be an int >= 0, got {mbs!r}")

@@ -29,6 +29,7 @@ from .cuda_graph import (
     HostResults,
     greedy_and_gap,
 )
+from .piecewise import PiecewiseRunner, piecewise_enabled
 from .prefill_memory import check_step_rows, prefill_workspace_bytes
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
@@ -157,6 +158,16 @@ class Executor:
                 cfg.cuda_graph_config,
                 self._graph_widths(),
                 self._prepare_graph_step,
+                emulate=self.device.type != "cuda",
+            )
+        # Eager steps (prefill chunks, mixed steps) as token-wise graph segments around eager attention cores.
+        self.piecewise: PiecewiseRunner | None = None
+        if self._use_graphs and piecewise_enabled(cfg.cuda_graph_config):
+            assert cfg.cuda_graph_config is not None
+            self.piecewise = PiecewiseRunner(
+                model,
+                max_num_tokens=cfg.max_num_tokens,
+                max_tokens=cfg.cuda_graph_config.piecewise_max_num_tokens,
                 emulate=self.device.type != "cuda",
             )
         self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
@@ -529,6 +540,8 @@ class Executor:
         """Capture every graph now (otherwise each is captured on its first use). No-op without graphs."""
         if self.graph_runner is not None:
             self.graph_runner.capture_all()
+        if self.piecewise is not None:
+            self.piecewise.capture_all()
 
     def _prepare_graph_step(self, plan: list[ScheduledSeq], P: int, W: int) -> None:
         """Describe ``plan`` (uniform width ``W``) padded to ``P`` sequences on the padding slot."""
@@ -587,9 +600,14 @@ class Executor:
             num_decode_seqs=n_dec,
         )
         self._before_forward(plan)
-        input_ids = to_device(ids, self.device, torch.int64)
-        with torch.inference_mode():
-            hidden = self.model(input_ids, self.meta, self.manager)
+        pw = self.piecewise
+        if pw is not None and pw.applies(self.meta):
+            with torch.inference_mode():
+                hidden = pw.forward(ids, self.meta, self.manager)
+        else:
+            input_ids = to_device(ids, self.device, torch.int64)
+            with torch.inference_mode():
+                hidden = self.model(input_ids, self.meta, self.manager)
         self._record_prompt(plan, hidden)
         return hidden
 

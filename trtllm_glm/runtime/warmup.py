@@ -16,6 +16,9 @@ through the executor itself (the same code path as serving):
    contexts; the indexer's top-k widths follow the context);
 5. sampling: seeded temperature / top-p / top-k requests and logprobs.
 
+With piecewise CUDA graphs (`CudaGraphConfig.piecewise`) every bucket's segment graphs are captured first
+(`PiecewiseRunner.capture_all`), so that the eager steps of the phases, and of serving, replay them.
+
 Prefix caching stays on while it runs (its chunk cuts at page boundaries and checkpoint restores are steps a
 served request takes: H100, a warm-up without them left the KDA conv's continued-chunk kernels to compile
 while serving); afterwards the prefix cache starts empty (the synthetic prompts' sealed pages go back to the
@@ -118,6 +121,8 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
     runner = ex.graph_runner
     eager0 = runner.stats.eager_steps if runner is not None else 0
     replays0 = runner.stats.replays if runner is not None else 0
+    pw_fields = ("steps", "eager_steps", "replays", "eager_segments")
+    pw0 = {k: getattr(ex.piecewise.stats, k) for k in pw_fields} if ex.piecewise is not None else {}
 
     def prompt(n: int) -> list[int]:
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
@@ -209,6 +214,9 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
 
     phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
               ("contexts", phase_contexts), ("sampling", phase_sampling)]  # fmt: skip
+    if ex.piecewise is not None:
+        # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
+        ex.piecewise.capture_all()
     try:
         # No inference_mode here: buffers the executor allocates lazily in its first steps (pinned read-back
         # buffers) would become inference tensors that later steps, outside the mode, cannot write.
@@ -233,6 +241,9 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
             setattr(ex, k, v)
         if runner is not None:
             runner.stats.eager_steps, runner.stats.replays = eager0, replays0
+        if ex.piecewise is not None:  # (its captures, capture time and memory stay counted)
+            for k, v in pw0.items():
+                setattr(ex.piecewise.stats, k, v)
         policy = getattr(ex, "draft_policy", None)
         if policy is not None:
             # The adaptive draft length starts afresh: the warm-up's rounds were timed with compiles in them and

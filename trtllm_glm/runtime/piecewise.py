@@ -1,0 +1,426 @@
+"""Piecewise CUDA graphs of the eager steps (issue 42 item 2): prefill chunks, mixed prefill + decode steps, and
+decode steps no full graph covers.
+
+A full CUDA graph (`cuda_graph.CudaGraphRunner`) needs a step whose shape the host knows in advance (every
+sequence one row, or ``1 + K`` rows); a step with a prefill chunk in it runs eagerly, hundreds of launches per
+layer. Most of those launches are token-wise: row ``i`` of their output depends on row ``i`` of their input only
+(mHC collapse and expansion, the norms, every projection, the KDA gate, the FFN / MoE, the final norm). Only the
+attention cores read the step's layout or the caches. So, as vLLM does, the forward is cut at the cores:
+
+    segment 0:      embed, layer 0's attention input side (mHC pre, input norm, KDA projections)
+    core 0:         layer 0's attention core (eager)
+    segment k:      layer k-1's attention output side (KDA gated norm + o_proj, all-reduce, mHC post), its FFN
+                    block (mHC pre, norm, MLP / MoE, all-reduce, mHC post), layer k's attention input side
+    core k:         ...
+    segment L:      layer L-1's output side and FFN block, the stream mean and the final norm
+
+Each segment is captured once per (segment, padded token count ``T``) and replayed; the cores run eagerly between
+them on the step's ``n`` real rows. ``T`` is the smallest bucket (`piecewise_buckets`: powers of two up to 256,
+then multiples of 256) holding ``n``. A step of ``L`` layers is ``L + 1`` replays plus the cores' launches.
+
+Carry buffers: what crosses a segment boundary lives in persistent buffers of ``max_tokens`` rows (made once, at
+the first eager run of the segment that writes them; never reallocated, so graphs read fixed addresses), shared
+by every bucket (bucket ``T`` uses rows ``:T``) and every layer. A segment never writes a buffer it reads: the
+values a layer's output side reads back (streams, normed input, mHC weights, the output gate's input) alternate
+between two buffers by layer parity. So a segment is a pure function of its inputs and may run twice (its
+warm-up and its capture happen in the middle of the step that first needs it). A segment's results are copied
+into the carry buffers at its end; nothing the graphs allocate outlives a replay, so every graph shares one
+memory pool and it holds one segment's working memory, not one per graph. Memory: `PiecewiseStats`.
+
+Padding rows ``n .. T - 1``: input ids 0, ``row_live`` 0 (the MoE computes no routed expert for them), the core
+outputs whatever an earlier step left there. Token-wise segments never mix rows, so real rows are unaffected;
+nothing reads padding rows' outputs (cores and the returned hidden take rows ``:n``).
+
+Numerics: the same ops as the eager forward on the same real rows, but the token-wise kernels see ``T`` rows where
+the eager step has ``n``: a kernel that chooses its launch (GEMM algorithm, MoE tiles) from the row count may round
+differently (greedy tokens agree but for near ties, as for the full graphs' padding). In the batch-invariant mode
+(`trtllm_glm.numerics`) no launch depends on the row count, so piecewise steps equal eager ones bit for bit; the
+runner still stays off there unless built with ``allow_batch_invariant=True`` until a GPU run of
+``test_piecewise_gpu.py`` has shown it.
+
+Not covered (eager as before): steps with speculative verify sequences (the KDA verify records keep views of the
+conv inputs until the commit), steps above the largest bucket, and the LM head (the rows a step samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..attention.metadata import HostStaging
+from ..graph_capture import GraphCaptureError, capture_graph, capture_session
+from ..numerics import batch_invariant
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "PIECEWISE_ENV",
+    "PiecewiseRunner",
+    "PiecewiseStats",
+    "piecewise_buckets",
+    "piecewise_enabled",
+    "piecewise_from_env",
+]
+
+PIECEWISE_ENV = "TRTLLM_GLM_PIECEWISE"
+# Values of a layer's output side read back by the next segment: two buffers each, by layer parity (module doc).
+_BY_PARITY = frozenset({"h", "x", "post", "comb", "ga"})
+
+
+def piecewise_from_env() -> bool | None:
+    """``TRTLLM_GLM_PIECEWISE``: ``1`` / ``0`` (on / off, true / false, yes / no) overrides
+    `CudaGraphConfig.piecewise`; unset or empty: ``None`` (the config decides).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get(PIECEWISE_ENV, "").strip().lower()
+    if raw == "":
+        return None
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{PIECEWISE_ENV} must be 1 or 0, got {raw!r}")
+
+
+def piecewise_enabled(config: Any) -> bool:
+    """Whether an executor with CUDA-graph config ``config`` (None: graphs off) runs eager steps piecewise:
+    `piecewise_from_env` when set, else ``config.piecewise``."""
+    if config is None:
+        return False
+    env = piecewise_from_env()
+    return bool(config.piecewise) if env is None else env
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts captured up to ``max_tokens``: 1, 2, 4 .. 256, then multiples of 256, and
+    ``max_tokens`` itself (every count up to it has a bucket; padding wastes under half the rows up to 256
+    and under 256 rows above, where a step's GPU time is large anyway)."""
+    if max_tokens < 1:
+        return []
+    out = []
+    p = 1
+    while p <= min(256, max_tokens):
+        out.append(p)
+        p *= 2
+    out += list(range(512, max_tokens + 1, 256))
+    if out[-1] != max_tokens:
+        out.append(max_tokens)
+    return out
+
+
+@dataclass
+class PiecewiseStats:
+    """Counters of a `PiecewiseRunner`.
+
+    Attributes:
+        steps: forwards run piecewise.
+        eager_steps: forwards the executor ran whole and eagerly instead (no bucket, verify rows, mode).
+        replays: segment graph replays.
+        eager_segments: segments run eagerly (emulation, or a capture that failed).
+        captures: segment graphs captured.
+        capture_s: wall seconds spent warming up and capturing them.
+        pool_bytes: growth of the device memory reserved while capturing (the graphs' shared pool and the
+            warm-ups' cached blocks: an upper bound of what the graphs hold).
+        carry_bytes: bytes of the carry buffers (input ids, row flags, what crosses segment boundaries).
+        failed: (segment, bucket) whose capture raised, with the error; that segment runs eagerly.
+    """
+
+    steps: int = 0
+    eager_steps: int = 0
+    replays: int = 0
+    eager_segments: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+    carry_bytes: int = 0
+    failed: dict[tuple[int, int], str] = field(default_factory=dict)
+
+
+class PiecewiseRunner:
+    """Runs the trunk forward as token-wise segment graphs around eager attention cores (module docstring).
+
+    Args:
+        model: the target model (`Glm5NextForCausalLM`; every trunk layer mHC-wrapped).
+        max_num_tokens: the executor's flat rows per step; the largest bucket is ``min(max_num_tokens,
+            max_tokens)``.
+        max_tokens: cap on the buckets (0: ``max_num_tokens``); larger steps run eagerly.
+        buckets: explicit bucket sizes (ascending after sorting; default `piecewise_buckets`).
+        emulate: run each padded segment eagerly on the carry buffers instead of capturing (tests on the CPU),
+            twice the first time (a capture's warm-up runs it once before, in the middle of the step); everything
+            else is as on the GPU.
+        allow_batch_invariant: run piecewise in the batch-invariant mode too (module docstring).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_num_tokens: int,
+        max_tokens: int = 0,
+        buckets: Sequence[int] | None = None,
+        emulate: bool = False,
+        allow_batch_invariant: bool = False,
+    ) -> None:
+        self.model = model
+        self.layers = list(model.model.layers)  # type: ignore[union-attr]
+        if any(not layer.use_mhc for layer in self.layers):
+            raise ValueError("piecewise graphs need mHC-wrapped trunk layers")
+        self.device = next(model.parameters()).device
+        top = min(max_num_tokens, max_tokens) if max_tokens > 0 else max_num_tokens
+        sizes = sorted(set(buckets)) if buckets is not None else piecewise_buckets(top)
+        if not sizes or sizes[0] < 1 or sizes[-1] > max_num_tokens:
+            raise ValueError(f"piecewise buckets must lie in [1, {max_num_tokens}], got {sizes}")
+        self.buckets = sizes
+        self.max_tokens = sizes[-1]
+        self.emulate = emulate
+        self.allow_batch_invariant = allow_batch_invariant
+        self.enabled = emulate or (self.device.type == "cuda" and torch.cuda.is_available())
+        self.stats = PiecewiseStats()
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.pool: Any = None
+        # Carry buffers by (name, parity or -1, row shape, dtype), and which one each (layer, value) uses.
+        self._carry: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._where: dict[tuple[int, str], tuple[Any, ...]] = {}
+        self._capturing = False
+        self._emulated: set[tuple[int, int]] = set()
+        cuda = self.device.type == "cuda"
+        with torch.inference_mode(False):
+            self._ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+            self._live = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+        self.stats.carry_bytes = 2 * self.max_tokens * 8
+        self._staging = HostStaging({"ids": ((self.max_tokens,), torch.int64)}, pin_memory=cuda)
+
+    # --------------------------------------------------------------------------------------------
+    @property
+    def num_segments(self) -> int:
+        return len(self.layers) + 1
+
+    def bucket(self, n: int) -> int | None:
+        """The padded token count of a step of ``n`` rows, or None (too large: eager)."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def applies(self, meta: Any) -> bool:
+        """Whether the prepared step ``meta`` runs piecewise (counts the ones that do not in ``eager_steps``)."""
+        ok = (
+            self.enabled
+            and meta.num_tokens > 0
+            and not meta.spec.verify_seqs
+            and self.bucket(meta.num_tokens) is not None
+            and (self.allow_batch_invariant or not batch_invariant())
+        )
+        if not ok:
+            self.stats.eager_steps += 1
+        return ok
+
+    # --------------------------------------------------------------------------------------------
+    # Carry buffers
+    def _put(self, layer: int, name: str, t: torch.Tensor) -> None:
+        """Copy ``t [m, ...]`` into rows ``:m`` of ``(layer, name)``'s carry buffer (made at first sight)."""
+        key = (name, layer % 2 if name in _BY_PARITY else -1, tuple(t.shape[1:]), t.dtype)
+        seen = self._where.get((layer, name))
+        if seen is None:
+            self._where[(layer, name)] = key
+        elif seen != key:
+            # A graph captured earlier reads the buffer recorded first: a new one would go unseen.
+            raise RuntimeError(f"piecewise: layer {layer}'s {name} changed from {seen[2:]} to {key[2:]}")
+        self._slot(key)[: t.shape[0]].copy_(t)
+
+    def _slot(self, key: tuple[Any, ...]) -> torch.Tensor:
+        buf = self._carry.get(key)
+        if buf is None:
+            if self._capturing:  # (a warm-up run always precedes a capture: never reached)
+                raise RuntimeError(f"piecewise: carry buffer {key[:2]} first seen inside a capture")
+            with torch.inference_mode(False):  # normal tensors: written in place by every later step
+                buf = torch.zeros((self.max_tokens, *key[2]), dtype=key[3], device=self.device)
+            self._carry[key] = buf
+            self.stats.carry_bytes += buf.numel() * buf.element_size()
+        return buf
+
+    def _take(self, layer: int, name: str, rows: int) -> torch.Tensor | None:
+        """Rows ``:rows`` of ``(layer, name)``'s carry buffer; None if that value was never written."""
+        key = self._where.get((layer, name))
+        return None if key is None else self._slot(key)[:rows]
+
+    def _expect_core(self, layer: int) -> None:
+        """Record the buffer layer ``layer``'s core writes before any core ran (start-up capture): KDA's ``o [H,
+        V]`` fp32, sparse MLA's output in its input's dtype (checked by `_put` when a real core writes it)."""
+        if (layer, "core") in self._where:
+            return
+        lay = self.layers[layer]
+        x = self._where[(layer, "x")]
+        if lay.is_sparse:
+            key = ("core", -1, x[2], x[3])
+        else:
+            key = ("core", -1, (lay.self_attn.num_heads, lay.self_attn.head_v_dim), torch.float32)
+        self._where[(layer, "core")] = key
+
+    # --------------------------------------------------------------------------------------------
+    # The pieces
+    def _segment(self, k: int, T: int) -> None:
+        """Segment ``k`` on ``T`` rows of the carry buffers (token-wise only: graph-safe)."""
+        L = len(self.layers)
+        if k == 0:
+            e = self.model.model.embed_tokens(self._ids[:T])  # type: ignore[union-attr]
+            h = e.unsqueeze(1).expand(-1, self.model.config.hc_mult, -1).contiguous()  # type: ignore[union-attr]
+        else:
+            lay, j = self.layers[k - 1], k - 1
+            h, x, post, comb = (self._take(j, n, T) for n in ("h", "x", "post", "comb"))
+            a = lay.attn_out(x, self._take(j, "core", T), self._take(j, "ga", T))
+            h = lay.ffn_block(lay.attn_post(h, a, post, comb), self._live[:T])
+        if k == L:
+            self._put(k, "out", self.model.model.norm(h.mean(dim=1)))  # type: ignore[union-attr]
+            return
+        lay = self.layers[k]
+        x_in, post, comb = lay.attn_pre(h)
+        x, inputs = lay.attn_in(x_in)
+        for name, t in (("h", h), ("x", x), ("post", post), ("comb", comb)):
+            self._put(k, name, t)
+        if inputs:
+            kx, g, beta, ga = inputs
+            for name, t in (("kx", kx), ("kg", g), ("kbeta", beta), ("ga", ga)):
+                if t is not None:
+                    self._put(k, name, t)
+
+    def _core(self, k: int, n: int, meta: Any, manager: Any) -> None:
+        """Layer ``k``'s attention core on the ``n`` real rows, eagerly; its output into the carry."""
+        lay = self.layers[k]
+        x = self._take(k, "x", n)
+        inputs: tuple = ()
+        if not lay.is_sparse:
+            inputs = tuple(self._take(k, name, n) for name in ("kx", "kg", "kbeta", "ga"))
+        self._put(k, "core", lay.attn_core(x, inputs, meta, manager))
+
+    def _run_segment(self, k: int, T: int) -> None:
+        key = (k, T)
+        g = self.graphs.get(key)
+        if g is None and not self.emulate and key not in self.stats.failed and self._try_capture(key):
+            g = self.graphs[key]
+        if g is None:
+            if self.emulate and key not in self._emulated:
+                # What a capture runs first (its warm-up): the segment twice on the same buffers, as on the GPU.
+                self._emulated.add(key)
+                self._segment(k, T)
+            self._segment(k, T)
+            self.stats.eager_segments += 1
+        else:
+            g.replay()
+            self.stats.replays += 1
+
+    # --------------------------------------------------------------------------------------------
+    def forward(self, input_ids: Sequence[int] | torch.Tensor, meta: Any, manager: Any) -> torch.Tensor:
+        """The trunk forward of the prepared step ``meta`` (as ``model(input_ids, meta, manager)``), piecewise.
+
+        Args:
+            input_ids: ``[n]`` token ids (a host list: copied with the padding in one transfer; or a tensor).
+            meta: the step's metadata (`applies` true), ``n = meta.num_tokens`` rows.
+            manager: the target cache manager.
+
+        Returns:
+            Final hidden ``[n, D]``: a view of a carry buffer, valid until the next piecewise step.
+        """
+        n = meta.num_tokens
+        T = self.bucket(n)
+        if T is None or len(input_ids) != n:
+            raise ValueError(f"piecewise step of {len(input_ids)} ids for {n} rows (buckets up to {self.max_tokens})")
+        manager.state.discard_pending()  # as the model's forward: a step that raised must not be committed
+        self.model._check_comm()  # type: ignore[union-attr]
+        self._fill(input_ids, n, T, meta)
+        L = len(self.layers)
+        missing = not self.emulate and any((k, T) not in self.graphs for k in range(L + 1))
+        with capture_session() if missing else contextlib.nullcontext():
+            for k in range(L + 1):
+                self._run_segment(k, T)
+                if k < L:
+                    self._core(k, n, meta, manager)
+        self.stats.steps += 1
+        out = self._take(L, "out", n)
+        assert out is not None
+        return out
+
+    def _fill(self, input_ids: Sequence[int] | torch.Tensor, n: int, T: int, meta: Any) -> None:
+        """Input ids (padding 0) and row flags (padding 0: dead for the MoE) into rows ``:T``."""
+        if isinstance(input_ids, torch.Tensor):
+            self._ids[:n].copy_(input_ids)
+            self._ids[n:T].zero_()
+        else:
+            host = self._staging.acquire()["ids"]
+            arr = self._staging.arrays()["ids"]
+            arr[:n] = input_ids
+            arr[n:T] = 0
+            self._ids[:T].copy_(host[:T], non_blocking=True)
+            self._staging.release()
+        self._live[:n].copy_(meta.row_live_t)
+        self._live[n:T].zero_()
+
+    # --------------------------------------------------------------------------------------------
+    # Capture
+    def capture_pool(self) -> Any:
+        """The memory pool every segment graph shares (made on first use, and again after a failed capture)."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
+
+    def _try_capture(self, key: tuple[int, int]) -> bool:
+        try:
+            self._capture(key)
+        except Exception as e:  # noqa: BLE001 - a failed capture must leave the segment runnable eagerly
+            self.stats.failed[key] = f"{type(e).__name__}: {e}"
+            if isinstance(e, GraphCaptureError):
+                self.pool = None
+            logger.warning("piecewise CUDA graph of (segment %d, %d tokens) failed, running it eagerly: %s", *key, e)
+            return False
+        return True
+
+    def _capture(self, key: tuple[int, int]) -> None:
+        """Warm up segment ``key[0]`` at ``key[1]`` rows on the carry buffers as they are (a side stream: Triton
+        compiles, cuBLAS set-up, first-sight buffers), then capture it. Pure in its inputs: safe mid-step."""
+        k, T = key
+        dev = self.device
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(dev)
+        cur = torch.cuda.current_stream(dev)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            self._segment(k, T)
+        cur.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        self._capturing = True
+        try:
+            with capture_graph(graph, pool=self.capture_pool()):
+                self._segment(k, T)
+        finally:
+            self._capturing = False
+        self.graphs[key] = graph
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(dev) - before)
+
+    def capture_all(self, buckets: Sequence[int] | None = None) -> None:
+        """Capture every segment of ``buckets`` (default all) now, at start-up, rather than on first use. The carry
+        buffers hold whatever they hold (zeros at first): segments are pure, and no cache or state is touched."""
+        if self.emulate or not self.enabled:
+            return
+        L = len(self.layers)
+        with torch.inference_mode(), capture_session():
+            for T in buckets if buckets is not None else self.buckets:
+                for k in range(L + 1):
+                    if k > 0:
+                        if (k - 1, "x") not in self._where:
+                            break  # the segment before never ran (its capture failed): first use tries again
+                        self._expect_core(k - 1)
+                    if (k, T) not in self.graphs and (k, T) not in self.stats.failed:
+                        self._try_capture((k, T))
+        torch.cuda.synchronize(self.device)
