@@ -237,7 +237,7 @@ class Executor:
         grammar = None
         if params.guided_decoding is not None:
             if self.grammar_compiler is None:
-                raise ValueError("guided_decoding needs a tokenizer's vocabulary: this executor has no grammar_compiler")
+                raise ValueError("guided_decoding needs a vocabulary: this executor has no grammar_compiler")
             grammar = self.grammar_compiler.matcher(params.guided_decoding, params.stop_ids(self.config.eos_token_ids))
         rid = next(self._ids)
         gen = None
@@ -703,7 +703,8 @@ class Executor:
             constrained = [j for j, r in enumerate(reqs) if r.has_grammar]
             if constrained:  # (never a step launched ahead: its tokens were chosen on the device)
                 choose = self._constrain(logits, [(reqs[j], j, []) for j in constrained])
-                for j, (t, gp, _) in zip(constrained, greedy_and_gap(choose[to_device(constrained, self.device)]).tolist()):
+                packed_c = greedy_and_gap(choose[to_device(constrained, self.device)]).tolist()
+                for j, (t, gp, _) in zip(constrained, packed_c):
                     greedy[j], gaps[j] = int(t), gp
             out = self._step_out
             if (out is not None and out.chosen) or all(r.params.greedy for r in reqs):

@@ -248,8 +248,8 @@ class GrammarCompiler:
             src = self._source(params)
             err = llg.LLMatcher.validate_grammar(src, tok)
             if err and not err.startswith("WARNING"):
-                what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex"}.get(params.kind, "grammar")
-                raise ValueError(f"invalid {what}: {err.strip()}")
+                what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex"}
+                raise ValueError(f"invalid {what.get(params.kind, 'grammar')}: {err.strip()}")
             m = llg.LLMatcher(tok, src, log_level=0)
             if m.is_error():
                 raise ValueError(f"invalid {params.kind}: {m.get_error()}")
@@ -335,7 +335,9 @@ def _executor() -> Any:
     return _EXECUTOR
 
 
-def fill_bitmasks(items: Sequence[tuple[RequestGrammar, int, Sequence[int]]], num_rows: int, vocab_size: int) -> torch.Tensor:
+def fill_bitmasks(
+    items: Sequence[tuple[RequestGrammar, int, Sequence[int]]], num_rows: int, vocab_size: int
+) -> torch.Tensor:
     """Host bitmasks of a step's grammar rows, computed in parallel across requests.
 
     Args:
