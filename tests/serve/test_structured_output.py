@@ -17,11 +17,9 @@ import openai
 import pytest
 import uvicorn
 
-pytest.importorskip("llguidance")
-
-from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig  # noqa: E402
-from trtllm_glm.serve.app import build_app  # noqa: E402
-from trtllm_glm.serve.engine import AsyncEngine  # noqa: E402
+from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.serve.app import build_app
+from trtllm_glm.serve.engine import AsyncEngine
 
 pytestmark = pytest.mark.cpu_only
 
@@ -193,8 +191,8 @@ def test_named_and_required_tool_choice_return_valid_calls(clients) -> None:
                                   tool_choice={"type": "function", "function": {"name": "now"}})  # fmt: skip
     assert [_args(t) for t in r.choices[0].message.tool_calls] == [("now", {})]
     # required (under MTP): one call (parallel_tool_calls false) of one of the tools, valid.
-    r = clients["mtp"].chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required", max_tokens=400,
-                                  temperature=0, parallel_tool_calls=False)  # fmt: skip
+    r = clients["mtp"].chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="required",
+                                               max_tokens=400, temperature=0, parallel_tool_calls=False)  # fmt: skip
     (call,) = r.choices[0].message.tool_calls
     name, args = _args(call)
     assert name in ("get_weather", "now") and valid(args, TOOLS[name == "now"]["function"]["parameters"])

@@ -236,28 +236,33 @@ class GrammarCompiler:
             raise ValueError(f"invalid grammar: {e}") from None
 
     def compile(self, params: GuidedDecodingParams) -> Any:
-        """The compiled (never advanced) matcher of ``params``; raises ``ValueError`` naming what is invalid."""
+        """The compiled (never advanced) matcher of ``params``; raises ``ValueError`` naming what is invalid.
+
+        Built outside the lock (a large schema takes a while; the server compiles on a worker thread while the
+        engine thread copies cached matchers): two threads compiling one new grammar both build it, once each.
+        """
         key = params.key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-            llg = _llguidance()
             tok = self._tok()
-            src = self._source(params)
-            err = llg.LLMatcher.validate_grammar(src, tok)
-            if err and not err.startswith("WARNING"):
-                what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex"}
-                raise ValueError(f"invalid {what.get(params.kind, 'grammar')}: {err.strip()}")
-            m = llg.LLMatcher(tok, src, log_level=0)
-            if m.is_error():
-                raise ValueError(f"invalid {params.kind}: {m.get_error()}")
+        llg = _llguidance()
+        src = self._source(params)
+        err = llg.LLMatcher.validate_grammar(src, tok)
+        if err and not err.startswith("WARNING"):
+            what = {"json": "JSON schema", "json_object": "JSON schema", "regex": "regex"}
+            raise ValueError(f"invalid {what.get(params.kind, 'grammar')}: {err.strip()}")
+        m = llg.LLMatcher(tok, src, log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid {params.kind}: {m.get_error()}")
+        with self._lock:
             self.num_compiles += 1
             self._cache[key] = m
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return m
+        return m
 
     def matcher(self, params: GuidedDecodingParams, stop_ids: Iterable[int]) -> RequestGrammar:
         """A fresh `RequestGrammar` for one request (a copy of the compiled matcher).

@@ -330,7 +330,7 @@ class _Server:
             raise ApiError(400, f"{param}: structured output is not available on this server", param=param)
         try:
             await asyncio.to_thread(compiler.compile, guided)
-        except ValueError as e:
+        except (ValueError, TypeError, RuntimeError, RecursionError) as e:  # what the grammar library says of it
             raise ApiError(400, f"{param}: {e}", param=param) from None
 
     # --------------------------------------------------------------------------------------------
