@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("llguidance")
 
 from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig  # noqa: E402
+from trtllm_glm.runtime import grammar  # noqa: E402
 from trtllm_glm.runtime.grammar import (  # noqa: E402
     GrammarCompiler,
     GuidedDecodingParams,
@@ -90,7 +91,9 @@ def test_poisoned_disallowed_tokens_are_never_chosen() -> None:
         assert all(t in ids for t, ids in zip(toks, allowed))
 
 
-def test_verify_row_masks_follow_the_drafts_and_leave_the_matcher_where_it_was() -> None:
+@pytest.mark.parametrize("serial", [True, False], ids=["this-thread", "llguidance-pool"])
+def test_verify_row_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(serial, monkeypatch) -> None:
+    monkeypatch.setattr(grammar, "SERIAL_MAX", 100 if serial else 0)
     comp = _compiler()
     g = comp.matcher(GuidedDecodingParams(json=SCHEMA), [EOS])
     prefix = list(b'{"name": "ab", "age": 4')
@@ -112,6 +115,9 @@ def test_verify_row_masks_follow_the_drafts_and_leave_the_matcher_where_it_was()
     # A refused draft: the rows before it are exact (the refused one is excluded from its own row).
     bm = fill_bitmasks([(g, 0, [ord("7"), ord("x"), ord("1")])], 4, V)
     assert ord("x") not in allowed_tokens(bm[1], V) and ord("7") in allowed_tokens(bm[0], V)
+    # ... and the refused draft left the matcher usable, where it was.
+    assert not g.matcher.is_error() and torch.equal(fill_bitmasks([(g, 0, [])], 1, V)[0], before[0])
+    assert g.accept(ord("2")) and g.failed is None
 
 
 def test_eos_only_where_the_grammar_accepts_and_stop_ids_in_its_place() -> None:

@@ -24,6 +24,7 @@ then the matcher keeps the accepted tokens only (rejected drafts are rolled back
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -330,6 +331,23 @@ class RequestGrammar:
 
 
 _EXECUTOR: Any = None
+# Up to this many grammar requests in a step fill their masks on the calling thread: waking llguidance's pool
+# costs more than a few masks (its threads sleep between steps).
+SERIAL_MAX = int(os.environ.get("TRTLLM_GLM_GRAMMAR_SERIAL_MAX", "4"))
+
+
+def _fill_serial(m: Any, row: int, drafts: list[int], ptr: int, row_bytes: int) -> None:
+    """One request's rows on this thread: its state's mask, then each draft's (consumed, rolled back after)."""
+    m.unsafe_compute_mask_ptr(ptr + row * row_bytes, row_bytes)
+    n = 0
+    for t in drafts:
+        # (try_: a refused token leaves the matcher as it was; consume_token would put it in its error state)
+        if m.try_consume_tokens([t]) != 1:  # a refused draft: later rows stay all-allowed (never emitted)
+            break
+        n += 1
+        m.unsafe_compute_mask_ptr(ptr + (row + n) * row_bytes, row_bytes)
+    if n:
+        m.rollback(n)
 
 
 def _executor() -> Any:
@@ -357,17 +375,22 @@ def fill_bitmasks(
     Returns:
         ``[num_rows, ceil(vocab_size / 32)]`` int32 on the CPU; rows no item names are all-allowed.
     """
-    import llguidance.torch as llt
-
     W = bitmask_words(vocab_size)
     out = torch.full((num_rows, W), -1, dtype=torch.int32)
+    # llguidance writes row r at out + r * W * 4 bytes (its `llguidance.torch` helpers do the same, but importing
+    # that module compiles a torch function: a second at first use).
+    ptr, row_bytes = out.data_ptr(), W * 4
     live = [(g.matcher, row, list(d)) for g, row, d in items if g.failed is None]
+    if len(live) <= SERIAL_MAX:
+        for m, row, d in live:
+            _fill_serial(m, row, d, ptr, row_bytes)
+        live = []
     drafted = [x for x in live if x[2]]
     if drafted:  # (llguidance refuses an empty draft list here: those go to the plain call)
-        llt.fill_next_token_bitmask_par_with_draft_tokens(_executor(), drafted, out)
+        _executor().unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, row_bytes, num_rows)
     plain = [(m, row) for m, row, d in live if not d]
     if plain:
-        llt.fill_next_token_bitmask_par(_executor(), plain, out)
+        _executor().unsafe_compute_mask_ptr(plain, ptr, row_bytes, num_rows)
     host = out.numpy().view(np.uint32)
     for g, row, d in items:
         for r in range(row, row + 1 + len(d)):
