@@ -130,6 +130,13 @@ def clients() -> Any:
             th.join(timeout=30.0)
 
 
+def _nested(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
 def _schema_format(name: str) -> dict:
     return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
 
@@ -204,6 +211,11 @@ def test_invalid_schemas_are_400s_naming_the_problem(clients) -> None:
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, "objectx"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[a-"}}},
          "regex"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/defs/a"}}}, "'/defs/a' does not"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
+                                                                         "maximum": 1}}}, "Unsatisfiable"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": False}}, "matches no output"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(400)}}, "recursion limit"),
         ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "json_schema.name"),
         ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "json_schema.schema"),
         ({"type": "json_schema"}, "json_schema is required"),

@@ -45,6 +45,13 @@ SCHEMA = {
 }  # fmt: skip
 
 
+def _nested(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
 def _compiler() -> GrammarCompiler:
     return GrammarCompiler(ByteTokenizer(V, 256, EOS, 258), V, [EOS])
 
@@ -142,6 +149,8 @@ def test_compile_once_per_distinct_grammar_and_errors_name_the_problem() -> None
         (GuidedDecodingParams(json={"type": "objectx"}), "invalid JSON schema.*objectx"),
         (GuidedDecodingParams(regex="[a-"), "invalid regex"),
         (GuidedDecodingParams(grammar="start: nope"), "invalid grammar"),
+        (GuidedDecodingParams(json="false"), "matches no output"),
+        (GuidedDecodingParams(json=_nested(990)), "nested too deeply"),  # (Python's own recursion limit)
     ):
         with pytest.raises(ValueError, match=match):
             comp.compile(params)

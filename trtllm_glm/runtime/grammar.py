@@ -92,6 +92,8 @@ class GuidedDecodingParams:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise ValueError(f"guided_decoding.json: not valid JSON text ({e})") from None
+                except RecursionError:
+                    raise ValueError("guided_decoding.json: nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"guided_decoding.json: a JSON schema is an object, got {type(schema).__name__}")
         for name in ("regex", "grammar"):
@@ -225,8 +227,13 @@ class GrammarCompiler:
     def _source(self, p: GuidedDecodingParams) -> str:
         llg = _llguidance()
         if p.kind in ("json", "json_object"):
+            schema = p.schema()
+            if schema is False:
+                raise ValueError("invalid JSON schema: false matches no output")
             try:
-                return llg.LLMatcher.grammar_from_json_schema(json.dumps(p.schema()), defaults=JSON_DEFAULTS)
+                return llg.LLMatcher.grammar_from_json_schema(
+                    json.dumps({} if schema is True else schema), defaults=JSON_DEFAULTS
+                )
             except ValueError as e:
                 raise ValueError(f"invalid JSON schema: {e}") from None
         if p.kind == "regex":
@@ -242,7 +249,10 @@ class GrammarCompiler:
         Built outside the lock (a large schema takes a while; the server compiles on a worker thread while the
         engine thread copies cached matchers): two threads compiling one new grammar both build it, once each.
         """
-        key = params.key()
+        try:
+            key = params.key()
+        except RecursionError:
+            raise ValueError("invalid JSON schema: nested too deeply") from None
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
