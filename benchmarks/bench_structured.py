@@ -15,6 +15,8 @@ scheduler on, as served):
 
 ``masks`` needs no model: ``--batch`` matchers of that schema walk random allowed tokens (on the host) and each
 step's masks are filled for all of them (`grammar.fill_bitmasks`); ``fill_ms`` is the median per step.
+``masks-serial`` / ``masks-pool`` force the masks onto the calling thread or llguidance's thread pool
+(`grammar.SERIAL_MAX`; the default picks the thread up to 16 requests).
 
 Per mode the row gives ``step_ms`` and, under a grammar, ``mask_fill_ms`` (host: llguidance's masks) and
 ``mask_apply_ms`` (host time of `Executor._constrain` beyond the fill: the copy, the mask's upload and the
@@ -101,9 +103,13 @@ def eos_ids(tok: Any, cfg: Glm5NextConfig) -> list[int]:
     return [tok._tok.token_to_id("<|special_0|>")]
 
 
-def run_masks(tok: Any, cfg: Glm5NextConfig, args: argparse.Namespace) -> dict[str, Any]:
+def run_masks(tok: Any, cfg: Glm5NextConfig, args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """Mask filling alone: ``--batch`` requests' matchers, advanced one random allowed token per step."""
+    from trtllm_glm.runtime import grammar
     from trtllm_glm.runtime.grammar import allowed_tokens, fill_bitmasks
+
+    default = grammar.SERIAL_MAX
+    grammar.SERIAL_MAX = {"masks-serial": 1 << 20, "masks-pool": 0}.get(mode, default)
 
     comp = GrammarCompiler(tok, cfg.vocab_size, eos_ids(tok, cfg))
     t = time.perf_counter()
@@ -122,7 +128,8 @@ def run_masks(tok: Any, cfg: Glm5NextConfig, args: argparse.Namespace) -> dict[s
             ok = allowed_tokens(bm[i], cfg.vocab_size)
             g.accept(ok[int(torch.randint(len(ok), (1,), generator=rng))])
         walk += time.perf_counter() - t
-    return {"mode": "masks", "batch": args.batch, "vocab": cfg.vocab_size, "compile_s": compile_s,
+    grammar.SERIAL_MAX = default
+    return {"mode": mode, "batch": args.batch, "vocab": cfg.vocab_size, "compile_s": compile_s,
             "fill_ms": 1e3 * statistics.median(fills), "fill_ms_max": 1e3 * max(fills),
             "grammar_ok_share": sum(g.failed is None for g in gs) / len(gs)}  # fmt: skip
 
@@ -223,7 +230,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--gen", type=int, default=64)
-    ap.add_argument("--modes", nargs="+", default=["free", "json", "ngram", "ngram-json"])
+    ap.add_argument("--modes", nargs="+", default=["masks-serial", "masks-pool", "free", "json", "ngram", "ngram-json"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--cache", default="/tmp")
@@ -236,12 +243,14 @@ def main() -> None:
         cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
         cfg.num_nextn_predict_layers = max(1, cfg.num_nextn_predict_layers)
         tok = HFTokenizer(stand_in_tokenizer(cfg, args.cache), cfg)
-        model = random_model(cfg, args.device, args.dtype, seed=0) if set(args.modes) - {"masks"} else None
+        timed = [m for m in args.modes if not m.startswith("masks")]
+        model = random_model(cfg, args.device, args.dtype, seed=0) if timed else None
     else:  # a shipped preset (small: trained weights, the byte tokenizer)
         model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device=args.device).eval()
         cfg = model.config
         tok = load_tokenizer(args.preset, cfg)
-    rows = [run_masks(tok, cfg, args) if m == "masks" else run_mode(model, tok, m, args) for m in args.modes]
+    rows = [run_masks(tok, cfg, args, m) if m.startswith("masks") else run_mode(model, tok, m, args)
+            for m in args.modes]  # fmt: skip
     base = {r["mode"]: r["step_ms"] for r in rows if r["mode"] in ("free", "ngram")}
     for r in rows:
         ref = base.get("ngram" if r["mode"].startswith("ngram") else "free")

@@ -248,3 +248,76 @@ def test_grammar_requests_are_never_launched_ahead(llms) -> None:
         ex.abort_request(plain.request_id)
     finally:
         ex.cfg.overlap_scheduler = was
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ngram"])
+def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> None:
+    """With (emulated) CUDA graphs, the overlap scheduler and speculation, a batch mixing grammar and free requests
+    gives the eager plain run's tokens: grammar requests are not launched ahead, and a verify step that checks a
+    grammar request's drafts runs eagerly (a verify graph would accept them on the device, unmasked). (MTP's
+    chained draft graphs pad their batch, which the CPU's torch k-pool ops cannot run: the GPU test covers it.)"""
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+
+    model = Glm5NextForCausalLM.from_pretrained("small", device="cpu").eval()
+    tok = ByteTokenizer(V, 256, EOS, 258)
+    prompts = [list(p.encode()) for p in ("def f(x):\n    return", '{"name": "Bo", "age": 3', "import os\n", "x")]
+    small = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0,
+             "maximum": 99}, "t": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 2}},
+             "required": ["c", "n", "t"], "additionalProperties": False}  # fmt: skip
+    guided = GuidedDecodingParams(json=small)
+    # The free requests outlast the grammar ones (whose JSON ends by ~40 tokens): steps of them alone overlap.
+    params = [SamplingParams(max_tokens=60, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=70,
+              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+
+    def run(graphs: bool) -> list[list[int]]:
+        # Every batch size captured exactly (no padding rows: the torch k-pool ops the CPU runs do not skip them).
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=256,
+                             max_seq_len=128, overlap_scheduler=graphs,
+                             cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4], enable_padding=False)
+                             if graphs else None)  # fmt: skip
+        if not graphs or mode == "overlap":
+            ex = Executor(model, cfg)
+        else:
+            ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
+        ex.grammar_compiler = GrammarCompiler(tok, V, [EOS])
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ex.run_until_done()
+        if graphs:
+            assert ex.graph_runner is not None and ex.graph_runner.stats.replays > 0
+            if mode == "overlap":
+                assert ex.num_overlapped_steps > 0  # the free requests alone, after the grammar ones ended
+            else:
+                assert sum(r.num_accepted_total - r.num_verify_rounds for r in reqs if r.has_grammar) > 0
+        return [r.output_ids for r in reqs]
+
+    ref = run(False)
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    assert run(True) == ref
+    for i, out in enumerate(ref):
+        if i % 2:
+            assert _valid(json.loads(tok.decode(out)), small)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
+    """On CUDA (graphs captured, overlap scheduler on, batch-invariant numerics): a batch mixing grammar and free
+    requests gives valid JSON, and the same tokens with MTP and n-gram speculation as without."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    guided = GuidedDecodingParams(json=SCHEMA)
+    params = [SamplingParams(max_tokens=160, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=160)
+              for i in range(8)]  # fmt: skip
+    got = {}
+    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3)),
+                       ("ngram", NGramDecodingConfig(max_draft_len=4))):  # fmt: skip
+        llm = LLM("small", device="cuda", max_batch_size=8, max_seq_len=512, batch_invariant=True,
+                  speculative_config=spec)  # fmt: skip
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        for i, o in enumerate(outs):
+            if i % 2:
+                assert o.finish_reason == "stop" and _valid(json.loads(o.text), SCHEMA), (name, o.text)
+        got[name] = [o.token_ids for o in outs]
+        assert llm.executor.graph_runner is not None and llm.executor.graph_runner.stats.replays > 0
+    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]

@@ -341,9 +341,11 @@ class RequestGrammar:
 
 
 _EXECUTOR: Any = None
-# Up to this many grammar requests in a step fill their masks on the calling thread: waking llguidance's pool
-# costs more than a few masks (its threads sleep between steps).
-SERIAL_MAX = int(os.environ.get("TRTLLM_GLM_GRAMMAR_SERIAL_MAX", "4"))
+# Up to this many grammar requests in a step fill their masks on the calling thread: a JSON mask over a 155K
+# vocabulary takes ~25 µs, and waking llguidance's pool (its threads sleep between steps) cost more than 16 of
+# them on a 2-core host (1.6 ms against 0.4 ms a step; benchmarks/bench_structured.py ``masks-pool`` /
+# ``masks-serial`` measure both).
+SERIAL_MAX = int(os.environ.get("TRTLLM_GLM_GRAMMAR_SERIAL_MAX", "16"))
 
 
 def _fill_serial(m: Any, row: int, drafts: list[int], ptr: int, row_bytes: int) -> None:
