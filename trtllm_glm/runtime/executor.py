@@ -607,8 +607,8 @@ class Executor:
     def _constrain(self, logits: torch.Tensor, items: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
         """``logits`` with the rows of grammar requests masked (a copy: the raw rows stay for logprobs).
 
-        Masks are computed on the host (llguidance, in parallel across requests) and applied on the logits'
-        device in a few eager launches, outside any captured graph.
+        Masks are computed on the host (llguidance: `grammar.fill_bitmasks`) and applied on the logits' device in a
+        few eager launches, outside any captured graph (the step's graph, if any, has replayed already).
 
         Args:
             logits: ``[n, V]`` FP32 logits of the step's sampled rows.
