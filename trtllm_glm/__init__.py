@@ -16,6 +16,7 @@ _EXPORTS = {
     "CudaGraphConfig": "trtllm_glm.runtime.cuda_graph",
     "RequestOutput": "trtllm_glm.runtime.llm",
     "SamplingParams": "trtllm_glm.runtime.sampling",
+    "GuidedDecodingParams": "trtllm_glm.runtime.grammar",
     "MTPDecodingConfig": "trtllm_glm.speculative.config",
     "NGramDecodingConfig": "trtllm_glm.speculative.config",
 }
@@ -26,6 +27,7 @@ __all__ = [
     "Glm5NextCacheManager",
     "Glm5NextConfig",
     "Glm5NextForCausalLM",
+    "GuidedDecodingParams",
     "KvCacheConfig",
     "MTPDecodingConfig",
     "NGramDecodingConfig",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from .config import Glm5NextConfig
     from .models.glm5_next import Glm5NextForCausalLM
     from .runtime.cuda_graph import CudaGraphConfig
+    from .runtime.grammar import GuidedDecodingParams
     from .runtime.llm import LLM, KvCacheConfig, RequestOutput
     from .runtime.sampling import SamplingParams
     from .speculative.config import MTPDecodingConfig, NGramDecodingConfig

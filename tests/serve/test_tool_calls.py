@@ -153,11 +153,20 @@ def test_tool_messages_round_trip_and_tool_choice_checks() -> None:
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     prompt = "".join(chr(c) for c in eng.prompts[-1])
     assert "<arg_value>Oslo</arg_value>" in prompt and "sunny, 20C" in prompt
-    for choice, status in (("required", 400), ({"type": "function", "function": {"name": "now"}}, 400),
-                           ("sometimes", 400), ("auto", 200)):  # fmt: skip
+    # required / a named function are enforced by a grammar (tests/serve/test_structured_output.py); this scripted
+    # engine has no vocabulary to compile one against, and says so. Bad choices are refused by name.
+    for choice, status, says in (
+        ("required", 400, "not available"), ({"type": "function", "function": {"name": "now"}}, 400, "not available"),
+        ({"type": "function", "function": {"name": "nope"}}, 400, "'nope', which is not in tools"),
+        ({"type": "function", "name": "now"}, 400, "tool_choice must be"), ("sometimes", 400, "tool_choice must be"),
+        ("auto", 200, ""),
+    ):  # fmt: skip
         r = _post(app, {"messages": msgs[:1], "tools": TOOLS, "tool_choice": choice})
         assert r.status_code == status, r.text
         if status == 400:
-            assert r.json()["error"]["param"] == "tool_choice"
+            assert r.json()["error"]["param"] == "tool_choice" and says in r.json()["error"]["message"], r.text
+    r = _post(app, {"messages": msgs[:1], "tools": TOOLS, "tool_choice": "required",
+                    "response_format": {"type": "json_object"}})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     bad = _post(app, {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]})
     assert bad.status_code == 400 and "assistant" in bad.json()["error"]["message"]

@@ -29,6 +29,7 @@ from .cuda_graph import (
     HostResults,
     greedy_and_gap,
 )
+from .grammar import GrammarCompiler, apply_token_bitmask, fill_bitmasks
 from .piecewise import PiecewiseRunner, piecewise_enabled
 from .prefill_memory import check_step_rows, prefill_workspace_bytes
 from .prefix_cache import PrefixCache
@@ -187,6 +188,9 @@ class Executor:
         # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
         self._launched: tuple[list[ScheduledSeq], bool, bool] | None = None
         self.prefix: PrefixCache | None = self.new_prefix_cache() if cfg.enable_block_reuse else None
+        # Compiles requests' `SamplingParams.guided_decoding` against the tokenizer (set by the LLM, which owns
+        # the tokenizer; None: structured output is refused).
+        self.grammar_compiler: GrammarCompiler | None = None
 
     def new_prefix_cache(self) -> PrefixCache:
         """An empty `PrefixCache` with the configured policy (the executor's, or a fresh one after a warm-up)."""
@@ -246,11 +250,17 @@ class Executor:
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate: the limit is "
                 f"{self.max_seq_len} tokens (max_seq_len, context length and cache size)"
             )
+        grammar = None
+        if params.guided_decoding is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("guided_decoding needs a vocabulary: this executor has no grammar_compiler")
+            grammar = self.grammar_compiler.matcher(params.guided_decoding, params.stop_ids(self.config.eos_token_ids))
         rid = next(self._ids)
         gen = None
         if not params.greedy:
             gen = torch.Generator().manual_seed(params.seed if params.seed is not None else self.seed * 1_000_003 + rid)
         req = Request(rid, list(prompt_ids), params, arrival=next(self._arrivals), generator=gen, t_queued=now())
+        req.grammar = grammar
         self.waiting.append(req)
         return req
 
@@ -324,7 +334,8 @@ class Executor:
         waiting who could be admitted now (requests may wait while the batch is full: only a finish frees a
         slot, and a finish is seen at a read-back), no request that reaches its length limit with this step (a stop
         token is not known ahead: a request that stops here has its next row computed and dropped), and no per-token
-        outputs that read the logits (the next replay overwrites them). Sampled requests draw their tokens
+        outputs that read the logits (the next replay overwrites them), and no request under a grammar (its mask
+        is computed on the host from the previous token: `Request.has_grammar`). Sampled requests draw their tokens
         on the device right after the step's replay (`_choose_tokens`), in the order an ordinary step's
         read-back would, so seeded outputs are the same. Prefix caching may stay on: after a decode step it
         only seals pages that became full, and the step launched ahead writes the next position, which is
@@ -341,7 +352,7 @@ class Executor:
             return False
         for s in plan:
             r, p = s.request, s.request.params
-            if r.finished or p.logprobs is not None or p.return_generation_logits:
+            if r.finished or r.has_grammar or p.logprobs is not None or p.return_generation_logits:
                 return False
             if r.num_output + 1 >= p.max_tokens or len(r.tokens) + 1 >= self.max_seq_len:
                 return False
@@ -581,7 +592,7 @@ class Executor:
         """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
         self._step_out = None
         runner = self.graph_runner
-        if runner is not None and all(s.is_decode for s in plan):
+        if runner is not None and all(s.is_decode for s in plan) and self._graph_step_allowed(plan):
             key = runner.key([s.num_rows for s in plan])
             if key is not None:
                 ids, device_rows = self._graph_inputs(plan)
@@ -610,6 +621,32 @@ class Executor:
                 hidden = self.model(input_ids, self.meta, self.manager)
         self._record_prompt(plan, hidden)
         return hidden
+
+    def _graph_step_allowed(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether a decode step may replay a graph (the speculative executor refuses verify steps whose drafts
+        a grammar must judge: a verify graph accepts drafts on the device, before any mask)."""
+        return True
+
+    def _constrain(self, logits: torch.Tensor, items: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
+        """``logits`` with the rows of grammar requests masked (a copy: the raw rows stay for logprobs).
+
+        Masks are computed on the host (llguidance: `grammar.fill_bitmasks`) and applied on the logits' device in a
+        few eager launches, outside any captured graph (the step's graph, if any, has replayed already).
+
+        Args:
+            logits: ``[n, V]`` FP32 logits of the step's sampled rows.
+            items: per grammar request ``(request, first_row, drafts)`` (`grammar.fill_bitmasks`).
+
+        Returns:
+            ``[n, V]``: disallowed tokens of those rows at ``-inf``, other rows as they were.
+        """
+        n, V = logits.shape
+        bm = fill_bitmasks([(r.grammar, row, d) for r, row, d in items], n, V)
+        rows = [i for _, row, d in items for i in range(row, row + 1 + len(d))]
+        out = logits.clone()
+        idx = to_device(rows, logits.device)
+        out.index_copy_(0, idx, apply_token_bitmask(out.index_select(0, idx), bm[rows]))
+        return out
 
     def _record_prompt(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Context logits and prompt logprobs of the prompt rows this step computed (when asked for)."""
@@ -683,12 +720,20 @@ class Executor:
         if to_sample:
             logits, packed = self._sample_rows(hidden, [i for _, i in to_sample])
             reqs = [r for r, _ in to_sample]
+            greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
+            choose = logits
+            constrained = [j for j, r in enumerate(reqs) if r.has_grammar]
+            if constrained:  # (never a step launched ahead: its tokens were chosen on the device)
+                choose = self._constrain(logits, [(reqs[j], j, []) for j in constrained])
+                packed_c = greedy_and_gap(choose[to_device(constrained, self.device)]).tolist()
+                for j, (t, gp, _) in zip(constrained, packed_c):
+                    greedy[j], gaps[j] = int(t), gp
             out = self._step_out
             if (out is not None and out.chosen) or all(r.params.greedy for r in reqs):
-                toks = [int(p[0]) for p in packed]  # greedy, or drawn already (`_choose_tokens`)
+                toks = greedy  # greedy, or drawn already (`_choose_tokens`)
             else:
-                toks = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+                toks = self.sampler.sample(choose, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
             for j, (r, t, gp) in enumerate(zip(reqs, toks, gaps)):
                 # A slice of the logits only for requests that read them (a view costs ~2 µs per row).
                 if self._emit(r, [t], [gp], logits[j : j + 1] if r.wants_logits else None):
@@ -737,6 +782,8 @@ class Executor:
             if reason is not None:
                 req.finish_reason = reason
                 return True
+            if req.grammar is not None:
+                req.grammar.accept(int(t))  # a refused token (never chosen under the mask) leaves only the end
         return False
 
     def abort_request(self, request_id: int) -> Request | None:

@@ -23,6 +23,7 @@ from ..numerics import BATCH_INVARIANT_ENV, set_batch_invariant
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
+from .grammar import GrammarCompiler
 from .output import OutputProcessor
 from .request import FinishReason, Request
 from .sampling import Logprob, SamplingParams
@@ -364,6 +365,10 @@ class LLM:
         self.speculative_config = speculative_config
         try:
             self.executor = self._make_executor()
+            # Structured output (runtime/grammar.py): grammars compile against this tokenizer (lazily: nothing is
+            # built, nor llguidance imported, before the first request that asks for one).
+            self.executor.grammar_compiler = GrammarCompiler(self.tokenizer, self.config.vocab_size,
+                                                             self.config.eos_token_ids)  # fmt: skip
             t_graphs = time.perf_counter()
             # Every graph now, as TensorRT-LLM's warm-up does: a capture on first use stalls that request.
             self.executor.capture_cuda_graphs()
@@ -613,6 +618,12 @@ class LLM:
         check_prompt_ids(ids, self.config.vocab_size, where)
         try:
             check_request(len(ids), sp, vocab_size=self.config.vocab_size, max_seq_len=self.executor.max_seq_len)
+            if sp.guided_decoding is not None:  # compiled now (and cached), so that a bad grammar loses nothing
+                try:
+                    assert self.executor.grammar_compiler is not None
+                    self.executor.grammar_compiler.compile(sp.guided_decoding)
+                except ValueError as e:
+                    raise InvalidRequestError(f"guided_decoding: {e}", param="guided_decoding") from None
         except InvalidRequestError as e:
             msg = str(e) if e.param == "stop_token_ids" else f"{where}: {e}"
             raise InvalidRequestError(msg, param=e.param, code=e.code) from None

@@ -76,6 +76,9 @@ class Request:
     t_admitted: float | None = None
     t_first_token: float | None = None
     num_prefill_steps: int = 0
+    # Structured output: the request's `trtllm_glm.runtime.grammar.RequestGrammar` (None: unconstrained), set
+    # at `Executor.add_request` and advanced over every emitted token.
+    grammar: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -97,6 +100,13 @@ class Request:
         """Whether emitted tokens need their distributions (logprobs or generation logits)."""
         p = self.params
         return p.logprobs is not None or p.return_generation_logits
+
+    @property
+    def has_grammar(self) -> bool:
+        """Whether tokens are chosen under a grammar's mask, on the host's schedule: such a request's logits
+        rows are masked before sampling, so its step is never launched ahead (overlap scheduler) and its
+        verify rows never run as a graph that accepts drafts on the device."""
+        return self.grammar is not None
 
     @property
     def num_pending(self) -> int:

@@ -18,8 +18,17 @@ import torch
 
 from ..logits import greedy_top2
 from ..transfer import to_device
+from .grammar import GuidedDecodingParams
 
-__all__ = ["SamplingParams", "Sampler", "Logprob", "top2_gap", "make_generator", "token_logprobs"]
+__all__ = [
+    "SamplingParams",
+    "GuidedDecodingParams",
+    "Sampler",
+    "Logprob",
+    "top2_gap",
+    "make_generator",
+    "token_logprobs",
+]
 
 # Top logprobs returned per token at most (a bound so that one request cannot ask for the whole vocabulary).
 MAX_LOGPROBS = 20
@@ -60,6 +69,10 @@ class SamplingParams:
         return_context_logits: return ``[prompt_len, vocab]`` FP32 logits of the prompt rows.
         return_generation_logits: return ``[num_generated, vocab]`` FP32 logits each output token was
             chosen from.
+        guided_decoding: structured output (`GuidedDecodingParams`: a JSON schema, any JSON object, a regex
+            or a grammar): every token is chosen among those that keep the output inside it, and end of
+            sequence only where the output is complete (runtime/grammar.py). Logprobs and generation logits
+            stay those of the model's raw distribution.
     """
 
     max_tokens: int = 32
@@ -79,6 +92,7 @@ class SamplingParams:
     # reason "stop"; tokens after the one that completed it are dropped).
     n: int = 1
     stop: str | list[str] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +146,11 @@ class SamplingParams:
         for name in ("return_context_logits", "return_generation_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        g = self.guided_decoding
+        if g is not None:
+            if not isinstance(g, GuidedDecodingParams):
+                raise ValueError(f"guided_decoding must be a GuidedDecodingParams or None, got {type(g).__name__}")
+            g.validate()
 
     @property
     def stop_strings(self) -> list[str]:

@@ -32,7 +32,7 @@ from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, 
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
-from .cuda_graph import DeviceRows, padded_batch_size
+from .cuda_graph import DeviceRows, greedy_and_gap, padded_batch_size
 from .executor import Executor, ExecutorConfig
 from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
@@ -320,6 +320,11 @@ class SpeculativeExecutor(Executor):
             out.append(len(st.drafts) if st.num_proposed is None else st.num_proposed)
         return out
 
+    def _graph_step_allowed(self, plan: list[ScheduledSeq]) -> bool:
+        # A verify graph accepts drafts against the unmasked argmax on the device: a grammar request with real
+        # drafts needs its masks first, so that step runs eagerly (filler-only rows accept nothing either way).
+        return not any(s.request.has_grammar and k > 0 for s, k in zip(plan, self._proposed(plan)))
+
     def _before_forward(self, plan: list[ScheduledSeq]) -> None:
         self.meta.spec.verify_seqs = [i for i, s in enumerate(plan) if s.is_decode and s.num_rows > 1]
         # A persistent buffer (a captured verify graph reads its address), padding entries 0.
@@ -396,19 +401,34 @@ class SpeculativeExecutor(Executor):
         # replay the draws are queued before the host waits for the step's results, so the GPU runs them
         # right behind the graph instead of after the host has read it back.
         drawn = [(i, spans[i][0]) for i, s in enumerate(plan) if spans[i][1] and not s.request.params.greedy]
+        # Grammar requests: every needed row masked with the matcher's state after the drafts before it.
+        constrained = [i for i, s in enumerate(plan) if spans[i][1] and s.request.has_grammar]
         early = (
             self._draw_sampled(plan, drawn, self._step_out.logits, [need[off] for _, off in drawn])
-            if (drawn and self._step_out is not None)
+            if (drawn and self._step_out is not None and not constrained)
             else None
         )
         if need:
             logits, packed = self._sample_rows(hidden, need)
             greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
+            choose = logits
+            if constrained:
+                items = []
+                for i in constrained:
+                    st, (off, cnt) = self.state[plan[i].request.request_id], spans[i]
+                    k = 0
+                    if cnt > 1:  # verify rows: the real drafts (filler is never accepted)
+                        k = len(st.resolve()) if st.num_proposed is None else st.num_proposed
+                    items.append((plan[i].request, off, st.resolve()[:k] if k else []))
+                choose = self._constrain(logits, items)
+                rows = [j for _, off, d in items for j in range(off, off + 1 + len(d))]
+                for j, (t, gp, _) in zip(rows, greedy_and_gap(choose[to_device(rows, self.device)]).tolist()):
+                    greedy[j], gaps[j] = int(t), gp
             if drawn:
                 toks = early
                 if toks is None:
-                    toks = self._draw_sampled(plan, drawn, logits, [off for _, off in drawn])
+                    toks = self._draw_sampled(plan, drawn, choose, [off for _, off in drawn])
                 for (_, off), t in zip(drawn, toks.tolist()):
                     greedy[off] = t
 

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..errors import CapacityError
+from ..runtime.grammar import GuidedDecodingParams
 from ..runtime.sampling import MAX_STOP_STRINGS, Logprob, SamplingParams
 from ..runtime.tokenizer import NoTokenizer
 from ..runtime.validation import InvalidRequestError, check_prompt_ids, check_request, check_text
@@ -37,6 +38,7 @@ from .metrics import CONTENT_TYPE_LATEST
 from .output import TokenStrings
 from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
 from .reasoning import ReasoningParser, split_reasoning
+from .structured import StructuredRequestError, response_format_params, tool_choice_params
 from .tool_calls import ToolCallParser, check_tools, parse_tool_calls, render_tool_call
 
 __all__ = ["build_app", "ApiError"]
@@ -279,6 +281,7 @@ class _Server:
         max_tokens_param: str,
         logprobs: int | None,
         prompt_param: str = "prompt",
+        guided: GuidedDecodingParams | None = None,
     ) -> _Job:
         stop, kw = self.common(req)
         limit = self.engine.max_seq_len
@@ -298,7 +301,9 @@ class _Server:
                 if seed is not None and n > 1:
                     seed = seed + j  # distinct choices from one seed, still reproducible
                 try:
-                    sp = SamplingParams(max_tokens=mt, logprobs=logprobs, **{**kw, "seed": seed})
+                    sp = SamplingParams(
+                        max_tokens=mt, logprobs=logprobs, guided_decoding=guided, **{**kw, "seed": seed}
+                    )
                     check_request(
                         len(ids), sp, vocab_size=self.engine.vocab_size, max_seq_len=limit,
                         prompt_param=prompt_param, max_tokens_param=max_tokens_param,
@@ -314,6 +319,19 @@ class _Server:
         token_ids = bool(req.return_token_ids) or isinstance(self.tokenizer, NoTokenizer)
         return _Job(gens, [len(p) for p in prompts], req.stream, include_usage, continuous, logprobs, token_ids,
                     prompts, n)  # fmt: skip
+
+    async def check_grammar(self, guided: GuidedDecodingParams | None, param: str) -> None:
+        """Compile a request's grammar before it is queued (then cached for its generations): an invalid schema
+        or grammar is the client's error, named. Compiled off the event loop (a large schema takes a while)."""
+        if guided is None:
+            return
+        compiler = getattr(getattr(self.engine, "executor", None), "grammar_compiler", None)
+        if compiler is None:
+            raise ApiError(400, f"{param}: structured output is not available on this server", param=param)
+        try:
+            await asyncio.to_thread(compiler.compile, guided)
+        except (ValueError, TypeError, RuntimeError, RecursionError) as e:  # what the grammar library says of it
+            raise ApiError(400, f"{param}: {e}", param=param) from None
 
     # --------------------------------------------------------------------------------------------
     # Submission and collection
@@ -422,7 +440,13 @@ class _Server:
         if req.best_of is not None and req.best_of != req.n:
             raise ApiError(400, "best_of is not supported (only best_of == n)", param="best_of")
         self.check_model(req.model)
-        job = self.build_job(self.completion_prompts(req.prompt), req, req.max_tokens, "max_tokens", req.logprobs)
+        try:
+            guided = response_format_params(req.response_format)
+        except StructuredRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        prompts = self.completion_prompts(req.prompt)
+        await self.check_grammar(guided, "response_format")
+        job = self.build_job(prompts, req, req.max_tokens, "max_tokens", req.logprobs, guided=guided)
         stream = await self.submit(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
@@ -510,9 +534,7 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         self.check_model(req.model)
-        tools = self.check_tool_request(req)
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise ApiError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        tools, guided, guided_param = self.check_structured(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = []
@@ -564,10 +586,12 @@ class _Server:
         if mt is None:
             mt, mt_param = req.max_tokens, "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages")
+        await self.check_grammar(guided, guided_param)
+        job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages", guided=guided)
         stream = await self.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        parse = self.reasoning_parser is not None
+        # A constrained answer is all answer: the grammar starts at the first output token (no thinking part).
+        parse = self.reasoning_parser is not None and guided is None
         if job.stream:
             events = self._chat_events(job, stream, rid, created, prompt_text if parse else None, tools,
                                        req.parallel_tool_calls)  # fmt: skip
@@ -663,30 +687,31 @@ class _Server:
             yield event
 
     @staticmethod
-    def check_tool_request(req: ChatCompletionRequest) -> dict[str, dict] | None:
-        """The functions whose calls are parsed from the answers (``None``: no parsing), from ``tools`` and
-        ``tool_choice``. ``required`` and a named function need constrained decoding to hold for any model, which
-        is not built yet: refused, rather than asked of the model and not enforced."""
+    def check_structured(req: ChatCompletionRequest) -> tuple[dict[str, dict] | None, GuidedDecodingParams | None, str]:
+        """From ``tools``, ``tool_choice`` and ``response_format``: the functions whose calls are parsed from the
+        answers (``None``: no parsing), the grammar the answer must follow (``None``: free text) and the
+        parameter that asked for it. ``tool_choice: "required"`` and a named function are enforced by a grammar
+        of GLM's call format (serve/structured.py), so they hold for any model."""
         choice = req.tool_choice
-        if not req.tools:
-            if choice not in (None, "none", "auto"):
-                raise ApiError(400, "tool_choice needs tools", param="tool_choice")
-            return None
         try:
-            tools = check_tools(req.tools)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="tools") from None
-        if choice in (None, "auto"):
-            return tools
-        if choice == "none":
-            return None
-        if choice == "required" or isinstance(choice, dict):
-            raise ApiError(
-                400, "tool_choice 'required' and named functions are not supported yet (they need constrained "
-                "decoding); use 'auto' or 'none'", param="tool_choice",
-            )  # fmt: skip
-        raise ApiError(400, f"tool_choice must be 'auto', 'none', 'required' or a function, got {choice!r}",
-                       param="tool_choice")  # fmt: skip
+            fmt = response_format_params(req.response_format)
+            if not req.tools:
+                if choice not in (None, "none", "auto"):
+                    raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+                return None, fmt, "response_format"
+            try:
+                tools = check_tools(req.tools)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tools") from None
+            forced = tool_choice_params(choice, tools, req.parallel_tool_calls)
+        except StructuredRequestError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        if forced is not None:
+            if fmt is not None:
+                raise ApiError(400, "response_format cannot be combined with a tool_choice that forces a call",
+                               param="response_format")  # fmt: skip
+            return tools, forced, "tool_choice"
+        return (None if choice == "none" else tools), fmt, "response_format"
 
     @staticmethod
     def _raise_failed(choices: list[_Choice]) -> None:

@@ -67,6 +67,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
+    # vLLM's extension: the same structured output as chat's (json_object / json_schema).
+    response_format: dict[str, Any] | None = None
 
 
 class _ContentPart(BaseModel):

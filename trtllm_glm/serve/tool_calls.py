@@ -15,6 +15,10 @@ never closes (the output was cut) stays text.
 
 `ToolCallParser` works on streamed text: content is released as it comes, except what may be the start of a
 ``<tool_call>`` tag (held back until known), and each call is released whole when its block closes.
+
+`tool_call_grammar` writes the same format as a grammar (llguidance's Lark dialect) for ``tool_choice: "required"``
+and a named function: the answer is then one or more blocks (one with ``parallel_tool_calls: false`` or a named
+function) whose arguments follow the function's parameters schema, whatever the model would have written.
 """
 
 from __future__ import annotations
@@ -27,7 +31,15 @@ from typing import Any
 
 from .reasoning import partial_suffix
 
-__all__ = ["ToolCall", "ToolCallParser", "parse_tool_calls", "check_tools", "render_tool_call", "TOOL_PARSERS"]
+__all__ = [
+    "ToolCall",
+    "ToolCallParser",
+    "parse_tool_calls",
+    "check_tools",
+    "render_tool_call",
+    "tool_call_grammar",
+    "TOOL_PARSERS",
+]
 
 TOOL_PARSERS = ("glm45", "glm47")
 
@@ -175,3 +187,81 @@ def render_tool_call(name: str, arguments: Any) -> str:
         val = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
         parts.append(f"<arg_key>{k}</arg_key>\n<arg_value>{val}</arg_value>\n")
     return "".join(parts) + _CLOSE
+
+
+# How generated JSON values are spaced inside a call (the server's response_format uses the same): see
+# `trtllm_glm.runtime.grammar.JSON_DEFAULTS`; spelled here so that this module needs no runtime import.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_END_VALUE = '"</arg_value>"'
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal of ``text`` (JSON's escapes are Lark's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _is_text(schema: dict) -> bool:
+    """Whether `_parse_block` keeps this parameter's value as raw text (`_value`)."""
+    kind = schema.get("type", "string")
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _value_rule(schema: Any) -> str:
+    """The grammar of one argument's value, ``</arg_value>`` included.
+
+    Text parameters (the parser keeps their raw text): an enum or const of strings is a choice of literals, a
+    pattern a full match of it, length bounds allow that many characters other than ``<``, and free text ends at
+    the first ``</arg_value>``. Any other parameter is one JSON value valid under its schema.
+    """
+    schema = schema if isinstance(schema, dict) else {}
+    if not _is_text(schema):
+        sub = {**schema, "x-guidance": {**_JSON_LAYOUT, **(schema.get("x-guidance") or {})}}
+        return f"%json {json.dumps(sub, ensure_ascii=False)} {_END_VALUE}"
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices):
+        return "(" + " | ".join(_lit(c) for c in choices) + ") " + _END_VALUE
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        body = pattern.removeprefix("^").removesuffix("$").replace("/", "\\/")
+        return f"/{body}/ {_END_VALUE}"
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(lo, int) or isinstance(hi, int):
+        lo = lo if isinstance(lo, int) and lo >= 0 else 0
+        hi_s = str(hi) if isinstance(hi, int) and hi >= lo else ""
+        return "/[^<]{" + f"{lo},{hi_s}" + "}/ " + _END_VALUE
+    # Free text: a lazy lexeme that ends with (and includes) the first </arg_value> (llguidance's `stop`). A
+    # greedy one would swallow the closing tag's "<" and never close.
+    return "free_text"
+
+
+def tool_call_grammar(tools: dict[str, dict], names: list[str], *, parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) of an answer made only of calls, in GLM's format.
+
+    Each call is a ``<tool_call>`` block of one of ``names`` whose arguments are the function's parameters in
+    schema order (required ones always, optional ones maybe), each value following its parameter's schema
+    (`_value_rule`), so that `parse_tool_calls` reads back arguments valid under the schema.
+
+    Args:
+        tools: ``name -> parameters schema`` (`check_tools`).
+        names: the functions the answer may call (one for a named ``tool_choice``).
+        parallel: one or more calls (blocks separated by a newline); else exactly one.
+    """
+    newline = _lit("\n")
+    rules = [
+        "start: call" + (f" ({newline} call)*" if parallel else ""),
+        "call: " + " | ".join(f"call_{i}" for i in range(len(names))),
+    ]
+    for i, name in enumerate(names):
+        params = tools[name] if isinstance(tools[name], dict) else {}
+        props = params.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = params.get("required")
+        required = [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+        parts = []
+        for j, key in enumerate(list(props) + [k for k in required if k not in props]):
+            head = _lit(f"<arg_key>{key}</arg_key>\n<arg_value>")
+            rules.append(f"arg_{i}_{j}: {head} {_value_rule(props.get(key, {}))} {newline}")
+            parts.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
+        rules.append(f"call_{i}: {_lit(f'<tool_call>{name}')} {newline} {' '.join(parts)} {_lit('</tool_call>')}")
+    rules.append('free_text[stop="</arg_value>"]: /(?s:.*)/')
+    return "\n".join(rules) + "\n"

@@ -1,0 +1,323 @@
+"""Structured output in the runtime (runtime/grammar.py): the bitmask applied to logits (torch reference, random
+logits, poisoned disallowed tokens never chosen), masks of verify rows after drafts (matcher rolled back), the
+compile cache and its errors, stop ids under a grammar, and the `small` preset generating under JSON schemas,
+regexes and grammars: output valid, greedy output identical with MTP and n-gram speculation, sampled output
+valid, an unfinishable grammar ending at ``max_tokens``, grammar requests never launched ahead."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig  # noqa: E402
+from trtllm_glm.runtime import grammar  # noqa: E402
+from trtllm_glm.runtime.grammar import (  # noqa: E402
+    GrammarCompiler,
+    GuidedDecodingParams,
+    allowed_tokens,
+    apply_token_bitmask,
+    bitmask_words,
+    fill_bitmasks,
+)
+from trtllm_glm.runtime.sampling import Sampler, SamplingParams  # noqa: E402
+from trtllm_glm.runtime.tokenizer import ByteTokenizer  # noqa: E402
+
+pytestmark = pytest.mark.cpu_only
+
+V = 264  # the small preset's byte vocabulary: 256 bytes, BOS 256, EOS 257, PAD 258, 5 spare ids
+EOS = 257
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "legs": {"type": "integer",
+                "minimum": 0, "maximum": 8}}, "required": ["kind", "legs"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "color", "tags", "pet"],
+    "additionalProperties": False,
+}  # fmt: skip
+
+
+def _nested(depth: int) -> dict:
+    s: dict = {"type": "integer"}
+    for _ in range(depth):
+        s = {"type": "object", "properties": {"a": s}, "required": ["a"]}
+    return s
+
+
+def _compiler() -> GrammarCompiler:
+    return GrammarCompiler(ByteTokenizer(V, 256, EOS, 258), V, [EOS])
+
+
+def _bits(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    bm = torch.zeros(len(rows), bitmask_words(vocab), dtype=torch.int32)
+    for r, ids in enumerate(rows):
+        for t in ids:
+            bm[r, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    return bm
+
+
+def test_apply_bitmask_reference_on_random_logits() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word's high bits lie past the vocabulary
+    logits = torch.randn(5, vocab, generator=g)
+    allowed = [torch.randperm(vocab, generator=g)[:k].tolist() for k in (1, 2, 31, 500, vocab)]
+    bm = _bits(allowed, vocab)
+    assert [sorted(allowed_tokens(bm[r], vocab)) for r in range(5)] == [sorted(a) for a in allowed]
+    out = apply_token_bitmask(logits.clone(), bm)
+    for r, ids in enumerate(allowed):
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[ids] = True
+        assert torch.equal(out[r][keep], logits[r][keep])
+        assert torch.isneginf(out[r][~keep]).all()
+    with pytest.raises(ValueError, match="cannot cover"):
+        apply_token_bitmask(torch.zeros(1, 64), torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_poisoned_disallowed_tokens_are_never_chosen() -> None:
+    """Disallowed tokens get the largest logits by far: greedy and sampled draws still pick allowed ones only."""
+    g = torch.Generator().manual_seed(1)
+    vocab, n = 300, 64
+    logits = torch.randn(n, vocab, generator=g)
+    allowed = [torch.randperm(vocab, generator=g)[: 1 + r % 7].tolist() for r in range(n)]
+    for r, ids in enumerate(allowed):
+        poison = torch.ones(vocab, dtype=torch.bool)
+        poison[ids] = False
+        logits[r, poison] += 1e4
+    masked = apply_token_bitmask(logits.clone(), _bits(allowed, vocab))
+    params = [SamplingParams(temperature=0.0 if r % 2 else 1.5, top_k=0 if r % 3 else 5, seed=r) for r in range(n)]
+    for _ in range(10):
+        toks = Sampler().sample(masked, params, [torch.Generator().manual_seed(r) for r in range(n)]).tolist()
+        assert all(t in ids for t, ids in zip(toks, allowed))
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["this-thread", "llguidance-pool"])
+def test_verify_row_masks_follow_the_drafts_and_leave_the_matcher_where_it_was(serial, monkeypatch) -> None:
+    monkeypatch.setattr(grammar, "SERIAL_MAX", 100 if serial else 0)
+    comp = _compiler()
+    g = comp.matcher(GuidedDecodingParams(json=SCHEMA), [EOS])
+    prefix = list(b'{"name": "ab", "age": 4')
+    for t in prefix:
+        assert g.accept(t)
+    drafts = list(b'2, "color"')
+    before = fill_bitmasks([(g, 0, [])], 1, V)
+    bm = fill_bitmasks([(g, 1, drafts)], 2 + len(drafts), V)
+    assert torch.equal(bm[1], before[0]) and allowed_tokens(bm[0], V) == list(range(V))  # row 0: not named
+    # Row 1 + j: the state after drafts[:j], as consuming them one by one gives.
+    ref = comp.matcher(GuidedDecodingParams(json=SCHEMA), [EOS])
+    for t in prefix:
+        ref.accept(t)
+    for j, t in enumerate(drafts):
+        ref.accept(t)
+        assert torch.equal(bm[2 + j], fill_bitmasks([(ref, 0, [])], 1, V)[0]), j
+    # Nothing was consumed: the state is still after the prefix.
+    assert g.num_consumed == len(prefix) and torch.equal(fill_bitmasks([(g, 0, [])], 1, V)[0], before[0])
+    # A refused draft: the rows before it are exact (the refused one is excluded from its own row).
+    bm = fill_bitmasks([(g, 0, [ord("7"), ord("x"), ord("1")])], 4, V)
+    assert ord("x") not in allowed_tokens(bm[1], V) and ord("7") in allowed_tokens(bm[0], V)
+    # ... and the refused draft left the matcher usable, where it was.
+    assert not g.matcher.is_error() and torch.equal(fill_bitmasks([(g, 0, [])], 1, V)[0], before[0])
+    assert g.accept(ord("2")) and g.failed is None
+
+
+def test_eos_only_where_the_grammar_accepts_and_stop_ids_in_its_place() -> None:
+    comp = _compiler()
+    p = GuidedDecodingParams(regex=r"ab+")
+    for stop_ids, want in (([EOS], [EOS]), ([5, EOS], [5, EOS]), ([300 % V], [300 % V]), ([], [])):
+        g = comp.matcher(p, stop_ids)
+        assert allowed_tokens(fill_bitmasks([(g, 0, [])], 1, V)[0], V) == [ord("a")]
+        g.accept(ord("a"))
+        g.accept(ord("b"))
+        # Accepting: the request's own stop ids in place of EOS (ignore_eos: none; "b" until max_tokens) or "b".
+        assert allowed_tokens(fill_bitmasks([(g, 0, [])], 1, V)[0], V) == sorted({ord("b"), *want}), stop_ids
+
+
+def test_compile_once_per_distinct_grammar_and_errors_name_the_problem() -> None:
+    comp = _compiler()
+    comp.compile(GuidedDecodingParams(json=SCHEMA))
+    comp.compile(GuidedDecodingParams(json=json.dumps(SCHEMA)))  # the same schema as text
+    comp.matcher(GuidedDecodingParams(json=dict(SCHEMA)), [EOS])
+    assert comp.num_compiles == 1
+    for params, match in (
+        (GuidedDecodingParams(json={"type": "objectx"}), "invalid JSON schema.*objectx"),
+        (GuidedDecodingParams(regex="[a-"), "invalid regex"),
+        (GuidedDecodingParams(grammar="start: nope"), "invalid grammar"),
+        (GuidedDecodingParams(json="false"), "matches no output"),
+        (GuidedDecodingParams(json=_nested(990)), "nested too deeply"),  # (Python's own recursion limit)
+    ):
+        with pytest.raises(ValueError, match=match):
+            comp.compile(params)
+    for kw, match in (
+        ({}, "exactly one"), (dict(regex="a", json_object=True), "exactly one"), (dict(json="{"), "not valid JSON"),
+        (dict(json="[1]"), "is an object"), (dict(regex=""), "non-empty"), (dict(json_object=1), "bool"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            GuidedDecodingParams(**kw)
+    with pytest.raises(ValueError, match="GuidedDecodingParams"):
+        SamplingParams(guided_decoding={"json": {}})  # type: ignore[arg-type]
+
+
+def _valid(v: object, s: dict) -> bool:
+    """A small JSON-schema check (the keywords these tests use)."""
+    if "enum" in s and v not in s["enum"]:
+        return False
+    t = s.get("type")
+    if t == "object":
+        props = s.get("properties", {})
+        return (isinstance(v, dict) and all(k in v for k in s.get("required", ()))
+                and (s.get("additionalProperties", True) or set(v) <= set(props))
+                and all(_valid(x, props[k]) for k, x in v.items() if k in props))  # fmt: skip
+    if t == "array":
+        return isinstance(v, list) and len(v) <= s.get("maxItems", 1 << 30) and all(_valid(x, s["items"]) for x in v)
+    if t == "string":
+        return isinstance(v, str) and len(v) <= s.get("maxLength", 1 << 30)
+    if t == "integer":
+        return isinstance(v, int) and s.get("minimum", -(1 << 62)) <= v <= s.get("maximum", 1 << 62)
+    return True
+
+
+@pytest.fixture(scope="module")
+def llms() -> dict[str, LLM]:
+    kw = dict(device="cpu", max_batch_size=4, max_seq_len=512)
+    return {
+        "plain": LLM("small", **kw),
+        "mtp": LLM("small", speculative_config=MTPDecodingConfig(num_nextn_predict_layers=3), **kw),
+        "ngram": LLM("small", speculative_config=NGramDecodingConfig(max_draft_len=4), **kw),
+    }
+
+
+PROMPTS = ["<|user|>\nA person as JSON\n<|assistant|>\n", "def main():", '{"name": "Ann", "age": 41, ']
+
+
+def test_greedy_output_valid_and_identical_with_speculation(llms) -> None:
+    cases = [
+        (GuidedDecodingParams(json=SCHEMA), lambda t: _valid(json.loads(t), SCHEMA)),
+        (GuidedDecodingParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+        (GuidedDecodingParams(regex=r"(ab|cd){1,4} [0-9]{3}"), lambda t: t[-4] == " " and t[-3:].isdigit()),
+        (GuidedDecodingParams(grammar='start: "x=" NUM ";"\nNUM: /[0-9]{1,4}/'), lambda t: t.startswith("x=")),
+    ]
+    got: dict[str, list] = {}
+    for name, llm in llms.items():
+        outs = []
+        for g, ok in cases:
+            for o in llm.generate(PROMPTS, SamplingParams(max_tokens=160, guided_decoding=g)):
+                c = o.outputs[0]
+                assert c.finish_reason == "stop" and ok(c.text), (name, g.kind, c.text)
+                outs.append(c.token_ids)
+        got[name] = outs
+    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]
+    # Speculation did run (drafts verified under the grammar, some accepted).
+    o = llms["ngram"].generate(PROMPTS[0], SamplingParams(max_tokens=110, guided_decoding=cases[0][0])).outputs[0]
+    assert o.num_draft_rounds > 0 and o.mean_accepted_length > 1.0
+
+
+def test_sampled_output_valid_and_unfinishable_grammar_ends_at_max_tokens(llms) -> None:
+    llm = llms["plain"]
+    sp = SamplingParams(max_tokens=160, temperature=1.0, top_p=0.95, seed=3, guided_decoding=GuidedDecodingParams(
+        json=SCHEMA))  # fmt: skip
+    for o in llm.generate(PROMPTS, sp):
+        assert o.outputs[0].finish_reason == "stop" and _valid(json.loads(o.outputs[0].text), SCHEMA)
+    free = GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]})
+    o = llm.generate(PROMPTS[1], SamplingParams(max_tokens=12, guided_decoding=free)).outputs[0]
+    assert o.finish_reason == "length" and len(o.token_ids) == 12 and o.text.startswith('{"a": "')
+    with pytest.raises(ValueError, match="guided_decoding: invalid JSON schema"):
+        llm.generate("x", SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": 3})))
+
+
+def test_grammar_requests_are_never_launched_ahead(llms) -> None:
+    """The overlap scheduler's eligibility asks `Request.has_grammar` (masks need the previous token on the host)."""
+    ex = llms["plain"].executor
+    was, ex.cfg.overlap_scheduler = ex.cfg.overlap_scheduler, True  # (no graphs on the CPU: the decision only)
+    try:
+        plain = ex.add_request([1, 2, 3], SamplingParams(max_tokens=20))
+        guided = ex.add_request([1, 2, 3], SamplingParams(max_tokens=20, guided_decoding=GuidedDecodingParams(
+            json_object=True)))  # fmt: skip
+        ex.step()
+        plan = ex._plan()
+        assert all(s.is_decode for s in plan) and len(plan) == 2
+        assert not ex._may_launch_ahead(plan)
+        ex.abort_request(guided.request_id)
+        assert ex._may_launch_ahead(ex._plan())
+        ex.abort_request(plain.request_id)
+    finally:
+        ex.cfg.overlap_scheduler = was
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ngram"])
+def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> None:
+    """With (emulated) CUDA graphs, the overlap scheduler and speculation, a batch mixing grammar and free requests
+    gives the eager plain run's tokens: grammar requests are not launched ahead, and a verify step that checks a
+    grammar request's drafts runs eagerly (a verify graph would accept them on the device, unmasked). (MTP's
+    chained draft graphs pad their batch, which the CPU's torch k-pool ops cannot run: the GPU test covers it.)"""
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+
+    model = Glm5NextForCausalLM.from_pretrained("small", device="cpu").eval()
+    tok = ByteTokenizer(V, 256, EOS, 258)
+    prompts = [list(p.encode()) for p in ("def f(x):\n    return", '{"name": "Bo", "age": 3', "import os\n", "x")]
+    small = {"type": "object", "properties": {"c": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0,
+             "maximum": 99}, "t": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 2}},
+             "required": ["c", "n", "t"], "additionalProperties": False}  # fmt: skip
+    guided = GuidedDecodingParams(json=small)
+    # The free requests outlast the grammar ones (whose JSON ends by ~40 tokens): steps of them alone overlap.
+    params = [SamplingParams(max_tokens=60, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=70,
+              ignore_eos=True) for i in range(len(prompts))]  # fmt: skip
+
+    def run(graphs: bool) -> list[list[int]]:
+        # Every batch size captured exactly (no padding rows: the torch k-pool ops the CPU runs do not skip them).
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=256,
+                             max_seq_len=128, overlap_scheduler=graphs,
+                             cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4], enable_padding=False)
+                             if graphs else None)  # fmt: skip
+        if not graphs or mode == "overlap":
+            ex = Executor(model, cfg)
+        else:
+            ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3))
+        ex.grammar_compiler = GrammarCompiler(tok, V, [EOS])
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ex.run_until_done()
+        if graphs:
+            assert ex.graph_runner is not None and ex.graph_runner.stats.replays > 0
+            if mode == "overlap":
+                assert ex.num_overlapped_steps > 0  # the free requests alone, after the grammar ones ended
+            else:
+                assert sum(r.num_accepted_total - r.num_verify_rounds for r in reqs if r.has_grammar) > 0
+        return [r.output_ids for r in reqs]
+
+    ref = run(False)
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    assert run(True) == ref
+    for i, out in enumerate(ref):
+        if i % 2:
+            assert _valid(json.loads(tok.decode(out)), small)
+
+
+@pytest.mark.gpu
+def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
+    """On CUDA (graphs captured, overlap scheduler on, batch-invariant numerics): a batch mixing grammar and free
+    requests gives valid JSON, and the same tokens with MTP and n-gram speculation as without."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    guided = GuidedDecodingParams(json=SCHEMA)
+    params = [SamplingParams(max_tokens=160, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=160)
+              for i in range(8)]  # fmt: skip
+    got = {}
+    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3)),
+                       ("ngram", NGramDecodingConfig(max_draft_len=4))):  # fmt: skip
+        llm = LLM("small", device="cuda", max_batch_size=8, max_seq_len=512, batch_invariant=True,
+                  speculative_config=spec)  # fmt: skip
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        for i, o in enumerate(outs):
+            if i % 2:
+                assert o.finish_reason == "stop" and _valid(json.loads(o.text), SCHEMA), (name, o.text)
+        got[name] = [o.token_ids for o in outs]
+        assert llm.executor.graph_runner is not None and llm.executor.graph_runner.stats.replays > 0
+    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]
