@@ -77,7 +77,8 @@ def test_piecewise_executor_matches_eager(model, mode: str, monkeypatch) -> None
           f"{st.captures} captures in {st.capture_s:.2f} s, pool +{st.pool_bytes / 2**20:.0f} MiB, "
           f"carry {st.carry_bytes / 2**20:.1f} MiB, {st.eager_steps} eager steps")  # fmt: skip
     assert st.failed == {}, st.failed  # every segment captured: sync-free, allocation-free, static shapes
-    assert st.steps >= 2 and st.eager_segments == 0
+    # Steps with verify rows stay eager (n-gram drafts from the first decode step on): the prefill step at least.
+    assert st.steps >= (2 if mode == "plain" else 1) and st.eager_segments == 0
     assert st.replays == st.steps * pw.num_segments
 
 
