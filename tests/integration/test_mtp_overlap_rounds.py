@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -218,8 +217,8 @@ def test_slots_reused_right_after_wide_rounds(emulated, model, mode: str) -> Non
     params = [greedy(n) for n in (30, 17, 33, 22, 26)]
     ref = reference(model, prompts, params, max_batch_size=3)
     slots_differ = []
-    ex = SpeculativeExecutor(model, config(True, max_batch_size=3), MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode,
-                                                                    adaptive=False))  # fmt: skip
+    spec = MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=False)
+    ex = SpeculativeExecutor(model, config(True, max_batch_size=3), spec)
     overwrite_like_a_graph(ex)
     got = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
     while ex.has_work:

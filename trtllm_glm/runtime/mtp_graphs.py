@@ -575,7 +575,9 @@ class MtpChainGraphs:
         _, P, W = key
         n = len(rids)
         if tokens.shape != (n * W,) or hidden.shape[0] != n * W or valid.shape != (n,):
-            raise ValueError(f"a draft launched ahead needs {n} sequences of {W} rows, got tokens {tuple(tokens.shape)}")
+            raise ValueError(
+                f"a draft launched ahead needs {n} sequences of {W} rows, got {tuple(tokens.shape)} tokens"
+            )
         self._prepare_catchup(rids, starts, [W] * n, P, W)
         self.meta.set_valid_rows(torch.cat([valid, valid.new_zeros(P - n)]))
         self.c_tokens[: n * W].copy_(tokens)

@@ -621,7 +621,11 @@ class SpeculativeExecutor(Executor):
         return finished
 
     def _book_round_ahead(
-        self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq], committed: list[int], drafted: DeviceDrafts
+        self,
+        live: list[tuple[int, ScheduledSeq]],
+        plan: list[ScheduledSeq],
+        committed: list[int],
+        drafted: DeviceDrafts,
     ) -> None:
         """After a round read back with the next one launched ahead: book its MTP catch-up and drafts, and stamp the
         adaptive policy (the interval since the last stamp was one round of ``K`` drafts)."""

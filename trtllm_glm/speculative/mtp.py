@@ -298,7 +298,8 @@ class MTPDrafter(Drafter):
         if self.separate and seqs:
             dm = self.draft_manager
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
-            dm.state.commit_verified(dm.get_batch_state_slots([s.request_id for s in seqs]), [s.committed for s in seqs])
+            slots = dm.get_batch_state_slots([s.request_id for s in seqs])
+            dm.state.commit_verified(slots, [s.committed for s in seqs])
 
     def _catch_up_only(
         self,
