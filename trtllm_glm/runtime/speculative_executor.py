@@ -375,7 +375,8 @@ class SpeculativeExecutor(Executor):
     def drafts_ahead_supported(self) -> bool:
         """Whether drafting rounds can be launched ahead at all: the overlap scheduler, and the MTP drafter with a
         fused draft graph whose drafts stay on the device (`MtpChainGraphs`, K >= 2)."""
-        chain = getattr(self.drafter, "chain_graphs", None)
+        # The MTP drafter itself (a wrapper such as the benchmark's oracle proposes host-made drafts).
+        chain = self.drafter.chain_graphs if isinstance(self.drafter, MTPDrafter) else None
         return (
             self.cfg.overlap_scheduler
             and self.use_mtp
