@@ -6,9 +6,9 @@ hits, slots reused right after a wide round and target / draft slot ids that dif
 
 CPU, fp32, CUDA graphs emulated (the padded step runs eagerly) and made to overwrite the in-flight round's outputs
 as a captured graph does, so that any read of them after the next launch would see the next round's values. The
-trained ``small`` preset drafts well (about three tokens per K = 3 round), so drafts really are accepted, several at
-a time, inside rounds launched ahead. ``num_overlapped_rounds`` is checked in the steady cases: a silent fall-back
-to synchronous rounds fails them."""
+trained ``small`` preset drafts well (2.6 tokens per K = 3 round on these prompts), so drafts really are accepted,
+several at a time, inside rounds launched ahead. ``num_overlapped_rounds`` is checked in the steady cases: a silent
+fall-back to synchronous rounds fails them."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_rounds_launched_ahead_are_lossless(emulated, model, steady_ref, mode: s
     ex, got = run(model, prompts, params, mode=mode)
     assert_same(ref, got)
     assert ex.num_overlapped_rounds >= 8, ex.num_overlapped_rounds
-    assert sum(r.num_accepted_total for r in got) / sum(r.num_verify_rounds for r in got) > 2.5  # drafts accepted
+    assert sum(r.num_accepted_total for r in got) / sum(r.num_verify_rounds for r in got) > 2.2  # 2.6: drafts accepted
     assert all(r.finish_reason is FinishReason.LENGTH for r in got)
     for m in (ex.manager, ex.draft_manager):  # everything given back
         assert m.num_free_pages == m.num_pages

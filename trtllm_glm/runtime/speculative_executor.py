@@ -58,8 +58,9 @@ class SpeculativeExecutor(Executor):
             ``spec.adaptive``, else none; tests pass one with an injected clock).
     """
 
-    # A round's drafts come from its tokens, so a speculating round cannot be launched before the previous
-    # one is read; `_may_launch_ahead` allows it only while `max_concurrency` keeps speculation off.
+    # Under the overlap scheduler: width-one rounds (speculation off: `max_concurrency`, adaptive K = 0) launch ahead
+    # like plain steps; MTP drafting rounds launch ahead from the in-flight round's outputs on the device
+    # (`_round_may_launch_ahead`, `_launch_round_ahead`).
     supports_overlap = True
 
     def __init__(
@@ -639,7 +640,9 @@ class SpeculativeExecutor(Executor):
         ]  # fmt: skip
         self.drafter.book_ahead(seqs, drafted, [i for i, _ in live])
         pol = self.draft_policy
-        if pol is not None:
+        if pol is not None and not live:
+            pol.reset_interval()  # nobody left: no round to choose or measure (as `_policy_draft_len`)
+        elif pol is not None:
             steady = pol.open_batch_size == len(plan)
             K = self.max_draft_len
             # The round launched ahead drafts K whatever is chosen now; a different choice waits for the next
