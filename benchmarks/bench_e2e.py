@@ -19,7 +19,9 @@ speculative config's ``max_concurrency=N`` (batches above N run width one); ``+a
 draft length (`AdaptiveDraftPolicy`; the MTP config's default, off in the fixed-K modes above so that ``mtp3``
 stays the K = 3 of earlier results); ``+dvN`` drafts over the N most frequent tokens (``draft_vocab_size``;
 needs a checkpoint's ranking, e.g. ``--trained --preset small``, except under an oracle: ``mtporacle0.7k3+dv32768``
-times the restricted head on random weights with the first N ids); ``transformers`` runs the
+times the restricted head on random weights with the first N ids); ``+ov`` runs a speculative mode under the
+overlap scheduler (MTP drafting rounds launched before the previous round is read back; the row's ``overlap``
+column says so and ``rounds_ahead`` counts those rounds; needs graphs); ``transformers`` runs the
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
@@ -313,7 +315,7 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     """``(base, mix, max_concurrency)`` of a mode: ``oracle0.7k3+mix+mc32`` -> ``("oracle0.7k3", True, 32)``.
 
     ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``;
-    ``+adaptive`` and ``+dvN``: `mode_options`.
+    ``+adaptive`` and ``+dvN``: `mode_options`; ``+ov``: the overlap scheduler (`make_executor`).
     """
     base, *flags = mode.split("+")
     mix, mc = False, None
@@ -322,10 +324,12 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
             mix = True
         elif f.startswith("mc") and f[2:].isdigit():
             mc = int(f[2:])
-        elif f == "adaptive" or (f.startswith("dv") and f[2:].isdigit()):
+        elif f in ("adaptive", "ov") or (f.startswith("dv") and f[2:].isdigit()):
             continue
         else:
-            raise ValueError(f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive or +dvN)")
+            raise ValueError(
+                f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive, +dvN or +ov)"
+            )
     return base, mix, mc
 
 
@@ -367,6 +371,9 @@ def request_params(mode: str, i: int, gen: int) -> SamplingParams:
 
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
     opts = mode_options(mode)
+    if "ov" in mode.split("+")[1:]:
+        # Speculative rounds under the overlap scheduler (MTP drafting rounds launched ahead: issue 43 item 1).
+        cfg = dataclasses.replace(cfg, overlap_scheduler=True)
     mode, _, mc = mode_parts(mode)
     if mode == "plain":
         return Executor(model, cfg)
@@ -498,6 +505,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     return {
         "drafter_proposals": proposed,
         "overlap": bool(ex.cfg.overlap_scheduler and ex.supports_overlap),
+        # Drafting rounds launched before the previous one was read back (MTP under the overlap scheduler).
+        "rounds_ahead": getattr(ex, "num_overlapped_rounds", 0),
         "adaptive": pol is not None,
         "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
         "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
@@ -768,8 +777,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
-                   "overlap": r["overlap"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
-                   "draft_vocab_size": r["draft_vocab_size"]}  # fmt: skip
+                   "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
+                   "adaptive_k": r["adaptive_k"], "draft_vocab_size": r["draft_vocab_size"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             if args.profile_idle:
@@ -999,7 +1008,7 @@ def main() -> None:
                            # What the row measured: the drafter, K, the oracle's acceptance, the overlap scheduler
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
-                           "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                           "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
                            "draft_vocab_size": r["draft_vocab_size"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,

@@ -29,6 +29,10 @@
 #   spec_small    issue 43, trained small, bf16 then fp32, batch 1 / 16 / 64: plain, overlap, MTP K=3 fixed and
 #                 adaptive, each with and without the 32-token draft vocabulary
 #                 (256 tokens per request in the spec stages: the adaptive policy's first ~6 rounds measure)
+#   spec_overlap  issue 43 item 1, MTP drafting rounds under the overlap scheduler (+ov; the rows' overlap and
+#                 rounds_ahead columns): trained small, bf16 then fp32, batch 1 / 16 / 64, plain, overlap, mtp3,
+#                 mtp3+ov, mtp3+adaptive, mtp3+adaptive+ov; then the 4-layer slice, batch 1 / 16 (random weights:
+#                 nothing accepted, the round's cost): plain, overlap, mtp3, mtp3+ov
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -116,6 +120,15 @@ for stage in "$@"; do
           --batch 1 16 64 --gen 256 --modes plain overlap mtp3 mtp3+dv32 mtp3+adaptive mtp3+adaptive+dv32 --cuda-graphs on \
           --json "$O/spec_small_$dt.json" 2>&1 | tee "$O/spec_small_$dt.log"
       done ;;
+    spec_overlap)
+      for dt in bfloat16 float32; do
+        timeout "${T_SPEC_OVERLAP:-300}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype $dt \
+          --batch 1 16 64 --gen 256 --modes plain overlap mtp3 mtp3+ov mtp3+adaptive mtp3+adaptive+ov \
+          --cuda-graphs on --json "$O/spec_overlap_small_$dt.json" 2>&1 | tee "$O/spec_overlap_small_$dt.log"
+      done
+      timeout "${T_SPEC_OVERLAP_REAL:-420}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+        mtp3 mtp3+ov --cuda-graphs on --prompt-len 256 --gen 256 --json "$O/spec_overlap_real.json" 2>&1 \
+        | tee "$O/spec_overlap_real.log" ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;

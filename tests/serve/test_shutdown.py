@@ -104,4 +104,6 @@ def test_start_up_lines_of_a_parallel_or_speculative_llm() -> None:
     llm.speculative_config = SimpleNamespace(max_concurrency=8)
     text = "\n".join(describe_engine(engine, "tiny"))
     assert "overlap scheduler on for width-one rounds above max_concurrency" in text
+    engine.executor.drafts_ahead_supported = True  # an MTP executor with fused draft graphs
+    assert "overlap scheduler on (MTP drafting rounds launched ahead" in "\n".join(describe_engine(engine, "tiny"))
     engine.executor.graph_runner = None

@@ -323,6 +323,45 @@ class AttentionMetadata:
         self.max_kv_len = max((p + width for p in self.past_lens), default=0)
         self.valid_q_lens = None
 
+    def set_valid_rows(self, valid_lens: torch.Tensor) -> None:
+        """Make each sequence's rows past ``valid_lens[b]`` padding rows, by device ops only.
+
+        The device-side counterpart of `prepare`'s ``valid_q_lens`` for a batch of uniform width ``W`` (the MTP
+        catch-up of a verify round whose accepted counts have not reached the host: its valid rows per sequence
+        are those counts). Rows at offset ``>= valid_lens[b]`` get ``row_seq = -1`` and ``row_live = 0``; every
+        other field keeps what `prepare` wrote (``q_lens = W``, positions, lengths), as with ``valid_q_lens``.
+        The host ``valid_q_lens`` stay as prepared (an upper bound: page checks only).
+
+        Args:
+            valid_lens: ``[num_seqs]`` int64 on the device, each in ``[0, W]``.
+        """
+        B = self.num_seqs
+        if not B or any(q != self.q_lens[0] for q in self.q_lens):
+            raise ValueError(f"set_valid_rows needs a batch of uniform width, got q_lens {self.q_lens}")
+        if valid_lens.shape != (B,):
+            raise ValueError(f"set_valid_rows needs {B} lengths, got {tuple(valid_lens.shape)}")
+        W = self.q_lens[0]
+        N = B * W
+        tok = self._tok_buf
+        rows = self._tok_arange[:N]
+        owner = torch.div(rows, W, rounding_mode="floor")
+        keep = (rows - owner * W) < valid_lens.index_select(0, owner)
+        tok[1, :N].copy_(torch.where(keep, tok[1, :N], -1))
+        tok[2, :N].mul_(keep)
+
+    def set_num_accepted_t(self, counts: torch.Tensor) -> None:
+        """`set_num_accepted` from counts on the device (a round launched before the previous one was read back).
+
+        Args:
+            counts: ``[n]`` int64 on the device, ``n <= num_seqs``; padding entries get 0.
+        """
+        n = counts.shape[0]
+        if counts.dim() != 1 or n > self.num_seqs:
+            raise ValueError(f"{tuple(counts.shape)} accepted counts for {self.num_seqs} sequences")
+        self._acc_buf[:n].copy_(counts)
+        self._acc_buf[n : self.num_seqs].zero_()
+        self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
+
     def set_num_accepted(self, counts: Sequence[int]) -> None:
         """Set ``spec.num_accepted_t`` ``[num_seqs]`` from per-sequence counts (padding entries get 0).
 

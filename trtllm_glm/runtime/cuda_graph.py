@@ -583,6 +583,67 @@ class CudaGraphRunner:
         hidden, logits, packed = self._launch(key)
         return GraphOutputs(hidden=hidden[:B], logits=logits[:B], packed=packed[:B], width=W)
 
+    def replay_verify_ahead(
+        self,
+        key: tuple[int, int],
+        plan: Sequence[Any],
+        prev: GraphOutputs,
+        drafts: torch.Tensor,
+        host_past_bound: Sequence[int],
+    ) -> GraphOutputs:
+        """Replay verify round ``n + 1`` before round ``n`` (``prev``) was read back: its lengths, root tokens and
+        the previous round's accepted counts are taken from ``prev`` on the device (no host sync).
+
+        The plan is described at the host-known lengths (each sequence's start of round ``n``, ``ScheduledSeq.start``);
+        then, on the stream, each sequence's rows move to ``start + accepted_n`` (`AttentionMetadata.set_verify_rows`),
+        its root token becomes round ``n``'s bonus token (the target's argmax after its last accepted row) and its
+        drafts ``drafts`` (the MTP draft made from round ``n``'s outputs). Every sequence verifies ``W - 1`` real
+        drafts; ``spec.num_accepted_t`` (the tail-ring cross-check) gets round ``n``'s counts.
+
+        Args:
+            key: ``(P, W)`` from `key`, ``W > 1``; ``prev`` has the same width and sequences, in order.
+            plan: the ``B`` verify sequences (``start``: round ``n``'s first position).
+            prev: round ``n``'s outputs (``[B * W]`` rows, packed with each sequence's accepted count).
+            drafts: ``[B, W - 1]`` int64 drafts on the device.
+            host_past_bound: ``[B]`` an upper bound of each sequence's length before round ``n + 1`` (``start + W``):
+                it sizes the host description (``max_kv_len``, the indexer's score width), never a position.
+
+        Returns:
+            As `replay`.
+        """
+        P, W = key
+        B = len(plan)
+        if W < 2 or prev.width != W or prev.packed.shape[0] != B * W or drafts.shape != (B, W - 1):
+            raise ValueError(f"a verify launched ahead needs {B} sequences of width {W} before and drafts [B, W - 1]")
+        if len(host_past_bound) != B:
+            raise ValueError(f"host_past_bound needs {B} entries, got {len(host_past_bound)}")
+        self._prepare(plan, P, W)
+        S = self.num_proposed.numel()
+        host = self._staging.acquire()["in"]
+        arr = self._staging.arrays()["in"]
+        arr[:P] = 0
+        arr[:B] = W - 1
+        arr[S : S + P * W] = 0
+        self._inputs[: S + P * W].copy_(host[: S + P * W], non_blocking=True)
+        self._staging.release()
+        # Round n's results, on the device: accepted counts and the bonus token of each sequence.
+        rows = prev.packed.view(B, W, -1)
+        acc = rows[:, 0, 2].to(torch.int64)
+        bonus = rows[:, :, 0].gather(1, (acc - 1).view(B, 1)).view(B).to(torch.int64)
+        grid = self.input_ids[: P * W].view(P, W)
+        grid[:B, 0].copy_(bonus)
+        grid[:B, 1:].copy_(drafts)
+        meta = self.meta
+        # A new tensor: set_verify_rows rewrites the buffer `past_lens_t` views.
+        past = meta.past_lens_t.clone()
+        past[:B] += acc
+        real = torch.arange(P, device=self.device) < B
+        meta.set_verify_rows(past, real, W, list(host_past_bound) + list(meta.past_lens[B:]))
+        meta.set_num_accepted_t(acc)
+        self.stats.device_row_replays += 1
+        hidden, logits, packed = self._launch(key)
+        return GraphOutputs(hidden=hidden[: B * W], logits=logits[: B * W], packed=packed[: B * W], width=W)
+
     def results_to_host(self, out: GraphOutputs) -> HostResults:
         """Start copying ``out.packed`` to the host without waiting (`HostResults.wait` collects it).
 

@@ -74,8 +74,9 @@ class ExecutorConfig:
         (The LLM API's `KvCacheConfig` has serving defaults; these are the low-level explicit ones.)
         overlap_scheduler: launch a steady plain decode step before reading the previous one's tokens
             back (TensorRT-LLM's overlap scheduler), so the host's share of a step runs while the GPU
-            works. Only with CUDA graphs, requests without per-token outputs (sampled ones draw on the
-            device right after the replay) and no speculation; other steps run as before. Off here by
+            works. Only with CUDA graphs and requests without per-token outputs (sampled ones draw on the
+            device right after the replay); a speculative executor launches its width-one rounds and its MTP
+            drafting rounds ahead where it can (docs/speculation.md); other steps run as before. Off here by
             default; the LLM API turns it on (unless ``disable_overlap_scheduler``), as TensorRT-LLM does.
         indexer_key_dtype: ``"fp8"`` or ``"bf16"`` pooled indexer keys in every cache manager (docs/indexer_keys.md).
     """
@@ -119,7 +120,7 @@ class Executor:
         seed: base seed for requests without their own sampling seed.
     """
 
-    # Whether `ExecutorConfig.overlap_scheduler` applies (speculative rounds need their tokens first).
+    # Whether `ExecutorConfig.overlap_scheduler` applies (subclasses decide which of their steps launch ahead).
     supports_overlap = True
 
     def __init__(self, model: Glm5NextForCausalLM, cfg: ExecutorConfig, *, seed: int = 0) -> None:

@@ -542,3 +542,50 @@ class MtpChainGraphs:
         self.meta.trim_padding()
         self.draft_replays += 1
         return drafts[: len(rids)]
+
+    def run_draft_ahead(
+        self,
+        key: GraphKey,
+        rids: Sequence[int],
+        starts: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fused draft of a verify round whose accepted counts are still on the device (the overlap scheduler).
+
+        The same graph as `run_draft` at width ``W`` (every sequence's ``W`` verify rows): the rows past each
+        sequence's accepted count become padding rows on the device (`AttentionMetadata.set_valid_rows`), so the
+        catch-up covers exactly the committed rows and the chain starts from the last of them, as `run_draft` with
+        ``committed = valid`` would.
+
+        Args:
+            key: ``draft_key([W] * n)``.
+            rids: ``[n]`` request ids.
+            starts: ``[n]`` first position of each sequence's verify rows (host-known: the round's start).
+            tokens: ``[n * W]`` int64 token ``i + 1`` of each verify row on the device: the target's argmax after it
+                (equal to the next input token on every accepted row, and the bonus token on the last one).
+            hidden: ``[n * W, D]`` the verify round's final hidden rows.
+            valid: ``[n]`` int64 accepted rows per sequence (``1 .. W``), on the device.
+
+        Returns:
+            ``[n, K]`` int64 greedy drafts on the device (a view of the graph's output: consumed before the next
+            replay of this graph).
+        """
+        _, P, W = key
+        n = len(rids)
+        if tokens.shape != (n * W,) or hidden.shape[0] != n * W or valid.shape != (n,):
+            raise ValueError(
+                f"a draft launched ahead needs {n} sequences of {W} rows, got {tuple(tokens.shape)} tokens"
+            )
+        self._prepare_catchup(rids, starts, [W] * n, P, W)
+        self.meta.set_valid_rows(torch.cat([valid, valid.new_zeros(P - n)]))
+        self.c_tokens[: n * W].copy_(tokens)
+        self.c_tokens[n * W : P * W].zero_()
+        self.c_hidden[: n * W].copy_(hidden)
+        self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))  # padding rows: finite, never read
+        # The host lengths only size the eager (emulated) description of the chained steps: an upper bound.
+        (drafts,) = self._replay_or_run(key, [s + W for s in starts])
+        self.meta.trim_padding()
+        self.draft_replays += 1
+        return drafts[:n]

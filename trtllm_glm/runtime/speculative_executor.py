@@ -28,12 +28,12 @@ from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.adaptive import AdaptiveDraftPolicy
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
 from ..speculative.draft_vocab import resolve_draft_vocab
-from ..speculative.drafters import Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
+from ..speculative.drafters import DeviceDrafts, Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
 from .cuda_graph import DeviceRows, greedy_and_gap, padded_batch_size
-from .executor import Executor, ExecutorConfig
+from .executor import Executor, ExecutorConfig, _InFlight
 from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
 from .scheduler import ScheduledSeq
@@ -58,8 +58,9 @@ class SpeculativeExecutor(Executor):
             ``spec.adaptive``, else none; tests pass one with an injected clock).
     """
 
-    # A round's drafts come from its tokens, so a speculating round cannot be launched before the previous
-    # one is read; `_may_launch_ahead` allows it only while `max_concurrency` keeps speculation off.
+    # Under the overlap scheduler: width-one rounds (speculation off: `max_concurrency`, adaptive K = 0) launch ahead
+    # like plain steps; MTP drafting rounds launch ahead from the in-flight round's outputs on the device
+    # (`_round_may_launch_ahead`, `_launch_round_ahead`).
     supports_overlap = True
 
     def __init__(
@@ -143,6 +144,9 @@ class SpeculativeExecutor(Executor):
         self._carry_k: int | None = None
         # MTP catch-ups made on the device before a step launched ahead (`_before_chained_launch`).
         self.num_catchups_ahead = 0
+        # Drafting rounds (MTP draft + verify) launched before the previous round was read back
+        # (`_launch_round_ahead`); a test asserts it grows, so a silent fall-back to synchronous rounds shows.
+        self.num_overlapped_rounds = 0
 
     def _target_stores_mtp_layer(self) -> bool:
         return self.shared_mtp
@@ -339,7 +343,11 @@ class SpeculativeExecutor(Executor):
         The step launched ahead reuses the in-flight step's accepted counts (`_before_forward` reads them
         before that step is read back). They only cross-check a tail-ring rollback, and a width-one step
         after a width-one step rolls nothing back, so a stale count there is never read.
+
+        A verify round (drafts) may be left in flight too: `_round_may_launch_ahead` decides.
         """
+        if any(s.is_decode and s.num_rows > 1 for s in plan):
+            return self._round_may_launch_ahead(plan)
         mc = self.spec.max_concurrency
         above = mc is not None and len(self.running) > mc
         idle = self.draft_policy is not None and self._next_k == 0 and self._carry_k is None
@@ -367,8 +375,141 @@ class SpeculativeExecutor(Executor):
             catch(seqs, cur.out.packed[:, 0], cur.out.hidden)
         self.num_catchups_ahead += 1
 
-    def _advance(self, plan: list[ScheduledSeq], hidden: torch.Tensor, slots: list[int] | None = None) -> list[Request]:
-        if slots is not None:
+    # --------------------------------------------------------------------------------------------
+    # MTP drafting rounds under the overlap scheduler (docs/speculation.md)
+    @property
+    def drafts_ahead_supported(self) -> bool:
+        """Whether drafting rounds can be launched ahead at all: the overlap scheduler, and the MTP drafter with a
+        fused draft graph whose drafts stay on the device (`MtpChainGraphs`, K >= 2)."""
+        # The MTP drafter itself (a wrapper such as the benchmark's oracle proposes host-made drafts).
+        chain = self.drafter.chain_graphs if isinstance(self.drafter, MTPDrafter) else None
+        return (
+            self.cfg.overlap_scheduler
+            and self.use_mtp
+            and chain is not None
+            and chain.fused
+            and getattr(self.drafter, "defer", False)
+        )
+
+    def _round_may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether the drafting round after the verify round ``plan`` may be launched before ``plan`` is read back.
+
+        The one place that decides it (a new reason to stay synchronous is one more condition here). It must be
+        the same requests again, each verifying ``K`` real drafts: no request can end by length inside this round
+        or the next (``num_output + 2 (K + 1) < max_tokens``, the same for the context), nobody waits who could
+        be admitted, no request samples, reads logits or has its drafts capped (``draft_len_fn``), speculation is
+        on for the batch (``max_concurrency``), no request has a grammar, and the adaptive policy's last choice is
+        ``K``. A stop token is not
+        known ahead: a request that stops inside a round has the round after it computed and dropped.
+        Preemption never happens here: a round that cannot get its pages is not launched ahead
+        (`_launch_round_ahead`) and the next synchronous step plans (and preempts) as usual.
+        """
+        if not self.drafts_ahead_supported:
+            return False
+        K = self.max_draft_len
+        W = 1 + K
+        if self.spec.draft_len_fn is not None:
+            return False
+        mc = self.spec.max_concurrency
+        if mc is not None and len(self.running) > mc:
+            return False
+        if self.draft_policy is not None and (self._next_k != K or self._carry_k is not None):
+            return False
+        # As plain overlap: requests waiting while the batch is full could not be admitted anyway.
+        if self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0:
+            return False
+        if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != W for s in plan):
+            return False
+        for s in plan:
+            r, p = s.request, s.request.params
+            st = self.state.get(r.request_id)
+            if r.finished or st is None or st.mtp_disabled or st.mtp_len != s.start:
+                return False
+            # A grammar request's verify rows are masked on the host from its drafts (`_constrain`): never ahead.
+            if not p.greedy or r.wants_logits or r.has_grammar:
+                return False
+            if (len(st.drafts) if st.num_proposed is None else st.num_proposed) != K:
+                return False  # filler: a short round (its budget, a short proposal) runs synchronously
+            if r.num_output + 2 * W >= p.max_tokens or len(r.tokens) + 2 * W >= self.max_seq_len:
+                return False
+        return True
+
+    def _step_overlapped(self) -> list[Request]:
+        """Read the in-flight step back, launching the next one first when it may (a width-one step: the base
+        class; a verify round: `_launch_round_ahead`)."""
+        cur = self._inflight
+        assert cur is not None
+        if cur.out.width == 1:
+            return super()._step_overlapped()
+        # The in-flight round's drafts to the host first: the draft launched now lands in the same pinned buffer.
+        self._resolve_drafts()
+        ahead = self._launch_round_ahead(cur) if self._round_may_launch_ahead(cur.plan) else None
+        self._inflight = ahead[0] if ahead is not None else None
+        cur.out._host = cur.results.wait()
+        self._step_out = cur.out
+        finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots, drafted=ahead[1] if ahead else None)
+        self._after_step(cur.plan)
+        return finished
+
+    def _launch_round_ahead(self, cur: _InFlight) -> tuple[_InFlight, DeviceDrafts] | None:
+        """Launch round ``n + 1`` (its MTP draft and verify) from in-flight round ``n``'s outputs on the device.
+
+        Pages are reserved for the worst case first (round ``n`` accepts everything: ``start + 2 W`` target
+        positions, ``start + W + K - 1`` MTP positions); without them, or without the graphs, nothing is launched
+        and None returned (the next round runs synchronously). The draft reads round ``n``'s hidden rows and
+        argmax before the verify replays over the same buffers (stream order).
+
+        Returns:
+            The new in-flight round and its drafts (booked when round ``n`` is read back), or None.
+        """
+        K = self.max_draft_len
+        W = 1 + K
+        runner, drafter = self.graph_runner, self.drafter
+        assert runner is not None and isinstance(drafter, MTPDrafter)
+        reqs = [s.request for s in cur.plan]
+        starts = [s.start for s in cur.plan]
+        try:
+            for r, p0 in zip(reqs, starts):
+                self.manager.ensure_capacity(r.request_id, p0 + 2 * W)
+        except CapacityError:
+            return None
+        if not all(drafter.reserve_ahead(r.request_id, p0 + W + K - 1) for r, p0 in zip(reqs, starts)):
+            return None
+        key = runner.key([W] * len(reqs))
+        if key is None:
+            return None
+        rids = [r.request_id for r in reqs]
+        out = cur.out
+        with torch.inference_mode():
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
+            drafts = drafter.draft_ahead(rids, starts, out.packed[:, 0].to(torch.int64), out.hidden, acc)
+            if drafts is None:
+                return None
+            # Round n + 1 is described at round n's start on the host; the device adds round n's accepted counts.
+            plan = [ScheduledSeq(r, W, True) for r in reqs]
+            nxt = runner.replay_verify_ahead(key, plan, out, drafts.tensor, [p0 + W for p0 in starts])
+        self.num_steps += 1
+        self.num_overlapped_rounds += 1
+        self._launched = (plan, True, True)
+        return _InFlight(plan, list(self.meta.state_slots), nxt, runner.results_to_host(nxt)), drafts
+
+    def _advance(
+        self,
+        plan: list[ScheduledSeq],
+        hidden: torch.Tensor,
+        slots: list[int] | None = None,
+        drafted: DeviceDrafts | None = None,
+    ) -> list[Request]:
+        """Commit a step or round (accept, emit, fold), retire finished requests, then draft the next round.
+
+        ``slots``: the step's state slots when it is read back late (the overlap scheduler; default the
+        metadata's). ``drafted``: the next round was launched ahead already (`_launch_round_ahead`): its drafts,
+        made on the device from this round's outputs, are only booked (`MTPDrafter.book_ahead`), not made again.
+        A request that finished before its round was read back (stopped by the round before, or aborted) has its
+        rows dropped.
+        """
+        out = self._step_out
+        if slots is not None and (out is None or out.width == 1):
             # A width-one step read back late (the overlap scheduler, `_may_launch_ahead`): the plain commit,
             # sampling and retirement, then this round's drafting decision as after any step.
             finished = super()._advance(plan, hidden, slots=slots)
@@ -435,8 +576,11 @@ class SpeculativeExecutor(Executor):
         num_accepted = [0] * len(plan)
         committed = [0] * len(plan)
         finished: list[Request] = []
+        dead = [s.request.finished for s in plan]
         for i, s in enumerate(plan):
             r = s.request
+            if dead[i]:
+                continue  # its slot is freed; the device's fold went to a slot nobody reads
             st = self.state[r.request_id]
             off, cnt = spans[i]
             if s.is_decode and s.num_rows > 1:
@@ -477,21 +621,57 @@ class SpeculativeExecutor(Executor):
                     if self._emit(r, [tok], gaps[off : off + 1], lg):  # type: ignore[index]
                         finished.append(r)
             st.clear()
-        out = self._step_out
-        if out is not None and out.committed_on_device and out.accepted_counts() != num_accepted:
-            # The graph already folded the KDA records with its own counts: any difference is corrupted state.
-            raise StateError(
-                f"the verify graph accepted {out.accepted_counts()} rows but the host {num_accepted}; "
-                "the KDA state no longer matches the output"
-            )
+        if out is not None and out.committed_on_device:
+            dev = [a for a, d in zip(out.accepted_counts(), dead) if not d]
+            if dev != [a for a, d in zip(num_accepted, dead) if not d]:
+                # The graph already folded the KDA records with its own counts: any difference is corrupted state.
+                raise StateError(
+                    f"the verify graph accepted {out.accepted_counts()} rows but the host {num_accepted}; "
+                    "the KDA state no longer matches the output"
+                )
         # Folds the verified KDA records (if any; a verify graph folded them already) and advances every
         # slot's committed length.
-        self.model.commit_kda(self.meta, self.manager, num_accepted)
+        if slots is None:
+            self.model.commit_kda(self.meta, self.manager, num_accepted)
+        else:
+            self.manager.state.commit_verified(slots, num_accepted)
         for r in finished:
             self._finish(r)
         live = [(i, s) for i, s in enumerate(plan) if not s.request.finished]
-        self._draft(live, plan, committed, hidden)
+        if drafted is None:
+            self._draft(live, plan, committed, hidden)
+        else:
+            self._book_round_ahead(live, plan, committed, drafted)
         return finished
+
+    def _book_round_ahead(
+        self,
+        live: list[tuple[int, ScheduledSeq]],
+        plan: list[ScheduledSeq],
+        committed: list[int],
+        drafted: DeviceDrafts,
+    ) -> None:
+        """After a round read back with the next one launched ahead: book its MTP catch-up and drafts, and stamp the
+        adaptive policy (the interval since the last stamp was one round of ``K`` drafts)."""
+        assert isinstance(self.drafter, MTPDrafter)
+        seqs = [
+            DraftSeq(request_id=s.request.request_id, state=self.state[s.request.request_id], tokens=s.request.tokens,
+                     num_output=s.request.num_output, num_computed=s.request.num_computed, committed=committed[i],
+                     row_offset=i, greedy=True, live=True, want=self.max_draft_len)
+            for i, s in live
+        ]  # fmt: skip
+        self.drafter.book_ahead(seqs, drafted, [i for i, _ in live])
+        pol = self.draft_policy
+        if pol is not None and not live:
+            pol.reset_interval()  # nobody left: no round to choose or measure (as `_policy_draft_len`)
+        elif pol is not None:
+            steady = pol.open_batch_size == len(plan)
+            K = self.max_draft_len
+            # The round launched ahead drafts K whatever is chosen now; a different choice waits for the next
+            # read-back (and stops launching ahead until then).
+            k = pol.begin_round(steady, len(live), running=K)
+            self._next_k = k
+            self._carry_k = k if k != K else None
 
     def _draw_sampled(
         self, plan: list[ScheduledSeq], drawn: list[tuple[int, int]], logits: torch.Tensor, rows: list[int]

@@ -93,6 +93,8 @@ def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None
     graphs = "off" if runner is None else f"{len(runner.graphs)} captured at start-up"
     if not (cfg.overlap_scheduler and runner is not None):
         overlap = "off" if not cfg.overlap_scheduler else "off (needs CUDA graphs)"
+    elif spec is not None and getattr(ex, "drafts_ahead_supported", False):
+        overlap = "on (MTP drafting rounds launched ahead while no request can end by length, sample or read logits)"
     elif spec is not None:
         overlap = "on for width-one rounds above max_concurrency (speculative rounds run one at a time)"
     else:

@@ -226,6 +226,81 @@ class MTPDrafter(Drafter):
         for s in cat:
             s.state.drafts = []
 
+    def reserve_ahead(self, request_id: int, num_tokens: int) -> bool:
+        """Pages for ``num_tokens`` positions of ``request_id``'s MTP history (a draft launched ahead: its catch-up
+        and chained rows reach at most the round's start ``+ W + K - 1``). False when the draft pool cannot hold
+        them now (the round then runs synchronously; nothing is disabled)."""
+        if not self.separate:
+            return True  # the MTP plane's pages are the target's (the executor reserves those)
+        dm = self.draft_manager
+        if not dm.has_request(request_id):
+            return False
+        try:
+            dm.ensure_capacity(request_id, num_tokens)
+        except CapacityError:
+            return False
+        return True
+
+    def draft_ahead(
+        self,
+        rids: Sequence[int],
+        starts: Sequence[int],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> DeviceDrafts | None:
+        """Draft the next round from a verify round's outputs still on the device (the overlap scheduler launches the
+        round after it before reading it back): the fused draft graph catches up on each sequence's accepted rows,
+        their count read on the device (`MtpChainGraphs.run_draft_ahead`), and chains ``K - 1`` steps.
+
+        Every sequence drafts ``K``; its MTP history must end at ``starts[j]`` (caught up to the verify round's
+        start). The host books the catch-up when it reads the verify round back (`book_ahead`).
+
+        Args:
+            rids: ``[n]`` request ids, in the verify round's order.
+            starts: ``[n]`` each sequence's first verify position.
+            tokens: ``[n * W]`` int64 the target's argmax of every verify row (device).
+            hidden: ``[n * W, D]`` the verify round's final hidden rows (device).
+            accepted: ``[n]`` int64 accepted rows per sequence (device).
+
+        Returns:
+            The drafts (``[n, K]`` on the device, on their way to the host), or None when no fused graph serves
+            this batch (the caller then runs the round synchronously; nothing was launched).
+        """
+        graphs = self.chain_graphs
+        W = self.max_draft_len + 1
+        n = len(rids)
+        key = graphs.draft_key([W] * n) if graphs is not None else None
+        if key is None:
+            return None
+        drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted)
+        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row.
+        last = torch.arange(n, device=self.device) * W + accepted - 1
+        dm = self.draft_manager
+        dm.state.record_draft_hidden(to_device(dm.get_batch_state_slots(list(rids)), self.device),
+                                     hidden.index_select(0, last))  # fmt: skip
+        return DeviceDrafts(drafts, graphs.host_drafts)
+
+    def book_ahead(self, seqs: Sequence[DraftSeq], drafts: DeviceDrafts, rows: Sequence[int]) -> None:
+        """The host's share of a `draft_ahead`, once its verify round was read back: each sequence's MTP history
+        now ends at its committed length, and its next round's drafts are row ``rows[j]`` of ``drafts``.
+
+        Args:
+            seqs: the verify round's live sequences (``num_computed`` and ``committed`` after its commit).
+            drafts: what `draft_ahead` returned.
+            rows: ``[len(seqs)]`` each sequence's row in ``drafts`` (its index in the verify round).
+        """
+        K = self.max_draft_len
+        for s, j in zip(seqs, rows):
+            st = s.state
+            st.mtp_len = s.num_computed
+            st.drafts, st.num_proposed, st.pending = [PENDING_DRAFT] * K, None, (drafts, j)
+        if self.separate and seqs:
+            dm = self.draft_manager
+            # A separate draft manager's committed length is the MTP history (shared: the target's slot).
+            slots = dm.get_batch_state_slots([s.request_id for s in seqs])
+            dm.state.commit_verified(slots, [s.committed for s in seqs])
+
     def _catch_up_only(
         self,
         cat: list[DraftSeq],
