@@ -335,9 +335,11 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
 
 def mode_options(mode: str) -> dict:
     """The speculative config options a mode's suffixes set: ``adaptive`` (``+adaptive``; False otherwise: the
-    fixed-K modes) and ``draft_vocab_size`` (``+dvN``, MTP modes)."""
+    fixed-K modes), ``draft_vocab_size`` (``+dvN``, MTP modes) and ``overlap_rounds`` (``+ov``, MTP modes)."""
     flags = mode.split("+")[1:]
     out: dict = {"adaptive": "adaptive" in flags}
+    if "ov" in flags and base_mode(mode).startswith("mtp"):
+        out["overlap_rounds"] = True
     for f in flags:
         if f.startswith("dv") and f[2:].isdigit():
             out["draft_vocab_size"] = int(f[2:])

@@ -521,7 +521,9 @@ def main() -> int:
     finally:
         if proc is not None:
             stop_child_server(proc)
-            startup = [x for x in server_log.read_text().splitlines() if "warm-up" in x or "step sizes" in x]
+            # Start-up lines, and the kernels the server compiled while serving (which ones: a stall's cause).
+            startup = [x for x in server_log.read_text().splitlines()
+                       if "warm-up" in x or "step sizes" in x or "while serving" in x]  # fmt: skip
             for line in startup:
                 print(f"# server: {line.strip()}")
     if args.engine_baseline and proc is not None:

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.cpu_only
 
 K = 3
 W = 1 + K
+AHEAD = MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False, overlap_rounds=True)
 SNIPPETS = [
     "    def __init__(self",
     "import os\nimport sys\n\n\ndef main(",
@@ -100,7 +101,9 @@ def overwrite_like_a_graph(ex: SpeculativeExecutor) -> None:
 def run(model, prompts, params, *, overlap=True, mode="separate", policy=None, spec=None, cfg=None, trace=None):  # noqa: ANN001, ANN201
     """A speculative run (MTP K = 3, graphs emulated); ``trace`` (a list) gets ``(request, finished with a round in
     flight)`` for every finish."""
-    spec = spec or MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=policy is not None)
+    spec = spec or MTPDecodingConfig(
+        num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=policy is not None, overlap_rounds=True
+    )
     ex = SpeculativeExecutor(model, cfg or config(overlap), spec, draft_policy=policy)
     overwrite_like_a_graph(ex)
     if trace is not None:
@@ -217,7 +220,7 @@ def test_slots_reused_right_after_wide_rounds(emulated, model, mode: str) -> Non
     params = [greedy(n) for n in (30, 17, 33, 22, 26)]
     ref = reference(model, prompts, params, max_batch_size=3)
     slots_differ = []
-    spec = MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=False)
+    spec = MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=False, overlap_rounds=True)
     ex = SpeculativeExecutor(model, config(True, max_batch_size=3), spec)
     overwrite_like_a_graph(ex)
     got = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -255,7 +258,9 @@ def test_prefix_hits_with_rounds_launched_ahead(emulated, model) -> None:
     params = [greedy(30), greedy(27), greedy(29)]
     ref = reference(model, prompts, params)
     cfg = config(True, enable_block_reuse=True, checkpoint_interval=8)
-    ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False))
+    ex = SpeculativeExecutor(
+        model, cfg, MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False, overlap_rounds=True)
+    )
     overwrite_like_a_graph(ex)
     got = [ex.add_request(prompts[0], params[0])]
     ex.run_until_done()
@@ -282,7 +287,9 @@ def test_eligibility_is_one_predicate(emulated, model) -> None:
     it refuses sampled requests, requests reading logits, grammar requests and budgets that could end inside the
     next two rounds."""
     prompts = [prompt(t) for t in SNIPPETS[:1]]
-    ex = SpeculativeExecutor(model, config(True), MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False))
+    ex = SpeculativeExecutor(
+        model, config(True), MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False, overlap_rounds=True)
+    )
     r = ex.add_request(prompts[0], greedy(40))
     ex.cfg.overlap_scheduler = False  # synchronous rounds up to the check (nothing left in flight)
     while not (r.is_decode and ex.state[r.request_id].drafts and r.num_output >= 4):
@@ -308,7 +315,9 @@ def test_verify_described_from_device_lengths_matches_host(emulated, model) -> N
     round before it is read back, the host's own view agrees: every sequence's rows start at its committed length,
     its root token is the bonus token just emitted, and the tail ring's cross-check count is the accepted count."""
     prompts = [prompt(t) for t in SNIPPETS[:2]]
-    ex = SpeculativeExecutor(model, config(True), MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False))
+    ex = SpeculativeExecutor(
+        model, config(True), MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False, overlap_rounds=True)
+    )
     runner = ex.graph_runner
     launches, books = [], []
     replay, launch, book = runner.replay_verify_ahead, runner._launch, ex._book_round_ahead

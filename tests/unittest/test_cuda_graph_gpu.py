@@ -319,7 +319,7 @@ def test_mtp_drafting_rounds_launch_ahead(model, kv_mode: str) -> None:
         cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
                              max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]),
                              overlap_scheduler=overlap)  # fmt: skip
-        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False)
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False, overlap_rounds=True)
         ex = SpeculativeExecutor(model, cfg, spec)
         ex.capture_cuda_graphs()
         reqs = [

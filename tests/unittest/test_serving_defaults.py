@@ -130,7 +130,7 @@ def test_warm_up_of_a_speculative_executor_with_a_separate_draft_pool() -> None:
     kw = dict(device="cpu", max_seq_len=80, max_batch_size=3, max_num_tokens=32, dtype="float32")
 
     def make() -> LLM:
-        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate", adaptive=True)
         return LLM("tiny", speculative_config=spec, **kw)
 
     llm, fresh = make(), make()
@@ -139,7 +139,7 @@ def test_warm_up_of_a_speculative_executor_with_a_separate_draft_pool() -> None:
     assert dm is not None
     free = (ex.manager.num_free_pages, dm.num_free_pages, ex.manager.num_free_slots)
     policy = ex.draft_policy
-    assert policy is not None  # adaptive by default
+    assert policy is not None  # adaptive asked for
     rep = warm_up(ex)
     assert rep.requests > 10 and not ex.has_work
     # A fresh adaptive policy: nothing the synthetic rounds measured carries over.

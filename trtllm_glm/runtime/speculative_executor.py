@@ -379,12 +379,14 @@ class SpeculativeExecutor(Executor):
     # MTP drafting rounds under the overlap scheduler (docs/speculation.md)
     @property
     def drafts_ahead_supported(self) -> bool:
-        """Whether drafting rounds can be launched ahead at all: the overlap scheduler, and the MTP drafter with a
-        fused draft graph whose drafts stay on the device (`MtpChainGraphs`, K >= 2)."""
+        """Whether drafting rounds can be launched ahead at all: asked for (``MTPDecodingConfig.overlap_rounds``),
+        the overlap scheduler, and the MTP drafter with a fused draft graph whose drafts stay on the device
+        (`MtpChainGraphs`, K >= 2)."""
         # The MTP drafter itself (a wrapper such as the benchmark's oracle proposes host-made drafts).
         chain = self.drafter.chain_graphs if isinstance(self.drafter, MTPDrafter) else None
         return (
             self.cfg.overlap_scheduler
+            and bool(getattr(self.spec, "overlap_rounds", False))
             and self.use_mtp
             and chain is not None
             and chain.fused

@@ -58,8 +58,13 @@ class MTPDecodingConfig(_SpecBase):
             ``draft_vocab_size``; None takes the checkpoint's own.
         adaptive: each round's draft length (``0 .. num_nextn_predict_layers``) is chosen by an
             `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
-            acceptance, down to 0 where speculation cannot pay (default on; ``False`` drafts the maximum
-            every round).
+            acceptance, down to 0 where speculation cannot pay. Off by default: on an H100 (trained ``small``,
+            bf16) it chose K = 0 for ~97 % of the rounds at batch 1 and 16, where K = 3 paid, and lost 3.2x at
+            batch 1 (508 against 1,632 tokens/s; `benchmarks/results/spec_overlap_small_h100_2026-12-06.log`).
+        overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its
+            verify) from the previous round's outputs on the device before that round is read back (issue 43
+            item 1). Off by default: on the same H100 run a round launched ahead cost 3.6 ms against 1.9 ms
+            synchronously at batch 1 (~20 more small launches a round), 872 against 1,632 tokens/s.
     """
 
     num_nextn_predict_layers: int = 1
@@ -68,7 +73,8 @@ class MTPDecodingConfig(_SpecBase):
     index_share_for_mtp_iteration: bool | None = None
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
-    adaptive: bool = True
+    adaptive: bool = False
+    overlap_rounds: bool = False
 
     def __post_init__(self) -> None:
         self._check_common()
@@ -88,6 +94,8 @@ class MTPDecodingConfig(_SpecBase):
             raise ValueError(f"draft_vocab_file must be None or a file path, got {f!r}")
         if f is not None and n is None:
             raise ValueError("draft_vocab_file is the ranking of draft_vocab_size: set draft_vocab_size too")
+        if not isinstance(self.overlap_rounds, bool):
+            raise ValueError(f"overlap_rounds must be a bool, got {self.overlap_rounds!r}")
 
     @property
     def max_draft_len(self) -> int:
