@@ -6,10 +6,9 @@ MTP cache is bit for bit the one of the same rounds run without the overlap sche
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
+from scripted_rounds import Scripted, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -17,7 +16,6 @@ from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
-from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 from trtllm_glm.speculative.config import MTPDecodingConfig
 
 pytestmark = pytest.mark.cpu_only
@@ -26,28 +24,9 @@ PROMPTS = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8
 MAX_TOKENS = [16, 12, 14]
 
 
-class Scripted(AdaptiveDraftPolicy):
-    """A policy whose every choice comes from ``script(i)`` (the i-th choice): the rounds are fixed, not timed."""
-
-    def __init__(self, k: int, script) -> None:  # noqa: ANN001
-        super().__init__(k, clock=lambda: 0.0)
-        self.script = script
-        self.i = 0
-
-    def choose(self, batch_size: int) -> int:
-        k = self.script(self.i)
-        self.i += 1
-        return self._pick(k)
-
-
 @pytest.fixture
 def emulated(monkeypatch):
-    from triton.runtime.interpreter import interpreter_builder
-
-    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
-    monkeypatch.setattr(interpreter_builder, "options",
-                        dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
-    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+    emulate_graphs(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from scripted_rounds import Scripted, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -22,7 +23,6 @@ from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.request import FinishReason
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
-from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 from trtllm_glm.speculative.config import MTPDecodingConfig
 
 pytestmark = pytest.mark.cpu_only
@@ -44,28 +44,9 @@ def prompt(text: str) -> list[int]:
     return list(text.encode())
 
 
-class Scripted(AdaptiveDraftPolicy):
-    """A policy whose every choice comes from ``script(i)`` (the i-th choice): the rounds are fixed, not timed."""
-
-    def __init__(self, k: int, script) -> None:  # noqa: ANN001
-        super().__init__(k, clock=lambda: 0.0)
-        self.script = script
-        self.i = 0
-
-    def choose(self, batch_size: int) -> int:
-        k = self.script(self.i)
-        self.i += 1
-        return self._pick(k)
-
-
 @pytest.fixture
 def emulated(monkeypatch):
-    from triton.runtime.interpreter import interpreter_builder
-
-    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
-    monkeypatch.setattr(interpreter_builder, "options",
-                        dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
-    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+    emulate_graphs(monkeypatch)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,36 @@
+"""Shared by the MTP overlap tests: a draft-length policy with scripted choices, and graphs emulated on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+
+from trtllm_glm.runtime.executor import Executor
+from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
+
+
+class Scripted(AdaptiveDraftPolicy):
+    """A policy whose every choice comes from ``script(i)`` (the i-th choice): the rounds are fixed, not timed."""
+
+    def __init__(self, k: int, script: Callable[[int], int]) -> None:
+        super().__init__(k, clock=lambda: 0.0)
+        self.script = script
+        self.i = 0
+
+    def choose(self, batch_size: int) -> int:
+        k = self.script(self.i)
+        self.i += 1
+        return self._pick(k)
+
+
+def emulate_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executors replay padded graph steps eagerly on the CPU, through the k-pool's Triton kernels (interpreted:
+    the only ones that skip padding rows), without the interpreter's int32 overflow checks (slow)."""
+    from triton.runtime.interpreter import interpreter_builder
+
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    monkeypatch.setattr(interpreter_builder, "options",
+                        dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
+    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
