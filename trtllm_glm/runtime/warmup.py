@@ -11,7 +11,7 @@ through the executor itself (the same code path as serving):
    and the token budget: `length_ladder`), each decoded a step;
 2. mixed steps: the same ladder of prompt chunks beside a request that is decoding;
 3. sequence counts: n short prompts at once for n on the ladder up to ``max_batch_size``, decoded together,
-   and beside a decoding request;
+   and beside a decoding request; then d decoding requests (d on the ladder) admitting 1, 2, 15 and 16 prompts;
 4. contexts: a prompt at each power of two beyond the budget up to ``max_seq_len`` (chunked prefill at growing
    contexts; the indexer's top-k widths follow the context);
 5. sampling: seeded temperature / top-p / top-k requests and logprobs.
@@ -197,6 +197,30 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
                     rep.steps += 1
             run()
 
+    def phase_mixed_counts() -> None:
+        # A served batch admits arrivals beside many decoding requests: kernels specialise on the decode and the
+        # prefill sequence counts (and the row total) together, which the phases above meet beside one decoding
+        # request only (H100: a kernel compiled at concurrency 64 after the phases above, a 7 s stall).
+        for d in length_ladder(B - 1):
+            decoders = [ex.add_request(prompt(2), greedy(max(1, S - 4))) for _ in range(d)]
+            rep.requests += d
+            while any(r.num_output == 0 for r in decoders):
+                ex.step()
+                rep.steps += 1
+            for p in (1, 2, 15, 16):
+                if d + p > B:
+                    continue
+                new = [ex.add_request(prompt(m), greedy(2)) for m in counts_prompts(p, aligned=p % 2 == 0)]
+                rep.requests += p
+                while any(r.num_output == 0 for r in new):
+                    ex.step()
+                    rep.steps += 1
+                for r in new:
+                    ex.abort_request(r.request_id)
+            for r in decoders:
+                ex.abort_request(r.request_id)
+            run()
+
     def phase_contexts() -> None:
         p = 1 << max(N, 1).bit_length()
         while p + 1 <= S - 2:
@@ -213,7 +237,8 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
         run()
 
     phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
-              ("contexts", phase_contexts), ("sampling", phase_sampling)]  # fmt: skip
+              ("decoding batch admits", phase_mixed_counts), ("contexts", phase_contexts),
+              ("sampling", phase_sampling)]  # fmt: skip
     if ex.piecewise is not None:
         # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
         ex.piecewise.capture_all()
