@@ -112,7 +112,10 @@ def test_policy_config_errors() -> None:
         AdaptiveDraftPolicy(3, candidates=[0, 4])
     with pytest.raises(ValueError, match="adaptive"):
         MTPDecodingConfig(adaptive="yes")
-    assert MTPDecodingConfig().adaptive and not NGramDecodingConfig().adaptive
+    # Both off by default (MTP's since its first GPU measurement: docs/speculation.md).
+    assert not MTPDecodingConfig().adaptive and not NGramDecodingConfig().adaptive
+    with pytest.raises(ValueError, match="overlap_rounds"):
+        MTPDecodingConfig(overlap_rounds="yes")
 
 
 # --------------------------------------------------------------------------------------------------

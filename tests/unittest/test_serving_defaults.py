@@ -68,12 +68,12 @@ def test_llm_defaults_and_refusal() -> None:
     cfg = llm.executor.cfg
     assert (cfg.max_batch_size, cfg.max_num_tokens) == (64, 8192)
     assert "auto" in llm.step_sizes.describe()
-    # Two 192-token prompts prefill side by side: up to their last page boundary (prefix caching's checkpoint
-    # there) in one step, the rest in a second (512-row steps before: 16 prompts of 512 tokens took 16 steps).
+    # Two 192-token prompts prefill side by side in one step (512-row steps before: 16 prompts of 512 tokens took
+    # 16 steps; and prefix caching cut each prompt at its last page boundary, a second step).
     llm.executor.step_log = log = StepLog()
     llm.generate([[5] * 192, [6] * 192], SamplingParams(max_tokens=1, temperature=0.0))
     steps, _ = log.snapshot()
-    assert [(s.rows, s.prefill_seqs) for s in steps] == [(352, 2), (32, 2)]
+    assert [(s.rows, s.prefill_seqs) for s in steps] == [(384, 2)]
     # An explicit size that cannot fit is refused at start-up with the estimate.
     with pytest.raises(CheckpointError, match="GiB"):
         LLM("tiny", device="cpu", max_seq_len=256, max_batch_size=2, max_num_tokens=1 << 28)
