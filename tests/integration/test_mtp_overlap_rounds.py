@@ -120,7 +120,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 @pytest.fixture(scope="module")
 def steady_ref(model):
     prompts = [prompt(t) for t in SNIPPETS[:3]]
-    params = [greedy(34), greedy(29), greedy(32)]
+    params = [greedy(25), greedy(21), greedy(23)]
     return prompts, params, reference(model, prompts, params)
 
 
@@ -128,13 +128,13 @@ def steady_ref(model):
 @pytest.mark.parametrize("mode", ["shared", "separate"])
 def test_rounds_launched_ahead_are_lossless(emulated, model, steady_ref, mode: str) -> None:
     """A steady batch: most rounds are launched ahead, drafts are accepted several at a time, and the output is
-    plain greedy's; ``max_tokens`` (29, 32, 34) ends every request inside a round, after the launches stop. With a
+    plain greedy's; ``max_tokens`` (21, 23, 25) ends every request inside a round, after the launches stop. With a
     separate draft manager the same rounds run synchronously too: the acceptance per position and the number of
     rounds are identical (the drafts made on the device from the in-flight round are the drafts the host makes)."""
     prompts, params, ref = steady_ref
     ex, got = run(model, prompts, params, mode=mode)
     assert_same(ref, got)
-    assert ex.num_overlapped_rounds >= 8, ex.num_overlapped_rounds
+    assert ex.num_overlapped_rounds >= 4, ex.num_overlapped_rounds
     assert sum(r.num_accepted_total for r in got) / sum(r.num_verify_rounds for r in got) > 2.2  # 2.6: drafts accepted
     assert all(r.finish_reason is FinishReason.LENGTH for r in got)
     for m in (ex.manager, ex.draft_manager):  # everything given back
@@ -157,7 +157,7 @@ def test_stop_tokens_inside_accepted_drafts(emulated, model, steady_ref) -> None
     # it is an accepted draft (`:\n` and indentation verified together) of a round read back late. The third request
     # never emits it (length-limited).
     stop = ord(":")
-    params = [greedy(34, stop_token_ids=[stop]) for _ in prompts]
+    params = [greedy(25, stop_token_ids=[stop]) for _ in prompts]
     ref = reference(model, prompts, params)
     assert [r.finish_reason for r in ref] == [FinishReason.STOP, FinishReason.STOP, FinishReason.LENGTH]
     assert all(free[i].output_ids.index(stop) >= 8 for i in (0, 1))
@@ -198,7 +198,7 @@ def test_slots_reused_right_after_wide_rounds(emulated, model, mode: str) -> Non
     target's state slots (its first slot is the graphs' padding slot) differ from the draft's for the same request.
     Output stays plain greedy's."""
     prompts = [prompt(t) for t in SNIPPETS[:5]]
-    params = [greedy(n) for n in (30, 17, 33, 22, 26)]
+    params = [greedy(n) for n in (22, 13, 24, 16, 19)]
     ref = reference(model, prompts, params, max_batch_size=3)
     slots_differ = []
     spec = MTPDecodingConfig(num_nextn_predict_layers=K, draft_kv_mode=mode, adaptive=False, overlap_rounds=True)
@@ -213,7 +213,7 @@ def test_slots_reused_right_after_wide_rounds(emulated, model, mode: str) -> Non
                     t = ex.manager.get_state_slot(r.request_id)
                     slots_differ.append(t != ex.draft_manager.get_state_slot(r.request_id))
     assert_same(ref, got)
-    assert ex.num_overlapped_rounds >= 5, ex.num_overlapped_rounds
+    assert ex.num_overlapped_rounds >= 2, ex.num_overlapped_rounds
     assert max(r.arrival for r in got if r.t_admitted is not None) == 4  # the waiting ones got freed slots
     if mode == "separate":
         assert any(slots_differ)
@@ -224,7 +224,7 @@ def test_preemption_between_rounds_launched_ahead(emulated, model, steady_ref) -
     next synchronous step preempts the newest request, which recomputes and resumes (MTP history rebuilt). Output
     stays plain greedy's; rounds are launched ahead before and after."""
     prompts, params, ref = steady_ref
-    cfg = config(True, max_tokens=168)
+    cfg = config(True, max_tokens=136)
     ex, got = run(model, prompts, params, cfg=cfg)
     assert_same(ref, got)
     assert ex.num_preemptions > 0 and ex.num_overlapped_rounds > 0
@@ -236,7 +236,7 @@ def test_prefix_hits_with_rounds_launched_ahead(emulated, model) -> None:
     committed tokens only."""
     shared = prompt("import os\nimport sys\nimport json\n\n\nclass Config:\n")
     prompts = [shared + prompt(t) for t in ("    def __init__(self", "    def load(self", "    name = ")]
-    params = [greedy(30), greedy(27), greedy(29)]
+    params = [greedy(22), greedy(19), greedy(21)]
     ref = reference(model, prompts, params)
     cfg = config(True, enable_block_reuse=True, checkpoint_interval=8)
     ex = SpeculativeExecutor(
