@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from spec_helpers import assert_lossless, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
-from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy, best_draft_len, expected_tokens
@@ -179,15 +179,6 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
 
 
-def assert_lossless(refs, tests, skip=()) -> None:
-    for i, (a, b) in enumerate(zip(refs, tests)):
-        if i in skip:
-            continue
-        assert len(a.output_ids) == len(b.output_ids)
-        d = compare_greedy(a.output_ids, a.logit_gaps, b.output_ids)
-        assert d is None or d.excused, f"request {i}: {d}"
-
-
 def oracle(refs) -> OracleDrafter:
     return OracleDrafter({i: list(r.output_ids) for i, r in enumerate(refs)})
 
@@ -289,12 +280,7 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
     refs = plain(m, ps, mt)
     if graphs:
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
-        monkeypatch.setattr(interpreter_builder, "options",
-                            dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
-        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+        emulate_graphs(monkeypatch)
         cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))
     heads: list[int] = []  # draft-head calls: the number of drafting requests of the round
     wanted: list[int] = []

@@ -11,13 +11,13 @@ import random
 
 import pytest
 import torch
+from spec_helpers import assert_lossless
 from torch import nn
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.modules.linear import Fp8Linear
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
-from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig
@@ -146,15 +146,6 @@ def run_mtp(model, ps, cfg, spec, on_draft=None, sampled=()):
         reqs.append(ex.add_request(p, sp))
     ex.run_until_done()
     return reqs, ex
-
-
-def assert_lossless(refs, tests, skip=()) -> None:
-    for i, (ref, t) in enumerate(zip(refs, tests)):
-        if i in skip:
-            continue
-        assert len(t.output_ids) == len(ref.output_ids)
-        d = compare_greedy(ref.output_ids, ref.logit_gaps, t.output_ids)
-        assert d is None or d.excused, f"request {t.request_id}: {d}"
 
 
 def prompts(n: int, seed: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from scripted_rounds import Scripted, emulate_graphs
+from spec_helpers import Scripted, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from spec_helpers import emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -35,12 +36,7 @@ def test_oracle_tokens_replace_mtp_drafts(monkeypatch, graphs: bool) -> None:
     if graphs:
         # The emulating runner (tests/unittest/test_cuda_graph.py's `emulated`): the fused MTP draft leaves its
         # drafts on the device (`DeviceDrafts`), which the wrapper replaces there.
-        from triton.runtime.interpreter import interpreter_builder
-
-        monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
-        monkeypatch.setattr(interpreter_builder, "options",
-                            dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
-        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+        emulate_graphs(monkeypatch)
         cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))
     ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=3, adaptive=False))
     oracle = OracleDrafter({i: list(r.output_ids) for i, r in enumerate(ref)}, lambda i, j: j % 4 == 3)

@@ -242,8 +242,8 @@ class PrefixCache:
                 continue
             # The request's own key cache (its prompt's pages have the same keys over its prompt or its tokens).
             n = (len(r.prompt_ids) - int(self.ex.state_reads_next_token)) // self.page_size
-            keys = self._keys(r.page_keys, r.prompt_ids)[:n]
-            for k in keys[r.num_computed // self.page_size :]:
+            keys = self._keys(r.page_keys, r.prompt_ids)
+            for k in keys[r.num_computed // self.page_size : n]:
                 out.setdefault(k, r)
         return out
 

@@ -1,4 +1,5 @@
-"""Shared by the MTP overlap tests: a draft-length policy with scripted choices, and graphs emulated on the CPU."""
+"""Shared by the speculative tests: a draft-length policy with scripted choices, CUDA graphs emulated on the CPU,
+and the lossless check of speculative against plain greedy output."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from trtllm_glm.runtime.executor import Executor
+from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 
 
@@ -34,3 +36,13 @@ def emulate_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter_builder, "options",
                         dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
     monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+
+
+def assert_lossless(refs, tests, skip=()) -> None:  # noqa: ANN001
+    """Each test request's tokens are its reference's, or diverge only at a near tie (docs/design.md §7)."""
+    for i, (ref, t) in enumerate(zip(refs, tests)):
+        if i in skip:
+            continue
+        assert len(t.output_ids) == len(ref.output_ids)
+        d = compare_greedy(ref.output_ids, ref.logit_gaps, t.output_ids)
+        assert d is None or d.excused, f"request {i}: {d}"
