@@ -315,7 +315,9 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     """``(base, mix, max_concurrency)`` of a mode: ``oracle0.7k3+mix+mc32`` -> ``("oracle0.7k3", True, 32)``.
 
     ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``;
-    ``+adaptive`` and ``+dvN``: `mode_options`; ``+ov``: the overlap scheduler (`make_executor`).
+    ``+adaptive`` and ``+dvN``: `mode_options`; ``+ov``: the overlap scheduler with MTP drafting rounds launched
+    ahead; ``+os``: the overlap scheduler alone (the LLM API's default: width-one steps launched ahead, drafting
+    rounds synchronous) (`make_executor`).
     """
     base, *flags = mode.split("+")
     mix, mc = False, None
@@ -324,11 +326,11 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
             mix = True
         elif f.startswith("mc") and f[2:].isdigit():
             mc = int(f[2:])
-        elif f in ("adaptive", "ov") or (f.startswith("dv") and f[2:].isdigit()):
+        elif f in ("adaptive", "ov", "os") or (f.startswith("dv") and f[2:].isdigit()):
             continue
         else:
             raise ValueError(
-                f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive, +dvN or +ov)"
+                f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive, +dvN, +ov or +os)"
             )
     return base, mix, mc
 
@@ -373,8 +375,8 @@ def request_params(mode: str, i: int, gen: int) -> SamplingParams:
 
 def make_executor(model, cfg: ExecutorConfig, mode: str, continuation: dict[int, list[int]] | None, seed: int):
     opts = mode_options(mode)
-    if "ov" in mode.split("+")[1:]:
-        # Speculative rounds under the overlap scheduler (MTP drafting rounds launched ahead: issue 43 item 1).
+    if {"ov", "os"} & set(mode.split("+")[1:]):
+        # Speculative rounds under the overlap scheduler (+ov: MTP drafting rounds launched ahead too, issue 43 item 1).
         cfg = dataclasses.replace(cfg, overlap_scheduler=True)
     mode, _, mc = mode_parts(mode)
     if mode == "plain":
@@ -512,6 +514,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "adaptive": pol is not None,
         "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
         "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
+        # MTP catch-ups of rows held while nobody drafted (`MTPDecodingConfig.catchup_lag`).
+        "lag_flushes": getattr(ex.drafter, "num_lag_flushes", None) if hasattr(ex, "drafter") else None,
         "capture_s": capture_s,
         "startup_captures": startup_captures,
         "graph_captures": gstats.captures if gstats else 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from spec_helpers import assert_lossless, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -287,7 +288,8 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
     greedy, body = MTPDrafter.greedy, MtpChainGraphs._greedy
     monkeypatch.setattr(MTPDrafter, "greedy", lambda self, h: (heads.append(wanted[-1]), greedy(self, h))[1])
     monkeypatch.setattr(MtpChainGraphs, "_greedy", lambda self, h: (heads.append(wanted[-1]), body(self, h))[1])
-    spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, draft_len_fn=lambda r: 2 * (r.num_output > 6))
+    spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, catchup_lag=0,
+                             draft_len_fn=lambda r: 2 * (r.num_output > 6))  # fmt: skip
     ex = SpeculativeExecutor(m, cfg, spec)
     draft = ex.drafter.draft
     only: list = []
@@ -312,6 +314,116 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
     assert sum(r.num_verify_rounds for r in reqs) > 0
     if graphs:
         assert only and all(k[0] == "catchup_only" for k in only)  # the head-free catch-up graphs served
+
+
+@pytest.mark.parametrize(
+    ("graphs", "mode", "lag"), [(False, "shared", 32), (True, "separate", 32), (True, "shared", 3)]
+)
+def test_rounds_without_drafts_hold_rows_for_one_catch_up(monkeypatch, graphs: bool, mode: str, lag: int) -> None:
+    """With a catch-up lag (the default), a round in which nobody drafts runs no MTP forward at all: its rows'
+    target hidden are held on the device, and the MTP layer catches up on all of them in one forward when the
+    request drafts again (or its held rows fill the lag: ``lag=3``). The MTP cache then holds what per-step
+    catch-ups would have written: the same drafts are proposed and accepted at every position, and the output is
+    plain greedy's. Requests end at different points, so slots are freed and reused with rows held."""
+    import dataclasses
+
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.speculative.mtp import MTPDrafter
+
+    # The trained model: its drafts are accepted, so held rows caught up wrongly would change them.
+    m = Glm5NextForCausalLM.from_pretrained("small", dtype="float32").eval()
+    ps = [list(t.encode()) for t in ("import os\nimport sys\n", "class A:\n    def f(self", "for i in", "def main(")]
+    mt = [15, 19, 13, 17]
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=3, max_num_tokens=64, max_seq_len=96)
+    refs = plain(m, ps, mt)
+    if graphs:
+        emulate_graphs(monkeypatch)
+        cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 3], enable_padding=True))
+
+    def run(catchup_lag: int):  # noqa: ANN202
+        # Nobody drafts for the first rounds of each request, then every request drafts two.
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, draft_kv_mode=mode,
+                                 catchup_lag=catchup_lag, draft_len_fn=lambda r: 2 * (r.num_output > 8))  # fmt: skip
+        ex = SpeculativeExecutor(m, cfg, spec)
+        forwards: list[bool] = []  # per MTP forward outside a flush: whether its round drafts or rows exceed the lag
+        step, flush = MTPDrafter._mtp_step, MTPDrafter._flush_lag
+        flushing = [False]
+
+        def counted_step(self, reqs, past, q, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not flushing[0]:
+                prompt = any(p < len(r.tokens) - r.num_output for r, p in zip(reqs, past))
+                forwards.append(any(r.want > 0 for r in reqs) or max(q) > catchup_lag or prompt)
+            return step(self, reqs, past, q, *a, **kw)
+
+        def counted_flush(self, seqs):  # noqa: ANN001, ANN202
+            flushing[0] = True
+            try:
+                return flush(self, seqs)
+            finally:
+                flushing[0] = False
+
+        monkeypatch.setattr(MTPDrafter, "_mtp_step", counted_step)
+        monkeypatch.setattr(MTPDrafter, "_flush_lag", counted_flush)
+        only: list = []
+        if graphs:
+            graphs_ = ex.drafter.chain_graphs
+            run_only, run_rows = graphs_.run_catchup_only, graphs_.run_catchup_only_rows
+            graphs_.run_catchup_only = lambda *a: (only.append(a[0]), run_only(*a))[1]
+            graphs_.run_catchup_only_rows = lambda *a: (only.append(a[0]), run_rows(*a))[1]
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=t, ignore_eos=True)) for p, t in zip(ps, mt)]
+        ex.run_until_done()
+        monkeypatch.setattr(MTPDrafter, "_mtp_step", step)
+        monkeypatch.setattr(MTPDrafter, "_flush_lag", flush)
+        return ex, reqs, forwards, only
+
+    ex, reqs, forwards, only = run(lag)
+    assert_lossless(refs, reqs)
+    assert ex.drafter.num_lag_flushes > 0 and sum(r.num_verify_rounds for r in reqs) > 0
+    # Rounds that draft nothing ran no MTP forward on generated rows: neither eagerly nor through a head-free
+    # catch-up graph (prompt rows are caught up at once: checkpoints need them).
+    assert not only and all(forwards), (only, forwards)
+    if lag < 8:  # the lag filled up before drafting resumed: caught up in the middle of the held rounds
+        assert ex.drafter.num_lag_flushes > len(reqs)
+    for m_ in {ex.manager, ex.draft_manager}:
+        assert m_.num_free_pages == m_.num_pages
+    # The same drafts as catching up every step (the MTP cache holds the same rows either way).
+    _, per_step, _, _ = run(0)
+    assert [r.accepted_per_position for r in reqs] == [r.accepted_per_position for r in per_step]
+    assert sum(r.num_accepted_total - r.num_verify_rounds for r in reqs) > 5  # drafts were accepted
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in per_step]
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_held_rows_fill_the_mtp_cache_as_per_step_catch_ups(mode: str) -> None:
+    """After held rows are caught up in one forward, the MTP layer's cache holds what catching up every step wrote
+    (its latent rows, position by position, to fp32 rounding); held rows made wrong (random) would differ by ~4."""
+    m = Glm5NextForCausalLM.from_pretrained("small", dtype="float32").eval()
+    ps = [list(t.encode()) for t in ("import os\nimport sys\n", "class A:\n    def f(self")]
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=3, max_num_tokens=64, max_seq_len=96)
+
+    def run(lag: int) -> tuple[list[torch.Tensor], list[int]]:
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=False, catchup_lag=lag, draft_kv_mode=mode,
+                                 draft_len_fn=lambda r: 2 * (r.num_output > 8))  # fmt: skip
+        ex = SpeculativeExecutor(m, cfg, spec)
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in ps]
+        while not all(r.num_output > 12 for r in reqs):  # held for 8 tokens, then caught up and drafting
+            ex.step()
+        assert ex.drafter.num_lag_flushes == (1 if lag else 0)
+        dm = ex.draft_manager
+        cache = dm.kpool_layer_cache(ex.mtp_plane)
+        rows, lens = [], []
+        for r in reqs:
+            n = ex.state[r.request_id].mtp_len
+            pages = dm.get_batch_slot_tables([r.request_id])[0]
+            rows.append(cache.latent[pages].reshape(-1, cache.latent.shape[-1])[:n].clone())
+            lens.append(n)
+        return rows, lens
+
+    held, n_held = run(32)
+    each, n_each = run(0)
+    assert n_held == n_each and min(n_held) > 12
+    for a, b in zip(held, each):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_mtp_executor_is_adaptive_when_asked(model) -> None:

@@ -78,8 +78,9 @@ def assert_lossless(ref, got) -> None:
 def test_idle_mtp_rounds_overlap_and_catch_up_on_the_device(emulated, model, mode: str) -> None:
     ref = plain(model)
     # K = 0 every round: with the overlap scheduler each step but the last few of a request is launched ahead.
-    ex_o, got_o, dis_o = run(model, mode, True, lambda i: 0)
-    ex_s, got_s, dis_s = run(model, mode, False, lambda i: 0)
+    # Catching up every step (no lag: held rows would leave the MTP cache unwritten until drafting resumes).
+    ex_o, got_o, dis_o = run(model, mode, True, lambda i: 0, catchup_lag=0)
+    ex_s, got_s, dis_s = run(model, mode, False, lambda i: 0, catchup_lag=0)
     assert_lossless(ref, got_o)
     assert [r.output_ids for r in got_o] == [r.output_ids for r in got_s]
     assert ex_o.num_overlapped_steps > 5 and ex_o.num_catchups_ahead > 5 and ex_s.num_overlapped_steps == 0
@@ -101,6 +102,18 @@ def test_drafting_resumes_after_overlapped_stretches(emulated, model, mode: str)
     assert ex.num_overlapped_steps > 0 and ex.num_catchups_ahead > 0 and disabled == 0
     assert sum(r.num_verify_rounds for r in got) >= 4  # drafting resumed after every stretch
     assert 2 in ex.draft_policy.chosen and 0 in ex.draft_policy.chosen
+    assert ex.drafter.num_lag_flushes > 0  # the K = 0 stretches held their rows (the default catch-up lag)
+
+
+def test_idle_rounds_launched_ahead_hold_rows_and_flush_a_full_lag(emulated, model) -> None:
+    """K = 0 every round with a lag of 3 rows: the steps launched ahead hold their rows on the device, and a full
+    lag is caught up before the next row is held (its tokens are on the host by then). The MTP history never has
+    a gap and the output is plain greedy's."""
+    ref = plain(model)
+    ex, got, disabled = run(model, "separate", True, lambda i: 0, catchup_lag=3)
+    assert_lossless(ref, got)
+    assert ex.num_overlapped_steps > 5 and ex.num_catchups_ahead > 5 and disabled == 0
+    assert ex.drafter.num_lag_flushes >= 3
 
 
 def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:

@@ -114,6 +114,7 @@ class SpeculativeExecutor(Executor):
             drafter = MTPDrafter(
                 model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
                 share_selection=self.share_mtp_selection, draft_vocab=self.draft_vocab,
+                catchup_lag=spec.catchup_lag,  # type: ignore[union-attr]
             )  # fmt: skip
             if self.graph_runner is not None:
                 drafter.chain_graphs = MtpChainGraphs(
@@ -193,7 +194,7 @@ class SpeculativeExecutor(Executor):
     def on_preempt(self, req: Request) -> None:
         st = self.state[req.request_id]
         st.clear()
-        st.mtp_len, st.last_accepted = 0, 0
+        st.mtp_len, st.last_accepted, st.lag = 0, 0, 0
         self._free_draft(req)
 
     def _free_draft(self, req: Request) -> None:
@@ -237,7 +238,7 @@ class SpeculativeExecutor(Executor):
                 dm.free_request(req.request_id)
                 raise
         # The MTP history (its rows in the shared / copied pages, ring and last hidden in the slot) is at E.
-        st.mtp_len, st.mtp_disabled = ck.endpoint, False
+        st.mtp_len, st.mtp_disabled, st.lag = ck.endpoint, False, 0
 
     def checkpoint_draft(self, req: Request, ck: Checkpoint) -> None:
         dm = self.separate_draft_manager
@@ -370,10 +371,11 @@ class SpeculativeExecutor(Executor):
             st = self.state.get(s.request.request_id)
             if st is None:  # (every request of a plan has a state; keep the rows aligned regardless)
                 st = DraftState(mtp_disabled=True)
-            seqs.append((s.request.request_id, st, s.start, s.request.params.greedy))
+            seqs.append((s.request.request_id, st, s.start, s.request.params.greedy, s.request.tokens))
         with torch.inference_mode():
             catch(seqs, cur.out.packed[:, 0], cur.out.hidden)
         self.num_catchups_ahead += 1
+        self._after_lag_flush(drafting=False)
 
     # --------------------------------------------------------------------------------------------
     # MTP drafting rounds under the overlap scheduler (docs/speculation.md)
@@ -742,6 +744,7 @@ class SpeculativeExecutor(Executor):
             )
             row += s.num_rows
         self.drafter.draft(seqs, hidden)
+        self._after_lag_flush(drafting=any(want.values()))
         # With graphs, a round where anybody verifies drafts pads every live decode request to the full
         # width (sampled requests and greedy ones without drafts included: filler only, never accepted), so
         # that one of them does not send the batch's step down the eager path. A round where nobody drafts
@@ -749,6 +752,19 @@ class SpeculativeExecutor(Executor):
         if self.graph_runner is not None and any(s.live and s.state.drafts for s in seqs):
             _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
                                for _, s in live})  # fmt: skip
+
+    def _after_lag_flush(self, drafting: bool) -> None:
+        """Keep an MTP catch-up of held rows (`MTPDrafter`'s lag, a one-off forward over many rows) out of the
+        adaptive policy's costs: the round it ran in is not measured, and a round that drafts after it keeps its
+        length one more round, which is measured (else a length probed after a lag would never be measured
+        without one)."""
+        took = getattr(self.drafter, "take_flushed", None)
+        pol = self.draft_policy
+        if took is None or not took() or pol is None:
+            return
+        pol.reset_interval()
+        if drafting and self._inflight is None and self._next_k:
+            self._carry_k = self._next_k
 
     def _policy_draft_len(self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq]) -> int | None:
         """The adaptive policy's draft length for the next round (None without a policy).

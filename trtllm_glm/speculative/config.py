@@ -11,6 +11,8 @@ DRAFT_KV_MODES = ("shared", "separate")
 
 MAX_MTP_DRAFTS = 5
 MAX_PARALLEL_DRAFTS = 7
+# The longest MTP catch-up lag (`MTPDecodingConfig.catchup_lag`): its hidden rows are held per state slot.
+MAX_CATCHUP_LAG = 256
 
 
 @dataclass
@@ -65,6 +67,11 @@ class MTPDecodingConfig(_SpecBase):
             verify) from the previous round's outputs on the device before that round is read back (issue 43
             item 1). Off by default: on the same H100 run a round launched ahead cost 3.6 ms against 1.9 ms
             synchronously at batch 1 (~20 more small launches a round), 872 against 1,632 tokens/s.
+        catchup_lag: in rounds where nobody drafts (an adaptive length of 0, ``max_concurrency``), the MTP layer
+            may fall behind the committed tokens by up to this many rows per request: their target hidden rows
+            are kept on the device and the MTP layer catches up on them in one forward when drafting resumes or
+            the lag is full, instead of one MTP forward (a launch and its host work) per step. Such rounds then
+            cost a plain decode step. 0 catches up every step. Drafts only: output is unchanged either way.
     """
 
     num_nextn_predict_layers: int = 1
@@ -75,9 +82,13 @@ class MTPDecodingConfig(_SpecBase):
     draft_vocab_file: str | None = None
     adaptive: bool = False
     overlap_rounds: bool = False
+    catchup_lag: int = 32
 
     def __post_init__(self) -> None:
         self._check_common()
+        lag = self.catchup_lag
+        if not isinstance(lag, int) or isinstance(lag, bool) or not 0 <= lag <= MAX_CATCHUP_LAG:
+            raise ValueError(f"catchup_lag must be an int in [0, {MAX_CATCHUP_LAG}], got {lag!r}")
         if not 1 <= self.num_nextn_predict_layers <= MAX_MTP_DRAFTS:
             raise ValueError(
                 f"num_nextn_predict_layers must be in [1, {MAX_MTP_DRAFTS}], got {self.num_nextn_predict_layers}"

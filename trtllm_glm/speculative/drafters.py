@@ -87,6 +87,8 @@ class DraftState:
     mtp_disabled: bool = False  # the draft pool could not hold its history: width-one from here on
     num_proposed: int | None = None  # drafts the drafter proposed; the rest of ``drafts`` is graph filler
     pending: tuple[DeviceDrafts, int] | None = None  # drafts still on the device (see above)
+    # Committed rows after ``mtp_len`` whose target hidden is held for a later MTP catch-up (`MTPDrafter`'s lag).
+    lag: int = 0
 
     def resolve(self) -> list[int]:
         """``drafts`` with any pending values fetched from the device (waits for their copy)."""

@@ -11,6 +11,7 @@ reaches through the draft slot table (`draft_replay`, docs/design.md §6.1).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,16 @@ class MTPDrafter(Drafter):
         share_selection: chained steps reuse step 0's pool selection (index_share_for_mtp_iteration).
         draft_vocab: the restricted draft vocabulary (`DraftVocab`: each draft is the argmax over its ids);
             None scores the full vocabulary.
+        catchup_lag: rows the MTP history may fall behind in rounds where nobody drafts
+            (`MTPDecodingConfig.catchup_lag`; 0: it catches up every step).
+
+    The lag: in a round where nobody drafts, the MTP layer's only work is the catch-up on the committed rows
+    (its cache must follow every token so that drafting can resume), one MTP forward with its own launch and host
+    work per step, which at small batch costs more than the plain step. With ``catchup_lag > 0`` those rows'
+    target hidden are copied into a per-slot ring on the device (``[S, catchup_lag, D]``, `_hold`) and the MTP layer
+    catches up on all of them in one forward (`_flush_lag`) when the request drafts again, when the ring is full,
+    or when its MTP history is needed. ``DraftState.lag`` counts the held rows: the history is ``mtp_len``
+    (caught up) ``+ lag`` (held) rows long.
     """
 
     def __init__(
@@ -54,8 +65,14 @@ class MTPDrafter(Drafter):
         *,
         share_selection: bool,
         draft_vocab: DraftVocab | None = None,
+        catchup_lag: int = 0,
     ) -> None:
         self.model = model
+        # At most the metadata's rows: a flush of one request's lag is one forward.
+        self.catchup_lag = max(0, min(catchup_lag, meta.max_num_tokens))
+        self._lag_hidden: torch.Tensor | None = None  # [S, catchup_lag, D], made at the first held row
+        self.num_lag_flushes = 0  # catch-ups of held rows (forwards), for statistics and the executor
+        self._flushed = False  # a flush ran since `take_flushed` last looked
         self.draft_vocab = draft_vocab
         self.meta = meta
         self.manager = manager
@@ -83,37 +100,61 @@ class MTPDrafter(Drafter):
         if self.separate and dm.has_request(request_id):
             dm.free_request(request_id)
 
-    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+    def _draft_pages(self, state: DraftState, request_id: int, num_tokens: int) -> bool:
+        """A separate draft manager's pages for ``num_tokens`` MTP positions of ``request_id`` (added on first use).
+        When the draft pool cannot hold them the request continues without speculation (lossless): False."""
         dm = self.draft_manager
+        try:
+            if not dm.has_request(request_id):
+                dm.add_request(request_id)
+            dm.ensure_capacity(request_id, num_tokens)
+        except CapacityError:
+            state.mtp_disabled = True
+            self.release(request_id)
+            return False
+        return True
+
+    def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        drafting = any(s.live and s.greedy and s.want > 0 for s in seqs)
         # 1. Catch-up: the committed rows of this step, paired with the token that follows each.
         cat: list[DraftSeq] = []
         rows_h, toks = [], []
+        behind: list[DraftSeq] = []  # held rows to catch up on before this round's rows
+        hold: list[DraftSeq] = []  # this round's rows to hold (`_hold`)
         for s in seqs:
             if not s.live or not s.greedy:
                 continue
             st = s.state
             if st.mtp_disabled:
                 continue
-            if st.mtp_len == s.num_computed:
-                continue  # caught up already, on the device, before the step after it launched (`catch_up_ahead`)
+            if st.mtp_len + st.lag == s.num_computed:
+                # Caught up (or its rows held) already, on the device, before the step after it launched
+                # (`catch_up_ahead`): nothing to draft from (drafts would be a token stale).
+                if st.lag and drafting:
+                    behind.append(s)
+                continue
             start = s.num_computed - s.committed
-            if st.mtp_len != start:
-                # The MTP history has a gap (cannot happen: every step catches up); drop speculation.
+            if st.mtp_len + st.lag != start:
+                # The MTP history has a gap (cannot happen: every step catches up or holds); drop speculation.
                 st.mtp_disabled = True
                 continue
-            if self.separate:
-                try:
-                    if not dm.has_request(s.request_id):
-                        dm.add_request(s.request_id)
-                    dm.ensure_capacity(s.request_id, s.num_computed + max(s.want - 1, 0))
-                except CapacityError:
-                    # The draft pool is full: this request continues without speculation (lossless).
-                    st.mtp_disabled = True
-                    self.release(s.request_id)
-                    continue
+            if self.separate and not self._draft_pages(st, s.request_id, s.num_computed + max(s.want - 1, 0)):
+                continue
+            if not drafting and s.committed <= self.catchup_lag and start >= len(s.tokens) - s.num_output:
+                # Nobody drafts: its generated rows wait on the device instead of an MTP forward. Prompt rows never
+                # wait: a prompt's checkpoints and sealed pages need the MTP history to reach them.
+                hold.append(s)
+                continue
+            if st.lag:
+                behind.append(s)
             cat.append(s)
             rows_h.append(range(s.row_offset, s.row_offset + s.committed))
             toks.extend(s.tokens[start + 1 : s.num_computed + 1])
+        # Held rows first (a full ring, or a request drafting or catching up on a long prefill chunk now).
+        behind += [s for s in hold if s.state.lag + s.committed > self.catchup_lag]
+        if behind:
+            self._flush_lag(behind)
+        self._hold(hold, hidden)
         if not cat:
             return
         committed = [len(rh) for rh in rows_h]
@@ -175,6 +216,78 @@ class MTPDrafter(Drafter):
                     cat[j].state.drafts.append(int(flat[pos]))
                 pos += 1
 
+    # --------------------------------------------------------------------------------------------
+    # The catch-up lag (see the class docstring)
+    def _lag_buffer(self) -> torch.Tensor:
+        """The held rows' ring ``[S, catchup_lag, D]`` (S: the draft manager's state slots), made at first use."""
+        if self._lag_hidden is None:
+            dh = self.draft_manager.state.draft_hidden  # [S, D] in the model's dtype
+            S, D = dh.shape
+            # A normal tensor even when first held under inference mode (rounds launched ahead): rows are held
+            # both inside and outside it, and an inference tensor cannot be updated outside.
+            with torch.inference_mode(False):
+                self._lag_hidden = torch.empty(S, self.catchup_lag, D, dtype=dh.dtype, device=dh.device)
+        return self._lag_hidden
+
+    def _hold(self, cat: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
+        """Keep the committed rows of ``cat`` (rows ``row_offset ..`` of ``hidden [N, D]``, ``committed`` each) for
+        a later catch-up, after each sequence's held rows; one device copy for all, no MTP forward."""
+        if not cat:
+            return
+        ring = self._lag_buffer()
+        R = self.catchup_lag
+        slots = self.draft_manager.get_batch_state_slots([s.request_id for s in cat])
+        dst, src = [], []
+        for s, slot in zip(cat, slots):
+            lag = s.state.lag
+            dst.extend(range(slot * R + lag, slot * R + lag + s.committed))
+            src.extend(range(s.row_offset, s.row_offset + s.committed))
+            s.state.lag = lag + s.committed
+            s.state.drafts = []
+        flat = ring.view(-1, ring.shape[-1])
+        flat.index_copy_(0, to_device(dst, self.device), hidden.index_select(0, to_device(src, self.device)))
+
+    def _flush_lag(self, seqs: Sequence[DraftSeq]) -> None:
+        """Catch the MTP layer up on the held rows of ``seqs`` (each ``state.lag > 0``; their next tokens are on
+        the host: ``tokens[mtp_len + 1 .. mtp_len + lag]``), as prefill rows of one forward per metadata-sized
+        group; afterwards each history is caught up to ``mtp_len + lag`` and nothing is held."""
+        ring = self._lag_buffer()
+        R, D = self.catchup_lag, ring.shape[-1]
+        flat = ring.view(-1, D)
+        todo = [s for s in seqs if s.state.lag > 0]
+        while todo:
+            group, rows = [], 0
+            while todo and len(group) < self.meta.max_num_seqs and rows + todo[0].state.lag <= self.meta.max_num_tokens:
+                rows += todo[0].state.lag
+                group.append(todo.pop(0))
+            slots = self.draft_manager.get_batch_state_slots([s.request_id for s in group])
+            starts = [s.state.mtp_len for s in group]
+            lags = [s.state.lag for s in group]
+            src = [slot * R + j for slot, n in zip(slots, lags) for j in range(n)]
+            toks = [t for s, p, n in zip(group, starts, lags) for t in s.tokens[p + 1 : p + n + 1]]
+            prev_h = flat.index_select(0, to_device(src, self.device))
+            # The rows as a catch-up of `lag` committed rows ending at mtp_len + lag (the state is shared).
+            done = [dataclasses.replace(s, num_computed=p + n, committed=n) for s, p, n in zip(group, starts, lags)]
+            self._mtp_step(done, starts, lags, to_device(toks, self.device, torch.int64), prev_h, decode=False)
+            last = to_device([sum(lags[: j + 1]) - 1 for j in range(len(group))], self.device)
+            self._caught_up(done, lags, prev_h.index_select(0, last))
+            for s in group:
+                s.state.lag = 0
+            self.num_lag_flushes += 1
+            self._flushed = True
+
+    def take_flushed(self) -> bool:
+        """Whether held rows were caught up since the last call (that round's time includes the catch-up)."""
+        out, self._flushed = self._flushed, False
+        return out
+
+    def flush_request(self, request_id: int, state: DraftState, tokens: Sequence[int]) -> None:
+        """Catch one request's MTP history up on its held rows now (e.g. before its history is checkpointed)."""
+        if state.lag and not state.mtp_disabled:
+            self._flush_lag([DraftSeq(request_id=request_id, state=state, tokens=tokens, num_output=0,
+                                      num_computed=state.mtp_len + state.lag, committed=state.lag, row_offset=0,
+                                      greedy=True, live=True, want=0)])  # fmt: skip
+
     def catch_up_ahead(
         self, seqs: Sequence[tuple[int, DraftState, int, bool]], tokens: torch.Tensor, hidden: torch.Tensor
     ) -> None:
@@ -183,32 +296,40 @@ class MTPDrafter(Drafter):
         hidden rows are taken on the device; no LM head (nobody drafts from a step followed by one launched
         ahead: its drafts would be one token stale). The next `draft` call skips these sequences.
 
+        With a catch-up lag (``catchup_lag``), the rows are held instead (`_hold`, a device copy), a full ring being
+        caught up first (its rows' next tokens are on the host: the in-flight step's input is the last of them).
+
         Args:
-            seqs: ``(request_id, state, row position, greedy)`` of each row of the step, in row order.
+            seqs: ``(request_id, state, row position, greedy, tokens)`` of each row of the step, in row order
+                (``tokens``: the request's tokens on the host, up to the row's own).
             tokens: ``[B]`` the step's chosen token of each row (``GraphOutputs.packed[:, 0]``, float64 ids).
             hidden: ``[B, D]`` the step's final hidden rows.
         """
-        dm = self.draft_manager
         cat: list[DraftSeq] = []
         sel: list[int] = []
-        for b, (rid, st, pos, greedy) in enumerate(seqs):
+        for b, (rid, st, pos, greedy, held) in enumerate(seqs):
             if not greedy or st.mtp_disabled:
+                continue
+            if self.catchup_lag and st.mtp_len + st.lag == pos:
+                cat.append(DraftSeq(request_id=rid, state=st, tokens=held, num_output=0, num_computed=pos + 1,
+                                    committed=1, row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
                 continue
             if st.mtp_len != pos:
                 st.mtp_disabled = True  # a gap in the MTP history (as in `draft`): no speculation from here
                 continue
-            if self.separate:
-                try:
-                    if not dm.has_request(rid):
-                        dm.add_request(rid)
-                    dm.ensure_capacity(rid, pos + 1)
-                except CapacityError:
-                    st.mtp_disabled = True
-                    self.release(rid)
-                    continue
+            if self.separate and not self._draft_pages(st, rid, pos + 1):
+                continue
             cat.append(DraftSeq(request_id=rid, state=st, tokens=(), num_output=0, num_computed=pos + 1, committed=1,
                                 row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
             sel.append(b)
+        if self.catchup_lag:
+            if self.separate:
+                cat = [s for s in cat if self._draft_pages(s.state, s.request_id, s.num_computed)]
+            full = [s for s in cat if s.state.lag + 1 > self.catchup_lag]
+            if full:
+                self._flush_lag(full)
+            self._hold(cat, hidden)
+            return
         if not cat:
             return
         idx = to_device(sel, self.device)
