@@ -11,6 +11,7 @@ when the queue is full or the server is shutting down, 500 when generation itsel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, Q
 from .metrics import CONTENT_TYPE_LATEST
 from .output import TokenStrings
 from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
-from .reasoning import ReasoningParser, split_reasoning
+from .reasoning import ReasoningParser, grammar_reasoning, split_reasoning
 from .structured import StructuredRequestError, response_format_params, tool_choice_params
 from .tool_calls import ToolCallParser, check_tools, parse_tool_calls, render_tool_call
 
@@ -586,12 +587,14 @@ class _Server:
         if mt is None:
             mt, mt_param = req.max_tokens, "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if guided is not None and self.reasoning_parser is not None:  # think first, then the constrained answer
+            guided = dataclasses.replace(guided, reasoning=grammar_reasoning(prompt_text))
         await self.check_grammar(guided, guided_param)
         job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages", guided=guided)
         stream = await self.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        # A constrained answer is all answer: the grammar starts at the first output token (no thinking part).
-        parse = self.reasoning_parser is not None and guided is None
+        # A constrained answer follows the thinking (the grammar starts after the closing tag: runtime/grammar.py).
+        parse = self.reasoning_parser is not None
         if job.stream:
             events = self._chat_events(job, stream, rid, created, prompt_text if parse else None, tools,
                                        req.parallel_tool_calls)  # fmt: skip
