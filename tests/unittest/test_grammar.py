@@ -250,6 +250,64 @@ def test_grammar_requests_are_never_launched_ahead(llms) -> None:
         ex.cfg.overlap_scheduler = was
 
 
+def _masks(g, drafts=()) -> list[list[int]]:
+    bm = fill_bitmasks([(g, 0, list(drafts))], 1 + len(drafts), V)
+    return [allowed_tokens(bm[i], V) for i in range(1 + len(drafts))]
+
+
+@pytest.mark.parametrize("mode", ["inside", "optional"])
+def test_grammar_after_thinking_masks_and_drafts(mode: str) -> None:
+    """Thinking first: free text (no end of sequence) up to ``</think>``, then the grammar from its start; verify
+    rows across the phase change equal the masks step by step, and the state is left as it was."""
+    comp = _compiler()
+    gp = GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                              reasoning=mode)  # fmt: skip
+    out = ("\n<think>" if mode == "optional" else "") + 'I think {"a": 1} </thi </think>{"a": 12}'
+    g = comp.matcher(gp, [EOS])
+    if mode == "optional":  # the opening tag after whitespace, or the answer itself
+        assert sorted(map(chr, _masks(g)[0])) == sorted(["\t", "\n", "\x0b", "\x0c", "\r", " ", "<", "{"])
+    else:
+        assert len(_masks(g)[0]) == V - 1 and EOS not in _masks(g)[0]
+    toks = list(out.encode())
+    step = []
+    for t in toks:
+        step.append(_masks(g)[0])
+        assert t in step[-1], (chr(t), g.phase)
+        assert g.accept(t)
+    assert g.phase == "answer" and EOS in _masks(g)[0] and g.is_accepting
+    # All at once as drafts: the same rows, and the matcher where it was.
+    g2 = comp.matcher(gp, [EOS])
+    assert _masks(g2, toks[:-1]) == step and g2.phase == ("start" if mode == "optional" else "think")
+    assert g2.valid_prefix(toks) == len(toks) and g2.valid_prefix(toks[:-3] + [ord("x")]) == len(toks) - 3
+    # A capped thinking: past the cap only the closing tag's bytes, in order.
+    g3 = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="inside", max_reasoning_tokens=2), [EOS])
+    for t in b"ab</think":
+        assert _masks(g3)[0] == ([t] if g3.num_reasoning_tokens >= 2 else _masks(g3)[0]) and g3.accept(t)
+    assert _masks(g3)[0] == [ord(">")] and g3.accept(ord(">")) and _masks(g3)[0] == [ord("{")]
+    with pytest.raises(ValueError, match="needs reasoning"):
+        GuidedDecodingParams(json_object=True, max_reasoning_tokens=3)
+    with pytest.raises(ValueError, match="reasoning must be"):
+        GuidedDecodingParams(json_object=True, reasoning="yes")
+
+
+def test_thinking_then_constrained_answer_identical_with_speculation(llms) -> None:
+    """The Python API: a prompt that opens the thinking, a JSON schema after it (thinking capped at 8 tokens: the
+    random weights never close it themselves); the thinking is free text, the answer validates, and greedy output
+    is the same with MTP and n-gram speculation."""
+    prompts = ["<|user|>\nA person as JSON\n<|assistant|><think>", "<|assistant|>\n<think>Plan: {"]
+    sp = SamplingParams(max_tokens=200, guided_decoding=GuidedDecodingParams(json=SCHEMA, reasoning="inside",
+                        max_reasoning_tokens=8))  # fmt: skip
+    got = {}
+    for name, llm in llms.items():
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+        for o in outs:
+            thought, _, answer = o.text.partition("</think>")
+            assert o.finish_reason == "stop" and _valid(json.loads(answer), SCHEMA), (name, o.text)
+            assert not thought.startswith("{") and len(o.token_ids) > len(answer) + 8, (name, o.text)
+        got[name] = [o.token_ids for o in outs]
+    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]
+
+
 @pytest.mark.parametrize("mode", ["overlap", "ngram"])
 def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> None:
     """With (emulated) CUDA graphs, the overlap scheduler and speculation, a batch mixing grammar and free requests
