@@ -455,3 +455,24 @@ def test_prefix_cache_metrics_count_hits(app) -> None:
     assert after["trtllm:prefix_cache_hits_total"] - before["trtllm:prefix_cache_hits_total"] == 1
     assert after["trtllm:prefix_cache_reused_tokens_total"] - before["trtllm:prefix_cache_reused_tokens_total"] >= 64
     assert app.state.engine.stats()["prefix_cache_hits"] >= 1
+
+
+def test_one_sampling_rule_at_both_doors(app, refs) -> None:
+    """The server refuses only what OpenAI's API refuses (temperature above 2, with a message naming the field and
+    the Python API's wider range; NaN / infinity as not finite); what it accepts behaves as `SamplingParams` does:
+    ``top_k: -1`` is off, and a temperature below 1e-5 is greedy (1e-300 used to divide the logits by an FP32 zero
+    and return the vocabulary's last id)."""
+    for body, says in (({"temperature": 2.5}, "at most 2"), ('"temperature": NaN', "finite"),
+                       ('"temperature": Infinity', "finite"), ('"top_p": NaN', "finite")):  # fmt: skip
+        if isinstance(body, str):
+            body = '{"prompt": "Hello", "max_tokens": 2, ' + body + "}"
+        else:
+            body = {"prompt": "Hello", "max_tokens": 2, **body}
+        r = post(app, "/v1/completions", body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and says in err["message"], r.text
+        assert err["param"] in ("temperature", "top_p") and err["param"] in err["message"], err
+    for extra in ({"temperature": 1e-300, "seed": 1}, {"temperature": 2, "top_k": 1, "seed": 1},
+                  {"temperature": 0, "top_k": -1}):  # fmt: skip
+        r = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "return_token_ids": True, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs["hello"].token_ids, (extra, r.text)
