@@ -476,3 +476,21 @@ def test_one_sampling_rule_at_both_doors(app, refs) -> None:
                   {"temperature": 0, "top_k": -1}):  # fmt: skip
         r = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "return_token_ids": True, **extra})
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs["hello"].token_ids, (extra, r.text)
+
+
+def test_best_of_returns_the_n_most_likely_of_best_of(app) -> None:
+    """``best_of`` > ``n`` generates best_of completions (seeds seed + i, as ``n`` does) and returns the n with the
+    highest cumulative logprob, best first; usage counts every generation; best_of < n and streaming are 400s."""
+    base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    every = post(app, "/v1/completions", {**base, "n": 4, "logprobs": 0}).json()
+    score = [sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]]
+    ranked = [every["choices"][k]["text"] for k in sorted(range(4), key=lambda k: -score[k])]
+    r = post(app, "/v1/completions", {**base, "n": 2, "best_of": 4})
+    body = r.json()
+    assert r.status_code == 200 and [c["text"] for c in body["choices"]] == ranked[:2], (body, ranked)
+    assert [c["index"] for c in body["choices"]] == [0, 1] and all(c["logprobs"] is None for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]
+    for extra, says in (({"n": 3, "best_of": 2}, "must be >= n"), ({"best_of": 2, "stream": True}, "streamed")):
+        r = post(app, "/v1/completions", {**base, **extra})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "best_of"
