@@ -74,3 +74,19 @@ def test_temperature_and_top_k_rule(llm: LLM) -> None:
     tiny = llm.generate("def f(x):", SamplingParams(max_tokens=8, temperature=1e-300, seed=3)).outputs[0].token_ids
     hot = llm.generate("def f(x):", SamplingParams(max_tokens=8, temperature=5.0, seed=3)).outputs[0].token_ids
     assert tiny == ref and len(hot) == 8 and hot != ref
+
+
+def test_best_of_keeps_the_n_most_likely(llm: LLM) -> None:
+    """``best_of`` (TensorRT-LLM's field): best_of completions drawn (seeds seed + i, as ``n``), the n with the
+    highest cumulative logprob returned, best first, without logprobs unless asked for."""
+    p, kw = "def f(x):", dict(max_tokens=6, temperature=1.0, seed=4)
+    every = llm.generate(p, SamplingParams(n=4, logprobs=0, **kw)).outputs
+    score = [sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)) for c in every]
+    ranked = [every[k].token_ids for k in sorted(range(4), key=lambda k: -score[k])]
+    got = llm.generate(p, SamplingParams(n=2, best_of=4, **kw)).outputs
+    assert [c.token_ids for c in got] == ranked[:2] and [c.index for c in got] == [0, 1]
+    assert all(c.logprobs is None for c in got)
+    with pytest.raises(ValueError, match="best_of must be"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match="best_of"):
+        llm.generate_async(p, SamplingParams(best_of=2, **kw))

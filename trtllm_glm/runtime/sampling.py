@@ -97,6 +97,9 @@ class SamplingParams:
     # seed is given) and stop strings (the text is cut before the first one and the request ends, finish
     # reason "stop"; tokens after the one that completed it are dropped).
     n: int = 1
+    # TensorRT-LLM's / vLLM v0's: generate best_of completions per prompt (`LLM.generate`) and return the n with the
+    # highest cumulative logprob (the chosen tokens' logprobs under the raw distribution), best first.
+    best_of: int | None = None
     stop: str | list[str] | None = None
     guided_decoding: GuidedDecodingParams | None = None
 
@@ -119,6 +122,9 @@ class SamplingParams:
             self.top_k = 0  # the same as the server: -1 and 0 both mean off
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        b = self.best_of
+        if b is not None and (not _is_int(b) or not self.n <= b <= MAX_N):
+            raise ValueError(f"best_of must be None or an int in [n={self.n}, {MAX_N}], got {b!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None:
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
