@@ -384,25 +384,3 @@ def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> Non
     for i, out in enumerate(ref):
         if i % 2:
             assert _valid(json.loads(tok.decode(out)), small)
-
-
-@pytest.mark.gpu
-def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
-    """On CUDA (graphs captured, overlap scheduler on, batch-invariant numerics): a batch mixing grammar and free
-    requests gives valid JSON, and the same tokens with MTP and n-gram speculation as without."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    guided = GuidedDecodingParams(json=SCHEMA)
-    params = [SamplingParams(max_tokens=160, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=160)
-              for i in range(8)]  # fmt: skip
-    got = {}
-    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3)),
-                       ("ngram", NGramDecodingConfig(max_draft_len=4))):  # fmt: skip
-        llm = LLM("small", device="cuda", max_batch_size=8, max_seq_len=512, batch_invariant=True,
-                  speculative_config=spec)  # fmt: skip
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        for i, o in enumerate(outs):
-            if i % 2:
-                assert o.finish_reason == "stop" and _valid(json.loads(o.text), SCHEMA), (name, o.text)
-        got[name] = [o.token_ids for o in outs]
-        assert llm.executor.graph_runner is not None and llm.executor.graph_runner.stats.replays > 0
-    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]
