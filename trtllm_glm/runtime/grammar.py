@@ -288,6 +288,8 @@ class GrammarCompiler:
             key = params.key()
         except RecursionError:
             raise ValueError("invalid JSON schema: nested too deeply") from None
+        if params.reasoning is not None:  # thinking first: its token tables too, before the request runs
+            self.tag_tables().warm()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -310,6 +312,13 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return m
 
+    def tag_tables(self) -> TagTables:
+        """The reasoning tags' token tables of this vocabulary (built once, on first use)."""
+        with self._lock:
+            if self._tags is None:
+                self._tags = TagTables(self._tok(), self.vocab_size)
+            return self._tags
+
     def matcher(self, params: GuidedDecodingParams, stop_ids: Iterable[int]) -> RequestGrammar:
         """A fresh `RequestGrammar` for one request (a copy of the compiled matcher).
 
@@ -321,11 +330,7 @@ class GrammarCompiler:
         template = self.compile(params)
         with self._lock:
             m = template.deep_copy()
-            tags = None
-            if params.reasoning is not None:
-                if self._tags is None:
-                    self._tags = TagTables(self._tok(), self.vocab_size)
-                tags = self._tags
+        tags = self.tag_tables() if params.reasoning is not None else None
         return RequestGrammar(m, self.vocab_size, self.eos_ids, stop_ids, params.reasoning,
                               params.max_reasoning_tokens, tags)  # fmt: skip
 
@@ -339,15 +344,26 @@ class TagTables:
         self.vocab_size = vocab_size
         n = min(vocab_size, ll_tok.vocab_size)
         self._bytes: list[bytes] | None = None
+        self._cands: list[int] = []  # tokens that can continue a tag: whitespace, or starting with a tag's byte
         self._n = n
         self._cont: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
         self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Build the byte table and the tables a request needs first (~0.1-0.3 s for a 155K vocabulary, once):
+        the server and `LLM.generate` call it while compiling, off the engine's step."""
+        self.token_bytes(0)
+        self.continuing(THINK_OPEN, b"", True)
+        self.continuing(THINK_CLOSE, b"", False)
 
     def token_bytes(self, t: int) -> bytes:
         if self._bytes is None:
             with self._lock:
                 if self._bytes is None:
-                    self._bytes = [self._ll_tok.decode_bytes([i]) for i in range(self._n)]
+                    table = [self._ll_tok.decode_bytes([i]) for i in range(self._n)]
+                    first = set(THINK_OPEN + THINK_CLOSE)
+                    self._cands = [i for i, b in enumerate(table) if b and (not b.strip() or b.lstrip()[0] in first)]
+                    self._bytes = table
         return self._bytes[t] if 0 <= t < self._n else b""
 
     def continuing(self, tag: bytes, have: bytes, lead_space: bool) -> np.ndarray:
@@ -361,8 +377,9 @@ class TagTables:
         self.token_bytes(0)
         assert self._bytes is not None
         ids = []
-        for i, b in enumerate(self._bytes):
-            if not b:
+        for i in self._cands:
+            b = self._bytes[i]
+            if have and b[:1].isspace():
                 continue
             x = have + (b.lstrip() if lead_space else b)
             if not x and lead_space:
@@ -505,6 +522,9 @@ class RequestGrammar:
     def fill_reasoning_rows(self, host: np.ndarray, row: int, drafts: Sequence[int], ptr: int, row_bytes: int) -> None:
         """Rows ``row .. row + len(drafts)``: the state's mask, then the mask after each draft it allows (the
         state is restored after; drafts past a refused one leave their rows all-allowed, as `fill_bitmasks`)."""
+        if not drafts:
+            self.fill_reasoning_row(host[row], ptr + row * row_bytes, row_bytes)
+            return
         saved = (self.phase, self._tail, self._in_sync, self.num_reasoning_tokens, self.num_consumed, self.matcher)
         self.matcher = self.matcher.deep_copy()
         try:
