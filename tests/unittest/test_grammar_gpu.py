@@ -37,9 +37,9 @@ def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
             if i % 2:
                 answer = o.text.partition("</think>")[2] if i % 4 == 3 else o.text
                 assert o.finish_reason == "stop" and _valid(json.loads(answer), SCHEMA), (name, i, o.text)
-            if spec is not None and i % 2:  # drafts verified (and some accepted) under the grammar's masks
+            if name == "mtp" and i % 2:  # MTP drafts every round: each grammar request verified some
                 assert o.num_draft_rounds > 0, (name, i)
-        if spec is not None:
+        if spec is not None:  # drafts verified and some accepted under the grammars' masks
             assert sum(o.mean_accepted_length * o.num_draft_rounds - o.num_draft_rounds
                        for i, o in enumerate(outs) if i % 2) > 0, name  # fmt: skip
         got[name] = [o.token_ids for o in outs]
