@@ -290,6 +290,47 @@ def test_grammar_after_thinking_masks_and_drafts(mode: str) -> None:
         GuidedDecodingParams(json_object=True, reasoning="yes")
 
 
+def test_thinking_tokens_that_cross_the_closing_tag_are_excluded(monkeypatch) -> None:
+    """A BPE vocabulary may hold tokens that close the thinking and start the answer in one (``>{``): those are
+    excluded while thinking (the grammar would never see their answer bytes), a token that ends exactly at the tag
+    (``</think>``, ``x</think>``) is allowed, and an opening token may carry thinking text (``<think>hi``)."""
+    import llguidance as llg
+
+    extra = [b">{", b"</think>", b"x</think>{", b"x</think>", b"<think>hi", b"<think></think>{"]
+    n = 256 + len(extra) + 1
+    eos = n - 1
+
+    class _Tok:
+        eos_token_id, bos_token_id = eos, None
+        tokens = [bytes([i]) for i in range(256)] + extra + [b"<|eos|>"]
+        special_token_ids = [eos]
+
+        def __call__(self, s):  # noqa: ANN001, ANN204
+            return list(s if isinstance(s, bytes) else s.encode())
+
+    ll = llg.LLTokenizer(llg.TokenizerWrapper(_Tok()), n_vocab=n, eos_token=[eos])
+    comp = GrammarCompiler(ByteTokenizer(264, 256, 257, 258), n, [eos])
+    monkeypatch.setattr(comp, "_tok", lambda: ll)
+    ids = {b: 256 + i for i, b in enumerate(extra)}
+
+    def allowed(g) -> set[int]:  # noqa: ANN001
+        return set(allowed_tokens(fill_bitmasks([(g, 0, [])], 1, n)[0], n))
+
+    g = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="inside"), [eos])
+    a = allowed(g)
+    assert ids[b"</think>"] in a and ids[b"x</think>"] in a and ids[b"x</think>{"] not in a and eos not in a
+    for t in b"ok</think":
+        g.accept(t)
+    a = allowed(g)
+    assert ord(">") in a and ids[b">{"] not in a
+    g.accept(ord(">"))
+    assert g.phase == "answer" and allowed(g) == {ord("{")}
+    o = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="optional"), [eos])
+    a = allowed(o)
+    assert ids[b"<think>hi"] in a and ids[b"<think></think>{"] not in a and ord("{") in a
+    assert o.accept(ids[b"<think>hi"]) and o.phase == "think" and o.accept(ids[b"</think>"]) and o.phase == "answer"
+
+
 def test_thinking_then_constrained_answer_identical_with_speculation(llms) -> None:
     """The Python API: a prompt that opens the thinking, a JSON schema after it (thinking capped at 8 tokens: the
     random weights never close it themselves); the thinking is free text, the answer validates, and greedy output

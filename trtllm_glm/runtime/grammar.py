@@ -345,6 +345,8 @@ class TagTables:
         n = min(vocab_size, ll_tok.vocab_size)
         self._bytes: list[bytes] | None = None
         self._cands: list[int] = []  # tokens that can continue a tag: whitespace, or starting with a tag's byte
+        self._with_close: list[int] = []  # those and the tokens holding a whole closing tag
+        self._cross: dict[bytes, np.ndarray] = {}
         self._n = n
         self._cont: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
         self._lock = threading.Lock()
@@ -355,6 +357,7 @@ class TagTables:
         self.token_bytes(0)
         self.continuing(THINK_OPEN, b"", True)
         self.continuing(THINK_CLOSE, b"", False)
+        self.crossing(b"")
 
     def token_bytes(self, t: int) -> bytes:
         if self._bytes is None:
@@ -363,6 +366,7 @@ class TagTables:
                     table = [self._ll_tok.decode_bytes([i]) for i in range(self._n)]
                     first = set(THINK_OPEN + THINK_CLOSE)
                     self._cands = [i for i, b in enumerate(table) if b and (not b.strip() or b.lstrip()[0] in first)]
+                    self._with_close = sorted(set(self._cands) | {i for i, b in enumerate(table) if THINK_CLOSE in b})
                     self._bytes = table
         return self._bytes[t] if 0 <= t < self._n else b""
 
@@ -384,12 +388,38 @@ class TagTables:
             x = have + (b.lstrip() if lead_space else b)
             if not x and lead_space:
                 ids.append(i)  # whitespace before the tag
-            elif x and (tag.startswith(x) or (tag == THINK_OPEN and x.startswith(tag))):
+            elif x and (tag.startswith(x) or (tag == THINK_OPEN and x.startswith(tag) and _ends_clean(x[len(tag) :]))):
                 ids.append(i)
         arr = np.asarray(ids, dtype=np.int64)
         with self._lock:
             self._cont[key] = arr
         return arr
+
+    def crossing(self, have: bytes) -> np.ndarray:
+        """Ids of the tokens that, after thinking text ending in ``have`` (a proper prefix of the closing tag, or
+        empty), would close the thinking and carry answer bytes past the tag in the same token (``>{`` after
+        ``</think``): excluded while thinking, so that the grammar sees the whole answer (a tokenizer with
+        ``</think>`` as one special token has none)."""
+        hit = self._cross.get(have)
+        if hit is not None:
+            return hit
+        self.token_bytes(0)
+        assert self._bytes is not None
+        arr = np.asarray([i for i in self._with_close if not _ends_clean(have + self._bytes[i])], dtype=np.int64)
+        with self._lock:
+            self._cross[have] = arr
+        return arr
+
+
+def _ends_clean(text: bytes) -> bool:
+    """Whether thinking text ``text`` holds no closing tag, or its first one ends it."""
+    i = text.find(THINK_CLOSE)
+    return i < 0 or i + len(THINK_CLOSE) == len(text)
+
+
+def _clear_bits(row: np.ndarray, ids: np.ndarray) -> None:
+    if len(ids):
+        np.bitwise_and.at(row, ids >> 5, ~((np.uint32(1) << (ids & 31).astype(np.uint32)).astype(np.uint32)))
 
 
 def _set_bits(row: np.ndarray, ids: np.ndarray) -> None:
@@ -508,6 +538,7 @@ class RequestGrammar:
                 _set_bits(row, self.tags.continuing(THINK_CLOSE, self._close_prefix(), False))
             else:
                 row[:] = 0xFFFFFFFF
+                _clear_bits(row, self.tags.crossing(self._close_prefix()))
             for t in self.eos_ids + self.stop_ids:  # the answer must follow: no end inside the thinking
                 row[t >> 5] &= ~np.uint32(1 << (t & 31))
             return
