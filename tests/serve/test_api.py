@@ -455,3 +455,42 @@ def test_prefix_cache_metrics_count_hits(app) -> None:
     assert after["trtllm:prefix_cache_hits_total"] - before["trtllm:prefix_cache_hits_total"] == 1
     assert after["trtllm:prefix_cache_reused_tokens_total"] - before["trtllm:prefix_cache_reused_tokens_total"] >= 64
     assert app.state.engine.stats()["prefix_cache_hits"] >= 1
+
+
+def test_one_sampling_rule_at_both_doors(app, refs) -> None:
+    """The server refuses only what OpenAI's API refuses (temperature above 2, with a message naming the field and
+    the Python API's wider range; NaN / infinity as not finite); what it accepts behaves as `SamplingParams` does:
+    ``top_k: -1`` is off, and a temperature below 1e-5 is greedy (1e-300 used to divide the logits by an FP32 zero
+    and return the vocabulary's last id)."""
+    for body, says in (({"temperature": 2.5}, "at most 2"), ('"temperature": NaN', "finite"),
+                       ('"temperature": Infinity', "finite"), ('"top_p": NaN', "finite")):  # fmt: skip
+        if isinstance(body, str):
+            body = '{"prompt": "Hello", "max_tokens": 2, ' + body + "}"
+        else:
+            body = {"prompt": "Hello", "max_tokens": 2, **body}
+        r = post(app, "/v1/completions", body)
+        err = r.json()["error"]
+        assert r.status_code == 400 and says in err["message"], r.text
+        assert err["param"] in ("temperature", "top_p") and err["param"] in err["message"], err
+    for extra in ({"temperature": 1e-300, "seed": 1}, {"temperature": 2, "top_k": 1, "seed": 1},
+                  {"temperature": 0, "top_k": -1}):  # fmt: skip
+        r = post(app, "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "return_token_ids": True, **extra})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs["hello"].token_ids, (extra, r.text)
+
+
+def test_best_of_returns_the_n_most_likely_of_best_of(app) -> None:
+    """``best_of`` > ``n`` generates best_of completions (seeds seed + i, as ``n`` does) and returns the n with the
+    highest cumulative logprob, best first; usage counts every generation; best_of < n and streaming are 400s."""
+    base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    every = post(app, "/v1/completions", {**base, "n": 4, "logprobs": 0}).json()
+    score = [sum(c["logprobs"]["token_logprobs"]) for c in every["choices"]]
+    ranked = [every["choices"][k]["text"] for k in sorted(range(4), key=lambda k: -score[k])]
+    r = post(app, "/v1/completions", {**base, "n": 2, "best_of": 4})
+    body = r.json()
+    assert r.status_code == 200 and [c["text"] for c in body["choices"]] == ranked[:2], (body, ranked)
+    assert [c["index"] for c in body["choices"]] == [0, 1] and all(c["logprobs"] is None for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == every["usage"]["completion_tokens"]
+    for extra, says in (({"n": 3, "best_of": 2}, "must be >= n"), ({"best_of": 2, "stream": True}, "streamed")):
+        r = post(app, "/v1/completions", {**base, **extra})
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "best_of"

@@ -18,7 +18,9 @@ import pytest
 import uvicorn
 
 from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.runtime.grammar import GrammarCompiler
 from trtllm_glm.serve.app import build_app
+from trtllm_glm.serve.chat import ChatTemplate
 from trtllm_glm.serve.engine import AsyncEngine
 
 pytestmark = pytest.mark.cpu_only
@@ -93,11 +95,22 @@ def valid(v: Any, s: dict) -> bool:
     return True
 
 
-def _serve(llm: LLM) -> tuple[uvicorn.Server, threading.Thread, str]:
+# A GLM-style template that thinks: the generation prompt opens the thinking unless enable_thinking is false.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% else %}<think>{% endif %}{% endif %}"
+)
+
+
+def _serve(llm: LLM | AsyncEngine, **app_kw: Any) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """A live server of ``llm`` (or a second app over an engine already served: ``app_kw`` then gives its chat
+    template and reasoning parser)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
-    app = build_app(AsyncEngine(llm, max_queue_size=4), served_model_name=MODEL, drain_timeout=5.0)
+    engine = llm if isinstance(llm, AsyncEngine) else AsyncEngine(llm, max_queue_size=4)
+    app = build_app(engine, served_model_name=MODEL, drain_timeout=5.0, manage_engine=engine is not llm, **app_kw)
     srv = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning", lifespan="on",
                                         timeout_graceful_shutdown=5))  # fmt: skip
     th = threading.Thread(target=srv.run, name="uvicorn-structured", daemon=True)
@@ -111,16 +124,25 @@ def _serve(llm: LLM) -> tuple[uvicorn.Server, threading.Thread, str]:
 
 @pytest.fixture(scope="module")
 def clients() -> Any:
-    """Three live servers of the small preset (plain, MTP, n-gram) and an OpenAI client of each."""
+    """Three live servers of the small preset (plain, MTP, n-gram) and an OpenAI client of each; ``<name>-think``:
+    a second app over the same engine whose chat template thinks (reasoning parser glm45)."""
     kw: dict[str, Any] = dict(device="cpu", max_batch_size=4, max_seq_len=1536)
     specs = {"plain": None, "mtp": MTPDecodingConfig(num_nextn_predict_layers=3), "ngram": NGramDecodingConfig()}
     running, out = [], {}
+
+    def connect(name: str, base: str) -> None:
+        out[name] = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120.0,
+                                  http_client=openai.DefaultHttpxClient(trust_env=False))  # fmt: skip
+
     try:
         for name, spec in specs.items():
             srv, th, base = _serve(LLM(MODEL, speculative_config=spec, **kw))
             running.append((srv, th))
-            out[name] = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120.0,
-                                      http_client=openai.DefaultHttpxClient(trust_env=False))  # fmt: skip
+            connect(name, base)
+            srv2, th2, base2 = _serve(srv.config.app.state.engine, chat_template=ChatTemplate(jinja=THINKING_TEMPLATE),
+                                      reasoning_parser="glm45")  # fmt: skip
+            running.insert(0, (srv2, th2))  # stopped before the app that owns the engine
+            connect(f"{name}-think", base2)
         yield out
     finally:
         for c in out.values():
@@ -128,6 +150,10 @@ def clients() -> Any:
         for srv, th in running:
             srv.should_exit = True
             th.join(timeout=30.0)
+
+
+def _plain(clients: dict) -> dict:
+    return {k: c for k, c in clients.items() if not k.endswith("-think")}
 
 
 def _nested(depth: int) -> dict:
@@ -144,7 +170,7 @@ def _schema_format(name: str) -> dict:
 def test_json_schema_output_validates_and_is_identical_with_speculation(clients) -> None:
     for name, schema in SCHEMAS.items():
         texts = {}
-        for kind, c in clients.items():
+        for kind, c in _plain(clients).items():
             r = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=150, temperature=0,
                                           response_format=_schema_format(name))  # fmt: skip
             ch = r.choices[0]
@@ -239,3 +265,61 @@ def test_a_grammar_the_model_cannot_finish_ends_with_length(clients) -> None:
     )  # fmt: skip
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
     assert r.choices[0].message.content.startswith('{"text": "')
+
+
+@pytest.fixture
+def think_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The small preset's random weights never close their thinking on their own: each request's thinking is
+    capped at 6 tokens (`GuidedDecodingParams.max_reasoning_tokens`), after which only ``</think>`` may follow."""
+    made = GrammarCompiler.matcher
+
+    def matcher(self, params, stop_ids):  # noqa: ANN001, ANN202
+        if params.reasoning is not None:
+            params = __import__("dataclasses").replace(params, max_reasoning_tokens=6)
+        return made(self, params, stop_ids)
+
+    monkeypatch.setattr(GrammarCompiler, "matcher", matcher)
+
+
+def test_thinking_before_a_constrained_answer(clients, think_cap) -> None:
+    """With a template that opens the thinking, the model thinks freely and the grammar applies after ``</think>``:
+    the thinking arrives in ``reasoning_content``, the answer validates, identical with MTP and n-gram, streamed
+    and not; with enable_thinking false the grammar applies from the first token (no reasoning)."""
+    texts = {}
+    for kind in ("plain", "mtp", "ngram"):
+        r = clients[f"{kind}-think"].chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=200, temperature=0, response_format=_schema_format("person")
+        )
+        msg = r.choices[0].message
+        reasoning = msg.model_extra.get("reasoning_content")
+        assert r.choices[0].finish_reason == "stop" and reasoning, (kind, msg)
+        assert not reasoning.startswith("{"), reasoning  # free text, not the grammar's first token
+        assert valid(json.loads(msg.content), PERSON), (kind, msg.content)
+        texts[kind] = (reasoning, msg.content)
+    assert texts["mtp"] == texts["plain"] and texts["ngram"] == texts["plain"], texts
+    chunks = list(clients["ngram-think"].chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=200, temperature=0, response_format=_schema_format("person"),
+        stream=True))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    streamed = ("".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas),
+                "".join(d.content or "" for d in deltas))  # fmt: skip
+    assert streamed == texts["plain"]
+    # Thinking disabled by the template: constrained from the first token, no reasoning part.
+    r = clients["plain-think"].chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=200, temperature=0, response_format=_schema_format("person"),
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    msg = r.choices[0].message
+    assert "reasoning_content" not in (msg.model_extra or {}) and valid(json.loads(msg.content), PERSON), msg
+    # A named function after thinking: the call parses and validates.
+    r = clients["mtp-think"].chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Weather in Oslo for 3 days?"}],
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=400,
+        temperature=0,
+    )
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.model_extra.get("reasoning_content"), ch
+    name, args = _args(ch.message.tool_calls[0])
+    assert name == "get_weather" and valid(args, TOOLS[0]["function"]["parameters"]), args

@@ -170,3 +170,53 @@ def test_tool_messages_round_trip_and_tool_choice_checks() -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     bad = _post(app, {"messages": [{"role": "user", "content": "x", "tool_calls": [call]}]})
     assert bad.status_code == 400 and "assistant" in bad.json()["error"]["message"]
+
+
+# Adversarial answer for the reasoning + tool-call parsers together: a call and a partial closing tag inside the
+# thinking (reasoning text, never parsed), a look-alike tag, a closing-tag look-alike and non-ASCII inside an
+# argument, an unknown function and an unclosed block (both text), the thinking closed by the first full tag.
+ADVERSARIAL = (
+    "<think>I could call <tool_call>now</tool_call> or write </thi, <think> again</think>\n\nSure: <tool_callx> is "
+    "text; <tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich </tool_call? 🌧</arg_value>\n"
+    "</tool_call> then <tool_call>now</tool_call><tool_call>rm</tool_call> and <tool_call>now<arg_key>"
+)
+
+
+class _ChunkedEngine(_Engine):
+    """`_Engine` streaming its text in chunks of ``size`` characters."""
+
+    def __init__(self, text: str, size: int) -> None:
+        super().__init__(text)
+        self.size = size
+
+    async def submit(self, gens: list) -> _Stream:
+        s = _Stream(self.text, len(gens))
+        t, k = self.text, self.size
+        s._deltas = [Delta(index=0, text=t[j : j + k], token_ids=[1], num_output_tokens=j + 1)
+                     for j in range(0, len(t), k)]  # fmt: skip
+        s._deltas.append(Delta(index=0, finish_reason="stop", num_output_tokens=len(t)))
+        return s
+
+
+def test_reasoning_and_tool_parsers_on_adversarial_chunks() -> None:
+    """Streamed in chunks of every size from 1 to 12 characters (each tag split at every point somewhere), the
+    deltas add up to the whole answer's parse: the same reasoning, content and calls."""
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+    whole = _post(build_app(_ChunkedEngine(ADVERSARIAL, 10**6), served_model_name="m", manage_engine=False,
+                            reasoning_parser="glm45"), body).json()["choices"][0]  # fmt: skip
+    msg = whole["message"]
+    assert msg["reasoning_content"] == "I could call <tool_call>now</tool_call> or write </thi, <think> again"
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]]
+    assert calls == [("get_weather", {"city": "Zürich </tool_call? 🌧"}), ("now", {})], calls
+    assert msg["content"].startswith("Sure: <tool_callx> is text; ") and "<tool_call>rm</tool_call>" in msg["content"]
+    assert msg["content"].endswith("<tool_call>now<arg_key>") and whole["finish_reason"] == "tool_calls"
+    for size in range(1, 13):
+        app = build_app(_ChunkedEngine(ADVERSARIAL, size), served_model_name="m", manage_engine=False,
+                        reasoning_parser="glm45")  # fmt: skip
+        chunks = [e["choices"][0] for e in sse(_post(app, {**body, "stream": True}).text) if e != "[DONE]"]
+        deltas = [c["delta"] for c in chunks]
+        got = [(t["function"]["name"], json.loads(t["function"]["arguments"])) for d in deltas
+               for t in d.get("tool_calls", [])]  # fmt: skip
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"], size
+        assert "".join(d.get("content", "") for d in deltas) == msg["content"], size
+        assert got == calls and chunks[-1]["finish_reason"] == "tool_calls", size

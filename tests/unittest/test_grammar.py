@@ -250,6 +250,132 @@ def test_grammar_requests_are_never_launched_ahead(llms) -> None:
         ex.cfg.overlap_scheduler = was
 
 
+def _masks(g, drafts=()) -> list[list[int]]:
+    bm = fill_bitmasks([(g, 0, list(drafts))], 1 + len(drafts), V)
+    return [allowed_tokens(bm[i], V) for i in range(1 + len(drafts))]
+
+
+@pytest.mark.parametrize("mode", ["inside", "optional"])
+def test_grammar_after_thinking_masks_and_drafts(mode: str) -> None:
+    """Thinking first: free text (no end of sequence) up to ``</think>``, then the grammar from its start; verify
+    rows across the phase change equal the masks step by step, and the state is left as it was."""
+    comp = _compiler()
+    gp = GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                              reasoning=mode)  # fmt: skip
+    out = ("\n<think>" if mode == "optional" else "") + 'I think {"a": 1} </thi </think>{"a": 12}'
+    g = comp.matcher(gp, [EOS])
+    if mode == "optional":  # the opening tag after whitespace, or the answer itself
+        assert sorted(map(chr, _masks(g)[0])) == sorted(["\t", "\n", "\x0b", "\x0c", "\r", " ", "<", "{"])
+    else:
+        assert len(_masks(g)[0]) == V - 1 and EOS not in _masks(g)[0]
+    toks = list(out.encode())
+    step = []
+    for t in toks:
+        step.append(_masks(g)[0])
+        assert t in step[-1], (chr(t), g.phase)
+        assert g.accept(t)
+    assert g.phase == "answer" and EOS in _masks(g)[0] and g.is_accepting
+    # All at once as drafts: the same rows, and the matcher where it was.
+    g2 = comp.matcher(gp, [EOS])
+    assert _masks(g2, toks[:-1]) == step and g2.phase == ("start" if mode == "optional" else "think")
+    assert g2.valid_prefix(toks) == len(toks) and g2.valid_prefix(toks[:-3] + [ord("x")]) == len(toks) - 3
+    # A capped thinking: past the cap only the closing tag's bytes, in order.
+    g3 = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="inside", max_reasoning_tokens=2), [EOS])
+    for t in b"ab</think":
+        assert _masks(g3)[0] == ([t] if g3.num_reasoning_tokens >= 2 else _masks(g3)[0]) and g3.accept(t)
+    assert _masks(g3)[0] == [ord(">")] and g3.accept(ord(">")) and _masks(g3)[0] == [ord("{")]
+    with pytest.raises(ValueError, match="needs reasoning"):
+        GuidedDecodingParams(json_object=True, max_reasoning_tokens=3)
+    with pytest.raises(ValueError, match="reasoning must be"):
+        GuidedDecodingParams(json_object=True, reasoning="yes")
+
+
+def test_thinking_tokens_that_cross_the_closing_tag_are_excluded(monkeypatch) -> None:
+    """A BPE vocabulary may hold tokens that close the thinking and start the answer in one (``>{``): those are
+    excluded while thinking (the grammar would never see their answer bytes), a token that ends exactly at the tag
+    (``</think>``, ``x</think>``) is allowed, and an opening token may carry thinking text (``<think>hi``)."""
+    import llguidance as llg
+
+    extra = [b">{", b"</think>", b"x</think>{", b"x</think>", b"<think>hi", b"<think></think>{"]
+    n = 256 + len(extra) + 1
+    eos = n - 1
+
+    class _Tok:
+        eos_token_id, bos_token_id = eos, None
+        tokens = [bytes([i]) for i in range(256)] + extra + [b"<|eos|>"]
+        special_token_ids = [eos]
+
+        def __call__(self, s):  # noqa: ANN001, ANN204
+            return list(s if isinstance(s, bytes) else s.encode())
+
+    ll = llg.LLTokenizer(llg.TokenizerWrapper(_Tok()), n_vocab=n, eos_token=[eos])
+    comp = GrammarCompiler(ByteTokenizer(264, 256, 257, 258), n, [eos])
+    monkeypatch.setattr(comp, "_tok", lambda: ll)
+    ids = {b: 256 + i for i, b in enumerate(extra)}
+
+    def allowed(g) -> set[int]:  # noqa: ANN001
+        return set(allowed_tokens(fill_bitmasks([(g, 0, [])], 1, n)[0], n))
+
+    g = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="inside"), [eos])
+    a = allowed(g)
+    assert ids[b"</think>"] in a and ids[b"x</think>"] in a and ids[b"x</think>{"] not in a and eos not in a
+    for t in b"ok</think":
+        g.accept(t)
+    a = allowed(g)
+    assert ord(">") in a and ids[b">{"] not in a
+    g.accept(ord(">"))
+    assert g.phase == "answer" and allowed(g) == {ord("{")}
+    o = comp.matcher(GuidedDecodingParams(json_object=True, reasoning="optional"), [eos])
+    a = allowed(o)
+    assert ids[b"<think>hi"] in a and ids[b"<think></think>{"] not in a and ord("{") in a
+    assert o.accept(ids[b"<think>hi"]) and o.phase == "think" and o.accept(ids[b"</think>"]) and o.phase == "answer"
+
+
+def test_thinking_then_constrained_answer_identical_with_speculation(llms) -> None:
+    """The Python API: a prompt that opens the thinking, a JSON schema after it (thinking capped at 8 tokens: the
+    random weights never close it themselves); the thinking is free text, the answer validates, and greedy output
+    is the same with MTP and n-gram speculation."""
+    prompts = ["<|user|>\nA person as JSON\n<|assistant|><think>", "<|assistant|>\n<think>Plan: {"]
+    sp = SamplingParams(max_tokens=200, guided_decoding=GuidedDecodingParams(json=SCHEMA, reasoning="inside",
+                        max_reasoning_tokens=8))  # fmt: skip
+    got = {}
+    for name, llm in llms.items():
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+        for o in outs:
+            thought, _, answer = o.text.partition("</think>")
+            assert o.finish_reason == "stop" and _valid(json.loads(answer), SCHEMA), (name, o.text)
+            assert not thought.startswith("{") and len(o.token_ids) > len(answer) + 8, (name, o.text)
+        got[name] = [o.token_ids for o in outs]
+    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]
+
+
+def test_ngram_drafts_cut_where_the_grammar_refuses(llms, monkeypatch) -> None:
+    """n-gram drafts copied from text the schema forbids (``"age": forty``) are cut on the host before verify at the
+    first token the grammar refuses: the same output, the same accepted drafts, far fewer proposed (acceptance
+    rate up)."""
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer",
+              "minimum": 0, "maximum": 120}, "color": {"enum": ["red", "green", "blue"]}},
+              "required": ["name", "age", "color"], "additionalProperties": False}  # fmt: skip
+    prompt = list(b'{"name": "Ann", "age": forty, "color": purple}\n{"name": "Bo", "age": many, "color": "pink"}\n')
+    ex = llms["ngram"].executor
+
+    def run() -> tuple[list[int], int, int]:
+        r = ex.add_request(prompt, SamplingParams(max_tokens=80, guided_decoding=GuidedDecodingParams(json=schema)))
+        ex.run_until_done()
+        assert r.finish_reason.value == "stop" and _valid(json.loads(bytes(r.output_ids[:-1])), schema)
+        return r.output_ids, sum(r.proposed_per_position), sum(r.accepted_per_position)
+
+    cut_before = ex.num_drafts_cut_by_grammar
+    out, proposed, accepted = run()
+    assert ex.num_drafts_cut_by_grammar > cut_before
+    monkeypatch.setattr(SpeculativeExecutor, "_cut_drafts_by_grammar", lambda self, plan, seqs: None)
+    out_ref, proposed_ref, accepted_ref = run()
+    assert out == out_ref and accepted == accepted_ref > 0
+    assert proposed < proposed_ref and accepted / proposed > accepted_ref / proposed_ref
+
+
 @pytest.mark.parametrize("mode", ["overlap", "ngram"])
 def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> None:
     """With (emulated) CUDA graphs, the overlap scheduler and speculation, a batch mixing grammar and free requests
@@ -299,25 +425,3 @@ def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> Non
     for i, out in enumerate(ref):
         if i % 2:
             assert _valid(json.loads(tok.decode(out)), small)
-
-
-@pytest.mark.gpu
-def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
-    """On CUDA (graphs captured, overlap scheduler on, batch-invariant numerics): a batch mixing grammar and free
-    requests gives valid JSON, and the same tokens with MTP and n-gram speculation as without."""
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
-    guided = GuidedDecodingParams(json=SCHEMA)
-    params = [SamplingParams(max_tokens=160, guided_decoding=guided) if i % 2 else SamplingParams(max_tokens=160)
-              for i in range(8)]  # fmt: skip
-    got = {}
-    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3)),
-                       ("ngram", NGramDecodingConfig(max_draft_len=4))):  # fmt: skip
-        llm = LLM("small", device="cuda", max_batch_size=8, max_seq_len=512, batch_invariant=True,
-                  speculative_config=spec)  # fmt: skip
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        for i, o in enumerate(outs):
-            if i % 2:
-                assert o.finish_reason == "stop" and _valid(json.loads(o.text), SCHEMA), (name, o.text)
-        got[name] = [o.token_ids for o in outs]
-        assert llm.executor.graph_runner is not None and llm.executor.graph_runner.stats.replays > 0
-    assert got["mtp"] == got["plain"] and got["ngram"] == got["plain"]

@@ -564,9 +564,11 @@ class LLM:
         try:
             for (_, ids), sp in zip(encoded, params):
                 group = []
-                for i in range(sp.n):
+                for i in range(max(sp.n, sp.best_of or 0)):
                     # Choice i draws with seed + i (the server's rule), so the n samples differ.
                     spi = sp if sp.seed is None or i == 0 else replace(sp, seed=sp.seed + i)
+                    if (sp.best_of or 0) > sp.n and sp.logprobs is None:  # best_of ranks by the chosen logprobs
+                        spi = replace(spi, logprobs=0)
                     r = ex.add_request(ids, spi)
                     group.append(r)
                     if sp.stop:
@@ -590,9 +592,15 @@ class LLM:
             if progress is not None:
                 progress(sum(r.num_output for r in reqs), steps)
         outs = []
-        for group, (text, _) in zip(groups, encoded):
-            comps = [self._completion(i, r, procs.get(r.request_id)) for i, r in enumerate(group)]
+        for group, (text, _), sp in zip(groups, encoded, params):
             r0 = group[0]
+            if len(group) > sp.n:  # best_of: the n most likely, best first (ties: generation order)
+                score = [sum(d[t].logprob for t, d in zip(r.output_ids, r.logprobs)) for r in group]
+                group = [group[k] for k in sorted(range(len(group)), key=lambda k: -score[k])[: sp.n]]
+            comps = [self._completion(i, r, procs.get(r.request_id)) for i, r in enumerate(group)]
+            if sp.logprobs is None:
+                for c in comps:
+                    c.logprobs = None
             outs.append(RequestOutput(r0.request_id, text, list(r0.prompt_ids), comps, context_logits=self._context(r0),
                                       num_cached_tokens=r0.num_cached_tokens))  # fmt: skip
         return outs[0] if single else outs
@@ -709,6 +717,8 @@ class LLM:
             raise TypeError("generate_async takes one prompt (a string or a list of token ids), not a list of them")
         if params[0].n != 1:
             raise ValueError(f"generate_async makes one completion (n=1); n={params[0].n} is for generate()")
+        if (params[0].best_of or 1) != 1:
+            raise ValueError(f"generate_async makes one completion; best_of={params[0].best_of} is for generate()")
         text, ids = self._encode(0, plist[0])
         self._check(None, ids, params[0])
         return AsyncRequestOutput(self, text, ids, params[0], streaming)

@@ -35,6 +35,10 @@ MAX_LOGPROBS = 20
 # Most completions per prompt (OpenAI's own bound) and stop strings one request may ask for (API and server).
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+# Temperatures below this are greedy (vLLM's rule, ``_SAMPLING_EPS``): ``logits / T`` overflows FP32 long before
+# T reaches 0 (T = 1e-300 divided by zero in FP32 and drew the vocabulary's last id), and the distribution is
+# the argmax's to within rounding well before that.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,9 @@ class SamplingParams:
 
     Attributes:
         max_tokens: new tokens to generate at most (>= 1).
-        temperature: 0 means greedy (argmax, ties to the lower id); > 0 samples from ``softmax(logits / T)``.
+        temperature: 0 (or below 1e-5, vLLM's rule) means greedy (argmax, ties to the lower id); above, samples
+            from ``softmax(logits / T)``. Any finite value >= 0 (TensorRT-LLM's range; the server, as OpenAI's
+            API, refuses more than 2).
         top_p: nucleus mass in ``(0, 1]``; 1 disables it.
         top_k: keep the ``k`` most likely tokens (ties to the lower id); 0 (or -1, vLLM's spelling) disables it.
         seed: seeds the request's own generator; ``None`` draws from torch's global RNG.
@@ -91,6 +97,9 @@ class SamplingParams:
     # seed is given) and stop strings (the text is cut before the first one and the request ends, finish
     # reason "stop"; tokens after the one that completed it are dropped).
     n: int = 1
+    # TensorRT-LLM's / vLLM v0's: generate best_of completions per prompt (`LLM.generate`) and return the n with the
+    # highest cumulative logprob (the chosen tokens' logprobs under the raw distribution), best first.
+    best_of: int | None = None
     stop: str | list[str] | None = None
     guided_decoding: GuidedDecodingParams | None = None
 
@@ -108,11 +117,14 @@ class SamplingParams:
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 0 (0 or -1 = disabled), got {self.top_k!r}")
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 = disabled), got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0  # the same as the server: -1 and 0 both mean off
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an int in [1, {MAX_N}], got {self.n!r}")
+        b = self.best_of
+        if b is not None and (not _is_int(b) or not self.n <= b <= MAX_N):
+            raise ValueError(f"best_of must be None or an int in [n={self.n}, {MAX_N}], got {b!r}")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None:
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -159,8 +171,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Argmax decoding: ``temperature == 0``, or ``top_k == 1`` (which leaves a single candidate)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax decoding: ``temperature`` 0 (or below `GREEDY_TEMPERATURE`), or ``top_k == 1`` (which leaves a
+        single candidate)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def stop_ids(self, eos_ids: Iterable[int] = ()) -> set[int]:
         """Ids that finish this request: ``stop_token_ids`` plus ``end_id`` (else ``eos_ids``) unless ``ignore_eos``.

@@ -131,6 +131,8 @@ class SpeculativeExecutor(Executor):
         self._n_submitted = 0
         # Rounds run width one because the batch exceeded `max_concurrency`.
         self.num_unspeculated_rounds = 0
+        # Host-made drafts of grammar requests dropped because the grammar refuses them (`_cut_drafts_by_grammar`).
+        self.num_drafts_cut_by_grammar = 0
         # Each rank of a parallel world runs its own scheduler in lockstep (runtime/ranks.py): a choice made
         # from each rank's own clock would differ between ranks, so the world drafts a fixed K.
         if draft_policy is None and spec.adaptive and not model.mapping.is_parallel:
@@ -745,6 +747,8 @@ class SpeculativeExecutor(Executor):
             row += s.num_rows
         self.drafter.draft(seqs, hidden)
         self._after_lag_flush(drafting=any(want.values()))
+        if isinstance(self.drafter, ParallelDrafter):
+            self._cut_drafts_by_grammar(plan, seqs)
         # With graphs, a round where anybody verifies drafts pads every live decode request to the full
         # width (sampled requests and greedy ones without drafts included: filler only, never accepted), so
         # that one of them does not send the batch's step down the eager path. A round where nobody drafts
@@ -765,6 +769,22 @@ class SpeculativeExecutor(Executor):
         pol.reset_interval()
         if drafting and self._inflight is None and self._next_k:
             self._carry_k = self._next_k
+
+    def _cut_drafts_by_grammar(self, plan: list[ScheduledSeq], seqs: list[DraftSeq]) -> None:
+        """A grammar request's host-made drafts (n-gram: no model state behind them) cut before the first token
+        its grammar refuses: such a draft and every one after it can never be accepted (its verify row's mask
+        excludes it), so proposing it only lowers the acceptance rate. The output is unchanged (drafts never
+        change it). MTP drafts are made on the device from the unmasked draft head and are not cut: see
+        docs/speculation.md, "Speculation under a grammar"."""
+        for s, seq in zip(plan, seqs):
+            g = s.request.grammar
+            st = seq.state
+            if g is None or not seq.live or st.pending is not None or not st.drafts:
+                continue
+            n = g.valid_prefix(st.drafts)
+            if n < len(st.drafts):
+                self.num_drafts_cut_by_grammar += len(st.drafts) - n
+                st.drafts = st.drafts[:n]
 
     def _policy_draft_len(self, live: list[tuple[int, ScheduledSeq]], plan: list[ScheduledSeq]) -> int | None:
         """The adaptive policy's draft length for the next round (None without a policy).

@@ -11,6 +11,7 @@ when the queue is full or the server is shutting down, 500 when generation itsel
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -37,7 +38,7 @@ from .engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, Q
 from .metrics import CONTENT_TYPE_LATEST
 from .output import TokenStrings
 from .protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
-from .reasoning import ReasoningParser, split_reasoning
+from .reasoning import ReasoningParser, grammar_reasoning, split_reasoning
 from .structured import StructuredRequestError, response_format_params, tool_choice_params
 from .tool_calls import ToolCallParser, check_tools, parse_tool_calls, render_tool_call
 
@@ -282,14 +283,16 @@ class _Server:
         logprobs: int | None,
         prompt_param: str = "prompt",
         guided: GuidedDecodingParams | None = None,
+        best_of: int | None = None,
     ) -> _Job:
         stop, kw = self.common(req)
         limit = self.engine.max_seq_len
-        n = req.n
+        n = req.n if best_of is None else best_of  # best_of: that many generated, the best n returned
         if len(prompts) * n > self.engine.capacity:
+            what = "n" if best_of is None else "best_of"
             raise ApiError(
-                400, f"{len(prompts)} prompt(s) x n={n} sequences exceed what this server holds at once "
-                f"({self.engine.capacity})", param="n",
+                400, f"{len(prompts)} prompt(s) x {what}={n} sequences exceed what this server holds at once "
+                f"({self.engine.capacity})", param=what,
             )  # fmt: skip
         gens: list[GenerationRequest] = []
         for ids in prompts:
@@ -437,8 +440,12 @@ class _Server:
             raise ApiError(400, "echo is not supported", param="echo")
         if req.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise ApiError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        best_of = req.best_of if req.best_of is not None and req.best_of != req.n else None
+        if best_of is not None:  # (OpenAI's and vLLM v0's rules)
+            if best_of < req.n:
+                raise ApiError(400, f"best_of ({best_of}) must be >= n ({req.n})", param="best_of")
+            if req.stream:
+                raise ApiError(400, "best_of > n cannot be streamed (the best are known at the end)", param="best_of")
         self.check_model(req.model)
         try:
             guided = response_format_params(req.response_format)
@@ -446,7 +453,9 @@ class _Server:
             raise ApiError(400, str(e), param=e.param) from None
         prompts = self.completion_prompts(req.prompt)
         await self.check_grammar(guided, "response_format")
-        job = self.build_job(prompts, req, req.max_tokens, "max_tokens", req.logprobs, guided=guided)
+        # best_of > n ranks by the chosen tokens' logprobs: computed for every generation, returned as asked.
+        lp = req.logprobs if best_of is None else (req.logprobs or 0)
+        job = self.build_job(prompts, req, req.max_tokens, "max_tokens", lp, guided=guided, best_of=best_of)
         stream = await self.submit(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
@@ -455,6 +464,10 @@ class _Server:
         if choices is None:
             return Response(status_code=499)
         self._raise_failed(choices)
+        generated = sum(c.num_output_tokens for c in choices)  # usage counts every generation, best_of's too
+        if best_of is not None:
+            choices = _best_choices(choices, best_of, req.n)
+            job.n, job.logprobs = req.n, req.logprobs
         out = []
         for i, c in enumerate(choices):
             lp = self.completion_logprobs(c.token_ids, c.logprobs, c.offsets) if job.logprobs is not None else None
@@ -464,7 +477,7 @@ class _Server:
             out.append(ch)
         body = {
             "id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": out,
-            "usage": self.usage(job, sum(c.num_output_tokens for c in choices)),
+            "usage": self.usage(job, generated),
         }  # fmt: skip
         return JSONResponse(body)
 
@@ -586,12 +599,14 @@ class _Server:
         if mt is None:
             mt, mt_param = req.max_tokens, "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        if guided is not None and self.reasoning_parser is not None:  # think first, then the constrained answer
+            guided = dataclasses.replace(guided, reasoning=grammar_reasoning(prompt_text))
         await self.check_grammar(guided, guided_param)
         job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages", guided=guided)
         stream = await self.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        # A constrained answer is all answer: the grammar starts at the first output token (no thinking part).
-        parse = self.reasoning_parser is not None and guided is None
+        # A constrained answer follows the thinking (the grammar starts after the closing tag: runtime/grammar.py).
+        parse = self.reasoning_parser is not None
         if job.stream:
             events = self._chat_events(job, stream, rid, created, prompt_text if parse else None, tools,
                                        req.parallel_tool_calls)  # fmt: skip
@@ -732,6 +747,17 @@ class _Server:
             raise ApiError(503, f"generation check failed: {last.error or last.finish_reason}", type="server_error",
                            code="unhealthy")  # fmt: skip
         return Response(status_code=200)
+
+
+def _best_choices(choices: list[_Choice], best_of: int, n: int) -> list[_Choice]:
+    """Per prompt, the ``n`` of its ``best_of`` generations with the highest cumulative logprob (the sum of the chosen
+    tokens' logprobs under the model's raw distribution; vLLM v0's ranking), best first (ties: generation order)."""
+    out: list[_Choice] = []
+    for p in range(0, len(choices), best_of):
+        group = choices[p : p + best_of]
+        score = [sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)) for c in group]
+        out.extend(group[k] for k in sorted(range(len(group)), key=lambda k: -score[k])[:n])
+    return out
 
 
 def _flatten_tools(messages: list[dict[str, Any]], tools: list[Any] | None) -> list[dict[str, Any]]:

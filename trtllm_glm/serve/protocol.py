@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ..runtime.sampling import MAX_LOGPROBS, MAX_N
 
+# OpenAI's bound on temperature (the wire format's; SamplingParams itself has none).
+MAX_TEMPERATURE = 2.0
+
 __all__ = [
     "CompletionRequest",
     "ChatCompletionRequest",
@@ -37,8 +40,9 @@ class StreamOptions(_Strict):
 
 class _SamplingFields(_Strict):
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # OpenAI's range (the Python API's SamplingParams takes any finite temperature >= 0, as TensorRT-LLM's).
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -137,6 +141,9 @@ def format_validation_error(e: ValidationError) -> tuple[str, str | None]:
         return f"unsupported parameter {param!r}", param
     if kind == "missing":
         return f"missing required parameter {param!r}", param
+    if param == "temperature" and kind == "less_than_equal":
+        return (f"temperature: at most {MAX_TEMPERATURE:g} on this API, as OpenAI's (got {err.get('input')!r}; "
+                "the Python API's SamplingParams takes any finite temperature >= 0)"), param  # fmt: skip
     got = err.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) or len(repr(got)) < 80 else type(got).__name__
     return f"{param}: {err.get('msg', 'invalid value')} (got {shown})", param

@@ -14,7 +14,14 @@ still found), and `finish` releases what is left.
 
 from __future__ import annotations
 
-__all__ = ["ReasoningParser", "REASONING_PARSERS", "resolve_reasoning_parser", "split_reasoning", "partial_suffix"]
+__all__ = [
+    "ReasoningParser",
+    "REASONING_PARSERS",
+    "resolve_reasoning_parser",
+    "split_reasoning",
+    "partial_suffix",
+    "grammar_reasoning",
+]
 
 REASONING_PARSERS = ("glm45",)
 
@@ -115,3 +122,11 @@ def resolve_reasoning_parser(choice: str | None, template_source: str | None) ->
     if choice not in REASONING_PARSERS:
         raise ValueError(f"reasoning parser must be auto, none or one of {REASONING_PARSERS}, got {choice!r}")
     return choice
+
+
+def grammar_reasoning(prompt_text: str | None) -> str | None:
+    """Where a constrained answer's grammar starts, for `GuidedDecodingParams.reasoning`, from the rendered prompt's
+    tail (as `ReasoningParser` reads it): ``"inside"`` when the prompt opened the thinking, ``None`` when it closed
+    it (thinking disabled: the grammar applies from the first token), else ``"optional"``."""
+    state = ReasoningParser(prompt_text)._state
+    return {"think": "inside", "content": None}.get(state, "optional")
