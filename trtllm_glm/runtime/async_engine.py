@@ -485,6 +485,11 @@ class AsyncEngine:
                     ex.manager.free_request(r.request_id)
             self._step_errors += 1
 
+    @property
+    def grammar_compiler(self) -> Any:
+        """The executor's `GrammarCompiler` (structured output), or ``None``."""
+        return getattr(self.executor, "grammar_compiler", None)
+
     def fatal_error(self) -> str | None:
         """Why the LLM cannot serve any more (a rank of its parallel world failed), else ``None``."""
         return getattr(self.llm, "parallel_error", None)
@@ -609,12 +614,7 @@ class AsyncEngine:
         delivers every stream's deltas (each `call_soon_threadsafe` writes the loop's wake-up socket: one per
         stream cost ~4 ms a step at 48 streams on a busy CPU, on the engine thread between two steps)."""
         box, self._outbox = self._outbox, {}
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ResultStream, list[Delta]]]] = {}
-        for stream, deltas in box.values():
-            by_loop.setdefault(stream._loop, []).append((stream, deltas))
-        for loop, batch in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-                loop.call_soon_threadsafe(_deliver_all, batch)
+        self._hand_over(list(box.values()))
         if self._first_delivered:
             # TTFT ends here (the token is on its caller's loop); its parts: queue (arrival to admission),
             # prefill (admission to the step that produced it being read back), delivery (to this flush).
@@ -636,6 +636,15 @@ class AsyncEngine:
             for t in self._retired:
                 self.step_log.add_request(RequestTiming.of(t.req, arrival=t.arrival, delivered=t.delivered_t))
             self._retired = []
+
+    def _hand_over(self, batch: list[tuple[ResultStream, list[Delta]]]) -> None:
+        """Deliver one flush's deltas to their streams (the engine process overrides this: one IPC message)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ResultStream, list[Delta]]]] = {}
+        for stream, deltas in batch:
+            by_loop.setdefault(stream._loop, []).append((stream, deltas))
+        for loop, part in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_deliver_all, part)
 
     def _export_gauges(self) -> None:
         ex = self.executor

@@ -42,8 +42,9 @@ def make_app(
     drain_timeout: float = 30.0,
     step_log: str | os.PathLike[str] | None = None,
     reasoning_parser: str | None = "auto",
+    engine_process: bool = True,
 ) -> Any:
-    """Build the `LLM`, its `AsyncEngine` and the app (the engine starts with the app).
+    """Build the engine and the app (the engine starts with the app).
 
     Args:
         model: preset name or checkpoint directory, as ``LLM(model=...)``.
@@ -54,19 +55,30 @@ def make_app(
         step_log: a JSON-lines file for the engine's `StepLog` (every step, each request's TTFT parts).
         reasoning_parser: ``"auto"`` (``glm45`` when the chat template writes ``</think>``), ``"none"`` or a
             parser name (`trtllm_glm.serve.reasoning`).
+        engine_process: ``True`` (default): the `LLM` and its engine loop run in a process of their own
+            (`engine_client.EngineClient`), so that HTTP, JSON and SSE work never holds the engine's GIL;
+            ``False``: in this process, on a thread (`AsyncEngine`; for debugging).
     """
-    from ..runtime.llm import LLM
-
     template = load_chat_template(model)  # a broken template fails before the model is built
     parser = resolve_reasoning_parser(reasoning_parser, template.jinja)
-    t0 = time.perf_counter()
-    llm = LLM(model=model, **(llm_options or {}))
-    log_ = StepLog(step_log) if step_log is not None else None
-    engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
-    lines = describe_engine(engine, model, time.perf_counter() - t0)
+    engine: Any
+    if engine_process:
+        from .engine_client import EngineClient
+
+        engine = EngineClient(model, llm_options, max_queue_size=max_queue_size, step_log=step_log)
+        lines = list(engine.start_lines)
+    else:
+        from ..runtime.llm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(model=model, **(llm_options or {}))
+        log_ = StepLog(step_log) if step_log is not None else None
+        engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
+        lines = describe_engine(engine, model, time.perf_counter() - t0)
+        lines.append("engine process: off (the engine runs on a thread of the API process)")
+        if getattr(llm, "warmup_report", None) is not None:
+            lines.append(llm.warmup_report.describe())
     lines.append(f"reasoning parser: {parser or 'none'}" + (" (auto)" if reasoning_parser in (None, "auto") else ""))
-    if getattr(llm, "warmup_report", None) is not None:
-        lines.append(llm.warmup_report.describe())
     for line in lines:
         log.info("%s", line)
     return build_app(
