@@ -177,6 +177,7 @@ def finished_total(base: str) -> float:
 
 def test_greedy_outputs_equal_llm_generate_at_concurrency_1_and_32(served) -> None:
     base, proc, refs, _ = served
+    assert alive(engine_pid(proc.pid))  # the default: the engine runs in a child process
     finished0 = finished_total(base)
 
     async def one(c: httpx.AsyncClient, prompt: str, stream: bool) -> tuple[str, str, int]:
