@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import MODEL, client, make_llm, run, sse
+from serve_helpers import MODEL, client, make_llm, metric, run, sse
 
 from trtllm_glm import SamplingParams
 from trtllm_glm.serve.app import build_app
@@ -114,6 +114,8 @@ def engine_pid(server_pid: int) -> int:
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "logprobs": 2}),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "stop": ["e", "\x00"]}),
+    ("/v1/completions", {"prompt": "request 5", "max_tokens": 12, "n": 2, "temperature": 0, "stop": ["z", "\x01"],
+                         "logprobs": 1}),
     ("/v1/completions", {"prompt": ["abc", "request 7"], "max_tokens": 5, "n": 2, "temperature": 0.8, "seed": 7,
                          "return_token_ids": True}),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0, "stop_token_ids": [9]}),
@@ -161,24 +163,26 @@ def served(tmp_path_factory):
 
     try:
         expected = run(answers())
+        generated = metric(eng, "trtllm:generation_tokens_total")
     finally:
         eng.stop(drain_timeout=0)
     proc, base = start_server(tmp_path_factory.mktemp("served"))
     try:
-        yield base, proc, refs, expected
+        yield base, proc, refs, (expected, generated)
     finally:
         stop_server(proc)
 
 
-def finished_total(base: str) -> float:
+def metric_total(base: str, name: str) -> float:
+    """The sum of a metric's samples on the server's ``/metrics`` page."""
     page = httpx.get(f"{base}/metrics", timeout=10.0, trust_env=False).text
-    return sum(float(line.split()[-1]) for line in page.splitlines() if line.startswith("trtllm:request_finished_total{"))
+    return sum(float(line.split()[-1]) for line in page.splitlines() if line.split("{")[0].split(" ")[0] == name)
 
 
 def test_greedy_outputs_equal_llm_generate_at_concurrency_1_and_32(served) -> None:
     base, proc, refs, _ = served
     assert alive(engine_pid(proc.pid))  # the default: the engine runs in a child process
-    finished0 = finished_total(base)
+    finished0 = metric_total(base, "trtllm:request_finished_total")
 
     async def one(c: httpx.AsyncClient, prompt: str, stream: bool) -> tuple[str, str, int]:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
@@ -205,14 +209,15 @@ def test_greedy_outputs_equal_llm_generate_at_concurrency_1_and_32(served) -> No
     assert solo == want[:4]
     assert together == want
     # The engine's stats and counters cross the process boundary.
-    assert finished_total(base) - finished0 == 4 + NUM
+    assert metric_total(base, "trtllm:request_finished_total") - finished0 == 4 + NUM
     page = httpx.get(f"{base}/metrics", timeout=10.0, trust_env=False).text
     pool = [line for line in page.splitlines() if line.startswith("trtllm:kv_cache_pages_total ")]
     assert pool and float(pool[0].split()[-1]) > 0 and "trtllm:kernel_compiles_total 0.0" in page, pool
 
 
 def test_responses_equal_the_in_process_servers(served) -> None:
-    base, _, _, expected = served
+    base, _, _, (expected, generated) = served
+    generated0 = metric_total(base, "trtllm:generation_tokens_total")
 
     async def main() -> list[Any]:
         async with httpx.AsyncClient(base_url=base, timeout=60.0, trust_env=False) as c:
@@ -229,6 +234,8 @@ def test_responses_equal_the_in_process_servers(served) -> None:
         assert got[i + 1] == expected[i + 1], (path, body, "stream")
     page = httpx.get(f"{base}/metrics", timeout=10.0, trust_env=False).text
     assert 'trtllm:request_rejected_total{reason="invalid"} 2.0' in page  # the API's rejections, counted there
+    # Tokens returned to clients (the API process counts them: it applies the stop strings), as in-process.
+    assert metric_total(base, "trtllm:generation_tokens_total") - generated0 == generated > 0
 
 
 def test_a_killed_engine_fails_requests_and_health(tmp_path) -> None:
@@ -296,7 +303,8 @@ def test_the_server_exits_when_its_engine_dies_and_leaves_no_process(tmp_path) -
 def test_an_engine_process_outlives_no_api_process(tmp_path) -> None:
     """SIGKILL the API process (nothing of its own runs then): its engine process notices and exits."""
     script = tmp_path / "api.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time
         from trtllm_glm.serve.engine_client import EngineClient
 
@@ -304,7 +312,8 @@ def test_an_engine_process_outlives_no_api_process(tmp_path) -> None:
             eng = EngineClient({MODEL!r}, {dict(OPTIONS)!r})
             print(eng.pid, flush=True)
             time.sleep(600)
-    """))
+    """)
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     api = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
     try:

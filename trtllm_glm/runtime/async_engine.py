@@ -190,7 +190,7 @@ class _Track:
     req: Request
     stream: ResultStream
     index: int
-    proc: OutputProcessor
+    proc: OutputProcessor | None  # None: the caller detokenizes (``detokenize=False``)
     arrival: float
     consumed: int = 0  # output tokens already processed
     first_token_t: float | None = None
@@ -225,7 +225,13 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, llm: Any, *, max_queue_size: int = 64, metrics: Any | None = None, step_log: StepLog | None = None
+        self,
+        llm: Any,
+        *,
+        max_queue_size: int = 64,
+        metrics: Any | None = None,
+        step_log: StepLog | None = None,
+        detokenize: bool = True,
     ) -> None:
         if not isinstance(max_queue_size, int) or max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an int >= 0, got {max_queue_size!r}")
@@ -235,6 +241,10 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.max_queue_size = max_queue_size
         self.step_log = step_log
+        # False: deltas carry token ids and logprobs only, and the caller turns them into text, applies the stop
+        # strings (aborting a generation a stop string ended) and counts the generated tokens it returns (the
+        # engine process: its API process does that work, off the engine loop).
+        self.detokenize = detokenize
         if step_log is not None:
             self.executor.step_log = step_log
             step_log.delivered_by_engine = True
@@ -422,7 +432,7 @@ class AsyncEngine:
         ex = self.executor
         added: list[Request] = []
         try:
-            procs = [OutputProcessor(self.tokenizer, g.stop) for g in reqs]
+            procs = [OutputProcessor(self.tokenizer, g.stop) if self.detokenize else None for g in reqs]
             for g in reqs:
                 added.append(ex.add_request(list(g.prompt_ids), g.params))
         except Exception as e:  # noqa: BLE001 - the caller gets it; nothing else is touched
@@ -520,10 +530,18 @@ class AsyncEngine:
         toks, base = r.tokens, len(r.prompt_ids)
         want_lp = r.params.logprobs is not None
         d = Delta(index=t.index, num_prompt_tokens=base, logprobs=[] if want_lp else None)
-        while t.consumed < len(toks) - base and not t.proc.stopped:
+        proc = t.proc
+        if proc is None:  # token ids (and logprobs) only: the caller detokenizes
+            end = len(toks) - base
+            if end > t.consumed:
+                d.token_ids = toks[base + t.consumed : base + end]
+                if want_lp:
+                    d.logprobs = r.logprobs[t.consumed : end]
+                t.consumed = end
+        while proc is not None and t.consumed < len(toks) - base and not proc.stopped:
             tok = toks[base + t.consumed]
-            d.text_offsets.append(t.proc.decoded_len)
-            d.text += t.proc.add(tok)
+            d.text_offsets.append(proc.decoded_len)
+            d.text += proc.add(tok)
             d.token_ids.append(tok)
             if want_lp and t.consumed < len(r.logprobs):
                 d.logprobs.append(r.logprobs[t.consumed])  # type: ignore[union-attr]
@@ -536,13 +554,15 @@ class AsyncEngine:
             elif t.last_token_t is not None:
                 self.metrics.itl.observe(now - t.last_token_t)
             t.last_token_t = now
-            self.metrics.generation_tokens.inc(len(d.token_ids))
-        if t.proc.stopped:
+            if proc is not None:
+                self.metrics.generation_tokens.inc(len(d.token_ids))
+        if proc is not None and proc.stopped:
             if not r.finished:
                 self.executor.abort_request(r.request_id)
             self._finish(t, d, "stop", now)
         elif r.finished:
-            d.text += t.proc.finish()
+            if proc is not None:
+                d.text += proc.finish()
             self._finish(t, d, r.finish_reason.value if r.finish_reason else "stop", now)
         elif d.token_ids:
             d.num_output_tokens = t.consumed

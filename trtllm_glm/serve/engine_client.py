@@ -4,8 +4,11 @@ process of its own (the server's default; `engine_core` is the other side, `engi
 It has the interface the app uses of an in-process `AsyncEngine` (``submit`` returning a `ResultStream`,
 ``stats``, ``running``, ``start`` / ``stop``, ``metrics`` for the app's rejections, the tokenizer and limits), so
 the routes do not know where the engine runs. One receiver thread reads the engine's messages: per
-`StepOutput` it resolves the acknowledged submissions and hands every stream its deltas with one
-``call_soon_threadsafe`` per event loop, as the in-process engine does.
+`StepOutput` it resolves the acknowledged submissions, turns each generation's new tokens into text (the
+runtime's `OutputProcessor`: incremental detokenization, stop strings, text offsets; the engine sends token ids
+only), and hands every stream its deltas with one ``call_soon_threadsafe`` per event loop, as the in-process
+engine does. The deltas are the in-process engine's, field for field. A stop string ends its generation for
+the client at once and aborts it in the engine (`AbortRequest` with its index).
 
 Faults: when the engine process exits without being asked (killed, crashed), every live generation ends with
 an error delta naming the cause, pending submissions fail, ``running`` turns false with ``down_reason`` set
@@ -36,6 +39,7 @@ from ..config import ConfigError, Glm5NextConfig
 from ..errors import CapacityError, CheckpointError
 from ..runtime.async_engine import Delta, EngineStoppedError, GenerationRequest, QueueFullError, ResultStream
 from ..runtime.grammar import GrammarCompiler
+from ..runtime.output import OutputProcessor
 from ..runtime.sampling import Logprob
 from ..runtime.step_log import now
 from ..runtime.tokenizer import load_tokenizer
@@ -107,14 +111,25 @@ class _RejectedCounter:
 
 
 @dataclass
+class _Gen:
+    """One generation's output processing (receiver thread)."""
+
+    proc: OutputProcessor
+    consumed: int = 0  # tokens handed to the stream
+    done: bool = False  # its final delta went to the stream (a stop string may end it before the engine does)
+
+
+@dataclass
 class _Open:
-    """A submission whose generations are not all finished (receiver thread and submitters, under the lock)."""
+    """A submission whose generations are not all finished in the engine (receiver thread and submitters, under
+    the lock)."""
 
     stream: ResultStream
     loop: asyncio.AbstractEventLoop
     prompt_lens: list[int]
+    gens: list[_Gen]
     fut: asyncio.Future[None] | None  # until acknowledged
-    running: set[int] = field(default_factory=set)  # generation indices without their final delta
+    running: set[int] = field(default_factory=set)  # generation indices the engine has not finished
 
 
 class EngineClient:
@@ -158,6 +173,7 @@ class EngineClient:
         self._keys = itertools.count(1)
         self._scrapes: dict[int, tuple[asyncio.Future[bytes], asyncio.AbstractEventLoop]] = {}
         self._last_page = b""
+        self._generated = 0  # tokens returned to clients since the last scrape (the engine's counter adds them)
         self._stats: dict[str, Any] = {}
         self._enc = new_encoder()
         self._dec = from_engine_decoder()
@@ -300,7 +316,8 @@ class EngineClient:
         token = next(self._keys)
         with self._lock:
             self._scrapes[token] = (fut, loop)
-        self._send(ScrapeMetrics(token))
+            generated, self._generated = self._generated, 0
+        self._send(ScrapeMetrics(token, generated))
         try:
             return await asyncio.wait_for(fut, SCRAPE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -332,8 +349,11 @@ class EngineClient:
             key = next(self._keys)
             stream.request_ids = [key]
             self._live += n
-            self._open[key] = _Open(stream, loop, [len(g.prompt_ids) for g in requests], fut, set(range(n)))
-            gens = [GenSpec(list(g.prompt_ids), _params(g), list(g.stop)) for g in requests]
+            self._open[key] = _Open(
+                stream, loop, [len(g.prompt_ids) for g in requests],
+                [_Gen(OutputProcessor(self.tokenizer, g.stop)) for g in requests], fut, set(range(n)),
+            )  # fmt: skip
+            gens = [GenSpec(list(g.prompt_ids), _params(g)) for g in requests]
             self._send(AddRequest(key, gens, now()))
         try:
             await fut
@@ -413,6 +433,7 @@ class EngineClient:
 
     def _deliver(self, msg: StepOutput) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+        stops: list[AbortRequest] = []
         with self._lock:
             for ack in msg.acks:
                 o = self._open.get(ack.key)
@@ -429,26 +450,62 @@ class EngineClient:
                 o = self._open.get(dm.key)
                 if o is None:
                     continue
-                lps = None
-                if dm.logprobs is not None:
-                    lps = [{t: Logprob(lp, rank) for t, (lp, rank) in m.items()} for m in dm.logprobs]
-                d = Delta(dm.index, dm.text, dm.token_ids, lps, dm.text_offsets, dm.finish_reason, dm.error,
-                          dm.num_prompt_tokens, dm.num_output_tokens)  # fmt: skip
+                ended = dm.finish_reason is not None  # in the engine
+                if ended and dm.index in o.running:
+                    o.running.discard(dm.index)
+                    self._live -= 1
+                    if not o.running:
+                        del self._open[dm.key]
+                g = o.gens[dm.index]
+                if g.done:  # a stop string ended it here: what the engine made since is dropped
+                    continue
+                d = self._output(g, dm)
+                if d is None:
+                    continue
+                if d.finish_reason == "stop" and not ended:  # a stop string: the engine still runs it
+                    stops.append(AbortRequest(dm.key, "stop", dm.index))
                 batch = by_loop.setdefault(o.loop, ([], []))[1]
                 if batch and batch[-1][0] is o.stream:
                     batch[-1][1].append(d)
                 else:
                     batch.append((o.stream, [d]))
-                if dm.finish_reason is not None and dm.index in o.running:
-                    o.running.discard(dm.index)
-                    self._live -= 1
-                    if not o.running:
-                        del self._open[dm.key]
             if msg.stats is not None:
                 self._stats = msg.stats
         for loop, (acks, batch) in by_loop.items():
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
                 loop.call_soon_threadsafe(_deliver_step, acks, batch)
+        for stop in stops:
+            self._send(stop)
+
+    def _output(self, g: _Gen, dm: Any) -> Delta | None:
+        """The in-process engine's delta (`AsyncEngine._collect_one`, its finish included) from a generation's new
+        tokens; ``None`` when there is nothing to send."""
+        proc = g.proc
+        lps = dm.logprobs
+        d = Delta(dm.index, num_prompt_tokens=dm.num_prompt_tokens, logprobs=None if lps is None else [])
+        for j, tok in enumerate(dm.token_ids):
+            if proc.stopped:
+                break
+            d.text_offsets.append(proc.decoded_len)
+            d.text += proc.add(tok)
+            d.token_ids.append(tok)
+            if d.logprobs is not None and j < len(lps):
+                d.logprobs.append({t: Logprob(lp, rank) for t, (lp, rank) in lps[j].items()})
+            g.consumed += 1
+        self._generated += len(d.token_ids)
+        if proc.stopped:
+            d.finish_reason = "stop"
+        elif dm.finish_reason is not None:
+            # A generation that ended by itself (a stop token, EOS, its length) releases the text held back; one
+            # aborted or failed does not (as in-process: `AsyncEngine._abort_track`, `_fail_track`).
+            if dm.error is None and dm.finish_reason in ("stop", "length"):
+                d.text += proc.finish()
+            d.finish_reason, d.error = dm.finish_reason, dm.error
+        elif not d.token_ids:
+            return None
+        d.num_output_tokens = g.consumed
+        g.done = d.finish_reason is not None
+        return d
 
     def _engine_gone(self) -> None:
         """The engine process exited: fail what is live; if nobody asked it to stop, the server must exit."""
@@ -469,7 +526,7 @@ class EngineClient:
             if o.fut is not None:
                 acks.append((o.fut, EngineStoppedError(reason)))
             deltas = [Delta(i, num_prompt_tokens=o.prompt_lens[i], finish_reason="error", error=reason)
-                      for i in sorted(o.running)]  # fmt: skip
+                      for i in sorted(o.running) if not o.gens[i].done]  # fmt: skip
             if deltas:
                 batch.append((o.stream, deltas))
         for loop, (acks, batch) in by_loop.items():

@@ -3,8 +3,8 @@ ZeroMQ (`engine_client`, messages in `engine_messages`).
 
 The API process (HTTP, validation, chat templates, tokenization, SSE and JSON) and the engine loop used to
 share one interpreter, so every chunk the front end framed held the GIL against the thread that launches the
-GPU's work. Here the loop runs alone: the engine is the runtime's `AsyncEngine` (the same scheduling, output
-processing, metrics and step log as in-process), with two differences, both in `CoreEngine`:
+GPU's work. Here the loop runs alone: the engine is the runtime's `AsyncEngine` (the same scheduling,
+metrics and step log as in-process), with two differences, both in `CoreEngine`:
 
 - callers are remote: an `AddRequest` enters the engine's inbox with a `_RemoteStream` standing for the API's
   `ResultStream`, and the engine's hand-over (`AsyncEngine._hand_over`) sends one `StepOutput` per loop
@@ -12,9 +12,10 @@ processing, metrics and step log as in-process), with two differences, both in `
 - Prometheus metrics stay here (the engine records into its own `ServeMetrics`); the API forwards its
   rejections (`CountRejected`) and fetches the rendered page for ``/metrics`` (`ScrapeMetrics`).
 
-Detokenization (incremental text, stop strings, text offsets) stays in this process, in the engine loop as
-in-process: the API process then frames what it receives without any model state, and a stop string ends
-its request in the same step (no abort round trip, no tokens generated past it).
+Detokenization (incremental text, stop strings, text offsets) is the API process's: the engine runs with
+``detokenize=False`` and sends token ids and logprobs, so the loop does no per-token string work. A stop string
+found there ends the generation for its client at once; the API then aborts it here (`AbortRequest` with its
+index), which frees its pages a step or so later than in-process.
 
 Lifetime: the process ignores SIGINT (the API process owns the drain: a terminal's Ctrl-C reaches the whole
 process group), exits after a `StopEngine` drain, and exits by itself within a fraction of a second when its
@@ -120,16 +121,15 @@ class _RemoteStream:
 
 def _delta_msg(key: int, d: Delta) -> DeltaMsg:
     lps = None if d.logprobs is None else [{t: (v.logprob, v.rank) for t, v in m.items()} for m in d.logprobs]
-    return DeltaMsg(key, d.index, d.text, d.token_ids, lps, d.text_offsets, d.finish_reason, d.error,
-                    d.num_prompt_tokens, d.num_output_tokens)  # fmt: skip
+    return DeltaMsg(key, d.index, d.token_ids, lps, d.finish_reason, d.error, d.num_prompt_tokens)
 
 
-def _generation(prompt_ids: list[int], params: dict[str, Any], stop: list[str]) -> GenerationRequest:
+def _generation(prompt_ids: list[int], params: dict[str, Any]) -> GenerationRequest:
     p = dict(params)
     gd = p.get("guided_decoding")
     if gd is not None:
         p["guided_decoding"] = GuidedDecodingParams(**gd)
-    return GenerationRequest(prompt_ids, SamplingParams(**p), stop)
+    return GenerationRequest(prompt_ids, SamplingParams(**p))
 
 
 class CoreEngine(AsyncEngine):
@@ -137,7 +137,7 @@ class CoreEngine(AsyncEngine):
     command loop's thread), each loop iteration's output leaves as one `StepOutput` on ``channel``."""
 
     def __init__(self, llm: Any, *, channel: _Channel, max_queue_size: int = 64, step_log: Any = None) -> None:
-        super().__init__(llm, max_queue_size=max_queue_size, step_log=step_log)
+        super().__init__(llm, max_queue_size=max_queue_size, step_log=step_log, detokenize=False)
         self._channel = channel
         self._by_key: dict[int, _RemoteStream] = {}  # engine thread only
         self._acks: list[Ack] = []  # engine thread only: sent with the iteration's deltas
@@ -146,24 +146,31 @@ class CoreEngine(AsyncEngine):
     # Command loop's thread
     def post_add(self, msg: AddRequest) -> None:
         """Queue an `AddRequest` (the API process checked capacity and parameters already)."""
-        gens = [_generation(g.prompt_ids, g.params, g.stop) for g in msg.gens]
+        gens = [_generation(g.prompt_ids, g.params) for g in msg.gens]
         with self._cv:
             self._live += len(gens)
             self._inbox.append(("add", _RemoteStream(msg.key), gens, msg.key, msg.arrival))
             self._cv.notify_all()
 
-    def post_abort(self, key: int, reason: str) -> None:
-        self._post(("abort_key", key, reason))
+    def post_abort(self, key: int, reason: str, index: int = -1) -> None:
+        """Abort request ``key``'s generations (``index >= 0``: that one only)."""
+        self._post(("abort_key", key, reason, index))
 
     # Engine thread
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             self._by_key[cmd[1].key] = cmd[1]
         elif cmd[0] == "abort_key":
-            stream = self._by_key.get(cmd[1])
+            _, key, reason, index = cmd
+            stream = self._by_key.get(key)
             if stream is None:  # finished, refused or never added: nothing to abort
                 return
-            cmd = ("abort", stream, cmd[2])
+            if index >= 0:
+                for t in self._streams.get(id(stream), []):
+                    if t.index == index and not t.done:
+                        self._abort_track(t, reason)
+                return
+            cmd = ("abort", stream, reason)
         super()._handle(cmd)
 
     def _resolve(self, fut: Any, exc: BaseException | None) -> None:
@@ -286,10 +293,12 @@ def _serve_commands(cfg: CoreConfig, engine: CoreEngine, channel: _Channel, cmd:
             if isinstance(msg, AddRequest):
                 engine.post_add(msg)
             elif isinstance(msg, AbortRequest):
-                engine.post_abort(msg.key, msg.reason)
+                engine.post_abort(msg.key, msg.reason, msg.index)
             elif isinstance(msg, CountRejected):
                 engine.metrics.requests_rejected.labels(reason=msg.reason).inc()
             elif isinstance(msg, ScrapeMetrics):
+                if msg.generated:
+                    engine.metrics.generation_tokens.inc(msg.generated)
                 channel.send(MetricsPage(msg.token, engine.metrics.render()))
             elif isinstance(msg, StopEngine) and stopper is None:
                 # Off this thread: the drain takes up to drain_timeout, and aborts (clients leaving) and scrapes

@@ -27,12 +27,11 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 # API -> engine
 class GenSpec(msgspec.Struct, array_like=True):
-    """One generation of a request: prompt ids, `SamplingParams` fields (a mapping: the params are rebuilt and
-    validated on the engine side) and stop strings."""
+    """One generation of a request: prompt ids and `SamplingParams` fields (a mapping: the params are rebuilt
+    and validated on the engine side). Stop strings stay in the API process, which detokenizes."""
 
     prompt_ids: list[int]
     params: dict[str, Any]
-    stop: list[str]
 
 
 class AddRequest(msgspec.Struct, tag=True, array_like=True):
@@ -45,10 +44,12 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
 
 
 class AbortRequest(msgspec.Struct, tag=True, array_like=True):
-    """Abort the generations of ``key`` still running (finish reason ``reason``)."""
+    """Abort the generations of ``key`` still running (finish reason ``reason``); ``index >= 0``: only that one
+    (a stop string ended it)."""
 
     key: int
     reason: str
+    index: int = -1
 
 
 class CountRejected(msgspec.Struct, tag=True, array_like=True):
@@ -58,9 +59,12 @@ class CountRejected(msgspec.Struct, tag=True, array_like=True):
 
 
 class ScrapeMetrics(msgspec.Struct, tag=True, array_like=True):
-    """Render the engine's Prometheus registry; answered by a `MetricsPage` with the same ``token``."""
+    """Render the engine's Prometheus registry; answered by a `MetricsPage` with the same ``token``.
+    ``generated``: tokens returned to clients since the previous scrape (the API process counts them: it
+    detokenizes, so it knows which tokens a stop string cut)."""
 
     token: int
+    generated: int = 0
 
 
 class StopEngine(msgspec.Struct, tag=True, array_like=True):
@@ -104,18 +108,16 @@ class Ack(msgspec.Struct, array_like=True):
 
 
 class DeltaMsg(msgspec.Struct, array_like=True):
-    """A `Delta` of stream ``key``; ``logprobs`` per token ``{token_id: (logprob, rank)}``, chosen token first."""
+    """A generation's new tokens (no text: the API process detokenizes) of stream ``key``; ``logprobs`` per
+    token ``{token_id: (logprob, rank)}``, chosen token first; ``finish_reason`` / ``error`` on its last one."""
 
     key: int
     index: int
-    text: str
     token_ids: list[int]
     logprobs: list[dict[int, tuple[float, int]]] | None
-    text_offsets: list[int]
     finish_reason: str | None
     error: str | None
     num_prompt_tokens: int
-    num_output_tokens: int
 
 
 class StepOutput(msgspec.Struct, tag=True, array_like=True):
