@@ -270,8 +270,12 @@ class EngineClient:
         the sockets. Idempotent."""
         proc = getattr(self, "_proc", None)
         if proc is not None and proc._popen is not None:  # started
-            # After a drain it stops a parallel LLM's ranks; after a failed start-up it is exiting already.
-            proc.join(EXIT_TIMEOUT_S if self._stop_sent else 5.0)
+            with self._lock:
+                send = not self._stop_sent and self._alive
+                self._stop_sent = True
+            if send:  # never stopped (uvicorn did not run, a failed start-up): no drain, only its own shutdown
+                self._send(StopEngine(0.0))
+            proc.join(EXIT_TIMEOUT_S)  # it stops a parallel LLM's ranks before it exits
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5.0)
