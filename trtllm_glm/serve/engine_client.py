@@ -155,6 +155,8 @@ class EngineClient:
     ) -> None:
         import zmq
 
+        # A model that is not there is a one-line error now, not after an engine process has started to load it.
+        Glm5NextConfig.from_pretrained(model)
         self.max_queue_size = max_queue_size
         self.llm = None  # the LLM lives in the engine process
         self.executor = None

@@ -37,6 +37,7 @@ from ..runtime.async_engine import Delta, GenerationRequest
 from ..runtime.grammar import GuidedDecodingParams
 from ..runtime.sampling import SamplingParams
 from ..runtime.step_log import StepLog
+from .describe import describe_engine
 from .engine import AsyncEngine
 from .engine_messages import (
     AbortRequest,
@@ -206,8 +207,6 @@ def _setup_logging(cfg: CoreConfig) -> None:
 
 
 def _start_lines(engine: AsyncEngine, llm: Any, model: str, load_s: float) -> list[str]:
-    from .server import describe_engine
-
     lines = describe_engine(engine, model, load_s)
     lines.append(f"engine process: pid {os.getpid()}")
     if getattr(llm, "warmup_report", None) is not None:
