@@ -300,6 +300,22 @@ def test_the_server_exits_when_its_engine_dies_and_leaves_no_process(tmp_path) -
         stop_server(proc)
 
 
+def test_a_start_up_error_in_the_engine_process_is_one_line(tmp_path, capsys) -> None:
+    """The LLM refuses its options in the engine process: ``trtllm-glm serve`` prints the usual one line and exits 2
+    (no hang, no traceback), and the engine process is gone."""
+    WHY = "a prompt token and a generated one"
+    from trtllm_glm.cli import main
+
+    cfg = tmp_path / "opts.yaml"
+    cfg.write_text("device: cpu\nmax_seq_len: 1\n")  # the YAML allows it; LLM needs 2
+    rc = main(["serve", MODEL, "--config", str(cfg), "--port", str(free_port())])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [f"trtllm-glm: error: max_seq_len must be >= 2 ({WHY}), got 1"]
+    assert not [
+        p for p in children(os.getpid()) if alive(p) and b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+
+
 def test_an_engine_process_outlives_no_api_process(tmp_path) -> None:
     """SIGKILL the API process (nothing of its own runs then): its engine process notices and exits."""
     script = tmp_path / "api.py"
