@@ -122,6 +122,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}], "max_tokens": 6,
                               "temperature": 0, "logprobs": True, "top_logprobs": 2}),
     ("/v1/completions", {"prompt": "x" * 300, "max_tokens": 4}),  # a 400 (the prompt does not fit)
+    # Structured output (the grammar compiled in both processes) and a forced tool call, parsed from the text.
+    ("/v1/completions", {"prompt": "{", "max_tokens": 24, "temperature": 0,
+                         "response_format": {"type": "json_object"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Time?"}], "max_tokens": 60, "temperature": 0,
+                              "tools": [{"type": "function", "function": {"name": "now", "parameters": {}}}],
+                              "tool_choice": {"type": "function", "function": {"name": "now"}}}),
 ]  # fmt: skip
 
 
@@ -131,12 +137,22 @@ def comparable(r: httpx.Response, stream: bool) -> Any:
     if not stream or r.status_code != 200:
         body = r.json()
         body.pop("id", None), body.pop("created", None)
+        for ch in body.get("choices", []):  # tool calls' ids are random
+            for call in (ch.get("message") or {}).get("tool_calls") or []:
+                call.pop("id")
         return r.status_code, body
     out: dict[int, dict[str, Any]] = {}
     for ev in sse(r.text)[:-1]:
         for ch in ev["choices"]:
-            o = out.setdefault(ch["index"], {"text": "", "ids": [], "finish": None})
-            o["text"] += ch.get("text") or (ch.get("delta") or {}).get("content") or ""
+            o = out.setdefault(ch["index"], {"text": "", "ids": [], "finish": None, "calls": [], "lp": []})
+            delta = ch.get("delta") or {}
+            o["text"] += ch.get("text") or delta.get("content") or ""
+            o["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls") or []]
+            lp = ch.get("logprobs") or {}  # per token, whatever the chunking
+            if "content" in lp:
+                o["lp"] += lp["content"]
+            elif lp:
+                o["lp"] += list(zip(*(lp[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"))))
             o["ids"] += ch.get("token_ids") or []
             o["finish"] = ch["finish_reason"] or o["finish"]
     return r.status_code, out
