@@ -528,9 +528,9 @@ def main() -> int:
                 print(f"# server: {line.strip()}")
     if args.engine_baseline and proc is not None:
         from trtllm_glm import LLM
-        from trtllm_glm.serve.config import load_llm_options
+        from trtllm_glm.serve.config import load_llm_options, split_serve_options
 
-        opts = load_llm_options(args.config) if args.config else {}
+        opts, _ = split_serve_options(load_llm_options(args.config) if args.config else {})  # engine_process: serve's
         llm = LLM(args.model_path, **{**opts, "warmup": False})  # the decode graphs are captured; no prefill timed
         il, ol = load_workload(args)[0]
         B = llm.executor.cfg.max_batch_size

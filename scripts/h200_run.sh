@@ -18,6 +18,9 @@
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
+#   serve_proc    issue 42: the same server with the engine on a thread (engine_process: false) and in its own process
+#                 (the default), back to back: 30-token prompts at concurrency 16 and 64, the engine alone at the same
+#                 batch (the in-process run's baseline)
 #   mixed         bench_mixed_step on the 4-layer bf16 slice at default settings: D requests decoding admit N prompts of
 #                 L tokens (MIXED_DECODE, MIXED_NEW, MIXED_LEN; MIXED_PROFILE=N adds host / kernel / idle profiles)
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
@@ -96,6 +99,14 @@ for stage in "$@"; do
       timeout "${T_SERVE_1K:-240}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 1,16 --input-len 1024 --output-len 128 --num-requests 48 \
         --json "$O/serve_1k.json" 2>&1 | tee "$O/serve_1k.log" ;;
+    serve_proc)
+      for ep in false true; do
+        printf 'engine_process: %s\n' "$ep" > "/tmp/serve_ep_$ep.yaml"
+        timeout "${T_SERVE_PROC:-420}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 \
+          --dtype bfloat16 --config "/tmp/serve_ep_$ep.yaml" --concurrency 16,64 --input-len 30 --output-len 128 \
+          --num-requests 128 $([ "$ep" = false ] && echo --engine-baseline) --json "$O/serve_ep_$ep.json" 2>&1 \
+          | tee "$O/serve_ep_$ep.log"
+      done ;;
     mixed)
       timeout "${T_MIXED:-300}" "$PY" benchmarks/bench_mixed_step.py --layers 4 --decode ${MIXED_DECODE:-15 63} \
         --new ${MIXED_NEW:-1 16} --prompt-len ${MIXED_LEN:-30 1024} --profile ${MIXED_PROFILE:-0} \

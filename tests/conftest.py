@@ -12,7 +12,7 @@ import torch
 # (e.g. a GPU machine set up for the kernels) they are not collected, so `pytest -m gpu tests` works there.
 # CI installs everything and sets TRTLLM_GLM_REQUIRE_SERVE=1: a missing package is then an error, never a
 # silently skipped suite.
-_SERVE_DEPS = ("fastapi", "uvicorn", "httpx", "prometheus_client", "yaml", "openai", "llguidance")
+_SERVE_DEPS = ("fastapi", "uvicorn", "httpx", "prometheus_client", "yaml", "openai", "llguidance", "zmq", "msgspec")
 _missing = [m for m in _SERVE_DEPS if importlib.util.find_spec(m) is None]
 collect_ignore_glob = ["serve/*"] if _missing else []
 if _missing and os.environ.get("TRTLLM_GLM_REQUIRE_SERVE") == "1":

@@ -342,12 +342,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         raise UserError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     try:
-        from .serve.config import load_llm_options
+        from .serve.config import load_llm_options, split_serve_options
         from .serve.server import bind_socket, make_app, run_server
     except ImportError as e:
         raise UserError(f"serve needs the serve extra (pip install 'trtllm_glm[serve]'): {e}") from None
     try:
-        options = load_llm_options(args.config) if args.config else {}
+        options, serve_options = split_serve_options(load_llm_options(args.config) if args.config else {})
+        engine_process = serve_options.get("engine_process", True) and not args.no_engine_process
         options.update(_parallel_options(args))
         if args.batch_invariant is not None:  # the flag overrides the YAML key
             options["batch_invariant"] = _batch_invariant(args)
@@ -364,6 +365,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             app = make_app(
                 args.model, options, served_model_name=args.served_model_name, max_queue_size=args.max_queue_size,
                 drain_timeout=args.drain_timeout, step_log=args.step_log, reasoning_parser=args.reasoning_parser,
+                engine_process=engine_process,
             )  # fmt: skip
         except _setup_errors() as e:
             raise UserError(str(e)) from None
@@ -371,9 +373,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout,
                        sock=sock)  # fmt: skip
         finally:
-            llm = getattr(getattr(getattr(app, "state", None), "engine", None), "llm", None)
+            engine = getattr(getattr(app, "state", None), "engine", None)
+            llm = getattr(engine, "llm", None)
             if llm is not None and hasattr(llm, "shutdown"):
                 llm.shutdown()  # the worker processes of a parallel LLM
+            if hasattr(engine, "close"):
+                engine.close()  # the engine process (stopped by the drain; ended here if uvicorn never started)
     return 0
 
 
@@ -498,6 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--step-log", default=None, metavar="FILE",
         help="append a JSON line per engine step and per request (TTFT split into queue, prefill, delivery)",
+    )  # fmt: skip
+    s.add_argument(
+        "--no-engine-process", action="store_true",
+        help="run the engine on a thread of the server's process instead of a process of its own (debugging; "
+        "also the YAML key engine_process: false)",
     )  # fmt: skip
     _add_parallel_args(s)
     _add_batch_invariant_arg(s)

@@ -107,8 +107,8 @@ def test_world_of_two_matches_world_of_one(world, ckpt, name: str) -> None:
         assert r0["cached"] == r1["cached"] == ref["cached"] > 0
 
 
-def _rank_workers(pid: int) -> list[int]:
-    """Process ids of ``pid``'s spawned rank workers (not multiprocessing's resource tracker)."""
+def _spawned(pid: int) -> list[int]:
+    """Process ids of ``pid``'s multiprocessing-spawned children (not multiprocessing's resource tracker)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -120,6 +120,13 @@ def _rank_workers(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmd:
                 out.append(int(d.name))
     return out
+
+
+def _rank_workers(pid: int) -> list[int]:
+    """Process ids of the rank workers ``pid`` started: its spawned children, or, for a server whose engine runs
+    in a process of its own (the default), that engine process's."""
+    kids = _spawned(pid)
+    return [g for k in kids for g in _spawned(k)] or kids
 
 
 def _alive(pid: int) -> bool:

@@ -129,7 +129,10 @@ def test_serve_config_errors_and_setup(tmp_path: Path, monkeypatch, capsys) -> N
         served.update(app=app, **kw)
 
     monkeypatch.setattr("trtllm_glm.serve.server.run_server", fake_run)
-    rc, _, err = run_cli(["serve", "tiny", "--config", str(good), "--port", "8123", "--max-queue-size", "5"], capsys)
+    rc, _, err = run_cli(
+        ["serve", "tiny", "--config", str(good), "--port", "8123", "--max-queue-size", "5", "--no-engine-process"],
+        capsys,
+    )
     assert rc == 0, err
     eng = served["app"].state.engine
     assert served["port"] == 8123 and served["host"] == "127.0.0.1"

@@ -9,7 +9,7 @@ import pytest
 
 from trtllm_glm import LLM, KvCacheConfig, MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.config import ConfigError
-from trtllm_glm.serve.config import llm_options_from_dict, load_llm_options
+from trtllm_glm.serve.config import llm_options_from_dict, load_llm_options, split_serve_options
 
 pytestmark = pytest.mark.cpu_only
 
@@ -98,11 +98,18 @@ def test_mtp_draft_vocab_and_adaptive_keys() -> None:
         ({"max_seq_len": 0}, "max_seq_len: must be >= 1"),
         ({"dtype": 16}, "dtype: expected a string"),
         ({"disable_overlap_scheduler": "no"}, "disable_overlap_scheduler: expected true or false"),
+        ({"engine_process": "yes"}, "engine_process: expected true or false"),
     ],
 )
 def test_bad_options_name_the_key(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         llm_options_from_dict(options, source="opts.yaml")
+
+
+def test_engine_process_is_the_servers_key() -> None:
+    """``engine_process`` (serve's, not LLM's) is accepted and split off before the LLM is built."""
+    opts = llm_options_from_dict({"max_batch_size": 4, "engine_process": False})
+    assert split_serve_options(opts) == ({"max_batch_size": 4}, {"engine_process": False})
 
 
 def test_bad_files(tmp_path: Path) -> None:

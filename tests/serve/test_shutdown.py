@@ -17,6 +17,7 @@ from serve_helpers import MODEL, make_llm
 
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine
+from trtllm_glm.serve.engine_client import EngineClient
 from trtllm_glm.serve.server import describe_engine, make_server
 
 pytestmark = pytest.mark.cpu_only
@@ -28,8 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_drain_ends_every_stream_and_refuses_new_work_with_503() -> None:
-    engine = AsyncEngine(make_llm(max_batch_size=4, max_seq_len=2048))
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "engine-process"])
+def test_drain_ends_every_stream_and_refuses_new_work_with_503(engine_process: bool) -> None:
+    """With the engine on a thread and in an engine process (the server's default), which exits after the drain."""
+    opts = dict(device="cpu", max_batch_size=4, max_seq_len=2048)
+    engine = EngineClient(MODEL, opts) if engine_process else AsyncEngine(make_llm(**opts))
     app = build_app(engine, served_model_name=MODEL, drain_timeout=1.0)
     port = free_port()
     server = make_server(app, host="127.0.0.1", port=port, log_level="warning", drain_timeout=1.0)
@@ -75,6 +79,8 @@ def test_drain_ends_every_stream_and_refuses_new_work_with_503() -> None:
         assert events[-1] == "[DONE]", events[-3:]
         assert events[-2]["choices"][0]["finish_reason"] == reason, events[-2]
     assert sum(len(e["choices"][0]["text"]) > 0 for e in long[:-1]) > 1  # it was streaming before the cut
+    if engine_process:
+        assert engine.down_reason is None and engine._proc.exitcode == 0  # stopped, not died
 
 
 def test_start_up_lines_say_what_was_loaded() -> None:

@@ -190,7 +190,7 @@ class _Track:
     req: Request
     stream: ResultStream
     index: int
-    proc: OutputProcessor
+    proc: OutputProcessor | None  # None: the caller detokenizes (``detokenize=False``)
     arrival: float
     consumed: int = 0  # output tokens already processed
     first_token_t: float | None = None
@@ -225,7 +225,13 @@ class AsyncEngine:
     """
 
     def __init__(
-        self, llm: Any, *, max_queue_size: int = 64, metrics: Any | None = None, step_log: StepLog | None = None
+        self,
+        llm: Any,
+        *,
+        max_queue_size: int = 64,
+        metrics: Any | None = None,
+        step_log: StepLog | None = None,
+        detokenize: bool = True,
     ) -> None:
         if not isinstance(max_queue_size, int) or max_queue_size < 0:
             raise ValueError(f"max_queue_size must be an int >= 0, got {max_queue_size!r}")
@@ -235,6 +241,10 @@ class AsyncEngine:
         self.metrics = metrics if metrics is not None else _NoMetrics()
         self.max_queue_size = max_queue_size
         self.step_log = step_log
+        # False: deltas carry token ids and logprobs only, and the caller turns them into text, applies the stop
+        # strings (aborting a generation a stop string ended) and counts the generated tokens it returns (the
+        # engine process: its API process does that work, off the engine loop).
+        self.detokenize = detokenize
         if step_log is not None:
             self.executor.step_log = step_log
             step_log.delivered_by_engine = True
@@ -422,7 +432,7 @@ class AsyncEngine:
         ex = self.executor
         added: list[Request] = []
         try:
-            procs = [OutputProcessor(self.tokenizer, g.stop) for g in reqs]
+            procs = [OutputProcessor(self.tokenizer, g.stop) if self.detokenize else None for g in reqs]
             for g in reqs:
                 added.append(ex.add_request(list(g.prompt_ids), g.params))
         except Exception as e:  # noqa: BLE001 - the caller gets it; nothing else is touched
@@ -485,6 +495,11 @@ class AsyncEngine:
                     ex.manager.free_request(r.request_id)
             self._step_errors += 1
 
+    @property
+    def grammar_compiler(self) -> Any:
+        """The executor's `GrammarCompiler` (structured output), or ``None``."""
+        return getattr(self.executor, "grammar_compiler", None)
+
     def fatal_error(self) -> str | None:
         """Why the LLM cannot serve any more (a rank of its parallel world failed), else ``None``."""
         return getattr(self.llm, "parallel_error", None)
@@ -515,10 +530,18 @@ class AsyncEngine:
         toks, base = r.tokens, len(r.prompt_ids)
         want_lp = r.params.logprobs is not None
         d = Delta(index=t.index, num_prompt_tokens=base, logprobs=[] if want_lp else None)
-        while t.consumed < len(toks) - base and not t.proc.stopped:
+        proc = t.proc
+        if proc is None:  # token ids (and logprobs) only: the caller detokenizes
+            end = len(toks) - base
+            if end > t.consumed:
+                d.token_ids = toks[base + t.consumed : base + end]
+                if want_lp:
+                    d.logprobs = r.logprobs[t.consumed : end]
+                t.consumed = end
+        while proc is not None and t.consumed < len(toks) - base and not proc.stopped:
             tok = toks[base + t.consumed]
-            d.text_offsets.append(t.proc.decoded_len)
-            d.text += t.proc.add(tok)
+            d.text_offsets.append(proc.decoded_len)
+            d.text += proc.add(tok)
             d.token_ids.append(tok)
             if want_lp and t.consumed < len(r.logprobs):
                 d.logprobs.append(r.logprobs[t.consumed])  # type: ignore[union-attr]
@@ -531,13 +554,15 @@ class AsyncEngine:
             elif t.last_token_t is not None:
                 self.metrics.itl.observe(now - t.last_token_t)
             t.last_token_t = now
-            self.metrics.generation_tokens.inc(len(d.token_ids))
-        if t.proc.stopped:
+            if proc is not None:
+                self.metrics.generation_tokens.inc(len(d.token_ids))
+        if proc is not None and proc.stopped:
             if not r.finished:
                 self.executor.abort_request(r.request_id)
             self._finish(t, d, "stop", now)
         elif r.finished:
-            d.text += t.proc.finish()
+            if proc is not None:
+                d.text += proc.finish()
             self._finish(t, d, r.finish_reason.value if r.finish_reason else "stop", now)
         elif d.token_ids:
             d.num_output_tokens = t.consumed
@@ -609,12 +634,7 @@ class AsyncEngine:
         delivers every stream's deltas (each `call_soon_threadsafe` writes the loop's wake-up socket: one per
         stream cost ~4 ms a step at 48 streams on a busy CPU, on the engine thread between two steps)."""
         box, self._outbox = self._outbox, {}
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ResultStream, list[Delta]]]] = {}
-        for stream, deltas in box.values():
-            by_loop.setdefault(stream._loop, []).append((stream, deltas))
-        for loop, batch in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
-                loop.call_soon_threadsafe(_deliver_all, batch)
+        self._hand_over(list(box.values()))
         if self._first_delivered:
             # TTFT ends here (the token is on its caller's loop); its parts: queue (arrival to admission),
             # prefill (admission to the step that produced it being read back), delivery (to this flush).
@@ -636,6 +656,15 @@ class AsyncEngine:
             for t in self._retired:
                 self.step_log.add_request(RequestTiming.of(t.req, arrival=t.arrival, delivered=t.delivered_t))
             self._retired = []
+
+    def _hand_over(self, batch: list[tuple[ResultStream, list[Delta]]]) -> None:
+        """Deliver one flush's deltas to their streams (the engine process overrides this: one IPC message)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[ResultStream, list[Delta]]]] = {}
+        for stream, deltas in batch:
+            by_loop.setdefault(stream._loop, []).append((stream, deltas))
+        for loop, part in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody is listening
+                loop.call_soon_threadsafe(_deliver_all, part)
 
     def _export_gauges(self) -> None:
         ex = self.executor

@@ -328,7 +328,7 @@ class _Server:
         or grammar is the client's error, named. Compiled off the event loop (a large schema takes a while)."""
         if guided is None:
             return
-        compiler = getattr(getattr(self.engine, "executor", None), "grammar_compiler", None)
+        compiler = getattr(self.engine, "grammar_compiler", None)
         if compiler is None:
             raise ApiError(400, f"{param}: structured output is not available on this server", param=param)
         try:
@@ -728,9 +728,11 @@ class _Server:
             return tools, forced, "tool_choice"
         return (None if choice == "none" else tools), fmt, "response_format"
 
-    @staticmethod
-    def _raise_failed(choices: list[_Choice]) -> None:
+    def _raise_failed(self, choices: list[_Choice]) -> None:
+        down = getattr(self.engine, "down_reason", None)  # the engine process died: unavailable, not a bad request
         for c in choices:
+            if c.error is not None and down is not None:
+                raise ApiError(503, down, type="server_error", code="unavailable")
             if c.error is not None:
                 raise ApiError(500, c.error, type="server_error", code="generation_failed")
 
@@ -840,11 +842,12 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine.running:
-            return ApiError(503, "the engine is not running", type="server_error", code="unavailable").response()
-        failed = getattr(engine.llm, "parallel_error", None)  # a rank of a tensor-parallel LLM failed
+        failed = engine.fatal_error()  # a rank of a tensor-parallel LLM failed (the plain reason first)
         if failed:
             return ApiError(503, f"a model rank failed: {failed}", type="server_error", code="unavailable").response()
+        if not engine.running:
+            reason = getattr(engine, "down_reason", None) or "the engine is not running"
+            return ApiError(503, reason, type="server_error", code="unavailable").response()
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -863,7 +866,10 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        # An engine process renders its own registry (it holds the engine's counters); in-process, the local one.
+        render = getattr(engine, "render_metrics", None)
+        body = await render() if render is not None else engine.metrics.render()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     app.post("/v1/completions")(guarded(srv.completions))
     app.post("/v1/chat/completions")(guarded(srv.chat))

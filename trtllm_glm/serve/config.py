@@ -24,6 +24,7 @@ Example::
     disable_overlap_scheduler: false  # default: decode steps overlap the host's work (graphs only)
     warmup: true                  # default: run every step shape once at start-up (CUDA: no compiles later)
     batch_invariant: true         # bit-exact speculation (docs/numerics.md); default null: auto
+    engine_process: true          # default: the engine runs in its own process (serve's key, not LLM's)
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
 mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
@@ -39,13 +40,15 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["load_llm_options", "llm_options_from_dict", "SPECULATIVE_TYPES"]
+__all__ = ["load_llm_options", "llm_options_from_dict", "split_serve_options", "SPECULATIVE_TYPES", "SERVE_KEYS"]
 
 # decoding_type (case-insensitive) -> config class name in trtllm_glm.speculative.config.
 SPECULATIVE_TYPES = {"mtp": "MTPDecodingConfig", "ngram": "NGramDecodingConfig"}
 
 # Keys LLM does not take but the YAML accepts, with the only value that matches what the runtime does.
 _FIXED_KEYS = {"enable_chunked_prefill": True}
+# Keys of the server itself, not of LLM (split off by `split_serve_options`), with their types.
+SERVE_KEYS = {"engine_process": bool}
 # Keys that cannot come from a YAML file.
 _NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
 _INT_KEYS = {"max_seq_len", "seed", "tensor_parallel_size"}
@@ -126,8 +129,13 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
             if v is not _FIXED_KEYS[k]:
                 raise ConfigError(f"{where}: only {_FIXED_KEYS[k]!r} is supported")
             continue
+        if k in SERVE_KEYS:
+            if not isinstance(v, SERVE_KEYS[k]):
+                raise ConfigError(f"{where}: expected true or false, got {v!r}")
+            out[k] = v
+            continue
         if k not in keys:
-            known = ", ".join(sorted([*keys, *_FIXED_KEYS]))
+            known = ", ".join(sorted([*keys, *_FIXED_KEYS, *SERVE_KEYS]))
             raise ConfigError(f"{source}: unknown key {k!r} (known: {known})")
         if k == "kv_cache_config":
             from ..runtime.llm import KvCacheConfig
@@ -164,6 +172,12 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
         else:  # a newer LLM option: passed through, LLM validates it
             out[k] = v
     return out
+
+
+def split_serve_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(LLM options, server options)``: the `SERVE_KEYS` (``engine_process``) apart from ``LLM``'s keys."""
+    llm = {k: v for k, v in options.items() if k not in SERVE_KEYS}
+    return llm, {k: v for k, v in options.items() if k in SERVE_KEYS}
 
 
 def load_llm_options(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -32,9 +32,15 @@ class AsyncEngine(_RuntimeEngine):
     (its own registry), which ``/metrics`` renders."""
 
     def __init__(
-        self, llm: Any, *, max_queue_size: int = 64, metrics: ServeMetrics | None = None, step_log: Any = None
+        self,
+        llm: Any,
+        *,
+        max_queue_size: int = 64,
+        metrics: ServeMetrics | None = None,
+        step_log: Any = None,
+        detokenize: bool = True,
     ) -> None:
         super().__init__(
             llm, max_queue_size=max_queue_size, metrics=metrics if metrics is not None else ServeMetrics(),
-            step_log=step_log,
+            step_log=step_log, detokenize=detokenize,
         )  # fmt: skip

@@ -22,6 +22,7 @@ import uvicorn
 from ..runtime.step_log import StepLog
 from .app import build_app
 from .chat import load_chat_template
+from .describe import describe_engine
 from .engine import AsyncEngine
 from .reasoning import resolve_reasoning_parser
 
@@ -42,8 +43,9 @@ def make_app(
     drain_timeout: float = 30.0,
     step_log: str | os.PathLike[str] | None = None,
     reasoning_parser: str | None = "auto",
+    engine_process: bool = True,
 ) -> Any:
-    """Build the `LLM`, its `AsyncEngine` and the app (the engine starts with the app).
+    """Build the engine and the app (the engine starts with the app).
 
     Args:
         model: preset name or checkpoint directory, as ``LLM(model=...)``.
@@ -54,80 +56,36 @@ def make_app(
         step_log: a JSON-lines file for the engine's `StepLog` (every step, each request's TTFT parts).
         reasoning_parser: ``"auto"`` (``glm45`` when the chat template writes ``</think>``), ``"none"`` or a
             parser name (`trtllm_glm.serve.reasoning`).
+        engine_process: ``True`` (default): the `LLM` and its engine loop run in a process of their own
+            (`engine_client.EngineClient`), so that HTTP, JSON and SSE work never holds the engine's GIL;
+            ``False``: in this process, on a thread (`AsyncEngine`; for debugging).
     """
-    from ..runtime.llm import LLM
-
     template = load_chat_template(model)  # a broken template fails before the model is built
     parser = resolve_reasoning_parser(reasoning_parser, template.jinja)
-    t0 = time.perf_counter()
-    llm = LLM(model=model, **(llm_options or {}))
-    log_ = StepLog(step_log) if step_log is not None else None
-    engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
-    lines = describe_engine(engine, model, time.perf_counter() - t0)
+    engine: Any
+    if engine_process:
+        from .engine_client import EngineClient
+
+        engine = EngineClient(model, llm_options, max_queue_size=max_queue_size, step_log=step_log)
+        lines = list(engine.start_lines)
+    else:
+        from ..runtime.llm import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(model=model, **(llm_options or {}))
+        log_ = StepLog(step_log) if step_log is not None else None
+        engine = AsyncEngine(llm, max_queue_size=max_queue_size, step_log=log_)
+        lines = describe_engine(engine, model, time.perf_counter() - t0)
+        lines.append("engine process: off (the engine runs on a thread of the API process)")
+        if getattr(llm, "warmup_report", None) is not None:
+            lines.append(llm.warmup_report.describe())
     lines.append(f"reasoning parser: {parser or 'none'}" + (" (auto)" if reasoning_parser in (None, "auto") else ""))
-    if getattr(llm, "warmup_report", None) is not None:
-        lines.append(llm.warmup_report.describe())
     for line in lines:
         log.info("%s", line)
     return build_app(
         engine, served_model_name=served_model_name or os.fspath(model), chat_template=template,
         drain_timeout=drain_timeout, reasoning_parser=parser,
     )  # fmt: skip
-
-
-def describe_engine(engine: AsyncEngine, model: Any, load_s: float | None = None) -> list[str]:
-    """What was loaded, for the start-up log: model, device, dtype, parallelism, speculation, CUDA graphs and
-    the KV page pool."""
-    llm = engine.llm
-    ex = engine.executor
-    cfg = ex.cfg
-    params = sum(p.numel() for p in llm.model.parameters())
-    dtype = str(next(llm.model.parameters()).dtype).replace("torch.", "")
-    spec = llm.speculative_config
-    if spec is None:
-        spec_s = "off"
-    else:
-        fields = ", ".join(f"{k}={v}" for k, v in vars(spec).items() if not k.startswith("_") and not callable(v))
-        spec_s = f"{type(spec).__name__}({fields})"
-    runner = getattr(ex, "graph_runner", None)
-    graphs = "off" if runner is None else f"{len(runner.graphs)} captured at start-up"
-    if not (cfg.overlap_scheduler and runner is not None):
-        overlap = "off" if not cfg.overlap_scheduler else "off (needs CUDA graphs)"
-    elif spec is not None and getattr(ex, "drafts_ahead_supported", False):
-        overlap = "on (MTP drafting rounds launched ahead while no request can end by length, sample or read logits)"
-    elif spec is not None:
-        overlap = "on for width-one rounds above max_concurrency (speculative rounds run one at a time)"
-    else:
-        overlap = "on"
-    mapping = getattr(llm, "mapping", None)
-    parallel = mapping is not None and mapping.is_parallel
-    if parallel:
-        par_s = (
-            f"{mapping.world_size} ranks: tp {mapping.tp_size}, moe_ep {mapping.moe_ep_size}, "
-            f"moe_tp {mapping.moe_tp_size}"
-        )
-    else:
-        par_s = "one device (no tensor or expert parallelism)"
-    mgr = ex.manager
-    sizes = getattr(llm, "step_sizes", None)
-    loaded = f" in {load_s:.1f} s" if load_s is not None else ""
-    return [
-        f"model {os.fspath(model)}{loaded}: {params / 1e6:.1f}M parameters{' on rank 0' if parallel else ''}, "
-        f"{dtype}, on {llm.device}, "
-        f"{llm.config.num_hidden_layers} layers, vocab {llm.config.vocab_size}",
-        f"parallelism: {par_s}",
-        f"speculative decoding: {spec_s}",
-        f"CUDA graphs: {graphs}; overlap scheduler {overlap}; batch-invariant "
-        f"numerics {'on' if getattr(llm, 'batch_invariant', False) else 'off'}",
-        f"KV cache: {mgr.num_pages} pages of {cfg.tokens_per_block} tokens; max_seq_len {ex.max_seq_len}, queue "
-        f"{engine.max_queue_size}; prefix caching {'on' if ex.prefix is not None else 'off'}",
-        "step sizes: "
-        + (
-            sizes.describe()
-            if sizes is not None
-            else f"max_batch_size {cfg.max_batch_size}, max_num_tokens {cfg.max_num_tokens}"
-        ),
-    ]
 
 
 class DrainingServer(uvicorn.Server):
