@@ -1,0 +1,167 @@
+"""Fused residual sites (`trtllm_glm.mhc.mhc_pre_norm`, `post_mix_partials`; ``TRTLLM_GLM_MHC_FUSE``) against their
+torch reference (`trtllm_glm.modules.mhc.mhc_pre_norm_reference`) and against the unfused kernels, on the CPU through
+Triton's interpreter (fp32 and fp16; the interpreter's bf16 arithmetic is wrong). Outputs are poisoned with NaN
+first (``out=`` buffers), shapes ragged: token counts across the 16-row tile, hidden sizes off the 32-wide units,
+3 streams (a padded ``[S, S]`` tile)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trtllm_glm import mhc as K
+from trtllm_glm.modules import mhc as R
+from trtllm_glm.norm import row_norm
+from trtllm_glm.numerics import batch_invariant_mode
+
+pytestmark = pytest.mark.cpu_only
+
+KW = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20)
+RMS_EPS = 1e-5
+
+
+def _inputs(n: int, s: int, d: int, seed: int, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    m = (2 + s) * s
+    streams = (3.0 * torch.randn(n, s, d, generator=g)).to(dtype)
+    fn = torch.randn(m, s * d, generator=g) * (2.0 / (s * d) ** 0.5)
+    base = torch.randn(m, generator=g)
+    scale = 1.0 + 0.3 * torch.randn(3, generator=g)
+    w = 1.0 + 0.5 * torch.randn(d, generator=g)
+    block_out = torch.randn(n, d, generator=g).to(dtype)
+    post = 2.0 * torch.rand(n, s, generator=g)
+    comb = torch.rand(n, s, s, generator=g)
+    return streams, fn, base, scale, w, (block_out, post, comb)
+
+
+def _poisoned(n: int, s: int, d: int, dtype: torch.dtype):
+    nan = float("nan")
+    return (
+        torch.full((n, s, d), nan, dtype=dtype),
+        torch.full((n, d), nan, dtype=dtype),
+        torch.full((n, s), nan),
+        torch.full((n, s, s), nan),
+    )
+
+
+@pytest.mark.parametrize("with_prev", [False, True])
+@pytest.mark.parametrize(
+    "n,s,d,dtype",
+    [(1, 4, 64, torch.float32), (5, 4, 200, torch.float32), (17, 3, 40, torch.float32), (3, 4, 72, torch.float16)],
+)
+def test_site_matches_reference(with_prev: bool, n: int, s: int, d: int, dtype: torch.dtype) -> None:
+    streams, fn, base, scale, w, prev = _inputs(n, s, d, seed=100 * n + d + with_prev, dtype=dtype)
+    prev = prev if with_prev else None
+    out = _poisoned(n, s, d, dtype)
+    got = K.mhc_pre_norm(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev, out=out)
+    want = R.mhc_pre_norm_reference(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev)
+    if with_prev:
+        assert got[0] is out[0]
+    else:
+        assert got[0] is streams
+    assert all(g is o for g, o in zip(got[1:], out[1:]))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    for g, r in zip(got, want):
+        assert not g.isnan().any()
+        torch.testing.assert_close(g, r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [dict(split=1), dict(split=3, block_n=16, block_k=16), dict(split=1000, block_k=16), dict(block_n=32)],
+)
+@pytest.mark.parametrize("n,d", [(1, 40), (18, 72)])
+def test_post_mix_is_post_then_projection_bit_for_bit(launch: dict, n: int, d: int) -> None:
+    """The fused expand + projection gives `mhc_post`'s streams and `mix_partials`'s workspace exactly, at the same
+    launch shape (uneven units per program, units off the hidden size, token tiles with masked rows)."""
+    s = 4
+    streams, fn, _, _, _, prev = _inputs(n, s, d, seed=n + d)
+    out = torch.full((n, s, d), float("nan"))
+    got, ws = K.post_mix_partials(streams, *prev, fn, out=out, **launch)
+    assert got is out
+    want = K.mhc_post(streams, *prev)
+    assert torch.equal(got, want)
+    want_ws = K.kernel_module("cpu").mix_partials(want, fn, **launch)
+    assert torch.equal(ws, want_ws)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_site_is_the_unfused_kernels_bit_for_bit(invariant: bool) -> None:
+    """`mhc_pre_norm` equals `mhc_post`, `mhc_pre` and `row_norm` run apart (the interpreter's reductions are exact
+    numpy sums, so this checks the same operations in the same roundings, not the GPU's reduction trees)."""
+    n, s, d = 6, 4, 96
+    streams, fn, base, scale, w, prev = _inputs(n, s, d, seed=5)
+    with batch_invariant_mode(invariant):
+        new, x, post, comb, x_in = K.mhc_pre_norm(
+            streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev, return_x_in=True
+        )
+        want_new = K.mhc_post(streams, *prev)
+        want_x_in, want_post, want_comb = K.mhc_pre(want_new, fn, base, scale, **KW)
+        want_x = row_norm(want_x_in, RMS_EPS, weight=w)
+    for g, r in [(new, want_new), (x_in, want_x_in), (post, want_post), (comb, want_comb), (x, want_x)]:
+        assert torch.equal(g, r)
+
+
+def test_empty_batch_and_shape_errors() -> None:
+    streams, fn, base, scale, w, prev = _inputs(0, 4, 32, seed=1)
+    new, x, post, comb = K.mhc_pre_norm(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev)
+    assert new.shape == (0, 4, 32) and x.shape == (0, 32) and post.shape == (0, 4) and comb.shape == (0, 4, 4)
+    streams, fn, base, scale, w, prev = _inputs(2, 4, 32, seed=2)
+    with pytest.raises(ValueError, match="norm"):
+        K.mhc_pre_norm(streams, fn, base, scale, w[:-1], **KW, rms_eps=RMS_EPS)
+    with pytest.raises(ValueError, match="must not be the input streams"):
+        K.post_mix_partials(streams, *prev, fn, out=streams)
+
+
+def test_switch_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(R.MHC_FUSE_ENV, raising=False)
+    assert not R.mhc_fuse()
+    monkeypatch.setenv(R.MHC_FUSE_ENV, "1")
+    assert R.mhc_fuse()
+    monkeypatch.setenv(R.MHC_FUSE_ENV, "yes")
+    with pytest.raises(ValueError, match="TRTLLM_GLM_MHC_FUSE"):
+        R.mhc_fuse()
+
+
+def _tiny4():
+    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
+
+    cfg = subset_config(Glm5NextConfig.from_pretrained("tiny"), [0, 1, 2, 3])
+    return Glm5NextForCausalLM.from_config(cfg, seed=3).eval()
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_model_with_fused_sites_is_the_unfused_model(monkeypatch: pytest.MonkeyPatch, invariant: bool) -> None:
+    """The 4-layer tiny model (KDA x3 + sparse MLA) on its kernels: a prompt, then two decode rows of two requests;
+    with ``TRTLLM_GLM_MHC_FUSE=1`` every step's hidden states equal the unfused kernels' bit for bit, and the fused
+    path is the one taken (fewer mHC / norm launches)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from model_harness import ModelHarness
+
+    for var in ("TRTLLM_GLM_MHC_BACKEND", "TRTLLM_GLM_NORM_BACKEND"):
+        monkeypatch.setenv(var, "triton")
+    model = _tiny4()
+    calls: dict[str, int] = {"fused": 0}
+    real = K.mhc_pre_norm
+
+    def counting(*a, **k):
+        calls["fused"] += 1
+        return real(*a, **k)
+
+    outs = {}
+    with batch_invariant_mode(invariant):
+        for setting in ("0", "1"):
+            monkeypatch.setenv(R.MHC_FUSE_ENV, setting)
+            monkeypatch.setattr(K, "mhc_pre_norm", counting)
+            h = ModelHarness(model, max_seq_len=32)
+            steps = [h.step([(0, [3, 4, 5, 6, 7])]), h.step([(1, [9, 10, 11])])]
+            steps.append(h.step([(0, [8]), (1, [12])], num_decode_seqs=2))
+            steps.append(h.step([(0, [13]), (1, [14])], num_decode_seqs=2))
+            outs[setting] = steps
+    assert calls["fused"] == 4 * 2 * 4  # 4 steps x 4 layers x 2 sites, all in the fused run
+    for a, b in zip(outs["0"], outs["1"]):
+        assert torch.equal(a, b)
