@@ -208,7 +208,7 @@ def sample_rows(
         kernel_module(logits.device).sample_top_k(_rows_contiguous(logits), rp, out, max(top_k))
         return out
     any_k = any(k > 0 for k in top_k)
-    if R == logits.shape[0]:  # every row, in order (`Sampler` lists rows in order)
+    if logits.shape[0] == R:  # every row, in order (`Sampler` lists rows in order)
         return draw_reference(logits, rp, top_k=any_k, top_p=top_p)
     idx = rp[:, 4].to(torch.int64)
     out.index_copy_(0, idx, draw_reference(logits.index_select(0, idx), rp, top_k=any_k, top_p=top_p))

@@ -320,9 +320,7 @@ class Sampler:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Temperature, top-k and top-p on ``rows`` ``[R, V]`` (`trtllm_glm.logits.filter_sorted`; ``params`` only
         skip the masks nobody asked for)."""
-        return filter_sorted(
-            rows, rp, top_k=any(p.top_k > 0 for p in params), top_p=any(p.top_p < 1.0 for p in params)
-        )
+        return filter_sorted(rows, rp, top_k=any(p.top_k > 0 for p in params), top_p=any(p.top_p < 1.0 for p in params))
 
     @staticmethod
     def _draw(rows: torch.Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> torch.Tensor:
