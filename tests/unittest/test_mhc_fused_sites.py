@@ -102,6 +102,30 @@ def test_site_is_the_unfused_kernels_bit_for_bit(invariant: bool) -> None:
         assert torch.equal(g, r)
 
 
+@pytest.mark.parametrize(
+    "n,s,d,dtype", [(1, 4, 64, torch.float32), (9, 4, 200, torch.float32), (4, 3, 40, torch.float32),
+                    (5, 4, 72, torch.float16)],
+)  # fmt: skip
+def test_end_matches_reference(n: int, s: int, d: int, dtype: torch.dtype) -> None:
+    """`mhc_post_mean_norm` (last expand + stream mean + final norm) against its torch reference; with 4 streams
+    in fp32 against the unfused kernels and torch's mean bit for bit, streams read in place with stride 0."""
+    streams, _, _, _, w, prev = _inputs(n, s, d, seed=7 * n + d, dtype=dtype)
+    out = torch.full((n, d), float("nan"), dtype=dtype)
+    got = K.mhc_post_mean_norm(streams, *prev, w, rms_eps=RMS_EPS, out=out)
+    assert got is out and not out.isnan().any()
+    want = R.mhc_post_mean_norm_reference(streams, *prev, w, rms_eps=RMS_EPS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if s == 4 and dtype == torch.float32:
+        assert torch.equal(got, row_norm(K.mhc_post(streams, *prev).mean(dim=1), RMS_EPS, weight=w))
+        flat = streams[:, 0].contiguous()
+        wide = flat.unsqueeze(1).expand(-1, s, -1)
+        assert torch.equal(
+            K.mhc_post_mean_norm(wide, *prev, w, rms_eps=RMS_EPS),
+            K.mhc_post_mean_norm(wide.contiguous(), *prev, w, rms_eps=RMS_EPS),
+        )
+
+
 def test_empty_batch_and_shape_errors() -> None:
     streams, fn, base, scale, w, prev = _inputs(0, 4, 32, seed=1)
     new, x, post, comb = K.mhc_pre_norm(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev)
@@ -134,8 +158,8 @@ def _tiny4():
 @pytest.mark.parametrize("invariant", [False, True])
 def test_model_with_fused_sites_is_the_unfused_model(monkeypatch: pytest.MonkeyPatch, invariant: bool) -> None:
     """The 4-layer tiny model (KDA x3 + sparse MLA) on its kernels: a prompt, then two decode rows of two requests;
-    with ``TRTLLM_GLM_MHC_FUSE=1`` every step's hidden states equal the unfused kernels' bit for bit, and the fused
-    path is the one taken (fewer mHC / norm launches)."""
+    with ``TRTLLM_GLM_MHC_FUSE=1`` every step's final hidden states (after the fused end: last expand, stream mean,
+    final norm) equal the unfused kernels' bit for bit, and the fused path is the one taken."""
     import os
     import sys
 

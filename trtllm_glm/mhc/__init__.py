@@ -21,7 +21,7 @@ import torch
 
 from trtllm_glm.triton_interp import KernelPackage
 
-__all__ = ["mhc_pre", "mhc_post", "mhc_pre_norm", "post_mix_partials", "kernel_module"]
+__all__ = ["mhc_pre", "mhc_post", "mhc_pre_norm", "mhc_post_mean_norm", "post_mix_partials", "kernel_module"]
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -121,3 +121,19 @@ def post_mix_partials(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's expand and the next block's projection partials in one launch (`kernels.post_mix_partials`)."""
     return kernel_module(streams.device).post_mix_partials(streams, block_out, post, comb, fn, **launch)
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    **launch: Any,
+) -> torch.Tensor:
+    """The last block's expand, the stream mean and the final RMSNorm in one launch (`kernels.mhc_post_mean_norm`)."""
+    return kernel_module(streams.device).mhc_post_mean_norm(
+        streams, block_out, post, comb, norm_weight, rms_eps=rms_eps, **launch
+    )

@@ -100,6 +100,7 @@ __all__ = [
     "mhc_pre",
     "mhc_post",
     "mhc_pre_norm",
+    "mhc_post_mean_norm",
     "post_mix_partials",
     "pre_launch_config",
     "pre_path",
@@ -450,6 +451,56 @@ def _post_mix_kernel(
         sq += tl.sum(x * x, axis=1)
     acc = tl.where(mm[None, :] == M, sq[:, None], acc)
     tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _post_mean_norm_kernel(
+    x_ptr,
+    bo_ptr,
+    post_ptr,
+    comb_ptr,
+    nw_ptr,
+    y_ptr,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_bn,
+    stride_yn,
+    inv_s,
+    rms_eps,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The last block's expand (`_post_kernel`'s arithmetic, every stream rounded to the streams' dtype), the mean
+    over the streams (fp32 sum in stream order times ``1 / S``, rounded once, as torch's ``mean``) and the final
+    RMSNorm (`_row_norm_kernel`'s arithmetic), one program per token holding the whole row (BLOCK_D >= D); the new
+    streams themselves are never stored."""
+    pdl_enter(PDL)
+    n = tl.program_id(0)
+    dt = y_ptr.dtype.element_ty
+    ss = tl.arange(0, S_PAD)
+    s_ok = ss < S
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n64 = n.to(tl.int64)
+    post = tl.load(post_ptr + n * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+    bo = tl.load(bo_ptr + n64 * stride_bn + d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+    acc = tl.zeros((S_PAD, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(S):
+        c_j = tl.load(comb_ptr + n * (S * S) + j * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+        x_j = tl.load(x_ptr + n64 * stride_xn + j * stride_xs + d, mask=d_ok, other=0.0).to(tl.float32)
+        acc += c_j[:, None] * x_j[None, :]
+    y = ((post[:, None] * bo[None, :]).to(dt).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    m = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        m += tl.sum(tl.where(ss[:, None] == s, y, 0.0), axis=0)
+    xr = tl.where(d_ok, (m * inv_s).to(dt).to(tl.float32), 0.0)
+    stat = tl.sum(xr * xr, axis=0) / D
+    yv = xr * (1.0 / tl.sqrt(stat + rms_eps))
+    yv = yv * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n64 * stride_yn + d, yv.to(dt), mask=d_ok)
 
 
 @triton.jit
@@ -952,3 +1003,51 @@ def mhc_pre_norm(
     if return_x_in:
         return streams, x, post, comb, x_in
     return streams, x, post, comb
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's end in one launch: the last block's `mhc_post`, the mean over the streams and the final RMSNorm.
+
+    Args:
+        streams / block_out / post / comb: as `mhc_post`.
+        norm_weight: ``[D]`` the final norm's weight; ``rms_eps`` its epsilon.
+        out: optional ``[N, D]`` result buffer (streams' dtype, last dim contiguous).
+
+    Returns:
+        ``[N, D]`` ``rms_norm(mhc_post(...).mean(dim=1))`` in the streams' dtype.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    if block_out.shape != (n, d) or post.shape != (n, s) or comb.shape != (n, s, s) or norm_weight.shape != (d,):
+        raise ValueError(
+            f"mhc_post_mean_norm: block_out {tuple(block_out.shape)} / post {tuple(post.shape)} / comb "
+            f"{tuple(comb.shape)} / norm weight {tuple(norm_weight.shape)} do not match streams {tuple(streams.shape)}"
+        )
+    if block_out.stride(-1) != 1:
+        block_out = block_out.contiguous()
+    post = post.contiguous()
+    comb = comb.contiguous()
+    norm_weight = norm_weight.contiguous()
+    if out is None:
+        out = torch.empty(n, d, dtype=streams.dtype, device=streams.device)
+    elif out.shape != (n, d) or out.dtype != streams.dtype or out.stride(-1) != 1:
+        raise ValueError("mhc_post_mean_norm: out must be [N, D] of the streams' dtype, last dim contiguous")
+    if n > 0:
+        pdl = use_pdl(streams.device)
+        block_d = triton.next_power_of_2(d)
+        _post_mean_norm_kernel[(n,)](
+            streams, block_out, post, comb, norm_weight, out, d,
+            streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), 1.0 / s, float(rms_eps),
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl,
+            num_warps=max(1, min(8, block_d // 256)), **launch_kwargs(pdl),
+        )  # fmt: skip
+    return out

@@ -31,7 +31,15 @@ from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
-from ..modules.mhc import mhc_backend, mhc_block, mhc_block_post, mhc_block_pre, mhc_fuse, mhc_pre_norm
+from ..modules.mhc import (
+    mhc_backend,
+    mhc_block,
+    mhc_block_post,
+    mhc_block_pre,
+    mhc_fuse,
+    mhc_post_mean_norm,
+    mhc_pre_norm,
+)
 from ..modules.norm import RMSNorm
 
 __all__ = [
@@ -359,18 +367,19 @@ class Glm5NextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
         """``input_ids [N]`` -> final-normed hidden ``[N, D]`` (``norm(mean over streams)``)."""
         e = self.embed_tokens(input_ids)
-        h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1)
         backend = self.fused_sites_backend(h)
         if backend is not None:
-            # Fused residual sites (`Glm5NextDecoderLayer.forward_fused`): each layer leaves its FFN's expand to the
-            # next layer's first site; the last one is done here.
+            # Fused residual sites (`Glm5NextDecoderLayer.forward_fused`): the first layer reads the embedding as
+            # its streams in place (stride 0 across them: no copy), each layer leaves its FFN's expand to the next
+            # layer's first site, and the last one runs with the stream mean and the final norm in one launch.
             prev = None
             for layer in self.layers:
                 h, prev = layer.forward_fused(h, prev, meta, manager, backend)
-            h = mhc_block_post(h, *prev, backend=backend)
-        else:
-            for layer in self.layers:
-                h = layer(h, meta, manager)
+            return mhc_post_mean_norm(h, *prev, self.norm.weight, rms_eps=self.norm.eps, backend=backend)
+        h = h.contiguous()
+        for layer in self.layers:
+            h = layer(h, meta, manager)
         return self.norm(h.mean(dim=1))
 
     def fused_sites_backend(self, h: torch.Tensor) -> str | None:

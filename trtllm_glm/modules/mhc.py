@@ -46,6 +46,8 @@ __all__ = [
     "mhc_fuse",
     "mhc_pre_norm",
     "mhc_pre_norm_reference",
+    "mhc_post_mean_norm",
+    "mhc_post_mean_norm_reference",
     "MHC_BACKEND_ENV",
     "MHC_FUSE_ENV",
 ]
@@ -268,3 +270,38 @@ def mhc_pre_norm(
 
         return kernels.mhc_pre_norm(streams, fn, base, scale, norm_weight, **kw)
     return mhc_pre_norm_reference(streams, fn, base, scale, norm_weight, **kw)
+
+
+def mhc_post_mean_norm_reference(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+) -> torch.Tensor:
+    """The model's end as torch defines it: ``rms_norm(mhc_expand(...).mean(dim=1))`` ``[N, D]``."""
+    h = mhc_expand(streams, block_out, post, comb).mean(dim=1)
+    xf = h.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    return (xf * norm_weight.float()).to(h.dtype)
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    backend: str,
+) -> torch.Tensor:
+    """The fused sites' end: the last block's expand, the stream mean and the final norm (``backend`` as
+    `mhc_pre_norm`: one launch, `trtllm_glm.mhc.mhc_post_mean_norm`, or `mhc_post_mean_norm_reference`)."""
+    if backend == "triton":
+        from trtllm_glm import mhc as kernels
+
+        return kernels.mhc_post_mean_norm(streams, block_out, post, comb, norm_weight, rms_eps=rms_eps)
+    return mhc_post_mean_norm_reference(streams, block_out, post, comb, norm_weight, rms_eps=rms_eps)
