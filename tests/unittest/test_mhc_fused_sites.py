@@ -189,3 +189,28 @@ def test_model_with_fused_sites_is_the_unfused_model(monkeypatch: pytest.MonkeyP
     assert calls["fused"] == 4 * 2 * 4  # 4 steps x 4 layers x 2 sites, all in the fused run
     for a, b in zip(outs["0"], outs["1"]):
         assert torch.equal(a, b)
+
+
+def test_fused_kernels_compile_for_sm90() -> None:
+    """The fused kernels as the decode step launches them at the real geometry (bf16 streams, S = 4, D = 4096: the
+    finishing kernel and the end holding the whole row with 8 warps) compile for the H200 (the interpreter never
+    compiles them)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from triton_compile import compile_sm90, recording
+
+    n, s, d = 1, 4, 4096
+    streams, fn, base, scale, w, prev = _inputs(n, s, d, seed=11)
+    streams, w = streams.bfloat16(), w.bfloat16()
+    prev = (prev[0].bfloat16(), prev[1], prev[2])
+    with recording() as rec:
+        K.mhc_pre_norm(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS, prev=prev)
+        K.mhc_pre_norm(streams, fn, base, scale, w, **KW, rms_eps=RMS_EPS)
+        K.mhc_post_mean_norm(streams, *prev, w, rms_eps=RMS_EPS)
+    assert not rec.unsupported
+    names = {spec.kernel for spec in rec.specs.values()}
+    assert {"_post_mix_kernel", "_pre_finish_kernel", "_mix_partial_kernel", "_post_mean_norm_kernel"} <= names
+    results = compile_sm90(list(rec.specs.values()))
+    assert all(r["ok"] for r in results), results

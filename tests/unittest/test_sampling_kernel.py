@@ -127,3 +127,23 @@ def test_sampler_draws_the_same_with_either_backend(monkeypatch: pytest.MonkeyPa
         gens = [make_generator(p) for p in params]
         res[backend] = [Sampler().sample(logits, params, gens).tolist() for _ in range(4)]
     assert res["torch"] == res["triton"]
+
+
+def test_sampling_kernels_compile_for_sm90() -> None:
+    """Both launches at the real vocabulary's chunking (2,048 columns, k rounded to 64 and to the 256 bound) compile
+    for the H200: int64 sorts, fp32 and fp64 cumulative sums (the interpreter never compiles them)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from triton_compile import compile_sm90, recording
+
+    logits = torch.randn(2, 4100)
+    out = torch.zeros(2, dtype=torch.int64)
+    with recording() as rec:
+        for k in (50, SAMPLE_MAX_K):
+            sample_rows(logits, _rp([0.5, 0.2], [1.0, 0.7], [0.9, 1.0], [k, 3], [0, 1]), out, top_k=[k, 3],
+                        backend="triton")  # fmt: skip
+    assert not rec.unsupported and len(rec.specs) == 4
+    results = compile_sm90(list(rec.specs.values()))
+    assert all(r["ok"] for r in results), results
