@@ -79,6 +79,13 @@ and new paths (and the ``mma`` variants) at N = 1024 and 8192 in one run, with G
 and each variant's error against fp64. The finishing kernel reads ``SPLIT`` partials per token (5 at N = 8192
 instead of 2), unchanged otherwise.
 
+Fused residual sites (issue 44, ``TRTLLM_GLM_MHC_FUSE=1``; docs/gpu.md): ``_post_mix_kernel`` is ``_post_kernel`` of
+one block and ``_mix_partial_kernel`` of the next in one launch (the same launch shape and units, both outputs bit
+for bit the pair's); ``_pre_finish_kernel`` with ``NORM`` holds a token's whole row and applies the block's input
+RMSNorm to the collapse (`mhc_pre_norm`: a site in two launches instead of four); ``_post_mean_norm_kernel`` is the
+last block's expand, the stream mean and the final norm (`mhc_post_mean_norm`). References:
+``trtllm_glm.modules.mhc.mhc_pre_norm_reference`` / ``mhc_post_mean_norm_reference``.
+
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
 arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16 (bf16 streams only on the
