@@ -6,15 +6,18 @@ forced to its Triton kernel (the CPU runs them interpreted), so that the step ta
 dispatch. One decode step (after a short prompt) is counted: every Triton launch (by kernel name) and every torch
 op that is not a view or an allocation (each about one CUDA launch; `bench_e2e.op_sites` counts the same set),
 both grouped by the innermost `trtllm_glm` module that issued them. The step is the decode graph's body: the
-model's forward, the LM head (`compute_logits`) and `greedy_pack`; `--sample` also counts `Sampler.sample` of one
-temperature / top-k / top-p row (the eager tail of a sampled request).
+model's forward, the LM head (`compute_logits`) and `greedy_pack` (with ``TRTLLM_GLM_GREEDY_FUSE_CAST=1`` the LM
+head's fp32 cast written by the greedy kernel, as the decode graph then does); the model is in bf16 (``--dtype``).
+``--sample`` also counts `Sampler.sample` of one temperature / top-k / top-p row (a sampled request's eager tail).
 
-What this cannot see: the KDA recurrent update runs fla-core's kernel on CUDA (one launch) and the torch
-reference here (several ops), the FP8 linear is not used (bf16 weights), and cuBLAS may use more than one kernel
-per GEMM. The fused paths are switched by their own environment variables (e.g. ``TRTLLM_GLM_MHC_FUSE_NORM``), so
-running this with them off and on gives the before / after count.
+What this cannot see: the KDA recurrent update runs fla-core's kernel on CUDA (one launch per layer) and the torch
+reference here (~11 ops per layer), the FP8 linear is not used (bf16 weights), and cuBLAS may use more than one
+kernel per GEMM.
 
-Usage: ``TRITON_INTERPRET=1 python benchmarks/count_launches.py [--sample] [--json out.json]``
+Usage: ``python benchmarks/count_launches.py [--sample] [--json out.json]``. Before:
+``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python benchmarks/count_launches.py --sample``; after:
+``TRTLLM_GLM_DECODE_FUSE=1 TRTLLM_GLM_SAMPLING_BACKEND=triton python benchmarks/count_launches.py --sample`` (the
+sampling backend is forced to the kernel unless set).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from model_harness import ModelHarness  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
-from trtllm_glm.logits import greedy_pack  # noqa: E402
+from trtllm_glm.logits import greedy_fuse_cast, greedy_pack  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
 from trtllm_glm.runtime.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -128,10 +131,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sample", action="store_true", help="also count one sampled row's Sampler.sample")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16: the LM head's cast is a launch)")
     args = ap.parse_args()
     torch.manual_seed(0)
     cfg = real4_like_tiny()
     model = Glm5NextForCausalLM.from_config(cfg, seed=0, dtype="float32").eval()
+    if args.dtype != "float32":
+        model = model.to(getattr(torch, args.dtype))
+        model.keep_fp32_params_()
     model.fuse_weights()
     h = ModelHarness(model, max_seq_len=64)
     prompt = list(range(1, 13))
@@ -139,8 +146,14 @@ def main() -> None:
     with torch.no_grad():
         with Counter() as c:
             hidden = h.step([(0, [5])], num_decode_seqs=1)
-            logits = model.compute_logits(hidden)
-            greedy_pack(logits)
+            # The decode graph's tail (`runtime.cuda_graph.CudaGraphRunner._body`, width one).
+            if greedy_fuse_cast():
+                raw = model.compute_logits(hidden, cast=False)
+                logits = torch.empty(raw.shape, dtype=torch.float32)
+                greedy_pack(raw, f32_out=logits)
+            else:
+                logits = model.compute_logits(hidden)
+                greedy_pack(logits)
         out = {"step": c.table()}
         if args.sample:
             params = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_tokens=4)]

@@ -198,3 +198,26 @@ def test_model_fused_sites_change_no_token(monkeypatch: pytest.MonkeyPatch, inva
     assert runs["0"][1] == runs["1"][1]
     if invariant:
         assert torch.equal(runs["0"][0], runs["1"][0])
+
+
+def test_greedy_fuse_cast_changes_no_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRTLLM_GLM_GREEDY_FUSE_CAST`` 0 and 1 on the tiny preset in bf16 with CUDA graphs (captured under each
+    setting): the same greedy tokens and the same generation logits (the fp32 copy is exact)."""
+    from trtllm_glm import LLM, SamplingParams
+    from trtllm_glm.config import Glm5NextConfig
+    from trtllm_glm.logits import GREEDY_FUSE_CAST_ENV
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+
+    m = Glm5NextForCausalLM.from_config(Glm5NextConfig.from_pretrained("tiny"), seed=5)
+    m = m.to(device="cuda", dtype=torch.bfloat16)
+    m.keep_fp32_params_()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 70))]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, return_generation_logits=True)
+    runs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(GREEDY_FUSE_CAST_ENV, setting)
+        outs = LLM(m.eval()).generate(prompts, sp)
+        runs[setting] = [(o.outputs[0].token_ids, o.outputs[0].generation_logits) for o in outs]
+    for (t0, l0), (t1, l1) in zip(runs["0"], runs["1"]):
+        assert t0 == t1
+        assert torch.equal(l0, l1)

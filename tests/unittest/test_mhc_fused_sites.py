@@ -138,7 +138,23 @@ def test_empty_batch_and_shape_errors() -> None:
 
 
 def test_switch_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TRTLLM_GLM_MHC_FUSE`` wins; unset, ``TRTLLM_GLM_DECODE_FUSE`` decides (both graph fusions); else off."""
+    from trtllm_glm.logits import GREEDY_FUSE_CAST_ENV, greedy_fuse_cast
+    from trtllm_glm.triton_interp import DECODE_FUSE_ENV
+
     monkeypatch.delenv(R.MHC_FUSE_ENV, raising=False)
+    monkeypatch.delenv(GREEDY_FUSE_CAST_ENV, raising=False)
+    monkeypatch.delenv(DECODE_FUSE_ENV, raising=False)
+    assert not R.mhc_fuse() and not greedy_fuse_cast()
+    monkeypatch.setenv(DECODE_FUSE_ENV, "1")
+    assert R.mhc_fuse() and greedy_fuse_cast()
+    monkeypatch.setenv(R.MHC_FUSE_ENV, "0")
+    assert not R.mhc_fuse() and greedy_fuse_cast()
+    monkeypatch.setenv(DECODE_FUSE_ENV, "2")
+    with pytest.raises(ValueError, match=DECODE_FUSE_ENV):
+        greedy_fuse_cast()
+    monkeypatch.delenv(DECODE_FUSE_ENV)
+    monkeypatch.delenv(R.MHC_FUSE_ENV)
     assert not R.mhc_fuse()
     monkeypatch.setenv(R.MHC_FUSE_ENV, "1")
     assert R.mhc_fuse()

@@ -147,3 +147,27 @@ def test_sampling_kernels_compile_for_sm90() -> None:
     assert not rec.unsupported and len(rec.specs) == 4
     results = compile_sm90(list(rec.specs.values()))
     assert all(r["ok"] for r in results), results
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_greedy_pack_writes_the_fp32_logits(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``greedy_pack(f32_out=)`` (``TRTLLM_GLM_GREEDY_FUSE_CAST``: the decode graph's ``.float()`` of the LM head
+    done by the greedy kernel's read): the buffer (poisoned first) holds ``logits.float()`` exactly, NaN and -inf
+    included, across several partials and a ragged last tile; ids and packed rows as without it."""
+    from trtllm_glm.logits import GREEDY_FUSE_CAST_ENV, greedy_fuse_cast, greedy_pack
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 3001, generator=g) * 4).half()
+    x[1, 7] = float("nan")
+    x[2, :100] = float("-inf")
+    buf = torch.full((5, 3001), 12345.0)
+    ids, packed = greedy_pack(x, backend=backend, f32_out=buf)
+    assert torch.equal(torch.isnan(buf), torch.isnan(x))
+    assert torch.equal(torch.nan_to_num(buf), torch.nan_to_num(x.float()))
+    want_ids, want_packed = greedy_pack(x, backend=backend)
+    assert torch.equal(ids, want_ids) and torch.equal(packed.nan_to_num(), want_packed.nan_to_num())
+    monkeypatch.setenv(GREEDY_FUSE_CAST_ENV, "1")
+    assert greedy_fuse_cast()
+    monkeypatch.setenv(GREEDY_FUSE_CAST_ENV, "on")
+    with pytest.raises(ValueError, match=GREEDY_FUSE_CAST_ENV):
+        greedy_fuse_cast()

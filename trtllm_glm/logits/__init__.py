@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from trtllm_glm.triton_interp import KernelPackage, kernel_backend
+from trtllm_glm.triton_interp import KernelPackage, env_switch, kernel_backend
 
 __all__ = [
+    "GREEDY_FUSE_CAST_ENV",
     "LOGITS_BACKEND_ENV",
     "SAMPLE_MAX_K",
     "SAMPLING_BACKEND_ENV",
@@ -35,6 +36,7 @@ __all__ = [
     "filter_sorted",
     "sample_rows",
     "sampling_backend",
+    "greedy_fuse_cast",
     "greedy_pack",
     "greedy_top2",
     "greedy_top2_reference",
@@ -44,6 +46,10 @@ __all__ = [
 
 LOGITS_BACKEND_ENV = "TRTLLM_GLM_LOGITS_BACKEND"
 SAMPLING_BACKEND_ENV = "TRTLLM_GLM_SAMPLING_BACKEND"
+# ``1``: a decode graph's greedy kernel writes the step's FP32 logits as it reads the LM head's output (no
+# ``.float()`` launch); ``0``: the cast launches on its own; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per
+# call; graphs capture the setting.
+GREEDY_FUSE_CAST_ENV = "TRTLLM_GLM_GREEDY_FUSE_CAST"
 # The largest top-k the sampling kernel takes (kernels.SAMPLE_MAX_K; repeated here: importing kernels needs triton).
 SAMPLE_MAX_K = 256
 
@@ -91,8 +97,21 @@ def greedy_top2(logits: torch.Tensor, *, backend: str | None = None) -> tuple[to
     return kernel_module(logits.device).greedy_top2(_rows_contiguous(logits))
 
 
+def greedy_fuse_cast() -> bool:
+    """Whether `GREEDY_FUSE_CAST_ENV` is ``1`` (``0``: no; unset: as ``TRTLLM_GLM_DECODE_FUSE``, else no).
+
+    Raises:
+        ValueError: a value other than ``0`` / ``1``.
+    """
+    return env_switch(GREEDY_FUSE_CAST_ENV)
+
+
 def greedy_pack(
-    logits: torch.Tensor, accepted: torch.Tensor | None = None, *, backend: str | None = None
+    logits: torch.Tensor,
+    accepted: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+    f32_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy ids and the ``[N, 3]`` float64 rows ``(id, gap, accepted)`` a step copies to the host once.
 
@@ -100,6 +119,8 @@ def greedy_pack(
         logits: ``[N, V]`` any float dtype, ``V >= 2``.
         accepted: optional ``[N]`` integer accepted count of each row's sequence (default 1: no drafts).
         backend: as in `greedy_top2`.
+        f32_out: optional ``[N, V]`` fp32 buffer to receive ``logits.float()`` (the kernel writes it while it reads
+            the logits: no launch of its own; the reference copies).
 
     Returns:
         ``(ids [N] int64, packed [N, 3] float64)``; token ids and counts are exact in float64.
@@ -109,12 +130,14 @@ def greedy_pack(
     if accepted is not None and accepted.shape != (N,):
         raise ValueError(f"accepted must be [{N}], got shape {tuple(accepted.shape)}")
     if logits_backend(logits, backend) == "torch":
+        if f32_out is not None:
+            f32_out.copy_(logits)
         ids, gap = greedy_top2_reference(logits)
         acc = torch.ones_like(ids) if accepted is None else accepted
         return ids, torch.stack([ids.to(torch.float64), gap.to(torch.float64), acc.to(torch.float64)], dim=1)
     packed = torch.empty(N, 3, dtype=torch.float64, device=logits.device)
     ids, _ = kernel_module(logits.device).greedy_top2(
-        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted
+        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted, f32_out=f32_out
     )
     return ids, packed
 

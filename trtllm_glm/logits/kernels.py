@@ -47,7 +47,10 @@ def _partial_kernel(
     cols_per_prog,
     stride_xn,
     NPART,
+    f_ptr,
+    stride_fn,
     BLOCK: tl.constexpr,
+    WRITE_F32: tl.constexpr,
 ):
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -55,6 +58,7 @@ def _partial_kernel(
     start = s * cols_per_prog
     end = tl.minimum(start + cols_per_prog, V)
     row = x_ptr + n.to(tl.int64) * stride_xn
+    f_row = f_ptr + n.to(tl.int64) * stride_fn
     offs = tl.arange(0, BLOCK)
     m1 = tl.full((), float("-inf"), tl.float32)
     m2 = tl.full((), float("-inf"), tl.float32)
@@ -64,6 +68,8 @@ def _partial_kernel(
         cols = b + offs
         ok = cols < end
         x = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if WRITE_F32:  # the fp32 logits the step returns: the LM head's cast done by this read (exact)
+            tl.store(f_row + cols, x, mask=ok)
         isnan = x != x
         inan = tl.minimum(inan, tl.min(tl.where(isnan & ok, cols, _NONE), axis=0))
         x = tl.where(isnan, float("-inf"), x)
@@ -158,6 +164,7 @@ def greedy_top2(
     accepted: torch.Tensor | None = None,
     split: int | None = None,
     block: int = 1024,
+    f32_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Greedy ids and top-2 gaps of ``logits`` rows (see the module docstring), two launches.
 
@@ -169,6 +176,8 @@ def greedy_top2(
         accepted: optional ``[N]`` integer counts for ``packed``'s last column (default 1).
         split: programs per row (default `split_for`).
         block: columns per tile.
+        f32_out: optional ``[N, V]`` fp32 (last dim contiguous), written with ``logits`` upcast (the first launch
+            reads every logit anyway: the LM head's ``.float()`` without its own launch).
 
     Returns:
         ``(ids or None, gap or None)``.
@@ -185,7 +194,13 @@ def greedy_top2(
     npart = N * nsplit
     vals = torch.empty(2 * npart, dtype=torch.float32, device=dev)
     idxs = torch.empty(2 * npart, dtype=torch.int32, device=dev)
-    _partial_kernel[(N, nsplit)](logits, vals, idxs, V, cols, logits.stride(0), npart, BLOCK=block, num_warps=4)
+    if f32_out is not None and (f32_out.shape != (N, V) or f32_out.dtype != torch.float32 or f32_out.stride(-1) != 1):
+        raise ValueError("greedy_top2: f32_out must be [N, V] fp32, last dim contiguous")
+    f = f32_out if f32_out is not None else logits
+    _partial_kernel[(N, nsplit)](
+        logits, vals, idxs, V, cols, logits.stride(0), npart, f, f.stride(0),
+        BLOCK=block, WRITE_F32=f32_out is not None, num_warps=4,
+    )  # fmt: skip
     block_n = 4
     dummy = vals  # unused pointer arguments (their stores are compiled out)
     _finish_kernel[(triton.cdiv(N, block_n),)](

@@ -494,9 +494,11 @@ class Glm5NextForCausalLM(nn.Module):
         self._check_comm()
         return self.model(input_ids, meta, manager)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, D] -> [n, V]`` FP32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, cast: bool = True) -> torch.Tensor:
+        """``[n, D] -> [n, V]`` FP32 logits (``cast=False``: in the LM head's dtype, for a caller whose next kernel
+        writes the FP32 copy as it reads them: `trtllm_glm.logits.greedy_pack`'s ``f32_out``)."""
+        out = self.lm_head(hidden)
+        return out.float() if cast else out
 
     def commit_kda(self, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, num_accepted: list[int]) -> None:
         """Fold each verified sequence's first ``num_accepted[b]`` rows into every KDA layer's state.

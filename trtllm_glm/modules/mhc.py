@@ -28,12 +28,10 @@ CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_back
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..linear import model_linear
-from ..triton_interp import kernel_backend
+from ..triton_interp import env_switch, kernel_backend
 
 __all__ = [
     "mhc_weights",
@@ -54,21 +52,19 @@ __all__ = [
 
 MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
 # ``1``: the model runs each residual site as `mhc_pre_norm` (the previous block's expand fused with this block's
-# projection, the block's input RMSNorm fused with the finishing kernel) where mHC runs its kernels; ``0`` / unset:
-# the separate launches (read per call, so that one process can A/B it).
+# projection, the block's input RMSNorm fused with the finishing kernel) where mHC runs its kernels; ``0``: the separate
+# launches; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per call, so that one process can A/B it.
 MHC_FUSE_ENV = "TRTLLM_GLM_MHC_FUSE"
 
 
 def mhc_fuse() -> bool:
-    """Whether `MHC_FUSE_ENV` asks for the fused residual sites (``"1"``; ``"0"`` or unset: no).
+    """Whether `MHC_FUSE_ENV` asks for the fused residual sites (``"1"``; ``"0"``: no; unset: as
+    ``TRTLLM_GLM_DECODE_FUSE``, else no).
 
     Raises:
         ValueError: a value other than ``0`` / ``1``.
     """
-    raw = os.environ.get(MHC_FUSE_ENV, "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{MHC_FUSE_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return env_switch(MHC_FUSE_ENV)
 
 
 def mhc_weights(
