@@ -944,7 +944,10 @@ def mhc_pre_norm(
     run as one (`post_mix_partials`; the FMA path, decode sizes), else the projection alone (`mix_partials`, any
     path); then the finishing kernel applies the weights, collapses, and RMS-normalises the collapse (rounded to the
     streams' dtype, as the block's norm reads it) with ``norm_weight`` in the same program (one program per token
-    holds the whole row).
+    holds the whole row). The finishing kernel keeps `mhc_pre`'s 4 warps, so ``post``, ``comb`` and the collapse
+    have `mhc_pre`'s bits (the same tiles in the same layouts); the norm's sum over ``D`` runs in this layout, not
+    `trtllm_glm.norm.row_norm`'s (8 warps at D = 4096), so the normed input may differ from the unfused path's by
+    an ulp where a sum rounds differently. Row-wise, launch shape from the shapes only: batch invariant.
 
     Args:
         streams: ``[N, S, D]``: this block's input streams, or with ``prev`` the previous block's input streams.
@@ -1005,7 +1008,7 @@ def mhc_pre_norm(
             float(norm_eps), float(hc_eps), int(sinkhorn_iters), norm_weight, x, x.stride(0), float(rms_eps),
             S=s, S_PAD=max(2, triton.next_power_of_2(s)), M=m, M_PAD=m_pad,
             SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d, WRITE_PRE=False, NORM=True,
-            STORE_XIN=return_x_in, PDL=pdl, num_warps=max(1, min(8, block_d // 256)), **launch_kwargs(pdl),
+            STORE_XIN=return_x_in, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
         )  # fmt: skip
     if return_x_in:
         return streams, x, post, comb, x_in

@@ -41,6 +41,7 @@ from ..modules.mhc import (
     mhc_pre_norm,
 )
 from ..modules.norm import RMSNorm
+from ..numerics import batch_invariant
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -384,8 +385,11 @@ class Glm5NextModel(nn.Module):
 
     def fused_sites_backend(self, h: torch.Tensor) -> str | None:
         """The mHC backend of the fused residual sites when the forward takes them (``TRTLLM_GLM_MHC_FUSE=1``, mHC on
-        its kernels, some layer), else ``None``. Eager and captured steps decide alike (flags and devices only)."""
-        if not self.layers or not mhc_fuse():
+        its kernels, some layer, outside the batch-invariant mode), else ``None``. Eager and captured steps decide
+        alike (flags and devices only). The batch-invariant mode keeps the unfused launches: the fused kernels are
+        batch invariant too, but their norms sum in another layout than `trtllm_glm.norm.row_norm`, so the mode's
+        bits would change with the flag (docs/gpu.md)."""
+        if not self.layers or not mhc_fuse() or batch_invariant():
             return None
         first = self.layers[0]
         if not first.use_mhc:
