@@ -15,6 +15,9 @@
 #   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_PDL=0,1)
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
+#   decode_fuse   issue 44: bench_e2e FP8 decode, batch 1 / 16, plain and overlap, with the decode fusions off and on
+#                 (TRTLLM_GLM_DECODE_FUSE=0,1: the fused mHC sites and the LM head's cast in the greedy kernel; their
+#                 GPU tests: GPU_TESTS=tests/unittest/test_decode_fusions_gpu.py)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
@@ -86,6 +89,10 @@ for stage in "$@"; do
       timeout "${T_FP8_HEAD:-120}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --fp8-skip none \
         --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
+    decode_fuse)
+      timeout "${T_DECODE_FUSE:-220}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_DECODE_FUSE=0,1 \
+        --json "$O/decode_fuse.json" 2>&1 | tee "$O/decode_fuse.log" ;;
     fp8_sweep)
       timeout "${T_FP8_SWEEP:-420}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
         2>&1 | tee "$O/fp8_sweep.log" ;;

@@ -41,6 +41,25 @@ _depth = 0
 _fns: dict[int, Any] = {}
 
 
+# Turns the decode-step fusions of issue 44 on or off together (``1`` / ``0``) where their own variables are unset
+# (`env_switch`): ``TRTLLM_GLM_MHC_FUSE`` and ``TRTLLM_GLM_GREEDY_FUSE_CAST``; one flag for an end-to-end A/B.
+DECODE_FUSE_ENV = "TRTLLM_GLM_DECODE_FUSE"
+
+
+def env_switch(var: str, fallback: str = DECODE_FUSE_ENV) -> bool:
+    """A ``0`` / ``1`` switch read per call: ``var``, else ``fallback`` when ``var`` is unset or empty, else off.
+
+    Raises:
+        ValueError: a value other than ``0`` / ``1``.
+    """
+    name, raw = var, os.environ.get(var, "")
+    if raw == "":
+        name, raw = fallback, os.environ.get(fallback, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
 def kernel_backend(what: str, env_var: str, tensors: Sequence[torch.Tensor | None], backend: str | None) -> str:
     """``"torch"`` or ``"triton"`` for one call of a fused op with a torch reference (devices and flags only).
 

@@ -117,11 +117,13 @@ def test_kernels_compile_for_sm90() -> None:
 
     mod = "trtllm_glm.logits.kernels"
     part = dict(x_ptr="*fp32", val_ptr="*fp32", idx_ptr="*i32", V="i32", cols_per_prog="i32", stride_xn="i32",
-                NPART="i32")  # fmt: skip
+                NPART="i32", f_ptr="*fp32", stride_fn="i32")  # fmt: skip
     fin = dict(val_ptr="*fp32", idx_ptr="*i32", ids_ptr="*i64", gap_ptr="*fp32", packed_ptr="*fp64",
                acc_ptr="*i64", N="i32", NSPLIT="i32", NPART="i32")  # fmt: skip
-    specs = [KernelSpec(mod, "_partial_kernel", part, {"BLOCK": 1024}),
-             KernelSpec(mod, "_partial_kernel", {**part, "x_ptr": "*bf16"}, {"BLOCK": 1024})]  # fmt: skip
+    specs = [
+        KernelSpec(mod, "_partial_kernel", {**part, "x_ptr": x}, {"BLOCK": 1024, "WRITE_F32": w})
+        for x, w in (("*fp32", False), ("*bf16", False), ("*bf16", True))
+    ]
     for flags in [(True, True, False, False), (True, False, True, True), (False, True, True, False)]:
         const = dict(zip(["WRITE_IDS", "WRITE_GAP", "WRITE_PACKED", "HAS_ACC"], flags))
         specs.append(KernelSpec(mod, "_finish_kernel", fin, {"BLOCK_N": 4, "SPLIT_PAD": 64, **const}, num_warps=1))

@@ -6,20 +6,37 @@ the two largest values with multiplicity, so a repeated maximum has gap 0). On C
 at batch 1 over a 155K vocabulary), with identical results (no arithmetic beyond comparisons and one
 subtraction). ``TRTLLM_GLM_LOGITS_BACKEND`` (``auto`` / ``torch`` / ``triton``) forces either path.
 
+`draw_reference` is the torch definition of drawing sampled rows (temperature, top-k, top-p, then the inverse of the
+kept tokens' cumulative distribution at each row's uniform; `trtllm_glm.runtime.sampling.Sampler` calls it);
+`sample_rows` runs it, or for rows whose top-k is 1 .. `SAMPLE_MAX_K` the two-launch kernel `kernels.sample_top_k`
+(no sort of the whole vocabulary; ``TRTLLM_GLM_SAMPLING_BACKEND``: ``torch``, the default until a GPU A/B says
+otherwise, ``triton`` or ``auto``).
+
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
 interpreted copy of the same module (`trtllm_glm.triton_interp`) when the triton backend is forced.
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from trtllm_glm.triton_interp import KernelPackage, kernel_backend
+from trtllm_glm.triton_interp import KernelPackage, env_switch, kernel_backend
 
 __all__ = [
+    "GREEDY_FUSE_CAST_ENV",
     "LOGITS_BACKEND_ENV",
+    "SAMPLE_MAX_K",
+    "SAMPLING_BACKEND_ENV",
+    "draw_reference",
+    "filter_sorted",
+    "sample_rows",
+    "sampling_backend",
+    "greedy_fuse_cast",
     "greedy_pack",
     "greedy_top2",
     "greedy_top2_reference",
@@ -28,6 +45,13 @@ __all__ = [
 ]
 
 LOGITS_BACKEND_ENV = "TRTLLM_GLM_LOGITS_BACKEND"
+SAMPLING_BACKEND_ENV = "TRTLLM_GLM_SAMPLING_BACKEND"
+# ``1``: a decode graph's greedy kernel writes the step's FP32 logits as it reads the LM head's output (no
+# ``.float()`` launch); ``0``: the cast launches on its own; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per
+# call; graphs capture the setting.
+GREEDY_FUSE_CAST_ENV = "TRTLLM_GLM_GREEDY_FUSE_CAST"
+# The largest top-k the sampling kernel takes (kernels.SAMPLE_MAX_K; repeated here: importing kernels needs triton).
+SAMPLE_MAX_K = 256
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -73,8 +97,21 @@ def greedy_top2(logits: torch.Tensor, *, backend: str | None = None) -> tuple[to
     return kernel_module(logits.device).greedy_top2(_rows_contiguous(logits))
 
 
+def greedy_fuse_cast() -> bool:
+    """Whether `GREEDY_FUSE_CAST_ENV` is ``1`` (``0``: no; unset: as ``TRTLLM_GLM_DECODE_FUSE``, else no).
+
+    Raises:
+        ValueError: a value other than ``0`` / ``1``.
+    """
+    return env_switch(GREEDY_FUSE_CAST_ENV)
+
+
 def greedy_pack(
-    logits: torch.Tensor, accepted: torch.Tensor | None = None, *, backend: str | None = None
+    logits: torch.Tensor,
+    accepted: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+    f32_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy ids and the ``[N, 3]`` float64 rows ``(id, gap, accepted)`` a step copies to the host once.
 
@@ -82,6 +119,8 @@ def greedy_pack(
         logits: ``[N, V]`` any float dtype, ``V >= 2``.
         accepted: optional ``[N]`` integer accepted count of each row's sequence (default 1: no drafts).
         backend: as in `greedy_top2`.
+        f32_out: optional ``[N, V]`` fp32 buffer to receive ``logits.float()`` (the kernel writes it while it reads
+            the logits: no launch of its own; the reference copies).
 
     Returns:
         ``(ids [N] int64, packed [N, 3] float64)``; token ids and counts are exact in float64.
@@ -91,15 +130,109 @@ def greedy_pack(
     if accepted is not None and accepted.shape != (N,):
         raise ValueError(f"accepted must be [{N}], got shape {tuple(accepted.shape)}")
     if logits_backend(logits, backend) == "torch":
+        if f32_out is not None:
+            f32_out.copy_(logits)
         ids, gap = greedy_top2_reference(logits)
         acc = torch.ones_like(ids) if accepted is None else accepted
         return ids, torch.stack([ids.to(torch.float64), gap.to(torch.float64), acc.to(torch.float64)], dim=1)
     packed = torch.empty(N, 3, dtype=torch.float64, device=logits.device)
     ids, _ = kernel_module(logits.device).greedy_top2(
-        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted
+        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted, f32_out=f32_out
     )
     return ids, packed
 
 
 def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+def sampling_backend(logits: torch.Tensor, backend: str | None = None) -> str:
+    """``"torch"`` or ``"triton"`` for drawing sampled rows (``backend``, else ``TRTLLM_GLM_SAMPLING_BACKEND``, else
+    ``"torch"``: the kernel is opt-in until a GPU A/B; ``"auto"``: the kernel for CUDA logits)."""
+    choice = backend if backend is not None else (os.environ.get(SAMPLING_BACKEND_ENV) or "torch")
+    return kernel_backend("sampling", SAMPLING_BACKEND_ENV, [logits], choice)
+
+
+def filter_sorted(
+    rows: torch.Tensor, rp: torch.Tensor, *, top_k: bool = True, top_p: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p on ``rows`` ``[R, V]``, all rows at once, no host sync (the reference).
+
+    Every operation is row-wise, so a row's result does not depend on the others in the batch.
+
+    Args:
+        rows: ``[R, V]`` logits.
+        rp: ``[R, >= 4]`` float64 per row: uniform, temperature, top-p (``inf`` when off), top-k (``inf`` when off).
+        top_k / top_p: whether any row asks for that filter (skips masks nobody needs; the result is the same).
+
+    Returns:
+        ``(ids [R, V], probs [R, V], keep [R, V])``: each row's tokens in descending order (ties to the lower id),
+        the softmax of the top-k (0 past it), and the kept mask (top-k and top-p; a prefix of at least one token:
+        token ``j`` stays while the mass strictly before it is ``< top_p``).
+    """
+    scaled = rows.float() / rp[:, 1:2].float()
+    vals, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    pos = torch.arange(vals.shape[1], device=vals.device, dtype=torch.float64)
+    keep = pos[None, :] < rp[:, 3:4]
+    if top_k:
+        vals = vals.masked_fill(~keep, -math.inf)
+    probs = torch.softmax(vals, dim=-1)
+    if top_p:
+        c = torch.cumsum(probs, dim=-1)
+        before = torch.cat([c.new_zeros(c.shape[0], 1), c[:, :-1]], dim=1)
+        keep &= before < rp[:, 2:3]  # the first token always stays: 0 < top_p
+    return ids, probs, keep
+
+
+def draw_reference(rows: torch.Tensor, rp: torch.Tensor, *, top_k: bool = True, top_p: bool = True) -> torch.Tensor:
+    """One token per row of ``rows`` ``[R, V]`` at its uniform ``rp[:, 0]`` (`filter_sorted`'s kept mass inverted at
+    ``u`` times its total: an fp64 cumulative sum and a search per row, in a fixed number of launches).
+
+    Returns:
+        ``[R]`` int64 token ids on ``rows``' device.
+    """
+    ids, probs, keep = filter_sorted(rows, rp, top_k=top_k, top_p=top_p)
+    c = torch.cumsum((probs * keep).double(), dim=-1)
+    j = torch.searchsorted(c, rp[:, 0:1] * c[:, -1:], right=True)
+    j = torch.minimum(j, keep.sum(dim=-1, keepdim=True) - 1)  # u * total rounding up to the total
+    return ids.gather(1, j)[:, 0]
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    rp: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    top_k: Sequence[int],
+    top_p: bool = True,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Draw the rows listed in ``rp`` and write their tokens into ``out`` (the other rows are left as they are).
+
+    The kernel (`kernels.sample_top_k`, two launches) when `sampling_backend` picks it and every row's top-k is in
+    1 .. `SAMPLE_MAX_K`; else `draw_reference` on the gathered rows and one scatter.
+
+    Args:
+        logits: ``[N, V]`` float.
+        rp: ``[R, 5]`` float64: uniform, temperature, top-p (``inf`` when off), top-k (``inf`` when off) and the row
+            of ``logits`` / ``out``.
+        out: ``[N]`` int64.
+        top_k: the ``R`` rows' top-k (0: off).
+        top_p: whether any row asks for top-p.
+        backend: as `sampling_backend`.
+
+    Returns:
+        The tokens: ``out``, or a new tensor where the reference drew every row.
+    """
+    R = rp.shape[0]
+    if R == 0:
+        return out
+    if sampling_backend(logits, backend) == "triton" and all(1 <= k <= SAMPLE_MAX_K for k in top_k):
+        kernel_module(logits.device).sample_top_k(_rows_contiguous(logits), rp, out, max(top_k))
+        return out
+    any_k = any(k > 0 for k in top_k)
+    if logits.shape[0] == R:  # every row, in order (`Sampler` lists rows in order)
+        return draw_reference(logits, rp, top_k=any_k, top_p=top_p)
+    idx = rp[:, 4].to(torch.int64)
+    out.index_copy_(0, idx, draw_reference(logits.index_select(0, idx), rp, top_k=any_k, top_p=top_p))
+    return out

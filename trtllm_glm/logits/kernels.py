@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["greedy_top2", "split_for"]
+__all__ = ["SAMPLE_MAX_K", "greedy_top2", "sample_top_k", "split_for"]
 
 # Larger than any column index (int32 columns: vocabularies below 2**31).
 _NONE = tl.constexpr(2**31 - 1)
@@ -47,7 +47,10 @@ def _partial_kernel(
     cols_per_prog,
     stride_xn,
     NPART,
+    f_ptr,
+    stride_fn,
     BLOCK: tl.constexpr,
+    WRITE_F32: tl.constexpr,
 ):
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -55,6 +58,7 @@ def _partial_kernel(
     start = s * cols_per_prog
     end = tl.minimum(start + cols_per_prog, V)
     row = x_ptr + n.to(tl.int64) * stride_xn
+    f_row = f_ptr + n.to(tl.int64) * stride_fn
     offs = tl.arange(0, BLOCK)
     m1 = tl.full((), float("-inf"), tl.float32)
     m2 = tl.full((), float("-inf"), tl.float32)
@@ -64,6 +68,8 @@ def _partial_kernel(
         cols = b + offs
         ok = cols < end
         x = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if WRITE_F32:  # the fp32 logits the step returns: the LM head's cast done by this read (exact)
+            tl.store(f_row + cols, x, mask=ok)
         isnan = x != x
         inan = tl.minimum(inan, tl.min(tl.where(isnan & ok, cols, _NONE), axis=0))
         x = tl.where(isnan, float("-inf"), x)
@@ -158,6 +164,7 @@ def greedy_top2(
     accepted: torch.Tensor | None = None,
     split: int | None = None,
     block: int = 1024,
+    f32_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Greedy ids and top-2 gaps of ``logits`` rows (see the module docstring), two launches.
 
@@ -169,6 +176,8 @@ def greedy_top2(
         accepted: optional ``[N]`` integer counts for ``packed``'s last column (default 1).
         split: programs per row (default `split_for`).
         block: columns per tile.
+        f32_out: optional ``[N, V]`` fp32 (last dim contiguous), written with ``logits`` upcast (the first launch
+            reads every logit anyway: the LM head's ``.float()`` without its own launch).
 
     Returns:
         ``(ids or None, gap or None)``.
@@ -185,7 +194,13 @@ def greedy_top2(
     npart = N * nsplit
     vals = torch.empty(2 * npart, dtype=torch.float32, device=dev)
     idxs = torch.empty(2 * npart, dtype=torch.int32, device=dev)
-    _partial_kernel[(N, nsplit)](logits, vals, idxs, V, cols, logits.stride(0), npart, BLOCK=block, num_warps=4)
+    if f32_out is not None and (f32_out.shape != (N, V) or f32_out.dtype != torch.float32 or f32_out.stride(-1) != 1):
+        raise ValueError("greedy_top2: f32_out must be [N, V] fp32, last dim contiguous")
+    f = f32_out if f32_out is not None else logits
+    _partial_kernel[(N, nsplit)](
+        logits, vals, idxs, V, cols, logits.stride(0), npart, f, f.stride(0),
+        BLOCK=block, WRITE_F32=f32_out is not None, num_warps=4,
+    )  # fmt: skip
     block_n = 4
     dummy = vals  # unused pointer arguments (their stores are compiled out)
     _finish_kernel[(triton.cdiv(N, block_n),)](
@@ -200,3 +215,131 @@ def greedy_top2(
         HAS_ACC=accepted is not None, num_warps=1 if nsplit <= 32 else 4,
     )  # fmt: skip
     return ids, gap
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Top-k sampling (`trtllm_glm.logits.sample_top_k`): temperature, top-k (k <= `SAMPLE_MAX_K`), top-p and the draw
+# at each row's uniform, in two launches instead of ~25 torch ops with a sort of the whole vocabulary.
+#
+# Order: a token's key is its scaled logit's order-preserving int32 in the high half and ``2**31 - 1 - column`` in
+# the low half, so one descending integer sort is the reference's stable descending sort (ties to the lower id).
+#
+# 1. ``_topk_chunk_kernel``, grid ``(R, cdiv(V, BLOCK))``: a program scales one ``BLOCK``-column chunk of its row
+#    (``x / T`` in fp32, IEEE division as torch's), sorts its keys and stores the first ``KP`` (``KP``: the batch's
+#    largest k, rounded to a power of two).
+# 2. ``_sample_finish_kernel``, grid ``(R,)``: merges the chunks' sorted runs into the row's top ``KP`` (a descending
+#    run and an ascending one give the top half of their union elementwise, bitonic, then one sort), then the
+#    reference's arithmetic on them: the softmax of the first k, top-p (token j stays while the fp32 cumulative mass
+#    before it is below p), the draw (the kept mass's fp64 cumulative sum searched at ``u`` times its total) and the
+#    id written to ``out[row]``.
+#
+# Numerics: the scaled logits, their order and the kept set's ids are the reference's exactly; the softmax sum and
+# the two cumulative sums run in a tree order (torch: its own), so probabilities agree to a few fp32 ulps and the
+# token differs only where ``u`` lands within that rounding of a boundary, as between torch's devices.
+# ---------------------------------------------------------------------------------------------------------------
+
+SAMPLE_MAX_K = 256
+
+
+@triton.jit
+def _sample_key(y, cols):
+    """int64 keys of fp32 ``y`` at int32 ``cols``: descending key order = descending value, then ascending column."""
+    y = tl.where(y == 0.0, 0.0, y)  # -0.0 sorts with +0.0, as torch's comparisons do
+    bits = y.to(tl.int32, bitcast=True)
+    key32 = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (key32.to(tl.int64) << 32) | (2147483647 - cols).to(tl.int64)
+
+
+@triton.jit
+def _topk_chunk_kernel(
+    x_ptr,
+    rp_ptr,
+    cand_ptr,
+    V,
+    stride_xn,
+    NCHUNK,
+    KP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.load(rp_ptr + r * 5 + 4).to(tl.int64)
+    t = tl.load(rp_ptr + r * 5 + 1).to(tl.float32)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    x = tl.load(x_ptr + row * stride_xn + cols, mask=ok, other=0.0).to(tl.float32)
+    key = _sample_key(tl.math.div_rn(x, tl.zeros_like(x) + t), cols)
+    key = tl.where(ok, key, -9223372036854775807 - 1)  # past the vocabulary: below every real key
+    key = ~tl.sort(~key)  # descending: the ascending sort of the inverted keys (the interpreter sorts it in numpy)
+    pos = tl.arange(0, BLOCK)
+    tl.store(cand_ptr + (r * NCHUNK + c).to(tl.int64) * KP + pos, key, mask=pos < KP)
+
+
+@triton.jit
+def _sample_finish_kernel(
+    cand_ptr,
+    rp_ptr,
+    out_ptr,
+    V,
+    NCHUNK,
+    KP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    pos = tl.arange(0, KP)
+    base = cand_ptr + r.to(tl.int64) * NCHUNK * KP
+    top = tl.load(base + pos)
+    for c in range(1, NCHUNK):
+        # The chunk's run read backwards is ascending: the elementwise max with the descending run holds the KP
+        # largest keys of both (a bitonic sequence), sorted again.
+        run = tl.load(base + c * KP + (KP - 1 - pos))
+        top = ~tl.sort(~tl.maximum(top, run))
+    hi = (top >> 32).to(tl.int32)
+    vals = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    ids = (2147483647 - (top & 0x7FFFFFFF)).to(tl.int64)
+    u = tl.load(rp_ptr + r * 5)
+    top_p = tl.load(rp_ptr + r * 5 + 2)
+    k = tl.load(rp_ptr + r * 5 + 3)
+    row = tl.load(rp_ptr + r * 5 + 4).to(tl.int64)
+    # Softmax of the first k (the reference masks the rest to -inf; their exp is 0); a vocabulary below KP ends
+    # the run early (the keys past it are padding).
+    k_i = tl.minimum(k.to(tl.int32), V)
+    in_k = pos < k_i
+    v = tl.where(in_k, vals, float("-inf"))
+    e = tl.exp(v - tl.max(v, axis=0))
+    probs = e / tl.sum(e, axis=0)
+    # Top-p: token j stays while the mass before it is < p, i.e. the kept prefix is 1 + #{i < KP - 1: c_i < p}.
+    csum = tl.cumsum(probs, axis=0)
+    n_keep = 1 + tl.sum(((pos < KP - 1) & (csum.to(tl.float64) < top_p)).to(tl.int32), axis=0)
+    n_keep = tl.minimum(n_keep, k_i)
+    kept = tl.where(pos < n_keep, probs, 0.0).to(tl.float64)
+    c2 = tl.cumsum(kept, axis=0)
+    total = tl.max(c2, axis=0)
+    j = tl.sum((c2 <= u * total).to(tl.int32), axis=0)
+    j = tl.minimum(j, n_keep - 1)
+    tok = tl.sum(tl.where(pos == j, ids, 0), axis=0)
+    tl.store(out_ptr + row, tok)
+
+
+def sample_top_k(logits: torch.Tensor, rp: torch.Tensor, out: torch.Tensor, k_max: int, *, block: int = 2048) -> None:
+    """Draw one token for each row listed in ``rp`` and write it to ``out`` (two launches, see above).
+
+    Args:
+        logits: ``[N, V]`` float, last dim contiguous.
+        rp: ``[R, 5]`` float64 per drawn row: uniform, temperature, top-p (``inf`` when off), top-k, and the row of
+            ``logits`` / ``out`` (exact in float64).
+        out: ``[N]`` int64; only the listed rows are written.
+        k_max: the largest top-k of the rows (1 .. `SAMPLE_MAX_K`).
+        block: columns per chunk program (a power of two >= the rounded k).
+    """
+    R = rp.shape[0]
+    if R == 0:
+        return
+    if not 1 <= k_max <= SAMPLE_MAX_K:
+        raise ValueError(f"sample_top_k: k_max must be in [1, {SAMPLE_MAX_K}], got {k_max}")
+    kp = max(2, triton.next_power_of_2(k_max))
+    block = max(block, kp)
+    V = logits.shape[1]
+    nchunk = triton.cdiv(V, block)
+    cand = torch.empty(R * nchunk * kp, dtype=torch.int64, device=logits.device)
+    _topk_chunk_kernel[(R, nchunk)](logits, rp, cand, V, logits.stride(0), nchunk, KP=kp, BLOCK=block, num_warps=8)
+    _sample_finish_kernel[(R,)](cand, rp, out, V, nchunk, KP=kp, num_warps=4)

@@ -3,7 +3,10 @@
 The torch reference is `trtllm_glm.modules.mhc` (``mhc_weights``, ``mhc_collapse``, ``mhc_expand``,
 ``mhc_block``); `kernels` holds the Triton version of one block in three launches instead of ~60:
 `mhc_pre` (RMS, mixing logits, sigmoids, softmax + Sinkhorn on the ``[S, S]`` tile, collapse) and `mhc_post`
-(expand). ``mhc_block`` dispatches to them (``TRTLLM_GLM_MHC_BACKEND``).
+(expand). ``mhc_block`` dispatches to them (``TRTLLM_GLM_MHC_BACKEND``). `mhc_pre_norm` is a residual site in two
+launches instead of four: the previous block's expand fused with this block's projection (`post_mix_partials`),
+then the finishing kernel with the block's input RMSNorm (reference: ``modules.mhc.mhc_pre_norm_reference``;
+the model takes it with ``TRTLLM_GLM_MHC_FUSE=1``).
 
 Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
 interpreted copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source.
@@ -18,7 +21,7 @@ import torch
 
 from trtllm_glm.triton_interp import KernelPackage
 
-__all__ = ["mhc_pre", "mhc_post", "kernel_module"]
+__all__ = ["mhc_pre", "mhc_post", "mhc_pre_norm", "mhc_post_mean_norm", "post_mix_partials", "kernel_module"]
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -79,3 +82,58 @@ def mhc_post(
         New streams ``[N, S, D]`` in the streams' dtype.
     """
     return kernel_module(streams.device).mhc_post(streams, block_out, post, comb, **launch)
+
+
+def mhc_pre_norm(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    **launch: Any,
+) -> tuple[torch.Tensor, ...]:
+    """A residual site (`kernels.mhc_pre_norm`): ``prev``'s expand (if given), this block's weights and collapse,
+    and the block's input RMSNorm in two launches.
+
+    Returns:
+        ``(streams [N, S, D], x [N, D], post [N, S] fp32, comb [N, S, S] fp32)`` (``x_in`` after them with
+        ``return_x_in=True``).
+    """
+    return kernel_module(streams.device).mhc_pre_norm(
+        streams, fn, base, scale, norm_weight, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters,
+        rms_eps=rms_eps, prev=prev, **launch,
+    )  # fmt: skip
+
+
+def post_mix_partials(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's expand and the next block's projection partials in one launch (`kernels.post_mix_partials`)."""
+    return kernel_module(streams.device).post_mix_partials(streams, block_out, post, comb, fn, **launch)
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    **launch: Any,
+) -> torch.Tensor:
+    """The last block's expand, the stream mean and the final RMSNorm in one launch (`kernels.mhc_post_mean_norm`)."""
+    return kernel_module(streams.device).mhc_post_mean_norm(
+        streams, block_out, post, comb, norm_weight, rms_eps=rms_eps, **launch
+    )

@@ -79,6 +79,13 @@ and new paths (and the ``mma`` variants) at N = 1024 and 8192 in one run, with G
 and each variant's error against fp64. The finishing kernel reads ``SPLIT`` partials per token (5 at N = 8192
 instead of 2), unchanged otherwise.
 
+Fused residual sites (issue 44, ``TRTLLM_GLM_MHC_FUSE=1``; docs/gpu.md): ``_post_mix_kernel`` is ``_post_kernel`` of
+one block and ``_mix_partial_kernel`` of the next in one launch (the same launch shape and units, both outputs bit
+for bit the pair's); ``_pre_finish_kernel`` with ``NORM`` holds a token's whole row and applies the block's input
+RMSNorm to the collapse (`mhc_pre_norm`: a site in two launches instead of four); ``_post_mean_norm_kernel`` is the
+last block's expand, the stream mean and the final norm (`mhc_post_mean_norm`). References:
+``trtllm_glm.modules.mhc.mhc_pre_norm_reference`` / ``mhc_post_mean_norm_reference``.
+
 Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
 this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
 arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16 (bf16 streams only on the
@@ -99,6 +106,9 @@ from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
 __all__ = [
     "mhc_pre",
     "mhc_post",
+    "mhc_pre_norm",
+    "mhc_post_mean_norm",
+    "post_mix_partials",
     "pre_launch_config",
     "pre_path",
     "pre_tc_launch_config",
@@ -287,6 +297,10 @@ def _pre_finish_kernel(
     norm_eps,
     hc_eps,
     sinkhorn_iters,
+    nw_ptr,
+    y_ptr,
+    stride_yn,
+    rms_eps,
     S: tl.constexpr,
     S_PAD: tl.constexpr,
     M: tl.constexpr,
@@ -294,6 +308,8 @@ def _pre_finish_kernel(
     SPLIT_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WRITE_PRE: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE_XIN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -355,7 +371,143 @@ def _pre_finish_kernel(
         p_s = tl.sum(tl.where(ss == s, pre, 0.0), axis=0)
         xs = tl.load(x_row + s * stride_xs + d, mask=d_ok, other=0.0).to(tl.float32)
         acc += p_s * xs
-    tl.store(xin_ptr + n.to(tl.int64) * stride_in + d, acc.to(xin_ptr.dtype.element_ty), mask=d_ok)
+    x_in = acc.to(xin_ptr.dtype.element_ty)
+    if STORE_XIN:
+        tl.store(xin_ptr + n.to(tl.int64) * stride_in + d, x_in, mask=d_ok)
+    if NORM:
+        # The block's RMSNorm (`_row_norm_kernel`'s arithmetic, in its order) on the collapse rounded to the streams'
+        # dtype, as the unfused path reads it back: one program holds the whole row (BLOCK_D >= D, grid (N, 1)).
+        xr = tl.where(d_ok, x_in.to(tl.float32), 0.0)
+        stat = tl.sum(xr * xr, axis=0) / D
+        yv = xr * (1.0 / tl.sqrt(stat + rms_eps))
+        yv = yv * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + n.to(tl.int64) * stride_yn + d, yv.to(y_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def _post_mix_kernel(
+    x_ptr,
+    bo_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    fn_ptr,
+    ws_ptr,
+    N,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_bn,
+    stride_on,
+    stride_os,
+    stride_fm,
+    stride_wsp,
+    stride_wn,
+    units_per_prog,
+    n_units,
+    S: tl.constexpr,
+    M: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """`_post_kernel` of one block fused with `_mix_partial_kernel` of the next: each program expands the units
+    (one output stream's ``BLOCK_K``-wide d range, for ``BLOCK_N`` tokens) that the next block's projection reads,
+    stores them, and feeds the same values to the projection. The units partition ``[S, D]`` and the token blocks
+    the rows, so every element of ``out`` is written once. The expand is `_post_kernel`'s arithmetic and the
+    projection `_mix_partial_kernel`'s (same launch shape, same unit order), so both outputs are those of the two
+    launches bit for bit. ``out`` must not alias ``x`` (a unit reads all ``S`` input streams of its d range)."""
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    dt = out_ptr.dtype.element_ty
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)
+    mm = tl.arange(0, M_PAD)
+    m_ok = mm < M
+    kk = tl.arange(0, BLOCK_K)
+    d_blocks = tl.cdiv(D, BLOCK_K)
+    x_rows = x_ptr + rows64[:, None] * stride_xn
+    fn_cols = fn_ptr + mm[None, :].to(tl.int64) * stride_fm
+    acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    u0 = pid_k * units_per_prog
+    u1 = tl.minimum(u0 + units_per_prog, n_units)
+    for u in range(u0, u1):
+        s = u // d_blocks
+        d = (u - s * d_blocks) * BLOCK_K + kk
+        d_ok = d < D
+        ok = row_ok[:, None] & d_ok[None, :]
+        # Output stream s of the previous block's expand, as `_post_kernel` computes it.
+        p_s = tl.load(post_ptr + rows * S + s, mask=row_ok, other=0.0).to(dt).to(tl.float32)
+        bo = tl.load(bo_ptr + rows64[:, None] * stride_bn + d[None, :], mask=ok, other=0.0).to(dt).to(tl.float32)
+        mix = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for j in tl.static_range(S):
+            c_j = tl.load(comb_ptr + rows * (S * S) + j * S + s, mask=row_ok, other=0.0).to(dt).to(tl.float32)
+            x_j = tl.load(x_rows + j * stride_xs + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            mix += c_j[:, None] * x_j
+        y = ((p_s[:, None] * bo).to(dt).to(tl.float32) + mix.to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + rows64[:, None] * stride_on + s * stride_os + d[None, :], y, mask=ok)
+        # The next block's projection of the same unit (`_mix_partial_kernel`).
+        x = tl.where(ok, y.to(tl.float32), 0.0)
+        w = tl.load(fn_cols + (s * D + d)[:, None], mask=d_ok[:, None] & m_ok[None, :], other=0.0)
+        w = w.to(tl.float32)
+        acc = tl.dot(x, w, acc, input_precision="ieee")
+        sq += tl.sum(x * x, axis=1)
+    acc = tl.where(mm[None, :] == M, sq[:, None], acc)
+    tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _post_mean_norm_kernel(
+    x_ptr,
+    bo_ptr,
+    post_ptr,
+    comb_ptr,
+    nw_ptr,
+    y_ptr,
+    D,
+    stride_xn,
+    stride_xs,
+    stride_bn,
+    stride_yn,
+    inv_s,
+    rms_eps,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The last block's expand (`_post_kernel`'s arithmetic, every stream rounded to the streams' dtype), the mean
+    over the streams (fp32 sum in stream order times ``1 / S``, rounded once, as torch's ``mean``) and the final
+    RMSNorm (`_row_norm_kernel`'s arithmetic), one program per token holding the whole row (BLOCK_D >= D); the new
+    streams themselves are never stored."""
+    pdl_enter(PDL)
+    n = tl.program_id(0)
+    dt = y_ptr.dtype.element_ty
+    ss = tl.arange(0, S_PAD)
+    s_ok = ss < S
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n64 = n.to(tl.int64)
+    post = tl.load(post_ptr + n * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+    bo = tl.load(bo_ptr + n64 * stride_bn + d, mask=d_ok, other=0.0).to(dt).to(tl.float32)
+    acc = tl.zeros((S_PAD, BLOCK_D), dtype=tl.float32)
+    for j in tl.static_range(S):
+        c_j = tl.load(comb_ptr + n * (S * S) + j * S + ss, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+        x_j = tl.load(x_ptr + n64 * stride_xn + j * stride_xs + d, mask=d_ok, other=0.0).to(tl.float32)
+        acc += c_j[:, None] * x_j[None, :]
+    y = ((post[:, None] * bo[None, :]).to(dt).to(tl.float32) + acc.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    m = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for s in tl.static_range(S):
+        m += tl.sum(tl.where(ss[:, None] == s, y, 0.0), axis=0)
+    xr = tl.where(d_ok, (m * inv_s).to(dt).to(tl.float32), 0.0)
+    stat = tl.sum(xr * xr, axis=0) / D
+    yv = xr * (1.0 / tl.sqrt(stat + rms_eps))
+    yv = yv * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n64 * stride_yn + d, yv.to(dt), mask=d_ok)
 
 
 @triton.jit
@@ -644,9 +796,9 @@ def mhc_pre(
         _pre_finish_kernel[(n, triton.cdiv(d, block_d))](
             streams, ws, base, scale, x_in, pre, post, comb, d, n_split, 1.0 / (s * d),
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
-            float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            float(norm_eps), float(hc_eps), int(sinkhorn_iters), x_in, x_in, x_in.stride(0), 0.0,
             S=s, S_PAD=s_pad, M=m, M_PAD=m_pad, SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d,
-            WRITE_PRE=return_pre, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+            WRITE_PRE=return_pre, NORM=False, STORE_XIN=True, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
         )  # fmt: skip
     if return_pre:
         return x_in, pre, post, comb
@@ -700,5 +852,212 @@ def mhc_post(
             streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
             S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl, num_warps=num_warps,
             **launch_kwargs(pdl),
+        )  # fmt: skip
+    return out
+
+
+def post_mix_partials(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mhc_post` of one block and the FMA projection (`mix_partials`) of the next, in one launch.
+
+    Args:
+        streams: ``[N, S, D]`` the finished block's input streams (last dim contiguous).
+        block_out / post / comb: that block's output and `mhc_pre` weights, as `mhc_post` takes them.
+        fn: ``[M, S * D]`` the next block's projection.
+        out: optional ``[N, S, D]`` buffer for the new streams (not ``streams``: a unit reads every input stream of
+            its d range while other programs write theirs).
+        split / block_n / block_k / num_warps: `mix_partials`'s FMA launch shape (`pre_launch_config`).
+
+    Returns:
+        ``(new_streams [N, S, D], ws [SPLIT, N, M_PAD])``: the bits of `mhc_post` and of `mix_partials` on the new
+        streams with the same launch shape.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    m = (2 + s) * s
+    if block_out.shape != (n, d) or post.shape != (n, s) or comb.shape != (n, s, s) or fn.shape != (m, s * d):
+        raise ValueError(
+            f"post_mix_partials: block_out {tuple(block_out.shape)} / post {tuple(post.shape)} / comb "
+            f"{tuple(comb.shape)} / fn {tuple(fn.shape)} do not match streams {tuple(streams.shape)}"
+        )
+    if block_out.stride(-1) != 1:
+        block_out = block_out.contiguous()
+    if fn.stride(-1) != 1:
+        fn = fn.contiguous()
+    post = post.contiguous()
+    comb = comb.contiguous()
+    dev = streams.device
+    if out is None:
+        out = torch.empty(n, s, d, dtype=streams.dtype, device=dev)
+    elif out.shape != (n, s, d) or out.dtype != streams.dtype or out.stride(-1) != 1:
+        raise ValueError("post_mix_partials: out must be [N, S, D] of the streams' dtype, last dim contiguous")
+    elif out.data_ptr() == streams.data_ptr():
+        raise ValueError("post_mix_partials: out must not be the input streams")
+    m_pad = max(16, triton.next_power_of_2(m + 1))
+    bn, bk, n_split, upp = pre_launch_config(n, s, d, dev, split=split, block_n=block_n, block_k=block_k or 32)
+    ws = torch.empty(n_split, n, m_pad, dtype=torch.float32, device=dev)
+    if n > 0:
+        pdl = use_pdl(dev)
+        _post_mix_kernel[(triton.cdiv(n, bn), n_split)](
+            streams, block_out, post, comb, out, fn, ws, n, d,
+            streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
+            fn.stride(0), ws.stride(0), ws.stride(1), upp, s * triton.cdiv(d, bk),
+            S=s, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=num_warps or (8 if bn >= 32 else 4),
+            **launch_kwargs(pdl),
+        )  # fmt: skip
+    return out, ws
+
+
+def mhc_pre_norm(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    return_x_in: bool = False,
+    out: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    split: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """One residual site's `mhc_pre` and the block's input RMSNorm, with the previous block's `mhc_post` in front.
+
+    Two launches instead of four: with ``prev`` the previous block's expand and this block's projection partials
+    run as one (`post_mix_partials`; the FMA path, decode sizes), else the projection alone (`mix_partials`, any
+    path); then the finishing kernel applies the weights, collapses, and RMS-normalises the collapse (rounded to the
+    streams' dtype, as the block's norm reads it) with ``norm_weight`` in the same program (one program per token
+    holds the whole row). The finishing kernel keeps `mhc_pre`'s 4 warps, so ``post``, ``comb`` and the collapse
+    have `mhc_pre`'s bits (the same tiles in the same layouts); the norm's sum over ``D`` runs in this layout, not
+    `trtllm_glm.norm.row_norm`'s (8 warps at D = 4096), so the normed input may differ from the unfused path's by
+    an ulp where a sum rounds differently. Row-wise, launch shape from the shapes only: batch invariant.
+
+    Args:
+        streams: ``[N, S, D]``: this block's input streams, or with ``prev`` the previous block's input streams.
+        fn / base / scale / norm_eps / hc_eps / sinkhorn_iters: this block's mHC, as `mhc_pre`.
+        norm_weight: ``[D]`` the block's RMSNorm weight; ``rms_eps`` its epsilon.
+        prev: ``(block_out, post, comb)`` of the previous block (its expand is done here).
+        return_x_in: also return the un-normed collapse (tests).
+        out: optional ``(streams, x, post, comb)`` buffers (``streams`` used with ``prev`` only; ``None`` allowed).
+        split / block_n / block_k / num_warps: the projection's launch shape.
+
+    Returns:
+        ``(streams [N, S, D], x [N, D], post [N, S], comb [N, S, S])``: this block's input streams (``streams``
+        itself without ``prev``), the normed block input in the streams' dtype and the weights (fp32); ``x_in`` after
+        ``x`` with ``return_x_in``.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    m = (2 + s) * s
+    if fn.shape != (m, s * d) or base.shape != (m,) or scale.numel() < 3 or norm_weight.shape != (d,):
+        raise ValueError(
+            f"mhc_pre_norm: fn {tuple(fn.shape)} / base {tuple(base.shape)} / scale {tuple(scale.shape)} / norm "
+            f"weight {tuple(norm_weight.shape)} do not match {s} streams of {d}"
+        )
+    dev = streams.device
+    if fn.stride(-1) != 1:
+        fn = fn.contiguous()
+    base = base.contiguous()
+    scale = scale.contiguous()
+    norm_weight = norm_weight.contiguous()
+    launch = dict(split=split, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    s_out, x, post, comb = out if out is not None else (None, None, None, None)
+    if prev is not None:
+        if pre_path(n, streams.dtype) == "fma":
+            streams, ws = post_mix_partials(streams, *prev, fn, out=s_out, **launch)
+        else:  # the tensor-core projection (prefill sizes): the expand on its own
+            streams = mhc_post(streams, *prev, out=s_out)
+            ws = mix_partials(streams, fn, **launch) if n > 0 else None
+    else:
+        ws = mix_partials(streams, fn, **launch) if n > 0 else None
+    if out is None:
+        x = torch.empty(n, d, dtype=streams.dtype, device=dev)
+        post = torch.empty(n, s, dtype=torch.float32, device=dev)
+        comb = torch.empty(n, s, s, dtype=torch.float32, device=dev)
+    elif (
+        x.shape != (n, d) or x.dtype != streams.dtype or x.stride(-1) != 1 or post.shape != (n, s)
+        or comb.shape != (n, s, s) or post.dtype != torch.float32 or comb.dtype != torch.float32
+        or not (post.is_contiguous() and comb.is_contiguous())
+    ):  # fmt: skip
+        raise ValueError("mhc_pre_norm: out x / post / comb must be [N, D] (streams' dtype) / fp32 [N, S] / [N, S, S]")
+    x_in = torch.empty(n, d, dtype=streams.dtype, device=dev) if return_x_in else x  # not written unless asked
+    if n > 0:
+        n_split, m_pad = ws.shape[0], ws.shape[2]
+        pdl = use_pdl(dev)
+        block_d = triton.next_power_of_2(d)
+        _pre_finish_kernel[(n, 1)](
+            streams, ws, base, scale, x_in, post, post, comb, d, n_split, 1.0 / (s * d),
+            streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
+            float(norm_eps), float(hc_eps), int(sinkhorn_iters), norm_weight, x, x.stride(0), float(rms_eps),
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), M=m, M_PAD=m_pad,
+            SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d, WRITE_PRE=False, NORM=True,
+            STORE_XIN=return_x_in, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+        )  # fmt: skip
+    if return_x_in:
+        return streams, x, post, comb, x_in
+    return streams, x, post, comb
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model's end in one launch: the last block's `mhc_post`, the mean over the streams and the final RMSNorm.
+
+    Args:
+        streams / block_out / post / comb: as `mhc_post`.
+        norm_weight: ``[D]`` the final norm's weight; ``rms_eps`` its epsilon.
+        out: optional ``[N, D]`` result buffer (streams' dtype, last dim contiguous).
+
+    Returns:
+        ``[N, D]`` ``rms_norm(mhc_post(...).mean(dim=1))`` in the streams' dtype.
+    """
+    streams = _check_streams(streams)
+    n, s, d = streams.shape
+    if block_out.shape != (n, d) or post.shape != (n, s) or comb.shape != (n, s, s) or norm_weight.shape != (d,):
+        raise ValueError(
+            f"mhc_post_mean_norm: block_out {tuple(block_out.shape)} / post {tuple(post.shape)} / comb "
+            f"{tuple(comb.shape)} / norm weight {tuple(norm_weight.shape)} do not match streams {tuple(streams.shape)}"
+        )
+    if block_out.stride(-1) != 1:
+        block_out = block_out.contiguous()
+    post = post.contiguous()
+    comb = comb.contiguous()
+    norm_weight = norm_weight.contiguous()
+    if out is None:
+        out = torch.empty(n, d, dtype=streams.dtype, device=streams.device)
+    elif out.shape != (n, d) or out.dtype != streams.dtype or out.stride(-1) != 1:
+        raise ValueError("mhc_post_mean_norm: out must be [N, D] of the streams' dtype, last dim contiguous")
+    if n > 0:
+        pdl = use_pdl(streams.device)
+        block_d = triton.next_power_of_2(d)
+        _post_mean_norm_kernel[(n,)](
+            streams, block_out, post, comb, norm_weight, out, d,
+            streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), 1.0 / s, float(rms_eps),
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl,
+            num_warps=max(1, min(8, block_d // 256)), **launch_kwargs(pdl),
         )  # fmt: skip
     return out

@@ -31,8 +31,17 @@ from ..kda.layer import KimiDeltaAttention
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
-from ..modules.mhc import mhc_backend, mhc_block, mhc_block_post, mhc_block_pre
+from ..modules.mhc import (
+    mhc_backend,
+    mhc_block,
+    mhc_block_post,
+    mhc_block_pre,
+    mhc_fuse,
+    mhc_post_mean_norm,
+    mhc_pre_norm,
+)
 from ..modules.norm import RMSNorm
+from ..numerics import batch_invariant
 
 __all__ = [
     "QUANTIZATION_MODES",
@@ -195,15 +204,18 @@ class Glm5NextDecoderLayer(nn.Module):
                     p.copy_(t + 1.0 if part == "scale" else t)
 
     def _attn(
-        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
+        normed: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         # Under tensor parallelism each rank's o_proj sums its heads only: one all-reduce joins them.
-        return self.comm.all_reduce_tp(self._attn_local(x, meta, manager, sparse_cache_idx))
+        return self.comm.all_reduce_tp(self._attn_local(x, meta, manager, sparse_cache_idx, normed))
 
     def _attn_local(
-        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None
-    ) -> torch.Tensor:
-        x = self.input_layernorm(x)
+        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
+        normed: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        if not normed:  # the fused residual site (`forward_fused`) hands over the normed input
+            x = self.input_layernorm(x)
         if self.is_sparse:
             idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
             return self.self_attn(x, meta, manager.kpool_layer_cache(idx))
@@ -244,6 +256,36 @@ class Glm5NextDecoderLayer(nn.Module):
             return h + self._ffn(self.post_attention_layernorm(h), meta.row_live_t)
         h = self._mhc("attn", h, lambda x: self._attn(x, meta, manager, sparse_cache_idx))
         return self.ffn_block(h, meta.row_live_t)
+
+    def forward_fused(
+        self,
+        h: torch.Tensor,
+        prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        meta: GlmKpoolMetadata,
+        manager: Glm5NextCacheManager,
+        backend: str,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Trunk `forward` with fused residual sites (`mhc_pre_norm`, ``TRTLLM_GLM_MHC_FUSE=1``; the same values):
+        each site runs the previous block's mHC expand, this block's mHC weights and collapse and the block's input
+        RMSNorm together, so the FFN's expand is left to the next layer's first site (or the model's end).
+
+        Args:
+            h: the streams entering the previous block when ``prev`` is given, else this layer's input streams.
+            prev: the previous layer's pending FFN expand ``(ffn_out, post, comb)``, or ``None``.
+            backend: the resolved `mhc_backend` choice.
+
+        Returns:
+            ``(streams, pending)``: the streams entering this layer's FFN block and its pending expand.
+        """
+        kw = {"norm_eps": self.norm_eps, "hc_eps": self.hc_eps, "sinkhorn_iters": self.hc_iters, "backend": backend}
+        ln = self.input_layernorm
+        h, x, post, comb = mhc_pre_norm(h, *self._mhc_params("attn"), ln.weight, rms_eps=ln.eps, prev=prev, **kw)
+        a = self._attn(x, meta, manager, None, normed=True)
+        ln = self.post_attention_layernorm
+        h, x, post, comb = mhc_pre_norm(
+            h, *self._mhc_params("ffn"), ln.weight, rms_eps=ln.eps, prev=(a, post, comb), **kw
+        )
+        return h, (self._ffn(x, meta.row_live_t), post, comb)
 
     def _ffn(self, x: torch.Tensor, row_live: torch.Tensor) -> torch.Tensor:
         # The MoE skips the routed experts of rows nobody reads (padding, verify filler): fewer experts read.
@@ -326,10 +368,34 @@ class Glm5NextModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
         """``input_ids [N]`` -> final-normed hidden ``[N, D]`` (``norm(mean over streams)``)."""
         e = self.embed_tokens(input_ids)
-        h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1)
+        backend = self.fused_sites_backend(h)
+        if backend is not None:
+            # Fused residual sites (`Glm5NextDecoderLayer.forward_fused`): the first layer reads the embedding as
+            # its streams in place (stride 0 across them: no copy), each layer leaves its FFN's expand to the next
+            # layer's first site, and the last one runs with the stream mean and the final norm in one launch.
+            prev = None
+            for layer in self.layers:
+                h, prev = layer.forward_fused(h, prev, meta, manager, backend)
+            return mhc_post_mean_norm(h, *prev, self.norm.weight, rms_eps=self.norm.eps, backend=backend)
+        h = h.contiguous()
         for layer in self.layers:
             h = layer(h, meta, manager)
         return self.norm(h.mean(dim=1))
+
+    def fused_sites_backend(self, h: torch.Tensor) -> str | None:
+        """The mHC backend of the fused residual sites when the forward takes them (``TRTLLM_GLM_MHC_FUSE=1``, mHC on
+        its kernels, some layer, outside the batch-invariant mode), else ``None``. Eager and captured steps decide
+        alike (flags and devices only). The batch-invariant mode keeps the unfused launches: the fused kernels are
+        batch invariant too, but their norms sum in another layout than `trtllm_glm.norm.row_norm`, so the mode's
+        bits would change with the flag (docs/gpu.md)."""
+        if not self.layers or not mhc_fuse() or batch_invariant():
+            return None
+        first = self.layers[0]
+        if not first.use_mhc:
+            return None
+        backend = mhc_backend(h, *first._mhc_params("attn"))
+        return backend if backend == "triton" else None
 
 
 class Glm5NextMTPLayer(nn.Module):
@@ -432,9 +498,11 @@ class Glm5NextForCausalLM(nn.Module):
         self._check_comm()
         return self.model(input_ids, meta, manager)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[n, D] -> [n, V]`` FP32 logits."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, *, cast: bool = True) -> torch.Tensor:
+        """``[n, D] -> [n, V]`` FP32 logits (``cast=False``: in the LM head's dtype, for a caller whose next kernel
+        writes the FP32 copy as it reads them: `trtllm_glm.logits.greedy_pack`'s ``f32_out``)."""
+        out = self.lm_head(hidden)
+        return out.float() if cast else out
 
     def commit_kda(self, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, num_accepted: list[int]) -> None:
         """Fold each verified sequence's first ``num_accepted[b]`` rows into every KDA layer's state.

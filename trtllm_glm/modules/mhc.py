@@ -19,6 +19,11 @@ exactly so that logits match it to FP32 rounding.
 The functions below are the plain torch reference (any device). `mhc_block` runs one block either through
 them or through the fused Triton kernels of `trtllm_glm.mhc` (three launches instead of ~60, no host sync,
 CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_backend`).
+
+`mhc_pre_norm` is one residual site as the model's fused decode path runs it (``TRTLLM_GLM_MHC_FUSE=1``,
+`mhc_fuse`): the previous block's expand, this block's weights and collapse, and the block's input RMSNorm;
+`mhc_pre_norm_reference` is its plain torch definition (the composition of the functions here and
+`modules.norm.rms_norm`'s reference), `trtllm_glm.mhc.mhc_pre_norm` the two-launch kernel version.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..linear import model_linear
-from ..triton_interp import kernel_backend
+from ..triton_interp import env_switch, kernel_backend
 
 __all__ = [
     "mhc_weights",
@@ -36,10 +41,30 @@ __all__ = [
     "mhc_block_pre",
     "mhc_block_post",
     "mhc_backend",
+    "mhc_fuse",
+    "mhc_pre_norm",
+    "mhc_pre_norm_reference",
+    "mhc_post_mean_norm",
+    "mhc_post_mean_norm_reference",
     "MHC_BACKEND_ENV",
+    "MHC_FUSE_ENV",
 ]
 
 MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
+# ``1``: the model runs each residual site as `mhc_pre_norm` (the previous block's expand fused with this block's
+# projection, the block's input RMSNorm fused with the finishing kernel) where mHC runs its kernels; ``0``: the separate
+# launches; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per call, so that one process can A/B it.
+MHC_FUSE_ENV = "TRTLLM_GLM_MHC_FUSE"
+
+
+def mhc_fuse() -> bool:
+    """Whether `MHC_FUSE_ENV` asks for the fused residual sites (``"1"``; ``"0"``: no; unset: as
+    ``TRTLLM_GLM_DECODE_FUSE``, else no).
+
+    Raises:
+        ValueError: a value other than ``0`` / ``1``.
+    """
+    return env_switch(MHC_FUSE_ENV)
 
 
 def mhc_weights(
@@ -181,3 +206,98 @@ def mhc_block(
         streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, backend=b
     )
     return mhc_block_post(streams, block(x_in), post, comb, backend=b)
+
+
+def mhc_pre_norm_reference(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch definition of a fused residual site: ``(streams, rms_norm(collapse), post, comb)``.
+
+    Args:
+        streams: ``[N, S, D]`` this block's input streams, or with ``prev`` the previous block's.
+        fn / base / scale / norm_eps / hc_eps / sinkhorn_iters: this block's mHC (`mhc_weights`).
+        norm_weight: ``[D]`` the block's input RMSNorm weight, ``rms_eps`` its epsilon.
+        prev: ``(block_out, post, comb)`` of the previous block: ``streams`` are first expanded (`mhc_expand`).
+
+    Returns:
+        ``(streams [N, S, D], x [N, D], post [N, S], comb [N, S, S])``: this block's input streams, its normed
+        input (streams' dtype) and its weights (fp32).
+    """
+    if prev is not None:
+        streams = mhc_expand(streams, *prev)
+    pre, post, comb = mhc_weights(
+        streams, fn, base, scale, norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters
+    )
+    x_in = mhc_collapse(streams, pre)
+    xf = x_in.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    return streams, (xf * norm_weight.float()).to(x_in.dtype), post, comb
+
+
+def mhc_pre_norm(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A residual site, ``backend`` (a resolved `mhc_backend` choice) picking the two-launch kernels
+    (`trtllm_glm.mhc.mhc_pre_norm`) or `mhc_pre_norm_reference`. Row-wise, as `mhc_block_pre`."""
+    kw = dict(norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, prev=prev)
+    if backend == "triton":
+        from trtllm_glm import mhc as kernels
+
+        return kernels.mhc_pre_norm(streams, fn, base, scale, norm_weight, **kw)
+    return mhc_pre_norm_reference(streams, fn, base, scale, norm_weight, **kw)
+
+
+def mhc_post_mean_norm_reference(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+) -> torch.Tensor:
+    """The model's end as torch defines it: ``rms_norm(mhc_expand(...).mean(dim=1))`` ``[N, D]``."""
+    h = mhc_expand(streams, block_out, post, comb).mean(dim=1)
+    xf = h.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    return (xf * norm_weight.float()).to(h.dtype)
+
+
+def mhc_post_mean_norm(
+    streams: torch.Tensor,
+    block_out: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+    backend: str,
+) -> torch.Tensor:
+    """The fused sites' end: the last block's expand, the stream mean and the final norm (``backend`` as
+    `mhc_pre_norm`: one launch, `trtllm_glm.mhc.mhc_post_mean_norm`, or `mhc_post_mean_norm_reference`)."""
+    if backend == "triton":
+        from trtllm_glm import mhc as kernels
+
+        return kernels.mhc_post_mean_norm(streams, block_out, post, comb, norm_weight, rms_eps=rms_eps)
+    return mhc_post_mean_norm_reference(streams, block_out, post, comb, norm_weight, rms_eps=rms_eps)

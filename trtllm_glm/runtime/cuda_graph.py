@@ -37,6 +37,7 @@ addresses before every replay (a dictionary of a handful of pointers: cheap enou
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +49,7 @@ import torch
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
-from ..logits import greedy_pack
+from ..logits import greedy_fuse_cast, greedy_pack
 from ..transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -412,6 +413,14 @@ class CudaGraphRunner:
         """The step's forward, logits, greedy choice and, for a verify step, acceptance and KDA commit."""
         ids = self.input_ids[: P * W]
         hidden = self.model(ids, self.meta, self.manager)
+        if W == 1 and greedy_fuse_cast() and "cast" in inspect.signature(self.model.compute_logits).parameters:
+            # The greedy kernel writes the FP32 logits as it reads the LM head's output (one launch less a step; a
+            # model whose compute_logits cannot leave the cast out keeps the separate one).
+            raw = self.model.compute_logits(hidden, cast=False)
+            if raw.dtype != torch.float32:
+                logits = torch.empty(raw.shape, dtype=torch.float32, device=raw.device)
+                return hidden, logits, greedy_pack(raw, f32_out=logits)[1]
+            return hidden, raw, greedy_and_gap(raw)
         logits = self.model.compute_logits(hidden)
         if W == 1:
             return hidden, logits, greedy_and_gap(logits)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..logits import greedy_top2
+from ..logits import draw_reference, filter_sorted, greedy_top2, sample_rows
 from ..transfer import to_device
 from .grammar import GuidedDecodingParams
 
@@ -281,20 +281,21 @@ class Sampler:
         if len(params) != B or len(generators) != B:
             raise ValueError(f"got {B} logit rows but {len(params)} params and {len(generators)} generators")
         logits = logits.float()
-        if greedy is not None:
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(rows) == B:  # every row is drawn (or none is there)
+            out = torch.empty(B, dtype=torch.long, device=logits.device)
+        elif greedy is not None:
             out = greedy.clone()
         else:
-            out = torch.argmax(logits, dim=-1) if B > 0 else torch.empty(0, dtype=torch.long, device=logits.device)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
+            out = torch.argmax(logits, dim=-1)
         if rows:
             # One uniform per sampled row, in row order (the generators are the requests' own).
             u = [torch.rand((), dtype=torch.float64, generator=generators[i]).item() for i in rows]
             sub = [params[i] for i in rows]
-            if len(rows) == B:
-                out = self._draw(logits, sub, u)
-            else:
-                idx = to_device(rows, logits.device)
-                out.index_copy_(0, idx, self._draw(logits.index_select(0, idx), sub, u))
+            rp = self._row_params(sub, u, logits.device, rows)
+            # The rows' draws written into ``out`` (`trtllm_glm.logits.sample_rows`: the reference, or with
+            # TRTLLM_GLM_SAMPLING_BACKEND=triton two launches for rows with top-k <= 256).
+            out = sample_rows(logits, rp, out, top_k=[p.top_k for p in sub], top_p=any(p.top_p < 1.0 for p in sub))
         return out
 
     @staticmethod
@@ -314,58 +315,35 @@ class Sampler:
         return ids[0, :n], probs[0, :n] / probs[0, :n].sum()
 
     @staticmethod
-    def _row_params(params: Sequence[SamplingParams], u: Sequence[float], device: torch.device) -> torch.Tensor:
-        """``[R, 4]`` fp64 on ``device`` (one copy): per row the uniform, temperature, top-p (``inf`` when off,
-        so that rounding of a full cumulative sum cannot cut the tail) and top-k (the vocabulary when off)."""
+    def _row_params(
+        params: Sequence[SamplingParams], u: Sequence[float], device: torch.device, rows: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """``[R, 5]`` fp64 on ``device`` (one copy): per row the uniform, temperature, top-p (``inf`` when off, so
+        that rounding of a full cumulative sum cannot cut the tail), top-k (the vocabulary when off) and the row's
+        index in the logits (``rows``, default ``0 .. R - 1``)."""
         vals: list[float] = []
-        for p, x in zip(params, u):
-            vals += [x, p.temperature, p.top_p if p.top_p < 1.0 else math.inf, p.top_k if p.top_k > 0 else math.inf]
-        return to_device(vals, device, torch.float64).view(-1, 4)
+        for i, (p, x) in enumerate(zip(params, u)):
+            top_p = p.top_p if p.top_p < 1.0 else math.inf
+            vals += [x, p.temperature, top_p, p.top_k if p.top_k > 0 else math.inf, rows[i] if rows else i]
+        return to_device(vals, device, torch.float64).view(-1, 5)
 
     @staticmethod
     def _filter(
         rows: torch.Tensor, params: Sequence[SamplingParams], rp: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Temperature, top-k and top-p on ``rows`` ``[R, V]``, all rows at once and without a host sync.
-
-        Every operation is row-wise, so a row's result does not depend on the others in the batch.
-
-        Args:
-            rows: ``[R, V]`` logits.
-            params: ``R`` non-greedy parameters (only to skip the masks nobody asked for).
-            rp: ``[R, 4]`` from `_row_params`.
-
-        Returns:
-            ``(ids [R, V], probs [R, V], keep [R, V])``: each row's tokens in descending order (ties to the
-            lower id), the softmax of the top-k (0 past it), and the kept mask (top-k and top-p; a prefix of
-            at least one token: token ``j`` stays while the mass strictly before it is ``< top_p``).
-        """
-        scaled = rows.float() / rp[:, 1:2].float()
-        vals, ids = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        pos = torch.arange(vals.shape[1], device=vals.device, dtype=torch.float64)
-        keep = pos[None, :] < rp[:, 3:4]
-        if any(p.top_k > 0 for p in params):
-            vals = vals.masked_fill(~keep, -math.inf)
-        probs = torch.softmax(vals, dim=-1)
-        if any(p.top_p < 1.0 for p in params):
-            c = torch.cumsum(probs, dim=-1)
-            before = torch.cat([c.new_zeros(c.shape[0], 1), c[:, :-1]], dim=1)
-            keep &= before < rp[:, 2:3]  # the first token always stays: 0 < top_p
-        return ids, probs, keep
+        """Temperature, top-k and top-p on ``rows`` ``[R, V]`` (`trtllm_glm.logits.filter_sorted`; ``params`` only
+        skip the masks nobody asked for)."""
+        return filter_sorted(rows, rp, top_k=any(p.top_k > 0 for p in params), top_p=any(p.top_p < 1.0 for p in params))
 
     @staticmethod
     def _draw(rows: torch.Tensor, params: Sequence[SamplingParams], u: Sequence[float]) -> torch.Tensor:
-        """One token per row of ``rows`` ``[R, V]``, each at its uniform in ``u`` (``R`` floats in [0, 1)).
-
-        The filtering of `filtered_probs` without its host sync: the kept mass is inverted at ``u`` times its
-        total (a cumulative sum and a search per row), for all rows in a fixed number of launches.
+        """One token per row of ``rows`` ``[R, V]``, each at its uniform in ``u`` (``R`` floats in [0, 1)): the
+        torch reference (`trtllm_glm.logits.draw_reference`), whatever the sampling backend.
 
         Returns:
             ``[R]`` int64 token ids on ``rows``' device.
         """
         rp = Sampler._row_params(params, u, rows.device)
-        ids, probs, keep = Sampler._filter(rows, params, rp)
-        c = torch.cumsum((probs * keep).double(), dim=-1)
-        j = torch.searchsorted(c, rp[:, 0:1] * c[:, -1:], right=True)
-        j = torch.minimum(j, keep.sum(dim=-1, keepdim=True) - 1)  # u * total rounding up to the total
-        return ids.gather(1, j)[:, 0]
+        return draw_reference(
+            rows, rp, top_k=any(p.top_k > 0 for p in params), top_p=any(p.top_p < 1.0 for p in params)
+        )
