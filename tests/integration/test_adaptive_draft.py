@@ -95,6 +95,28 @@ def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
     assert ks[6:] == [0 if i % 64 != 63 else 1 for i in range(6, 60)]
 
 
+def test_policy_backs_off_re_measurements_while_they_change_nothing() -> None:
+    """A settled bucket re-measures after 64, 128, 256, ... rounds (at most every 1024): each re-measurement runs a
+    length that is not the best. When the costs move so that the choice changes, it looks around every 64 again."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    cost = {"draft": 1.0}
+    ks = feed(pol, clock, 3000, 1, lambda k: 1.0 + cost["draft"] * k, lambda k: k // 2)
+    probes = [i for i, k in enumerate(ks) if i >= 6 and k != 0]
+    # 64, 128, 256, 512, 1024 apart, then 1024: 63, 191, 447, 959, 1983 (one round each; the last K measured).
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) == 5 and gaps == [128, 256, 512, 1024], probes
+    # Drafts become cheap and always right: the next re-measurement (at most 1024 rounds on) finds a draft length
+    # cheaper than it was, and the bucket looks around every 64 rounds again until drafting settles.
+    cost["draft"] = 0.05
+    ks = feed(pol, clock, 3000, 1, lambda k: 1.0 + cost["draft"] * k, lambda k: k)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert first <= 1024
+    later = [i for i, k in enumerate(ks) if k][:4]
+    assert max(b - a for a, b in zip(later, later[1:])) <= 64
+    assert sum(k >= 2 for k in ks[-1000:]) > 950
+
+
 def test_policy_history_is_bounded() -> None:
     """A server runs for millions of rounds: the list of choices keeps the latest ones, the counts all."""
     clock = FakeClock()

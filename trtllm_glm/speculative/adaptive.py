@@ -62,7 +62,11 @@ class AdaptiveDraftPolicy:
         cost_weight: weight of a new interval in a cost's exponential average.
         acceptance_weight: weight of a new round in the acceptance averages.
         min_samples: intervals a (bucket, ``K``) needs (after the discarded first) before it is trusted.
-        explore_every: a bucket re-measures its least recently tried ``K`` once every this many rounds.
+        explore_every: a bucket re-measures its least recently tried ``K`` once every this many rounds at first.
+        max_explore_every: each re-measurement that leaves the bucket's choice as it was doubles the wait before the
+            next, up to this many rounds; a changed choice goes back to ``explore_every``. A re-measurement runs a
+            length that is not the best (and, with the MTP catch-up lag, first catches up the held rows), so a
+            settled bucket should pay for it rarely.
         prior_acceptance: ``a`` before any draft was verified.
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
@@ -78,6 +82,7 @@ class AdaptiveDraftPolicy:
     acceptance_weight: float = 0.05
     min_samples: int = 2
     explore_every: int = 64
+    max_explore_every: int = 1024
     prior_acceptance: float = 0.5
     clock: Callable[[], float] | None = None
     history: int = 4096
@@ -93,8 +98,8 @@ class AdaptiveDraftPolicy:
         self.candidates = cands
         if not 0 < self.cost_weight <= 1 or not 0 < self.acceptance_weight <= 1:
             raise ValueError("cost_weight and acceptance_weight must be in (0, 1]")
-        if self.min_samples < 1 or self.explore_every < 2:
-            raise ValueError("min_samples must be >= 1 and explore_every >= 2")
+        if self.min_samples < 1 or self.explore_every < 2 or self.max_explore_every < self.explore_every:
+            raise ValueError("min_samples must be >= 1, explore_every >= 2 and max_explore_every >= explore_every")
         if self.clock is None:
             import time
 
@@ -104,6 +109,9 @@ class AdaptiveDraftPolicy:
         self._reached = 1.0
         self._costs: dict[tuple[int, int], _Cost] = {}
         self._rounds: dict[int, int] = {}  # bucket -> rounds chosen in it
+        # bucket -> [round of its next re-measurement, current wait, best before it, the K re-measured (None: none
+        # pending), that K's cost before]
+        self._explore: dict[int, list] = {}
         # The open interval: (stamp, bucket, K) of the round now running.
         self._open: tuple[float, int, int] | None = None
 
@@ -157,12 +165,27 @@ class AdaptiveDraftPolicy:
             if k not in got:
                 return self._pick(k)
         best = best_draft_len(self.estimated_costs(batch_size, got), self.acceptance)
-        if best in got and n % self.explore_every == self.explore_every - 1:
+        ex = self._explore.setdefault(b, [self.explore_every - 1, self.explore_every, best, None, None])
+        if ex[3] is not None and n > ex[0]:
+            # The re-measurement is in (its interval was stamped before this call): back off while it changes
+            # nothing (the same choice, the K's cost within 10 %), start over when it does.
+            was, now = ex[4], got.get(ex[3], ex[4])
+            # (a K measured for the first time moved nothing it could be compared with)
+            same = best == ex[2] and (was is None or now is None or abs(now - was) <= 0.1 * was)
+            ex[1] = min(2 * ex[1], self.max_explore_every) if same else self.explore_every
+            ex[0], ex[3] = ex[0] + ex[1], None
+        elif best != ex[2] and ex[3] is None:
+            ex[0] = min(ex[0], n + self.explore_every)  # the choice moved by itself: look around again soon
+            ex[1] = self.explore_every
+        if best in got and n >= ex[0] and ex[3] is None:
             i = cands.index(best)
             near = {cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)} | {cands[-1]}
             near.discard(best)
             if near:
-                return self._pick(min(sorted(near), key=lambda k: self._last_round(b, k)))
+                k = min(sorted(near), key=lambda k: self._last_round(b, k))
+                ex[0], ex[2], ex[3], ex[4] = n, best, k, got.get(k)
+                return self._pick(k)
+        ex[2] = best
         return self._pick(best)
 
     def _last_round(self, b: int, k: int) -> int:

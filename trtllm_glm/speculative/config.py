@@ -82,7 +82,7 @@ class MTPDecodingConfig(_SpecBase):
     draft_vocab_file: str | None = None
     adaptive: bool = False
     overlap_rounds: bool = False
-    catchup_lag: int = 32
+    catchup_lag: int = 64
 
     def __post_init__(self) -> None:
         self._check_common()
