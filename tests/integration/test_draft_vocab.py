@@ -5,13 +5,12 @@ preset's shipped ranking, and the configurations it refuses."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 
 import pytest
 import torch
-from spec_helpers import assert_lossless
+from spec_helpers import assert_lossless, emulate_graphs
 from torch import nn
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -184,17 +183,11 @@ def test_restricted_drafts_change_drafts_never_output(model, tmp_path, k, mode, 
 def test_restricted_drafts_through_emulated_mtp_graphs(model, tmp_path, monkeypatch) -> None:
     """The MTP graphs' bodies (chained steps, catch-up and the fused draft; run eagerly by an emulating
     runner) draft over the subset too, and the output stays plain greedy."""
-    from triton.runtime.interpreter import interpreter_builder
 
     m = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
     ps = prompts(3, 7)
     refs = plain_reference(m, ps)
-    # As tests/unittest/test_cuda_graph.py's `emulated`: the runner pads and runs its graphs' bodies eagerly;
-    # only the k-pool ops' Triton kernels (interpreted) skip padding rows.
-    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
-    monkeypatch.setattr(interpreter_builder, "options",
-                        dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
-    monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
+    emulate_graphs(monkeypatch)  # the runner pads and runs its graphs' bodies eagerly
     f = write_ranking(tmp_path, ranking(7))
     subset = set(subset_ids(ranking(7), 24, 264))
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96,

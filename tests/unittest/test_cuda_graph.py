@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from spec_helpers import kpool_writes_through_kernels
 
 from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import ConfigError, Glm5NextConfig
@@ -184,7 +185,8 @@ def test_llm_default_on_but_ignored_on_cpu() -> None:
 @pytest.fixture
 def emulated(monkeypatch):
     """Executors whose runner pads and replays eagerly on the CPU; ``emulated(True)`` switches the k-pool
-    ops to the Triton kernels (interpreted), the only ones that skip padding rows.
+    cache writes to the Triton kernels (interpreted), the only ones that skip padding rows
+    (`spec_helpers.kpool_writes_through_kernels`).
 
     The interpreter's int32 overflow checks (an int64 recomputation and an assert after every integer add
     and multiply: a quarter of these tests' time) are off here; the kernels' own tests keep them."""
@@ -195,7 +197,10 @@ def emulated(monkeypatch):
     monkeypatch.setattr(interpreter_builder, "options", opts)
 
     def use_kernels(on: bool) -> None:
-        monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton" if on else "torch")
+        if on:
+            kpool_writes_through_kernels(monkeypatch)
+        else:
+            monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "torch")
 
     return use_kernels
 
