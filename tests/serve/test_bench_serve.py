@@ -31,12 +31,14 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     cfg = tmp_path / "opts.yaml"
     cfg.write_text("max_seq_len: 128\nmax_batch_size: 4\n")
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--model", "tiny", "--config", str(cfg),
-           "--workload", str(wl), "--request-rate", "40", "--num-requests", "6", "--warmup-requests", "1",
+           "--workload", str(wl), "--request-rate", "40", "--client-procs", "2", "--num-requests", "6",
+           "--warmup-requests", "1",
            "--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000", "--time-limit", "120", "--json", str(out)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
     (lvl,) = json.loads(out.read_text())["levels"]
-    assert lvl["load"] == "rate" and lvl["completed"] == 6 and lvl["failed"] == 0
+    # Two load-generator processes, three requests each: their results merged into one level.
+    assert lvl["load"] == "rate" and lvl["completed"] == 6 and lvl["failed"] == 0 and lvl["client_procs"] == 2
     assert lvl["out_tokens"] == 3 + 6 + 2 + 3 + 6 + 2  # the workload cycled, every output length exact
     assert lvl["in_tokens"] == 5 + 40 + 17 + 5 + 40 + 17
     assert lvl["goodput_req_per_s"] == pytest.approx(lvl["req_per_s"])
