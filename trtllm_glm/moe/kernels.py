@@ -316,7 +316,10 @@ def _combine_kernel(
     tl.store(out_ptr + n * H + cols, acc, mask=ok)
 
 
-@triton.jit
+# The counts vary with the batch's rows: specialising on them (Triton's ``% 16`` / ``== 1`` variants of int
+# arguments) compiled a new variant for a batch the start-up warm-up had not met (an H100 server at concurrency
+# 64 compiled this kernel while serving: a stall). P_PAD, BLOCK_M and HAS_LIVE are the variants that matter.
+@triton.jit(do_not_specialize=["n_pairs", "n_slots", "n_blocks"])
 def _align_sort_kernel(
     ids_ptr,
     live_ptr,
