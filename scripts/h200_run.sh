@@ -39,6 +39,9 @@
 #                 rounds_ahead columns): trained small, bf16 then fp32, batch 1 / 16 / 64, plain, overlap, mtp3,
 #                 mtp3+ov, mtp3+adaptive, mtp3+adaptive+ov; then the 4-layer slice, batch 1 / 16 (random weights:
 #                 nothing accepted, the round's cost): plain, overlap, mtp3, mtp3+ov
+#   spec_lag      issue 43, adaptive MTP with the catch-up lag under the overlap scheduler alone (+os, the LLM default):
+#                 trained small bf16, batch 1 / 16 / 64, overlap, mtp3+os, mtp3+adaptive+os (512 tokens: the policy's
+#                 re-measurements amortised); then the 4-layer slice, batch 1 / 16, overlap and MTP-oracle 0.7 K = 3
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -147,6 +150,13 @@ for stage in "$@"; do
       timeout "${T_SPEC_OVERLAP_REAL:-420}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
         mtp3 mtp3+ov --cuda-graphs on --prompt-len 256 --gen 256 --json "$O/spec_overlap_real.json" 2>&1 \
         | tee "$O/spec_overlap_real.log" ;;
+    spec_lag)
+      timeout "${T_SPEC_LAG:-240}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype bfloat16 \
+        --batch 1 16 64 --gen 512 --modes overlap mtp3+os mtp3+adaptive+os --cuda-graphs on \
+        --json "$O/spec_lag_small.json" 2>&1 | tee "$O/spec_lag_small.log"
+      timeout "${T_SPEC_LAG_REAL:-300}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --prompt-len 256 \
+        --gen 256 --modes overlap mtporacle0.7k3+os mtporacle0.7k3+adaptive+os --cuda-graphs on \
+        --json "$O/spec_lag_real.json" 2>&1 | tee "$O/spec_lag_real.log" ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;
