@@ -784,7 +784,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
                    "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
-                   "adaptive_k": r["adaptive_k"], "draft_vocab_size": r["draft_vocab_size"]}  # fmt: skip
+                   "adaptive_k": r["adaptive_k"], "draft_vocab_size": r["draft_vocab_size"],
+                   "lag_flushes": r["lag_flushes"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             if args.profile_idle:
@@ -1015,7 +1016,7 @@ def main() -> None:
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
                            "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
-                           "draft_vocab_size": r["draft_vocab_size"],
+                           "draft_vocab_size": r["draft_vocab_size"], "lag_flushes": r["lag_flushes"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,
