@@ -139,6 +139,12 @@ def test_policy_config_errors() -> None:
     assert not MTPDecodingConfig().adaptive and not NGramDecodingConfig().adaptive
     with pytest.raises(ValueError, match="overlap_rounds"):
         MTPDecodingConfig(overlap_rounds="yes")
+    for bad in (-1, 257, 2.0, True):
+        with pytest.raises(ValueError, match="catchup_lag"):
+            MTPDecodingConfig(catchup_lag=bad)
+    assert MTPDecodingConfig().catchup_lag == 64 and MTPDecodingConfig(catchup_lag=0).catchup_lag == 0
+    with pytest.raises(ValueError, match="max_explore_every"):
+        AdaptiveDraftPolicy(3, explore_every=64, max_explore_every=32)
 
 
 # --------------------------------------------------------------------------------------------------
