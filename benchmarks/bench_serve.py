@@ -436,7 +436,9 @@ def fmt_row(s: dict[str, Any]) -> str:
             + f"; kernels compiled {s.get('kernel_compiles', 'n/a')}"
         )
     if "client_loop_lag_ms" in s:
-        line += f"\n       client event-loop lag p50/p90/p99 {trio(s['client_loop_lag_ms'])} ms"
+        procs = s.get("client_procs", 1)
+        line += f"\n       client event-loop lag p50/p90/p99 {trio(s['client_loop_lag_ms'])} ms ({procs} process"
+        line += "es)" if procs != 1 else ")"
     return line
 
 
