@@ -432,9 +432,9 @@ def test_emulated_fused_mtp_draft_matches_per_step(emulated, monkeypatch) -> Non
         fed: list[torch.Tensor] = []
         orig, orig_logits = ex.drafter.draft, model.compute_logits
 
-        def compute_logits(h):
+        def compute_logits(h, *, cast=True):
             fed.append(h.detach().clone())
-            return orig_logits(h)
+            return orig_logits(h, cast=cast)
 
         def draft(seqs, hidden):
             fed.clear()

@@ -37,7 +37,6 @@ addresses before every replay (a dictionary of a handful of pointers: cheap enou
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -413,9 +412,8 @@ class CudaGraphRunner:
         """The step's forward, logits, greedy choice and, for a verify step, acceptance and KDA commit."""
         ids = self.input_ids[: P * W]
         hidden = self.model(ids, self.meta, self.manager)
-        if W == 1 and greedy_fuse_cast() and "cast" in inspect.signature(self.model.compute_logits).parameters:
-            # The greedy kernel writes the FP32 logits as it reads the LM head's output (one launch less a step; a
-            # model whose compute_logits cannot leave the cast out keeps the separate one).
+        if W == 1 and greedy_fuse_cast():
+            # The greedy kernel writes the FP32 logits as it reads the LM head's output (one launch less a step).
             raw = self.model.compute_logits(hidden, cast=False)
             if raw.dtype != torch.float32:
                 logits = torch.empty(raw.shape, dtype=torch.float32, device=raw.device)

@@ -281,13 +281,6 @@ class MTPDrafter(Drafter):
         out, self._flushed = self._flushed, False
         return out
 
-    def flush_request(self, request_id: int, state: DraftState, tokens: Sequence[int]) -> None:
-        """Catch one request's MTP history up on its held rows now (e.g. before its history is checkpointed)."""
-        if state.lag and not state.mtp_disabled:
-            self._flush_lag([DraftSeq(request_id=request_id, state=state, tokens=tokens, num_output=0,
-                                      num_computed=state.mtp_len + state.lag, committed=state.lag, row_offset=0,
-                                      greedy=True, live=True, want=0)])  # fmt: skip
-
     def catch_up_ahead(
         self, seqs: Sequence[tuple[int, DraftState, int, bool]], tokens: torch.Tensor, hidden: torch.Tensor
     ) -> None:
@@ -310,21 +303,15 @@ class MTPDrafter(Drafter):
         for b, (rid, st, pos, greedy, held) in enumerate(seqs):
             if not greedy or st.mtp_disabled:
                 continue
-            if self.catchup_lag and st.mtp_len + st.lag == pos:
-                cat.append(DraftSeq(request_id=rid, state=st, tokens=held, num_output=0, num_computed=pos + 1,
-                                    committed=1, row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
-                continue
-            if st.mtp_len != pos:
+            if st.mtp_len + st.lag != pos:
                 st.mtp_disabled = True  # a gap in the MTP history (as in `draft`): no speculation from here
                 continue
             if self.separate and not self._draft_pages(st, rid, pos + 1):
                 continue
-            cat.append(DraftSeq(request_id=rid, state=st, tokens=(), num_output=0, num_computed=pos + 1, committed=1,
-                                row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
+            cat.append(DraftSeq(request_id=rid, state=st, tokens=held, num_output=0, num_computed=pos + 1,
+                                committed=1, row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
             sel.append(b)
         if self.catchup_lag:
-            if self.separate:
-                cat = [s for s in cat if self._draft_pages(s.state, s.request_id, s.num_computed)]
             full = [s for s in cat if s.state.lag + 1 > self.catchup_lag]
             if full:
                 self._flush_lag(full)
