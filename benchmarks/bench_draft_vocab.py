@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import held_out_prompt_ids  # noqa: E402
-
+from benchmarks.harness.prompts import held_out_prompt_ids
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from trtllm_glm.runtime.lossless import compare_greedy  # noqa: E402

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _copy_ceiling, graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
     ("kda.qkv|f_a|g_a", 3 * 8192 + 2 * 128, 4096),
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    ceiling = _copy_ceiling(dev, args.quick)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"L2 {props.L2_cache_size / 2**20:.0f} MiB; copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
     reps = 10 if args.quick else 30

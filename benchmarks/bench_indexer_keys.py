@@ -23,6 +23,7 @@ from functools import partial
 
 import torch
 
+from benchmarks.harness.timing import bench_us, do_bench_us
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
@@ -33,9 +34,7 @@ DECODE_ROWS, PREFILL_CHUNK = 128, 16384
 
 
 def _bench(fn: Callable[[], object], quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5 if quick else 25, rep=30 if quick else 200, return_mode="median") * 1e3
+    return do_bench_us(fn, 5, 30) if quick else bench_us(fn)
 
 
 def _cache(kd: str, num_pages: int, num_slots: int, dev: torch.device) -> KpoolLayerCache:

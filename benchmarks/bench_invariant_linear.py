@@ -38,14 +38,12 @@ import argparse
 import json
 import math
 import os
-import sys
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import graph_us  # noqa: E402
+from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
     ("kda.qkv|f_a|g_a|b", 3 * 8192 + 2 * 128 + 64, 4096),

@@ -24,17 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import count_launches_and_syncs, random_model, top_kernels  # noqa: E402
-from idle_sites import idle_sites  # noqa: E402
-from sync_sites import sync_sites  # noqa: E402
-
+from benchmarks.harness.host_syncs import sync_sites
+from benchmarks.harness.idle_sites import idle_sites
+from benchmarks.harness.models import random_model
+from benchmarks.harness.profiling import count_launches_and_syncs, top_kernels
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402

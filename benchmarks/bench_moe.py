@@ -39,15 +39,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.timing import bench_us, graph_us_quick
 
 ROWS = (1, 8, 16, 64, 128)
 GRAPH_CALLS = 10
@@ -161,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; triton {triton.__version__}")
-    ceiling = _copy_ceiling(dev, args.quick)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     m = _layer(dev)
     w13, w2 = m.stacked_expert_weights()
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             _point_experts(m, weights)
             loop_us = None
             if not args.no_loop:
-                loop_us = _bench(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
+                loop_us = bench_us(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
             wts = dict(weights)
             wa, wb = wts.pop("w_gate_up"), wts.pop("w_down")
             ref = R.fused_moe_ref(x, ids, w, wa, wb, limit, **wts)
@@ -219,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = distinct * expert_bytes + n * h * (2 + 4)
                 try:
                     call = partial(K.fused_moe, x, ids, w, wa, wb, limit, out=out, **wts, **kw)
-                    eager_us = _bench(call, args.quick)
-                    graph_us = _graph_us([call] * GRAPH_CALLS, args.quick)
+                    eager_us = bench_us(call, args.quick)
+                    graph_us = graph_us_quick([call] * GRAPH_CALLS, args.quick)
                 except Exception as ex:  # noqa: BLE001 - a launch shape that does not compile is reported
                     print(f"  N={n} {fmt} {label}: FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                     continue

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import graph_us  # noqa: E402
+from benchmarks.harness.timing import graph_us
 
 ROWS = (1, 8, 16, 64, 128, 256, 512)
 GRAPH_CALLS = 20

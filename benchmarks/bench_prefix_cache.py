@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig  # noqa: E402

@@ -28,20 +28,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
 from trtllm_glm import LLM, KvCacheConfig  # noqa: E402
 from trtllm_glm.cache.prefix import PrefixStats  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402

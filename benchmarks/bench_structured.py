@@ -44,16 +44,13 @@ import glob
 import json
 import os
 import statistics
-import sys
 import sysconfig
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
 from trtllm_glm.runtime import executor as executor_mod  # noqa: E402

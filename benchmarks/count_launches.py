@@ -26,7 +26,6 @@ import argparse
 import collections
 import json
 import os
-import sys
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,14 +42,10 @@ for _v in _FORCE:
     os.environ.setdefault(_v, "triton")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from bench_e2e import _VIEW_OPS  # noqa: E402
-from model_harness import ModelHarness  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.harness.model_harness import ModelHarness  # noqa: E402
+from benchmarks.harness.profiling import VIEW_OPS  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.logits import greedy_fuse_cast, greedy_pack  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
@@ -95,7 +90,7 @@ class Counter:
 
         class _Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                if counter._inside == 0 and func.overloadpacket.__name__ not in _VIEW_OPS:
+                if counter._inside == 0 and func.overloadpacket.__name__ not in VIEW_OPS:
                     counter.torch[_module_of(traceback.extract_stack())] += 1
                 return func(*args, **(kwargs or {}))
 

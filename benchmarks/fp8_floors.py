@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import floor_bytes  # noqa: E402
-
+from benchmarks.harness.floors import floor_bytes
 from trtllm_glm.config import Glm5NextConfig, QuantConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
 

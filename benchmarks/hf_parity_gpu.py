@@ -47,16 +47,12 @@ def main() -> None:
     ap.add_argument("--indexer-key-dtype", nargs="+", default=["fp8"], choices=["fp8", "bf16"])
     args = ap.parse_args()
 
-    import sys
-
-    sys.path.insert(0, "tests")
-    from hf_reference import VISION_SMALL, _import_reference, to_checkpoint_names
-
+    from benchmarks.harness.hf_reference import VISION_SMALL, import_reference, to_checkpoint_names
     from trtllm_glm import LLM, KvCacheConfig, SamplingParams
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
-    HfConfig, HfModel = _import_reference()
+    HfConfig, HfModel = import_reference()
     L = args.layers
     text = {
         "num_hidden_layers": L,

@@ -21,18 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from hf_reference import _import_reference, build_hf_model, hf_greedy  # noqa: E402
-from selection_recall import our_selections, recall_counts, reference_selections  # noqa: E402
-
+from benchmarks.harness.hf_reference import build_hf_model, hf_greedy, import_reference
+from benchmarks.harness.selection_recall import our_selections, recall_counts, reference_selections
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import resolve_preset_dir  # noqa: E402
 
@@ -53,7 +49,7 @@ def load_reference(name: str, tmp: str) -> tuple[Any, str]:
         model.save_pretrained(tmp)
         return model, tmp
     if name == "small":
-        _, cls = _import_reference()
+        _, cls = import_reference()
         d = str(resolve_preset_dir("small"))
         model = cls.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager").eval()
         return model, d
