@@ -8,8 +8,8 @@ time its replay (launch cost amortised, as in the executor's decode graphs).
 
 Run on one GPU (world of 1: measures the call and launch overhead of the path) or with torchrun on several:
 
-    python benchmarks/bench_allreduce.py
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/bench_allreduce.py
+    python -m benchmarks.bench_allreduce
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.bench_allreduce
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``; no ``multimem`` symmetric-memory variant is timed). Prints one
 JSON line per (variant, size).

@@ -17,7 +17,7 @@ Each graph replays G steps on disjoint data and slots (together larger than the 
 
 Usage (CUDA machine, repository root)::
 
-    python3 benchmarks/bench_binv_attention.py [--quick] [--json PATH]
+    python -m benchmarks.bench_binv_attention [--quick] [--json PATH]
 
 Without CUDA it prints a message and exits 0.
 """

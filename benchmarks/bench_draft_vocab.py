@@ -7,7 +7,7 @@ the row gives the mean accepted tokens per verify round (root + accepted drafts)
 position, the share of the full head each draft step reads (``N / V``) and the losslessness check. Prompts are
 the held-out stdlib modules (`bench_e2e.held_out_prompt_ids`), greedy.
 
-Usage: ``python benchmarks/bench_draft_vocab.py --sizes full 128 64 32 16 --k 3 --json out.json``
+Usage: ``python -m benchmarks.bench_draft_vocab --sizes full 128 64 32 16 --k 3 --json out.json``
 (``--device cuda --dtype bfloat16`` runs the same on a GPU; CPU numbers are acceptance, not speed).
 """
 

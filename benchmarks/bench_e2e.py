@@ -25,13 +25,13 @@ column says so and ``rounds_ahead`` counts those rounds; needs graphs); ``transf
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
-Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
+Usage: ``python -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
 ``--preset tiny --device cpu`` runs the same code path on the CPU (a smoke test; numbers mean little).
 ``--cuda-graphs on`` (or ``both``: eager, then graphs, in one run) replays decode / verify steps as CUDA
 graphs (every batch size up to the case's, padding on), captured before the case's timing starts; the
 ``graphs`` column says which, ``capture_s`` what the capture took.
 
-Several GPUs: ``torchrun --nproc_per_node 4 benchmarks/bench_e2e.py --tp 4 --ep 4 --weights fp8 ...``: each rank
+Several GPUs: ``torchrun --nproc_per_node 4 -m benchmarks.bench_e2e --tp 4 --ep 4 --weights fp8 ...``: each rank
 builds only its share (`Glm5NextForCausalLM.from_config(..., local_init=True)`), runs the same schedule, and rank
 0 prints the rows, which then carry ``world_size``, ``gpu_mem_gib`` (peak allocated, max over ranks),
 ``floor_ms`` / ``floor_gb`` of the busiest rank (its share's bytes at its copy ceiling), ``build_s`` and

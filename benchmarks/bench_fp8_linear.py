@@ -21,9 +21,9 @@ device-to-device copy timed in the same run (bytes read + written); the issue's 
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py [--quick] [--rows 1,4,16] [--shapes a,b] [--json PATH]
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py --sweep --quick --json SWEEP.json   # tuning, ~3-5 min
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py --apply SWEEP.json                  # winners -> defaults
+    python -m benchmarks.bench_fp8_linear [--quick] [--rows 1,4,16] [--shapes a,b] [--json PATH]
+    python -m benchmarks.bench_fp8_linear --sweep --quick --json SWEEP.json   # tuning, ~3-5 min
+    python -m benchmarks.bench_fp8_linear --apply SWEEP.json                  # winners -> defaults
 
 ``--sweep`` (rows 1, 4, 16 unless ``--rows`` says otherwise) times every candidate of `CANDIDATES` per case (the
 launch shapes that resolve to the same `Fp8LinearConfig` for a shape are timed once) with the tuned table off

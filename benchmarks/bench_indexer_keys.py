@@ -11,7 +11,7 @@ Real geometry (32 indexer heads x 128, pages of 64 tokens); per case the median 
 
 Each kernel result is first checked against the torch reference (scores to 1e-5 relative, pools bitwise).
 
-    python benchmarks/bench_indexer_keys.py [--quick] [--json out.json]
+    python -m benchmarks.bench_indexer_keys [--quick] [--json out.json]
 """
 
 from __future__ import annotations

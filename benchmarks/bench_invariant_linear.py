@@ -17,9 +17,9 @@ prints, per M, the geometric mean of invariant / default over the shapes: the mo
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py [--quick] [--fp8] [--json PATH]
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py --sweep --json SWEEP.json   # launch shapes
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py --apply SWEEP.json          # winners -> defaults
+    python -m benchmarks.bench_invariant_linear [--quick] [--fp8] [--json PATH]
+    python -m benchmarks.bench_invariant_linear --sweep --json SWEEP.json   # launch shapes
+    python -m benchmarks.bench_invariant_linear --apply SWEEP.json          # winners -> defaults
 
 ``--sweep`` times every launch shape of `SWEEP_SPLITS` x `SWEEP_BLOCK_K` x `SWEEP_STAGES` x `SWEEP_WARPS` per
 16-bit weight shape at M = 1 and 16 with the default row tile (the rule alone, ``tuned=False``, is ``rule``), each

@@ -13,7 +13,7 @@ and three sequences back to back (one of 2 rows). Also the conv front half alone
 `conv_prefill_reference`) against a copy ceiling measured in the same run: the kernel reads ``x`` (bf16) and
 writes ``q, k, v`` (FP32). Every path is checked against the legacy one before it is timed.
 
-Usage: ``python benchmarks/bench_kda_prefill.py [--rows 8192] [--json out.json] [--sweep]`` (``--sweep``: the conv
+Usage: ``python -m benchmarks.bench_kda_prefill [--rows 8192] [--json out.json] [--sweep]`` (``--sweep``: the conv
 kernel's launch shapes, default ``block_t=32, num_warps=4``). Exits cleanly without CUDA.
 """
 

@@ -21,7 +21,7 @@ reference before timing.
 
 Usage (on a CUDA machine, from the repository root)::
 
-    python3 benchmarks/bench_kda_verify.py [--quick] [--sweep] [--dtype bfloat16] [--json PATH]
+    python -m benchmarks.bench_kda_verify [--quick] [--sweep] [--dtype bfloat16] [--json PATH]
 
 ``--sweep`` also times other launch shapes (``block_v`` x ``num_warps``, and no row-loop prefetch). Without
 CUDA it prints a message and exits 0.

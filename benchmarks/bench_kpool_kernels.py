@@ -10,7 +10,7 @@ checked against the reference (bitwise where the contract says so), so the numbe
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_kpool_kernels.py [--quick] [--json PATH]
+    python -m benchmarks.bench_kpool_kernels [--quick] [--json PATH]
 
 Without CUDA it prints a message and exits with status 0.
 """

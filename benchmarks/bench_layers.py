@@ -5,7 +5,7 @@ tokens) and of a KDA layer for a batch of requests with a long context, eagerly 
 replay (the sparse layer), and reports achieved bandwidth (weights + cache bytes read) against a
 device-to-device copy ceiling measured in the same run, plus the ratio to the torch-reference backend.
 
-Usage: ``python benchmarks/bench_layers.py [--batch 64] [--context 4096]``. Exits cleanly without CUDA.
+Usage: ``python -m benchmarks.bench_layers [--batch 64] [--context 4096]``. Exits cleanly without CUDA.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ at the same N for context.
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_mhc.py [--quick] [--sweep] [--prefill-only] [--json PATH]
+    python -m benchmarks.bench_mhc [--quick] [--sweep] [--prefill-only] [--json PATH]
 
 ``--sweep`` also times other launch shapes (the projection's split and block_k, the hidden slice per
 program of the collapse and of the expand; at prefill sizes the tensor-core path's block_n, block_k, split and

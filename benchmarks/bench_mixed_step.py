@@ -13,7 +13,7 @@ requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each 
 - ``host_top`` / ``host_own``: package functions by cumulative host time and any functions by own time (cProfile),
   ``idle_sites``: who the device waited for, ``sync_sites``: where the host waited for the device.
 
-Usage (GPU): ``python benchmarks/bench_mixed_step.py --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
+Usage (GPU): ``python -m benchmarks.bench_mixed_step --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
 --json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test). Piecewise CUDA
 graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-args '{"cuda_graph_config":
 {"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` of one admission.

@@ -24,7 +24,7 @@ kernels at every size on CUDA, with `kernels.large_m_launch` at prefill sizes).
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [--sweep] [--weights bf16|fp8|both] [--json PATH]
+    python -m benchmarks.bench_moe [--quick] [--sweep] [--weights bf16|fp8|both] [--json PATH]
 
 Where N is a multiple of 8, a ``live 3k/N`` case times the same call with ``row_live`` flagging rows 3..7 of
 every 8 dead (width-8 verify rows whose sequence proposed 2 drafts: the rest is filler); its floor counts the

@@ -10,7 +10,7 @@ library had before (removed: slower than the torch ops from 64 rows on).
 
 Usage (CUDA machine, repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_moe_align.py [--json PATH]
+    python -m benchmarks.bench_moe_align [--json PATH]
 """
 
 from __future__ import annotations

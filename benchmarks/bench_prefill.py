@@ -30,7 +30,7 @@ of each ``--lens`` length (random tokens, prefix cache off) through ``LLM.genera
 to ``--transformers-max-len`` (its attention masks are dense: 32K needs > 100 GB). ``[goal]`` lines: TTFT <= 3x
 the floor at 32K and 128K on the 4-layer slice; the longest prompt completes.
 
-Usage (one H200): ``python benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192
+Usage (one H200): ``python -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192
 --json out.json``; ``--preset small --device cpu --lens 512 --chunks 128`` runs the same code on the CPU (a smoke
 test; numbers mean little).
 """

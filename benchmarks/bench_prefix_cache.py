@@ -7,7 +7,7 @@ then a second request with the same prompt but a different last token (hit: it r
 the last page boundary and computes the rest). Reports TTFT of both, the tokens reused, the time spent
 taking checkpoints (device-synchronised around each) and their bytes.
 
-Usage: ``python benchmarks/bench_prefix_cache.py --layers 4 --lengths 4096 32768 --json out.json``;
+Usage: ``python -m benchmarks.bench_prefix_cache --layers 4 --lengths 4096 32768 --json out.json``;
 ``--preset tiny --device cpu --lengths 200`` runs the same code on the CPU (a smoke test).
 """
 

@@ -19,9 +19,9 @@ requests after the second) against the TTFT of a ``--q-len``-token prompt alone,
 (peak bytes, the bound).
 
 CPU (``small`` preset, random token ids; ~3 min on one core):
-    python benchmarks/bench_prefix_workloads.py --preset small --device cpu --json out.json
+    python -m benchmarks.bench_prefix_workloads --preset small --device cpu --json out.json
 H200 (the 4-layer real-geometry slice, random weights drawn on the device as bench_e2e.py does):
-    python benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 --json out.json
+    python -m benchmarks.bench_prefix_workloads --preset glm-5.3-flash --layers 4 --json out.json
 """
 
 from __future__ import annotations

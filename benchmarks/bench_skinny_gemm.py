@@ -19,7 +19,7 @@ the copy bandwidth). ``vs torch`` = torch time / kernel time. Each variant is ch
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_skinny_gemm.py [--quick] [--sweep] [--json PATH]
+    python -m benchmarks.bench_skinny_gemm [--quick] [--sweep] [--json PATH]
 
 ``--sweep`` also times other launch shapes (``split_k``, ``block_k``, ``num_stages``, ``num_warps``) per case; the
 summary names the best. Without CUDA it prints a message and exits 0.

@@ -15,7 +15,7 @@ by the kernel's eager time. Each kernel's output is checked against the referenc
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_sparse_kernels.py [--quick] [--sweep] [--json PATH] [--only mla|topk]
+    python -m benchmarks.bench_sparse_kernels [--quick] [--sweep] [--json PATH] [--only mla|topk]
         [--rows 1,16,64,128] [--variants "default,triton bw64 s2"] [--no-torch]
 
 ``--sweep`` also times alternative launch shapes (tuning): every entry of ``MLA_VARIANTS`` unless

@@ -33,7 +33,7 @@ what a grammar takes away besides the masks, e.g. the overlap scheduler's launch
 ``mask_share`` of the ``json`` run at ``--batch``, and ``overhead`` beside it.
 
 Usage (GPU, one H100 / H200, ~3 min the first time: the stand-in tokenizer trains for ~1 min, cached in --cache):
-``python benchmarks/bench_structured.py --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
+``python -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
 ``--preset small --device cpu --dtype float32`` runs the same path on the CPU with the preset's byte vocabulary.
 """
 

@@ -19,7 +19,7 @@ profiler's device time per kernel of one call (16 rows x 32768 pools) when CUPTI
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--no-sweep] [--json PATH]
+    python -m benchmarks.bench_topk [--quick] [--no-sweep] [--json PATH]
 
 ``--compile-only K/M`` only compiles (every M-th variant from the K-th, one call each): run M such processes
 in parallel beforehand to fill Triton's cache, so that the timed run does not wait for the compiler.

@@ -14,9 +14,9 @@ What this cannot see: the KDA recurrent update runs fla-core's kernel on CUDA (o
 reference here (~11 ops per layer), the FP8 linear is not used (bf16 weights), and cuBLAS may use more than one
 kernel per GEMM.
 
-Usage: ``python benchmarks/count_launches.py [--sample] [--json out.json]``. Before:
-``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python benchmarks/count_launches.py --sample``; after:
-``TRTLLM_GLM_DECODE_FUSE=1 TRTLLM_GLM_SAMPLING_BACKEND=triton python benchmarks/count_launches.py --sample`` (the
+Usage: ``python -m benchmarks.count_launches [--sample] [--json out.json]``. Before:
+``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python -m benchmarks.count_launches --sample``; after:
+``TRTLLM_GLM_DECODE_FUSE=1 TRTLLM_GLM_SAMPLING_BACKEND=triton python -m benchmarks.count_launches --sample`` (the
 sampling backend is forced to the kernel unless set).
 """
 

@@ -5,7 +5,7 @@ states, sparse-MLA rows) divided by a copy ceiling (default: the H200's measured
 to ``--layers`` trunk layers, with ``lm_head`` kept in bf16 (as a block-FP8 checkpoint ships it) or quantised too
 (``--fp8-skip none``). Their ratio bounds the FP8 step over the bf16 step (issue 28's batch-1 goal is 0.6x).
 
-Usage: ``python benchmarks/fp8_floors.py --layers 4 45 --batch 1 16``.
+Usage: ``python -m benchmarks.fp8_floors --layers 4 45 --batch 1 16``.
 """
 
 from __future__ import annotations

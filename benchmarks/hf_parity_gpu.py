@@ -13,7 +13,7 @@ both run the same random prompts (context logits of every prompt row):
 Prompts longer than ``index_topk`` (2048) make both sides drop pools, so their selections may differ
 near ties (our FP8 pooled scores vs the reference's float scores); shorter ones select every pool.
 
-Usage (H200): ``python benchmarks/hf_parity_gpu.py --layers 4 --fp32-floor`` and ``--layers 8``;
+Usage (H200): ``python -m benchmarks.hf_parity_gpu --layers 4 --fp32-floor`` and ``--layers 8``;
 ``--indexer-key-dtype fp8 bf16`` runs ours once per indexer key format (docs/indexer_keys.md).
 """
 

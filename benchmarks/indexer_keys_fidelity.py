@@ -12,7 +12,7 @@ Models: ``random`` (a small random reference model, every weight perturbed: test
 heads, ``index_topk`` 16 tokens = 4 pools) and/or ``small`` (the trained preset, ``index_topk`` 64 = 16 pools,
 loaded into the reference from its checkpoint directory).
 
-    python benchmarks/indexer_keys_fidelity.py --models random small --json out.json
+    python -m benchmarks.indexer_keys_fidelity --models random small --json out.json
 
 Prints one line per (model, key format) and a summary; docs/indexer_keys.md has the numbers.
 """
