@@ -22,8 +22,8 @@ Prefill rows (N in {128, 256, 1024, 8192}): ``mhc_pre`` alone, graph-replayed ov
 FMA path (``path="fma"``, IEEE fp32 ``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the
 default, ``"split3_chain"``, and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the
 projection alone (`mix_partials`; floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` /
-``comb`` max rel error against the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone
-at the same N for context.
+``comb`` max rel error against the fp64 weights (benchmarks/harness/mhc_fp64.py) is printed and in its note.
+``mhc_post`` alone at the same N for context.
 
 Usage (on a CUDA machine, from the repository root)::
 

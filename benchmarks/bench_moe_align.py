@@ -5,8 +5,8 @@ per row), with and without ``row_live`` flags. Times: CUDA-graph replay of ``GRA
 divided by that count (the sort runs on the critical path before the grouped GEMMs of every MoE layer), for
 the library's `moe_align` (the register-sort kernel at these sizes: up to 4096 pairs) and the torch ops of
 `trtllm_glm.moe.ops.moe_align` (what it runs above that). Both are checked to give the reference's layout
-first. ``benchmarks/results/moe_align_chunked_h200_2026-12-02.log`` also times a chunked single-program kernel the
-library had before (removed: slower than the torch ops from 64 rows on).
+first. ``benchmarks/results/kernels/moe_align_chunked_h200_2026-12-02.log`` also times a chunked single-program
+kernel the library had before (removed: slower than the torch ops from 64 rows on).
 
 Usage (CUDA machine, repository root)::
 

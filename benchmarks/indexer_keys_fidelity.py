@@ -8,8 +8,8 @@ For each key format (``KvCacheConfig.indexer_key_dtype`` = ``fp8`` / ``bf16``) a
 * greedy agreement: our greedy continuation (``max_new`` tokens) against the reference's, computed from
   scratch by full recomputation; whether it matches entirely and the first position where it parts.
 
-Models: ``random`` (a small random reference model, every weight perturbed: tests/hf_reference.py, 8 indexer
-heads, ``index_topk`` 16 tokens = 4 pools) and/or ``small`` (the trained preset, ``index_topk`` 64 = 16 pools,
+Models: ``random`` (a small random reference model, every weight perturbed: benchmarks/harness/hf_reference.py, 8
+indexer heads, ``index_topk`` 16 tokens = 4 pools) and/or ``small`` (the trained preset, ``index_topk`` 64 = 16 pools,
 loaded into the reference from its checkpoint directory).
 
     python -m benchmarks.indexer_keys_fidelity --models random small --json out.json
