@@ -58,7 +58,7 @@ from benchmarks.harness.idle_sites import idle_sites
 from benchmarks.harness.models import random_model
 from benchmarks.harness.profiling import count_launches_and_syncs, host_profile, op_sites, top_kernels
 from benchmarks.harness.prompts import held_out_prompt_ids
-from benchmarks.harness.rows import RANK0, emit, say
+from benchmarks.harness.rows import RANK0, emit, say, write_json
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.numerics import set_batch_invariant
@@ -577,8 +577,7 @@ def main() -> None:
     if args.trained:
         rows_out = run_trained(args)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows_out, f, indent=1)
+            write_json(args.json, rows_out)
         return
     full_cfg = Glm5NextConfig.from_pretrained(args.preset)  # (`base` is the plain row inside the loop)
     mapping, comm = start_world(args)
@@ -746,8 +745,7 @@ def main() -> None:
 
         shutdown_rank()
     if args.json and RANK0:
-        with open(args.json, "w") as f:
-            json.dump(rows_out, f, indent=1)
+        write_json(args.json, rows_out)
 
 
 @torch.no_grad()

@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
@@ -470,8 +471,7 @@ def apply_tuned(path: str, kernels_py: str = KERNELS_PY) -> int:
 
 
 def _write_json(path: str, device: str, ceiling: float, rows: list[dict], tuned: dict | None = None) -> None:
-    with open(path, "w") as f:
-        json.dump({"device": device, "copy_gbps": ceiling, "rows": rows, "tuned": tuned or {}}, f, indent=1)
+    write_json(path, {"device": device, "copy_gbps": ceiling, "rows": rows, "tuned": tuned or {}})
 
 
 if __name__ == "__main__":

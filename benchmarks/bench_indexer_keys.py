@@ -17,12 +17,12 @@ Each kernel result is first checked against the torch reference (scores to 1e-5 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import bench_us, do_bench_us
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
@@ -125,8 +125,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rows = run(args.quick, torch.device("cuda"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
@@ -145,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
         print(f"  M={m:<5} {kind:<8} x{gm:5.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     return 0
 
 
@@ -219,8 +219,7 @@ def sweep(json_path: str | None, props: torch.cuda._CudaDeviceProperties) -> int
             tot["rule"][i] += (rule_ts or best_ts)[m]
         print(f"  -> {name}: {tuned[f'{n},{k}']} ({len(seen)} launch shapes timed)", flush=True)
         if json_path:  # after every shape: a run cut by a time limit keeps the winners found so far
-            with open(json_path, "w") as f:
-                json.dump({"device": props.name, "rows": rows, "tuned": tuned}, f, indent=1)
+            write_json(json_path, {"device": props.name, "rows": rows, "tuned": tuned})
     for i, m in enumerate(SWEEP_ROWS):
         c, r, w, cp = (tot[key][i] for key in ("cublas", "rule", "winner", "copy"))
         print(f"[sum] M={m}: cuBLAS {c:.1f} us, rule {r:.1f}, winners {w:.1f} (x{w / c:.2f}), copy {cp:.1f}")

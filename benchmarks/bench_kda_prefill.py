@@ -20,13 +20,13 @@ kernel's launch shapes, default ``block_t=32, num_warps=4``). Exits cleanly with
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import event_us
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda.batch import KdaBatch
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  conv_prefill block_t={bt:<4} num_warps={nw}: {ms:.3f} ms ({100 * g2 / ceiling:.0f}% of copy)")
         results.append({"case": "conv launch sweep", "rows": R, "ms": sweep})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        write_json(args.json, {"device": torch.cuda.get_device_name(), "results": results})
     return 0
 
 

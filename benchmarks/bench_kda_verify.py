@@ -30,7 +30,6 @@ CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass, field
@@ -39,6 +38,7 @@ from functools import partial
 import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
 from benchmarks.harness.timing import bench_us, graph_us_quick
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda import kernels as KK
@@ -225,10 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kda_verify: CUDA is not available; nothing to benchmark.")
         return 0
-    import triton
 
     dtype = getattr(torch, args.dtype)
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
+    print(device_line(), flush=True)
     print(f"geometry: H={H} K={K} V={V}; inputs {args.dtype}; fla-core importable: {fla_kda_available()}")
     ceiling = copy_ceiling_gbs(torch.device("cuda"), args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
@@ -266,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed cases (N, W): {failed}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "H": H, "K": K, "V": V, "cases": [asdict(c) for c in cases]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "H": H, "K": K, "V": V, "cases": [asdict(c) for c in cases]})
     return 1 if failed else 0
 
 

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line
 from benchmarks.harness.timing import bench_us, do_bench_us
 
 D, H_IDX, P, LATENT = 128, 32, 64, 512
@@ -268,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}", flush=True)
+    print(device_line(dev), flush=True)
     ceiling = copy_ceiling_gbs(dev, args.quick)
     mm = _matmul_ceiling(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write); fp16 matmul: {mm:.0f} TFLOP/s", flush=True)

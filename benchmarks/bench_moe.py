@@ -38,7 +38,6 @@ N = 16 within 1.3x its bytes floor. Without CUDA it prints a message and exits 0
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -46,6 +45,7 @@ from functools import partial
 import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
 from benchmarks.harness.timing import bench_us, graph_us_quick
 
 ROWS = (1, 8, 16, 64, 128)
@@ -153,13 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe: CUDA is not available; nothing to benchmark.")
         return 0
-    import triton
 
     from trtllm_glm.moe import kernels as K
     from trtllm_glm.moe import ops as R
 
     dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; triton {triton.__version__}")
+    print(device_line(dev), flush=True)
     ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     m = _layer(dev)
@@ -259,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "met" if r.floor_ratio <= 1.3 else "NOT met"
             print(f"goal (FP8 MoE at N=16 <= 1.3x its bytes floor): x{r.floor_ratio:.2f} floor, {verdict}{vs}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "rows": [asdict(r) for r in rows]})
     return 0
 
 

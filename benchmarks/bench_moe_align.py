@@ -16,12 +16,12 @@ Usage (CUDA machine, repository root)::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from functools import partial
 
 import torch
 
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import graph_us
 
 ROWS = (1, 8, 16, 64, 128, 256, 512)
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"n": n, "live": tag, "variant": name, "us": us, "layout_ok": ok})
                 print(f"N={n:<4} {tag:<9} {name:<27} {us:7.2f} us  {'ok' if ok else 'LAYOUT MISMATCH'}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 

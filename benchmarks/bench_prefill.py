@@ -54,7 +54,7 @@ from benchmarks.harness.floors import floor_ms, prefill_flops
 from benchmarks.harness.hf_reference import run_transformers
 from benchmarks.harness.models import random_model
 from benchmarks.harness.profiling import top_kernels
-from benchmarks.harness.rows import emit, say
+from benchmarks.harness.rows import emit, say, write_json
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
 from trtllm_glm.runtime.llm import LLM, KvCacheConfig
@@ -458,8 +458,7 @@ def main() -> None:
 def save(path: str | None, rates: dict[str, float], rows: list[dict]) -> None:
     """The run so far as JSON (rates, rows, goal lines)."""
     if path:
-        with open(path, "w") as f:
-            json.dump({"rates_tflops": rates, "rows": rows, "goals": goal_lines(rows)}, f, indent=1)
+        write_json(path, {"rates_tflops": rates, "rows": rows, "goals": goal_lines(rows)})
 
 
 if __name__ == "__main__":

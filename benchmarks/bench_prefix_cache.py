@@ -14,12 +14,12 @@ Usage: ``python -m benchmarks.bench_prefix_cache --layers 4 --lengths 4096 32768
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
 from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import emit, write_json
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
@@ -86,13 +86,12 @@ def main() -> None:
                "checkpoint_ms_each": 1e3 * sum(taken) / max(1, len(taken)),
                "checkpoint_bytes_total": ex.prefix.store.nbytes, "dtype": args.dtype}  # fmt: skip
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        emit(row)
         del ex
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import emit, write_json
 from trtllm_glm import LLM, KvCacheConfig  # noqa: E402
 from trtllm_glm.cache.prefix import PrefixStats  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
@@ -262,11 +263,10 @@ def main() -> None:
         extra["wall_s"] = time.perf_counter() - t0
         row = report(w, t, ex, short, {**settings, **extra})
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        emit(row)
         del ex, run
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ summary names the best. Without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from functools import partial
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.timing import graph_us
 
 HIDDEN = 4096
@@ -184,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_json(path: str, device: str, ceiling: float, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump({"device": device, "copy_gbps": ceiling, "rows": rows}, f, indent=1)
+    write_json(path, {"device": device, "copy_gbps": ceiling, "rows": rows})
 
 
 if __name__ == "__main__":

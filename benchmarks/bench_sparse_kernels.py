@@ -26,7 +26,6 @@ Without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from functools import partial
 import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
 from benchmarks.harness.timing import bench_us, graph_us_quick
 
 H, RANK, P, WIDTH = 64, 512, 64, 2051
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}", flush=True)
+    print(device_line(dev), flush=True)
     import triton
 
     print(f"triton {triton.__version__}", flush=True)
@@ -335,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed sections: {failed}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "rows": [asdict(r) for r in cx.rows]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "rows": [asdict(r) for r in cx.rows]})
     return 1 if failed else 0
 
 

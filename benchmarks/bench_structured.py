@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import write_json
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
 from trtllm_glm.runtime import executor as executor_mod  # noqa: E402
@@ -279,8 +280,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"fill + {j['mask_apply_ms']:.3f} apply + {j['draft_cut_ms']:.3f} draft cut){vs}: {verdict} the 10 % "
               "goal")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": rows})
     return rows
 
 

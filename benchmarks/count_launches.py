@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import traceback
 
@@ -46,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.harness.model_harness import ModelHarness  # noqa: E402
 from benchmarks.harness.profiling import VIEW_OPS  # noqa: E402
+from benchmarks.harness.rows import write_json  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.logits import greedy_fuse_cast, greedy_pack  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
@@ -161,8 +161,7 @@ def main() -> None:
         for m, v in t["by_module"].items():
             print(f"  {m:60s} triton {v['triton']:3d}  torch {v['torch']:3d}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

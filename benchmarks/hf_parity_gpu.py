@@ -27,6 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.rows import write_json
+
 
 def kl_and_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, float]:
     """Mean KL(p || q) per row (nats) and argmax agreement, both from FP32 logits ``[n, V]``."""
@@ -133,8 +135,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Prints one line per (model, key format) and a summary; docs/indexer_keys.md has 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness.hf_reference import build_hf_model, hf_greedy, import_reference
+from benchmarks.harness.rows import write_json
 from benchmarks.harness.selection_recall import our_selections, recall_counts, reference_selections
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import resolve_preset_dir  # noqa: E402
@@ -132,8 +132,7 @@ def main() -> None:
     for m in args.models:
         rows += run_model(m, args.lengths, args.max_new, args.seed)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import json
 import torch
 
 from benchmarks.harness.host_syncs import sync_sites
+from benchmarks.harness.rows import write_json
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -65,8 +66,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":
