@@ -33,7 +33,7 @@ line (issue 45: constrained decoding costs <= 10 % of a batch-16 step) judges ``
 ``--batch`` when the run has its ``free`` row, else ``mask_share``.
 
 Usage (GPU, one H100 / H200, ~3 min the first time: the stand-in tokenizer trains for ~1 min, cached in --cache):
-``python benchmarks/bench_structured.py --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
+``python -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
 ``--preset small --device cpu --dtype float32`` runs the same path on the CPU with the preset's byte vocabulary.
 """
 
@@ -44,16 +44,14 @@ import glob
 import json
 import os
 import statistics
-import sys
 import sysconfig
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import write_json
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
 from trtllm_glm.runtime import executor as executor_mod  # noqa: E402
@@ -283,8 +281,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{j['mask_fill_ms']:.3f} fill + {j['mask_apply_ms']:.3f} apply + {j['draft_cut_ms']:.3f} draft cut): "
               f"{verdict} the 10 % goal")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": rows})
     return rows
 
 
