@@ -26,6 +26,10 @@
 #                 batch (the in-process run's baseline)
 #   mixed         bench_mixed_step on the 4-layer bf16 slice at default settings: D requests decoding admit N prompts of
 #                 L tokens (MIXED_DECODE, MIXED_NEW, MIXED_LEN; MIXED_PROFILE=N adds host / kernel / idle profiles)
+#   mixed_short   issue 42: the same admission steps (15 decoding admit 1 / 16 prompts of 30 tokens) with KDA's short
+#                 prefill off and on (TRTLLM_GLM_KDA_SHORT_PREFILL=0, then =64: chunks up to 64 rows through the
+#                 verify kernels), back to back
+#   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
 #   spec_real     issue 43, 4-layer slice, batch 1 / 16: plain, overlap, MTP K=3 fixed and adaptive, MTP rounds at oracle
@@ -132,6 +136,14 @@ for stage in "$@"; do
       timeout "${T_MIXED:-300}" "$PY" -m benchmarks.bench_mixed_step --layers 4 --decode ${MIXED_DECODE:-15 63} \
         --new ${MIXED_NEW:-1 16} --prompt-len ${MIXED_LEN:-30 1024} --profile ${MIXED_PROFILE:-0} \
         --json "$O/mixed.json" 2>&1 | tee "$O/mixed.log" ;;
+    mixed_short)
+      for sp in 0 64; do
+        TRTLLM_GLM_KDA_SHORT_PREFILL=$sp timeout "${T_MIXED_SHORT:-90}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
+          --decode 15 --new 1 16 --prompt-len 30 --json "$O/mixed_short_$sp.json" 2>&1 | tee "$O/mixed_short_$sp.log"
+      done ;;
+    structured)
+      timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \
+        --modes free json ngram ngram-json --json "$O/structured.json" 2>&1 | tee "$O/structured.log" ;;
     serve_old)
       printf 'max_batch_size: 8\nmax_num_tokens: 512\nwarmup: false\ncuda_graph_config:\n  enable_padding: false\n' \
         > /tmp/serve_old.yaml
