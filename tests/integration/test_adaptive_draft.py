@@ -5,6 +5,7 @@ changes from round to round in mixed batches. Every clock here is injected: the 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from spec_helpers import assert_lossless, emulate_graphs
 
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
@@ -471,6 +473,11 @@ def test_mtp_executor_is_adaptive_when_asked(model) -> None:
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=512, max_batch_size=2, max_num_tokens=32, max_seq_len=64)
     ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=True))
     assert isinstance(ex.draft_policy, AdaptiveDraftPolicy) and ex.draft_policy.max_draft_len == 2
+    assert ex.draft_policy.candidates == [0, 1, 2]
+    # With CUDA graphs only 0 and K: the fused draft graph drafts K (an MTP draft of 1 .. K - 1 runs eagerly).
+    graphs = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2]))
+    ex = SpeculativeExecutor(model, graphs, MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=True))
+    assert ex.draft_policy.candidates == [0, 2]
     ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2))
     assert ex.draft_policy is None
     with pytest.raises(ValueError, match="draft_policy.max_draft_len"):
