@@ -331,7 +331,8 @@ def _main(argv: list[str]) -> int:
             value: object = v.get()
         except ValueError as e:
             value = f"error: {e}"
-        print(f"{v.name}={os.environ.get(v.name, '')!s:<8} -> {value}")
+        raw = os.environ.get(v.name)
+        print(f"{v.name:<36} {'unset' if raw is None else repr(raw):<10} -> {value}")
     return 0
 
 
