@@ -1,6 +1,6 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
 above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
-only `triton_interp` and `numerics` (the mode switch, a leaf); `envs` (the settings registry) imports nothing of
+only `triton_interp` and `numerics` (the mode switch); `envs` (the settings registry) imports nothing of
 the package, so every room may read it;
 `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
 `runtime/` (module-level or lazily)."""
