@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
 __all__ = ["VARS", "Backend", "Choice", "Flag", "Float", "Int", "OffAtZero", "Str", "Switch", "Var", "markdown"]
@@ -17,8 +18,9 @@ __all__ = ["VARS", "Backend", "Choice", "Flag", "Float", "Int", "OffAtZero", "St
 T = TypeVar("T")
 
 
-class Var(Generic[T]):
-    """One variable. ``default``: the value while it is unset (and, with ``blank``, while it is empty)."""
+class Var(ABC, Generic[T]):
+    """One variable. ``default``: the value while it is unset (and, with ``blank``, while it is empty). ``blank`` is
+    per variable because the sites differed: those that refused an empty value before the registry still do."""
 
     def __init__(self, name: str, default: T, meaning: str, *, blank: bool = True, read: str = "each use") -> None:
         self.name, self.default, self.meaning, self.blank, self.read = name, default, meaning, blank, read
@@ -33,12 +35,13 @@ class Var(Generic[T]):
             return self.default
         return self.parse(raw)
 
+    @abstractmethod
     def parse(self, raw: str) -> T:
-        raise NotImplementedError
+        """The value of a set variable (ValueError from `bad` when it is not one)."""
 
+    @abstractmethod
     def values(self) -> str:
         """What it accepts, for the docs and the error messages."""
-        raise NotImplementedError
 
     def default_text(self) -> str:
         return "unset" if self.default is None else f"`{self.default}`"
@@ -232,7 +235,7 @@ FP8_LINEAR_BACKEND = Backend("TRTLLM_GLM_FP8_LINEAR_BACKEND", "FP8 linear", "blo
 TAIL_RING_BACKEND = Backend("TRTLLM_GLM_TAIL_RING_BACKEND", "tail ring", "the indexer tail ring's verify rollback")
 KDA_GATE_BACKEND = Backend("TRTLLM_GLM_KDA_GATE_BACKEND", "KDA gate", "KDA decay and beta gates in one launch")
 KDA_CONV_BACKEND = Backend("TRTLLM_GLM_KDA_CONV_BACKEND", "KDA conv", "the KDA short conv + SiLU + q/k norms")
-KPOOL_BACKEND = Choice(
+KPOOL_BACKEND: Choice[str] = Choice(
     "TRTLLM_GLM_KPOOL_BACKEND", Backend.CHOICES, "auto", "the sparse-MLA indexer and attention ops (auto: Triton on "
     "CUDA when it imports)", fold=True,
 )  # fmt: skip
@@ -240,74 +243,82 @@ SPARSE_MLA_IMPL = Str(
     "TRTLLM_GLM_SPARSE_MLA_IMPL", "auto", "triton: never the Hopper (Gluon) sparse-MLA kernel",
     accepts="auto or triton (other values act as auto)", read="at import",
 )  # fmt: skip
-KDA_BACKEND = Choice(
+KDA_BACKEND: Choice[str] = Choice(
     "TRTLLM_GLM_KDA_BACKEND", ("auto", "torch", "fla"), "auto", "KDA prefill / decode: fla-core on CUDA when it "
     "imports; torch also selects the KDA gate, conv and verify references", fold=True,
 )  # fmt: skip
-KDA_VERIFY = Choice(
+KDA_VERIFY: Choice[str | None] = Choice(
     "TRTLLM_GLM_KDA_VERIFY", Backend.CHOICES, None, "KDA verify + commit (unset: torch when "
     "`TRTLLM_GLM_KDA_BACKEND=torch`, else auto)", fold=True, blank=True,
 )  # fmt: skip
-MOE_ALIGN = Choice(
+MOE_ALIGN: Choice[str] = Choice(
     "TRTLLM_GLM_MOE_ALIGN", ("triton", "torch"), "triton", "the fused MoE's expert sort (a graph keeps its capture's)"
 )
 
 # Decode-step fusions and launch options.
-PDL = Switch("TRTLLM_GLM_PDL", None, "programmatic dependent launch of decode kernels on sm_90+ (unset: off, "
-             "except FP8 launches whose tuned knobs ask for it)")  # fmt: skip
-DECODE_FUSE = Switch(
+PDL: Switch[bool | None] = Switch(
+    "TRTLLM_GLM_PDL", None, "programmatic dependent launch of decode kernels on sm_90+ (unset: off, except FP8 "
+    "launches whose tuned knobs ask for it)",
+)  # fmt: skip
+DECODE_FUSE: Switch[bool] = Switch(
     "TRTLLM_GLM_DECODE_FUSE", False, "both decode-step fusions at once where their own variables are unset"
 )
-MHC_FUSE = Switch("TRTLLM_GLM_MHC_FUSE", False, "the fused mHC residual sites of decode", fallback=DECODE_FUSE)
-GREEDY_FUSE_CAST = Switch(
+MHC_FUSE: Switch[bool] = Switch(
+    "TRTLLM_GLM_MHC_FUSE", False, "the fused mHC residual sites of decode", fallback=DECODE_FUSE
+)
+GREEDY_FUSE_CAST: Switch[bool] = Switch(
     "TRTLLM_GLM_GREEDY_FUSE_CAST", False, "the LM head's fp32 cast inside the greedy kernel", fallback=DECODE_FUSE
 )
 MOE_SKIP_DEAD_ROWS = OffAtZero("TRTLLM_GLM_MOE_SKIP_DEAD_ROWS", "the MoE leaves out rows marked dead (`row_live`)")
-FP8_DEQUANT_MIN_ROWS = Int(
+FP8_DEQUANT_MIN_ROWS: Int[int | None] = Int(
     "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS", None, "rows from which a 16-bit CUDA FP8 linear dequantises and calls cuBLAS "
     "(unset: `quant.ops.DEQUANT_MIN_ROWS`)", minimum=1,
 )  # fmt: skip
 
 # The batch-invariant mode (docs/numerics.md).
-BATCH_INVARIANT = Flag(
+BATCH_INVARIANT: Flag[bool | None] = Flag(
     "TRTLLM_GLM_BATCH_INVARIANT", None, "the mode a process starts with, and what `LLM(batch_invariant=None)` "
     "takes (unset: off)", read="at import, and by each LLM",
 )  # fmt: skip
-INVARIANT_BLOCK_M = Int(
+INVARIANT_BLOCK_M: Int[int | None] = Int(
     "TRTLLM_GLM_INVARIANT_BLOCK_M", None, "the invariant GEMM's row tile; one value per process "
     "(unset: `linear.kernels.INVARIANT_BLOCK_M`)", choices=(16, 32, 64), blank=True,
 )  # fmt: skip
-INVARIANT_GROUP_N = Int(
+INVARIANT_GROUP_N: Int[int | None] = Int(
     "TRTLLM_GLM_INVARIANT_GROUP_N", None, "weight tiles per program of the invariant GEMM, the same bits "
     "(unset: `linear.kernels.INVARIANT_GROUP_N`)", choices=(1, 4), blank=True,
 )  # fmt: skip
 
 # Graphs and speculation.
-PIECEWISE = Flag("TRTLLM_GLM_PIECEWISE", None, "prefill / mixed steps as piecewise CUDA graphs; overrides "
-                 "`CudaGraphConfig.piecewise` (unset: the config decides)")  # fmt: skip
+PIECEWISE: Flag[bool | None] = Flag(
+    "TRTLLM_GLM_PIECEWISE", None, "prefill / mixed steps as piecewise CUDA graphs; overrides "
+    "`CudaGraphConfig.piecewise` (unset: the config decides)",
+)  # fmt: skip
 MTP_FUSED_DRAFT = OffAtZero("TRTLLM_GLM_MTP_FUSED_DRAFT", "the whole MTP draft as one CUDA graph where it can")
 MTP_DEFER_DRAFTS = OffAtZero(
     "TRTLLM_GLM_MTP_DEFER_DRAFTS", "a fused draft's tokens stay on the device for the next verify"
 )
 
 # Host side.
-NUM_THREADS = Int(
+NUM_THREADS: Int[int | None] = Int(
     "TRTLLM_GLM_NUM_THREADS", None, "torch's intra-op CPU threads when `LLM(num_threads=None)` (unset: 1 for models "
     "under 50M parameters, else torch's default)", minimum=1, blank=True,
 )  # fmt: skip
-GRAMMAR_SERIAL_MAX = Int(
+GRAMMAR_SERIAL_MAX: Int[int] = Int(
     "TRTLLM_GLM_GRAMMAR_SERIAL_MAX", 16, "grammar requests of a step whose masks are filled on the calling thread "
     "(more: llguidance's pool)", read="at import",
 )  # fmt: skip
-DIST_TIMEOUT = Float(
+DIST_TIMEOUT: Float[float | None] = Float(
     "TRTLLM_GLM_DIST_TIMEOUT", None, "seconds a collective waits for a peer (unset: "
     "`distributed.process_group.DEFAULT_TIMEOUT_S`)",
 )  # fmt: skip
 
 # Set by torchrun, not by hand.
-WORLD_SIZE = Int("WORLD_SIZE", None, "torchrun: the number of processes (> 1: this process is one rank of them)")
-RANK = Int("RANK", None, "torchrun: this process's rank")
-LOCAL_RANK = Int("LOCAL_RANK", None, "torchrun: this process's rank on its host (unset: `RANK`)")
+WORLD_SIZE: Int[int | None] = Int(
+    "WORLD_SIZE", None, "torchrun: the number of processes (> 1: this process is one rank of them)"
+)
+RANK: Int[int | None] = Int("RANK", None, "torchrun: this process's rank")
+LOCAL_RANK: Int[int | None] = Int("LOCAL_RANK", None, "torchrun: this process's rank on its host (unset: `RANK`)")
 
 
 def markdown() -> str:
