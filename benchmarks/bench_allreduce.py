@@ -8,8 +8,8 @@ time its replay (launch cost amortised, as in the executor's decode graphs).
 
 Run on one GPU (world of 1: measures the call and launch overhead of the path) or with torchrun on several:
 
-    python benchmarks/bench_allreduce.py
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 benchmarks/bench_allreduce.py
+    python -m benchmarks.bench_allreduce
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node 2 -m benchmarks.bench_allreduce
 
 NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``; no ``multimem`` symmetric-memory variant is timed). Prints one
 JSON line per (variant, size).
@@ -25,16 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-def _time(fn, iters: int) -> float:
-    """Mean microseconds per call of ``fn`` (``iters`` calls, CUDA events)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / iters
+from benchmarks.harness.timing import loop_us
 
 
 def _graph_of(fn, iters: int) -> torch.cuda.CUDAGraph:
@@ -91,9 +82,9 @@ def main() -> None:
 
         for _ in range(args.warmup):
             nccl()
-        rows.append({"variant": "nccl_eager", "bytes": nbytes, "us": _time(nccl, args.iters)})
+        rows.append({"variant": "nccl_eager", "bytes": nbytes, "us": loop_us(nccl, args.iters)})
         g = _graph_of(nccl, args.iters)
-        rows.append({"variant": "nccl_graph", "bytes": nbytes, "us": _time(g.replay, 1) / args.iters})
+        rows.append({"variant": "nccl_graph", "bytes": nbytes, "us": loop_us(g.replay, 1) / args.iters})
         if symm is not None:
             try:
                 buf = symm.empty(n, device=dev, dtype=torch.bfloat16)
@@ -106,9 +97,11 @@ def main() -> None:
 
                 for _ in range(args.warmup):
                     one_shot()
-                rows.append({"variant": "symm_one_shot_eager", "bytes": nbytes, "us": _time(one_shot, args.iters)})
+                rows.append({"variant": "symm_one_shot_eager", "bytes": nbytes, "us": loop_us(one_shot, args.iters)})
                 g2 = _graph_of(one_shot, args.iters)
-                rows.append({"variant": "symm_one_shot_graph", "bytes": nbytes, "us": _time(g2.replay, 1) / args.iters})
+                rows.append(
+                    {"variant": "symm_one_shot_graph", "bytes": nbytes, "us": loop_us(g2.replay, 1) / args.iters}
+                )
                 torch.testing.assert_close(out.float(), buf.float() * world, rtol=1e-2, atol=1e-2)
             except Exception as e:  # noqa: BLE001 - reported as a row
                 rows.append({"variant": "symm_one_shot", "bytes": nbytes, "error": f"{type(e).__name__}: {e}"})

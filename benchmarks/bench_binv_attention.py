@@ -17,7 +17,7 @@ Each graph replays G steps on disjoint data and slots (together larger than the 
 
 Usage (CUDA machine, repository root)::
 
-    python3 benchmarks/bench_binv_attention.py [--quick] [--json PATH]
+    python -m benchmarks.bench_binv_attention [--quick] [--json PATH]
 
 Without CUDA it prints a message and exits 0.
 """
@@ -26,19 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-
-try:  # run as a script: benchmarks/ is on sys.path
-    from bench_sparse_kernels import _MlaData, graph_us
-except ImportError:  # run as ``python -m benchmarks.bench_binv_attention``
-    from benchmarks.bench_sparse_kernels import _MlaData, graph_us
-
+from benchmarks.bench_sparse_kernels import MlaData
+from benchmarks.harness.timing import graph_us
 from trtllm_glm.attention.sparse.glm_kpool import kernels as KP
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda.ops import kda_commit, kda_gate, kda_verify, l2_normalize
@@ -110,7 +103,7 @@ def kda_cases(dev: torch.device, reps: int) -> list[dict]:
 
 def mla_cases(dev: torch.device, reps: int) -> list[dict]:
     rows = []
-    data = _MlaData(dev, 128)
+    data = MlaData(dev, 128)
     for N in MLA_ROWS:
         G = max(2, min(16, 128 // N))
         batches = [data.batch(N, (i * N) % 128) for i in range(G)]

@@ -7,7 +7,7 @@ the row gives the mean accepted tokens per verify round (root + accepted drafts)
 position, the share of the full head each draft step reads (``N / V``) and the losslessness check. Prompts are
 the held-out stdlib modules (`bench_e2e.held_out_prompt_ids`), greedy.
 
-Usage: ``python benchmarks/bench_draft_vocab.py --sizes full 128 64 32 16 --k 3 --json out.json``
+Usage: ``python -m benchmarks.bench_draft_vocab --sizes full 128 64 32 16 --k 3 --json out.json``
 (``--device cuda --dtype bfloat16`` runs the same on a GPU; CPU numbers are acceptance, not speed).
 """
 
@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import held_out_prompt_ids  # noqa: E402
-
+from benchmarks.harness.prompts import held_out_prompt_ids
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM  # noqa: E402
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
 from trtllm_glm.runtime.lossless import compare_greedy  # noqa: E402

@@ -25,13 +25,13 @@ column says so and ``rounds_ahead`` counts those rounds; needs graphs); ``transf
 reference's ``generate`` on the same weights for scale. With graphs, ``replay_ms`` is the GPU time of the
 step's graph on the run's own steps and ``launch_ms`` the host time of one launch.
 
-Usage: ``python benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
+Usage: ``python -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7 --json out.json``;
 ``--preset tiny --device cpu`` runs the same code path on the CPU (a smoke test; numbers mean little).
 ``--cuda-graphs on`` (or ``both``: eager, then graphs, in one run) replays decode / verify steps as CUDA
 graphs (every batch size up to the case's, padding on), captured before the case's timing starts; the
 ``graphs`` column says which, ``capture_s`` what the capture took.
 
-Several GPUs: ``torchrun --nproc_per_node 4 benchmarks/bench_e2e.py --tp 4 --ep 4 --weights fp8 ...``: each rank
+Several GPUs: ``torchrun --nproc_per_node 4 -m benchmarks.bench_e2e --tp 4 --ep 4 --weights fp8 ...``: each rank
 builds only its share (`Glm5NextForCausalLM.from_config(..., local_init=True)`), runs the same schedule, and rank
 0 prints the rows, which then carry ``world_size``, ``gpu_mem_gib`` (peak allocated, max over ranks),
 ``floor_ms`` / ``floor_gb`` of the busiest rank (its share's bytes at its copy ceiling), ``build_s`` and
@@ -47,11 +47,18 @@ import json
 import os
 import random
 import time
-from collections.abc import Callable
 
 import torch
-from idle_sites import idle_sites
 
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.env_ab import add_env_ab_argument, env_ab
+from benchmarks.harness.floors import floor_bytes
+from benchmarks.harness.hf_reference import run_transformers
+from benchmarks.harness.idle_sites import idle_sites
+from benchmarks.harness.models import random_model
+from benchmarks.harness.profiling import count_launches_and_syncs, host_profile, op_sites, top_kernels
+from benchmarks.harness.prompts import held_out_prompt_ids
+from benchmarks.harness.rows import RANK0, emit, say, write_json
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.numerics import set_batch_invariant
@@ -62,221 +69,6 @@ from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import OracleAcceptanceDrafter, OracleDrafter
-
-
-def copy_ceiling_gbs(device: str) -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), measured now."""
-    if device != "cuda":
-        return float("nan")
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        y.copy_(x)
-    b.record()
-    b.synchronize()
-    return 10 * 2 * x.numel() * 4 / (a.elapsed_time(b) * 1e-3) / 1e9
-
-
-def _weight_bytes(model: Glm5NextForCausalLM, mtp: bool) -> tuple[int, int]:
-    """(dense bytes, routed-expert bytes) of the trunk (``mtp=False``) or of the MTP layer.
-
-    The input embedding is left out: a step reads only its rows' embeddings (counted by the caller).
-    """
-    dense = experts = 0
-    act = model.model.embed_tokens.weight.element_size()
-    for name, p in model.named_parameters():
-        if name.startswith("mtp.") != mtp or name.endswith("embed_tokens.weight"):
-            continue
-        size = p.element_size()
-        if name.endswith("kv_b_proj.weight") and p.dtype == torch.float8_e4m3fn:
-            # The absorbed attention multiplies by the whole matrix: an FP8 kv_b_proj is read as its
-            # dequantised copy (`GlmKpoolSparseMLA._absorbed_fp8`), in the activations' dtype.
-            size = act
-        if ".experts." in name:
-            experts += p.numel() * size
-        else:
-            dense += p.numel() * size
-    return dense, experts
-
-
-def floor_bytes(
-    cfg: Glm5NextConfig,
-    model: Glm5NextForCausalLM,
-    rows: int,
-    batch: int,
-    context: int,
-    mtp_steps: int = 0,
-    expert_rows: float | None = None,
-) -> int:
-    """Bytes one decode/verify step of ``rows`` rows over ``batch`` requests must read at least.
-
-    Dense weights once (the LM head included; of the embedding only the rows' entries); of each MoE layer
-    only the experts the step's tokens can reach (expected distinct experts for ``rows`` tokens of uniform
-    top-k routing); KDA states read and written; per sparse layer the selected latent rows of every row
-    plus the FP8 pool entries it scores. ``mtp_steps`` MTP forwards (an MTP round: the catch-up over the
-    committed rows, then chained steps of one row per request) add the MTP layer's weights each time (its
-    dense part and the experts that ``batch`` tokens reach; the catch-up's extra rows are not counted).
-    ``expert_rows`` (default ``rows``): the rows that reach experts (verify filler rows skip them).
-    """
-    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-
-    def reached(n: int) -> float:
-        return E * (1 - (1 - k / E) ** n) / E
-
-    dense, expert_bytes = _weight_bytes(model, mtp=False)
-    emb = cfg.hidden_size * next(model.parameters()).element_size()
-    total = dense + rows * emb + int(expert_bytes * reached(rows if expert_rows is None else expert_rows))
-    kda_state = cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
-    total += 2 * kda_state * batch * len(cfg.kda_layer_ids)
-    sel = min(context, cfg.index_select_width)
-    per_sparse = rows * sel * cfg.kv_lora_rank * 2 + batch * (context // 4) * 132
-    total += per_sparse * len(cfg.sparse_layer_ids)
-    if mtp_steps:
-        m_dense, m_experts = _weight_bytes(model, mtp=True)
-        head = model.lm_head.weight
-        # The MTP layer's own weights, the LM head it shares with the trunk (each draft step reads it again),
-        # and the selected latent rows of its sparse attention.
-        per_mtp = m_dense + head.numel() * head.element_size() + batch * emb + int(m_experts * reached(batch))
-        total += mtp_steps * (per_mtp + batch * sel * cfg.kv_lora_rank * 2)
-    return total
-
-
-def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
-    """The ``n`` device kernels that took the most time in one call of ``step``: (name, µs, calls), after a
-    first row with the sum over every kernel (GPU busy time and kernel count; the step time minus it is idle).
-
-    Kernels replayed from a CUDA graph are recorded too (CUPTI), so this also breaks down a graph step.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            by_name.setdefault(e.name[:90], []).append(e.device_time_total)
-    rows = sorted(((k, sum(v), len(v)) for k, v in by_name.items()), key=lambda r: -r[1])
-    every = ("(all kernels: busy time, count)", sum(r[1] for r in rows), sum(r[2] for r in rows))
-    return [(k, round(t, 1), c) for k, t, c in [every, *rows[:n]]]
-
-
-# Aten ops that only re-describe memory (no kernel launch).
-_VIEW_OPS = ("view", "_unsafe_view", "t", "detach", "detach_", "slice", "select", "as_strided", "expand",
-             "unsqueeze", "squeeze", "permute", "transpose", "alias", "split", "split_with_sizes", "unbind",
-             "empty", "empty_strided", "empty_like", "lift_fresh", "narrow", "reshape", "chunk", "sym_size",
-             "is_same_size", "new_empty", "new_empty_strided", "resolve_conj", "resolve_neg", "set_")  # fmt: skip
-
-
-def op_sites(step, n: int) -> list[tuple[str, int]]:
-    """The torch ops of one call of ``step`` by call site: the ``n`` busiest (``op @ file:line function`` of the
-    innermost ``trtllm_glm`` frame, calls), after a first row with the total. Each such op is about one kernel
-    launch, so this shows where a step's small launches come from (Triton launches are not torch ops and are
-    not counted). Only eager steps have call sites: a replayed graph is one launch.
-    """
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    count: dict[str, int] = {}
-
-    class _Sites(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            op = func.overloadpacket.__name__
-            if op not in _VIEW_OPS:
-                frames = [f for f in traceback.extract_stack() if "trtllm_glm/" in f.filename]
-                f = frames[-1] if frames else None
-                site = f"{f.filename.split('trtllm_glm/')[-1]}:{f.lineno} {f.name}" if f else "?"
-                key = f"{op} @ {site}"
-                count[key] = count.get(key, 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with _Sites():
-        step()
-    rows = sorted(count.items(), key=lambda r: -r[1])
-    return [("(all torch ops)", sum(count.values())), *rows[:n]]
-
-
-def host_profile(ex, steps: int, n: int) -> list[tuple[str, float, float]]:
-    """Where the host spends a step: the ``n`` package functions with the most cumulative time over up to
-    ``steps`` steps (cProfile), as (``file:line function``, ms per step, calls per step)."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    done = 0
-    prof.enable()
-    while done < steps and ex.has_work:
-        ex.step()
-        done += 1
-    prof.disable()
-    if not done:
-        return []
-    st = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
-    rows = []
-    for (f, line, name), (_, calls, _, cum, _) in st.items():
-        if "trtllm_glm" in f:
-            rows.append((f"{f.split('trtllm_glm/')[-1]}:{line} {name}", 1e3 * cum / done, calls / done))
-    rows.sort(key=lambda r: -r[1])
-    return [(k, round(ms, 3), round(c, 1)) for k, ms, c in rows[:n]]
-
-
-def count_launches_and_syncs(step) -> tuple[int, int]:
-    """Kernel launches and device-to-host synchronisations of one call of ``step`` (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        step()
-    launches = syncs = 0
-    for e in prof.events():
-        n = e.name
-        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch"):
-            launches += 1
-        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") or (n == "cudaMemcpyAsync" and "DtoH" in str(e)):
-            syncs += 1
-    return launches, syncs
-
-
-@torch.no_grad()
-def random_model(cfg: Glm5NextConfig, device: str, dtype: str, seed: int) -> Glm5NextForCausalLM:
-    """A random model initialised on ``device`` itself.
-
-    `Glm5NextForCausalLM.from_config` draws every weight on the CPU (so that a seed gives the same
-    weights everywhere); at real geometry that takes minutes, which a benchmark need not spend.
-    """
-    if device == "cpu":
-        return Glm5NextForCausalLM.from_config(cfg, seed=seed, dtype=dtype, device=device)
-    from trtllm_glm.models.glm5_next import is_fp32_param, resolve_dtype
-
-    with torch.device("meta"):
-        m = Glm5NextForCausalLM(cfg)
-    # Cast on the meta device first: materialising FP32 and then casting would need 1.5x the model's bytes
-    # (the 8-layer slice would not fit in 141 GB).
-    m = m.to(resolve_dtype(dtype)).to_empty(device=device)
-    m.keep_fp32_params_()
-    g = torch.Generator(device=device).manual_seed(seed)
-    std = cfg.initializer_range
-    for name, p in m.named_parameters():
-        if name.endswith(("norm.weight", "layernorm.weight")) or name.endswith("_scale"):
-            p.fill_(1.0)
-        elif name.endswith(("k_norm.bias", "_base", "e_score_correction_bias")):
-            p.zero_()
-        elif name.endswith("A_log"):
-            p.uniform_(0.0, 2.7, generator=g)
-        elif name.endswith("dt_bias") or "compress_ape" in name:
-            p.normal_(0.0, 0.1, generator=g)
-        elif name.endswith("embed_tokens.weight"):
-            p.normal_(0.0, 1.0, generator=g)
-        else:
-            p.normal_(0.0, std, generator=g)
-        assert is_fp32_param(name) or p.dtype == resolve_dtype(dtype)
-    return m.eval()
 
 
 def start_world(args: argparse.Namespace):  # -> tuple[Mapping | None, Comm | None]
@@ -568,87 +360,6 @@ def graph_times(timing: list) -> tuple[float, float]:
     return gpu, 1e3 * sum(t for t, _, _ in timing) / len(timing)
 
 
-def run_transformers(model_cfg: Glm5NextConfig, ours: Glm5NextForCausalLM, batch: int, prompt_len: int, gen: int):
-    """The reference's ``generate`` (greedy, its own cache) on the same trunk weights: tokens/s."""
-    import sys
-
-    sys.path.insert(0, "tests")
-    from hf_reference import VISION_SMALL, _import_reference
-
-    HfConfig, HfModel = _import_reference()
-    text = model_cfg.text_dict()
-    text.pop("num_nextn_predict_layers", None)
-    text.pop("index_share_for_mtp_iteration", None)
-    cfg = HfConfig(text_config=text, vision_config=VISION_SMALL)
-    dev = next(ours.parameters()).device
-    dt = next(ours.parameters()).dtype
-    torch.set_default_dtype(dt)
-    try:
-        with torch.device(dev):
-            hf = HfModel(cfg).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    mtp = f".layers.{model_cfg.num_hidden_layers}."
-    sd = {k: v for k, v in ours.hf_state_dict().items() if mtp not in k}
-    res = hf.load_state_dict(_to_reference_names(sd, hf), strict=False)
-    missing = [k for k in res.missing_keys if ".visual." not in k]
-    if missing or res.unexpected_keys:
-        raise RuntimeError(
-            f"weights do not map onto the reference: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}"
-        )
-    ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device=dev)
-    with torch.no_grad():
-        hf.generate(ids, max_new_tokens=2, do_sample=False)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    return {"tokens_per_s": batch * gen / (time.perf_counter() - t0)}
-
-
-def _to_reference_names(sd: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
-    """Our checkpoint names -> the reference's in-memory names (fused experts and conv taps)."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    convs: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in sd.items():
-        n = k
-        for blk in ("attn", "ffn"):
-            for part in ("fn", "base", "scale"):
-                n = n.replace(f".hc_{blk}_{part}", f".{blk}_hc.{part}")
-        for part in ("f_a_proj", "f_b_proj", "dt_bias", "A_log"):
-            n = n.replace(f".self_attn.{part}", f".self_attn.forget_gate.{part}")
-        if ".mlp.experts." in n:
-            pre, rest = n.split(".mlp.experts.")
-            e, which = rest.split(".", 1)
-            experts.setdefault(pre, {}).setdefault(int(e), {})[which.split(".")[0]] = v
-            continue
-        if any(f".self_attn.{c}_conv1d." in n for c in "qkv"):
-            pre, rest = n.split(".self_attn.")
-            convs.setdefault(pre, {})[rest[0]] = v
-            continue
-        out[n] = v
-    for pre, by_e in experts.items():
-        es = [by_e[e] for e in sorted(by_e)]
-        out[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in es])
-        out[f"{pre}.mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in es])
-    for pre, c in convs.items():
-        out[f"{pre}.self_attn.conv1d.weight"] = torch.cat([c["q"], c["k"], c["v"]])
-    return out
-
-
-# Rank 0 prints; the other ranks of a torchrun world run the same schedule silently.
-_RANK0 = os.environ.get("RANK", "0") == "0"
-
-
-def say(text: str) -> None:
-    """Print on rank 0 only."""
-    if _RANK0:
-        print(text, flush=True)
-
-
 def reduce_max(values: list[float], device: str) -> list[float]:
     """Each value's maximum over the ranks of the torch.distributed world (as they are without one)."""
     import torch.distributed as dist
@@ -677,13 +388,6 @@ def collective_time(step) -> tuple[float, float]:
             if "nccl" in e.name.lower() or "allreduce" in e.name.lower():
                 comm += e.device_time_total
     return comm, busy
-
-
-def emit(row: dict) -> None:
-    """One result row as a JSON line (floats rounded), printed by rank 0."""
-    if not _RANK0:
-        return
-    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
 
 def draft_len(mode: str) -> int:
@@ -731,20 +435,6 @@ def lossless_summary(plain: dict | None, r: dict, batch: int, tol: float) -> dic
         if d is not None:
             out["gaps"].append(None if d.reference_gap is None else round(d.reference_gap, 5))
     return out
-
-
-def held_out_prompt_ids(n: int, length: int) -> list[list[int]]:
-    """``n`` byte-token prompts of about ``length`` bytes from the small preset's held-out stdlib modules."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-    import eval_small
-    import train_small
-
-    _, held = train_small.stdlib_files()
-    texts = eval_small.held_out_prompts(train_small.read_files(held), n, length)
-    return [list(t.encode("utf-8")) for t in texts]
 
 
 def run_trained(args: argparse.Namespace) -> list[dict]:
@@ -858,9 +548,8 @@ def main() -> None:
         "--cuda-graphs", choices=["off", "on", "both"], default="off",
         help="decode / verify steps as CUDA graphs (both: eager, then graphs, in one run)",
     )  # fmt: skip
-    ap.add_argument(
-        "--env-ab", default=None, metavar="VAR=V1,V2",
-        help="run every case once per value of the environment variable VAR (kernel A/B in one process; rows "
+    add_env_ab_argument(
+        ap, "run every case once per value of the environment variable VAR (kernel A/B in one process; rows "
         "carry 'env'), e.g. TRTLLM_GLM_SKINNY_GEMM_BACKEND=torch,auto",
     )  # fmt: skip
     ap.add_argument(
@@ -888,8 +577,7 @@ def main() -> None:
     if args.trained:
         rows_out = run_trained(args)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows_out, f, indent=1)
+            write_json(args.json, rows_out)
         return
     full_cfg = Glm5NextConfig.from_pretrained(args.preset)  # (`base` is the plain row inside the loop)
     mapping, comm = start_world(args)
@@ -1056,9 +744,8 @@ def main() -> None:
         from trtllm_glm.distributed.process_group import shutdown_rank
 
         shutdown_rank()
-    if args.json and _RANK0:
-        with open(args.json, "w") as f:
-            json.dump(rows_out, f, indent=1)
+    if args.json and RANK0:
+        write_json(args.json, rows_out)
 
 
 @torch.no_grad()
@@ -1100,28 +787,6 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
 
     return {"prompt_len": prompt_len, "kl_fp8": kl(lo, fp8), "argmax_fp8": agree(lo, fp8),
             "kl_bf16": kl(hi, lo), "argmax_bf16": agree(hi, lo)}  # fmt: skip
-
-
-def env_ab(spec: str | None) -> tuple[list[str | None], Callable[[str | None], None]]:
-    """``--env-ab VAR=V1,V2``: the settings ``["VAR=V1", "VAR=V2"]`` (``[None]`` without it) and a setter that
-    applies one (``None`` restores the variable as it was). The backends read their variables per call, so a
-    case's executor (and its captured graphs) runs wholly under its setting."""
-    if not spec:
-        return [None], lambda s: None
-    var, sep, vals = spec.partition("=")
-    values = [v for v in vals.split(",") if v]
-    if not sep or not var or not values:
-        raise SystemExit(f"--env-ab: expected VAR=V1,V2, got {spec!r}")
-    before = os.environ.get(var)
-
-    def set_env(setting: str | None) -> None:
-        value = before if setting is None else setting.partition("=")[2]
-        if value is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = value
-
-    return [f"{var}={v}" for v in values], set_env
 
 
 def goal_lines(rows: list[dict]) -> list[str]:

@@ -21,9 +21,9 @@ device-to-device copy timed in the same run (bytes read + written); the issue's 
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py [--quick] [--rows 1,4,16] [--shapes a,b] [--json PATH]
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py --sweep --quick --json SWEEP.json   # tuning, ~3-5 min
-    PYTHONPATH=. python benchmarks/bench_fp8_linear.py --apply SWEEP.json                  # winners -> defaults
+    python -m benchmarks.bench_fp8_linear [--quick] [--rows 1,4,16] [--shapes a,b] [--json PATH]
+    python -m benchmarks.bench_fp8_linear --sweep --quick --json SWEEP.json   # tuning, ~3-5 min
+    python -m benchmarks.bench_fp8_linear --apply SWEEP.json                  # winners -> defaults
 
 ``--sweep`` (rows 1, 4, 16 unless ``--rows`` says otherwise) times every candidate of `CANDIDATES` per case (the
 launch shapes that resolve to the same `Fp8LinearConfig` for a shape are timed once) with the tuned table off
@@ -54,8 +54,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _copy_ceiling, graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
     ("kda.qkv|f_a|g_a", 3 * 8192 + 2 * 128, 4096),
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    ceiling = _copy_ceiling(dev, args.quick)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"L2 {props.L2_cache_size / 2**20:.0f} MiB; copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
     reps = 10 if args.quick else 30
@@ -470,8 +471,7 @@ def apply_tuned(path: str, kernels_py: str = KERNELS_PY) -> int:
 
 
 def _write_json(path: str, device: str, ceiling: float, rows: list[dict], tuned: dict | None = None) -> None:
-    with open(path, "w") as f:
-        json.dump({"device": device, "copy_gbps": ceiling, "rows": rows, "tuned": tuned or {}}, f, indent=1)
+    write_json(path, {"device": device, "copy_gbps": ceiling, "rows": rows, "tuned": tuned or {}})
 
 
 if __name__ == "__main__":

@@ -11,18 +11,19 @@ Real geometry (32 indexer heads x 128, pages of 64 tokens); per case the median 
 
 Each kernel result is first checked against the torch reference (scores to 1e-5 relative, pools bitwise).
 
-    python benchmarks/bench_indexer_keys.py [--quick] [--json out.json]
+    python -m benchmarks.bench_indexer_keys [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import bench_us, do_bench_us
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
@@ -33,9 +34,7 @@ DECODE_ROWS, PREFILL_CHUNK = 128, 16384
 
 
 def _bench(fn: Callable[[], object], quick: bool) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5 if quick else 25, rep=30 if quick else 200, return_mode="median") * 1e3
+    return do_bench_us(fn, 5, 30) if quick else bench_us(fn)
 
 
 def _cache(kd: str, num_pages: int, num_slots: int, dev: torch.device) -> KpoolLayerCache:
@@ -126,8 +125,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     rows = run(args.quick, torch.device("cuda"))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ prints, per M, the geometric mean of invariant / default over the shapes: the mo
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py [--quick] [--fp8] [--json PATH]
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py --sweep --json SWEEP.json   # launch shapes
-    PYTHONPATH=. python benchmarks/bench_invariant_linear.py --apply SWEEP.json          # winners -> defaults
+    python -m benchmarks.bench_invariant_linear [--quick] [--fp8] [--json PATH]
+    python -m benchmarks.bench_invariant_linear --sweep --json SWEEP.json   # launch shapes
+    python -m benchmarks.bench_invariant_linear --apply SWEEP.json          # winners -> defaults
 
 ``--sweep`` times every launch shape of `SWEEP_SPLITS` x `SWEEP_BLOCK_K` x `SWEEP_STAGES` x `SWEEP_WARPS` per
 16-bit weight shape at M = 1 and 16 with the default row tile (the rule alone, ``tuned=False``, is ``rule``), each
@@ -38,14 +38,13 @@ import argparse
 import json
 import math
 import os
-import sys
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import graph_us  # noqa: E402
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import graph_us
 
 SHAPES: list[tuple[str, int, int]] = [
     ("kda.qkv|f_a|g_a|b", 3 * 8192 + 2 * 128 + 64, 4096),
@@ -147,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         gm = math.exp(sum(math.log(r) for r in rs) / len(rs))
         print(f"  M={m:<5} {kind:<8} x{gm:5.2f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
     return 0
 
 
@@ -221,8 +219,7 @@ def sweep(json_path: str | None, props: torch.cuda._CudaDeviceProperties) -> int
             tot["rule"][i] += (rule_ts or best_ts)[m]
         print(f"  -> {name}: {tuned[f'{n},{k}']} ({len(seen)} launch shapes timed)", flush=True)
         if json_path:  # after every shape: a run cut by a time limit keeps the winners found so far
-            with open(json_path, "w") as f:
-                json.dump({"device": props.name, "rows": rows, "tuned": tuned}, f, indent=1)
+            write_json(json_path, {"device": props.name, "rows": rows, "tuned": tuned})
     for i, m in enumerate(SWEEP_ROWS):
         c, r, w, cp = (tot[key][i] for key in ("cublas", "rule", "winner", "copy"))
         print(f"[sum] M={m}: cuBLAS {c:.1f} us, rule {r:.1f}, winners {w:.1f} (x{w / c:.2f}), copy {cp:.1f}")

@@ -13,19 +13,21 @@ and three sequences back to back (one of 2 rows). Also the conv front half alone
 `conv_prefill_reference`) against a copy ceiling measured in the same run: the kernel reads ``x`` (bf16) and
 writes ``q, k, v`` (FP32). Every path is checked against the legacy one before it is timed.
 
-Usage: ``python benchmarks/bench_kda_prefill.py [--rows 8192] [--json out.json] [--sweep]`` (``--sweep``: the conv
+Usage: ``python -m benchmarks.bench_kda_prefill [--rows 8192] [--json out.json] [--sweep]`` (``--sweep``: the conv
 kernel's launch shapes, default ``block_t=32, num_warps=4``). Exits cleanly without CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import event_us
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda.batch import KdaBatch
 from trtllm_glm.kda.layer import KimiDeltaAttention
@@ -36,29 +38,9 @@ from trtllm_glm.transfer import to_device
 _ENV = "TRTLLM_GLM_KDA_CONV_BACKEND"
 
 
-def _time(fn, iters: int = 10) -> float:
-    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls after warm-up."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def _copy_ceiling() -> float:
-    """Device-to-device copy rate, GB/s (bytes read + written)."""
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    ms = _time(lambda: y.copy_(x))
-    return 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
+def _ms(fn, iters: int = 10) -> float:
+    """Median milliseconds of ``fn`` over ``iters`` CUDA-event-timed calls after two warm-up calls."""
+    return event_us(fn, iters, warmup=2) / 1e3
 
 
 @torch.no_grad()
@@ -117,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     rec0 = 0.1 * torch.randn(S, H, K, V, device=dev, generator=gen)
     conv0 = torch.randn(S, C, W - 1, device=dev, generator=gen)
     hidden = torch.randn(R, cfg.hidden_size, device=dev, generator=gen).to(torch.bfloat16)
-    ceiling = _copy_ceiling()
+    ceiling = copy_ceiling_gbs()
     print(f"device {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  rows {R}  "
           f"H={H} K={K} V={V} W={W} hidden={cfg.hidden_size}")  # fmt: skip
 
@@ -142,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         outs = {p: run(p) for p in st}
         ref = outs["legacy"].float()
         errs = {p: ((o.float() - ref).abs().max() / ref.abs().max()).item() for p, o in outs.items()}
-        ms = {p: _time(lambda p=p: run(p), iters=args.iters) for p in st}
+        ms = {p: _ms(lambda p=p: run(p), iters=args.iters) for p in st}
         os.environ.pop(_ENV, None)
         print(f"\n[{name}] rows {R}, q_lens {batch.q_lens}, past {batch.past_lens}")
         for p in st:
@@ -156,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     slots = torch.tensor([3], device=dev)
     cu = torch.tensor([0, R], device=dev)
     pool = conv0.clone()
-    ms_k = _time(lambda: conv_prefill(x, pool, weight, slots, cu, H, K, V, backend="triton"), iters=args.iters)
-    ms_r = _time(lambda: conv_prefill_reference(x, pool, weight, slots, cu, H, K, V), iters=args.iters)
+    ms_k = _ms(lambda: conv_prefill(x, pool, weight, slots, cu, H, K, V, backend="triton"), iters=args.iters)
+    ms_r = _ms(lambda: conv_prefill_reference(x, pool, weight, slots, cu, H, K, V), iters=args.iters)
     moved = R * C * (2 + 4)  # x read (bf16) + q, k, v written (FP32)
     gbps = moved / (ms_k * 1e-3) / 1e9
     print(f"\nconv front half, {R} rows: fused {ms_k:.3f} ms ({gbps:.0f} GB/s, {100 * gbps / ceiling:.0f}% of copy), "
@@ -169,15 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
         sweep = {}
         for bt, nw in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
-            ms = _time(lambda bt=bt, nw=nw: KK.conv_prefill(x, pool, weight, slots, cu, H, K, V, block_t=bt,
+            ms = _ms(lambda bt=bt, nw=nw: KK.conv_prefill(x, pool, weight, slots, cu, H, K, V, block_t=bt,
                                                              num_warps=nw), iters=args.iters)  # fmt: skip
             sweep[f"block_t={bt},num_warps={nw}"] = ms
             g2 = moved / (ms * 1e-3) / 1e9
             print(f"  conv_prefill block_t={bt:<4} num_warps={nw}: {ms:.3f} ms ({100 * g2 / ceiling:.0f}% of copy)")
         results.append({"case": "conv launch sweep", "rows": R, "ms": sweep})
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+        write_json(args.json, {"device": torch.cuda.get_device_name(), "results": results})
     return 0
 
 

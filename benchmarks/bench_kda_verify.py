@@ -21,7 +21,7 @@ reference before timing.
 
 Usage (on a CUDA machine, from the repository root)::
 
-    python3 benchmarks/bench_kda_verify.py [--quick] [--sweep] [--dtype bfloat16] [--json PATH]
+    python -m benchmarks.bench_kda_verify [--quick] [--sweep] [--dtype bfloat16] [--json PATH]
 
 ``--sweep`` also times other launch shapes (``block_v`` x ``num_warps``, and no row-loop prefetch). Without
 CUDA it prints a message and exits 0.
@@ -30,22 +30,16 @@ CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from dataclasses import asdict, dataclass, field
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-
-try:  # the repo's measurement helpers (run as a script, benchmarks/ is on sys.path)
-    from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us
-except ImportError:  # run as ``python -m benchmarks.bench_kda_verify``
-    from benchmarks.bench_sparse_kernels import _bench, _copy_ceiling, _graph_us
-
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
+from benchmarks.harness.timing import bench_us, graph_us_quick
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda import kernels as KK
 from trtllm_glm.kda.ops import fla_kda_available, kda_gate, l2_normalize
@@ -173,16 +167,16 @@ def bench_case(
         raise AssertionError(f"N={N} W={W}: relative error o {case.err_o:.2e}, state {case.err_state:.2e}")
     del ref_pool, got_pool, rec_ref, o_ref
 
-    case.triton_eager_us = _bench(partial(s0.step, pool), quick)
-    case.triton_graph_us = _graph_us([partial(s.step, pool) for s in sets], quick)
-    case.verify_graph_us = _graph_us([partial(s.verify, pool) for s in sets], quick)
+    case.triton_eager_us = bench_us(partial(s0.step, pool), quick)
+    case.triton_graph_us = graph_us_quick([partial(s.step, pool) for s in sets], quick)
+    case.verify_graph_us = graph_us_quick([partial(s.verify, pool) for s in sets], quick)
     recs = [s.verify(pool)[1] for s in sets]
-    case.commit_graph_us = _graph_us([partial(s.commit_only, pool, r) for s, r in zip(sets, recs)], quick)
+    case.commit_graph_us = graph_us_quick([partial(s.commit_only, pool, r) for s, r in zip(sets, recs)], quick)
     t = case.triton_graph_us
     case.gbps = floor / (t * 1e-6) / 1e9
     case.pct_copy = 100 * case.gbps / ceiling
     case.x_floor = t / case.floor_us
-    case.torch_eager_us = _bench(partial(s0.torch_step, pool), quick, slow=True)
+    case.torch_eager_us = bench_us(partial(s0.torch_step, pool), quick, slow=True)
 
     if fla_kda_available():
         from fla.ops.kda import fused_recurrent_kda
@@ -195,8 +189,8 @@ def bench_case(
             )
 
         try:
-            case.fla_eager_us = _bench(partial(fla_call, sets[0], states[0]), quick)
-            case.fla_graph_us = _graph_us([partial(fla_call, s, h0) for s, h0 in zip(sets, states)], quick)
+            case.fla_eager_us = bench_us(partial(fla_call, sets[0], states[0]), quick)
+            case.fla_graph_us = graph_us_quick([partial(fla_call, s, h0) for s, h0 in zip(sets, states)], quick)
         except Exception as e:  # noqa: BLE001 - the yardstick is optional
             case.note += f"fla failed: {type(e).__name__}: {' '.join(str(e).split())[:120]} "
         del states
@@ -210,7 +204,7 @@ def bench_case(
             label = f"bv{bv} w{nw} s{st}"
             try:
                 calls = [partial(s.step, pool, block_v=bv, num_warps=nw, num_stages=st) for s in sets]
-                case.sweep[label] = _graph_us(calls, quick)
+                case.sweep[label] = graph_us_quick(calls, quick)
             except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
                 print(f"    sweep {label}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     case.note += f"G={G} bv={bv_default}"
@@ -231,12 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_kda_verify: CUDA is not available; nothing to benchmark.")
         return 0
-    import triton
 
     dtype = getattr(torch, args.dtype)
-    print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; triton {triton.__version__}")
+    print(device_line(), flush=True)
     print(f"geometry: H={H} K={K} V={V}; inputs {args.dtype}; fla-core importable: {fla_kda_available()}")
-    ceiling = _copy_ceiling(torch.device("cuda"), args.quick)
+    ceiling = copy_ceiling_gbs(torch.device("cuda"), args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     head = (
         f"{'N':>3} {'W':>2} {'triton':>8} {'eager':>8} {'verify':>8} {'commit':>8} {'torch':>9} {'fla':>8} "
@@ -272,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed cases (N, W): {failed}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "H": H, "K": K, "V": V, "cases": [asdict(c) for c in cases]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "H": H, "K": K, "V": V, "cases": [asdict(c) for c in cases]})
     return 1 if failed else 0
 
 

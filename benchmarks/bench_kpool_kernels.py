@@ -10,7 +10,7 @@ checked against the reference (bitwise where the contract says so), so the numbe
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_kpool_kernels.py [--quick] [--json PATH]
+    python -m benchmarks.bench_kpool_kernels [--quick] [--json PATH]
 
 Without CUDA it prints a message and exits with status 0.
 """
@@ -25,6 +25,10 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
+
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line
+from benchmarks.harness.timing import bench_us, do_bench_us
 
 D, H_IDX, P, LATENT = 128, 32, 64, 512
 TOPK_POOLS, WIDTH = 512, 2051
@@ -50,11 +54,7 @@ class Row:
 
 def _bench(fn: Callable[[], object], quick: bool, slow: bool = False) -> float:
     """Median microseconds of ``fn`` (``slow``: a few runs only, for the Python-loop references)."""
-    from triton.testing import do_bench
-
-    if slow:
-        return do_bench(fn, warmup=1, rep=1, return_mode="median") * 1e3
-    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200, return_mode="median") * 1e3
+    return do_bench_us(fn, 1, 1) if slow else bench_us(fn, quick)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -65,15 +65,6 @@ def _valid_e4m3(shape: tuple[int, ...], dev: torch.device) -> torch.Tensor:
     codes = torch.randint(0, 256, shape, dtype=torch.uint8, device=dev)
     codes[(codes & 0x7F) == 0x7F] = 0x3A  # no NaN codes
     return codes.view(torch.float8_e4m3fn)
-
-
-def _copy_ceiling(dev: torch.device, quick: bool) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = _bench(partial(dst.copy_, src), quick)
-    return 2 * n / (t * 1e-6) / 1e9
 
 
 def _matmul_ceiling(dev: torch.device, quick: bool) -> float:
@@ -278,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}", flush=True)
-    ceiling = _copy_ceiling(dev, args.quick)
+    print(device_line(dev), flush=True)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     mm = _matmul_ceiling(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write); fp16 matmul: {mm:.0f} TFLOP/s", flush=True)
     cx = _Ctx(dev, args.quick, ceiling, mm)

@@ -5,7 +5,7 @@ tokens) and of a KDA layer for a batch of requests with a long context, eagerly 
 replay (the sparse layer), and reports achieved bandwidth (weights + cache bytes read) against a
 device-to-device copy ceiling measured in the same run, plus the ratio to the torch-reference backend.
 
-Usage: ``python benchmarks/bench_layers.py [--batch 64] [--context 4096]``. Exits cleanly without CUDA.
+Usage: ``python -m benchmarks.bench_layers [--batch 64] [--context 4096]``. Exits cleanly without CUDA.
 """
 
 from __future__ import annotations
@@ -16,36 +16,14 @@ import sys
 
 import torch
 
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.timing import event_us
 from trtllm_glm.attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda.batch import KdaBatch
 from trtllm_glm.kda.layer import KimiDeltaAttention
-
-
-def _time(fn, iters: int = 20) -> float:
-    """Median microseconds of ``fn`` over ``iters`` CUDA-event-timed calls after warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
-def _copy_ceiling() -> float:
-    x = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
-    y = torch.empty_like(x)
-    us = _time(lambda: y.copy_(x))
-    return 2 * x.numel() * 4 / (us * 1e-6) / 1e9
 
 
 def _param_bytes(m: torch.nn.Module) -> int:
@@ -64,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda")
     cfg = Glm5NextConfig.from_pretrained("glm-5.3-flash")
     B, T, P = args.batch, args.context, 64
-    ceiling = _copy_ceiling()
+    ceiling = copy_ceiling_gbs()
     print(f"device {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  batch {B}  context {T}")
 
     # ---------------------------------------------------------------- sparse MLA layer
@@ -98,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     sel_bytes = B * cfg.index_select_width * cfg.kv_lora_rank * 2  # selected latent rows (bf16)
     idx_bytes = B * (T // 4) * 132  # every complete pool's FP8 key + scale is scored
     moved = w_bytes + sel_bytes + idx_bytes
-    us = _time(step)
+    us = event_us(step)
     rows.append(("sparse MLA decode (triton, eager)", us, moved))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -108,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    rows.append(("sparse MLA decode (triton, graph replay)", _time(graph.replay), moved))
+    rows.append(("sparse MLA decode (triton, graph replay)", event_us(graph.replay), moved))
     os.environ["TRTLLM_GLM_KPOOL_BACKEND"] = "torch"
-    rows.append(("sparse MLA decode (torch reference, eager)", _time(step, iters=5), moved))
+    rows.append(("sparse MLA decode (torch reference, eager)", event_us(step, iters=5), moved))
     os.environ["TRTLLM_GLM_KPOOL_BACKEND"] = "auto"
     del graph
     torch.cuda.empty_cache()
@@ -135,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in ("fla", "torch"):
         kda.backend = backend
         try:
-            us = _time(lambda: kda(h, kmeta, state), iters=20 if backend == "fla" else 5)
+            us = event_us(lambda: kda(h, kmeta, state), iters=20 if backend == "fla" else 5)
         except Exception as e:  # noqa: BLE001 - a missing fla-core is reported, not fatal
             print(f"KDA backend {backend}: {type(e).__name__}: {e}")
             continue

@@ -22,12 +22,12 @@ Prefill rows (N in {128, 256, 1024, 8192}): ``mhc_pre`` alone, graph-replayed ov
 FMA path (``path="fma"``, IEEE fp32 ``tl.dot``) and on the tensor-core path (``path="tc"``: ``mma="split3"``, the
 default, ``"split3_chain"``, and Triton's ``"tf32x3"`` and ``"bf16x6"``) in the same run; ``proj`` rows time the
 projection alone (`mix_partials`; floor: the streams and ``fn`` read once). Each variant's ``pre`` / ``post`` /
-``comb`` max rel error against the fp64 weights (tests/mhc_fp64.py) is printed and in its note. ``mhc_post`` alone
-at the same N for context.
+``comb`` max rel error against the fp64 weights (benchmarks/harness/mhc_fp64.py) is printed and in its note.
+``mhc_post`` alone at the same N for context.
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_mhc.py [--quick] [--sweep] [--prefill-only] [--json PATH]
+    python -m benchmarks.bench_mhc [--quick] [--sweep] [--prefill-only] [--json PATH]
 
 ``--sweep`` also times other launch shapes (the projection's split and block_k, the hidden slice per
 program of the collapse and of the expand; at prefill sizes the tensor-core path's block_n, block_k, split and
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from dataclasses import asdict, dataclass
@@ -46,8 +45,8 @@ from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.timing import bench_us, graph_us_quick
 
 ROWS = (1, 16, 64, 128)
 PREFILL_ROWS = (128, 256, 1024, 8192)  # 128 and 256: where the tensor-core path starts to pay (TC_MIN_ROWS)
@@ -106,7 +105,7 @@ class _Bench:
         self.K, self.R = K, R
         self.quick, self.sweep = quick, sweep
         self.dev = torch.device("cuda")
-        self.ceiling = _copy_ceiling(self.dev, quick)
+        self.ceiling = copy_ceiling_gbs(self.dev, quick)
         self.fns, self.bases, self.scales = _params(CHAIN, self.dev)
         self.rows: list[Row] = []
 
@@ -156,23 +155,23 @@ class _Bench:
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
         ndiff = (got != want).float().mean().item()
         print(f"N={n}: block max rel err vs reference {err:.1e} ({ndiff:.3%} of bf16 values differ)")
-        t_ref = _graph_us([partial(self.chain, streams, "torch")], q) / CHAIN
-        t_ref_eager = _bench(partial(self.chain, streams, "torch", hot=True), q, slow=True) / CHAIN
-        t_k = _graph_us([partial(self.chain, streams, "triton")], q) / CHAIN
+        t_ref = graph_us_quick([partial(self.chain, streams, "torch")], q) / CHAIN
+        t_ref_eager = bench_us(partial(self.chain, streams, "torch", hot=True), q, slow=True) / CHAIN
+        t_k = graph_us_quick([partial(self.chain, streams, "triton")], q) / CHAIN
         self.record("kernels (pre+post)", n, t_k, ref_g=t_ref, ref_e=t_ref_eager, note=f"err {err:.1e}")
-        self.record("kernels hot L2", n, _graph_us([partial(self.chain, streams, "triton", hot=True)], q) / CHAIN)
-        self.record("  mhc_pre alone", n, _graph_us([partial(self.pre_chain, streams)], q) / CHAIN, "pre")
+        self.record("kernels hot L2", n, graph_us_quick([partial(self.chain, streams, "triton", hot=True)], q) / CHAIN)
+        self.record("  mhc_pre alone", n, graph_us_quick([partial(self.pre_chain, streams)], q) / CHAIN, "pre")
         x_in, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW)
-        t_post = _graph_us([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN
+        t_post = graph_us_quick([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN
         self.record("  mhc_post alone", n, t_post, "post")
         if self.sweep:
             for split, bk in ((32, 32), (64, 32), (256, 32), (128, 64), (128, 16)):
-                t = _graph_us([partial(self.pre_chain, streams, split=split, block_k=bk)], q) / CHAIN
+                t = graph_us_quick([partial(self.pre_chain, streams, split=split, block_k=bk)], q) / CHAIN
                 self.record(f"  pre split={split} bk={bk}", n, t, "pre")
             for bd in (256, 512, 2048):
-                t = _graph_us([partial(self.pre_chain, streams, block_d=bd)], q) / CHAIN
+                t = graph_us_quick([partial(self.pre_chain, streams, block_d=bd)], q) / CHAIN
                 self.record(f"  pre block_d={bd}", n, t, "pre")
-                t = _graph_us([partial(self.post_chain, streams, x_in, post, comb, block_d=bd)], q) / CHAIN
+                t = graph_us_quick([partial(self.post_chain, streams, x_in, post, comb, block_d=bd)], q) / CHAIN
                 self.record(f"  post block_d={bd}", n, t, "post")
 
     def prefill_chain(self, streams: list[torch.Tensor], proj: bool = False, **launch) -> None:
@@ -187,8 +186,7 @@ class _Bench:
 
     def prefill_case(self, n: int) -> None:
         """``mhc_pre`` at prefill sizes: old (FMA) and new (tensor-core) paths in the same run, with errors."""
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-        from mhc_fp64 import mhc_weights_fp64
+        from benchmarks.harness.mhc_fp64 import mhc_weights_fp64
 
         q = self.quick
         gen = torch.Generator(device=self.dev).manual_seed(200 + n)
@@ -208,12 +206,12 @@ class _Bench:
         for name, launch in variants.items():
             _, pre, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW, return_pre=True, **launch)
             err = max(((g.double() - w).abs().max() / w.abs().max()).item() for g, w in zip((pre, post, comb), want))
-            t = _graph_us([partial(self.prefill_chain, bufs, **launch)], q) / CHAIN
+            t = graph_us_quick([partial(self.prefill_chain, bufs, **launch)], q) / CHAIN
             base_t = base_t or t
             note = f"max rel err of pre/post/comb vs fp64 {err:.2e}; x{base_t / t:.1f} faster than the old path"
             self.record(f"  pre {name}", n, t, "pre", note=note)
             print(f"      {note}")
-            t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
+            t = graph_us_quick([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
             self.record(f"  proj {name}", n, t, "proj")
         if self.sweep:
             for bn, bk, split, nw in (
@@ -221,11 +219,14 @@ class _Bench:
                 (128, 64, 2, 8), (128, 64, 8, 8), (128, 64, 16, 8), (256, 64, None, 8),
             ):  # fmt: skip
                 launch = dict(path="tc", block_n=bn, block_k=bk, split=split, num_warps=nw)
-                t = _graph_us([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
+                t = graph_us_quick([partial(self.prefill_chain, bufs, proj=True, **launch)], q) / CHAIN
                 self.record(f"  proj tc {bn}x{bk} s={split or 'auto'} w{nw}", n, t, "proj")
         x_in, post, comb = self.K.mhc_pre(streams, f0, b0, s0, **KW)
         self.record(
-            "  mhc_post alone", n, _graph_us([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN, "post"
+            "  mhc_post alone",
+            n,
+            graph_us_quick([partial(self.post_chain, streams, x_in, post, comb)], q) / CHAIN,
+            "post",
         )
 
 

@@ -13,7 +13,7 @@ requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each 
 - ``host_top`` / ``host_own``: package functions by cumulative host time and any functions by own time (cProfile),
   ``idle_sites``: who the device waited for, ``sync_sites``: where the host waited for the device.
 
-Usage (GPU): ``python benchmarks/bench_mixed_step.py --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
+Usage (GPU): ``python -m benchmarks.bench_mixed_step --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
 --json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test). Piecewise CUDA
 graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-args '{"cuda_graph_config":
 {"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` of one admission.
@@ -24,17 +24,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import count_launches_and_syncs, random_model, top_kernels  # noqa: E402
-from idle_sites import idle_sites  # noqa: E402
-from sync_sites import sync_sites  # noqa: E402
-
+from benchmarks.harness.host_syncs import sync_sites
+from benchmarks.harness.idle_sites import idle_sites
+from benchmarks.harness.models import random_model
+from benchmarks.harness.profiling import count_launches_and_syncs, top_kernels
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402

@@ -24,7 +24,7 @@ kernels at every size on CUDA, with `kernels.large_m_launch` at prefill sizes).
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_moe.py [--quick] [--sweep] [--weights bf16|fp8|both] [--json PATH]
+    python -m benchmarks.bench_moe [--quick] [--sweep] [--weights bf16|fp8|both] [--json PATH]
 
 Where N is a multiple of 8, a ``live 3k/N`` case times the same call with ``row_live`` flagging rows 3..7 of
 every 8 dead (width-8 verify rows whose sequence proposed 2 drafts: the rest is filler); its floor counts the
@@ -38,16 +38,15 @@ N = 16 within 1.3x its bytes floor. Without CUDA it prints a message and exits 0
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _bench, _copy_ceiling, _graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
+from benchmarks.harness.timing import bench_us, graph_us_quick
 
 ROWS = (1, 8, 16, 64, 128)
 GRAPH_CALLS = 10
@@ -154,14 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe: CUDA is not available; nothing to benchmark.")
         return 0
-    import triton
 
     from trtllm_glm.moe import kernels as K
     from trtllm_glm.moe import ops as R
 
     dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; triton {triton.__version__}")
-    ceiling = _copy_ceiling(dev, args.quick)
+    print(device_line(dev), flush=True)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     m = _layer(dev)
     w13, w2 = m.stacked_expert_weights()
@@ -190,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             _point_experts(m, weights)
             loop_us = None
             if not args.no_loop:
-                loop_us = _bench(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
+                loop_us = bench_us(partial(m._routed_loop, x, ids, w), args.quick, slow=n >= 64)
             wts = dict(weights)
             wa, wb = wts.pop("w_gate_up"), wts.pop("w_down")
             ref = R.fused_moe_ref(x, ids, w, wa, wb, limit, **wts)
@@ -219,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = distinct * expert_bytes + n * h * (2 + 4)
                 try:
                     call = partial(K.fused_moe, x, ids, w, wa, wb, limit, out=out, **wts, **kw)
-                    eager_us = _bench(call, args.quick)
-                    graph_us = _graph_us([call] * GRAPH_CALLS, args.quick)
+                    eager_us = bench_us(call, args.quick)
+                    graph_us = graph_us_quick([call] * GRAPH_CALLS, args.quick)
                 except Exception as ex:  # noqa: BLE001 - a launch shape that does not compile is reported
                     print(f"  N={n} {fmt} {label}: FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
                     continue
@@ -260,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "met" if r.floor_ratio <= 1.3 else "NOT met"
             print(f"goal (FP8 MoE at N=16 <= 1.3x its bytes floor): x{r.floor_ratio:.2f} floor, {verdict}{vs}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "rows": [asdict(r) for r in rows]})
     return 0
 
 

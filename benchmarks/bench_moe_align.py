@@ -5,26 +5,24 @@ per row), with and without ``row_live`` flags. Times: CUDA-graph replay of ``GRA
 divided by that count (the sort runs on the critical path before the grouped GEMMs of every MoE layer), for
 the library's `moe_align` (the register-sort kernel at these sizes: up to 4096 pairs) and the torch ops of
 `trtllm_glm.moe.ops.moe_align` (what it runs above that). Both are checked to give the reference's layout
-first. ``benchmarks/results/moe_align_chunked_h200_2026-12-02.log`` also times a chunked single-program kernel the
-library had before (removed: slower than the torch ops from 64 rows on).
+first. ``benchmarks/results/kernels/moe_align_chunked_h200_2026-12-02.log`` also times a chunked single-program
+kernel the library had before (removed: slower than the torch ops from 64 rows on).
 
 Usage (CUDA machine, repository root)::
 
-    PYTHONPATH=. python3 benchmarks/bench_moe_align.py [--json PATH]
+    python -m benchmarks.bench_moe_align [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import graph_us  # noqa: E402
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import graph_us
 
 ROWS = (1, 8, 16, 64, 128, 256, 512)
 GRAPH_CALLS = 20
@@ -60,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"n": n, "live": tag, "variant": name, "us": us, "layout_ok": ok})
                 print(f"N={n:<4} {tag:<9} {name:<27} {us:7.2f} us  {'ok' if ok else 'LAYOUT MISMATCH'}", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
     return 0
 
 

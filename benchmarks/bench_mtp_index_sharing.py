@@ -2,7 +2,7 @@
 
 Prompts are 600-character windows of a held-out standard-library module (``textwrap``, never trained
 on); greedy, 64 new tokens each. Prints the mean accepted length and the per-position acceptance for
-K = 3 and 5 with sharing off and on. CPU is enough (``python benchmarks/bench_mtp_index_sharing.py``).
+K = 3 and 5 with sharing off and on. CPU is enough (``python -m benchmarks.bench_mtp_index_sharing``).
 """
 
 from __future__ import annotations

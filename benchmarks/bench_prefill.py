@@ -23,14 +23,14 @@ of each ``--lens`` length (random tokens, prefix cache off) through ``LLM.genera
   a prefill of ``2 * chunk + 1`` tokens, then the indexer's score / top-k launches at every power-of-two score
   width up to the prompt's, `warm_indexer_shapes`);
 * ``decode_ms_per_token`` (the longest prompt, ``--decode N`` tokens after it);
-* ``ttft_ms_ab`` (``--ab-env VAR=VALUE``, prompts up to ``--ab-max-len``): one more cold prompt with that variable
+* ``ttft_ms_ab`` (``--env-ab VAR=VALUE``, prompts up to ``--ab-max-len``): one more cold prompt with that variable
   set, e.g. ``TRTLLM_GLM_MOE_BACKEND=torch`` for the MoE's per-expert loop that prefill used before.
 
 ``--transformers`` adds the reference's TTFT (its ``generate`` with one new token, same weights) at the lengths up
 to ``--transformers-max-len`` (its attention masks are dense: 32K needs > 100 GB). ``[goal]`` lines: TTFT <= 3x
 the floor at 32K and 128K on the 4-layer slice; the longest prompt completes.
 
-Usage (one H200): ``python benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192
+Usage (one H200): ``python -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 131072 1048000 --chunks 8192
 --json out.json``; ``--preset small --device cpu --lens 512 --chunks 128`` runs the same code on the CPU (a smoke
 test; numbers mean little).
 """
@@ -47,114 +47,18 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-from bench_e2e import emit, random_model, run_transformers, say, top_kernels
 
+from benchmarks.harness.ceiling import matmul_tflops
+from benchmarks.harness.env_ab import add_env_ab_argument
+from benchmarks.harness.floors import floor_ms, prefill_flops
+from benchmarks.harness.hf_reference import run_transformers
+from benchmarks.harness.models import random_model
+from benchmarks.harness.profiling import top_kernels
+from benchmarks.harness.rows import emit, say, write_json
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
 from trtllm_glm.runtime.llm import LLM, KvCacheConfig
 from trtllm_glm.runtime.sampling import SamplingParams
-
-# Op classes of `prefill_flops` and of the timed ranges.
-FLOP_CLASSES = ("kda_proj", "kda_core", "mla_proj", "indexer_score", "sparse_mla", "mlp", "moe_routed", "other_gemm")
-KDA_CHUNK = 64  # fla's chunk length (the intra-chunk part of the FLOP count)
-
-
-# ------------------------------------------------------------------------------------------------------
-# The compute floor
-# ------------------------------------------------------------------------------------------------------
-def _pool_rows(n: int) -> int:
-    """``sum_{t < n} floor((t + 1) / 4)``: (query row, complete pool) pairs the indexer scores over a prompt."""
-    q, r = divmod(n, 4)
-    return 2 * q * (q - 1) + q * (r + 1)
-
-
-def _selected_rows(n: int, width: int) -> int:
-    """``sum_{t < n} min(t + 1, width)``: (query row, selected token) pairs of sparse MLA over a prompt."""
-    if n <= width:
-        return n * (n + 1) // 2
-    return width * (width + 1) // 2 + (n - width) * width
-
-
-def prefill_flops(cfg: Glm5NextConfig, model: Glm5NextForCausalLM, n: int) -> dict[str, float]:
-    """FLOPs of one ``n``-token prefill of ``model``'s trunk, per op class (multiply-adds count 2).
-
-    * Weight GEMMs: ``2 * numel`` per token of every matrix-shaped trunk parameter (``p.dim() >= 2``: linears,
-      depthwise conv taps, mHC maps), by where it lives: ``kda_proj`` (a KDA layer's ``self_attn``), ``mla_proj``
-      (a sparse-MLA layer's, indexer projections included; ``kv_b_proj`` is applied absorbed, as two einsums of the
-      same FLOPs), ``mlp`` (dense MLPs and shared experts), ``other_gemm`` (mHC); routed experts count
-      ``top_k`` of them per token (``moe_routed``), and ``lm_head`` one row. FP8 scale grids are left out.
-    * ``kda_core``: per token and head ``6 dk dv`` (state read for the output and for the delta, state update) plus
-      ``3 C (dk + dv)`` (the intra-chunk products, ``C = 64``); an approximation of fla's chunk algorithm.
-    * ``indexer_score``: ``2 * index_n_heads * 128`` per (row, complete pool) pair, per layer with its own indexer.
-    * ``sparse_mla``: ``4 * heads * (kv_lora_rank + rope)`` per (row, selected token) pair (scores and values on
-      the latent), up to ``index_topk`` tokens per row, per sparse-MLA layer.
-    """
-    out = dict.fromkeys(FLOP_CLASSES, 0.0)
-    trunk = model.model.layers[: cfg.num_hidden_layers]
-    for i, layer in enumerate(trunk):
-        kda = i in cfg.kda_layer_ids
-        for name, p in layer.named_parameters():
-            if p.dim() < 2 or name.endswith("_scale_inv") or ".experts." in name:
-                continue
-            if name.startswith("self_attn."):
-                cls = "kda_proj" if kda else "mla_proj"
-            elif name.startswith("mlp."):
-                cls = "mlp"
-            else:
-                cls = "other_gemm"
-            out[cls] += 2.0 * p.numel() * n
-        if cfg.is_moe_layer(i):
-            out["moe_routed"] += 2.0 * 3 * cfg.hidden_size * cfg.moe_intermediate_size * cfg.num_experts_per_tok * n
-        if kda:
-            dk = dv = cfg.kda_head_dim
-            out["kda_core"] += float(n) * cfg.kda_num_heads * (6 * dk * dv + 3 * KDA_CHUNK * (dk + dv))
-        else:
-            r = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-            out["sparse_mla"] += 4.0 * cfg.num_attention_heads * r * _selected_rows(n, cfg.index_topk)
-            if not cfg.shares_indexer(i):
-                out["indexer_score"] += 2.0 * cfg.index_n_heads * cfg.index_head_dim * _pool_rows(n)
-    out["other_gemm"] += 2.0 * cfg.vocab_size * cfg.hidden_size  # lm_head on the last row
-    return out
-
-
-def matmul_tflops(device: str, kind: str = "bf16", n: int = 8192) -> float:
-    """Dense ``n x n x n`` matmul rate measured now (TFLOP/s): ``bf16`` (``torch.mm``) or ``fp8``
-    (``torch._scaled_mm``, e4m3 with tensor-wise scales); ``nan`` off CUDA or where FP8 GEMMs are missing."""
-    if device != "cuda":
-        return float("nan")
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    if kind == "bf16":
-        step: Callable[[], object] = lambda: torch.mm(a, b)  # noqa: E731
-    else:
-        try:
-            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-            one = torch.ones((), device="cuda")
-            step = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)  # noqa: E731
-            step()
-        except (RuntimeError, AttributeError):
-            return float("nan")
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        step()
-    e1.record()
-    e1.synchronize()
-    return 20 * 2 * n**3 / (e0.elapsed_time(e1) * 1e-3) / 1e12
-
-
-def floor_ms(flops: dict[str, float], bf16_tflops: float, fp8_tflops: float, fp8_weights: bool) -> dict[str, float]:
-    """Milliseconds of each class at its rate: weight GEMMs at the FP8 rate with FP8 weights, the rest (and the
-    indexer's fp16 dots) at the bf16 rate."""
-    weight = ("kda_proj", "mla_proj", "mlp", "moe_routed", "other_gemm")
-    out = {}
-    for k, f in flops.items():
-        rate = fp8_tflops if fp8_weights and k in weight and fp8_tflops == fp8_tflops else bf16_tflops
-        out[k] = f / (rate * 1e12) * 1e3
-    return out
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -451,12 +355,12 @@ def main() -> None:
     ap.add_argument("--profile-kernels", type=int, default=0, help="N costliest kernels of the 32K (or last) prompt")
     ap.add_argument("--transformers", action="store_true", help="also the reference's TTFT")
     ap.add_argument("--transformers-max-len", type=int, default=32768)
-    ap.add_argument(
-        "--ab-env", default=None, metavar="VAR=VALUE",
-        help="also time one more cold prompt per length with this environment variable set (ttft_ms_ab), e.g. "
-        "TRTLLM_GLM_MOE_BACKEND=torch: the per-expert loop prefill took before",
+    add_env_ab_argument(
+        ap, "also time one more cold prompt per length with this environment variable set (ttft_ms_ab), e.g. "
+        "TRTLLM_GLM_MOE_BACKEND=torch: the per-expert loop prefill took before (--ab-env: the old spelling)",
+        metavar="VAR=VALUE",
     )  # fmt: skip
-    ap.add_argument("--ab-max-len", type=int, default=32768, help="longest prompt of the --ab-env timing")
+    ap.add_argument("--ab-max-len", type=int, default=32768, help="longest prompt of the --env-ab timing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     cap = {int(a): int(b) for a, b in (s.split(":") for s in args.max_len_by_layers)}
@@ -504,8 +408,8 @@ def main() -> None:
                        "floor_ms_by_class": {k: round(v, 2) for k, v in per.items()}}  # fmt: skip
                 if ws is not None:
                     row["est_workspace_gib"] = ws / 2**30
-                if args.ab_env and n <= args.ab_max_len:
-                    var, value = args.ab_env.split("=", 1)
+                if args.env_ab and n <= args.ab_max_len:
+                    var, value = args.env_ab.split("=", 1)
                     old = os.environ.get(var)
                     os.environ[var] = value
                     try:
@@ -515,7 +419,7 @@ def main() -> None:
                             os.environ.pop(var)
                         else:
                             os.environ[var] = old
-                    row["ab_env"], row["ttft_ms_ab"] = args.ab_env, ab["ttft_ms"]
+                    row["ab_env"], row["ttft_ms_ab"] = args.env_ab, ab["ttft_ms"]
                 if n <= args.attribute_max_len:
                     with timer.timing():
                         timed_prompt(llm, prompt_ids(n, cfg.vocab_size, 200 + i), 0, dev)
@@ -554,8 +458,7 @@ def main() -> None:
 def save(path: str | None, rates: dict[str, float], rows: list[dict]) -> None:
     """The run so far as JSON (rates, rows, goal lines)."""
     if path:
-        with open(path, "w") as f:
-            json.dump({"rates_tflops": rates, "rows": rows, "goals": goal_lines(rows)}, f, indent=1)
+        write_json(path, {"rates_tflops": rates, "rows": rows, "goals": goal_lines(rows)})
 
 
 if __name__ == "__main__":

@@ -7,24 +7,19 @@ then a second request with the same prompt but a different last token (hit: it r
 the last page boundary and computes the rest). Reports TTFT of both, the tokens reused, the time spent
 taking checkpoints (device-synchronised around each) and their bytes.
 
-Usage: ``python benchmarks/bench_prefix_cache.py --layers 4 --lengths 4096 32768 --json out.json``;
+Usage: ``python -m benchmarks.bench_prefix_cache --layers 4 --lengths 4096 32768 --json out.json``;
 ``--preset tiny --device cpu --lengths 200`` runs the same code on the CPU (a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import emit, write_json
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig  # noqa: E402
@@ -91,13 +86,12 @@ def main() -> None:
                "checkpoint_ms_each": 1e3 * sum(taken) / max(1, len(taken)),
                "checkpoint_bytes_total": ex.prefix.store.nbytes, "dtype": args.dtype}  # fmt: skip
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        emit(row)
         del ex
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

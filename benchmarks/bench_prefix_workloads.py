@@ -19,29 +19,25 @@ requests after the second) against the TTFT of a ``--q-len``-token prompt alone,
 (peak bytes, the bound).
 
 CPU (``small`` preset, random token ids; ~3 min on one core):
-    python benchmarks/bench_prefix_workloads.py --preset small --device cpu --json out.json
+    python -m benchmarks.bench_prefix_workloads --preset small --device cpu --json out.json
 H200 (the 4-layer real-geometry slice, random weights drawn on the device as bench_e2e.py does):
-    python benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 --json out.json
+    python -m benchmarks.bench_prefix_workloads --preset glm-5.3-flash --layers 4 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import emit, write_json
 from trtllm_glm import LLM, KvCacheConfig  # noqa: E402
 from trtllm_glm.cache.prefix import PrefixStats  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
@@ -267,11 +263,10 @@ def main() -> None:
         extra["wall_s"] = time.perf_counter() - t0
         row = report(w, t, ex, short, {**settings, **extra})
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        emit(row)
         del ex, run
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

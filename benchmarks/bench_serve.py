@@ -508,11 +508,9 @@ def save_slice(args: argparse.Namespace) -> None:
     """Draw the ``--layers`` slice of the preset (seed 0, on the GPU when there is one) and save it."""
     import torch
 
+    from benchmarks.harness.models import random_model  # a slice drawn on the GPU itself, as bench_e2e times it
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import subset_config
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_e2e import random_model  # a slice drawn on the GPU itself, as bench_e2e times it
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     full = Glm5NextConfig.from_pretrained(args.model)

@@ -19,7 +19,7 @@ the copy bandwidth). ``vs torch`` = torch time / kernel time. Each variant is ch
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_skinny_gemm.py [--quick] [--sweep] [--json PATH]
+    python -m benchmarks.bench_skinny_gemm [--quick] [--sweep] [--json PATH]
 
 ``--sweep`` also times other launch shapes (``split_k``, ``block_k``, ``num_stages``, ``num_warps``) per case; the
 summary names the best. Without CUDA it prints a message and exits 0.
@@ -28,17 +28,16 @@ summary names the best. Without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse_kernels import _copy_ceiling, graph_us  # noqa: E402
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.timing import graph_us
 
 HIDDEN = 4096
 SHAPES = (288, 32)
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    ceiling = _copy_ceiling(dev, args.quick)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"device: {props.name}; torch {torch.__version__}; triton {triton.__version__}; "
           f"L2 {props.L2_cache_size / 2**20:.0f} MiB; copy ceiling {ceiling:.0f} GB/s")  # fmt: skip
     reps = 10 if args.quick else 30
@@ -185,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write_json(path: str, device: str, ceiling: float, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump({"device": device, "copy_gbps": ceiling, "rows": rows}, f, indent=1)
+    write_json(path, {"device": device, "copy_gbps": ceiling, "rows": rows})
 
 
 if __name__ == "__main__":

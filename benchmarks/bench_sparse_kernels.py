@@ -15,7 +15,7 @@ by the kernel's eager time. Each kernel's output is checked against the referenc
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_sparse_kernels.py [--quick] [--sweep] [--json PATH] [--only mla|topk]
+    python -m benchmarks.bench_sparse_kernels [--quick] [--sweep] [--json PATH] [--only mla|topk]
         [--rows 1,16,64,128] [--variants "default,triton bw64 s2"] [--no-torch]
 
 ``--sweep`` also times alternative launch shapes (tuning): every entry of ``MLA_VARIANTS`` unless
@@ -26,14 +26,16 @@ Without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
+
+from benchmarks.harness.ceiling import copy_ceiling_gbs
+from benchmarks.harness.rows import device_line, write_json
+from benchmarks.harness.timing import bench_us, graph_us_quick
 
 H, RANK, P, WIDTH = 64, 512, 64, 2051
 TOPK_POOLS = 512
@@ -56,58 +58,6 @@ class Row:
     ref_us: float | None
     vs_torch: float | None
     note: str = ""
-
-
-def _bench(fn: Callable[[], object], quick: bool, slow: bool = False) -> float:
-    """Median microseconds of ``fn`` over do_bench repetitions (L2 flushed before each)."""
-    from triton.testing import do_bench
-
-    if slow:
-        return do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e3
-    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 200, return_mode="median") * 1e3
-
-
-def graph_us(calls: list[Callable[[], object]], reps: int) -> float:
-    """Microseconds per call of a CUDA graph replaying ``calls`` in order (median over ``reps`` replays)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:  # warm-up (compilation, allocator) outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    times.sort()
-    return times[len(times) // 2]
-
-
-def _graph_us(calls: list[Callable[[], object]], quick: bool) -> float:
-    return graph_us(calls, 10 if quick else 30)
-
-
-def _copy_ceiling(dev: torch.device, quick: bool) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
-    n = 1 << 30
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t = _bench(partial(dst.copy_, src), quick)
-    del src, dst
-    return 2 * n / (t * 1e-6) / 1e9
 
 
 class _Ctx:
@@ -135,7 +85,7 @@ class _Ctx:
         print(f"  {name:<44} eager {t_eager:8.1f} us  graph {g} us  {gbps:6.0f} GB/s  x{t / floor_us:5.2f} floor")
 
 
-class _MlaData:
+class MlaData:
     """128 sequences of CTX tokens on permuted pages, and per-row selections of WIDTH tokens each."""
 
     def __init__(self, dev: torch.device, n_seqs: int) -> None:
@@ -203,7 +153,7 @@ def _mla_block_w(mod, kw: dict, q: torch.Tensor, cache: torch.Tensor) -> int:
 def bench_sparse_mla(cx: _Ctx) -> None:
     """Sparse MLA at the row counts of ``cx.mla_rows``; default launch, then (with --sweep) alternatives."""
     K, R, dev = cx.K, cx.R, cx.dev
-    data = _MlaData(dev, max(MLA_ROWS))
+    data = MlaData(dev, max(MLA_ROWS))
     mod = K.kernel_module("sparse_mla", dev)
     names = cx.mla_variants or (list(MLA_VARIANTS) if cx.sweep else ["default"])
     for n_rows in cx.mla_rows:
@@ -213,7 +163,7 @@ def bench_sparse_mla(cx: _Ctx) -> None:
         ref = R.sparse_mla_attention(*args)
         ref32 = R.sparse_mla_attention(q.float(), data.cache.float(), sel, rs, data.table, P, SCALE)
         ref_err = _mla_err(ref, ref32)
-        t_ref = _bench(partial(R.sparse_mla_attention, *args), cx.quick, slow=True) if cx.time_torch else None
+        t_ref = bench_us(partial(R.sparse_mla_attention, *args), cx.quick, slow=True) if cx.time_torch else None
         sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
         batches = [data.batch(n_rows, s * n_rows) for s in range(sets)]
         todo = [(name, MLA_VARIANTS[name]) for name in names if n_rows != 1 or name in ("default", "triton bw64 s2")]
@@ -230,13 +180,13 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                 err = _mla_err(out, ref32)
                 # Timed even when wrong (marked), so that a broken variant still shows what it would cost.
                 bad = "" if err < 8e-3 else (" (diagnostic)" if "gluon_diag" in kw else " WRONG")
-                t_k = _bench(partial(mod.sparse_mla_attention, *args, **kw), cx.quick)
+                t_k = bench_us(partial(mod.sparse_mla_attention, *args, **kw), cx.quick)
                 outs = [torch.empty_like(b[0]) for b in batches]
                 calls = [
                     partial(mod.sparse_mla_attention, b[0], data.cache, b[1], b[2], data.table, P, SCALE, out=o, **kw)
                     for b, o in zip(batches, outs)
                 ]
-                t_g = _graph_us(calls, cx.quick)
+                t_g = graph_us_quick(calls, cx.quick)
                 bw = _mla_block_w(mod, kw, q, data.cache)
                 asked = kw.get("splits", mod.choose_splits(n_rows, H, WIDTH, dev, 64, bw))
                 label = label if "block_w" in kw or label != "default" else f"default (bw{bw})"
@@ -277,7 +227,7 @@ def _bench_combine_only(cx: _Ctx, mod, n_rows: int) -> None:
                 num_warps=4,
             )
 
-        t_g = _graph_us([launch] * 20, cx.quick)
+        t_g = graph_us_quick([launch] * 20, cx.quick)
         nbytes = o_part.numel() * 4 + lse.numel() * 4 + out.numel() * 2
         cx.record(f"sparse_mla combine only N={n_rows} bh{cb}", nbytes, t_g, t_g, None, f"splits={splits}")
 
@@ -302,7 +252,7 @@ def bench_topk(cx: _Ctx) -> None:
             if dist != "randn" and max_pools != 32768:
                 continue
             ref = R.select_topk_pools(scores, positions, TOPK_POOLS)
-            t_ref = _bench(partial(R.select_topk_pools, scores, positions, TOPK_POOLS), cx.quick)
+            t_ref = bench_us(partial(R.select_topk_pools, scores, positions, TOPK_POOLS), cx.quick)
             nbytes = n_rows * (max_pools * 4 + TOPK_POOLS * 4)
             variants: list[tuple[str, dict]] = [("default", {})]
             if cx.sweep and n_rows == 16:
@@ -313,8 +263,10 @@ def bench_topk(cx: _Ctx) -> None:
                     mod.select_topk_pools(scores, positions, TOPK_POOLS, out=out, **kw)
                     if not torch.equal(out, ref):
                         raise AssertionError("ids differ from the reference")
-                    t_k = _bench(partial(mod.select_topk_pools, scores, positions, TOPK_POOLS, out=out, **kw), cx.quick)
-                    t_g = _graph_us(
+                    t_k = bench_us(
+                        partial(mod.select_topk_pools, scores, positions, TOPK_POOLS, out=out, **kw), cx.quick
+                    )
+                    t_g = graph_us_quick(
                         [partial(mod.select_topk_pools, scores, positions, TOPK_POOLS, out=out, **kw)] * 20, cx.quick
                     )
                     cx.record(f"topk N={n_rows} pools={max_pools} {dist} {label}", nbytes, t_k, t_g, t_ref)
@@ -339,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}", flush=True)
+    print(device_line(dev), flush=True)
     import triton
 
     print(f"triton {triton.__version__}", flush=True)
-    ceiling = _copy_ceiling(dev, args.quick)
+    ceiling = copy_ceiling_gbs(dev, args.quick)
     print(f"copy ceiling: {ceiling:.0f} GB/s (read + write)", flush=True)
     cx = _Ctx(dev, args.quick, args.sweep, ceiling)
     if args.rows:
@@ -383,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failed sections: {failed}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"copy_gbps": ceiling, "rows": [asdict(r) for r in cx.rows]}, f, indent=1)
+        write_json(args.json, {"copy_gbps": ceiling, "rows": [asdict(r) for r in cx.rows]})
     return 1 if failed else 0
 
 

@@ -10,7 +10,8 @@ scheduler on, as served):
 - ``free``: no grammar (the baseline: graphs, overlap scheduler);
 - ``json``: every request under a JSON schema (an array of objects with a string, an integer and an enum; at
   least ``--gen`` items, so that no request can finish early and the batch stays full): masks filled by
-  llguidance on the host, applied on the device, the step sampled eagerly after its graph, never launched ahead;
+  llguidance on the host while the step runs, read by the greedy kernel on the device, steps launched ahead by the
+  overlap scheduler with their tokens chosen one step late (`Executor._choose_under_grammar`);
 - ``ngram`` / ``ngram-json``: the same under n-gram speculation (grammar requests verify eagerly).
 
 ``masks`` needs no model: ``--batch`` matchers of that schema walk random allowed tokens (on the host) and each
@@ -21,19 +22,18 @@ step's masks are filled for all of them (`grammar.fill_bitmasks`); ``fill_ms`` i
 Per mode the row gives ``step_ms`` (median) and ``step_ms_mean`` and, under a grammar, measured in the same run:
 
 - ``mask_fill_ms``: host time of llguidance filling the step's masks (`grammar.fill_bitmasks`), per step;
-- ``mask_apply_ms``: the rest of `Executor._constrain` (the logits copy, the mask's upload, the launches that apply
-  it), closed by a device synchronize so that the apply kernels' GPU time is inside it (the step synchronized
-  before it already: the unmasked argmax was read back), per step;
+- ``mask_apply_ms``: the rest of `Executor._masked_choice` (the mask's upload and the masked greedy kernel's
+  launches), host time, per step;
 - ``draft_cut_ms`` (n-gram): host time cutting the drafts at the first token the grammar refuses, per step;
-- ``mask_ms`` = the three together, and ``mask_share`` = ``mask_ms / step_ms_mean``: the share of the step's time
-  that constrained decoding costs, in one run (issue 45's goal: <= 10 % at batch 16);
+- ``mask_ms`` = the three together, and ``mask_share`` = ``mask_ms / step_ms_mean``: the host time constrained
+  decoding takes, as a share of the step (under the overlap scheduler most of it runs while the GPU computes);
 
-and ``overhead`` = step time over the same speculation mode's ``free`` step, minus one (two runs: it also counts
-what a grammar takes away besides the masks, e.g. the overlap scheduler's launching ahead). The goal line reports
-``mask_share`` of the ``json`` run at ``--batch``, and ``overhead`` beside it.
+and ``overhead`` = step time over the same speculation mode's ``free`` step, minus one: what a user sees. The goal
+line (issue 45: constrained decoding costs <= 10 % of a batch-16 step) judges ``overhead`` of the ``json`` run at
+``--batch`` when the run has its ``free`` row, else ``mask_share``.
 
 Usage (GPU, one H100 / H200, ~3 min the first time: the stand-in tokenizer trains for ~1 min, cached in --cache):
-``python benchmarks/bench_structured.py --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
+``python -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 --json /tmp/structured.json``;
 ``--preset small --device cpu --dtype float32`` runs the same path on the CPU with the preset's byte vocabulary.
 """
 
@@ -44,16 +44,14 @@ import glob
 import json
 import os
 import statistics
-import sys
 import sysconfig
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import random_model  # noqa: E402
-
+from benchmarks.harness.models import random_model
+from benchmarks.harness.rows import write_json
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
 from trtllm_glm.runtime import executor as executor_mod  # noqa: E402
@@ -199,7 +197,7 @@ def run_mode(model: Glm5NextForCausalLM, tok: Any, mode: str, args: argparse.Nam
     for _ in range(3):  # warm-up decode steps
         ex.step()
     fill = _Timed(executor_mod, "fill_bitmasks")
-    constrain = _Timed(Executor, "_constrain", sync if args.device == "cuda" else None)
+    constrain = _Timed(Executor, "_masked_choice")
     cut = _Timed(SpeculativeExecutor, "_cut_drafts_by_grammar")
     sync()
     steps: list[float] = []
@@ -275,15 +273,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         r["overhead"] = r["step_ms"] / ref - 1.0 if ref and "step_ms" in r else None
         print(json.dumps(r), flush=True)
     for j in (r for r in rows if r["mode"] in ("json", "ngram-json")):
-        verdict = "meets" if j["mask_share"] <= 0.10 else "misses"
-        vs = f"; {100 * j['overhead']:+.1f} % step time vs the free run" if j["overhead"] is not None else ""
-        print(f"goal ({j['mode']}): constrained decoding costs {100 * j['mask_share']:.1f} % of a batch-{args.batch} "
-              f"step in the same run ({j['mask_ms']:.3f} of {j['step_ms_mean']:.3f} ms: {j['mask_fill_ms']:.3f} "
-              f"fill + {j['mask_apply_ms']:.3f} apply + {j['draft_cut_ms']:.3f} draft cut){vs}: {verdict} the 10 % "
-              "goal")  # fmt: skip
+        judged = j["overhead"] if j["overhead"] is not None else j["mask_share"]
+        verdict = "meets" if judged <= 0.10 else "misses"
+        vs = f"{100 * j['overhead']:+.1f} % step time vs the free run; " if j["overhead"] is not None else ""
+        print(f"goal ({j['mode']}): constrained decoding costs {vs}host time {100 * j['mask_share']:.1f} % of a "
+              f"batch-{args.batch} step in the same run ({j['mask_ms']:.3f} of {j['step_ms_mean']:.3f} ms: "
+              f"{j['mask_fill_ms']:.3f} fill + {j['mask_apply_ms']:.3f} apply + {j['draft_cut_ms']:.3f} draft cut): "
+              f"{verdict} the 10 % goal")  # fmt: skip
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.json, {"args": vars(args), "rows": rows})
     return rows
 
 

@@ -19,7 +19,7 @@ profiler's device time per kernel of one call (16 rows x 32768 pools) when CUPTI
 
 Usage (on a CUDA machine, from the repository root)::
 
-    PYTHONPATH=. python benchmarks/bench_topk.py [--quick] [--no-sweep] [--json PATH]
+    python -m benchmarks.bench_topk [--quick] [--no-sweep] [--json PATH]
 
 ``--compile-only K/M`` only compiles (every M-th variant from the K-th, one call each): run M such processes
 in parallel beforehand to fill Triton's cache, so that the timed run does not wait for the compiler.
@@ -29,12 +29,13 @@ Without CUDA it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from functools import partial
 
 import torch
-from bench_sparse_kernels import graph_us  # same directory: the scripts run from benchmarks/
+
+from benchmarks.harness.rows import device_line, write_json
+from benchmarks.harness.timing import graph_us
 
 TOPK_POOLS = 512
 # The issue-8 target case first (a run cut short by a time limit still has it).
@@ -119,8 +120,7 @@ def _kernel_breakdown(mod: object, dev: torch.device, n_rows: int, max_pools: in
 
 
 def _write_json(path: str, dev: torch.device, rows: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(dev), "topk_pools": TOPK_POOLS, "rows": rows}, f, indent=1)
+    write_json(path, {"device": torch.cuda.get_device_name(dev), "topk_pools": TOPK_POOLS, "rows": rows})
 
 
 def _compile_only(mod: object, dev: torch.device, shard: str) -> int:
@@ -158,14 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_topk: CUDA is not available; nothing to benchmark.")
         return 0
-    import triton
     from triton.testing import do_bench
 
     from trtllm_glm.attention.sparse.glm_kpool import kernels as K
     from trtllm_glm.attention.sparse.glm_kpool import ops as R
 
     dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}; triton {triton.__version__}")
+    print(device_line(dev), flush=True)
     mod = K.kernel_module("topk", dev)
     if args.compile_only:
         return _compile_only(mod, dev, args.compile_only)

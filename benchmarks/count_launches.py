@@ -14,9 +14,9 @@ What this cannot see: the KDA recurrent update runs fla-core's kernel on CUDA (o
 reference here (~11 ops per layer), the FP8 linear is not used (bf16 weights), and cuBLAS may use more than one
 kernel per GEMM.
 
-Usage: ``python benchmarks/count_launches.py [--sample] [--json out.json]``. Before:
-``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python benchmarks/count_launches.py --sample``; after:
-``TRTLLM_GLM_DECODE_FUSE=1 TRTLLM_GLM_SAMPLING_BACKEND=triton python benchmarks/count_launches.py --sample`` (the
+Usage: ``python -m benchmarks.count_launches [--sample] [--json out.json]``. Before:
+``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python -m benchmarks.count_launches --sample``; after:
+``TRTLLM_GLM_DECODE_FUSE=1 TRTLLM_GLM_SAMPLING_BACKEND=triton python -m benchmarks.count_launches --sample`` (the
 sampling backend is forced to the kernel unless set).
 """
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
-import sys
 import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,14 +41,11 @@ for _v in _FORCE:
     os.environ.setdefault(_v, "triton")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from bench_e2e import _VIEW_OPS  # noqa: E402
-from model_harness import ModelHarness  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.harness.model_harness import ModelHarness  # noqa: E402
+from benchmarks.harness.profiling import VIEW_OPS  # noqa: E402
+from benchmarks.harness.rows import write_json  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.logits import greedy_fuse_cast, greedy_pack  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
@@ -95,7 +90,7 @@ class Counter:
 
         class _Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-                if counter._inside == 0 and func.overloadpacket.__name__ not in _VIEW_OPS:
+                if counter._inside == 0 and func.overloadpacket.__name__ not in VIEW_OPS:
                     counter.torch[_module_of(traceback.extract_stack())] += 1
                 return func(*args, **(kwargs or {}))
 
@@ -166,8 +161,7 @@ def main() -> None:
         for m, v in t["by_module"].items():
             print(f"  {m:60s} triton {v['triton']:3d}  torch {v['torch']:3d}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

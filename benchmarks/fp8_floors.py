@@ -5,21 +5,17 @@ states, sparse-MLA rows) divided by a copy ceiling (default: the H200's measured
 to ``--layers`` trunk layers, with ``lm_head`` kept in bf16 (as a block-FP8 checkpoint ships it) or quantised too
 (``--fp8-skip none``). Their ratio bounds the FP8 step over the bf16 step (issue 28's batch-1 goal is 0.6x).
 
-Usage: ``python benchmarks/fp8_floors.py --layers 4 45 --batch 1 16``.
+Usage: ``python -m benchmarks.fp8_floors --layers 4 45 --batch 1 16``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_e2e import floor_bytes  # noqa: E402
-
+from benchmarks.harness.floors import floor_bytes
 from trtllm_glm.config import Glm5NextConfig, QuantConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
 

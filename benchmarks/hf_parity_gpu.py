@@ -13,7 +13,7 @@ both run the same random prompts (context logits of every prompt row):
 Prompts longer than ``index_topk`` (2048) make both sides drop pools, so their selections may differ
 near ties (our FP8 pooled scores vs the reference's float scores); shorter ones select every pool.
 
-Usage (H200): ``python benchmarks/hf_parity_gpu.py --layers 4 --fp32-floor`` and ``--layers 8``;
+Usage (H200): ``python -m benchmarks.hf_parity_gpu --layers 4 --fp32-floor`` and ``--layers 8``;
 ``--indexer-key-dtype fp8 bf16`` runs ours once per indexer key format (docs/indexer_keys.md).
 """
 
@@ -26,6 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.harness.rows import write_json
 
 
 def kl_and_agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> tuple[float, float]:
@@ -47,16 +49,12 @@ def main() -> None:
     ap.add_argument("--indexer-key-dtype", nargs="+", default=["fp8"], choices=["fp8", "bf16"])
     args = ap.parse_args()
 
-    import sys
-
-    sys.path.insert(0, "tests")
-    from hf_reference import VISION_SMALL, _import_reference, to_checkpoint_names
-
+    from benchmarks.harness.hf_reference import VISION_SMALL, import_reference, to_checkpoint_names
     from trtllm_glm import LLM, KvCacheConfig, SamplingParams
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
-    HfConfig, HfModel = _import_reference()
+    HfConfig, HfModel = import_reference()
     L = args.layers
     text = {
         "num_hidden_layers": L,
@@ -137,8 +135,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

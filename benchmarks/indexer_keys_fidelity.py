@@ -8,11 +8,11 @@ For each key format (``KvCacheConfig.indexer_key_dtype`` = ``fp8`` / ``bf16``) a
 * greedy agreement: our greedy continuation (``max_new`` tokens) against the reference's, computed from
   scratch by full recomputation; whether it matches entirely and the first position where it parts.
 
-Models: ``random`` (a small random reference model, every weight perturbed: tests/hf_reference.py, 8 indexer
-heads, ``index_topk`` 16 tokens = 4 pools) and/or ``small`` (the trained preset, ``index_topk`` 64 = 16 pools,
+Models: ``random`` (a small random reference model, every weight perturbed: benchmarks/harness/hf_reference.py, 8
+indexer heads, ``index_topk`` 16 tokens = 4 pools) and/or ``small`` (the trained preset, ``index_topk`` 64 = 16 pools,
 loaded into the reference from its checkpoint directory).
 
-    python benchmarks/indexer_keys_fidelity.py --models random small --json out.json
+    python -m benchmarks.indexer_keys_fidelity --models random small --json out.json
 
 Prints one line per (model, key format) and a summary; docs/indexer_keys.md has the numbers.
 """
@@ -20,19 +20,15 @@ Prints one line per (model, key format) and a summary; docs/indexer_keys.md has 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import tempfile
 import time
 from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from hf_reference import _import_reference, build_hf_model, hf_greedy  # noqa: E402
-from selection_recall import our_selections, recall_counts, reference_selections  # noqa: E402
-
+from benchmarks.harness.hf_reference import build_hf_model, hf_greedy, import_reference
+from benchmarks.harness.rows import write_json
+from benchmarks.harness.selection_recall import our_selections, recall_counts, reference_selections
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import resolve_preset_dir  # noqa: E402
 
@@ -53,7 +49,7 @@ def load_reference(name: str, tmp: str) -> tuple[Any, str]:
         model.save_pretrained(tmp)
         return model, tmp
     if name == "small":
-        _, cls = _import_reference()
+        _, cls = import_reference()
         d = str(resolve_preset_dir("small"))
         model = cls.from_pretrained(d, torch_dtype=torch.float32, attn_implementation="eager").eval()
         return model, d
@@ -136,8 +132,7 @@ def main() -> None:
     for m in args.models:
         rows += run_model(m, args.lengths, args.max_new, args.seed)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ first decode step from the same state, and compares bit for bit: the short conv 
 (`conv_verify_qkv` vs `conv_decode`, also with a strided vs contiguous input) and the recurrence on identical
 inputs (`kda_verify` vs `kda_decode_inplace`, strided and contiguous). Prints one line per comparison.
 
-Usage (one GPU; ``--device cpu`` runs the interpreted kernels): ``python benchmarks/kda_verify_decode_diag.py``.
-Results: benchmarks/results/kda_verify_decode_diag_h200_2026-12-03.log.
+Usage (one GPU; ``--device cpu`` runs the interpreted kernels): ``python -m benchmarks.kda_verify_decode_diag``.
+Results: benchmarks/results/kernels/kda_verify_decode_diag_h200_2026-12-03.log.
 """
 
 from __future__ import annotations

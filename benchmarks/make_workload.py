@@ -5,7 +5,7 @@ chat traffic is usually summarised by (a median of a few hundred prompt tokens w
 clipped to the ranges below. ``benchmarks/workloads/mixed_chat.jsonl`` is this script's output with its
 defaults::
 
-    python benchmarks/make_workload.py --out benchmarks/workloads/mixed_chat.jsonl
+    python -m benchmarks.make_workload --out benchmarks/workloads/mixed_chat.jsonl
 """
 
 from __future__ import annotations

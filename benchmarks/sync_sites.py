@@ -5,59 +5,25 @@ Runs a few steady-state decode steps of the executor under ``torch.cuda.set_sync
 ``.cpu()``, ``torch.tensor(list, device=cuda)`` from pageable memory, blocking copies, ...) and reports,
 per mode, the syncs per step and the project source line (``trtllm_glm/...``) that caused each.
 
-Usage (GPU): ``python benchmarks/sync_sites.py --preset small --modes plain mtp3 ngram7 --batch 4
+Usage (GPU): ``python -m benchmarks.sync_sites --preset small --modes plain mtp3 ngram7 --batch 4
 --cuda-graphs``; the trained ``small`` preset's weights are used when it ships them.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import traceback
-import warnings
 
 import torch
 
+from benchmarks.harness.host_syncs import sync_sites
+from benchmarks.harness.rows import write_json
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
-
-
-def project_frame(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame inside the package (``file:line function``), else the innermost frame."""
-    for fr in reversed(stack):
-        if "trtllm_glm" in fr.filename and "sync_sites" not in fr.filename:
-            return f"{fr.filename.split('trtllm_glm', 1)[1].lstrip('/')}:{fr.lineno} {fr.name}"
-    fr = stack[-1]
-    return f"{fr.filename}:{fr.lineno} {fr.name}"
-
-
-def sync_sites(step, steps: int) -> tuple[float, collections.Counter]:
-    """Run ``step`` ``steps`` times with sync warnings on; (syncs per step, Counter of sites)."""
-    sites: collections.Counter = collections.Counter()
-    orig = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
-        if "synchroniz" in str(message).lower():
-            sites[project_frame(traceback.extract_stack()[:-1])] += 1
-
-    warnings.showwarning = record
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            for _ in range(steps):
-                step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = orig
-    return sum(sites.values()) / steps, sites
 
 
 def main() -> None:
@@ -100,8 +66,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Evaluate a model trained by `train_small.py` on the held-out standard-library modules.
 
-Measures, and writes as JSON and Markdown under ``benchmarks/results/``:
+Measures, and writes as JSON and Markdown under ``benchmarks/results/small/``:
 
 * held-out bits per byte through our runtime (`LLM`), with the trained sparse selection and with
   ``index_topk`` raised past the context (dense), against unigram and bigram byte models fitted on the

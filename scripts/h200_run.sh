@@ -26,6 +26,10 @@
 #                 batch (the in-process run's baseline)
 #   mixed         bench_mixed_step on the 4-layer bf16 slice at default settings: D requests decoding admit N prompts of
 #                 L tokens (MIXED_DECODE, MIXED_NEW, MIXED_LEN; MIXED_PROFILE=N adds host / kernel / idle profiles)
+#   mixed_short   issue 42: the same admission steps (15 decoding admit 1 / 16 prompts of 30 tokens) with KDA's short
+#                 prefill off and on (TRTLLM_GLM_KDA_SHORT_PREFILL=0, then =64: chunks up to 64 rows through the
+#                 verify kernels), back to back
+#   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
 #   spec_real     issue 43, 4-layer slice, batch 1 / 16: plain, overlap, MTP K=3 fixed and adaptive, MTP rounds at oracle
@@ -42,6 +46,17 @@
 #   spec_lag      issue 43, adaptive MTP with the catch-up lag under the overlap scheduler alone (+os, the LLM default):
 #                 trained small bf16, batch 1 / 16 / 64, overlap, mtp3+os, mtp3+adaptive+os (512 tokens: the policy's
 #                 re-measurements amortised); then the 4-layer slice, batch 1 / 16, overlap and MTP-oracle 0.7 K = 3
+#   prefill_tests issue 32: the prefill GPU tests (indexer + sparse MLA at a 1M context, a 128K prompt across chunk
+#                 sizes, the fused MoE at prefill and decode sizes)
+#   prefill_all   issue 32: bench_prefill at 8K / 32K / 128K / 1M in one run, 16 tokens decoded after each, the
+#                 costliest kernels, and up to 32K the TTFT with the MoE's per-expert loop (--env-ab: ttft_ms_ab)
+#   binv_tests    issue 31: the batch-invariant mode's GPU tests (row invariance at real shapes; speculative == plain
+#                 and alone == in batch, bit for bit, on the 4-layer slice)
+#   binv_linear   issue 31: bench_invariant_linear --quick --fp8 (the invariant GEMM's cost per weight)
+#   binv_modes    issue 31: bench_e2e plain / MTP K=3 / n-gram K=7 with the mode off and on, then its [goal] lines
+#   binv_attn     issue 31: the attention part's GPU tests (bitwise row invariance, the verify kernel's accuracy) and
+#                 bench_binv_attention --quick (default vs mode per changed launch); with BASE=<commit> also the new
+#                 tests on the code before the mode's fixes (KDA and sparse-MLA tests must fail, indexer pass)
 #   cache         the Triton cache to $OUT in 15 MB parts (carry them as .tcache/ next time)
 # Each stage has its own time limit and a failing stage does not stop the next; logs and JSON go to ${OUT:-/tmp/out}.
 set -uo pipefail
@@ -62,101 +77,141 @@ for stage in "$@"; do
     tests)
       timeout "${T_TESTS:-200}" "$PY" -m pytest -q -p no:xdist -m gpu -rf ${GPU_TESTS:?} 2>&1 | tee "$O/gpu_tests.log" ;;
     prefill)
-      timeout "${T_PREFILL:-200}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 131072 \
+      timeout "${T_PREFILL:-200}" "$PY" -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 131072 \
         --chunks 8192 --decode 16 --profile-kernels 20 --json "$O/prefill.json" 2>&1 | tee "$O/prefill.log" ;;
     prefill_binv)
-      timeout "${T_PREFILL_BINV:-120}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 8192 32768 --chunks 8192 \
+      timeout "${T_PREFILL_BINV:-120}" "$PY" -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 --chunks 8192 \
         --decode 0 --batch-invariant on --json "$O/prefill_binv.json" 2>&1 | tee "$O/prefill_binv.log" ;;
     prefill_1m)
-      timeout "${T_PREFILL_1M:-150}" "$PY" benchmarks/bench_prefill.py --layers 4 --lens 1048000 --chunks 8192 \
+      timeout "${T_PREFILL_1M:-150}" "$PY" -m benchmarks.bench_prefill --layers 4 --lens 1048000 --chunks 8192 \
         --decode 16 --json "$O/prefill_1m.json" 2>&1 | tee "$O/prefill_1m.log" ;;
     sweep)
-      timeout "${T_SWEEP:-240}" "$PY" benchmarks/bench_invariant_linear.py --sweep --json "$O/sweep.json" 2>&1 \
+      timeout "${T_SWEEP:-240}" "$PY" -m benchmarks.bench_invariant_linear --sweep --json "$O/sweep.json" 2>&1 \
         | tee "$O/sweep.log" ;;
     binv)
-      timeout "${T_BINV:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
+      timeout "${T_BINV:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain --cuda-graphs on \
         --prompt-len 256 --gen 32 --batch-invariant both --json "$O/binv.json" 2>&1 | tee "$O/binv.log" ;;
     binv_spec)
-      timeout "${T_BINV_SPEC:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7k3 \
+      timeout "${T_BINV_SPEC:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain mtp3 oracle0.7k3 \
         --cuda-graphs on --prompt-len 256 --gen 32 --batch-invariant on --json "$O/binv_spec.json" 2>&1 \
         | tee "$O/binv_spec.log" ;;
     fp8)
-      timeout "${T_FP8:-240}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+      timeout "${T_FP8:-240}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --quality --profile-kernels 40 \
         --json "$O/fp8.json" 2>&1 | tee "$O/fp8.log" ;;
     fp8_pdl)
-      timeout "${T_FP8_PDL:-200}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+      timeout "${T_FP8_PDL:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_PDL=0,1 \
         --json "$O/fp8_pdl.json" 2>&1 | tee "$O/fp8_pdl.log" ;;
     fp8_head)
-      timeout "${T_FP8_HEAD:-120}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 --modes plain overlap \
+      timeout "${T_FP8_HEAD:-120}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --fp8-skip none \
         --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
     decode_fuse)
-      timeout "${T_DECODE_FUSE:-220}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+      timeout "${T_DECODE_FUSE:-220}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_DECODE_FUSE=0,1 \
         --json "$O/decode_fuse.json" 2>&1 | tee "$O/decode_fuse.log" ;;
     fp8_sweep)
-      timeout "${T_FP8_SWEEP:-420}" "$PY" benchmarks/bench_fp8_linear.py --sweep --quick --json "$O/fp8_sweep.json" \
+      timeout "${T_FP8_SWEEP:-420}" "$PY" -m benchmarks.bench_fp8_linear --sweep --quick --json "$O/fp8_sweep.json" \
         2>&1 | tee "$O/fp8_sweep.log" ;;
     prefix)
-      timeout "${T_PREFIX:-200}" "$PY" benchmarks/bench_prefix_workloads.py --preset glm-5.3-flash --layers 4 \
+      timeout "${T_PREFIX:-200}" "$PY" -m benchmarks.bench_prefix_workloads --preset glm-5.3-flash --layers 4 \
         --json "$O/prefix.json" 2>&1 | tee "$O/prefix.log" ;;
     serve)
-      timeout "${T_SERVE:-420}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+      timeout "${T_SERVE:-420}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 --engine-baseline \
         --json "$O/serve.json" 2>&1 | tee "$O/serve.log"
-      timeout "${T_SERVE_1K:-240}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+      timeout "${T_SERVE_1K:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 1,16 --input-len 1024 --output-len 128 --num-requests 48 \
         --json "$O/serve_1k.json" 2>&1 | tee "$O/serve_1k.log" ;;
     serve_proc)
       for ep in false true; do
         printf 'engine_process: %s\n' "$ep" > "/tmp/serve_ep_$ep.yaml"
-        timeout "${T_SERVE_PROC:-420}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 \
+        timeout "${T_SERVE_PROC:-420}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 \
           --dtype bfloat16 --config "/tmp/serve_ep_$ep.yaml" --concurrency 16,64 --input-len 30 --output-len 128 \
           --num-requests 128 $([ "$ep" = false ] && echo --engine-baseline) --json "$O/serve_ep_$ep.json" 2>&1 \
           | tee "$O/serve_ep_$ep.log"
       done ;;
     mixed)
-      timeout "${T_MIXED:-300}" "$PY" benchmarks/bench_mixed_step.py --layers 4 --decode ${MIXED_DECODE:-15 63} \
+      timeout "${T_MIXED:-300}" "$PY" -m benchmarks.bench_mixed_step --layers 4 --decode ${MIXED_DECODE:-15 63} \
         --new ${MIXED_NEW:-1 16} --prompt-len ${MIXED_LEN:-30 1024} --profile ${MIXED_PROFILE:-0} \
         --json "$O/mixed.json" 2>&1 | tee "$O/mixed.log" ;;
+    mixed_short)
+      for sp in 0 64; do
+        TRTLLM_GLM_KDA_SHORT_PREFILL=$sp timeout "${T_MIXED_SHORT:-90}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
+          --decode 15 --new 1 16 --prompt-len 30 --json "$O/mixed_short_$sp.json" 2>&1 | tee "$O/mixed_short_$sp.log"
+      done ;;
+    structured)
+      timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \
+        --modes free json ngram ngram-json --json "$O/structured.json" 2>&1 | tee "$O/structured.log" ;;
     serve_old)
       printf 'max_batch_size: 8\nmax_num_tokens: 512\nwarmup: false\ncuda_graph_config:\n  enable_padding: false\n' \
         > /tmp/serve_old.yaml
-      timeout "${T_SERVE_OLD:-300}" "$PY" benchmarks/bench_serve.py --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+      timeout "${T_SERVE_OLD:-300}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --config /tmp/serve_old.yaml --concurrency 16 --input-len 30 --output-len 128 --num-requests 64 \
         --json "$O/serve_old.json" 2>&1 | tee "$O/serve_old.log" ;;
     spec_real)
-      timeout "${T_SPEC_REAL:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap mtp3 \
+      timeout "${T_SPEC_REAL:-540}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap mtp3 \
         mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+dv32768 mtporacle0.7k3+adaptive oracle0.7k3 --cuda-graphs on \
         --prompt-len 256 --gen 256 --json "$O/spec_real.json" 2>&1 | tee "$O/spec_real.log" ;;
     spec_real64)
-      timeout "${T_SPEC_REAL64:-540}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 64 --modes plain overlap \
+      timeout "${T_SPEC_REAL64:-540}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 64 --modes plain overlap \
         mtp3+adaptive mtporacle0.7k3 mtporacle0.7k3+adaptive --cuda-graphs on --prompt-len 256 --gen 256 \
         --json "$O/spec_real64.json" 2>&1 | tee "$O/spec_real64.log" ;;
     spec_small)
       for dt in bfloat16 float32; do
-        timeout "${T_SPEC_SMALL:-270}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype $dt \
+        timeout "${T_SPEC_SMALL:-270}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype $dt \
           --batch 1 16 64 --gen 256 --modes plain overlap mtp3 mtp3+dv32 mtp3+adaptive mtp3+adaptive+dv32 --cuda-graphs on \
           --json "$O/spec_small_$dt.json" 2>&1 | tee "$O/spec_small_$dt.log"
       done ;;
     spec_overlap)
       for dt in bfloat16 float32; do
-        timeout "${T_SPEC_OVERLAP:-300}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype $dt \
+        timeout "${T_SPEC_OVERLAP:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype $dt \
           --batch 1 16 64 --gen 256 --modes plain overlap mtp3 mtp3+ov mtp3+adaptive mtp3+adaptive+ov \
           --cuda-graphs on --json "$O/spec_overlap_small_$dt.json" 2>&1 | tee "$O/spec_overlap_small_$dt.log"
       done
-      timeout "${T_SPEC_OVERLAP_REAL:-420}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --modes plain overlap \
+      timeout "${T_SPEC_OVERLAP_REAL:-420}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         mtp3 mtp3+ov --cuda-graphs on --prompt-len 256 --gen 256 --json "$O/spec_overlap_real.json" 2>&1 \
         | tee "$O/spec_overlap_real.log" ;;
     spec_lag)
-      timeout "${T_SPEC_LAG:-240}" "$PY" benchmarks/bench_e2e.py --trained --preset small --dtype bfloat16 \
+      timeout "${T_SPEC_LAG:-240}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
         --batch 1 16 64 --gen 512 --modes overlap mtp3+os mtp3+adaptive+os --cuda-graphs on \
         --json "$O/spec_lag_small.json" 2>&1 | tee "$O/spec_lag_small.log"
-      timeout "${T_SPEC_LAG_REAL:-300}" "$PY" benchmarks/bench_e2e.py --layers 4 --batch 1 16 --prompt-len 256 \
+      timeout "${T_SPEC_LAG_REAL:-300}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --prompt-len 256 \
         --gen 256 --modes overlap mtporacle0.7k3+os mtporacle0.7k3+adaptive+os --cuda-graphs on \
         --json "$O/spec_lag_real.json" 2>&1 | tee "$O/spec_lag_real.log" ;;
+    prefill_tests)
+      timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/test_prefill_gpu.py \
+        tests/unittest/test_fused_moe_gpu.py 2>&1 | tee "$O/prefill_gpu_tests.log" ;;
+    prefill_all)
+      timeout "${T_PREFILL_ALL:-300}" "$PY" -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 131072 1048000 \
+        --chunks 8192 --decode 16 --profile-kernels 20 --env-ab TRTLLM_GLM_MOE_BACKEND=torch \
+        --json "$O/prefill_all.json" 2>&1 | tee "$O/prefill_all.log" ;;
+    binv_tests)
+      timeout "${T_BINV_TESTS:-300}" "$PY" -m pytest -q -p no:xdist -m gpu -rf tests/unittest/test_batch_invariant_gpu.py \
+        2>&1 | tee "$O/batch_invariant_gpu_tests.log" ;;
+    binv_linear)
+      timeout "${T_BINV_LINEAR:-240}" "$PY" -m benchmarks.bench_invariant_linear --quick --fp8 \
+        --json "$O/invariant_linear.json" 2>&1 | tee "$O/invariant_linear.log" ;;
+    binv_modes)
+      timeout "${T_BINV_MODES:-300}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain mtp3 ngram7 \
+        --cuda-graphs on --prompt-len 256 --gen 32 --batch-invariant both --json "$O/e2e_batch_invariant.json" 2>&1 \
+        | tee "$O/e2e_batch_invariant.log"
+      grep '\[goal\]' "$O/e2e_batch_invariant.log" | grep batch-invariant ;;
+    binv_attn)
+      timeout "${T_BINV_ATTN:-240}" "$PY" -m pytest -q -p no:xdist -m gpu tests/unittest/test_binv_attention_gpu.py \
+        tests/unittest/test_kda_verify_kernel_gpu.py 2>&1 | tee "$O/binv_attention_gpu_tests.log"
+      timeout "${T_BINV_ATTN:-240}" "$PY" -m benchmarks.bench_binv_attention --quick \
+        --json "$O/bench_binv_attention.json" 2>&1 | tee "$O/bench_binv_attention.log"
+      if [ -n "${BASE:-}" ]; then
+        tmp=$(mktemp -d)
+        git worktree add -q --detach "$tmp" "$BASE"
+        cp tests/unittest/test_binv_attention_gpu.py "$tmp/tests/unittest/"
+        echo "== the new tests on $BASE (the fixes removed): failures expected =="
+        (cd "$tmp" && PYTHONPATH=$tmp timeout "${T_BINV_ATTN:-240}" "$PY" -m pytest -q -p no:xdist -m gpu -rf \
+          tests/unittest/test_binv_attention_gpu.py) 2>&1 | tee "$O/binv_attention_base_tests.log"
+        git worktree remove --force "$tmp"
+      fi ;;
     cache)
       tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$O/tcache_" && ls -la "$O" ;;
     *) echo "h200_run: unknown stage $stage" ;;

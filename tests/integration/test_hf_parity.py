@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from hf_reference import build_hf_model, hf_greedy, hf_logits  # noqa: E402
-
+from benchmarks.harness.hf_reference import build_hf_model, hf_greedy, hf_logits
 from trtllm_glm import LLM, KvCacheConfig, NGramDecodingConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.speculative.drafters import OracleDrafter  # noqa: E402
@@ -204,14 +201,13 @@ def test_config_round_trip_with_reference(ref_dir, tmp_path) -> None:
 
 def test_reference_loads_our_checkpoint(tmp_path) -> None:
     """A model saved by us (trunk; the MTP layer is ignored by the reference) gives the reference's logits."""
-    from hf_reference import _import_reference
-
+    from benchmarks.harness.hf_reference import import_reference
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
     cfg = Glm5NextConfig.from_pretrained("tiny")
     ours = Glm5NextForCausalLM.from_config(cfg, seed=3)
     ours.save_pretrained(tmp_path)
-    _, HfModel = _import_reference()
+    _, HfModel = import_reference()
     ref = HfModel.from_pretrained(str(tmp_path), attn_implementation="eager").float().eval()
     ids = prompt(21, 9)
     llm = make_llm(str(tmp_path))
@@ -221,8 +217,7 @@ def test_reference_loads_our_checkpoint(tmp_path) -> None:
 
 def test_in_memory_conversion_matches_reference() -> None:
     """The GPU parity benchmark's path: the reference's in-memory weights -> checkpoint names -> our model."""
-    from hf_reference import to_checkpoint_names
-
+    from benchmarks.harness.hf_reference import to_checkpoint_names
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
     model = build_hf_model(seed=11)

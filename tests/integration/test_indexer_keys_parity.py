@@ -12,16 +12,11 @@ benchmarks/indexer_keys_fidelity.py runs the same measurement over more prompts 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from hf_reference import _import_reference, build_hf_model, hf_greedy  # noqa: E402
-from selection_recall import our_selections, recall_counts, reference_selections  # noqa: E402
-
+from benchmarks.harness.hf_reference import build_hf_model, hf_greedy, import_reference
+from benchmarks.harness.selection_recall import our_selections, recall_counts, reference_selections
 from trtllm_glm import LLM, KvCacheConfig, MTPDecodingConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import resolve_preset_dir  # noqa: E402
 
@@ -68,7 +63,7 @@ def _measure(model, path: str, prompts: list[list[int]], max_new: int) -> dict[s
 
 
 def test_small_preset_bf16_keys_parity_at_least_fp8() -> None:
-    _, cls = _import_reference()
+    _, cls = import_reference()
     path = str(resolve_preset_dir("small"))
     model = cls.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager").eval()
     ids = list(CODE.encode())

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from model_harness import ModelHarness
 
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.cli import main as cli_main
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig

@@ -25,8 +25,8 @@ pytest.importorskip("transformers")
 
 import eval_small  # noqa: E402
 import train_small  # noqa: E402
-from model_harness import ModelHarness  # noqa: E402
 
+from benchmarks.harness.model_harness import ModelHarness  # noqa: E402
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM  # noqa: E402

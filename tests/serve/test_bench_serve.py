@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_serve import metric_value, percentiles
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serve import metric_value, percentiles  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only
 
@@ -30,7 +30,7 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     cfg = tmp_path / "opts.yaml"
     cfg.write_text("max_seq_len: 128\nmax_batch_size: 4\n")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--model", "tiny", "--config", str(cfg),
+    cmd = [sys.executable, "-m", "benchmarks.bench_serve", "--model", "tiny", "--config", str(cfg),
            "--workload", str(wl), "--request-rate", "40", "--client-procs", "2", "--num-requests", "6",
            "--warmup-requests", "1",
            "--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000", "--time-limit", "120", "--json", str(out)]  # fmt: skip

@@ -297,9 +297,8 @@ def test_tuned_launch_shapes_are_per_weight_shape(monkeypatch, tmp_path) -> None
     assert kern.launch_config(N, K, 2, False, tuned=False) != cfg
     assert kern.launch_config(N, K, 2, True) == kern.launch_config(N, K, 2, True, tuned=False)
     assert kern.launch_config(N, K, 2, False, num_warps=4).num_warps == 4
-    bench = importlib.util.spec_from_file_location("bench_il", "benchmarks/bench_invariant_linear.py")
-    mod = importlib.util.module_from_spec(bench)
-    bench.loader.exec_module(mod)
+    from benchmarks import bench_invariant_linear as mod
+
     target = tmp_path / "kernels.py"
     shutil.copy(kern.__file__, target)
     sweep = tmp_path / "sweep.json"

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_e2e import expected_tokens_per_step, goal_lines  # noqa: E402
+from benchmarks.bench_e2e import expected_tokens_per_step, goal_lines
 
 pytestmark = pytest.mark.cpu_only
 
@@ -34,7 +33,7 @@ def test_expected_tokens_per_step(mode: str, want: float | None) -> None:
     ],
 )
 def test_mode_suffixes(mode: str, base: str, opts: dict, k: int, rate: float | None) -> None:
-    from bench_e2e import base_mode, draft_len, mode_options, oracle_rate
+    from benchmarks.bench_e2e import base_mode, draft_len, mode_options, oracle_rate
 
     assert (base_mode(mode), mode_options(mode), draft_len(mode), oracle_rate(mode)) == (base, opts, k, rate)
     with pytest.raises(ValueError, match="unknown mode suffix"):
@@ -78,13 +77,16 @@ def test_torchrun_two_ranks_build_their_shares_and_rank0_reports(tmp_path: Path)
 
     from trtllm_glm.distributed.process_group import free_port
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(bench), "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4", "--batch", "2",
+           "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4",
+           "--batch", "2",
            "--modes", "plain", "oracle0.7k3", "--gen", "8", "--prompt-len", "12", "--tp", "2", "--ep", "2",
            "--weights", "fp8", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -130,7 +132,7 @@ def test_batch_invariant_goal_lines() -> None:
 def test_fp8_floors_on_the_meta_device() -> None:
     """`benchmarks/fp8_floors.py`: FP8 floors below bf16's, lower still with the LM head in FP8, and the LM head's
     share of the FP8 floor shrinking with the batch (more experts reached)."""
-    from fp8_floors import floors
+    from benchmarks.fp8_floors import floors
 
     kept = [floors(4, b, ["lm_head"], 64, "tiny", 4000.0) for b in (1, 16)]
     quantised = floors(4, 1, [], 64, "tiny", 4000.0)
@@ -143,8 +145,8 @@ def test_mtp_oracle_mode_drafts_through_the_mtp_layer(monkeypatch) -> None:
     """``mtporacleAkK``: every round runs the real MTP layer (catch-up and chained steps), yet the proposed
     drafts are the oracle's: all accepted at A = 1, none at A = 0, and the output is plain greedy's."""
     import torch
-    from bench_e2e import run_case
 
+    from benchmarks.bench_e2e import run_case
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
     torch.manual_seed(0)
@@ -176,13 +178,16 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_e2e.py"
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, str(bench), "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4",
+    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
+           "--layers", "4",
            "--batch", "2", "--modes", "plain", "mtporacle0.7k3", "mtporacle0.7k3+adaptive", "mtporacle0.7k3+dv64",
            "--gen", "8",
            "--prompt-len", "12", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())}

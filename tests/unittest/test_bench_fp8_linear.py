@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_fp8_linear import CANDIDATES, _label, apply_tuned, summarize_sweep  # noqa: E402
+from benchmarks.bench_fp8_linear import CANDIDATES, _label, apply_tuned, summarize_sweep
 
 pytestmark = pytest.mark.cpu_only
 

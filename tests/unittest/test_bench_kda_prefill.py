@@ -4,14 +4,10 @@ bits, so the benchmark's old-vs-new rows compare the same math."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_kda_prefill import _legacy_forward  # noqa: E402
+from benchmarks.bench_kda_prefill import _legacy_forward
 
 pytestmark = pytest.mark.cpu_only
 

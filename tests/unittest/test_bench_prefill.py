@@ -3,36 +3,30 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_prefill import (  # noqa: E402
-    _pool_rows,
-    _selected_rows,
+from benchmarks.bench_prefill import (
     goal_lines,
     install_class_timer,
     make_llm,
-    prefill_flops,
     prompt_ids,
     timed_prompt,
 )
-
-from trtllm_glm.config import Glm5NextConfig  # noqa: E402
-from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config  # noqa: E402
+from benchmarks.harness.floors import pool_rows, prefill_flops, selected_rows
+from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, subset_config
 
 pytestmark = pytest.mark.cpu_only
 
 
 def test_pair_counts_match_brute_force() -> None:
     for n in range(0, 41):
-        assert _pool_rows(n) == sum((t + 1) // 4 for t in range(n))
+        assert pool_rows(n) == sum((t + 1) // 4 for t in range(n))
         for w in (1, 5, 16):
-            assert _selected_rows(n, w) == sum(min(t + 1, w) for t in range(n))
+            assert selected_rows(n, w) == sum(min(t + 1, w) for t in range(n))
 
 
 def test_flops_count_every_trunk_matrix_and_top_k_experts() -> None:
@@ -46,8 +40,8 @@ def test_flops_count_every_trunk_matrix_and_top_k_experts() -> None:
     weights = f["kda_proj"] + f["mla_proj"] + f["mlp"] + f["other_gemm"] - 2 * cfg.vocab_size * cfg.hidden_size
     assert weights == pytest.approx(2 * n * mats)
     assert f["moe_routed"] == 2 * n * 8 * 3 * 4096 * 2048  # one MoE layer (3), top-8 of 288
-    assert f["indexer_score"] == 2 * 32 * 128 * _pool_rows(n)
-    assert f["sparse_mla"] == 4 * 64 * 512 * _selected_rows(n, 2048)
+    assert f["indexer_score"] == 2 * 32 * 128 * pool_rows(n)
+    assert f["sparse_mla"] == 4 * 64 * 512 * selected_rows(n, 2048)
     # ~2.7 GFLOP per prompt token for this slice at short contexts (the rough count said ~2.3).
     assert 2.5e9 < sum(f.values()) / n < 3.0e9
 

@@ -3,14 +3,10 @@ report the mask's share of their own steps (issue 45's goal, measured in one run
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("llguidance")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_structured import main  # noqa: E402
+from benchmarks.bench_structured import main
 
 pytestmark = pytest.mark.cpu_only
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import ModelHarness
 from torch import nn
 
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.config import Glm5NextConfig, QuantConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.modules.ffn import GatedMLP

@@ -1,14 +1,10 @@
-"""`benchmarks/idle_sites.py`: the GPU's idle time charged to the host frames running meanwhile."""
+"""`benchmarks/harness/idle_sites.py`: the GPU's idle time charged to the host frames running meanwhile."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from idle_sites import _project_frame, attribute_idle, merge_intervals  # noqa: E402
+from benchmarks.harness.idle_sites import _project_frame, attribute_idle, merge_intervals
 
 pytestmark = pytest.mark.cpu_only
 

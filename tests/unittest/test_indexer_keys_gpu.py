@@ -11,18 +11,13 @@ Run with ``-s`` to see the counts and errors.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from benchmarks.harness.selection_recall import assert_differences_at_near_ties
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 from trtllm_glm.cache.manager import KpoolLayerCache
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from selection_recall import assert_differences_at_near_ties  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

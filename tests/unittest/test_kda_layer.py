@@ -337,3 +337,51 @@ def test_fuse_weights_is_idempotent() -> None:
     ptrs = (layer._in_fused.weight.data_ptr(), layer._conv_fused.weight.data_ptr())
     layer.fuse_weights()  # graphs captured on the first storage stay valid
     assert (layer._in_fused.weight.data_ptr(), layer._conv_fused.weight.data_ptr()) == ptrs
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_short_prefill_through_the_verify_kernels(monkeypatch, backend: str) -> None:
+    """``TRTLLM_GLM_KDA_SHORT_PREFILL``: prefill chunks up to the limit run the verify recurrence then commit every
+    row (the admission step's cheap path); the outputs and the states equal the chunked path's, in a batch mixing
+    decode rows, a fresh prompt over a NaN-poisoned slot, a continuation, a one-token prompt and a chunk over the
+    limit (which stays on the chunked path); other slots are untouched. ``triton``: the kernels, interpreted."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_VERIFY", backend)
+    monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", backend)
+    layer = _layer(4)
+    # (prior tokens, rows this step, slot): decode, fresh 9-row prompt, continuation of 5, one-token prompt,
+    # a 12-row chunk (over the limit of 10), another decode.
+    specs = [(6, 1, 5), (0, 9, 2), (4, 5, 0), (0, 1, 7), (3, 12, 4), (3, 1, 1)]
+    hid = [_hidden(p + n, 30 + i) for i, (p, n, _) in enumerate(specs)]
+    st = _state(layer, 6)
+    for i, (p, _, s) in enumerate(specs):
+        if p:
+            _run(layer, st, hid[i][:p], [p], [0], [s])
+    st.recurrent[2] = float("nan")  # the fresh prompt's slot: never read
+    st.conv[7] = float("inf")
+    hidden = torch.cat([hid[i][p:] for i, (p, _, _) in enumerate(specs)])
+    args = ([n for _, n, _ in specs], [p for p, _, _ in specs], [s for _, _, s in specs])
+    st_ref = _clone(st)
+    monkeypatch.delenv("TRTLLM_GLM_KDA_SHORT_PREFILL", raising=False)
+    ref = _run(layer, st_ref, hidden, *args)
+    calls: list[list[int]] = []
+    short = KimiDeltaAttention._short_prefill
+
+    def spy(self, x, g, beta, o, batch, seqs, *rest):  # noqa: ANN001, ANN202
+        calls.append(list(seqs))
+        return short(self, x, g, beta, o, batch, seqs, *rest)
+
+    monkeypatch.setattr(KimiDeltaAttention, "_short_prefill", spy)
+    monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "10")
+    prior = _clone(st)
+    out = _run(layer, st, hidden, *args)
+    assert calls == [[1, 2, 3]]  # the fresh prompt, the continuation, the one-token prompt; not the 12-row chunk
+    _close(out, ref)
+    for s in range(NUM_SLOTS):
+        if s in args[2]:
+            _close(st.recurrent[s], st_ref.recurrent[s])
+            _close(st.conv[s], st_ref.conv[s])
+        else:
+            assert torch.equal(st.recurrent[s], prior.recurrent[s]) and torch.equal(st.conv[s], prior.conv[s])
+    monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "some")
+    with pytest.raises(ValueError, match="TRTLLM_GLM_KDA_SHORT_PREFILL"):
+        _run(layer, _clone(st), hidden, *args)

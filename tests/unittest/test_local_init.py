@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from model_harness import ModelHarness
 
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM, needs_local_init
 from trtllm_glm.models.random_init import init_kind

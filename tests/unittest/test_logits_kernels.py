@@ -117,15 +117,49 @@ def test_kernels_compile_for_sm90() -> None:
 
     mod = "trtllm_glm.logits.kernels"
     part = dict(x_ptr="*fp32", val_ptr="*fp32", idx_ptr="*i32", V="i32", cols_per_prog="i32", stride_xn="i32",
-                NPART="i32", f_ptr="*fp32", stride_fn="i32")  # fmt: skip
+                NPART="i32", f_ptr="*fp32", stride_fn="i32", m_ptr="*i32", stride_mn="i32")  # fmt: skip
     fin = dict(val_ptr="*fp32", idx_ptr="*i32", ids_ptr="*i64", gap_ptr="*fp32", packed_ptr="*fp64",
                acc_ptr="*i64", N="i32", NSPLIT="i32", NPART="i32")  # fmt: skip
+    # (logits dtype, WRITE_F32, HAS_MASK)
+    cases = [("*fp32", False, False), ("*bf16", False, False), ("*bf16", True, False), ("*fp32", False, True)]
     specs = [
-        KernelSpec(mod, "_partial_kernel", {**part, "x_ptr": x}, {"BLOCK": 1024, "WRITE_F32": w})
-        for x, w in (("*fp32", False), ("*bf16", False), ("*bf16", True))
+        KernelSpec(mod, "_partial_kernel", {**part, "x_ptr": x}, {"BLOCK": 1024, "WRITE_F32": w, "HAS_MASK": m})
+        for x, w, m in cases
     ]
     for flags in [(True, True, False, False), (True, False, True, True), (False, True, True, False)]:
         const = dict(zip(["WRITE_IDS", "WRITE_GAP", "WRITE_PACKED", "HAS_ACC"], flags))
         specs.append(KernelSpec(mod, "_finish_kernel", fin, {"BLOCK_N": 4, "SPLIT_PAD": 64, **const}, num_warps=1))
     results = compile_sm90(specs)
     assert all(r["ok"] for r in results), results
+
+
+@pytest.mark.parametrize("n,v", [(7, 777), (9, 4099), (8, 64), (16, 1500)])
+def test_masked_greedy_matches_the_masked_reference(n: int, v: int) -> None:
+    """A grammar's token bitmask read by the kernel as it scans (`greedy_pack(bitmask=)`): the same ids and gaps as
+    the reference's ``masked_fill`` then argmax / topk, on random masks with planted cases: a disallowed maximum, a
+    single allowed token (gap -inf - x: -inf), nothing allowed (column 0, NaN gap), a NaN only in a disallowed column
+    (ignored) and one in an allowed column (propagated), words past the vocabulary set."""
+    from trtllm_glm.logits import apply_bitmask
+
+    x = _logits(n, v, seed=v + n)
+    g = torch.Generator().manual_seed(n)
+    words = (v + 31) // 32 + 1  # one word more than needed: its bits must not matter
+    bits = torch.randint(0, 2, (n, words * 32), generator=g, dtype=torch.int64)
+    bits[0, int(x[0].argmax())] = 0  # the unmasked maximum disallowed
+    bits[1] = 0
+    bits[1, v // 3] = 1  # one token allowed
+    bits[2] = 0  # nothing allowed
+    x[5, 11], bits[5, 11] = float("nan"), 0  # a NaN the mask hides
+    x[6, 17], bits[6, 17] = float("nan"), 1  # a NaN the mask lets through
+    bitmask = (bits.view(n, words, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    ref = greedy_top2_reference(apply_bitmask(x.clone(), bitmask))
+    acc = torch.arange(n, dtype=torch.int64) % 3 + 1
+    ids, packed = greedy_pack(x, acc, backend="triton", bitmask=bitmask)
+    _same((ids, packed[:, 1].float()), ref)
+    assert torch.equal(packed[:, 0], ref[0].double()) and torch.equal(packed[:, 2], acc.double())
+    ids_t, packed_t = greedy_pack(x, acc, backend="torch", bitmask=bitmask)
+    assert torch.equal(ids_t, ref[0]) and torch.equal(packed_t.nan_to_num(-7.0), packed.nan_to_num(-7.0))
+    assert int(ids[1]) == v // 3 and int(ids[2]) == 0 and int(ids[6]) == 17 and int(ids[5]) != 11
+    with pytest.raises(ValueError, match="bitmask"):
+        greedy_pack(x, backend="triton", bitmask=bitmask[:, :1])

@@ -194,11 +194,8 @@ def test_model_with_fused_sites_is_the_unfused_model(monkeypatch: pytest.MonkeyP
     with ``TRTLLM_GLM_MHC_FUSE=1`` every step's final hidden states (after the fused end: last expand, stream mean,
     final norm) equal the unfused kernels' bit for bit, and the fused path is the one taken, except in the
     batch-invariant mode, which keeps the unfused launches (the GPU's norm sums would change its bits)."""
-    import os
-    import sys
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from model_harness import ModelHarness
+    from benchmarks.harness.model_harness import ModelHarness
 
     for var in ("TRTLLM_GLM_MHC_BACKEND", "TRTLLM_GLM_NORM_BACKEND"):
         monkeypatch.setenv(var, "triton")

@@ -8,17 +8,12 @@ the Sinkhorn iterations change ``comb`` a lot. Outputs are poisoned with NaN fir
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from benchmarks.harness.mhc_fp64 import mhc_weights_fp64
 from trtllm_glm import mhc as K
 from trtllm_glm.modules import mhc as R
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from mhc_fp64 import mhc_weights_fp64  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only
 

@@ -13,18 +13,13 @@ threshold. Needs CUDA
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
+from benchmarks.harness.mhc_fp64 import mhc_weights_fp64
 from trtllm_glm import mhc as K
 from trtllm_glm.modules import mhc as R
 from trtllm_glm.numerics import batch_invariant_mode
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from mhc_fp64 import mhc_weights_fp64  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,

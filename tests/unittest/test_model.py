@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import ModelHarness
 
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.checkpoint import dequantize_block_fp8, quantize_block_fp8, save_checkpoint
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM

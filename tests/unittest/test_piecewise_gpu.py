@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_harness import ModelHarness
 
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.numerics import batch_invariant_mode
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig

@@ -8,7 +8,7 @@ references, and a 128K-token prompt of the 4-layer real slice whose next-token l
   `ops.select_topk_pools` (exact), and the selection expanded to token positions.
 * Sparse MLA at 1M: the same rows attend to 2,051 selected tokens spread over the whole context (latent plane of
   16,384 pages x 64 x 512 bf16: 1 GiB); kernel vs `ops.sparse_mla_attention` in fp32 on the same bf16 inputs.
-* 128K prompt (random bf16 weights of the real 4-layer slice, `benchmarks/bench_e2e.random_model`): prefilled in
+* 128K prompt (random bf16 weights of the real 4-layer slice, `benchmarks/harness/models.random_model`): prefilled in
   chunks of 8,192 and of 32,768 rows; the first sampled token's logits agree within bf16 noise (chunking changes
   GEMM shapes, so not bit for bit).
 
@@ -17,9 +17,7 @@ Needs CUDA (tests/conftest.py skips ``gpu`` tests without it); ~1 min on an H200
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -103,9 +101,7 @@ def test_sparse_mla_at_one_million_tokens(scene: dict[str, torch.Tensor]) -> Non
 
 
 def test_128k_prompt_next_token_logits_agree_across_chunk_sizes() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from bench_e2e import random_model
-
+    from benchmarks.harness.models import random_model
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import subset_config
     from trtllm_glm.runtime.llm import LLM, KvCacheConfig

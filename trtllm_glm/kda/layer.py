@@ -32,6 +32,7 @@ the projections runs in FP32; the projections run in the parameters' dtype.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .. import envs
 from ..config import Glm5NextConfig
 from ..modules.weight_views import FusedWeights, refuse_stale
 from ..norm import norm_backend, row_norm
@@ -59,7 +61,19 @@ from .ops import (
 )
 from .ops.conv import verify_rows
 
-__all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWeight"]
+__all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWeight", "short_prefill_rows"]
+
+# Prefill chunks of at most this many rows take the verify kernels' recurrence (verify every row from the slot,
+# then commit them all: four launches a layer) instead of the chunked path (fla's chunk kernels: a dozen launches
+# and their host work). An admission step is host-bound (issue 42: ~17-24 ms eager against ~6 ms of GPU work on
+# the 4-layer slice), and a served prompt's chunk is often a few dozen tokens. ``0``: off (the chunked path for
+# every prefill). The rows' recurrence is the verify pass's, so its rounding differs from the chunked path's.
+SHORT_PREFILL_ENV = envs.KDA_SHORT_PREFILL.name
+
+
+def short_prefill_rows() -> int:
+    """The largest prefill chunk the verify recurrence takes (`SHORT_PREFILL_ENV`; unset or ``0``: off)."""
+    return envs.KDA_SHORT_PREFILL.get()
 
 
 class ShortConvWeight(nn.Module):
@@ -416,17 +430,24 @@ class KimiDeltaAttention(nn.Module):
         _check_slots(batch, seqs)
         dec = [b for b in seqs if batch.q_lens[b] == 1 and batch.past_lens[b] > 0]
         pre = [b for b in seqs if not (batch.q_lens[b] == 1 and batch.past_lens[b] > 0)]
+        short: list[int] = []
+        limit = short_prefill_rows() if pre else 0
+        if limit:
+            short = [b for b in pre if batch.q_lens[b] <= limit]
+            pre = [b for b in pre if batch.q_lens[b] > limit]
         weight = self._conv_weight()
-        if not pre and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec)):
+        if not pre and not short and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec)):
             # Every row is one decode row, in order: the decode output is o (no zero fill, no copy).
             return self._decode(x, g, beta, None, batch, dec, state, weight)
         op, rows = self._prefill(x, g, beta, batch, pre, state, weight) if pre else (None, None)
-        if not dec and isinstance(rows, slice) and rows == slice(0, N):
+        if not dec and not short and isinstance(rows, slice) and rows == slice(0, N):
             # Every row is a prefill row, in order: the chunk output is o (no zero fill, no copy).
             return op
         o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
         if dec:
             self._decode(x, g, beta, o, batch, dec, state, weight)
+        if short:
+            self._short_prefill(x, g, beta, o, batch, short, state, weight)
         if isinstance(rows, slice):
             o[rows] = op
         elif rows is not None:
@@ -517,6 +538,46 @@ class KimiDeltaAttention(nn.Module):
         )  # fmt: skip
         state.recurrent.index_copy_(0, slots, S_end.to(state.recurrent.dtype))
         return op, rows
+
+    def _short_prefill(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        o: torch.Tensor,
+        batch: KdaBatchLike,
+        seqs: list[int],
+        state: KdaLayerState,
+        weight: torch.Tensor,
+    ) -> None:
+        """Short prefill chunks of ``seqs`` through the verify kernels (`short_prefill_rows`): every row verified from
+        the slot (zeros for a fresh sequence), then all of them committed; their outputs written into ``o``'s rows."""
+        dev, n = x.device, len(seqs)
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        widths = [batch.q_lens[b] for b in seqs]
+        firsts = [batch.cu_seqlens[b] for b in seqs]
+        Wm = max(widths)
+        # One host-to-device copy (no stream sync): the [n, Wm] row grid (padding entries repeat a sequence's last
+        # row; zero decay and beta make them no-ops), fresh flags, first rows, widths, and where the real rows go.
+        grid = [f + min(j, w - 1) for f, w in zip(firsts, widths) for j in range(Wm)]
+        fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
+        src = [i * Wm + j for i, w in enumerate(widths) for j in range(w)]
+        dst = [f + j for f, w in zip(firsts, widths) for j in range(w)]
+        meta = to_device(grid + fresh_h + firsts + widths + src + dst, dev, torch.int64)
+        cut = list(itertools.accumulate([n * Wm, n, n, n, len(src)]))
+        ridx = meta[: cut[0]].view(n, Wm)
+        fresh = meta[cut[0] : cut[1]] != 0
+        row0, widths_t = meta[cut[1] : cut[2]], meta[cut[2] : cut[3]]
+        src_t, dst_t = meta[cut[3] : cut[4]], meta[cut[4] :]
+        valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+        gr = torch.where(valid.view(n, Wm, 1, 1), g[ridx], 0.0)
+        br = torch.where(valid.view(n, Wm, 1), beta[ridx], 0.0)
+        slots = self._slots(batch, seqs, dev)
+        q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
+        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
+        o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V).index_select(0, src_t))
+        conv_commit_slots(state.conv, x, slots, widths_t, Wm, row0=row0, fresh=fresh)
+        kda_commit(state.recurrent, rec, widths_t, state_slots=slots, fresh=fresh)
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit

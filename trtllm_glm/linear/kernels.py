@@ -77,7 +77,7 @@ MAX_M = 64
 BLOCK_N = 16
 # Rows of x per program of the batch-invariant GEMM (`launch_invariant_gemm`), whatever M is: the MMA shape
 # (BLOCK_N x INVARIANT_BLOCK_M x block_k) is one per weight. 16 from the H200 (4-layer slice, plain decode with CUDA
-# graphs, benchmarks/results/e2e_batch_invariant_h200_2026-12-03.log): replay 1.81 / 2.24 / 3.35 ms at batch 1 and
+# graphs, benchmarks/results/e2e/e2e_batch_invariant_h200_2026-12-03.log): replay 1.81 / 2.24 / 3.35 ms at batch 1 and
 # 2.96 / 3.37 / 4.56 ms at batch 16 for 16 / 32 / 64 (a wider tile multiplies a decode row's MMA work); 32 is
 # faster for 64-row verify steps (5.48 vs 6.79 ms at batch 16 x 4), which TRTLLM_GLM_INVARIANT_BLOCK_M selects.
 INVARIANT_BLOCK_M = 16

@@ -29,6 +29,7 @@ from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = [
     "GREEDY_FUSE_CAST_ENV",
+    "apply_bitmask",
     "LOGITS_BACKEND_ENV",
     "SAMPLE_MAX_K",
     "SAMPLING_BACKEND_ENV",
@@ -81,6 +82,29 @@ def greedy_top2_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return torch.argmax(logits, dim=-1), top[:, 0] - top[:, 1]
 
 
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Disallowed tokens' logits set to ``-inf``, in place (the torch definition of a grammar's mask).
+
+    Args:
+        logits: ``[N, V]`` float.
+        bitmask: ``[N, W]`` int32 with ``W >= ceil(V / 32)`` (any device; copied to ``logits``' device): bit
+            ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed.
+
+    Returns:
+        ``logits``.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
+        raise ValueError(f"logits [n, V] and bitmask [n, W] expected, got {tuple(logits.shape)} and "
+                         f"{tuple(bitmask.shape)}")  # fmt: skip
+    n, V = logits.shape
+    if bitmask.shape[1] * 32 < V:
+        raise ValueError(f"bitmask of {bitmask.shape[1]} words cannot cover a vocabulary of {V}")
+    words = bitmask.to(device=logits.device, dtype=torch.int32, non_blocking=True)
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :V].bool()
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
 def greedy_top2(logits: torch.Tensor, *, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's greedy token and top-2 gap (`greedy_top2_reference`; two launches on CUDA).
 
@@ -112,6 +136,7 @@ def greedy_pack(
     *,
     backend: str | None = None,
     f32_out: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The greedy ids and the ``[N, 3]`` float64 rows ``(id, gap, accepted)`` a step copies to the host once.
 
@@ -121,6 +146,9 @@ def greedy_pack(
         backend: as in `greedy_top2`.
         f32_out: optional ``[N, V]`` fp32 buffer to receive ``logits.float()`` (the kernel writes it while it reads
             the logits: no launch of its own; the reference copies).
+        bitmask: optional ``[N, >= ceil(V / 32)]`` int32 on ``logits``' device: each row's choice among the tokens
+            its mask allows (`apply_bitmask` on a copy, then the same; the kernel reads the mask as it scans the
+            row: no copy of the logits, no launch of its own); not with ``f32_out``.
 
     Returns:
         ``(ids [N] int64, packed [N, 3] float64)``; token ids and counts are exact in float64.
@@ -129,15 +157,19 @@ def greedy_pack(
     N = logits.shape[0]
     if accepted is not None and accepted.shape != (N,):
         raise ValueError(f"accepted must be [{N}], got shape {tuple(accepted.shape)}")
+    if bitmask is not None and f32_out is not None:
+        raise ValueError("greedy_pack: a bitmask and f32_out together are not supported")
     if logits_backend(logits, backend) == "torch":
         if f32_out is not None:
             f32_out.copy_(logits)
+        if bitmask is not None:
+            logits = apply_bitmask(logits.clone(), bitmask)
         ids, gap = greedy_top2_reference(logits)
         acc = torch.ones_like(ids) if accepted is None else accepted
         return ids, torch.stack([ids.to(torch.float64), gap.to(torch.float64), acc.to(torch.float64)], dim=1)
     packed = torch.empty(N, 3, dtype=torch.float64, device=logits.device)
     ids, _ = kernel_module(logits.device).greedy_top2(
-        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted, f32_out=f32_out
+        _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted, f32_out=f32_out, bitmask=bitmask
     )
     return ids, packed
 

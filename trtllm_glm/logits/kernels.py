@@ -49,8 +49,11 @@ def _partial_kernel(
     NPART,
     f_ptr,
     stride_fn,
+    m_ptr,
+    stride_mn,
     BLOCK: tl.constexpr,
     WRITE_F32: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     n = tl.program_id(0)
     s = tl.program_id(1)
@@ -70,6 +73,9 @@ def _partial_kernel(
         x = tl.load(row + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if WRITE_F32:  # the fp32 logits the step returns: the LM head's cast done by this read (exact)
             tl.store(f_row + cols, x, mask=ok)
+        if HAS_MASK:  # a grammar's token bitmask: bit c % 32 of word c // 32 allows column c; the rest is -inf
+            words = tl.load(m_ptr + n.to(tl.int64) * stride_mn + cols // 32, mask=ok, other=0)
+            x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
         isnan = x != x
         inan = tl.minimum(inan, tl.min(tl.where(isnan & ok, cols, _NONE), axis=0))
         x = tl.where(isnan, float("-inf"), x)
@@ -165,6 +171,7 @@ def greedy_top2(
     split: int | None = None,
     block: int = 1024,
     f32_out: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Greedy ids and top-2 gaps of ``logits`` rows (see the module docstring), two launches.
 
@@ -178,6 +185,9 @@ def greedy_top2(
         block: columns per tile.
         f32_out: optional ``[N, V]`` fp32 (last dim contiguous), written with ``logits`` upcast (the first launch
             reads every logit anyway: the LM head's ``.float()`` without its own launch).
+        bitmask: optional ``[N, >= ceil(V / 32)]`` int32 on ``logits``' device, last dim contiguous: column ``c`` of
+            row ``n`` counts only where bit ``c % 32`` of word ``c // 32`` is set (a grammar's mask; the others are
+            read as ``-inf``, as the reference's ``masked_fill``); not with ``f32_out``.
 
     Returns:
         ``(ids or None, gap or None)``.
@@ -197,9 +207,14 @@ def greedy_top2(
     if f32_out is not None and (f32_out.shape != (N, V) or f32_out.dtype != torch.float32 or f32_out.stride(-1) != 1):
         raise ValueError("greedy_top2: f32_out must be [N, V] fp32, last dim contiguous")
     f = f32_out if f32_out is not None else logits
+    if bitmask is not None and (
+        bitmask.dtype != torch.int32 or bitmask.shape[0] != N or bitmask.shape[1] * 32 < V or bitmask.stride(-1) != 1
+    ):
+        raise ValueError(f"greedy_top2: bitmask must be [{N}, >= {triton.cdiv(V, 32)}] int32, last dim contiguous")
+    m = bitmask if bitmask is not None else idxs  # (unused pointer when there is no mask: its loads compile out)
     _partial_kernel[(N, nsplit)](
-        logits, vals, idxs, V, cols, logits.stride(0), npart, f, f.stride(0),
-        BLOCK=block, WRITE_F32=f32_out is not None, num_warps=4,
+        logits, vals, idxs, V, cols, logits.stride(0), npart, f, f.stride(0), m, m.stride(0),
+        BLOCK=block, WRITE_F32=f32_out is not None, HAS_MASK=bitmask is not None, num_warps=4,
     )  # fmt: skip
     block_n = 4
     dummy = vals  # unused pointer arguments (their stores are compiled out)

@@ -53,7 +53,7 @@ keeps the FMA path at every N (one token tile, one split), so a row's bits never
 the FMA path's speed.
 
 Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
-``benchmarks/results/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
+``benchmarks/results/kernels/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
 / 128 against 232 / 272 / 300 / 337 µs for the graph-replayed torch reference. ``mhc_post`` is near the
 copy ceiling at N = 128 (3.1 µs, 73%) and ~1.7 µs (launch-bound) at N = 1. ``mhc_pre`` (12.4 µs at N = 1,
 29.5 µs at N = 128) is latency-bound, ~20-30x its byte floor: the split is already at its best

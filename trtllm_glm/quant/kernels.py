@@ -93,7 +93,7 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 # give the programs that stream the weight.
 MAX_M_SPLIT = 64
 # Weight bytes one program of a split launch reads (its K chunk): enough to keep the memory pipe busy. With 64-row
-# tiles, 1024 columns per program (H200 sweep, benchmarks/results/fp8_linear_sweep_h200_2026-12-03.log: 64 rows x
+# tiles, 1024 columns per program (H200 sweep, benchmarks/results/fp8/fp8_linear_sweep_h200_2026-12-03.log: 64 rows x
 # split 8 ran kda.o_proj [4096, 8192] at M = 1 in 17.2 us against 34.2 us for 16 rows x 2048 columns).
 _BYTES_PER_PROGRAM = 65536
 # Programs a split launch should have at least (H200: 132 SMs).

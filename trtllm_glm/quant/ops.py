@@ -43,7 +43,7 @@ FP8_DEQUANT_ROWS_ENV = envs.FP8_DEQUANT_MIN_ROWS.name
 # From this many rows on (prefill chunks), 16-bit CUDA calls dequantise the weight in one launch and run the GEMM on
 # cuBLAS: a GEMM of many rows is compute-bound, where cuBLAS beats a Triton tile that decodes e4m3 in its loop, and
 # the dequantisation (one byte read, two written per weight) is small beside it. H200
-# (benchmarks/results/fp8_linear_h200_2026-12-03.log): at 256 rows dequant+cuBLAS wins on all 12 real shapes
+# (benchmarks/results/fp8/fp8_linear_h200_2026-12-03.log): at 256 rows dequant+cuBLAS wins on all 12 real shapes
 # (e.g. mlp.gate|up 153 vs 258 us), at 64 rows the kernel wins on 10 of 12 (95 vs 142 us): the cut lies between.
 DEQUANT_MIN_ROWS = 128
 # Rows of one launch in the batch-invariant mode (`fp8_linear_invariant`): every launch takes the launch shape of

@@ -204,6 +204,8 @@ class GraphOutputs:
         width: rows per sequence ``W``; with ``W > 1`` the verify records were committed in the graph.
         chosen: ``packed``'s first column holds each row's chosen token (sampled rows drawn on the device
             already, by the overlap scheduler) rather than the greedy one.
+        masked: grammar rows' tokens and gaps in ``packed`` were chosen under their masks already (the overlap
+            scheduler: `Executor._choose_under_grammar`).
     """
 
     hidden: torch.Tensor
@@ -211,6 +213,7 @@ class GraphOutputs:
     packed: torch.Tensor
     width: int = 1
     chosen: bool = False
+    masked: bool = False
     _host: list[list[float]] | None = None
 
     def host_rows(self) -> list[list[float]]:

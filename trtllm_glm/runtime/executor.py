@@ -17,6 +17,7 @@ from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
+from ..logits import greedy_pack
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
 from ..transfer import to_device
 from .cuda_graph import (
@@ -108,7 +109,7 @@ class _InFlight:
     plan: list[ScheduledSeq]
     slots: list[int]
     out: GraphOutputs
-    results: HostResults
+    results: HostResults | None  # None: grammar rows' tokens not chosen yet (`_choose_under_grammar`)
 
 
 class Executor:
@@ -320,7 +321,7 @@ class Executor:
         if self._step_out is not None and self._may_launch_ahead(plan):
             assert self.graph_runner is not None
             out = self._choose_tokens(plan, self._step_out)
-            self._inflight = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
+            self._inflight = _InFlight(plan, list(self.meta.state_slots), out, self._results_to_host(plan, out))
             return []
         finished = self._advance(plan, rows)
         self._after_step(plan)
@@ -335,13 +336,13 @@ class Executor:
         waiting who could be admitted now (requests may wait while the batch is full: only a finish frees a
         slot, and a finish is seen at a read-back), no request that reaches its length limit with this step (a stop
         token is not known ahead: a request that stops here has its next row computed and dropped), and no per-token
-        outputs that read the logits (the next replay overwrites them), and no request under a grammar (its mask
-        is computed on the host from the previous token: `Request.has_grammar`). Sampled requests draw their tokens
+        outputs that read the logits (the next replay overwrites them). Sampled requests draw their tokens
         on the device right after the step's replay (`_choose_tokens`), in the order an ordinary step's
-        read-back would, so seeded outputs are the same. Prefix caching may stay on: after a decode step it
-        only seals pages that became full, and the step launched ahead writes the next position, which is
-        never on such a page (checkpoints are taken after prefill chunks only, and admissions wait for a
-        step that was read back).
+        read-back would, so seeded outputs are the same; a batch with a grammar request chooses its tokens one
+        step later, once the host knows the tokens before them (`_choose_under_grammar`). Prefix caching may stay
+        on: after a decode step it only seals pages that became full, and the step launched ahead writes the next
+        position, which is never on such a page (checkpoints are taken after prefill chunks only, and admissions
+        wait for a step that was read back).
         """
         if not (self.cfg.overlap_scheduler and self.supports_overlap):
             return False
@@ -353,7 +354,7 @@ class Executor:
             return False
         for s in plan:
             r, p = s.request, s.request.params
-            if r.finished or r.has_grammar or p.logprobs is not None or p.return_generation_logits:
+            if r.finished or p.logprobs is not None or p.return_generation_logits:
                 return False
             if r.num_output + 1 >= p.max_tokens or len(r.tokens) + 1 >= self.max_seq_len:
                 return False
@@ -363,6 +364,9 @@ class Executor:
         """Launch the step after the one in flight (when it may), then read the one in flight back."""
         cur = self._inflight
         assert cur is not None and self.graph_runner is not None
+        if cur.results is None:  # the step before it was read back: its grammar rows' masks can be filled now
+            cur.out = self._choose_under_grammar(cur.plan, cur.out)
+            cur.results = self.graph_runner.results_to_host(cur.out)
         nxt: _InFlight | None = None
         if self._may_launch_ahead(cur.plan):  # (false once a request of the plan has finished)
             # Each request one row further: its length after the step in flight, and room for one more row.
@@ -378,7 +382,7 @@ class Executor:
                 self._before_chained_launch(cur)
                 with torch.inference_mode():
                     out = self._choose_tokens(plan, self.graph_runner.replay_chained(key, plan, cur.out))
-                nxt = _InFlight(plan, list(self.meta.state_slots), out, self.graph_runner.results_to_host(out))
+                nxt = _InFlight(plan, list(self.meta.state_slots), out, self._results_to_host(plan, out))
                 self.num_overlapped_steps += 1
                 self._launched = (plan, True, True)
         self._inflight = nxt
@@ -402,14 +406,44 @@ class Executor:
         read-back uses as the step's tokens.
         """
         reqs = [s.request for s in plan]
-        if all(r.params.greedy for r in reqs):
-            return out
+        if all(r.params.greedy for r in reqs) or any(r.has_grammar for r in reqs):
+            return out  # (grammar: every row is chosen later, in row order, by `_choose_under_grammar`)
         with torch.inference_mode():
             # The graph's argmax serves the greedy rows (no second pass over the vocabulary).
             greedy = out.packed[:, 0].long()
             toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs], greedy)
             packed = torch.cat([toks.to(out.packed.dtype)[:, None], out.packed[:, 1:]], dim=1)
         return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True)
+
+    def _results_to_host(self, plan: list[ScheduledSeq], out: GraphOutputs) -> HostResults | None:
+        """Start ``out``'s copy to the host, or None while a grammar request's token is still to be chosen."""
+        assert self.graph_runner is not None
+        return None if any(s.request.has_grammar for s in plan) else self.graph_runner.results_to_host(out)
+
+    def _choose_under_grammar(self, plan: list[ScheduledSeq], out: GraphOutputs) -> GraphOutputs:
+        """The tokens of a step launched ahead whose batch has grammar requests, chosen on the device once the
+        step before it was read back (each grammar's matcher then holds every token before this step's).
+
+        Grammar rows take the argmax (and top-2 gap) among the tokens their masks allow; sampled rows are drawn
+        from the masked logits, every row in one call in row order, as an ordinary step's read-back does (so
+        seeded outputs are the same). Nothing waits for the device: the masks are filled on the host while the
+        step runs, the choice is queued behind it, and the next step chains from the result.
+
+        Returns:
+            ``out`` with ``packed`` replaced by a copy holding the chosen tokens (``chosen`` and ``masked`` set).
+        """
+        reqs = [s.request for s in plan]
+        items = [(r, j, []) for j, r in enumerate(reqs) if r.has_grammar]
+        sampled = not all(r.params.greedy for r in reqs)
+        with torch.inference_mode():
+            idx, rows, choose = self._masked_choice(out.logits, items, need_logits=sampled)
+            packed = out.packed.clone()
+            packed.index_copy_(0, idx, rows)
+            if sampled:
+                toks = self.sampler.sample(choose, [r.params for r in reqs], [r.generator for r in reqs],
+                                           packed[:, 0].long())  # fmt: skip
+                packed[:, 0] = toks.to(packed.dtype)
+        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True, masked=True)
 
     def _decode_widths(self) -> dict[int, int] | None:
         """Rows per running decode request this step (``None``: one each; speculation verifies more)."""
@@ -628,26 +662,36 @@ class Executor:
         a grammar must judge: a verify graph accepts drafts on the device, before any mask)."""
         return True
 
-    def _constrain(self, logits: torch.Tensor, items: list[tuple[Request, int, list[int]]]) -> torch.Tensor:
-        """``logits`` with the rows of grammar requests masked (a copy: the raw rows stay for logprobs).
+    def _masked_choice(
+        self, logits: torch.Tensor, items: list[tuple[Request, int, list[int]]], *, need_logits: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Each grammar row's token among those its mask allows.
 
-        Masks are computed on the host (llguidance: `grammar.fill_bitmasks`) and applied on the logits' device in a
-        few eager launches, outside any captured graph (the step's graph, if any, has replayed already).
+        Masks are computed on the host (llguidance: `grammar.fill_bitmasks`), copied to the logits' device and read
+        by the greedy kernel as it scans the rows (`trtllm_glm.logits.greedy_pack`: no masked copy of the logits on
+        CUDA), outside any captured graph.
 
         Args:
             logits: ``[n, V]`` FP32 logits of the step's sampled rows.
             items: per grammar request ``(request, first_row, drafts)`` (`grammar.fill_bitmasks`).
+            need_logits: also return the masked logits (sampled requests draw from them).
 
         Returns:
-            ``[n, V]``: disallowed tokens of those rows at ``-inf``, other rows as they were.
+            ``(rows [m] int64, packed [m, 3] float64, masked)`` on the device: the grammar rows, in ``items``'
+            order, their ``(token, top-2 gap, 1)`` under the masks, and ``[n, V]`` logits with those rows masked
+            (a copy: the raw rows stay for logprobs) when ``need_logits``, else None.
         """
         n, V = logits.shape
         bm = fill_bitmasks([(r.grammar, row, d) for r, row, d in items], n, V)
         rows = [i for _, row, d in items for i in range(row, row + 1 + len(d))]
-        out = logits.clone()
         idx = to_device(rows, logits.device)
-        out.index_copy_(0, idx, apply_token_bitmask(out.index_select(0, idx), bm[rows]))
-        return out
+        masks = bm[rows].to(logits.device, non_blocking=True)
+        packed = greedy_pack(logits.index_select(0, idx), bitmask=masks)[1]
+        masked = None
+        if need_logits:
+            masked = logits.clone()
+            masked.index_copy_(0, idx, apply_token_bitmask(masked.index_select(0, idx), masks))
+        return idx, packed, masked
 
     def _record_prompt(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> None:
         """Context logits and prompt logprobs of the prompt rows this step computed (when asked for)."""
@@ -725,12 +769,14 @@ class Executor:
             gaps = [p[1] for p in packed]
             choose = logits
             constrained = [j for j, r in enumerate(reqs) if r.has_grammar]
-            if constrained:  # (never a step launched ahead: its tokens were chosen on the device)
-                choose = self._constrain(logits, [(reqs[j], j, []) for j in constrained])
-                packed_c = greedy_and_gap(choose[to_device(constrained, self.device)]).tolist()
-                for j, (t, gp, _) in zip(constrained, packed_c):
-                    greedy[j], gaps[j] = int(t), gp
             out = self._step_out
+            if constrained and not (out is not None and out.masked):  # (masked: chosen already, on the device)
+                items = [(reqs[j], j, []) for j in constrained]
+                sampled = not all(r.params.greedy for r in reqs)
+                _, packed_c, masked = self._masked_choice(logits, items, need_logits=sampled)
+                choose = logits if masked is None else masked
+                for j, (t, gp, _) in zip(constrained, packed_c.tolist()):
+                    greedy[j], gaps[j] = int(t), gp
             if (out is not None and out.chosen) or all(r.params.greedy for r in reqs):
                 toks = greedy  # greedy, or drawn already (`_choose_tokens`)
             else:

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from .. import envs
+from ..logits import apply_bitmask
 
 __all__ = [
     "GuidedDecodingParams",
@@ -164,26 +165,9 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """Disallowed tokens' logits set to ``-inf``, in place (the plain torch reference; a few launches).
-
-    Args:
-        logits: ``[n, V]`` float logits (any device).
-        bitmask: ``[n, W]`` int32 with ``W >= ceil(V / 32)`` (any device; copied to ``logits``' device): bit
-            ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed.
-
-    Returns:
-        ``logits``.
-    """
-    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0]:
-        raise ValueError(f"logits [n, V] and bitmask [n, W] expected, got {tuple(logits.shape)} and "
-                         f"{tuple(bitmask.shape)}")  # fmt: skip
-    n, V = logits.shape
-    if bitmask.shape[1] * 32 < V:
-        raise ValueError(f"bitmask of {bitmask.shape[1]} words cannot cover a vocabulary of {V}")
-    words = bitmask.to(device=logits.device, dtype=torch.int32, non_blocking=True)
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(n, -1)[:, :V].bool()
-    return logits.masked_fill_(~allowed, float("-inf"))
+    """Disallowed tokens' logits set to ``-inf``, in place (`trtllm_glm.logits.apply_bitmask`: ``logits [n, V]``,
+    ``bitmask [n, W]`` int32, bit ``t % 32`` of word ``t // 32`` allowing token ``t``). Returns ``logits``."""
+    return apply_bitmask(logits, bitmask)
 
 
 def allowed_tokens(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:

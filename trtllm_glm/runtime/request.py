@@ -103,9 +103,10 @@ class Request:
 
     @property
     def has_grammar(self) -> bool:
-        """Whether tokens are chosen under a grammar's mask, on the host's schedule: such a request's logits
-        rows are masked before sampling, so its step is never launched ahead (overlap scheduler) and its
-        verify rows never run as a graph that accepts drafts on the device."""
+        """Whether tokens are chosen under a grammar's mask, filled on the host: such a request's logits rows are
+        masked before sampling, so a step launched ahead chooses its tokens only once the step before it was read
+        back (`Executor._choose_under_grammar`), and its verify rows never run as a graph that accepts drafts on
+        the device."""
         return self.grammar is not None
 
     @property

@@ -32,7 +32,7 @@ from ..speculative.drafters import DeviceDrafts, Drafter, DraftSeq, DraftState, 
 from ..speculative.interface import draft_replay
 from ..speculative.mtp import MTPDrafter
 from ..transfer import to_device
-from .cuda_graph import DeviceRows, greedy_and_gap, padded_batch_size
+from .cuda_graph import DeviceRows, padded_batch_size
 from .executor import Executor, ExecutorConfig, _InFlight
 from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
@@ -361,6 +361,10 @@ class SpeculativeExecutor(Executor):
             return False
         if any(s.request.request_id not in self.state or self.state[s.request.request_id].drafts for s in plan):
             return False
+        # A grammar request's token is chosen one step late (`_choose_under_grammar`); the MTP catch-up launched
+        # with the next step reads the tokens at launch: such batches stay synchronous here.
+        if any(s.request.has_grammar for s in plan):
+            return False
         return super()._may_launch_ahead(plan)
 
     def _before_chained_launch(self, cur) -> None:  # noqa: ANN001 - executor._InFlight
@@ -431,7 +435,7 @@ class SpeculativeExecutor(Executor):
             st = self.state.get(r.request_id)
             if r.finished or st is None or st.mtp_disabled or st.mtp_len != s.start:
                 return False
-            # A grammar request's verify rows are masked on the host from its drafts (`_constrain`): never ahead.
+            # A grammar request's verify rows are masked on the host from its drafts (`_masked_choice`): never ahead.
             if not p.greedy or r.wants_logits or r.has_grammar:
                 return False
             if (len(st.drafts) if st.num_proposed is None else st.num_proposed) != K:
@@ -568,9 +572,9 @@ class SpeculativeExecutor(Executor):
                     if cnt > 1:  # verify rows: the real drafts (filler is never accepted)
                         k = len(st.resolve()) if st.num_proposed is None else st.num_proposed
                     items.append((plan[i].request, off, st.resolve()[:k] if k else []))
-                choose = self._constrain(logits, items)
-                rows = [j for _, off, d in items for j in range(off, off + 1 + len(d))]
-                for j, (t, gp, _) in zip(rows, greedy_and_gap(choose[to_device(rows, self.device)]).tolist()):
+                idx, packed_c, masked = self._masked_choice(logits, items, need_logits=bool(drawn))
+                choose = logits if masked is None else masked
+                for j, (t, gp, _) in zip(idx.tolist(), packed_c.tolist()):
                     greedy[j], gaps[j] = int(t), gp
             if drawn:
                 toks = early

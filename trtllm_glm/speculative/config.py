@@ -62,7 +62,7 @@ class MTPDecodingConfig(_SpecBase):
             `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
             acceptance, down to 0 where speculation cannot pay. Off by default: on an H100 (trained ``small``,
             bf16) it chose K = 0 for ~97 % of the rounds at batch 1 and 16, where K = 3 paid, and lost 3.2x at
-            batch 1 (508 against 1,632 tokens/s; `benchmarks/results/spec_overlap_small_h100_2026-12-06.log`),
+            batch 1 (508 against 1,632 tokens/s; `benchmarks/results/spec/spec_overlap_small_h100_2026-12-06.log`),
             its k = 0 rounds then costing a per-step MTP catch-up; ``catchup_lag`` has since made them plain
             steps, not yet measured on ``small`` (docs/speculation.md).
         overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its

@@ -473,7 +473,7 @@ def choose_splits(
     the time, and every split gets one tile. H200, W = 2051 (33 tiles), graph replay: one row 15.1 us split
     33 ways against 19.2 us split 11 ways (the bytes cap), two rows 15.8 against 19.7; at four rows 33 splits
     (a full wave, partials twice the latent rows) take 19.6 us and the capped 11 splits 17.9 us
-    (`benchmarks/results/sparse_mla_small_rows_h200_2026-12-03.log`).
+    (`benchmarks/results/kernels/sparse_mla_small_rows_h200_2026-12-03.log`).
 
     Args:
         n_rows: query rows ``N``. n_heads: heads ``H``. width: selection width ``W``.

@@ -48,7 +48,7 @@ least ``take`` pools lie at or above the smallest one), stopped early when a pro
 then one packed scan per sub-block of ``SUB`` pools. Rows longer than ``BLOCK`` pools are re-read per probe.
 With one program per row, N rows take the time of one (~17 passes of ~1.9 us over a 32768-pool row).
 
-Measured on the H200 (one run: benchmarks/results/topk_h200_2026-11-30.log; CUDA-graph replay of 16 calls
+Measured on the H200 (one run: benchmarks/results/kernels/topk_h200_2026-11-30.log; CUDA-graph replay of 16 calls
 on rotating inputs, per call, top 512 of full rows), default launch = chunk 4096, 1024 slots, 4 / 8 warps:
 
 ==========================  =====================  ==========  ==============  =========

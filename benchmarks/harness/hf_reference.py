@@ -1,4 +1,5 @@
-"""Builds small random `transformers` GLM-5.3-Flash models (the published reference) for parity tests.
+"""The published `transformers` reference: small random models for parity tests, and `run_transformers`, its
+``generate`` on our weights for scale.
 
 Every parameter is perturbed away from its init so that gates, pooling weights, the pooling position
 bias, mHC mixing and router biases all change the output: a parity test then fails if any of them is
@@ -10,9 +11,13 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+import time
 from typing import Any
 
 import torch
+
+from trtllm_glm.config import Glm5NextConfig as OurConfig
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 
 TEXT_BASE: dict[str, Any] = {
     "vocab_size": 300,
@@ -53,7 +58,7 @@ VISION_SMALL: dict[str, Any] = {
 }
 
 
-def _import_reference():
+def import_reference():
     """The reference classes, imported with its plain-torch KDA and conv paths.
 
     The reference binds fla-core's Triton kernels at import time when fla imports; those need a GPU
@@ -77,7 +82,7 @@ def _import_reference():
 
 def build_hf_model(seed: int = 0, **text_overrides: Any):
     """A random fp32 `Glm5NextForConditionalGeneration` (eager attention), every weight perturbed."""
-    Glm5NextConfig, Glm5NextForConditionalGeneration = _import_reference()
+    Glm5NextConfig, Glm5NextForConditionalGeneration = import_reference()
 
     text = dict(TEXT_BASE)
     text.update(text_overrides)
@@ -169,4 +174,70 @@ def to_checkpoint_names(model) -> dict[str, torch.Tensor]:
                 out[n.replace("conv1d", f"{qkv}_conv1d")] = t[j * c : (j + 1) * c]
             continue
         out[n] = t
+    return out
+
+
+def run_transformers(model_cfg: OurConfig, ours: Glm5NextForCausalLM, batch: int, prompt_len: int, gen: int):
+    """The reference's ``generate`` (greedy, its own cache) on the same trunk weights: tokens/s."""
+    HfConfig, HfModel = import_reference()
+    text = model_cfg.text_dict()
+    text.pop("num_nextn_predict_layers", None)
+    text.pop("index_share_for_mtp_iteration", None)
+    cfg = HfConfig(text_config=text, vision_config=VISION_SMALL)
+    dev = next(ours.parameters()).device
+    dt = next(ours.parameters()).dtype
+    torch.set_default_dtype(dt)
+    try:
+        with torch.device(dev):
+            hf = HfModel(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    mtp = f".layers.{model_cfg.num_hidden_layers}."
+    sd = {k: v for k, v in ours.hf_state_dict().items() if mtp not in k}
+    res = hf.load_state_dict(_to_reference_names(sd, hf), strict=False)
+    missing = [k for k in res.missing_keys if ".visual." not in k]
+    if missing or res.unexpected_keys:
+        raise RuntimeError(
+            f"weights do not map onto the reference: missing {missing[:3]}, unexpected {res.unexpected_keys[:3]}"
+        )
+    ids = torch.randint(0, model_cfg.vocab_size, (batch, prompt_len), device=dev)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=2, do_sample=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    return {"tokens_per_s": batch * gen / (time.perf_counter() - t0)}
+
+
+def _to_reference_names(sd: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """Our checkpoint names -> the reference's in-memory names (fused experts and conv taps)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    convs: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in sd.items():
+        n = k
+        for blk in ("attn", "ffn"):
+            for part in ("fn", "base", "scale"):
+                n = n.replace(f".hc_{blk}_{part}", f".{blk}_hc.{part}")
+        for part in ("f_a_proj", "f_b_proj", "dt_bias", "A_log"):
+            n = n.replace(f".self_attn.{part}", f".self_attn.forget_gate.{part}")
+        if ".mlp.experts." in n:
+            pre, rest = n.split(".mlp.experts.")
+            e, which = rest.split(".", 1)
+            experts.setdefault(pre, {}).setdefault(int(e), {})[which.split(".")[0]] = v
+            continue
+        if any(f".self_attn.{c}_conv1d." in n for c in "qkv"):
+            pre, rest = n.split(".self_attn.")
+            convs.setdefault(pre, {})[rest[0]] = v
+            continue
+        out[n] = v
+    for pre, by_e in experts.items():
+        es = [by_e[e] for e in sorted(by_e)]
+        out[f"{pre}.mlp.experts.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in es])
+        out[f"{pre}.mlp.experts.down_proj"] = torch.stack([x["down_proj"] for x in es])
+    for pre, c in convs.items():
+        out[f"{pre}.self_attn.conv1d.weight"] = torch.cat([c["q"], c["k"], c["v"]])
     return out

@@ -1,0 +1,102 @@
+"""Breakdowns of one step: the costliest kernels, launch sites, host time, launches and syncs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_kernels(step, n: int) -> list[tuple[str, float, int]]:
+    """The ``n`` device kernels that took the most time in one call of ``step``: (name, µs, calls), after a
+    first row with the sum over every kernel (GPU busy time and kernel count; the step time minus it is idle).
+
+    Kernels replayed from a CUDA graph are recorded too (CUPTI), so this also breaks down a graph step.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
+            by_name.setdefault(e.name[:90], []).append(e.device_time_total)
+    rows = sorted(((k, sum(v), len(v)) for k, v in by_name.items()), key=lambda r: -r[1])
+    every = ("(all kernels: busy time, count)", sum(r[1] for r in rows), sum(r[2] for r in rows))
+    return [(k, round(t, 1), c) for k, t, c in [every, *rows[:n]]]
+
+
+# Aten ops that only re-describe memory (no kernel launch).
+VIEW_OPS = ("view", "_unsafe_view", "t", "detach", "detach_", "slice", "select", "as_strided", "expand",
+             "unsqueeze", "squeeze", "permute", "transpose", "alias", "split", "split_with_sizes", "unbind",
+             "empty", "empty_strided", "empty_like", "lift_fresh", "narrow", "reshape", "chunk", "sym_size",
+             "is_same_size", "new_empty", "new_empty_strided", "resolve_conj", "resolve_neg", "set_")  # fmt: skip
+
+
+def op_sites(step, n: int) -> list[tuple[str, int]]:
+    """The torch ops of one call of ``step`` by call site: the ``n`` busiest (``op @ file:line function`` of the
+    innermost ``trtllm_glm`` frame, calls), after a first row with the total. Each such op is about one kernel
+    launch, so this shows where a step's small launches come from (Triton launches are not torch ops and are
+    not counted). Only eager steps have call sites: a replayed graph is one launch.
+    """
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    count: dict[str, int] = {}
+
+    class _Sites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            op = func.overloadpacket.__name__
+            if op not in VIEW_OPS:
+                frames = [f for f in traceback.extract_stack() if "trtllm_glm/" in f.filename]
+                f = frames[-1] if frames else None
+                site = f"{f.filename.split('trtllm_glm/')[-1]}:{f.lineno} {f.name}" if f else "?"
+                key = f"{op} @ {site}"
+                count[key] = count.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _Sites():
+        step()
+    rows = sorted(count.items(), key=lambda r: -r[1])
+    return [("(all torch ops)", sum(count.values())), *rows[:n]]
+
+
+def host_profile(ex, steps: int, n: int) -> list[tuple[str, float, float]]:
+    """Where the host spends a step: the ``n`` package functions with the most cumulative time over up to
+    ``steps`` steps (cProfile), as (``file:line function``, ms per step, calls per step)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    done = 0
+    prof.enable()
+    while done < steps and ex.has_work:
+        ex.step()
+        done += 1
+    prof.disable()
+    if not done:
+        return []
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (prim calls, calls, tottime, cumtime, callers)
+    rows = []
+    for (f, line, name), (_, calls, _, cum, _) in st.items():
+        if "trtllm_glm" in f:
+            rows.append((f"{f.split('trtllm_glm/')[-1]}:{line} {name}", 1e3 * cum / done, calls / done))
+    rows.sort(key=lambda r: -r[1])
+    return [(k, round(ms, 3), round(c, 1)) for k, ms, c in rows[:n]]
+
+
+def count_launches_and_syncs(step) -> tuple[int, int]:
+    """Kernel launches and device-to-host synchronisations of one call of ``step`` (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+    launches = syncs = 0
+    for e in prof.events():
+        n = e.name
+        if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch"):
+            launches += 1
+        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") or (n == "cudaMemcpyAsync" and "DtoH" in str(e)):
+            syncs += 1
+    return launches, syncs
