@@ -15,24 +15,15 @@ because the choice is made deep inside ops that see tensors, not the engine. ``T
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
+
+from trtllm_glm import envs
 
 __all__ = ["BATCH_INVARIANT_ENV", "batch_invariant", "batch_invariant_mode", "set_batch_invariant"]
 
-BATCH_INVARIANT_ENV = "TRTLLM_GLM_BATCH_INVARIANT"
+BATCH_INVARIANT_ENV = envs.BATCH_INVARIANT.name
 
-
-def _from_env() -> bool:
-    raw = os.environ.get(BATCH_INVARIANT_ENV, "0").strip().lower()
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("", "0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{BATCH_INVARIANT_ENV} must be 1 or 0, got {raw!r}")
-
-
-_state = {"on": _from_env()}
+_state = {"on": envs.BATCH_INVARIANT.get() is True}
 
 
 def batch_invariant() -> bool:

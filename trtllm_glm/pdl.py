@@ -23,7 +23,6 @@ knobs ask for it (`trtllm_glm.quant.kernels`).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
@@ -31,9 +30,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from trtllm_glm import envs
+
 __all__ = ["PDL_ENV", "has_pdl", "launch_kwargs", "pdl_enter", "pdl_from_env", "prefetch_l2", "use_pdl"]
 
-PDL_ENV = "TRTLLM_GLM_PDL"
+PDL_ENV = envs.PDL.name
 
 
 def pdl_from_env() -> bool | None:
@@ -42,12 +43,7 @@ def pdl_from_env() -> bool | None:
     Raises:
         ValueError: a value other than ``0`` / ``1``.
     """
-    raw = os.environ.get(PDL_ENV)
-    if raw is None or raw == "":
-        return None
-    if raw not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    return envs.PDL.get()
 
 
 @functools.cache

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import sys
 import threading
 import types
@@ -32,44 +31,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["InterpretedModule", "KernelPackage", "interpreting", "kernel_backend"]
+from trtllm_glm import envs
 
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+__all__ = ["InterpretedModule", "KernelPackage", "interpreting", "kernel_backend"]
 
 _lock = threading.RLock()
 _depth = 0
 _fns: dict[int, Any] = {}
 
 
-# Turns the decode-step fusions of issue 44 on or off together (``1`` / ``0``) where their own variables are unset
-# (`env_switch`): ``TRTLLM_GLM_MHC_FUSE`` and ``TRTLLM_GLM_GREEDY_FUSE_CAST``; one flag for an end-to-end A/B.
-DECODE_FUSE_ENV = "TRTLLM_GLM_DECODE_FUSE"
-
-
-def env_switch(var: str, fallback: str = DECODE_FUSE_ENV) -> bool:
-    """A ``0`` / ``1`` switch read per call: ``var``, else ``fallback`` when ``var`` is unset or empty, else off.
-
-    Raises:
-        ValueError: a value other than ``0`` / ``1``.
-    """
-    name, raw = var, os.environ.get(var, "")
-    if raw == "":
-        name, raw = fallback, os.environ.get(fallback, "")
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def kernel_backend(what: str, env_var: str, tensors: Sequence[torch.Tensor | None], backend: str | None) -> str:
+def kernel_backend(var: envs.Backend, tensors: Sequence[torch.Tensor | None], backend: str | None) -> str:
     """``"torch"`` or ``"triton"`` for one call of a fused op with a torch reference (devices and flags only).
 
-    ``backend`` (default: the environment variable ``env_var``, else ``"auto"``): ``"torch"``, the reference;
+    ``backend`` (default: the variable ``var``, e.g. `envs.NORM_BACKEND`): ``"torch"``, the reference;
     ``"triton"``, the kernel on any device (the CPU runs it through Triton's interpreter); ``"auto"``, the
     kernel for CUDA tensors when no gradient is needed (kernels have no backward), the reference otherwise.
 
     Args:
-        what: the op's name for messages (``"norm"``, ``"router"``, ``"mHC"``).
-        env_var: the environment variable that picks the backend.
+        var: the op's backend variable (its ``op`` names the op in messages).
         tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
 
@@ -77,15 +56,13 @@ def kernel_backend(what: str, env_var: str, tensors: Sequence[torch.Tensor | Non
         ValueError: an unknown backend name.
         RuntimeError: ``"triton"`` forced while a gradient is needed.
     """
-    choice = backend if backend is not None else os.environ.get(env_var, "auto")
-    if choice not in KERNEL_BACKENDS:
-        raise ValueError(f"{what} backend must be one of {KERNEL_BACKENDS}, got {choice!r}")
+    choice = var.get() if backend is None else var.check(backend)
     ts = [t for t in tensors if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in ts)
     if choice == "auto":
         return "triton" if ts and ts[0].is_cuda and not needs_grad else "torch"
     if choice == "triton" and needs_grad:
-        raise RuntimeError(f"{what}: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
+        raise RuntimeError(f"{var.op}: the triton backend has no backward; run under torch.no_grad() or use 'torch'")
     return choice
 
 

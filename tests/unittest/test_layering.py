@@ -1,6 +1,7 @@
 """The package's dependency direction (docs/architecture.md, "Package map"): `state/` imports nothing
 above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
-only `triton_interp` and `numerics` (the mode switch, a leaf);
+only `triton_interp` and `numerics` (the mode switch); `envs` (the settings registry) imports nothing of
+the package, so every room may read it;
 `speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
 `runtime/` (module-level or lazily)."""
 
@@ -14,10 +15,12 @@ import pytest
 pytestmark = pytest.mark.cpu_only
 
 PKG = Path(__file__).resolve().parents[2] / "trtllm_glm"
+ENVS = "trtllm_glm.envs"
 
 
 def imported(path: Path) -> set[str]:
-    """Absolute ``trtllm_glm.*`` modules a file imports anywhere (also inside functions)."""
+    """Absolute ``trtllm_glm.*`` modules a file imports anywhere (also inside functions); ``from pkg import mod``
+    counts as ``pkg.mod`` when ``mod`` is a module."""
     parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
     pkg = parts[:-1]  # the package a relative import starts from (the same for __init__.py)
     out = set()
@@ -28,7 +31,9 @@ def imported(path: Path) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            out.add(mod)
+            for a in node.names:
+                sub = PKG.parent.joinpath(*mod.split("."), a.name)
+                out.add(f"{mod}.{a.name}" if sub.with_suffix(".py").exists() or sub.is_dir() else mod)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
     return {m for m in out if m == "trtllm_glm" or m.startswith("trtllm_glm.")}
@@ -41,12 +46,15 @@ def files(sub: str) -> list[Path]:
 @pytest.mark.parametrize(
     ("sub", "allowed"),
     [
-        ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.triton_interp", "trtllm_glm.state")),
-        ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.linear")),
+        ("state", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.triton_interp", "trtllm_glm.state", ENVS)),
+        ("linear", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.linear", ENVS)),
         # The layers import distributed/: it stays below them (the process machinery lives in runtime/ranks.py).
-        ("distributed", ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.numerics", "trtllm_glm.distributed")),
-        # trtllm_glm.pdl: launch helpers that import nothing of the package (test below).
-        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.pdl", "trtllm_glm.quant")),
+        (
+            "distributed",
+            ("trtllm_glm.config", "trtllm_glm.errors", "trtllm_glm.numerics", "trtllm_glm.distributed", ENVS),
+        ),
+        # trtllm_glm.pdl: launch helpers that import only the settings registry (test below).
+        ("quant", ("trtllm_glm.triton_interp", "trtllm_glm.numerics", "trtllm_glm.pdl", "trtllm_glm.quant", ENVS)),
     ],
 )
 def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
@@ -56,8 +64,13 @@ def test_leaf_packages(sub: str, allowed: tuple[str, ...]) -> None:
 
 
 def test_launch_helpers_are_a_leaf() -> None:
-    """Kernel modules of every layer import `trtllm_glm.pdl`: it must import nothing of the package."""
-    assert imported(PKG / "pdl.py") == set()
+    """Kernel modules of every layer import `trtllm_glm.pdl`: it imports nothing of the package but the settings."""
+    assert imported(PKG / "pdl.py") <= {ENVS}
+
+
+def test_settings_registry_is_a_leaf() -> None:
+    """Every room reads its environment variables through `trtllm_glm.envs`: it imports nothing of the package."""
+    assert imported(PKG / "envs.py") == set()
 
 
 def test_graph_capture_is_a_leaf() -> None:

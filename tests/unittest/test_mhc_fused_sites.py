@@ -154,8 +154,10 @@ def test_empty_batch_and_shape_errors() -> None:
 
 def test_switch_values(monkeypatch: pytest.MonkeyPatch) -> None:
     """``TRTLLM_GLM_MHC_FUSE`` wins; unset, ``TRTLLM_GLM_DECODE_FUSE`` decides (both graph fusions); else off."""
+    from trtllm_glm.envs import DECODE_FUSE
     from trtllm_glm.logits import GREEDY_FUSE_CAST_ENV, greedy_fuse_cast
-    from trtllm_glm.triton_interp import DECODE_FUSE_ENV
+
+    DECODE_FUSE_ENV = DECODE_FUSE.name
 
     monkeypatch.delenv(R.MHC_FUSE_ENV, raising=False)
     monkeypatch.delenv(GREEDY_FUSE_CAST_ENV, raising=False)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trtllm_glm import envs
 from trtllm_glm.act.reference import clamped_swiglu
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
@@ -30,7 +31,7 @@ __all__ = [
     "swiglu_reference",
 ]
 
-SWIGLU_BACKEND_ENV = "TRTLLM_GLM_SWIGLU_BACKEND"
+SWIGLU_BACKEND_ENV = envs.SWIGLU_BACKEND.name
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -51,7 +52,7 @@ def swiglu_backend(*tensors: torch.Tensor | None, backend: str | None = None) ->
         *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
     """
-    return kernel_backend("swiglu", SWIGLU_BACKEND_ENV, tensors, backend)
+    return kernel_backend(envs.SWIGLU_BACKEND, tensors, backend)
 
 
 def check_gate_up(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> int:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import socket
 
 import torch
 
+from .. import envs
 from .comm import Comm
 from .mapping import Mapping
 
@@ -27,33 +27,25 @@ __all__ = [
     "TIMEOUT_ENV",
 ]
 
-TIMEOUT_ENV = "TRTLLM_GLM_DIST_TIMEOUT"
+TIMEOUT_ENV = envs.DIST_TIMEOUT.name
 DEFAULT_TIMEOUT_S = 120.0
 """Seconds a collective may wait for a peer (``TRTLLM_GLM_DIST_TIMEOUT`` overrides): long enough for the first
 step's kernel compilation on every rank, short enough that a wedged peer is reported."""
 
 
 def timeout_s() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
-    if v <= 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be positive, got {raw!r}")
-    return v
+    value = envs.DIST_TIMEOUT.get()
+    return DEFAULT_TIMEOUT_S if value is None else value
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
     """``(rank, world_size, local_rank)`` when this process was started by torchrun (``WORLD_SIZE`` > 1 and
     ``RANK`` set), else ``None``."""
-    world = os.environ.get("WORLD_SIZE")
-    rank = os.environ.get("RANK")
-    if world is None or rank is None or int(world) <= 1:
+    world, rank = envs.WORLD_SIZE.get(), envs.RANK.get()
+    if world is None or rank is None or world <= 1:
         return None
-    return int(rank), int(world), int(os.environ.get("LOCAL_RANK", rank))
+    local = envs.LOCAL_RANK.get()
+    return rank, world, rank if local is None else local
 
 
 def free_port() -> int:

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from .. import envs
 from ..config import Glm5NextConfig
 from ..modules.weight_views import FusedWeights, refuse_stale
 from ..norm import norm_backend, row_norm
@@ -68,17 +68,12 @@ __all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWe
 # and their host work). An admission step is host-bound (issue 42: ~17-24 ms eager against ~6 ms of GPU work on
 # the 4-layer slice), and a served prompt's chunk is often a few dozen tokens. ``0``: off (the chunked path for
 # every prefill). The rows' recurrence is the verify pass's, so its rounding differs from the chunked path's.
-SHORT_PREFILL_ENV = "TRTLLM_GLM_KDA_SHORT_PREFILL"
+SHORT_PREFILL_ENV = envs.KDA_SHORT_PREFILL.name
 
 
 def short_prefill_rows() -> int:
     """The largest prefill chunk the verify recurrence takes (`SHORT_PREFILL_ENV`; unset or ``0``: off)."""
-    raw = os.environ.get(SHORT_PREFILL_ENV, "").strip()
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise ValueError(f"{SHORT_PREFILL_ENV} must be a row count (0: off), got {raw!r}")
-    return int(raw)
+    return envs.KDA_SHORT_PREFILL.get()
 
 
 class ShortConvWeight(nn.Module):

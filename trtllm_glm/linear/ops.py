@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trtllm_glm import envs
 from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
@@ -42,13 +43,13 @@ __all__ = [
     "skinny_gemm_reference",
 ]
 
-SKINNY_GEMM_BACKEND_ENV = "TRTLLM_GLM_SKINNY_GEMM_BACKEND"
-INVARIANT_LINEAR_BACKEND_ENV = "TRTLLM_GLM_INVARIANT_LINEAR_BACKEND"
+SKINNY_GEMM_BACKEND_ENV = envs.SKINNY_GEMM_BACKEND.name
+INVARIANT_LINEAR_BACKEND_ENV = envs.INVARIANT_LINEAR_BACKEND.name
 # The invariant GEMM's row tile (`kernels.INVARIANT_BLOCK_M` unless set: 16, 32 or 64), read per call so that a
 # benchmark can A/B it (`bench_e2e.py --env-ab`); a process must keep one value (it is part of the MMA shape).
-INVARIANT_BLOCK_M_ENV = "TRTLLM_GLM_INVARIANT_BLOCK_M"
+INVARIANT_BLOCK_M_ENV = envs.INVARIANT_BLOCK_M.name
 # Weight tiles per program of the invariant GEMM beyond one row tile (1 or 4; the same bits), for A/B.
-INVARIANT_GROUP_N_ENV = "TRTLLM_GLM_INVARIANT_GROUP_N"
+INVARIANT_GROUP_N_ENV = envs.INVARIANT_GROUP_N.name
 # Rows one kernel launch handles (`kernels.MAX_M`; repeated here so that the dispatcher needs no Triton import).
 MAX_M = 64
 
@@ -99,7 +100,7 @@ def skinny_gemm_backend(x: torch.Tensor, weight: torch.Tensor, backend: str | No
         ValueError: an unknown backend name.
         RuntimeError: ``"triton"`` forced while a gradient is needed.
     """
-    choice = kernel_backend("skinny GEMM", SKINNY_GEMM_BACKEND_ENV, [x, weight], backend)
+    choice = kernel_backend(envs.SKINNY_GEMM_BACKEND, [x, weight], backend)
     if choice == "torch":
         return "torch"
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
@@ -257,17 +258,7 @@ def invariant_block_m() -> int | None:
     Raises:
         ValueError: not 16, 32 or 64.
     """
-    return _env_choice(INVARIANT_BLOCK_M_ENV, ("16", "32", "64"))
-
-
-def _env_choice(var: str, allowed: tuple[str, ...]) -> int | None:
-    """The int value of ``var`` if set (one of ``allowed``), else ``None``."""
-    raw = os.environ.get(var)
-    if raw is None or raw == "":
-        return None
-    if raw not in allowed:
-        raise ValueError(f"{var} must be {' or '.join(allowed)}, got {raw!r}")
-    return int(raw)
+    return envs.INVARIANT_BLOCK_M.get()
 
 
 def invariant_linear_triton(
@@ -321,7 +312,7 @@ def invariant_linear_triton(
         return out.zero_()
     x, weight, mod, cfg, dot_fp32 = _launch_plan(x, weight, split_k, block_k, num_warps, num_stages)
     bm = block_m or invariant_block_m() or mod.INVARIANT_BLOCK_M
-    gn = group_n or _env_choice(INVARIANT_GROUP_N_ENV, ("1", "4")) or mod.INVARIANT_GROUP_N
+    gn = group_n or envs.INVARIANT_GROUP_N.get() or mod.INVARIANT_GROUP_N
     mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm, gn)
     return out
 
@@ -336,7 +327,7 @@ def invariant_linear_backend(x: torch.Tensor, weight: torch.Tensor, backend: str
     Raises:
         ValueError: an unknown backend name.
     """
-    choice = kernel_backend("invariant linear", INVARIANT_LINEAR_BACKEND_ENV, [x, weight], backend)
+    choice = kernel_backend(envs.INVARIANT_LINEAR_BACKEND, [x, weight], backend)
     covered = x.dtype in _DTYPES and weight.dtype in _DTYPES
     return "triton" if choice == "triton" and covered else "rows"
 
@@ -435,7 +426,7 @@ def invariant_bmm(
     dot_fp32 = bool(mod.INTERPRETED) or x.dtype != weight.dtype or x.dtype == torch.float32
     cfg = mod.launch_config(n, k, weight.element_size(), dot_fp32)
     bm = invariant_block_m() or mod.INVARIANT_BLOCK_M
-    gn = _env_choice(INVARIANT_GROUP_N_ENV, ("1", "4")) or mod.INVARIANT_GROUP_N
+    gn = envs.INVARIANT_GROUP_N.get() or mod.INVARIANT_GROUP_N
     mod.launch_invariant_gemm(x, weight, out, cfg, dot_fp32, bm, gn)
     return out
 

@@ -19,13 +19,13 @@ interpreted copy of the same module (`trtllm_glm.triton_interp`) when the triton
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from trtllm_glm.triton_interp import KernelPackage, env_switch, kernel_backend
+from trtllm_glm import envs
+from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = [
     "GREEDY_FUSE_CAST_ENV",
@@ -45,12 +45,12 @@ __all__ = [
     "logits_backend",
 ]
 
-LOGITS_BACKEND_ENV = "TRTLLM_GLM_LOGITS_BACKEND"
-SAMPLING_BACKEND_ENV = "TRTLLM_GLM_SAMPLING_BACKEND"
+LOGITS_BACKEND_ENV = envs.LOGITS_BACKEND.name
+SAMPLING_BACKEND_ENV = envs.SAMPLING_BACKEND.name
 # ``1``: a decode graph's greedy kernel writes the step's FP32 logits as it reads the LM head's output (no
 # ``.float()`` launch); ``0``: the cast launches on its own; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per
 # call; graphs capture the setting.
-GREEDY_FUSE_CAST_ENV = "TRTLLM_GLM_GREEDY_FUSE_CAST"
+GREEDY_FUSE_CAST_ENV = envs.GREEDY_FUSE_CAST.name
 # The largest top-k the sampling kernel takes (kernels.SAMPLE_MAX_K; repeated here: importing kernels needs triton).
 SAMPLE_MAX_K = 256
 
@@ -65,7 +65,7 @@ def kernel_module(device: torch.device | str) -> Any:
 def logits_backend(logits: torch.Tensor, backend: str | None = None) -> str:
     """``"torch"`` or ``"triton"`` for one call (``backend``, else ``TRTLLM_GLM_LOGITS_BACKEND``, else auto:
     the kernels for CUDA tensors)."""
-    return kernel_backend("logits", LOGITS_BACKEND_ENV, [logits], backend)
+    return kernel_backend(envs.LOGITS_BACKEND, [logits], backend)
 
 
 def _check(logits: torch.Tensor) -> None:
@@ -127,7 +127,7 @@ def greedy_fuse_cast() -> bool:
     Raises:
         ValueError: a value other than ``0`` / ``1``.
     """
-    return env_switch(GREEDY_FUSE_CAST_ENV)
+    return envs.GREEDY_FUSE_CAST.get()
 
 
 def greedy_pack(
@@ -181,8 +181,7 @@ def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:
 def sampling_backend(logits: torch.Tensor, backend: str | None = None) -> str:
     """``"torch"`` or ``"triton"`` for drawing sampled rows (``backend``, else ``TRTLLM_GLM_SAMPLING_BACKEND``, else
     ``"torch"``: the kernel is opt-in until a GPU A/B; ``"auto"``: the kernel for CUDA logits)."""
-    choice = backend if backend is not None else (os.environ.get(SAMPLING_BACKEND_ENV) or "torch")
-    return kernel_backend("sampling", SAMPLING_BACKEND_ENV, [logits], choice)
+    return kernel_backend(envs.SAMPLING_BACKEND, [logits], backend)
 
 
 def filter_sorted(

@@ -9,11 +9,10 @@ Weight names under a decoder layer's ``mlp.`` prefix:
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
+from .. import envs
 from ..act import clamped_swiglu, swiglu
 from ..config import Glm5NextConfig
 from ..distributed.mapping import Mapping
@@ -192,10 +191,9 @@ class MoEGate(nn.Module):
         self.e_score_correction_bias.copy_(b)
 
 
-MOE_BACKEND_ENV = "TRTLLM_GLM_MOE_BACKEND"
-MOE_BACKENDS = ("auto", "torch", "triton")
+MOE_BACKEND_ENV = envs.MOE_BACKEND.name
 # "0" computes the routed experts of dead rows too (`MoE.forward`'s ``row_live`` ignored): the A/B switch.
-MOE_SKIP_DEAD_ROWS_ENV = "TRTLLM_GLM_MOE_SKIP_DEAD_ROWS"
+MOE_SKIP_DEAD_ROWS_ENV = envs.MOE_SKIP_DEAD_ROWS.name
 # Rows per fused call: "auto" takes the fused kernels on CUDA at every row count, a prefill chunk in slabs of at
 # most this many rows (one launch sequence each, no host sync), so that the [N * k, H] fp32 pair buffer stays
 # bounded (1.07 GB at 8192 rows of the real model). The per-expert loop it replaced at prefill sizes paid one
@@ -504,9 +502,7 @@ class MoE(nn.Module):
     # ----------------------------------------------------------------------------------------------
     def _backend(self, x: torch.Tensor) -> str:
         """``"torch"`` or ``"triton"`` for this call."""
-        choice = self.backend if self.backend is not None else os.environ.get(MOE_BACKEND_ENV, "auto")
-        if choice not in MOE_BACKENDS:
-            raise ValueError(f"MoE backend must be one of {MOE_BACKENDS}, got {choice!r}")
+        choice = envs.MOE_BACKEND.get() if self.backend is None else envs.MOE_BACKEND.check(self.backend)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.experts[0].gate_proj.weight.requires_grad)
         if choice == "auto":
             # Every row count takes the fused kernels (prefill chunks in slabs of `fused_max_rows`): no host loop,
@@ -600,7 +596,7 @@ class MoE(nn.Module):
         n = x2.shape[0]
         if row_live is not None and row_live.shape != (n,):
             raise ValueError(f"MoE: row_live must be [N={n}], got {tuple(row_live.shape)}")
-        if row_live is not None and os.environ.get(MOE_SKIP_DEAD_ROWS_ENV, "1") == "0":
+        if row_live is not None and not envs.MOE_SKIP_DEAD_ROWS.get():
             row_live = None
         if n > 0:
             topk_ids, topk_w = self.gate(x2)

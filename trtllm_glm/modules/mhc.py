@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from .. import envs
 from ..linear import model_linear
-from ..triton_interp import env_switch, kernel_backend
+from ..triton_interp import kernel_backend
 
 __all__ = [
     "mhc_weights",
@@ -50,11 +51,11 @@ __all__ = [
     "MHC_FUSE_ENV",
 ]
 
-MHC_BACKEND_ENV = "TRTLLM_GLM_MHC_BACKEND"
+MHC_BACKEND_ENV = envs.MHC_BACKEND.name
 # ``1``: the model runs each residual site as `mhc_pre_norm` (the previous block's expand fused with this block's
 # projection, the block's input RMSNorm fused with the finishing kernel) where mHC runs its kernels; ``0``: the separate
 # launches; unset: as ``TRTLLM_GLM_DECODE_FUSE`` (else off). Read per call, so that one process can A/B it.
-MHC_FUSE_ENV = "TRTLLM_GLM_MHC_FUSE"
+MHC_FUSE_ENV = envs.MHC_FUSE.name
 
 
 def mhc_fuse() -> bool:
@@ -64,7 +65,7 @@ def mhc_fuse() -> bool:
     Raises:
         ValueError: a value other than ``0`` / ``1``.
     """
-    return env_switch(MHC_FUSE_ENV)
+    return envs.MHC_FUSE.get()
 
 
 def mhc_weights(
@@ -142,7 +143,7 @@ def mhc_backend(streams: torch.Tensor, *params: torch.Tensor, backend: str | Non
     Returns:
         ``"torch"`` or ``"triton"``.
     """
-    return kernel_backend("mHC", MHC_BACKEND_ENV, (streams, *params), backend)
+    return kernel_backend(envs.MHC_BACKEND, (streams, *params), backend)
 
 
 def mhc_block_pre(

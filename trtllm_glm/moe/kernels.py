@@ -63,7 +63,6 @@ fp32 right after loading (its bf16 arithmetic is wrong); test numerics there in 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import threading
 import types
@@ -72,6 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import envs
 from ..numerics import batch_invariant
 from .ops import FP8_BLOCK, check_fused_moe_args, padded_pairs_bound
 from .ops import moe_align as torch_moe_align
@@ -82,7 +82,7 @@ __all__ = ["fused_moe", "moe_align", "default_block_m", "large_m_launch", "defau
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 
 _INTERP_NAME = "trtllm_glm.moe._kernels_interpreted"
-ALIGN_ENV = "TRTLLM_GLM_MOE_ALIGN"
+ALIGN_ENV = envs.MOE_ALIGN.name
 _interp_lock = threading.Lock()
 # Pairs (rounded up to a power of two) up to which `moe_align` sorts them all at once in registers
 # (`_align_sort_kernel`); larger batches (prefill-sized) take the torch ops of `ops.moe_align`. Past 4096 the
@@ -384,10 +384,7 @@ def _align_sort_kernel(
 def default_align() -> str:
     """Pair sorting `fused_moe` uses unless told: ``TRTLLM_GLM_MOE_ALIGN`` (read per call, so one process can A/B
     it; a captured graph keeps what it was captured with) or ``"triton"``."""
-    value = os.environ.get(ALIGN_ENV, "triton")
-    if value not in ("triton", "torch"):
-        raise ValueError(f"{ALIGN_ENV} must be 'triton' or 'torch', got {value!r}")
-    return value
+    return envs.MOE_ALIGN.get()
 
 
 def moe_align(

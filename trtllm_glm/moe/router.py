@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from trtllm_glm import envs
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = ["ROUTER_BACKEND_ENV", "fused_route", "kernel_module", "route", "route_reference", "router_backend"]
 
-ROUTER_BACKEND_ENV = "TRTLLM_GLM_ROUTER_BACKEND"
+ROUTER_BACKEND_ENV = envs.ROUTER_BACKEND.name
 
 _PACKAGE = KernelPackage(__package__ or "trtllm_glm.moe", [os.path.dirname(os.path.abspath(__file__))])
 
@@ -93,7 +94,7 @@ def router_backend(*tensors: torch.Tensor | None, backend: str | None = None) ->
         *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
     """
-    return kernel_backend("router", ROUTER_BACKEND_ENV, tensors, backend)
+    return kernel_backend(envs.ROUTER_BACKEND, tensors, backend)
 
 
 def fused_route(

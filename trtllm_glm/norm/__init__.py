@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from trtllm_glm import envs
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = ["NORM_BACKEND_ENV", "kernel_module", "norm_backend", "row_norm"]
 
-NORM_BACKEND_ENV = "TRTLLM_GLM_NORM_BACKEND"
+NORM_BACKEND_ENV = envs.NORM_BACKEND.name
 
 _PACKAGE = KernelPackage(__name__, __path__)
 
@@ -41,7 +42,7 @@ def norm_backend(*tensors: torch.Tensor | None, backend: str | None = None) -> s
         *tensors: the call's inputs (``None`` entries are skipped); the first one's device decides.
         backend: overrides the environment.
     """
-    return kernel_backend("norm", NORM_BACKEND_ENV, tensors, backend)
+    return kernel_backend(envs.NORM_BACKEND, tensors, backend)
 
 
 def row_norm(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trtllm_glm import envs
 from trtllm_glm.numerics import batch_invariant
 from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
@@ -37,8 +38,8 @@ __all__ = [
     "kernel_module",
 ]
 
-FP8_LINEAR_BACKEND_ENV = "TRTLLM_GLM_FP8_LINEAR_BACKEND"
-FP8_DEQUANT_ROWS_ENV = "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS"
+FP8_LINEAR_BACKEND_ENV = envs.FP8_LINEAR_BACKEND.name
+FP8_DEQUANT_ROWS_ENV = envs.FP8_DEQUANT_MIN_ROWS.name
 # From this many rows on (prefill chunks), 16-bit CUDA calls dequantise the weight in one launch and run the GEMM on
 # cuBLAS: a GEMM of many rows is compute-bound, where cuBLAS beats a Triton tile that decodes e4m3 in its loop, and
 # the dequantisation (one byte read, two written per weight) is small beside it. H200
@@ -123,7 +124,7 @@ def fp8_linear_backend(
         ValueError: an unknown backend name.
         RuntimeError: ``"triton"`` forced while a gradient is needed.
     """
-    choice = kernel_backend("FP8 linear", FP8_LINEAR_BACKEND_ENV, [x, scale_inv], backend)
+    choice = kernel_backend(envs.FP8_LINEAR_BACKEND, [x, scale_inv], backend)
     return "triton" if choice == "triton" and kernel_covers(x, block) else "torch"
 
 
@@ -206,16 +207,8 @@ def fp8_linear_triton(
 def dequant_min_rows() -> int:
     """Rows from which a 16-bit CUDA `fp8_linear` dequantises and calls cuBLAS (``TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS``,
     default `DEQUANT_MIN_ROWS`; read per call so that benchmarks can switch it)."""
-    raw = os.environ.get(FP8_DEQUANT_ROWS_ENV)
-    if raw is None:
-        return DEQUANT_MIN_ROWS
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{FP8_DEQUANT_ROWS_ENV} must be an int >= 1, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{FP8_DEQUANT_ROWS_ENV} must be an int >= 1, got {raw!r}")
-    return value
+    value = envs.FP8_DEQUANT_MIN_ROWS.get()
+    return DEQUANT_MIN_ROWS if value is None else value
 
 
 def fp8_dequantize_triton(

@@ -32,7 +32,6 @@ are found in the tokens' bytes, so a tag written as one special token or as seve
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import envs
 from ..logits import apply_bitmask
 
 __all__ = [
@@ -605,7 +605,7 @@ _EXECUTOR: Any = None
 # vocabulary takes ~25 µs, and waking llguidance's pool (its threads sleep between steps) cost more than 16 of
 # them on a 2-core host (1.6 ms against 0.4 ms a step; benchmarks/bench_structured.py ``masks-pool`` /
 # ``masks-serial`` measure both).
-SERIAL_MAX = int(os.environ.get("TRTLLM_GLM_GRAMMAR_SERIAL_MAX", "16"))
+SERIAL_MAX = envs.GRAMMAR_SERIAL_MAX.get()
 
 
 def _fill_serial(m: Any, row: int, drafts: list[int], ptr: int, row_bytes: int) -> None:

@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 
+from .. import envs
 from ..cache.index_keys import indexer_key_dtype
 from ..config import Glm5NextConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
 from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
-from ..numerics import BATCH_INVARIANT_ENV, set_batch_invariant
+from ..numerics import set_batch_invariant
 from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
@@ -57,11 +58,8 @@ def resolve_batch_invariant(value: bool | None) -> bool:
         ValueError: a ``TRTLLM_GLM_BATCH_INVARIANT`` value other than 1 / 0 (on / off, true / false, yes / no).
     """
     if value is None:
-        if os.environ.get(BATCH_INVARIANT_ENV, "").strip():
-            from .. import numerics
-
-            return numerics._from_env()  # the switch's own parser of its variable
-        return AUTO_BATCH_INVARIANT
+        env = envs.BATCH_INVARIANT.get()
+        return AUTO_BATCH_INVARIANT if env is None else env
     if not isinstance(value, bool):
         raise TypeError(f"batch_invariant must be True, False or None (auto), got {value!r}")
     return value
@@ -864,14 +862,9 @@ SMALL_MODEL_PARAMS = 50_000_000
 def configure_cpu_threads(num_threads: int | None, model: torch.nn.Module | None) -> int:
     """Set torch's intra-op threads (see `LLM`'s ``num_threads``); returns the count in force."""
     if num_threads is None:
-        env = os.environ.get("TRTLLM_GLM_NUM_THREADS")
-        if env:
-            try:
-                num_threads = int(env)
-            except ValueError:
-                raise ValueError(f"TRTLLM_GLM_NUM_THREADS must be a positive int, got {env!r}") from None
-        elif model is not None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
-            num_threads = 1
+        num_threads = envs.NUM_THREADS.get()
+    if num_threads is None and model is not None and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        num_threads = 1
     if num_threads is not None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")

@@ -7,7 +7,6 @@ See `MtpChainGraphs`. The target's decode / verify graphs, the padding rules and
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .. import envs
 from ..attention.graph_check import GraphAddressGuard
 from ..graph_capture import capture_graph, capture_session
 from ..transfer import to_device
@@ -42,13 +42,13 @@ class _DraftGraph:
 def fused_draft_default() -> bool:
     """Whether the whole MTP draft runs as one graph where it can (`MtpChainGraphs`, ``fused``);
     ``TRTLLM_GLM_MTP_FUSED_DRAFT=0`` turns it off (the per-step graphs then serve every round)."""
-    return os.environ.get("TRTLLM_GLM_MTP_FUSED_DRAFT", "1") != "0"
+    return envs.MTP_FUSED_DRAFT.get()
 
 
 def defer_drafts_default() -> bool:
     """Whether a fused draft's tokens stay on the device for the next verify (`DeviceDrafts`);
     ``TRTLLM_GLM_MTP_DEFER_DRAFTS=0`` reads them back right after the draft instead."""
-    return os.environ.get("TRTLLM_GLM_MTP_DEFER_DRAFTS", "1") != "0"
+    return envs.MTP_DEFER_DRAFTS.get()
 
 
 class MtpChainGraphs:

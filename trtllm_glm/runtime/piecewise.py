@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .. import envs
 from ..attention.metadata import HostStaging
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
 from ..numerics import batch_invariant
@@ -69,7 +69,7 @@ __all__ = [
     "piecewise_from_env",
 ]
 
-PIECEWISE_ENV = "TRTLLM_GLM_PIECEWISE"
+PIECEWISE_ENV = envs.PIECEWISE.name
 # Values of a layer's output side read back by the next segment: two buffers each, by layer parity (module doc).
 _BY_PARITY = frozenset({"h", "x", "post", "comb", "ga"})
 
@@ -81,14 +81,7 @@ def piecewise_from_env() -> bool | None:
     Raises:
         ValueError: any other value.
     """
-    raw = os.environ.get(PIECEWISE_ENV, "").strip().lower()
-    if raw == "":
-        return None
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(f"{PIECEWISE_ENV} must be 1 or 0, got {raw!r}")
+    return envs.PIECEWISE.get()
 
 
 def piecewise_enabled(config: Any) -> bool:

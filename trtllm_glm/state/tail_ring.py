@@ -31,13 +31,14 @@ from collections.abc import Sequence
 
 import torch
 
+from trtllm_glm import envs
 from trtllm_glm.config import INDEX_HEAD_DIM, INDEX_KPOOL
 from trtllm_glm.triton_interp import kernel_backend
 
 __all__ = ["DecodeTailRing", "TAIL_RING_BACKEND_ENV"]
 
 # Picks `DecodeTailRing.prepare_step`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
-TAIL_RING_BACKEND_ENV = "TRTLLM_GLM_TAIL_RING_BACKEND"
+TAIL_RING_BACKEND_ENV = envs.TAIL_RING_BACKEND.name
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -196,7 +197,7 @@ class DecodeTailRing:
         Raises:
             ValueError: misshapen inputs (checked on the host from shapes alone; no synchronisation).
         """
-        if kernel_backend("tail ring", TAIL_RING_BACKEND_ENV, [ring], backend) != "triton":
+        if kernel_backend(envs.TAIL_RING_BACKEND, [ring], backend) != "triton":
             self.prepare_step_reference(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
         elif self._check(ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens):
             from .kernels import tail_ring_prepare_step

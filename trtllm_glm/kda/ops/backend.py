@@ -11,7 +11,6 @@ apply the gate, so every backend sees identical inputs), FP32 state in the cache
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ... import envs
 from ...numerics import batch_invariant
 from ...transfer import to_device
 from .chunk import chunk_kda
@@ -26,8 +26,6 @@ from .recurrent import normalize_cu_seqlens, recurrent_kda_step
 from .verify import resolve_verify_backend
 
 __all__ = ["fla_kda_available", "resolve_backend", "kda_prefill", "kda_decode", "kda_decode_inplace"]
-
-_ENV = "TRTLLM_GLM_KDA_BACKEND"
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,12 +68,12 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
             ``TRTLLM_GLM_KDA_BACKEND`` first.
     """
     if backend is None:
-        backend = os.environ.get(_ENV, "auto")
+        backend = envs.KDA_BACKEND.get()
     backend = backend.lower()
     if backend == "torch":
         return "torch"
     if backend not in ("auto", "fla"):
-        raise ValueError(f"{_ENV}/backend must be 'auto', 'torch' or 'fla', got {backend!r}")
+        raise ValueError(f"{envs.KDA_BACKEND.name}/backend must be 'auto', 'torch' or 'fla', got {backend!r}")
     usable = device.type == "cuda" and fla_kda_available()
     if backend == "fla" and not usable:
         raise RuntimeError(

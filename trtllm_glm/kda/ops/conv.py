@@ -7,12 +7,12 @@ current input and tap ``0`` the input ``W - 1`` rows back; the state ``[C, W - 1
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ... import envs
 from ...triton_interp import kernel_backend
 from ..contract import L2NORM_EPS
 from ..contract import accepted_tensor as _accepted_tensor
@@ -36,7 +36,7 @@ __all__ = [
 
 # Picks the implementation of `conv_decode`, `conv_prefill`, `conv_verify_qkv` and `conv_commit_slots`: auto (the
 # Triton kernels for CUDA tensors), torch or triton.
-CONV_BACKEND_ENV = "TRTLLM_GLM_KDA_CONV_BACKEND"
+CONV_BACKEND_ENV = envs.KDA_CONV_BACKEND.name
 
 
 def _conv_windows(xx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, T: int) -> torch.Tensor:
@@ -260,8 +260,8 @@ def conv_prefill(
 def _use_kernel(x: torch.Tensor, backend: str | None) -> bool:
     """Whether a conv op runs its Triton kernel (`kernel_backend` on ``TRTLLM_GLM_KDA_CONV_BACKEND``; without an
     explicit ``backend``, ``TRTLLM_GLM_KDA_BACKEND=torch`` selects the references too)."""
-    choice = kernel_backend("KDA conv", CONV_BACKEND_ENV, [x], backend)
-    return choice == "triton" and (backend is not None or os.environ.get("TRTLLM_GLM_KDA_BACKEND") != "torch")
+    choice = kernel_backend(envs.KDA_CONV_BACKEND, [x], backend)
+    return choice == "triton" and (backend is not None or envs.KDA_BACKEND.get() != "torch")
 
 
 def conv_verify(

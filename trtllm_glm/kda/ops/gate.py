@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ... import envs
 from ...norm import norm_backend, row_norm
 from ...triton_interp import kernel_backend
 from ..contract import L2NORM_EPS
@@ -13,7 +12,7 @@ from ..contract import L2NORM_EPS
 __all__ = ["GATE_BACKEND_ENV", "kda_gate", "kda_gate_beta", "kda_gate_beta_reference", "l2_normalize", "L2NORM_EPS"]
 
 # Picks `kda_gate_beta`'s implementation: auto (the Triton kernel for CUDA tensors), torch or triton.
-GATE_BACKEND_ENV = "TRTLLM_GLM_KDA_GATE_BACKEND"
+GATE_BACKEND_ENV = envs.KDA_GATE_BACKEND.name
 
 
 def kda_gate(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float) -> torch.Tensor:
@@ -79,8 +78,8 @@ def kda_gate_beta(
         raise ValueError(f"kda_gate_beta needs g_raw [N, H*K] and b [N, H], got {tuple(g_raw.shape)}, {tuple(b.shape)}")
     if A_log.numel() != b.shape[1] or dt_bias.numel() != g_raw.shape[1]:
         raise ValueError(f"A_log must have H={b.shape[1]} and dt_bias H*K={g_raw.shape[1]} elements")
-    choice = kernel_backend("KDA gate", GATE_BACKEND_ENV, [g_raw], backend)
-    if choice == "triton" and (backend is not None or os.environ.get("TRTLLM_GLM_KDA_BACKEND") != "torch"):
+    choice = kernel_backend(envs.KDA_GATE_BACKEND, [g_raw], backend)
+    if choice == "triton" and (backend is not None or envs.KDA_BACKEND.get() != "torch"):
         from ..kernels import kda_gate_beta as kernel
 
         if g_raw.stride(-1) != 1 or b.stride(-1) != 1:

@@ -22,19 +22,16 @@ place; the reference gathers, runs, and (commit) scatters back, which is what th
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 
 import torch
 
+from ... import envs
 from ..contract import KdaRecords
 from .conv import _accepted_tensor
 from .recurrent import _decay_update, _step
 
 __all__ = ["KdaRecords", "kda_verify", "kda_commit", "resolve_verify_backend"]
-
-_ENV = "TRTLLM_GLM_KDA_VERIFY"
-_ENV_ALL = "TRTLLM_GLM_KDA_BACKEND"
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,10 +53,10 @@ def resolve_verify_backend(device: torch.device, backend: str | None = None) -> 
             when that is unset, ``TRTLLM_GLM_KDA_BACKEND=torch`` means torch).
     """
     if backend is None:
-        backend = os.environ.get(_ENV) or ("torch" if os.environ.get(_ENV_ALL, "").lower() == "torch" else "auto")
+        backend = envs.KDA_VERIFY.get() or ("torch" if envs.KDA_BACKEND.get() == "torch" else "auto")
     backend = backend.lower()
     if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_ENV}/backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        raise ValueError(f"{envs.KDA_VERIFY.name}/backend must be 'auto', 'torch' or 'triton', got {backend!r}")
     if backend == "triton" and not _triton_available():
         raise RuntimeError("KDA verify backend 'triton' requested but triton does not import")
     if backend == "auto":

@@ -9,10 +9,11 @@ function names and signatures, so layers call ``kpool_ops(device).update_decode_
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
+
+from trtllm_glm import envs
 
 from . import ops as _torch_ops
 
@@ -33,9 +34,7 @@ _OP_NAMES = (
 
 def backend_name(device: torch.device) -> str:
     """The backend ``kpool_ops`` picks for tensors on ``device``."""
-    want = os.environ.get("TRTLLM_GLM_KPOOL_BACKEND", "auto").lower()
-    if want not in ("auto", "torch", "triton"):
-        raise ValueError(f"TRTLLM_GLM_KPOOL_BACKEND must be auto, torch or triton, got {want!r}")
+    want = envs.KPOOL_BACKEND.get()
     if want == "auto":
         return "triton" if device.type == "cuda" and _triton_kernels() is not None else "torch"
     if want == "triton" and _triton_kernels() is None:

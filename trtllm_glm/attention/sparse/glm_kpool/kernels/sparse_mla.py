@@ -44,12 +44,12 @@ slot table or out of range, and rows with ``row_seq < 0``, are skipped instead.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from trtllm_glm import envs
 from trtllm_glm.numerics import batch_invariant
 
 from ._common import INTERPRETED
@@ -93,7 +93,7 @@ _GLUON_NUM_WARPS = 8
 _GLUON_NBUF = {64: 2, 32: 4, 16: 8}
 # Operational switch, read once at import: "auto" (the Gluon kernel where `gluon_eligible`, the default) or
 # "triton" (never the Gluon kernel).
-_DEFAULT_IMPL = os.environ.get("TRTLLM_GLM_SPARSE_MLA_IMPL", "auto")
+_DEFAULT_IMPL = envs.SPARSE_MLA_IMPL.get()
 # Rows per launch when the split count was not chosen for the rows (more rows than this and more than one split):
 # bounds the fp32 partials to ~1.5 GB at the real model's 64 heads, 512 latent columns and 11 splits.
 PARTIAL_SLAB_ROWS = 1024
