@@ -247,9 +247,9 @@ KDA_BACKEND: Choice[str] = Choice(
     "TRTLLM_GLM_KDA_BACKEND", ("auto", "torch", "fla"), "auto", "KDA prefill / decode: fla-core on CUDA when it "
     "imports; torch also selects the KDA gate, conv and verify references", fold=True,
 )  # fmt: skip
-KDA_SHORT_PREFILL: Int[int] = Int(
-    "TRTLLM_GLM_KDA_SHORT_PREFILL", 0, "prefill chunks of at most this many rows take the KDA verify recurrence "
-    "instead of the chunked path (0: off)", minimum=0, blank=True,
+KDA_SHORT_PREFILL: Int[int | None] = Int(
+    "TRTLLM_GLM_KDA_SHORT_PREFILL", None, "prefill chunks of at most this many rows take the KDA verify recurrence "
+    "instead of the chunked path (0: off; unset: 64 on CUDA, off elsewhere)", minimum=0, blank=True,
 )  # fmt: skip
 KDA_VERIFY: Choice[str | None] = Choice(
     "TRTLLM_GLM_KDA_VERIFY", Backend.CHOICES, None, "KDA verify + commit (unset: torch when "

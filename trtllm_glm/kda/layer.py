@@ -66,14 +66,22 @@ __all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWe
 # Prefill chunks of at most this many rows take the verify kernels' recurrence (verify every row from the slot,
 # then commit them all: four launches a layer) instead of the chunked path (fla's chunk kernels: a dozen launches
 # and their host work). An admission step is host-bound (issue 42: ~17-24 ms eager against ~6 ms of GPU work on
-# the 4-layer slice), and a served prompt's chunk is often a few dozen tokens. ``0``: off (the chunked path for
-# every prefill). The rows' recurrence is the verify pass's, so its rounding differs from the chunked path's.
+# the 4-layer slice), and a served prompt's chunk is often a few dozen tokens: on an H100 it cut admitting 1 / 16
+# prompts of 30 tokens into 15 decoding requests from 16.5 / 27.9 to 14.0 / 21.3 ms
+# (`benchmarks/results/serve/mixed_short_prefill_ab_h100_2026-12-06.log`). ``0``: off (the chunked path for every
+# prefill). The rows' recurrence is the verify pass's, so its rounding differs from the chunked path's; which path a
+# chunk takes depends only on its own length, never on the batch.
 SHORT_PREFILL_ENV = envs.KDA_SHORT_PREFILL.name
+SHORT_PREFILL_CUDA = 64
 
 
-def short_prefill_rows() -> int:
-    """The largest prefill chunk the verify recurrence takes (`SHORT_PREFILL_ENV`; unset or ``0``: off)."""
-    return envs.KDA_SHORT_PREFILL.get()
+def short_prefill_rows(device: torch.device) -> int:
+    """The largest prefill chunk the verify recurrence takes on ``device`` (`SHORT_PREFILL_ENV`; unset:
+    `SHORT_PREFILL_CUDA` on CUDA, where the chunked path's host work is the cost, else 0: off)."""
+    v = envs.KDA_SHORT_PREFILL.get()
+    if v is None:
+        return SHORT_PREFILL_CUDA if device.type == "cuda" else 0
+    return v
 
 
 class ShortConvWeight(nn.Module):
@@ -431,7 +439,7 @@ class KimiDeltaAttention(nn.Module):
         dec = [b for b in seqs if batch.q_lens[b] == 1 and batch.past_lens[b] > 0]
         pre = [b for b in seqs if not (batch.q_lens[b] == 1 and batch.past_lens[b] > 0)]
         short: list[int] = []
-        limit = short_prefill_rows() if pre else 0
+        limit = short_prefill_rows(dev) if pre else 0
         if limit:
             short = [b for b in pre if batch.q_lens[b] <= limit]
             pre = [b for b in pre if batch.q_lens[b] > limit]
