@@ -64,7 +64,8 @@ class MTPDecodingConfig(_SpecBase):
             bf16) it chose K = 0 for ~97 % of the rounds at batch 1 and 16, where K = 3 paid, and lost 3.2x at
             batch 1 (508 against 1,632 tokens/s; `benchmarks/results/spec/spec_overlap_small_h100_2026-12-06.log`),
             its k = 0 rounds then costing a per-step MTP catch-up; ``catchup_lag`` has since made them plain
-            steps, not yet measured on ``small`` (docs/speculation.md).
+            steps. With the lag it chose lengths 1 and 2, whose drafts ran eagerly (583 against 1,718 tokens/s for
+            fixed K = 3 at batch 1); under CUDA graphs it now picks 0 or K, not yet measured (docs/speculation.md).
         overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its
             verify) from the previous round's outputs on the device before that round is read back (issue 43
             item 1). Off by default: on the same H100 run a round launched ahead cost 3.6 ms against 1.9 ms
