@@ -8,6 +8,8 @@ different partials and in one tile, the maximum in the last column, NaNs (first 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -163,3 +165,27 @@ def test_masked_greedy_matches_the_masked_reference(n: int, v: int) -> None:
     assert int(ids[1]) == v // 3 and int(ids[2]) == 0 and int(ids[6]) == 17 and int(ids[5]) != 11
     with pytest.raises(ValueError, match="bitmask"):
         greedy_pack(x, backend="triton", bitmask=bitmask[:, :1])
+
+
+def test_warm_up_row_counts_reach_every_kernel_variant(monkeypatch) -> None:
+    """The start-up warm-up's row counts (`kernels.warm_up_row_counts`) meet every (SPLIT_PAD, warps) variant of the
+    finish kernel that any row count up to the limit meets, on an H100-sized grid (132 SMs); row counts themselves
+    never specialise (``do_not_specialize``). On the CPU the warm-up launches nothing."""
+    from trtllm_glm.logits import kernels as mod
+    from trtllm_glm.logits import warm_up_greedy
+
+    monkeypatch.setattr(mod, "_num_sms", lambda device: 132)
+    dev, v = torch.device("cpu"), 154880
+
+    def variant(n: int) -> tuple[int, int]:
+        nsplit = mod.split_for(n, v, dev, 1024)
+        cols = math.ceil(math.ceil(v / nsplit) / 1024) * 1024
+        nsplit = math.ceil(v / cols)
+        return max(2, 1 << (nsplit - 1).bit_length()), 1 if nsplit <= 32 else 4
+
+    counts = mod.warm_up_row_counts(600, v, dev)
+    assert {variant(n) for n in counts} == {variant(n) for n in range(1, 601)} and len(counts) >= 6, counts
+    assert counts == sorted(set(counts)) and counts[0] == 1
+    assert warm_up_greedy(v, 600, dev) == 0
+    assert "NPART" in [p.name for p in mod._partial_kernel.params if p.do_not_specialize]
+    assert {"N", "NSPLIT", "NPART"} <= {p.name for p in mod._finish_kernel.params if p.do_not_specialize}

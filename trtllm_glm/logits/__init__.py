@@ -41,6 +41,7 @@ __all__ = [
     "greedy_pack",
     "greedy_top2",
     "greedy_top2_reference",
+    "warm_up_greedy",
     "kernel_module",
     "logits_backend",
 ]
@@ -172,6 +173,23 @@ def greedy_pack(
         _rows_contiguous(logits), want_gap=False, packed=packed, accepted=accepted, f32_out=f32_out, bitmask=bitmask
     )
     return ids, packed
+
+
+def warm_up_greedy(vocab_size: int, max_rows: int, device: torch.device) -> int:
+    """Compile every variant of the greedy kernels a step can meet, masked (a grammar's rows) or not, for up to
+    ``max_rows`` rows of ``vocab_size`` logits on CUDA (nothing elsewhere). Returns the calls made."""
+    if torch.device(device).type != "cuda":
+        return 0
+    mod = kernel_module(device)
+    counts = mod.warm_up_row_counts(max_rows, vocab_size, torch.device(device))
+    row = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    words = torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+    for n in counts:
+        # Every row the same one (stride 0): the kernels' variants, not their memory.
+        x, mask = row.expand(n, -1), words.expand(n, -1)
+        greedy_pack(x, bitmask=mask, backend="triton")
+        greedy_pack(x, backend="triton")
+    return 2 * len(counts)
 
 
 def _rows_contiguous(logits: torch.Tensor) -> torch.Tensor:

@@ -32,13 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SAMPLE_MAX_K", "greedy_top2", "sample_top_k", "split_for"]
+__all__ = ["SAMPLE_MAX_K", "greedy_top2", "sample_top_k", "split_for", "warm_up_row_counts"]
 
 # Larger than any column index (int32 columns: vocabularies below 2**31).
 _NONE = tl.constexpr(2**31 - 1)
 
 
-@triton.jit
+# Row counts never specialise (a grammar step's masked rows, an eager step's sampled rows: any count): the variants
+# are only the constexprs, which `warm_up_row_counts` can reach at start-up.
+@triton.jit(do_not_specialize=["NPART"])
 def _partial_kernel(
     x_ptr,
     val_ptr,
@@ -95,7 +97,7 @@ def _partial_kernel(
     tl.store(idx_ptr + NPART + p, inan)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "NSPLIT", "NPART"])
 def _finish_kernel(
     val_ptr,
     idx_ptr,
@@ -159,6 +161,17 @@ def split_for(n: int, v: int, device: torch.device, block: int) -> int:
     least one tile of ``block`` columns each, at most 1024 (the finish kernel holds a row's partials)."""
     want = triton.cdiv(2 * _num_sms(device), max(n, 1))
     return max(1, min(want, triton.cdiv(v, block), 1024))
+
+
+def warm_up_row_counts(n_max: int, v: int, device: torch.device, block: int = 1024) -> list[int]:
+    """One row count up to ``n_max`` per compiled variant of `greedy_top2`'s kernels (the finish kernel's
+    ``SPLIT_PAD`` and warp count follow `split_for`; nothing else depends on the row count)."""
+    seen: dict[tuple[int, int], int] = {}
+    for n in range(1, n_max + 1):
+        nsplit = split_for(n, v, device, block)
+        nsplit = triton.cdiv(v, triton.cdiv(triton.cdiv(v, nsplit), block) * block)
+        seen.setdefault((max(2, triton.next_power_of_2(nsplit)), 1 if nsplit <= 32 else 4), n)
+    return sorted(seen.values())
 
 
 def greedy_top2(

@@ -14,7 +14,8 @@ through the executor itself (the same code path as serving):
    and beside a decoding request; then d decoding requests (d on the ladder) admitting 1, 2, 15 and 16 prompts;
 4. contexts: a prompt at each power of two beyond the budget up to ``max_seq_len`` (chunked prefill at growing
    contexts; the indexer's top-k widths follow the context);
-5. sampling: seeded temperature / top-p / top-k requests and logprobs.
+5. sampling: seeded temperature / top-p / top-k requests and logprobs;
+6. the greedy kernels at each row count's variant, with and without a grammar's token mask (`warm_up_greedy`).
 
 With piecewise CUDA graphs (`CudaGraphConfig.piecewise`) every bucket's segment graphs are captured first
 (`PiecewiseRunner.capture_all`), so that the eager steps of the phases, and of serving, replay them.
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..jit_compiles import CompileCounter
+from ..logits import warm_up_greedy
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -236,9 +238,14 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
             add(3 + i, SamplingParams(max_tokens=3, temperature=0.7, seed=seed + i, ignore_eos=True, **extra))
         run()
 
+    def phase_greedy_rows() -> None:
+        # The greedy kernels at every row count's variant, with and without a grammar's mask: a grammar step picks
+        # among its masked rows (any count up to a step's rows) outside the graphs.
+        warm_up_greedy(ex.model.config.vocab_size, ex.cfg.max_num_tokens, ex.device)
+
     phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
               ("decoding batch admits", phase_mixed_counts), ("contexts", phase_contexts),
-              ("sampling", phase_sampling)]  # fmt: skip
+              ("sampling", phase_sampling), ("greedy rows", phase_greedy_rows)]  # fmt: skip
     if ex.piecewise is not None:
         # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
         ex.piecewise.capture_all()
