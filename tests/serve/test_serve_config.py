@@ -99,10 +99,14 @@ def test_mtp_draft_vocab_and_adaptive_keys() -> None:
         ({"speculative_config": {"num_nextn_predict_layers": 2}}, "decoding_type: expected MTP or NGram"),
         ({"speculative_config": {"decoding_type": "Eagle"}}, "decoding_type: expected MTP or NGram"),
         ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 9}}, "max_draft_len must be in .1, 5."),
-        ({"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": "2"}},
-         "num_nextn_predict_layers: expected an int"),
-        ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}},
-         "num_nextn_predict_layers is the old name of max_draft_len"),
+        (
+            {"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": "2"}},
+            "num_nextn_predict_layers: expected an int",
+        ),
+        (
+            {"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}},
+            "num_nextn_predict_layers is the old name of max_draft_len",
+        ),
         ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 9}}, "max_draft_len must be in"),
         ({"speculative_config": {"decoding_type": "MTP", "max_concurrency": 0}}, "max_concurrency must be"),
         ({"speculative_config": {"decoding_type": "MTP", "draft_len_fn": 1}}, "unknown key 'draft_len_fn'"),

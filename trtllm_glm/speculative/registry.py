@@ -100,7 +100,9 @@ def speculation_entry(key: str | DecodingBaseConfig) -> SpeculationEntry:
         if isinstance(key, entry.config_cls):
             return entry
     classes = ", ".join(e.config_cls.__name__ for e in _ENTRIES.values())
-    raise TypeError(f"speculative_config must be one of {classes} (decoding_type {decoding_types_text()}), got {type(key).__name__}")
+    raise TypeError(
+        f"speculative_config must be one of {classes} (decoding_type {decoding_types_text()}), got {type(key).__name__}"
+    )
 
 
 # The built-in builders import their drafters when first called: the CLI reads this table (its ``--speculative``
