@@ -90,10 +90,10 @@ class SpeculativeExecutor(Executor):
         self.manager.enable_decode_tail_rings(1 + K, num_layers=len(self.config.sparse_layer_ids))
         if drafter is None:
             ctx = DraftContext(
-                model, self.meta, self.manager, cfg, self.graph_runner,
-                self._padding_slot if self.graph_runner is not None else None,
+                model=model, meta=self.meta, manager=self.manager, sizes=cfg, graph_runner=self.graph_runner,
+                padding_slot=self._padding_slot if self.graph_runner is not None else None,
             )  # fmt: skip
-            res = entry.build(ctx, spec)
+            res = entry.build(ctx, spec)  # the registered builder: drafter, draft manager, vocabulary, graphs
         else:
             res = DraftResources(drafter)
         self.draft_manager: Glm5NextCacheManager | None = res.draft_manager
