@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -174,31 +175,63 @@ def _parallel_options(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
+# Drafter options: flag, the config field it sets, and why a drafter whose config lacks the field ignores it.
+_DRAFTER_FLAGS = (
+    ("--draft-kv-mode", "draft_kv_mode", "has no KV cache"),
+    ("--draft-vocab-size", "draft_vocab_size", "has no LM head"),
+)
+
+
 def _speculative_config(args: argparse.Namespace) -> object | None:
-    """The speculative config, refusing draft options that would be ignored."""
+    """The speculative config (``--draft-len`` is its ``max_draft_len``), refusing draft options that would be
+    ignored."""
+    from .speculative.registry import decoding_types_text, speculation_entry
+
     if args.speculative is None:
         given = [f for f, v in (("--draft-len", args.draft_len), ("--draft-kv-mode", args.draft_kv_mode),
                                 ("--draft-vocab-size", args.draft_vocab_size)) if v]  # fmt: skip
         if given:
             verb = "need" if len(given) > 1 else "needs"
-            raise UserError(f"{' and '.join(given)} {verb} --speculative (mtp or ngram)")
+            raise UserError(f"{' and '.join(given)} {verb} --speculative ({decoding_types_text().lower()})")
         if args.check_lossless:
             raise UserError("--check-lossless compares a speculative run with a plain one: it needs --speculative")
         return None
-    from .speculative.config import MAX_MTP_DRAFTS, MAX_PARALLEL_DRAFTS, MTPDecodingConfig, NGramDecodingConfig
-
+    cls = speculation_entry(args.speculative).config_cls
     k = 3 if args.draft_len is None else args.draft_len
-    top = MAX_MTP_DRAFTS if args.speculative == "mtp" else MAX_PARALLEL_DRAFTS
+    top = cls.MAX_DRAFT_LEN
     if not 1 <= k <= top:  # named as the user wrote it, not as the config field it becomes
         raise UserError(f"--draft-len must be in [1, {top}] for --speculative {args.speculative}, got {k}")
-    if args.speculative == "mtp":
-        return MTPDecodingConfig(num_nextn_predict_layers=k, draft_kv_mode=args.draft_kv_mode or "shared",
-                                 draft_vocab_size=args.draft_vocab_size)  # fmt: skip
-    if args.draft_kv_mode is not None:
-        raise UserError("--draft-kv-mode applies to --speculative mtp only (the n-gram drafter has no KV cache)")
-    if args.draft_vocab_size is not None:
-        raise UserError("--draft-vocab-size applies to --speculative mtp only (the n-gram drafter has no LM head)")
-    return NGramDecodingConfig(max_draft_len=k)
+    kwargs: dict[str, object] = {"max_draft_len": k}
+    for flag, field, why in _DRAFTER_FLAGS:
+        value = getattr(args, field)
+        if value is None:
+            continue
+        if field not in {f.name for f in dataclasses.fields(cls)}:
+            takers = " / ".join(_speculative_choices(field))
+            raise UserError(f"{flag} applies to --speculative {takers} only (the {args.speculative} drafter {why})")
+        kwargs[field] = value
+    return cls(**kwargs)
+
+
+def _decoding_types() -> list[str]:
+    from .speculative.registry import decoding_types
+
+    return decoding_types()
+
+
+def _speculative_choices(field: str | None = None) -> list[str]:
+    """The ``--speculative`` choices (the registry's decoding types), or those whose config has ``field``."""
+    from .speculative.registry import speculation_entry
+
+    entries = [speculation_entry(t) for t in _decoding_types()]
+    return [e.cli_name for e in entries if field is None or field in {f.name for f in dataclasses.fields(e.config_cls)}]
+
+
+def _draft_len_ranges() -> str:
+    """``"mtp: 1-5, ngram: 1-7"``: each decoding type's ``--draft-len`` range."""
+    from .speculative.registry import speculation_entry
+
+    return ", ".join(f"{e.cli_name}: 1-{e.config_cls.MAX_DRAFT_LEN}" for e in map(speculation_entry, _decoding_types()))
 
 
 def _check_prompt_arg(text: str, i: int) -> None:
@@ -448,10 +481,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--prefill-chunk-size", type=int, default=None, metavar="N", help="cap on a prefill chunk (default: none)"
     )
-    g.add_argument("--speculative", choices=["mtp", "ngram"], default=None, help="speculative decoding drafter")
+    g.add_argument("--speculative", choices=_speculative_choices(), default=None, help="speculative decoding drafter")
     g.add_argument(
         "--draft-len", type=int, default=None, metavar="K",
-        help="drafts per round (mtp: 1-5, ngram: 1-7; default 3); needs --speculative",
+        help=f"drafts per round, the config's max_draft_len ({_draft_len_ranges()}; default 3); needs --speculative",
     )  # fmt: skip
     g.add_argument(
         "--draft-kv-mode", choices=["shared", "separate"], default=None,
@@ -476,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
         "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
         "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, quantization,\n"
         "device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype},\n"
-        "speculative_config {decoding_type: MTP | NGram, ...}.",
+        f"speculative_config {{decoding_type: {' | '.join(_decoding_types())}, ...}}.",
     )  # fmt: skip
     s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

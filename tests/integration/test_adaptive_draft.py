@@ -303,8 +303,7 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
     import dataclasses
 
     from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
-    from trtllm_glm.runtime.mtp_graphs import MtpChainGraphs
-    from trtllm_glm.speculative.mtp import MTPDrafter
+    from trtllm_glm.speculative.mtp import MtpChainGraphs, MTPDrafter
 
     m = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
     ps, mt = prompts(3, 9), [14, 14, 14]

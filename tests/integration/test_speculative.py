@@ -277,7 +277,8 @@ def test_acceptance_statistics_and_cli(capsys) -> None:
 
 
 def test_bad_speculative_configs(model) -> None:
-    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+    # MTP's old name for max_draft_len is checked as max_draft_len.
+    with pytest.raises(ValueError, match=r"max_draft_len must be in \[1, 5\], got 6"):
         MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=6)
     with pytest.raises(ValueError, match="max_draft_len"):
         NGramDecodingConfig(max_draft_len=8)

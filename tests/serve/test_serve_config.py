@@ -62,6 +62,15 @@ def test_ngram_and_empty_file(tmp_path: Path) -> None:
     assert load_llm_options(write(tmp_path, "# nothing\n")) == {}
 
 
+def test_max_draft_len_and_its_old_mtp_name() -> None:
+    """Issue 46, item 1: ``max_draft_len`` is every decoding type's drafts per round; MTP's YAML also takes its
+    old name, ``num_nextn_predict_layers``, with the same meaning."""
+    new = llm_options_from_dict({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}})
+    old = llm_options_from_dict({"speculative_config": {"decoding_type": "mtp", "num_nextn_predict_layers": 2}})
+    assert new == old and new["speculative_config"].max_draft_len == 2
+    assert old["speculative_config"].num_nextn_predict_layers == 2
+
+
 def test_mtp_draft_vocab_and_adaptive_keys() -> None:
     """Issue 43's MTP options travel through the YAML like the others, and bad values name their key."""
     d = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "draft_vocab_size": 32, "adaptive": False}
@@ -89,7 +98,15 @@ def test_mtp_draft_vocab_and_adaptive_keys() -> None:
         ({"kv_cache_config": [16]}, "expected a mapping"),
         ({"speculative_config": {"num_nextn_predict_layers": 2}}, "decoding_type: expected MTP or NGram"),
         ({"speculative_config": {"decoding_type": "Eagle"}}, "decoding_type: expected MTP or NGram"),
-        ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2}}, "unknown key 'max_draft_len'"),
+        ({"speculative_config": {"decoding_type": "MTP", "max_draft_len": 9}}, "max_draft_len must be in .1, 5."),
+        (
+            {"speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": "2"}},
+            "num_nextn_predict_layers: expected an int",
+        ),
+        (
+            {"speculative_config": {"decoding_type": "MTP", "max_draft_len": 2, "num_nextn_predict_layers": 3}},
+            "num_nextn_predict_layers is the old name of max_draft_len",
+        ),
         ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 9}}, "max_draft_len must be in"),
         ({"speculative_config": {"decoding_type": "MTP", "max_concurrency": 0}}, "max_concurrency must be"),
         ({"speculative_config": {"decoding_type": "MTP", "draft_len_fn": 1}}, "unknown key 'draft_len_fn'"),

@@ -25,7 +25,9 @@ def test_python_blocks_run(page: Path, capsys) -> None:
     ns: dict = {"__name__": f"docs_{page.stem}"}
     for i, code in enumerate(blocks(page, "python")):
         try:
-            exec(compile(code, f"{page.name}[python block {i}]", "exec"), ns)
+            # dont_inherit: a block runs as written, without this file's ``from __future__ import annotations``
+            # (string annotations would send a block's dataclass looking for its module in sys.modules).
+            exec(compile(code, f"{page.name}[python block {i}]", "exec", dont_inherit=True), ns)
         except Exception as e:
             raise AssertionError(f"{page.relative_to(ROOT)}: python block {i} failed: {type(e).__name__}: {e}") from e
     capsys.readouterr()
@@ -54,7 +56,7 @@ def test_examples_options_file_loads() -> None:
     from trtllm_glm.serve.config import load_llm_options
 
     opts = load_llm_options(str(ROOT / "examples" / "serve_options.yaml"))
-    assert opts["speculative_config"].num_nextn_predict_layers == 3 and opts["max_batch_size"] == 8
+    assert opts["speculative_config"].max_draft_len == 3 and opts["max_batch_size"] == 8
 
 
 def test_readme_keeps_the_two_set_up_commands() -> None:

@@ -2,8 +2,8 @@
 above `config` / `errors`; `linear/` and `quant/` (kernel packages the modules and the attention call) import
 only `triton_interp` and `numerics` (the mode switch); `envs` (the settings registry) imports nothing of
 the package, so every room may read it;
-`speculative/` never imports `runtime/`, `serve/` or `cli`; nothing below the runtime imports
-`runtime/` (module-level or lazily)."""
+`speculative/` (its registry and the MTP package included) never imports `runtime/`, `serve/` or `cli`; nothing below
+the runtime imports `runtime/` (module-level or lazily)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,21 @@ def test_nothing_below_the_runtime_imports_it(sub: str) -> None:
     for f in files(sub):
         bad = {m for m in imported(f) if m.startswith(above)}
         assert not bad, f"{f.relative_to(PKG)} imports {bad}"
+
+
+def test_speculation_registry_loads_no_drafter() -> None:
+    """`speculative/registry.py` imports only the config classes at module level (drafters and their builders lazily,
+    context types for type checking only): the CLI builds ``--speculative``'s choices from it without torch."""
+    tree = ast.parse((PKG / "speculative" / "registry.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert {(n.level, n.module) for n in top if isinstance(n, ast.ImportFrom) and n.level} == {(1, "config")}
+
+
+def test_mtp_graphs_reach_the_runner_through_a_protocol() -> None:
+    """MTP's CUDA graphs live beside MTP (`speculative/mtp/`) and see the target's graph runner as
+    `speculative.context.TargetGraphRunner`, never `runtime.cuda_graph`."""
+    assert "trtllm_glm.speculative.context" in imported(PKG / "speculative" / "mtp" / "graphs.py")
+    assert not (PKG / "runtime" / "mtp_graphs.py").exists()
 
 
 def module_graph() -> dict[str, set[str]]:

@@ -291,7 +291,7 @@ class GraphStats:
         capture_s: wall seconds spent warming up and capturing.
         pool_bytes: device bytes reserved by the graphs' shared memory pool (growth over captures).
         per_graph: (size, width) -> capture seconds and pool growth of that capture (MTP graphs: their
-            `mtp_graphs.MtpChainGraphs` key, ``(kind, size, width)``).
+            `speculative.mtp.graphs.MtpChainGraphs` key, ``(kind, size, width)``).
         failed: (size, width) whose capture raised, with the error; those steps run eagerly (logged).
         device_row_replays: verify replays that took drafts still on the device (`DeviceRows`).
     """
@@ -356,6 +356,14 @@ class CudaGraphRunner:
         self._result_turn = 0
         self.emulate = emulate
         self.enabled = emulate or (self.device.type == "cuda" and torch.cuda.is_available())
+
+    # The padding rules, for the drafters' graphs that pad like these (`speculative.context.TargetGraphRunner`).
+    padding_request_id = PADDING_REQUEST_ID
+    padding_past_len = PADDING_PAST_LEN
+
+    def padded_size(self, batch: int, sizes: Sequence[int]) -> int | None:
+        """`padded_batch_size` under this runner's ``enable_padding``."""
+        return padded_batch_size(batch, sizes, self.config.enable_padding)
 
     # --------------------------------------------------------------------------------------------
     def key(self, widths: Sequence[int]) -> tuple[int, int] | None:

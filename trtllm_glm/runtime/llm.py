@@ -21,7 +21,6 @@ from ..distributed.mapping import Mapping, ParallelConfigError
 from ..distributed.sharding import check_shardable
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..numerics import set_batch_invariant
-from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
 from .grammar import GrammarCompiler
@@ -216,7 +215,8 @@ class LLM:
         seed: seed of preset weights and of sampling without a per-request seed.
         prefill_chunk_size: cap on a prefill chunk.
         tokenizer: a tokenizer object (``encode``/``decode``) overriding the model's.
-        speculative_config: `MTPDecodingConfig` or `NGramDecodingConfig` (None: no speculation).
+        speculative_config: a registered decoding config (`MTPDecodingConfig`, `NGramDecodingConfig`:
+            `speculative.registry`); None: no speculation.
         num_threads: torch intra-op CPU threads (process-wide). ``None``: the ``TRTLLM_GLM_NUM_THREADS``
             environment variable, else one thread for a small model on the CPU (under
             `SMALL_MODEL_PARAMS` parameters, where torch's default threading costs far more than it
@@ -515,11 +515,7 @@ class LLM:
     def _make_executor(self) -> Executor:
         if self.speculative_config is None:
             return Executor(self.model, self.executor_config, seed=self.seed)
-        if not isinstance(self.speculative_config, (MTPDecodingConfig, NGramDecodingConfig)):
-            raise TypeError(
-                f"speculative_config must be MTPDecodingConfig or NGramDecodingConfig, "
-                f"got {type(self.speculative_config).__name__}"
-            )
+        # An unregistered config is a TypeError naming the registered ones (`speculation_entry`).
         return SpeculativeExecutor(self.model, self.executor_config, self.speculative_config, seed=self.seed)
 
     # --------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Per round and request (docs/design.md §6-§7):
   still reaches the drafter.
 - Commit: the cache manager's state owner folds the accepted KDA rows (`RequestStateOwner.commit_verified`).
 - Drafting goes through the `Drafter` interface (`speculative/drafters.py`): the n-gram / oracle parallel
-  drafters, or the MTP drafter (`speculative/mtp.py`), which owns the draft manager's use.
+  drafters, or the MTP drafter (`speculative/mtp/`), which owns the draft manager's use. The configured
+  drafter and its resources come from the speculation registry (`speculative/registry.py`).
 
 Dependency direction: `runtime/` imports `speculative/` (mechanism: configs, drafters, the draft replay
 interface), never the other way round.
@@ -26,15 +27,15 @@ from ..cache.prefix import Checkpoint
 from ..errors import CapacityError, StateError
 from ..models.glm5_next import Glm5NextForCausalLM
 from ..speculative.adaptive import AdaptiveDraftPolicy
-from ..speculative.config import MTPDecodingConfig, NGramDecodingConfig, SpeculativeConfig
-from ..speculative.draft_vocab import resolve_draft_vocab
-from ..speculative.drafters import DeviceDrafts, Drafter, DraftSeq, DraftState, NGramDrafter, ParallelDrafter
-from ..speculative.interface import draft_replay
+from ..speculative.config import MTPDecodingConfig, SpeculativeConfig
+from ..speculative.context import DraftContext, DraftResources
+from ..speculative.drafters import DeviceDrafts, Drafter, DraftSeq, DraftState, ParallelDrafter
 from ..speculative.mtp import MTPDrafter
+from ..speculative.mtp.build import shares_selection
+from ..speculative.registry import speculation_entry
 from ..transfer import to_device
 from .cuda_graph import DeviceRows, padded_batch_size
 from .executor import Executor, ExecutorConfig, _InFlight
-from .mtp_graphs import MtpChainGraphs, defer_drafts_default
 from .request import Request
 from .scheduler import ScheduledSeq
 
@@ -51,7 +52,7 @@ class SpeculativeExecutor(Executor):
     Args:
         model: target model (with an MTP layer for `MTPDecodingConfig`).
         cfg: cache and batch sizes.
-        spec: the speculative configuration.
+        spec: the speculative configuration (a registered decoding config: `speculation_entry`).
         seed: base sampling seed.
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
         draft_policy: the adaptive draft-length policy (default: a fresh `AdaptiveDraftPolicy` when
@@ -74,6 +75,9 @@ class SpeculativeExecutor(Executor):
         draft_policy: AdaptiveDraftPolicy | None = None,
     ) -> None:
         self.spec = spec
+        entry = speculation_entry(spec)  # an unregistered config fails here, before any allocation
+        # The MTP drafter's history is part of the executor's prefix checkpoints and its shared plane part of the
+        # target manager: those hooks below ask `use_mtp`.
         self.use_mtp = isinstance(spec, MTPDecodingConfig) and drafter is None
         if self.use_mtp and model.mtp is None:
             raise ValueError("MTPDecodingConfig needs a model with an MTP layer (num_nextn_predict_layers > 0)")
@@ -84,49 +88,18 @@ class SpeculativeExecutor(Executor):
             raise ValueError(f"max_num_tokens={self.meta.max_num_tokens} cannot hold one verify of width {1 + K}")
         self.max_draft_len = K
         self.manager.enable_decode_tail_rings(1 + K, num_layers=len(self.config.sparse_layer_ids))
-        if isinstance(spec, NGramDecodingConfig) and drafter is None:
-            drafter = NGramDrafter(K, spec.max_matching_ngram_size, spec.min_matching_ngram_size)
-        self.draft_manager: Glm5NextCacheManager | None = None
-        self.draft_vocab = None
-        if self.use_mtp:
-            if self.shared_mtp:
-                self.draft_manager = self.manager
-                self.mtp_plane = self.manager.num_sparse_layers - 1
-            else:
-                P = cfg.tokens_per_block
-                self.draft_manager = Glm5NextCacheManager(
-                    self.config,
-                    num_pages=-(-(spec.draft_max_tokens or cfg.max_tokens) // P),  # type: ignore[union-attr]
-                    tokens_per_block=P,
-                    max_num_requests=cfg.max_batch_size,
-                    num_sparse_layers=1,
-                    num_kda_layers=0,
-                    dtype=self.dtype,
-                    indexer_key_dtype=cfg.indexer_key_dtype,
-                    device=self.device,
-                )
-                self.mtp_plane = 0
-            # The restricted draft vocabulary's head rows: copied once here, before any graph captures them.
-            self.draft_vocab = resolve_draft_vocab(
-                model.lm_head, self.config.vocab_size, spec.draft_vocab_size,  # type: ignore[union-attr]
-                spec.draft_vocab_file, model.checkpoint_dir, self.dtype,  # type: ignore[union-attr]
+        if drafter is None:
+            ctx = DraftContext(
+                model=model, meta=self.meta, manager=self.manager, sizes=cfg, graph_runner=self.graph_runner,
+                padding_slot=self._padding_slot if self.graph_runner is not None else None,
             )  # fmt: skip
-            drafter = MTPDrafter(
-                model, self.meta, self.manager, self.draft_manager, self.mtp_plane, K,
-                share_selection=self.share_mtp_selection, draft_vocab=self.draft_vocab,
-                catchup_lag=spec.catchup_lag,  # type: ignore[union-attr]
-            )  # fmt: skip
-            if self.graph_runner is not None:
-                drafter.chain_graphs = MtpChainGraphs(
-                    self.graph_runner, model, self.draft_manager, self.mtp_plane,
-                    separate=not self.shared_mtp, share_selection=self.share_mtp_selection,
-                    padding_slot=self._padding_slot, replay_scope=draft_replay, max_draft_len=K,
-                    draft_vocab=self.draft_vocab,
-                )  # fmt: skip
-                # The fused draft's tokens go straight into the next verify's input rows on the device.
-                drafter.defer = defer_drafts_default()
-        assert drafter is not None
-        self.drafter: Drafter = drafter
+            res = entry.build(ctx, spec)  # the registered builder: drafter, draft manager, vocabulary, graphs
+        else:
+            res = DraftResources(drafter)
+        self.draft_manager: Glm5NextCacheManager | None = res.draft_manager
+        self.draft_vocab = res.draft_vocab
+        self.mtp_plane = res.draft_plane
+        self.drafter: Drafter = res.drafter
         self.state: dict[int, SpecState] = {}
         self._n_submitted = 0
         # Rounds run width one because the batch exceeded `max_concurrency`.
@@ -180,10 +153,7 @@ class SpeculativeExecutor(Executor):
     @property
     def share_mtp_selection(self) -> bool:
         """Whether chained MTP steps reuse step 0's pool selection (index_share_for_mtp_iteration)."""
-        if not self.use_mtp:
-            return False
-        want = self.spec.index_share_for_mtp_iteration  # type: ignore[union-attr]
-        return self.config.index_share_for_mtp_iteration if want is None else bool(want)
+        return self.use_mtp and shares_selection(self.spec, self.config)  # type: ignore[arg-type]
 
     def _select_width(self) -> int:
         # A shared chained step attends step 0's open pool plus up to K - 1 later tokens.

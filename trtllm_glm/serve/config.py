@@ -12,8 +12,8 @@ Example::
       tokens_per_block: 64
       max_tokens: 65536
     speculative_config:
-      decoding_type: MTP          # or NGram
-      num_nextn_predict_layers: 3
+      decoding_type: MTP          # or NGram (any registered type: speculative/registry.py)
+      max_draft_len: 3            # drafts per round (MTP also takes num_nextn_predict_layers)
       draft_kv_mode: separate
       max_concurrency: 16         # larger decode batches run without speculation
       adaptive: true              # default: each round's draft length from measured costs and acceptance
@@ -27,8 +27,9 @@ Example::
     engine_process: true          # default: the engine runs in its own process (serve's key, not LLM's)
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
-mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes ``decoding_type:
-MTP`` (`MTPDecodingConfig` fields) or ``decoding_type: NGram`` (`NGramDecodingConfig` fields).
+mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes a ``decoding_type`` of
+the speculation registry and its config class's fields (``MTP``: `MTPDecodingConfig`, ``NGram``:
+`NGramDecodingConfig`).
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["load_llm_options", "llm_options_from_dict", "split_serve_options", "SPECULATIVE_TYPES", "SERVE_KEYS"]
-
-# decoding_type (case-insensitive) -> config class name in trtllm_glm.speculative.config.
-SPECULATIVE_TYPES = {"mtp": "MTPDecodingConfig", "ngram": "NGramDecodingConfig"}
+__all__ = ["load_llm_options", "llm_options_from_dict", "split_serve_options", "SERVE_KEYS"]
 
 # Keys LLM does not take but the YAML accepts, with the only value that matches what the runtime does.
 _FIXED_KEYS = {"enable_chunked_prefill": True}
@@ -70,11 +68,14 @@ def _llm_keys() -> list[str]:
 def _dataclass_from(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(d).__name__}")
-    fields = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip}
+    # Old key names the class still takes (`DecodingBaseConfig.ALIASES`), checked under the field's type.
+    aliases: dict[str, str] = getattr(cls, "ALIASES", {})
+    fields = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in skip} | set(aliases)
     for k in d:
         if k not in fields:
             raise ConfigError(f"{where}: unknown key {k!r} (known: {', '.join(sorted(fields))})")
     types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    types.update({old: types[new] for old, new in aliases.items()})
     for k, v in d.items():
         t = types[k]
         if v is None and "None" in t:
@@ -91,7 +92,7 @@ def _dataclass_from(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -
 
 
 def _speculative(d: Any) -> Any:
-    from ..speculative import config as spec
+    from ..speculative.registry import decoding_types_text, speculation_entry
 
     where = "speculative_config"
     if d is None:
@@ -100,9 +101,12 @@ def _speculative(d: Any) -> Any:
         raise ConfigError(f"{where}: expected a mapping with decoding_type, got {type(d).__name__}")
     d = dict(d)
     kind = d.pop("decoding_type", None)
-    if not isinstance(kind, str) or kind.lower() not in SPECULATIVE_TYPES:
-        raise ConfigError(f"{where}.decoding_type: expected MTP or NGram, got {kind!r}")
-    cls = getattr(spec, SPECULATIVE_TYPES[kind.lower()])
+    try:
+        cls = speculation_entry(kind).config_cls if isinstance(kind, str) else None
+    except ValueError:
+        cls = None
+    if cls is None:
+        raise ConfigError(f"{where}.decoding_type: expected {decoding_types_text()}, got {kind!r}")
     # draft_len_fn is a Python callable: not something a YAML file can hold.
     return _dataclass_from(cls, d, where, skip=("draft_len_fn",))
 

@@ -1,11 +1,17 @@
-"""Speculative decoding configuration, shaped like TensorRT-LLM's ``*DecodingConfig`` classes."""
+"""Speculative decoding configuration, shaped like TensorRT-LLM's ``*DecodingConfig`` classes.
+
+Every config names its drafts per round ``max_draft_len`` (TensorRT-LLM's name); `MTPDecodingConfig` also takes
+its old name, ``num_nextn_predict_layers`` (which in the model config counts MTP layers).
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
-__all__ = ["MTPDecodingConfig", "NGramDecodingConfig", "SpeculativeConfig", "DRAFT_KV_MODES"]
+__all__ = ["DecodingBaseConfig", "MTPDecodingConfig", "NGramDecodingConfig", "SpeculativeConfig", "DRAFT_KV_MODES"]
 
 DRAFT_KV_MODES = ("shared", "separate")
 
@@ -16,32 +22,80 @@ MAX_CATCHUP_LAG = 256
 
 
 @dataclass
-class _SpecBase:
+class DecodingBaseConfig:
+    """What every decoding config holds (TensorRT-LLM's ``DecodingBaseConfig``); a new drafter's config subclasses
+    it (`speculative.registry`).
+
+    Attributes:
+        max_draft_len: drafts per round, ``1 .. MAX_DRAFT_LEN``.
+        adaptive: choose each round's draft length with an `AdaptiveDraftPolicy`.
+    """
+
     # Per-request adaptive width: called with the request each round, returns the drafts to propose
     # (0 = a width-one round); None keeps the configured maximum. Each width is its own graph shape.
     draft_len_fn: Callable[[object], int] | None = None
     # TensorRT-LLM's ``DecodingBaseConfig.max_concurrency``: rounds whose decode batch holds more requests
     # than this run width one (no drafts); None speculates at every batch size.
     max_concurrency: int | None = None
+    max_draft_len: int = 1
+    adaptive: bool = False
+
+    # The most drafts per round the config accepts (and the CLI's ``--draft-len`` range).
+    MAX_DRAFT_LEN: ClassVar[int] = MAX_PARALLEL_DRAFTS
+    # Deprecated keyword -> field names the constructor (and the YAML) still take (`_renamed`).
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        self._check_common()
 
     def _check_common(self) -> None:
-        if not isinstance(getattr(self, "adaptive", False), bool):
-            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")  # type: ignore[attr-defined]
+        """Checks every config shares: ``max_draft_len``, ``adaptive``, ``max_concurrency``."""
+        k, top = self.max_draft_len, self.MAX_DRAFT_LEN
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= top:
+            raise ValueError(f"max_draft_len must be in [1, {top}], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
         mc = self.max_concurrency
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc <= 0):
             raise ValueError(f"max_concurrency must be None or a positive int, got {mc!r}")
 
-    @property
-    def max_draft_len(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
+
+_C = TypeVar("_C", bound=type)
 
 
+def _renamed(old: str, new: str) -> Callable[[_C], _C]:
+    """Class decorator: the dataclass's constructor also takes ``old=`` for ``new=`` and reading ``old`` gives
+    ``new``, so that code and YAML files written with the old name keep working. Not a field: `dataclasses.replace`,
+    equality and repr see ``new`` only."""
+
+    def wrap(cls: _C) -> _C:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            if old in kwargs:
+                v = kwargs.pop(old)
+                if new in kwargs and kwargs[new] != v:
+                    raise ValueError(f"{old} is the old name of {new}: give one of them, got {v!r} and {kwargs[new]!r}")
+                kwargs[new] = v
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        setattr(cls, old, property(lambda self: getattr(self, new), doc=f"The old name of ``{new}``."))
+        cls.ALIASES = {**cls.ALIASES, old: new}  # type: ignore[attr-defined]
+        return cls
+
+    return wrap
+
+
+@_renamed("num_nextn_predict_layers", "max_draft_len")
 @dataclass
-class MTPDecodingConfig(_SpecBase):
-    """Speculate with the model's MTP layer, chained for ``num_nextn_predict_layers`` drafts.
+class MTPDecodingConfig(DecodingBaseConfig):
+    """Speculate with the model's MTP layer, chained for ``max_draft_len`` drafts.
 
     Attributes:
-        num_nextn_predict_layers: drafts per round (1..5), the MTP layer applied that many times.
+        max_draft_len: drafts per round (1..5), the MTP layer applied that many times. The constructor and
+            the YAML also take its old name, ``num_nextn_predict_layers``.
         draft_kv_mode: ``"shared"`` (the MTP layer's pages live in the target manager: one more sparse
             layer in the same slot space) or ``"separate"`` (its own draft KV manager and page pool).
         draft_max_tokens: page-pool size of the separate draft manager (default: the target's).
@@ -58,7 +112,7 @@ class MTPDecodingConfig(_SpecBase):
             token-frequency ranking: ``draft_vocab_file``, or the checkpoint's ``token_frequency.json``.
         draft_vocab_file: the token-frequency ranking (JSON, `speculative.draft_vocab.load_token_ranking`) for
             ``draft_vocab_size``; None takes the checkpoint's own.
-        adaptive: each round's draft length (``0 .. num_nextn_predict_layers``) is chosen by an
+        adaptive: each round's draft length (``0 .. max_draft_len``) is chosen by an
             `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
             acceptance, down to 0 where speculation cannot pay. Off by default: on an H100 (trained ``small``,
             bf16) it chose K = 0 for ~97 % of the rounds at batch 1 and 16, where K = 3 paid, and lost 3.2x at
@@ -77,25 +131,22 @@ class MTPDecodingConfig(_SpecBase):
             cost a plain decode step. 0 catches up every step. Drafts only: output is unchanged either way.
     """
 
-    num_nextn_predict_layers: int = 1
+    max_draft_len: int = 1
     draft_kv_mode: str = "shared"
     draft_max_tokens: int | None = None
     index_share_for_mtp_iteration: bool | None = None
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
-    adaptive: bool = False
     overlap_rounds: bool = False
     catchup_lag: int = 64
+
+    MAX_DRAFT_LEN: ClassVar[int] = MAX_MTP_DRAFTS
 
     def __post_init__(self) -> None:
         self._check_common()
         lag = self.catchup_lag
         if not isinstance(lag, int) or isinstance(lag, bool) or not 0 <= lag <= MAX_CATCHUP_LAG:
             raise ValueError(f"catchup_lag must be an int in [0, {MAX_CATCHUP_LAG}], got {lag!r}")
-        if not 1 <= self.num_nextn_predict_layers <= MAX_MTP_DRAFTS:
-            raise ValueError(
-                f"num_nextn_predict_layers must be in [1, {MAX_MTP_DRAFTS}], got {self.num_nextn_predict_layers}"
-            )
         if self.draft_kv_mode not in DRAFT_KV_MODES:
             raise ValueError(f"draft_kv_mode must be one of {DRAFT_KV_MODES}, got {self.draft_kv_mode!r}")
         if self.draft_max_tokens is not None and self.draft_max_tokens <= 0:
@@ -111,13 +162,9 @@ class MTPDecodingConfig(_SpecBase):
         if not isinstance(self.overlap_rounds, bool):
             raise ValueError(f"overlap_rounds must be a bool, got {self.overlap_rounds!r}")
 
-    @property
-    def max_draft_len(self) -> int:
-        return self.num_nextn_predict_layers
-
 
 @dataclass
-class NGramDecodingConfig(_SpecBase):
+class NGramDecodingConfig(DecodingBaseConfig):
     """Prompt-lookup (n-gram) parallel drafting: up to ``max_draft_len`` tokens that followed the latest
     earlier occurrence of the sequence's longest matching suffix. Needs no extra weights, so it drives wide
     (DFlash-width) verification.
@@ -132,17 +179,17 @@ class NGramDecodingConfig(_SpecBase):
             default here: prompt-lookup acceptance swings between requests and rounds far more than MTP's).
     """
 
-    max_draft_len: int = 4  # type: ignore[assignment]
+    max_draft_len: int = 4
     max_matching_ngram_size: int = 4
     min_matching_ngram_size: int = 1
-    adaptive: bool = False
+
+    MAX_DRAFT_LEN: ClassVar[int] = MAX_PARALLEL_DRAFTS
 
     def __post_init__(self) -> None:
         self._check_common()
-        if not 1 <= self.max_draft_len <= MAX_PARALLEL_DRAFTS:
-            raise ValueError(f"max_draft_len must be in [1, {MAX_PARALLEL_DRAFTS}], got {self.max_draft_len}")
         if not 1 <= self.min_matching_ngram_size <= self.max_matching_ngram_size:
             raise ValueError("need 1 <= min_matching_ngram_size <= max_matching_ngram_size")
 
 
-SpeculativeConfig = MTPDecodingConfig | NGramDecodingConfig
+# Any registered decoding config (`speculative.registry`); the name the executor's signature kept.
+SpeculativeConfig = DecodingBaseConfig

@@ -2,7 +2,7 @@
 
 Every drafter proposes the next round's drafts of a step's sequences through one call,
 `Drafter.draft(seqs, hidden)`, after the step is committed; `Drafter.release` forgets a request (finish,
-abort, preemption). The MTP drafter (`speculative/mtp.py`) implements the same interface. This package
+abort, preemption). The MTP drafter (`speculative/mtp/`) implements the same interface. This package
 sits below the runtime: it knows requests only through `DraftSeq` and never imports `runtime/`.
 """
 

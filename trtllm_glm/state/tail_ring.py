@@ -48,7 +48,7 @@ class DecodeTailRing:
 
     Args:
         num_state_slots: ``S``, state slots of the ring it protects (``tail_ring.shape[0]``).
-        max_rows: widest decode step, ``1 + num_speculative_tokens``.
+        max_rows: widest decode step, ``1 + max_draft_len``.
         device: where the buffers live (the ring's device).
 
     Attributes:

@@ -1,7 +1,8 @@
 """CUDA graphs of the MTP drafter: its catch-up step, its chained steps, and the whole draft fused in one.
 
 See `MtpChainGraphs`. The target's decode / verify graphs, the padding rules and `CudaGraphConfig` live in
-`cuda_graph`; these graphs share that runner's metadata, memory pool and statistics.
+`runtime/cuda_graph.py`; these graphs share that runner's metadata, memory pool, padding and statistics through
+`TargetGraphRunner`, so that this package never imports the runtime.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import torch
 
-from .. import envs
-from ..attention.graph_check import GraphAddressGuard
-from ..graph_capture import capture_graph, capture_session
-from ..transfer import to_device
-from .cuda_graph import PADDING_PAST_LEN, PADDING_REQUEST_ID, CudaGraphRunner, padded_batch_size
+from ... import envs
+from ...attention.graph_check import GraphAddressGuard
+from ...graph_capture import capture_graph, capture_session
+from ...transfer import to_device
+from ..context import TargetGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class MtpChainGraphs:
 
     def __init__(
         self,
-        runner: CudaGraphRunner,
+        runner: TargetGraphRunner,
         model: Any,
         draft_manager: Any,
         mtp_plane: int,
@@ -156,7 +157,7 @@ class MtpChainGraphs:
         """The key a chained step of ``n`` sequences replays at (capturing it first), or None (eager)."""
         if not self.runner.enabled:
             return None
-        P = padded_batch_size(n, self.sizes, self.runner.config.enable_padding)
+        P = self.runner.padded_size(n, self.sizes)
         return None if P is None else self._ready((CHAIN, P, 1))
 
     def catchup_key(self, committed: Sequence[int], head: bool = True) -> GraphKey | None:
@@ -172,7 +173,7 @@ class MtpChainGraphs:
     def _catch_or_draft_key(self, kind: str, committed: Sequence[int]) -> GraphKey | None:
         if not self.runner.enabled or not self.width or not committed or max(committed) > self.width:
             return None
-        P = padded_batch_size(len(committed), self.catch_sizes, self.runner.config.enable_padding)
+        P = self.runner.padded_size(len(committed), self.catch_sizes)
         return None if P is None else self._ready((kind, P, max(committed)))
 
     def startup_keys(self, max_wide_size: int | None = None) -> list[GraphKey]:
@@ -218,8 +219,8 @@ class MtpChainGraphs:
         pad = P - len(rids)
         mgr = self.runner.manager
         self.meta.prepare(
-            list(rids) + [PADDING_REQUEST_ID] * pad,
-            past_lens=list(past) + [PADDING_PAST_LEN] * pad,
+            list(rids) + [self.runner.padding_request_id] * pad,
+            past_lens=list(past) + [self.runner.padding_past_len] * pad,
             q_lens=[1] * P,
             num_decode_seqs=P,
             state_slots=mgr.get_batch_state_slots(list(rids)) + [self.padding_slot] * pad,
@@ -235,8 +236,8 @@ class MtpChainGraphs:
         pad = P - len(rids)
         mgr = self.runner.manager
         self.meta.prepare(
-            list(rids) + [PADDING_REQUEST_ID] * pad,
-            past_lens=list(starts) + [PADDING_PAST_LEN] * pad,
+            list(rids) + [self.runner.padding_request_id] * pad,
+            past_lens=list(starts) + [self.runner.padding_past_len] * pad,
             q_lens=[W] * P,
             num_decode_seqs=0,  # the catch-up rows are prefill rows, as in the eager drafter
             state_slots=mgr.get_batch_state_slots(list(rids)) + [self.padding_slot] * pad,
@@ -330,11 +331,12 @@ class MtpChainGraphs:
                 self.pool_ids[:P].copy_(torch.where(real.view(P, 1), pools.index_select(0, last), -1))
             self.window_start[:P].copy_(torch.where(real, committed_len // 4 * 4, 0))
         n_real = P - meta.num_padding_seqs
-        host = list(host_committed_lens)[:n_real] if host_committed_lens is not None else [PADDING_PAST_LEN] * n_real
+        pad_len = self.runner.padding_past_len
+        host = list(host_committed_lens)[:n_real] if host_committed_lens is not None else [pad_len] * n_real
         with self.draft_manager.state.speculative_rows(self.mtp_plane, meta.state_slots_t):
             for c in range(1, self.max_draft_len):
-                past = torch.where(real, committed_len + (c - 1), PADDING_PAST_LEN)
-                meta.set_decode_rows(past, real, [p + c - 1 for p in host] + [PADDING_PAST_LEN] * (P - n_real))
+                past = torch.where(real, committed_len + (c - 1), pad_len)
+                meta.set_decode_rows(past, real, [p + c - 1 for p in host] + [pad_len] * (P - n_real))
                 if self.share_selection:
                     meta.spec.shared_pool_ids = self.pool_ids[:P]
                     meta.spec.shared_window_start = self.window_start[:P]

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
-from ..cache.manager import Glm5NextCacheManager
-from ..errors import CapacityError
-from ..models.glm5_next import Glm5NextForCausalLM
-from ..transfer import to_device
-from .draft_vocab import DraftVocab
-from .drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq, DraftState
-from .interface import draft_replay
+from ...attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from ...cache.manager import Glm5NextCacheManager
+from ...errors import CapacityError
+from ...models.glm5_next import Glm5NextForCausalLM
+from ...transfer import to_device
+from ..draft_vocab import DraftVocab
+from ..drafters import PENDING_DRAFT, DeviceDrafts, Drafter, DraftSeq, DraftState
+from ..interface import draft_replay
 
 __all__ = ["MTPDrafter"]
 
@@ -81,7 +81,7 @@ class MTPDrafter(Drafter):
         self.max_draft_len = max_draft_len
         self.share_selection = share_selection
         self.device = manager.device
-        # CUDA graphs of the chained steps (`runtime.cuda_graph.MtpChainGraphs`), set by the executor.
+        # CUDA graphs of the chained steps (`MtpChainGraphs`), set by `build_mtp` when the target has graphs.
         self.chain_graphs: Any = None
         # Leave a fused draft's tokens on the device (`DraftState.pending`) for the next verify to take as
         # its input rows; set by an executor that resolves them (the speculative executor with graphs).
