@@ -2,7 +2,8 @@
 logits, poisoned disallowed tokens never chosen), masks of verify rows after drafts (matcher rolled back), the
 compile cache and its errors, stop ids under a grammar, and the `small` preset generating under JSON schemas,
 regexes and grammars: output valid, greedy output identical with MTP and n-gram speculation, sampled output
-valid, an unfinishable grammar ending at ``max_tokens``, grammar requests never launched ahead."""
+valid, an unfinishable grammar ending at ``max_tokens``, grammar requests launched ahead by the overlap scheduler
+(tokens chosen one step late) giving the eager run's tokens, also when they end or are aborted with a step in flight."""
 
 from __future__ import annotations
 
@@ -435,3 +436,64 @@ def test_graphs_emulated_grammar_rows_match_eager(monkeypatch, mode: str) -> Non
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
     assert run(True) == ref
     assert _valid(json.loads(tok.decode(ref[1])), small)  # (the greedy one; the sampled one may run out of tokens)
+
+
+def test_grammar_steps_in_flight_when_requests_end_or_are_aborted(monkeypatch) -> None:
+    """The overlap scheduler with (emulated) graphs and grammar requests whose tokens are chosen one step late: a
+    short regex ends its request (end of sequence forced by the grammar) while the step after it is in flight, and
+    another grammar request is aborted with a step in flight; the other requests' tokens equal the eager run's, the
+    ended request's output too, and everything is given back."""
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+
+    model = Glm5NextForCausalLM.from_pretrained("small", device="cpu").eval()
+    tok = ByteTokenizer(V, 256, EOS, 258)
+    prompts = [list(p.encode()) for p in ("def f(x):\n    return", "The answer is", "import os\n", "x = [1, 2")]
+    params = [
+        SamplingParams(max_tokens=40, ignore_eos=True),
+        SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex=r"[0-9]{3}")),  # ends after 3
+        SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex=r"[a-z ]{60}")),  # aborted
+        SamplingParams(max_tokens=40, temperature=0.9, top_k=10, seed=11, ignore_eos=True),
+    ]
+
+    def run(graphs: bool, abort_at: int | None) -> tuple[list, Executor]:
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=256,
+                             max_seq_len=128, overlap_scheduler=graphs,
+                             cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4], enable_padding=False)
+                             if graphs else None)  # fmt: skip
+        ex = Executor(model, cfg)
+        ex.grammar_compiler = GrammarCompiler(tok, V, [EOS])
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts, params)]
+        finish = ex._finish
+
+        def spy(r):  # noqa: ANN001, ANN202 - (request, a step of it still in flight when it ended)
+            late.append((r, ex._inflight is not None and any(s.request is r for s in ex._inflight.plan)))
+            finish(r)
+
+        ex._finish = spy  # type: ignore[method-assign]
+        steps, aborted = 0, False
+        while ex.has_work:
+            ex.step()
+            steps += 1
+            # Abort request 2 while a step of it is in flight (its token not chosen yet).
+            flight = [] if ex._inflight is None else [s.request for s in ex._inflight.plan]
+            if abort_at is not None and steps >= abort_at and not aborted and any(r is reqs[2] for r in flight):
+                ex.abort_request(reqs[2].request_id)
+                aborted = True
+        assert aborted or abort_at is None
+        assert ex.manager.num_free_pages == ex.manager.num_pages
+        return reqs, ex
+
+    late: list = []
+    ref, _ = run(False, None)
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    late.clear()
+    got, ex = run(True, 6)
+    assert ex.num_overlapped_steps > 10
+    assert any(r is got[1] and in_flight for r, in_flight in late), late  # the regex ended with its next step launched
+    assert got[1].output_ids == ref[1].output_ids and tok.decode(got[1].output_ids)[:3].isdigit()
+    assert got[1].finish_reason == ref[1].finish_reason
+    for i in (0, 3):
+        assert got[i].output_ids == ref[i].output_ids, i
+    assert got[2].output_ids == ref[2].output_ids[: len(got[2].output_ids)] and len(got[2].output_ids) < 40
