@@ -1,4 +1,10 @@
-"""Shared pytest set-up: markers, CUDA skipping, and the server tests' optional dependencies."""
+"""Shared pytest set-up: markers, CUDA skipping, and the server tests' optional dependencies.
+
+Layout: ``tests/unittest/<area>/`` mirrors the package's rooms (a ``*_gpu.py`` twin beside its CPU file),
+``tests/integration/`` runs the whole stack (``integration/serve/``: a real server or engine process). Every folder
+is a package (``__init__.py``), so test files may share a name across folders; shared helpers live at ``tests/``
+and are imported as ``tests.<helper>`` (the repository root is on ``sys.path`` through pytest's ``pythonpath``),
+a GPU twin imports its CPU twin relatively (``from .test_grammar import ...``)."""
 
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import torch
 # silently skipped suite.
 _SERVE_DEPS = ("fastapi", "uvicorn", "httpx", "prometheus_client", "yaml", "openai", "llguidance", "zmq", "msgspec")
 _missing = [m for m in _SERVE_DEPS if importlib.util.find_spec(m) is None]
-collect_ignore_glob = ["serve/*"] if _missing else []
+collect_ignore_glob = ["unittest/serve/*", "integration/serve/*"] if _missing else []
 if _missing and os.environ.get("TRTLLM_GLM_REQUIRE_SERVE") == "1":
     raise RuntimeError(f"TRTLLM_GLM_REQUIRE_SERVE=1 but the serve extra is incomplete: missing {_missing}")
 
@@ -44,7 +50,7 @@ def _interpreted_kernels_compile_for_sm90():
     if torch.cuda.is_available() or os.environ.get("TRTLLM_GLM_SKIP_COMPILE_CHECK") == "1":
         yield
         return
-    from triton_compile import compile_sm90, recording
+    from tests.triton_compile import compile_sm90, recording
 
     with recording() as rec:
         yield

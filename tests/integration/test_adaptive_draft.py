@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-from spec_helpers import assert_lossless, emulate_graphs
 
+from tests.spec_helpers import assert_lossless, emulate_graphs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig

@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
-from spec_helpers import assert_lossless, emulate_graphs
 from torch import nn
 
+from tests.spec_helpers import assert_lossless, emulate_graphs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.modules.linear import Fp8Linear
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig

@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from parallel_cases import LAYOUTS, PROMPTS, cases, rank_main, run_case
 
+from tests.parallel_cases import LAYOUTS, PROMPTS, cases, rank_main, run_case
 from trtllm_glm import LLM, SamplingParams
 from trtllm_glm.distributed.process_group import free_port
 from trtllm_glm.runtime.lossless import compare_greedy

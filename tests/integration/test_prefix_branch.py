@@ -21,7 +21,15 @@ import random
 
 import pytest
 import torch
-from test_prefix_cache import (
+
+from trtllm_glm import LLM, KvCacheConfig, SamplingParams
+from trtllm_glm.cache.prefix import Checkpoint, CheckpointStore
+from trtllm_glm.errors import StateError
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.executor import Executor
+from trtllm_glm.runtime.request import Request
+
+from .test_prefix_cache import (
     assert_bytes_equal,
     assert_preempted_hits_equal_and_released,
     fix_endpoints,
@@ -33,13 +41,6 @@ from test_prefix_cache import (
     slot_bytes,
     spy_drafts,
 )
-
-from trtllm_glm import LLM, KvCacheConfig, SamplingParams
-from trtllm_glm.cache.prefix import Checkpoint, CheckpointStore
-from trtllm_glm.errors import StateError
-from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.runtime.executor import Executor
-from trtllm_glm.runtime.request import Request
 
 pytestmark = pytest.mark.cpu_only
 

@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 import pytest
-import soak
 
+from tests import soak
 from trtllm_glm import KvCacheConfig
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM

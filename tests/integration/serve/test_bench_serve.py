@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.bench_serve import metric_value, percentiles
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 pytestmark = pytest.mark.cpu_only
 

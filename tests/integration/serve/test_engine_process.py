@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 import pytest
-from serve_helpers import MODEL, client, make_llm, metric, run, sse
 
+from tests.serve_helpers import MODEL, client, make_llm, metric, run, sse
 from trtllm_glm import SamplingParams
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine
@@ -32,7 +32,7 @@ from trtllm_glm.serve.engine_client import EngineClient
 
 pytestmark = pytest.mark.cpu_only
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HOST = "127.0.0.1"
 NUM = 32
 MAX_TOKENS = 6

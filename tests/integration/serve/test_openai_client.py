@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from serve_helpers import MODEL, make_llm, wait_idle
 
+from tests.serve_helpers import MODEL, make_llm, wait_idle
 from trtllm_glm import SamplingParams
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.chat import ChatTemplate

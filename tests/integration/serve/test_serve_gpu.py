@@ -13,8 +13,8 @@ import asyncio
 import random
 
 import pytest
-from serve_helpers import run, wait_idle
 
+from tests.serve_helpers import run, wait_idle
 from trtllm_glm import LLM, SamplingParams
 from trtllm_glm.jit_compiles import CompileCounter
 from trtllm_glm.serve.engine import AsyncEngine, GenerationRequest

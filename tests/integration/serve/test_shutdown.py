@@ -13,8 +13,8 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import MODEL, make_llm
 
+from tests.serve_helpers import MODEL, make_llm
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine
 from trtllm_glm.serve.engine_client import EngineClient

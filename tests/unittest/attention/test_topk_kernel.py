@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from topk_checks import check_topk, special_scores, topk_scores
 
+from tests.topk_checks import check_topk, special_scores, topk_scores
 from trtllm_glm.attention.sparse.glm_kpool import kernels as K
 from trtllm_glm.attention.sparse.glm_kpool import ops as R
 

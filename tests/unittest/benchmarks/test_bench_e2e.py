@@ -77,7 +77,7 @@ def test_torchrun_two_ranks_build_their_shares_and_rank0_reports(tmp_path: Path)
 
     from trtllm_glm.distributed.process_group import free_port
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--layers", "4",
@@ -178,7 +178,7 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     import os
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     out = tmp_path / "rows.json"
     cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
            "--layers", "4",

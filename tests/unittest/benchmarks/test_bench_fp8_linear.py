@@ -11,7 +11,7 @@ from benchmarks.bench_fp8_linear import CANDIDATES, _label, apply_tuned, summari
 
 pytestmark = pytest.mark.cpu_only
 
-KERNELS_PY = Path(__file__).resolve().parents[2] / "trtllm_glm" / "quant" / "kernels.py"
+KERNELS_PY = Path(__file__).resolve().parents[3] / "trtllm_glm" / "quant" / "kernels.py"
 
 
 def _row(name: str, n: int, k: int, m: int, cls: str, times: dict[str, float], alias: dict[str, str]) -> dict:

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.cpu_only
 
-PKG = Path(__file__).resolve().parents[2] / "trtllm_glm"
+PKG = Path(__file__).resolve().parents[3] / "trtllm_glm"
 ENVS = "trtllm_glm.envs"
 
 

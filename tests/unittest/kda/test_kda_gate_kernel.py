@@ -78,7 +78,7 @@ def test_bad_shapes_are_refused() -> None:
 
 def test_kernel_compiles_for_sm90() -> None:
     """The compiled path (Triton's interpreter does not compile)."""
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     sig = dict(g_raw_ptr="*bf16", b_ptr="*bf16", a_log_ptr="*fp32", dt_bias_ptr="*fp32", g_ptr="*fp32",
                beta_ptr="*fp32", stride_gn="i32", stride_bn="i32", lower_bound="fp32")  # fmt: skip

@@ -183,7 +183,7 @@ def test_router_logits_go_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch
 def test_gpu_launches_compile_for_sm90() -> None:
     """The CUDA path's variants, which the interpreter never runs (16-bit tensor-core dots: ``DOT_FP32`` False),
     at the launch shapes of the router ``[288, 4096]`` and indexer ``[32, 4096]`` weights."""
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     mod = "trtllm_glm.linear.kernels"
     sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32",

@@ -115,7 +115,7 @@ def test_auto_backend_keeps_the_cpu_on_the_reference() -> None:
 
 def test_kernels_compile_for_sm90() -> None:
     """The compiled path (the interpreter does not compile: a non-constexpr global passed it)."""
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     mod = "trtllm_glm.logits.kernels"
     part = dict(x_ptr="*fp32", val_ptr="*fp32", idx_ptr="*i32", V="i32", cols_per_prog="i32", stride_xn="i32",

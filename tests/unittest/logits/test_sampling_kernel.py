@@ -132,11 +132,7 @@ def test_sampler_draws_the_same_with_either_backend(monkeypatch: pytest.MonkeyPa
 def test_sampling_kernels_compile_for_sm90() -> None:
     """Both launches at the real vocabulary's chunking (2,048 columns, k rounded to 64 and to the 256 bound) compile
     for the H200: int64 sorts, fp32 and fp64 cumulative sums (the interpreter never compiles them)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from triton_compile import compile_sm90, recording
+    from tests.triton_compile import compile_sm90, recording
 
     logits = torch.randn(2, 4100)
     out = torch.zeros(2, dtype=torch.int64)

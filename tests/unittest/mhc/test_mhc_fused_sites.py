@@ -226,11 +226,7 @@ def test_fused_kernels_compile_for_sm90() -> None:
     """The fused kernels as the decode step launches them at the real geometry (bf16 streams, S = 4, D = 4096: the
     finishing kernel and the end holding the whole row with 8 warps) compile for the H200 (the interpreter never
     compiles them)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from triton_compile import compile_sm90, recording
+    from tests.triton_compile import compile_sm90, recording
 
     n, s, d = 1, 4, 4096
     streams, fn, base, scale, w, prev = _inputs(n, s, d, seed=11)

@@ -282,7 +282,7 @@ def test_tc_path_not_used_in_batch_invariant_mode() -> None:
 def test_tc_kernel_compiles_for_sm90() -> None:
     """The tensor-core projection compiles for the H200 with every ``mma`` (the interpreter never compiles it),
     at both default token tiles; the launches are those `mix_partials` makes."""
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     mod = K.kernel_module("cpu")
     sig = dict(x_ptr="*bf16", fn_ptr="*fp32", ws_ptr="*fp32", N="i32", D="i32", stride_xn="i32", stride_xs="i32",

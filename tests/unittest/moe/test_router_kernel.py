@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from router_checks import count_fused_route_calls
 
 from benchmarks.harness.model_harness import ModelHarness
+from tests.router_checks import count_fused_route_calls
 from trtllm_glm.moe.router import ROUTER_BACKEND_ENV, fused_route, route, route_reference, router_backend
 
 pytestmark = [

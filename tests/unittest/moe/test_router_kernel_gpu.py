@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from router_checks import count_fused_route_calls
 
+from tests.router_checks import count_fused_route_calls
 from trtllm_glm.moe import router as R
 from trtllm_glm.moe.router import fused_route, route_reference
 

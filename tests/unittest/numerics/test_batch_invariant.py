@@ -256,7 +256,7 @@ def test_invariant_kernels_compile_to_one_mma_for_sm90() -> None:
         specs.append(("_invariant_gemm4_kernel", dict(common, y_ptr=y),
                       dict(SPLIT=4, BLOCK_N=16, BLOCK_M=64, BLOCK_K=128, DOT_FP32=False), 4))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(__import__("pathlib").Path(__file__).resolve().parents[2])])
+    env["PYTHONPATH"] = os.pathsep.join([str(__import__("pathlib").Path(__file__).resolve().parents[3])])
     proc = subprocess.run([sys.executable, "-c", _PTX_CHILD], input=json.dumps(specs), capture_output=True,
                           text=True, env=env, timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -358,7 +358,7 @@ def test_bf16_checkpoint_quantised_at_load(tmp_path) -> None:
 def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
     """The compiled-only paths (hardware e4m3 conversion, bf16 tensor-core dot) build for the H200: the interpreted
     tests above only run (and the conftest only compiles) the integer decode with fp32 dots."""
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     def spec(act: str, num_warps: int = 4, **constexprs) -> KernelSpec:
         sig = {"x_ptr": f"*{act}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{act}", "part_ptr": "*fp32",

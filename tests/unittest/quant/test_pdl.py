@@ -75,8 +75,7 @@ def _decode_kernels() -> list:
     interpreted CPU launches (argument types and constexprs) with ``PDL=True``."""
     import dataclasses
 
-    from triton_compile import recording
-
+    from tests.triton_compile import recording
     from trtllm_glm import act, mhc, norm
     from trtllm_glm.kda import kernels as kda
 
@@ -116,11 +115,7 @@ def test_use_pdl_reads_the_switch_per_call(monkeypatch) -> None:
 
 
 def test_pdl_kernels_compile_for_sm90_and_wait_before_any_dependent_access() -> None:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from triton_compile import KernelSpec, compile_sm90
+    from tests.triton_compile import KernelSpec, compile_sm90
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",

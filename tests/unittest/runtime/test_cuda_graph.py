@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 import torch
-from spec_helpers import kpool_writes_through_kernels
 
+from tests.spec_helpers import kpool_writes_through_kernels
 from trtllm_glm.cache.manager import Glm5NextCacheManager
 from trtllm_glm.config import ConfigError, Glm5NextConfig
 from trtllm_glm.errors import StateError

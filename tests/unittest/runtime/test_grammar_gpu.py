@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from test_grammar import PROMPTS, SCHEMA, _valid  # noqa: E402
-
 from trtllm_glm import LLM, MTPDecodingConfig, NGramDecodingConfig  # noqa: E402
 from trtllm_glm.runtime.grammar import GuidedDecodingParams  # noqa: E402
 from trtllm_glm.runtime.sampling import SamplingParams  # noqa: E402
+
+from .test_grammar import PROMPTS, SCHEMA, _valid  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -9,11 +9,12 @@ on its length budget is never launched past its end and is checkpointed. Either 
 from __future__ import annotations
 
 import pytest
-from test_cuda_graph import EX_CFG, _model, emulated  # noqa: F401 - the fixture
 
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
+
+from .test_cuda_graph import EX_CFG, _model, emulated  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.cpu_only
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from serve_helpers import MODEL, make_llm
 
+from tests.serve_helpers import MODEL, make_llm
 from trtllm_glm import LLM
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine

@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 import pytest
-from serve_helpers import MODEL, client, make_llm, metric, run, sse, wait_idle
 
+from tests.serve_helpers import MODEL, client, make_llm, metric, run, sse, wait_idle
 from trtllm_glm import SamplingParams
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.chat import ChatTemplate

@@ -4,8 +4,8 @@ content, a deeply nested body, a text part without text; and /metrics right afte
 from __future__ import annotations
 
 import pytest
-from serve_helpers import client, make_llm, run, sse
 
+from tests.serve_helpers import client, make_llm, run, sse
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from serve_helpers import MODEL, client, run
 
+from tests.serve_helpers import MODEL, client, run
 from trtllm_glm.runtime.tokenizer import ByteTokenizer
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.chat import ChatTemplate, ChatTemplateError, load_chat_template

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from serve_helpers import MODEL, client, make_llm, metric, run, sse, wait_idle
 
+from tests.serve_helpers import MODEL, client, make_llm, metric, run, sse, wait_idle
 from trtllm_glm import MTPDecodingConfig, NGramDecodingConfig, SamplingParams
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine

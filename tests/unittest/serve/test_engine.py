@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from serve_helpers import make_llm, metric, run, wait_idle
 
+from tests.serve_helpers import make_llm, metric, run, wait_idle
 from trtllm_glm import SamplingParams
 from trtllm_glm.errors import CapacityError
 from trtllm_glm.serve.engine import AsyncEngine, Delta, EngineStoppedError, GenerationRequest, QueueFullError

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from serve_helpers import MODEL, client, make_llm, metric, run, wait_idle
 
+from tests.serve_helpers import MODEL, client, make_llm, metric, run, wait_idle
 from trtllm_glm import KvCacheConfig
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import AsyncEngine

@@ -5,8 +5,8 @@ template thinks; ``chat_template_kwargs: {enable_thinking: false}`` turns it off
 from __future__ import annotations
 
 import pytest
-from serve_helpers import client, run, sse
 
+from tests.serve_helpers import client, run, sse
 from trtllm_glm.serve.reasoning import ReasoningParser, resolve_reasoning_parser, split_reasoning
 
 pytestmark = pytest.mark.cpu_only

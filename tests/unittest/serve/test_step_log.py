@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import pytest
-from serve_helpers import make_llm, metric, run, wait_idle
 
+from tests.serve_helpers import make_llm, metric, run, wait_idle
 from trtllm_glm import SamplingParams
 from trtllm_glm.runtime.step_log import StepLog, summarize
 from trtllm_glm.serve.engine import AsyncEngine, GenerationRequest

@@ -10,8 +10,8 @@ import json
 from typing import Any
 
 import pytest
-from serve_helpers import client, run, sse
 
+from tests.serve_helpers import client, run, sse
 from trtllm_glm.serve.app import build_app
 from trtllm_glm.serve.engine import Delta
 from trtllm_glm.serve.metrics import ServeMetrics
