@@ -17,7 +17,7 @@
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   decode_fuse   issue 44: bench_e2e FP8 decode, batch 1 / 16, plain and overlap, with the decode fusions off and on
 #                 (TRTLLM_GLM_DECODE_FUSE=0,1: the fused mHC sites and the LM head's cast in the greedy kernel; their
-#                 GPU tests: GPU_TESTS=tests/unittest/test_decode_fusions_gpu.py)
+#                 GPU tests: GPU_TESTS=tests/unittest/mhc/test_decode_fusions_gpu.py)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
@@ -181,14 +181,15 @@ for stage in "$@"; do
         --gen 256 --modes overlap mtporacle0.7k3+os mtporacle0.7k3+adaptive+os --cuda-graphs on \
         --json "$O/spec_lag_real.json" 2>&1 | tee "$O/spec_lag_real.log" ;;
     prefill_tests)
-      timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/test_prefill_gpu.py \
-        tests/unittest/test_fused_moe_gpu.py 2>&1 | tee "$O/prefill_gpu_tests.log" ;;
+      timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/runtime/test_prefill_gpu.py \
+        tests/unittest/moe/test_fused_moe_gpu.py 2>&1 | tee "$O/prefill_gpu_tests.log" ;;
     prefill_all)
       timeout "${T_PREFILL_ALL:-300}" "$PY" -m benchmarks.bench_prefill --layers 4 --lens 8192 32768 131072 1048000 \
         --chunks 8192 --decode 16 --profile-kernels 20 --env-ab TRTLLM_GLM_MOE_BACKEND=torch \
         --json "$O/prefill_all.json" 2>&1 | tee "$O/prefill_all.log" ;;
     binv_tests)
-      timeout "${T_BINV_TESTS:-300}" "$PY" -m pytest -q -p no:xdist -m gpu -rf tests/unittest/test_batch_invariant_gpu.py \
+      timeout "${T_BINV_TESTS:-300}" "$PY" -m pytest -q -p no:xdist -m gpu -rf \
+        tests/unittest/numerics/test_batch_invariant_gpu.py \
         2>&1 | tee "$O/batch_invariant_gpu_tests.log" ;;
     binv_linear)
       timeout "${T_BINV_LINEAR:-240}" "$PY" -m benchmarks.bench_invariant_linear --quick --fp8 \
@@ -199,17 +200,18 @@ for stage in "$@"; do
         | tee "$O/e2e_batch_invariant.log"
       grep '\[goal\]' "$O/e2e_batch_invariant.log" | grep batch-invariant ;;
     binv_attn)
-      timeout "${T_BINV_ATTN:-240}" "$PY" -m pytest -q -p no:xdist -m gpu tests/unittest/test_binv_attention_gpu.py \
-        tests/unittest/test_kda_verify_kernel_gpu.py 2>&1 | tee "$O/binv_attention_gpu_tests.log"
+      timeout "${T_BINV_ATTN:-240}" "$PY" -m pytest -q -p no:xdist -m gpu tests/unittest/attention/test_binv_attention_gpu.py \
+        tests/unittest/kda/test_kda_verify_kernel_gpu.py 2>&1 | tee "$O/binv_attention_gpu_tests.log"
       timeout "${T_BINV_ATTN:-240}" "$PY" -m benchmarks.bench_binv_attention --quick \
         --json "$O/bench_binv_attention.json" 2>&1 | tee "$O/bench_binv_attention.log"
       if [ -n "${BASE:-}" ]; then
         tmp=$(mktemp -d)
         git worktree add -q --detach "$tmp" "$BASE"
-        cp tests/unittest/test_binv_attention_gpu.py "$tmp/tests/unittest/"
+        mkdir -p "$tmp/tests/unittest/attention"
+        cp tests/unittest/attention/test_binv_attention_gpu.py "$tmp/tests/unittest/attention/"
         echo "== the new tests on $BASE (the fixes removed): failures expected =="
         (cd "$tmp" && PYTHONPATH=$tmp timeout "${T_BINV_ATTN:-240}" "$PY" -m pytest -q -p no:xdist -m gpu -rf \
-          tests/unittest/test_binv_attention_gpu.py) 2>&1 | tee "$O/binv_attention_base_tests.log"
+          tests/unittest/attention/test_binv_attention_gpu.py) 2>&1 | tee "$O/binv_attention_base_tests.log"
         git worktree remove --force "$tmp"
       fi ;;
     cache)

@@ -1,6 +1,6 @@
 """The mHC weights (`trtllm_glm.modules.mhc.mhc_weights`) in fp64: a yardstick for the fp32 kernels and reference.
 
-Shared by tests/unittest/test_mhc_kernels.py (interpreter) and test_mhc_kernels_gpu.py (real geometry). Same
+Shared by tests/unittest/mhc/test_mhc_kernels.py (interpreter) and test_mhc_kernels_gpu.py (real geometry). Same
 operations in the same order as the reference, every one in fp64 (the reference runs in fp32 whatever the
 inputs' dtype).
 """

@@ -1,7 +1,7 @@
 """MTP width-one rounds under the overlap scheduler (issue 43 item 1, first part): when the adaptive policy drafts
 nothing, steps are launched before the previous one is read back, and the MTP layer catches up on the in-flight
 step on the device (`MTPDrafter.catch_up_ahead`) before the next step overwrites its outputs. Emulated CUDA
-graphs on the CPU (tests/unittest/test_cuda_graph.py's `emulated`), fp32: the output is plain greedy's and the
+graphs on the CPU (tests/unittest/runtime/test_cuda_graph.py's `emulated`), fp32: the output is plain greedy's and the
 MTP cache is bit for bit the one of the same rounds run without the overlap scheduler."""
 
 from __future__ import annotations

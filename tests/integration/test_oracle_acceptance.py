@@ -34,7 +34,7 @@ def test_oracle_tokens_replace_mtp_drafts(monkeypatch, graphs: bool) -> None:
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
     ref = run(Executor(model, cfg))
     if graphs:
-        # The emulating runner (tests/unittest/test_cuda_graph.py's `emulated`): the fused MTP draft leaves its
+        # The emulating runner (tests/unittest/runtime/test_cuda_graph.py's `emulated`): the fused MTP draft leaves its
         # drafts on the device (`DeviceDrafts`), which the wrapper replaces there.
         emulate_graphs(monkeypatch)
         cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))

@@ -15,7 +15,7 @@ lossless (speculation then only degrades, or state is corrupted where no token h
    speculates again.
 5. Width-one rounds run KDA in place: no verify records, ``meta.spec.verify_seqs`` holds only wide sequences.
 
-(The interface's exception-atomicity is in tests/unittest/test_interface_atomicity.py.)
+(The interface's exception-atomicity is in tests/unittest/speculative/test_interface_atomicity.py.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Structured output on CUDA (``pytest -m gpu tests/unittest/test_grammar_gpu.py``): CUDA graphs captured, the
+"""Structured output on CUDA (``pytest -m gpu tests/unittest/runtime/test_grammar_gpu.py``): CUDA graphs captured, the
 overlap scheduler on, batch-invariant numerics. A batch mixing free requests, grammar requests and grammar requests
 that think first gives valid output and the same tokens with MTP and n-gram speculation as without (the plain run
 launches steps with grammar requests ahead, choosing their tokens one step late; the speculative ones do not);

@@ -153,8 +153,8 @@ def test_tool_messages_round_trip_and_tool_choice_checks() -> None:
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     prompt = "".join(chr(c) for c in eng.prompts[-1])
     assert "<arg_value>Oslo</arg_value>" in prompt and "sunny, 20C" in prompt
-    # required / a named function are enforced by a grammar (tests/serve/test_structured_output.py); this scripted
-    # engine has no vocabulary to compile one against, and says so. Bad choices are refused by name.
+    # required / a named function are enforced by a grammar (tests/integration/serve/test_structured_output.py);
+    # this scripted engine has no vocabulary to compile one against, and says so. Bad choices are refused by name.
     for choice, status, says in (
         ("required", 400, "not available"), ({"type": "function", "function": {"name": "now"}}, 400, "not available"),
         ({"type": "function", "function": {"name": "nope"}}, 400, "'nope', which is not in tools"),

@@ -1,10 +1,10 @@
 """Exception-atomicity of `prepare_attn_metadata_for_draft_replay` with backend hooks that are NOT atomic.
 
-tests/unittest/test_draft_tables.py injects failures into `GlmKpoolMetadata.prepare_for_draft_forward`, which
-validates everything before it writes, so the interface's own rollback (the identity snapshot of every
-attribute) is never needed there. Here the hook rebinds, adds and deletes attributes and then raises, or
-returns a token whose restore is incomplete before a failure after the hook: every attribute must still be
-back to the exact object it held (``is``), with nothing added or missing, when the exception propagates.
+tests/unittest/speculative/test_draft_tables.py injects failures into `GlmKpoolMetadata.prepare_for_draft_forward`,
+which validates everything before it writes, so the interface's own rollback (the identity snapshot of every
+attribute) is never needed there. Here the hook rebinds, adds and deletes attributes and then raises, or returns a
+token whose restore is incomplete before a failure after the hook: every attribute must still be back to the exact
+object it held (``is``), with nothing added or missing, when the exception propagates.
 """
 
 from __future__ import annotations
