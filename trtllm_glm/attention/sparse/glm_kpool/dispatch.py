@@ -1,5 +1,5 @@
-"""The k-pool backend's dispatch: chooses between the torch reference ops and the Triton kernels for the k-pool cache writes,
-scoring, top-k selection, expansion and sparse MLA attention.
+"""The k-pool backend's dispatch: chooses between the torch reference ops and the Triton kernels for the k-pool
+cache writes, scoring, top-k selection, expansion and sparse MLA attention.
 
 ``TRTLLM_GLM_KPOOL_BACKEND`` = ``auto`` (default: Triton on CUDA when it imports, torch elsewhere),
 ``torch`` or ``triton`` (also on CPU tensors under ``TRITON_INTERPRET=1``). Both sides expose the same

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache_layout import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ....linear import linear_fp32, model_linear
+from .cache_layout import KpoolLayerCache
 from .dispatch import kpool_ops
 from .metadata import GlmKpoolMetadata
 from .ops import expand_selection_window, indexer_head_weights

@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache_layout import KpoolLayerCache
 from ....config import Glm5NextConfig
 from ....linear import invariant_bmm, model_linear
 from ....modules.norm import RMSNorm
 from ....modules.weight_views import FusedWeights, refuse_stale
 from ....numerics import batch_invariant
+from .cache_layout import KpoolLayerCache
 from .dispatch import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
