@@ -103,7 +103,7 @@ class _Ctx:
             index_k=_valid_e4m3((num_pages, P // 4, D), dev),
             index_scale=torch.exp2(torch.randint(-12, 2, (num_pages, P // 4), device=dev).float()),
             tail_ring=torch.randn(num_slots, 2, 4, D, device=dev),
-            page_size=P,
+            tokens_per_block=P,
         )
 
 

@@ -46,15 +46,15 @@ def kpool_writes_through_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
     from triton.runtime.interpreter import interpreter_builder
 
-    from trtllm_glm.attention.sparse.glm_kpool import backend, ops
+    from trtllm_glm.attention.sparse.glm_kpool import dispatch, ops
     from trtllm_glm.attention.sparse.glm_kpool.ops import cache_update
 
     monkeypatch.setattr(interpreter_builder, "options",
                         dataclasses.replace(interpreter_builder.options, sanitize_overflow=False))  # fmt: skip
     monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "triton")
-    kernels = backend._triton_kernels()
-    hybrid = types.SimpleNamespace(**{n: getattr(kernels if n in KPOOL_WRITES else ops, n) for n in backend._OP_NAMES})
-    monkeypatch.setattr(backend, "_triton_kernels", lambda: hybrid)
+    kernels = dispatch._triton_kernels()
+    hybrid = types.SimpleNamespace(**{n: getattr(kernels if n in KPOOL_WRITES else ops, n) for n in dispatch._OP_NAMES})
+    monkeypatch.setattr(dispatch, "_triton_kernels", lambda: hybrid)
     # The references validate every row's page on the host; padding rows name no sequence. Read them as a captured
     # graph's replay does: pages looked up with clamped indices (their outputs are never used).
     monkeypatch.setattr(cache_update, "host_checks_allowed", lambda t: False)

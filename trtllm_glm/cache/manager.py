@@ -1,8 +1,9 @@
 """Paged KV cache and per-request state slots for Glm5Next models.
 
-One page pool is shared by all sparse MLA layers: a page of ``P`` tokens holds, per sparse layer, that
-layer's ``P`` latent rows and its ``P / 4`` FP8 pooled index entries, so latent and index share one
-slot-id space (BF16 pooled keys without scales with ``indexer_key_dtype="bf16"``). KDA recurrent/conv
+One page pool is shared by all sparse MLA layers: a page of ``P = tokens_per_block`` tokens holds, per sparse
+layer, every paged plane the layers' attention backend declares (`AttentionBackend.paged_planes`; the k-pool
+backend's: ``P`` latent rows and ``P / 4`` FP8 pooled index entries, BF16 pooled keys without scales with
+``indexer_key_dtype="bf16"``), so all planes share one slot-id space. KDA recurrent/conv
 state and the indexer tail rings are per-request *state slots*, owned by the manager's `RequestStateOwner`
 (``manager.state``, trtllm_glm/state), which also owns their rollback and snapshot planes; the manager
 allocates slots and exposes the planes as views.
@@ -13,42 +14,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..attention.interface import AttentionBackend, PagedPlane
+from ..attention.registry import resolve_attention_backend
+from ..attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
 from ..state import KdaLayerState, RequestStateOwner
-from .index_keys import index_key_bytes_per_pool
 from .index_keys import indexer_key_dtype as _key_dtype
 
-__all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState"]
-
-
-@dataclass
-class KpoolLayerCache:
-    """Views of one sparse layer's cache planes.
-
-    Attributes:
-        latent: ``[num_pages, P, kv_lora]`` latent rows (model dtype).
-        index_k: ``[num_pages, P // 4, 128]`` pooled index keys: FP8 e4m3 (rotated, scaled) or BF16
-            (``indexer_key_dtype="bf16"``: the pooled key itself); the ops read the format from its dtype.
-        index_scale: ``[num_pages, P // 4]`` FP32 power-of-two scale per FP8 pooled key; ``None`` with
-            BF16 keys.
-        tail_ring: ``[num_state_slots, 2, 4, 128]`` FP32 open-pool members (``[:, 0]`` key, ``[:, 1]``
-            gate), indexed by ``pos % 4``.
-        page_size: tokens per page ``P``.
-    """
-
-    latent: torch.Tensor
-    index_k: torch.Tensor
-    index_scale: torch.Tensor | None
-    tail_ring: torch.Tensor
-    page_size: int
-    # Speculative rollback of the tail ring (docs/design.md §6.2); None when the manager serves no verify rounds.
-    decode_tail_ring: Any = None
+__all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState", "PagedPlane"]
 
 
 class Glm5NextCacheManager:
@@ -66,6 +44,12 @@ class Glm5NextCacheManager:
         dtype: latent dtype (model dtype).
         indexer_key_dtype: ``"fp8"`` (default) or ``"bf16"`` pooled index keys (`index_keys`).
         device: where every plane lives.
+        attention_backend: the sparse layers' backend (name or object; default the k-pool backend): its paged
+            planes are what a page holds.
+
+    Attributes:
+        planes: name -> ``[L_s, num_pages, *shape]`` paged plane (`PagedPlane`); each is also an attribute
+            (``manager.latent``), and a plane the backend may declare but this cache leaves out reads as None.
     """
 
     def __init__(
@@ -81,6 +65,7 @@ class Glm5NextCacheManager:
         dtype: torch.dtype = torch.float32,
         indexer_key_dtype: str | torch.dtype = "fp8",
         device: torch.device | str = "cpu",
+        attention_backend: str | AttentionBackend | None = None,
     ) -> None:
         key_dtype = _key_dtype(indexer_key_dtype)
         if tokens_per_block <= 0 or tokens_per_block % INDEX_KPOOL:
@@ -90,7 +75,8 @@ class Glm5NextCacheManager:
         if max_num_requests <= 0:
             raise ValueError(f"max_num_requests must be positive, got {max_num_requests}")
         self.config = config
-        self.page_size = tokens_per_block
+        self.attention_backend = resolve_attention_backend(attention_backend)
+        self.tokens_per_block = tokens_per_block
         self.num_pages = num_pages
         self.max_num_requests = max_num_requests
         self.dtype = dtype
@@ -102,15 +88,14 @@ class Glm5NextCacheManager:
         self.num_sparse_layers = num_sparse_layers
         self.num_kda_layers = num_kda_layers
 
-        P, R, Ls = tokens_per_block, config.kv_lora_rank, num_sparse_layers
-        dev = self.device
-        self.latent = torch.zeros(Ls, num_pages, P, R, dtype=dtype, device=dev)
+        Ls, dev = num_sparse_layers, self.device
         self.index_key_dtype = key_dtype
-        self.index_k = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, INDEX_HEAD_DIM, dtype=key_dtype, device=dev)
-        # BF16 keys carry no scale: no plane at all (pages hold only what the scoring reads).
-        self.index_scale: torch.Tensor | None = None
-        if key_dtype == torch.float8_e4m3fn:
-            self.index_scale = torch.zeros(Ls, num_pages, P // INDEX_KPOOL, dtype=torch.float32, device=dev)
+        self.paged_plane_specs = self.attention_backend.paged_planes(
+            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=key_dtype
+        )
+        self.planes: dict[str, torch.Tensor] = {
+            p.name: torch.zeros(Ls, num_pages, *p.shape, dtype=p.dtype, device=dev) for p in self.paged_plane_specs
+        }
         S = max_num_requests
         self.state = RequestStateOwner(
             num_state_slots=S,
@@ -153,18 +138,34 @@ class Glm5NextCacheManager:
         include_mtp_layer: bool = False,
         dtype: torch.dtype = torch.float32,
         indexer_key_dtype: str | torch.dtype = "fp8",
+        attention_backend: str | AttentionBackend | None = None,
     ) -> int:
         """Bytes the constructor with these arguments allocates (to refuse early, before allocating)."""
         Ls = len(config.sparse_layer_ids) + int(include_mtp_layer) if num_sparse_layers is None else num_sparse_layers
         Lk = len(config.kda_layer_ids) if num_kda_layers is None else num_kda_layers
-        P, S = tokens_per_block, max_num_requests
-        el = torch.empty(0, dtype=dtype).element_size()
-        pool = index_key_bytes_per_pool(indexer_key_dtype)
-        pages = num_pages * (P * config.kv_lora_rank * el + (P // INDEX_KPOOL) * pool)
+        S = max_num_requests
+        specs = resolve_attention_backend(attention_backend).paged_planes(
+            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=_key_dtype(indexer_key_dtype)
+        )
+        pages = num_pages * sum(p.bytes_per_page for p in specs)
         rings = S * 2 * INDEX_KPOOL * INDEX_HEAD_DIM * 4
         H, K = config.kda_num_heads, config.kda_head_dim
         kda = S * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * 4
         return Ls * (pages + rings) + Lk * kda
+
+    def __getattr__(self, name: str) -> Any:
+        # The backend's paged planes by name (`manager.latent`); one it may declare but left out here reads as None
+        # (the k-pool's FP8 scales with BF16 keys). Only reached when normal lookup fails.
+        planes = self.__dict__.get("planes")
+        backend = self.__dict__.get("attention_backend")
+        if planes is not None and backend is not None and name in backend.plane_names:
+            return planes.get(name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def page_size(self) -> int:
+        """Deprecated name of `tokens_per_block`."""
+        return self.tokens_per_block
 
     @property
     def decode_tail_rings(self) -> list[Any]:
@@ -226,7 +227,7 @@ class Glm5NextCacheManager:
         pages nobody holds, least recently released first (their content keys are dropped).
         """
         pages = self._get_pages(request_id)
-        need = -(-num_tokens // self.page_size) - len(pages)
+        need = -(-num_tokens // self.tokens_per_block) - len(pages)
         if need <= 0:  # the common case (a decode step inside its last page): nothing to take
             if num_tokens > self._num_tokens[request_id]:
                 self._num_tokens[request_id] = num_tokens
@@ -317,12 +318,10 @@ class Glm5NextCacheManager:
         each view by page id, so it is strided by that plane's page size and never by a region's size. BF16
         keys have no scale plane.
         """
-        planes = (("latent", self.latent), ("index_k", self.index_k), ("index_scale", self.index_scale))
         return {
             # (The byte count spelled out: a manager without sparse layers has empty planes.)
             name: t.view(torch.uint8).reshape(t.shape[0], t.shape[1], t.shape[2:].numel() * t.element_size())
-            for name, t in planes
-            if t is not None
+            for name, t in self.planes.items()
         }
 
     def copy_page_out(self, page: int) -> dict[str, torch.Tensor]:
@@ -363,7 +362,7 @@ class Glm5NextCacheManager:
     # --------------------------------------------------------------------------------------------
     # Queries
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return -(-num_tokens // self.tokens_per_block)
 
     def has_request(self, request_id: int) -> bool:
         return request_id in self._slot
@@ -406,18 +405,15 @@ class Glm5NextCacheManager:
 
     # --------------------------------------------------------------------------------------------
     # Views
-    def kpool_layer_cache(self, sparse_idx: int) -> KpoolLayerCache:
-        """Cache planes of the ``sparse_idx``-th sparse layer stored here."""
+    def layer_cache(self, sparse_idx: int) -> Any:
+        """The views the ``sparse_idx``-th sparse layer stored here reads (its backend's `layer_cache`)."""
         if not 0 <= sparse_idx < self.num_sparse_layers:
             raise IndexError(f"sparse layer {sparse_idx} not in [0, {self.num_sparse_layers})")
-        return KpoolLayerCache(
-            latent=self.latent[sparse_idx],
-            index_k=self.index_k[sparse_idx],
-            index_scale=None if self.index_scale is None else self.index_scale[sparse_idx],
-            tail_ring=self.tail_ring[sparse_idx],
-            page_size=self.page_size,
-            decode_tail_ring=self.state.decode_tail_ring(sparse_idx),
-        )
+        return self.attention_backend.layer_cache(self, sparse_idx)
+
+    def kpool_layer_cache(self, sparse_idx: int) -> KpoolLayerCache:
+        """`layer_cache` under the k-pool backend's name (tests and benchmarks read the k-pool views through it)."""
+        return self.layer_cache(sparse_idx)
 
     def kda_layer_state(self, kda_idx: int) -> KdaLayerState:
         """State planes of the ``kda_idx``-th KDA layer."""
@@ -427,15 +423,12 @@ class Glm5NextCacheManager:
     # Sizes
     @property
     def bytes_per_page(self) -> int:
-        """Bytes of one page over all sparse layers (latent + pooled keys (+ FP8 scales))."""
-        P = self.page_size
-        pool = index_key_bytes_per_pool(self.index_key_dtype)
-        per_layer = P * self.config.kv_lora_rank * self.latent.element_size() + (P // INDEX_KPOOL) * pool
-        return per_layer * self.num_sparse_layers
+        """Bytes of one page over all sparse layers (every paged plane: latent + pooled keys (+ FP8 scales))."""
+        return sum(p.bytes_per_page for p in self.paged_plane_specs) * self.num_sparse_layers
 
     @property
     def bytes_per_token(self) -> float:
-        return self.bytes_per_page / self.page_size
+        return self.bytes_per_page / self.tokens_per_block
 
     @property
     def state_bytes_per_request(self) -> int:

@@ -54,7 +54,9 @@ def _digest(prev: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def page_keys(tokens: Sequence[int], page_size: int, limit: int | None = None, next_token: bool = True) -> list[bytes]:
+def page_keys(
+    tokens: Sequence[int], tokens_per_block: int, limit: int | None = None, next_token: bool = True
+) -> list[bytes]:
     """Chained content keys of the sealable pages of ``tokens``.
 
     Page ``j``'s key hashes the previous key and tokens ``jP .. (j + 1) P`` (one past the page: an MTP drafter's
@@ -63,28 +65,28 @@ def page_keys(tokens: Sequence[int], page_size: int, limit: int | None = None, n
 
     Args:
         tokens: the sequence.
-        page_size: ``P``.
+        tokens_per_block: ``P``.
         limit: at most this many keys.
         next_token: whether a page's content depends on the token after it.
 
     Returns:
         ``[k]`` keys of pages ``0 .. k - 1``.
     """
-    return extend_page_keys([], tokens, page_size, limit, next_token)
+    return extend_page_keys([], tokens, tokens_per_block, limit, next_token)
 
 
 def extend_page_keys(
-    keys: list[bytes], tokens: Sequence[int], page_size: int, limit: int | None = None, next_token: bool = True
+    keys: list[bytes], tokens: Sequence[int], tokens_per_block: int, limit: int | None = None, next_token: bool = True
 ) -> list[bytes]:
     """Extend ``keys`` (the keys of ``tokens``' first pages) in place, up to ``limit`` keys; returns it (the same
     ``next_token`` as the keys were made with: see `page_keys`)."""
     nxt = int(next_token)
-    n = (len(tokens) - nxt) // page_size if tokens else 0
+    n = (len(tokens) - nxt) // tokens_per_block if tokens else 0
     if limit is not None:
         n = min(n, limit)
     prev = keys[-1] if keys else _ROOT
     for j in range(len(keys), n):
-        prev = _digest(prev, tokens[j * page_size : (j + 1) * page_size + nxt])
+        prev = _digest(prev, tokens[j * tokens_per_block : (j + 1) * tokens_per_block + nxt])
         keys.append(prev)
     return keys
 
@@ -95,14 +97,14 @@ def chain_key(keys: Sequence[bytes], k: int) -> bytes:
 
 
 def checkpoint_key(
-    keys: Sequence[bytes], tokens: Sequence[int], endpoint: int, page_size: int, next_token: bool = True
+    keys: Sequence[bytes], tokens: Sequence[int], endpoint: int, tokens_per_block: int, next_token: bool = True
 ) -> tuple:
     """The key of a checkpoint at ``endpoint``: its full pages' last key and tokens ``kP .. endpoint`` (with
     ``next_token``: the state there depends on token ``endpoint`` too, as an MTP drafter's row ``endpoint - 1``
     reads its embedding) or ``kP .. endpoint - 1`` (without: the state is a function of the tokens before the
     endpoint alone, so a checkpoint at a page boundary serves every prompt that shares the full pages)."""
-    k = endpoint // page_size
-    return (chain_key(keys, k), tuple(tokens[k * page_size : endpoint + int(next_token)]))
+    k = endpoint // tokens_per_block
+    return (chain_key(keys, k), tuple(tokens[k * tokens_per_block : endpoint + int(next_token)]))
 
 
 @dataclass

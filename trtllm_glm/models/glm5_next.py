@@ -19,8 +19,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
-from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from ..attention.interface import AttentionBackend
+from ..attention.metadata import AttentionMetadata
+from ..attention.registry import resolve_attention_backend
 from ..cache.manager import Glm5NextCacheManager
 from ..config import LAYER_SPARSE_MLA, Glm5NextConfig, QuantConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
@@ -147,6 +148,7 @@ class Glm5NextDecoderLayer(nn.Module):
         use_mhc: wrap the blocks in mHC (trunk) or a plain residual (MTP).
         mapping: tensor / expert parallel layout (``config`` is then the rank's local config): the mixer's and
             the FFN's outputs are partial sums, all-reduced here through ``comm`` (set by the model).
+        attention_backend: the backend that builds a sparse layer's mixer (default the k-pool backend).
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class Glm5NextDecoderLayer(nn.Module):
         *,
         use_mhc: bool = True,
         mapping: Mapping | None = None,
+        attention_backend: AttentionBackend | None = None,
     ) -> None:
         super().__init__()
         # The collectives of the row-parallel outputs (a plain attribute; `Glm5NextForCausalLM.set_comm`).
@@ -172,7 +175,7 @@ class Glm5NextDecoderLayer(nn.Module):
         D = config.hidden_size
         self.input_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
         if kind == LAYER_SPARSE_MLA:
-            self.self_attn: nn.Module = GlmKpoolSparseMLA(config, shared_indexer=config.shares_indexer(layer_idx))
+            self.self_attn: nn.Module = resolve_attention_backend(attention_backend).make_layer(config, layer_idx)
         else:
             self.self_attn = KimiDeltaAttention(config, cache_idx)
         self.post_attention_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
@@ -204,21 +207,21 @@ class Glm5NextDecoderLayer(nn.Module):
                     p.copy_(t + 1.0 if part == "scale" else t)
 
     def _attn(
-        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
+        self, x: torch.Tensor, meta: AttentionMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
         normed: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         # Under tensor parallelism each rank's o_proj sums its heads only: one all-reduce joins them.
         return self.comm.all_reduce_tp(self._attn_local(x, meta, manager, sparse_cache_idx, normed))
 
     def _attn_local(
-        self, x: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
+        self, x: torch.Tensor, meta: AttentionMetadata, manager: Glm5NextCacheManager, sparse_cache_idx: int | None,
         normed: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         if not normed:  # the fused residual site (`forward_fused`) hands over the normed input
             x = self.input_layernorm(x)
         if self.is_sparse:
             idx = self.cache_idx if sparse_cache_idx is None else sparse_cache_idx
-            return self.self_attn(x, meta, manager.kpool_layer_cache(idx))
+            return self.self_attn(x, meta, manager.layer_cache(idx))
         verify = meta.spec.verify_seqs
         if verify:
             a, rec = self.self_attn.forward_spec(x, meta, manager.kda_layer_state(self.cache_idx), verify)
@@ -243,7 +246,7 @@ class Glm5NextDecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        meta: GlmKpoolMetadata,
+        meta: AttentionMetadata,
         manager: Glm5NextCacheManager,
         sparse_cache_idx: int | None = None,
     ) -> torch.Tensor:
@@ -261,7 +264,7 @@ class Glm5NextDecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-        meta: GlmKpoolMetadata,
+        meta: AttentionMetadata,
         manager: Glm5NextCacheManager,
         backend: str,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -319,14 +322,14 @@ class Glm5NextDecoderLayer(nn.Module):
         return x, self.self_attn.project(x)
 
     def attn_core(
-        self, x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], meta: GlmKpoolMetadata,
+        self, x: torch.Tensor, inputs: tuple[torch.Tensor | None, ...], meta: AttentionMetadata,
         manager: Glm5NextCacheManager,
     ) -> torch.Tensor:  # fmt: skip
         """The sequence-dependent part (reads the metadata and the caches): KDA's conv and delta rule ->
         ``o [N, H, V]`` fp32 (`KimiDeltaAttention.mix`); sparse MLA, the whole mixer -> its ``[N, D]`` partial
         output. Not for verify steps (`forward_spec` keeps records)."""
         if self.is_sparse:
-            return self.self_attn(x, meta, manager.kpool_layer_cache(self.cache_idx))
+            return self.self_attn(x, meta, manager.layer_cache(self.cache_idx))
         return self.self_attn.mix(x, meta, manager.kda_layer_state(self.cache_idx), inputs)
 
     def attn_out(self, x: torch.Tensor, core: torch.Tensor, ga: torch.Tensor | None) -> torch.Tensor:
@@ -349,7 +352,9 @@ class Glm5NextDecoderLayer(nn.Module):
 class Glm5NextModel(nn.Module):
     """Embedding, the layer schedule over ``hc_mult`` residual streams, the stream mean and the final norm."""
 
-    def __init__(self, config: Glm5NextConfig, mapping: Mapping | None = None) -> None:
+    def __init__(
+        self, config: Glm5NextConfig, mapping: Mapping | None = None, attention_backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -357,7 +362,11 @@ class Glm5NextModel(nn.Module):
         n_sparse = n_kda = 0
         for i, kind in enumerate(config.layer_types or []):
             if kind == LAYER_SPARSE_MLA:
-                layers.append(Glm5NextDecoderLayer(config, i, kind, n_sparse, mapping=mapping))
+                layers.append(
+                    Glm5NextDecoderLayer(
+                        config, i, kind, n_sparse, mapping=mapping, attention_backend=attention_backend
+                    )
+                )
                 n_sparse += 1
             else:
                 layers.append(Glm5NextDecoderLayer(config, i, kind, n_kda, mapping=mapping))
@@ -365,7 +374,7 @@ class Glm5NextModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
         """``input_ids [N]`` -> final-normed hidden ``[N, D]`` (``norm(mean over streams)``)."""
         e = self.embed_tokens(input_ids)
         h = e.unsqueeze(1).expand(-1, self.config.hc_mult, -1)
@@ -406,7 +415,9 @@ class Glm5NextMTPLayer(nn.Module):
     indexer and FFN, then ``shared_head.norm``; logits come from the model's shared LM head.
     """
 
-    def __init__(self, config: Glm5NextConfig, mapping: Mapping | None = None) -> None:
+    def __init__(
+        self, config: Glm5NextConfig, mapping: Mapping | None = None, attention_backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
         D = config.hidden_size
         self.layer_idx = config.num_hidden_layers
@@ -414,8 +425,9 @@ class Glm5NextMTPLayer(nn.Module):
         self.hnorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * D, D, bias=False)
         self.block = Glm5NextDecoderLayer(
-            config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0, use_mhc=False, mapping=mapping
-        )
+            config, self.layer_idx, LAYER_SPARSE_MLA, cache_idx=0, use_mhc=False, mapping=mapping,
+            attention_backend=attention_backend,
+        )  # fmt: skip
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(D, eps=config.rms_norm_eps)
 
@@ -423,7 +435,7 @@ class Glm5NextMTPLayer(nn.Module):
         self,
         token_embeds: torch.Tensor,
         prev_hidden: torch.Tensor,
-        meta: GlmKpoolMetadata,
+        meta: AttentionMetadata,
         manager: Glm5NextCacheManager,
         sparse_cache_idx: int,
     ) -> torch.Tensor:
@@ -451,20 +463,32 @@ class Glm5NextForCausalLM(nn.Module):
     rank's local geometry (`trtllm_glm.distributed.sharding.local_config`: its heads and dense width; the
     caches an executor allocates follow it), ``full_config`` the model's, and the row-parallel outputs are
     all-reduced through the `Comm` given to `set_comm` (a forward without one refuses to run).
+
+    ``attention_backend`` (a registered name or the backend; default the k-pool backend,
+    `trtllm_glm.attention.registry`) builds the sparse layers; the executor asks it for the step metadata and
+    the cache manager for the planes a page holds.
     """
 
-    def __init__(self, config: Glm5NextConfig, *, mapping: Mapping | None = None) -> None:
+    def __init__(
+        self,
+        config: Glm5NextConfig,
+        *,
+        mapping: Mapping | None = None,
+        attention_backend: str | AttentionBackend | None = None,
+    ) -> None:
         super().__init__()
+        # A plain attribute: the backend is no module (its layers are).
+        self.attention_backend = backend = resolve_attention_backend(attention_backend)
         self.mapping = mapping or Mapping()
         self.full_config = config
         config = local_config(config, self.mapping)
         self.config = config
         self.comm: Comm = NULL_COMM
-        self.model = Glm5NextModel(config, self.mapping)
+        self.model = Glm5NextModel(config, self.mapping, backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.mtp = Glm5NextMTPLayer(config, self.mapping) if config.num_nextn_predict_layers > 0 else None
+        self.mtp = Glm5NextMTPLayer(config, self.mapping, backend) if config.num_nextn_predict_layers > 0 else None
         # The directory `from_pretrained` loaded the weights from (None: built from a config): files shipped
         # beside them (e.g. the draft vocabulary's token-frequency ranking) are looked up there.
         self.checkpoint_dir: str | None = None
@@ -491,7 +515,7 @@ class Glm5NextForCausalLM(nn.Module):
     def num_sparse_layers(self) -> int:
         return len(self.config.sparse_layer_ids)
 
-    def forward(self, input_ids: torch.Tensor, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, manager: Glm5NextCacheManager) -> torch.Tensor:
         """Final hidden ``[N, D]`` of every row (logits via `compute_logits` on the rows needed)."""
         # Records of a step that was never committed (it raised) must not be folded by a later commit.
         manager.state.discard_pending()
@@ -504,7 +528,7 @@ class Glm5NextForCausalLM(nn.Module):
         out = self.lm_head(hidden)
         return out.float() if cast else out
 
-    def commit_kda(self, meta: GlmKpoolMetadata, manager: Glm5NextCacheManager, num_accepted: list[int]) -> None:
+    def commit_kda(self, meta: AttentionMetadata, manager: Glm5NextCacheManager, num_accepted: list[int]) -> None:
         """Fold each verified sequence's first ``num_accepted[b]`` rows into every KDA layer's state.
 
         Args:
@@ -518,7 +542,7 @@ class Glm5NextForCausalLM(nn.Module):
         self,
         next_tokens: torch.Tensor,
         prev_hidden: torch.Tensor,
-        meta: GlmKpoolMetadata,
+        meta: AttentionMetadata,
         manager: Glm5NextCacheManager,
         sparse_cache_idx: int,
     ) -> torch.Tensor:
@@ -791,13 +815,12 @@ class Glm5NextForCausalLM(nn.Module):
 
     def derived_weight_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the weight copies the forward makes and keeps besides the parameters: each sparse-MLA layer
-        whose ``kv_b_proj`` is block FP8 holds it dequantised in ``dtype`` (`GlmKpoolSparseMLA._absorbed_fp8`:
-        the absorbed attention multiplies by the whole matrix); ``0`` for an unquantized model."""
-        size = torch.empty(0, dtype=dtype).element_size()
+        whose ``kv_b_proj`` is block FP8 holds it dequantised in ``dtype`` (the mixers' ``derived_weight_bytes``,
+        where a backend's layer defines it); ``0`` for an unquantized model."""
         return sum(
-            mod.kv_b_proj.weight.numel() * size
+            mod.self_attn.derived_weight_bytes(dtype)
             for mod in self.modules()
-            if isinstance(mod, GlmKpoolSparseMLA) and mod.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+            if isinstance(mod, Glm5NextDecoderLayer) and hasattr(mod.self_attn, "derived_weight_bytes")
         )
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
@@ -141,11 +140,12 @@ class Executor:
         self.manager = self._make_manager(include_mtp_layer=self._target_stores_mtp_layer())
         # A sequence can never outgrow the whole page pool either.
         self.max_seq_len = min(cfg.max_seq_len, self.config.max_position_embeddings, self.manager.num_pages * P)
-        self.meta = GlmKpoolMetadata(
-            kv_cache_manager=self.manager,
+        # The step metadata is the attention backend's (its class, its persistent buffers).
+        self.meta = model.attention_backend.make_metadata(
+            self.manager,
             max_num_seqs=cfg.max_batch_size,
             max_num_tokens=cfg.max_num_tokens,
-            max_pages_per_seq=-(-self.max_seq_len // P),
+            max_seq_len=self.max_seq_len,
             select_width=self._select_width(),
             device=self.device,
         )
@@ -226,6 +226,7 @@ class Executor:
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
             indexer_key_dtype=self.cfg.indexer_key_dtype,
+            attention_backend=self.model.attention_backend,
         )
         # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate), with
         # room for a prefill chunk's transient buffers at the longest context (`prefill_memory`).

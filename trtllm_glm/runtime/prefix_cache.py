@@ -124,7 +124,7 @@ class PrefixCache:
         if max_checkpoints <= 0:
             log.warning("prefix caching is on but max_checkpoints=%d: no prefix can ever be reused", max_checkpoints)
         self.ex = executor
-        self.page_size = executor.manager.page_size
+        self.tokens_per_block = executor.manager.tokens_per_block
         self.interval = checkpoint_interval
         self.prompt_end = prompt_end
         self.last_page = last_page
@@ -152,7 +152,7 @@ class PrefixCache:
 
     def _keys(self, keys: list[bytes], tokens: list[int], limit: int | None = None) -> list[bytes]:
         """`extend_page_keys` with this executor's page content rule (`PrefixHost.state_reads_next_token`)."""
-        return extend_page_keys(keys, tokens, self.page_size, limit, self.ex.state_reads_next_token)
+        return extend_page_keys(keys, tokens, self.tokens_per_block, limit, self.ex.state_reads_next_token)
 
     @property
     def manager(self) -> Glm5NextCacheManager:
@@ -169,8 +169,8 @@ class PrefixCache:
         """Checkpoint endpoints of ``r``'s prompt, ascending (each leaves at least one prompt row to compute)."""
         last = len(r.prompt_ids) - 1
         out = set()
-        if last >= self.page_size:
-            out.add(last // self.page_size * self.page_size)
+        if last >= self.tokens_per_block:
+            out.add(last // self.tokens_per_block * self.tokens_per_block)
         if self.interval is not None:
             out.update(range(self.interval, last + 1, self.interval))
         b = self._branch.get(r.request_id) if self.branch_points else None
@@ -182,7 +182,7 @@ class PrefixCache:
             log.debug(
                 "prefix caching: a prompt of %d tokens gets no checkpoint (prompts need more than "
                 "tokens_per_block=%d tokens, or set checkpoint_interval); such prompts are never reused",
-                len(r.prompt_ids), self.page_size,
+                len(r.prompt_ids), self.tokens_per_block,
             )  # fmt: skip
         return sorted(out)
 
@@ -215,7 +215,7 @@ class PrefixCache:
                 del d[k]
         self._held.clear()
         ahead = self._inflight_pages(live) if self.wait_for_leader else {}
-        P = self.page_size
+        P = self.tokens_per_block
         for r in waiting:
             if r.prefix_hit is not None or r.num_computed or not self.eligible(r):
                 continue
@@ -241,9 +241,9 @@ class PrefixCache:
             if r.num_computed >= len(r.prompt_ids) - 1 or not self.eligible(r):
                 continue
             # The request's own key cache (its prompt's pages have the same keys over its prompt or its tokens).
-            n = (len(r.prompt_ids) - int(self.ex.state_reads_next_token)) // self.page_size
+            n = (len(r.prompt_ids) - int(self.ex.state_reads_next_token)) // self.tokens_per_block
             keys = self._keys(r.page_keys, r.prompt_ids)
-            for k in keys[r.num_computed // self.page_size : n]:
+            for k in keys[r.num_computed // self.tokens_per_block : n]:
                 out.setdefault(k, r)
         return out
 
@@ -253,9 +253,9 @@ class PrefixCache:
         j = next((j for j in range(len(keys) - 1, -1, -1) if keys[j] in ahead), -1)
         if j < 0:
             return False
-        b = min((j + 1) * self.page_size, limit)
+        b = min((j + 1) * self.tokens_per_block, limit)
         lead = ahead[keys[j]]
-        if b < have + self.page_size or lead.num_computed >= b:
+        if b < have + self.tokens_per_block or lead.num_computed >= b:
             return False
         self._held.add(r.request_id)
         self._leads.setdefault(lead.request_id, set()).add(b)
@@ -277,7 +277,7 @@ class PrefixCache:
 
     def _lookup(self, r: Request) -> tuple[PrefixMatch | None, int]:
         """The best usable checkpoint for ``r`` (or None) and how far its sealed pages reach (tokens)."""
-        P, toks = self.page_size, r.tokens
+        P, toks = self.tokens_per_block, r.tokens
         grid = self._grid()
         keys = self._keys(r.page_keys, toks)
         pages = self.manager.lookup_pages(keys)
@@ -311,7 +311,7 @@ class PrefixCache:
         """Whether ``ck`` restores a request at ``endpoint`` over pages ``keys`` (validated before planning)."""
         if ck.endpoint != endpoint or ck.page_keys != tuple(keys):
             return False
-        if (endpoint % self.page_size != 0) != (ck.target_partial is not None):
+        if (endpoint % self.tokens_per_block != 0) != (ck.target_partial is not None):
             return False
         try:
             self.manager.state.check_snapshot(ck.target, endpoint)
@@ -413,7 +413,7 @@ class PrefixCache:
         there for the stride (and the chunk is no longer than it) or for the last page (unless ``last_page``)."""
         if e == self._branch.get(r.request_id) or e in self._leads.get(r.request_id, ()):
             return False
-        if e == (len(r.prompt_ids) - 1) // self.page_size * self.page_size:
+        if e == (len(r.prompt_ids) - 1) // self.tokens_per_block * self.tokens_per_block:
             return not self.last_page
         return self.interval is not None and e % self.interval == 0 and rows <= self.interval
 
@@ -425,7 +425,7 @@ class PrefixCache:
             history: per request, how many positions the drafter's per-position cache covers (the
                 request's computed length when the drafter keeps none).
         """
-        P = self.page_size
+        P = self.tokens_per_block
         for s in plan:
             r = s.request
             if r.finished or not self.manager.has_request(r.request_id):
@@ -470,7 +470,7 @@ class PrefixCache:
         """
         if not self.request_end or not self.eligible(r) or not self.manager.has_request(r.request_id):
             return
-        P, E = self.page_size, r.num_computed
+        P, E = self.tokens_per_block, r.num_computed
         if E < P or len(r.tokens) <= E or history(r) < E:
             return  # (a sequence shorter than a page: see the prompt-end rule in `after_step`)
         keys = self._keys(r.page_keys, r.tokens, E // P)
@@ -500,7 +500,7 @@ class PrefixCache:
         """Checkpoint ``r`` at its computed length under ``key``; returns whether it was stored.
 
         ``shared``: a branch point's (a prefix two requests already shared: the store keeps it longer)."""
-        mgr, P, E = self.manager, self.page_size, r.num_computed
+        mgr, P, E = self.manager, self.tokens_per_block, r.num_computed
         if self.store.max_checkpoints <= 0:
             self.stats.checkpoints_skipped += 1  # checkpoints disabled: no copy to make
             return False

@@ -220,7 +220,7 @@ class SpeculativeExecutor(Executor):
         dm = self.separate_draft_manager
         if dm is None or not self.use_mtp:
             return
-        E, P = ck.endpoint, dm.page_size
+        E, P = ck.endpoint, dm.tokens_per_block
         ck.draft = dm.state.snapshot(dm.get_state_slot(req.request_id), E)
         if E % P:
             ck.draft_partial = dm.copy_page_out(dm.get_batch_slot_tables([req.request_id])[0][E // P])

@@ -61,7 +61,7 @@ class _Scenario:
             index_k=ik.view(torch.bfloat16).to(dev),
             index_scale=None,
             tail_ring=(torch.randn(NUM_SLOTS, 2, 4, D, generator=g) * 3).to(dev),
-            page_size=P,
+            tokens_per_block=P,
         )
 
     def batch(self, spans):

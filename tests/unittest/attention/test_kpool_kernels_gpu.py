@@ -73,7 +73,7 @@ class _Scenario:
             index_k=index_k.view(torch.float8_e4m3fn).to(dev),
             index_scale=torch.full((num_pages, P // 4), float("nan"), device=dev),
             tail_ring=(torch.randn(NUM_SLOTS, 2, 4, D, generator=g) * 3).to(dev),
-            page_size=P,
+            tokens_per_block=P,
         )
 
     def batch(self, spans: list[tuple[int, int, int]]):

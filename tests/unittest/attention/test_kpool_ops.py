@@ -74,7 +74,7 @@ def poisoned_cache(num_pages: int, page_size: int, num_slots: int, rank: int = 1
         index_k=torch.full((num_pages, page_size // 4, D), E4M3_NAN_BYTE, dtype=torch.uint8).view(torch.float8_e4m3fn),
         index_scale=torch.full((num_pages, page_size // 4), float("nan")),
         tail_ring=torch.full((num_slots, 2, 4, D), float("nan")),
-        page_size=page_size,
+        tokens_per_block=page_size,
     )
 
 

@@ -189,6 +189,8 @@ def test_no_import_circles() -> None:
         ("kda/kernels", ("trtllm_glm.kda.ops", "trtllm_glm.kda.layer")),
         # The runtime (LLM API, its async engine) sits below the server and the CLI.
         ("runtime", ("trtllm_glm.serve", "trtllm_glm.cli")),
+        # Attention backends sit below the cache manager, which allocates the planes they declare.
+        ("attention", ("trtllm_glm.cache", "trtllm_glm.models")),
     ],
 )
 def test_imports_run_downward(sub: str, forbidden: tuple[str, ...]) -> None:
@@ -205,3 +207,18 @@ def test_compile_counter_is_a_leaf() -> None:
     """`trtllm_glm.jit_compiles` (counting Triton compiles for the warm-up and the benchmarks) imports nothing of
     the package."""
     assert imported(PKG / "jit_compiles.py") == set()
+
+
+@pytest.mark.parametrize("path", ["runtime/executor.py", "models/glm5_next.py", "cache/manager.py"])
+def test_runtime_and_model_ask_the_attention_backend(path: str) -> None:
+    """The executor, the model and the cache manager get the metadata class, the layers and the planes from the
+    attention backend (`attention.registry`), never by a backend's names (the manager re-exports the k-pool's
+    `KpoolLayerCache` from its layout module only)."""
+    bad = {m for m in imported(PKG / path) if m.startswith("trtllm_glm.attention.sparse")}
+    allowed = {"trtllm_glm.attention.sparse.glm_kpool.cache_layout"} if path == "cache/manager.py" else set()
+    assert bad <= allowed, bad
+
+
+def test_attention_interface_is_light() -> None:
+    """`attention/interface.py` (what every backend implements) imports only the config and the base metadata."""
+    assert imported(PKG / "attention" / "interface.py") == {"trtllm_glm.config", "trtllm_glm.attention.metadata"}

@@ -42,6 +42,7 @@ def build_mtp(ctx: DraftContext, spec: MTPDecodingConfig) -> DraftResources:
             dtype=ctx.dtype,
             indexer_key_dtype=sizes.indexer_key_dtype,
             device=ctx.device,
+            attention_backend=model.attention_backend,
         )
         plane = 0
     share = shares_selection(spec, model.config)

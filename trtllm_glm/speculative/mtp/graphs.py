@@ -362,7 +362,7 @@ class MtpChainGraphs:
             self.c_tokens.zero_()
             self.c_hidden.zero_()
             self._prepare_catchup([], [], [], P, W)
-        meta.graph_max_pools = max(meta.graph_pool_capacity, meta.max_draft_pages_per_seq * meta.page_size // 4)
+        meta.graph_max_pools = max(meta.graph_pool_capacity, meta.max_draft_pages_per_seq * meta.tokens_per_block // 4)
         try:
             with torch.inference_mode():
                 with self._scope():

@@ -1,62 +1,55 @@
-"""Chooses between the torch reference ops and the Triton kernels for the k-pool cache writes,
-scoring, top-k selection, expansion and sparse MLA attention.
-
-``TRTLLM_GLM_KPOOL_BACKEND`` = ``auto`` (default: Triton on CUDA when it imports, torch elsewhere),
-``torch`` or ``triton`` (also on CPU tensors under ``TRITON_INTERPRET=1``). Both sides expose the same
-function names and signatures, so layers call ``kpool_ops(device).update_decode_pools(...)``.
+"""`GlmKpoolBackend`: the k-pool sparse MLA backend (`attention.interface.AttentionBackend`): its metadata
+(`GlmKpoolMetadata`), its cache layout (`cache_layout`), its layer (`GlmKpoolSparseMLA`) and its dispatch between
+the torch reference ops and the Triton kernels (`dispatch`: ``kpool_ops``, ``backend_name``, re-exported here).
 """
 
 from __future__ import annotations
 
-import functools
 from types import ModuleType
+from typing import Any
 
 import torch
+from torch import nn
 
-from trtllm_glm import envs
+from ....config import Glm5NextConfig
+from ...interface import AttentionBackend, PagedPlane
+from .cache_layout import KPOOL_PLANE_NAMES, KpoolLayerCache, kpool_paged_planes
+from .dispatch import backend_name, kpool_ops
+from .layer import GlmKpoolSparseMLA
+from .metadata import GlmKpoolMetadata
 
-from . import ops as _torch_ops
-
-__all__ = ["kpool_ops", "backend_name"]
-
-_OP_NAMES = (
-    "write_latent_rows",
-    "update_decode_pools",
-    "update_prefill_pools",
-    "write_prefill_tail",
-    "score_pools",
-    "expand_selection",
-    "rotate_quant",
-    "select_topk_pools",
-    "sparse_mla_attention",
-)
+__all__ = ["GlmKpoolBackend", "kpool_ops", "backend_name"]
 
 
-def backend_name(device: torch.device) -> str:
-    """The backend ``kpool_ops`` picks for tensors on ``device``."""
-    want = envs.KPOOL_BACKEND.get()
-    if want == "auto":
-        return "triton" if device.type == "cuda" and _triton_kernels() is not None else "torch"
-    if want == "triton" and _triton_kernels() is None:
-        raise RuntimeError("TRTLLM_GLM_KPOOL_BACKEND=triton but the Triton kernels could not be imported")
-    return want
+class GlmKpoolBackend(AttentionBackend):
+    """The k-pool sparse MLA backend: `GlmKpoolMetadata`, paged latent rows + pooled index keys (+ FP8 scales) per
+    layer, the indexer tail rings of the manager's state owner, and `kpool_ops` dispatch."""
 
+    name = "glm_kpool"
+    Metadata = GlmKpoolMetadata
+    plane_names = KPOOL_PLANE_NAMES
 
-@functools.cache
-def _triton_kernels() -> ModuleType | None:
-    try:
-        from . import kernels
-    except ImportError:
-        return None
-    if not all(hasattr(kernels, n) for n in _OP_NAMES):
-        return None
-    return kernels
+    def paged_planes(
+        self, config: Glm5NextConfig, *, tokens_per_block: int, dtype: torch.dtype, indexer_key_dtype: torch.dtype
+    ) -> tuple[PagedPlane, ...]:
+        return kpool_paged_planes(
+            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=indexer_key_dtype
+        )
 
+    def layer_cache(self, manager: Any, layer: int) -> KpoolLayerCache:
+        planes = manager.planes
+        scale = planes.get("index_scale")
+        return KpoolLayerCache(
+            latent=planes["latent"][layer],
+            index_k=planes["index_k"][layer],
+            index_scale=None if scale is None else scale[layer],
+            tail_ring=manager.state.tail_ring[layer],
+            tokens_per_block=manager.tokens_per_block,
+            decode_tail_ring=manager.state.decode_tail_ring(layer),
+        )
 
-def kpool_ops(device: torch.device) -> ModuleType:
-    """The module (``ops`` or ``kernels``) implementing the k-pool ops for ``device``."""
-    if backend_name(device) == "triton":
-        mod = _triton_kernels()
-        assert mod is not None
-        return mod
-    return _torch_ops
+    def make_layer(self, config: Glm5NextConfig, layer_idx: int) -> nn.Module:
+        return GlmKpoolSparseMLA(config, shared_indexer=config.shares_indexer(layer_idx))
+
+    def ops(self, device: torch.device) -> ModuleType:
+        return kpool_ops(device)

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ....cache.manager import KpoolLayerCache
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ....linear import linear_fp32, model_linear
-from .backend import kpool_ops
+from .cache_layout import KpoolLayerCache
+from .dispatch import kpool_ops
 from .metadata import GlmKpoolMetadata
 from .ops import expand_selection_window, indexer_head_weights
 
@@ -127,7 +127,7 @@ class GlmKpoolIndexer(nn.Module):
         # fp32 head weights (step 4): one Triton launch for decode / verify rows on CUDA (`linear_fp32`).
         w = indexer_head_weights(linear_fp32(h, self.weights_proj.weight), qscale, self.n_heads)
         scores = ops.score_pools(
-            q, w, cache.index_k, cache.index_scale, pos, rs, table, cache.page_size, meta.score_columns
+            q, w, cache.index_k, cache.index_scale, pos, rs, table, cache.tokens_per_block, meta.score_columns
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.spec.last_pool_ids = pool_ids

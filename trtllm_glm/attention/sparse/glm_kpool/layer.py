@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ....cache.manager import KpoolLayerCache
 from ....config import Glm5NextConfig
 from ....linear import invariant_bmm, model_linear
 from ....modules.norm import RMSNorm
 from ....modules.weight_views import FusedWeights, refuse_stale
 from ....numerics import batch_invariant
-from .backend import kpool_ops
+from .cache_layout import KpoolLayerCache
+from .dispatch import kpool_ops
 from .indexer import GlmKpoolIndexer
 from .metadata import GlmKpoolMetadata
 
@@ -113,6 +113,12 @@ class GlmKpoolSparseMLA(nn.Module):
         w = w.view(self.num_heads, self.qk_nope + self.v_head, self.kv_lora)
         return w[:, : self.qk_nope], w[:, self.qk_nope :]
 
+    def derived_weight_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the weight copy the forward keeps besides the parameters: a block-FP8 ``kv_b_proj`` dequantised
+        in ``dtype`` (`_absorbed_fp8`: the absorbed attention multiplies by the whole matrix); else 0."""
+        w = self.kv_b_proj.weight
+        return w.numel() * torch.empty(0, dtype=dtype).element_size() if w.dtype == torch.float8_e4m3fn else 0
+
     def _absorbed_fp8(self) -> torch.Tensor:
         """``kv_b_proj`` dequantised once (its matrix is used as a whole, by the einsums of the absorbed
         attention), in the dtype of the layer's other float weights; cached while the FP8 weight and its scale
@@ -157,7 +163,7 @@ class GlmKpoolSparseMLA(nn.Module):
             meta.positions_t,
             meta.row_seq_t,
             meta.slot_table_t,
-            cache.page_size,
+            cache.tokens_per_block,
         )
         if self.indexer is not None:
             sel = self.indexer(h, q_lora, meta, cache, projected=index_in)
@@ -168,7 +174,7 @@ class GlmKpoolSparseMLA(nn.Module):
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
         q_abs = absorb_q(q, w_uk, self._w_uk_t(w_uk) if batch_invariant() else None)
         o_lat = kpool_ops(h.device).sparse_mla_attention(
-            q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.page_size, self.softmax_scale
+            q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.tokens_per_block, self.softmax_scale
         )
         o = absorb_o(o_lat, w_uv).reshape(N, self.num_heads * self.v_head)
         return self.o_proj(o)

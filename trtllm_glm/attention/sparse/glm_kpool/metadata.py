@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ....cache.manager import Glm5NextCacheManager
 from ....errors import StateError, TableWidthError
+from ...interface import PagedCacheManager
 from ...metadata import AttentionMetadata, HostStaging
 
 __all__ = ["DraftBinding", "GlmKpoolMetadata"]
@@ -43,7 +43,7 @@ class DraftBinding:
         slot_table: the slot table bound before (the tensor object itself).
         state_slots_buf: the state-slot buffer bound before.
         kv_cache_manager: the manager bound before.
-        page_size: the page size bound before.
+        tokens_per_block: the page size bound before.
         host_batch: every attribute before (a shallow snapshot of ``vars()``), when the draft forward swapped
             lengths (``prepare`` reassigns the host batch lists and per-step fields); else None.
         shared: True when nothing was swapped (no draft manager, or the draft shares the target manager).
@@ -51,8 +51,8 @@ class DraftBinding:
 
     slot_table: torch.Tensor
     state_slots_buf: torch.Tensor
-    kv_cache_manager: Glm5NextCacheManager
-    page_size: int
+    kv_cache_manager: PagedCacheManager
+    tokens_per_block: int
     host_batch: dict[str, Any] | None = None
     shared: bool = False
 
@@ -83,7 +83,7 @@ class GlmKpoolMetadata(AttentionMetadata):
     def __init__(
         self,
         *,
-        kv_cache_manager: Glm5NextCacheManager,
+        kv_cache_manager: PagedCacheManager,
         max_num_seqs: int,
         max_num_tokens: int,
         max_pages_per_seq: int,
@@ -101,7 +101,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         self.kv_cache_manager = kv_cache_manager
         self.target_kv_cache_manager = kv_cache_manager
         self.max_pages_per_seq = max_pages_per_seq
-        self.page_size = kv_cache_manager.page_size
+        self.tokens_per_block = kv_cache_manager.tokens_per_block
         self.select_width = select_width
         self.target_slot_table = torch.full(
             (max_num_seqs, max_pages_per_seq), -1, dtype=torch.int32, device=self.device
@@ -143,7 +143,12 @@ class GlmKpoolMetadata(AttentionMetadata):
     @property
     def max_num_pages_tokens(self) -> int:
         """Tokens a sequence can hold under this table width."""
-        return self.max_pages_per_seq * self.page_size
+        return self.max_pages_per_seq * self.tokens_per_block
+
+    @property
+    def page_size(self) -> int:
+        """Deprecated name of ``tokens_per_block`` (the page size of the bound manager)."""
+        return self.tokens_per_block
 
     def prepare(  # type: ignore[override]
         self,
@@ -187,7 +192,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             state_slots = mgr.get_batch_state_slots(real)
         tables = mgr.page_lists(real)
         q_real = valid_q_lens if valid_q_lens is not None else q_lens
-        P = mgr.page_size
+        P = mgr.tokens_per_block
         for rid, p, q, row in zip(real, past_lens, q_real, tables):
             need = -(-(p + q) // P)
             if need > len(row) or need > self.max_pages_per_seq:
@@ -232,7 +237,7 @@ class GlmKpoolMetadata(AttentionMetadata):
 
     def prepare_for_draft_forward(
         self,
-        draft_kv_cache_manager: Glm5NextCacheManager | None = None,
+        draft_kv_cache_manager: PagedCacheManager | None = None,
         *,
         past_lens: Sequence[int] | None = None,
         q_lens: Sequence[int] | None = None,
@@ -269,7 +274,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             slot_table=self.slot_table,
             state_slots_buf=self.state_slots_buf,
             kv_cache_manager=self.kv_cache_manager,
-            page_size=self.page_size,
+            tokens_per_block=self.tokens_per_block,
         )
         swap_lengths = past_lens is not None or q_lens is not None or num_decode_seqs is not None
         shared = draft_kv_cache_manager is None or draft_kv_cache_manager is self.target_kv_cache_manager
@@ -280,10 +285,10 @@ class GlmKpoolMetadata(AttentionMetadata):
             raise RuntimeError("draft lengths must be prepared outside graph capture (before capture or replay)")
         mgr = self.target_kv_cache_manager if shared else draft_kv_cache_manager
         assert mgr is not None
-        if mgr.page_size != self.target_kv_cache_manager.page_size:
+        if mgr.tokens_per_block != self.target_kv_cache_manager.tokens_per_block:
             raise ValueError(
-                f"the draft manager's tokens_per_block={mgr.page_size} differs from the target's "
-                f"{self.target_kv_cache_manager.page_size}; draft and target must share one page size"
+                f"the draft manager's tokens_per_block={mgr.tokens_per_block} differs from the target's "
+                f"{self.target_kv_cache_manager.tokens_per_block}; draft and target must share one page size"
             )
         rids = self.request_ids
         past = list(past_lens) if past_lens is not None else self.past_lens
@@ -336,7 +341,7 @@ class GlmKpoolMetadata(AttentionMetadata):
             self.slot_table = self.draft_slot_table
             self.state_slots_buf = self.draft_state_slots
             self.kv_cache_manager = mgr
-            self.page_size = mgr.page_size
+            self.tokens_per_block = mgr.tokens_per_block
         return replace(saved, host_batch=host_batch, shared=shared)
 
     def restore_after_draft_forward(self, saved: DraftBinding) -> None:
@@ -349,7 +354,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         self.slot_table = saved.slot_table
         self.state_slots_buf = saved.state_slots_buf
         self.kv_cache_manager = saved.kv_cache_manager
-        self.page_size = saved.page_size
+        self.tokens_per_block = saved.tokens_per_block
         if saved.host_batch is not None:
             self._restore_host_batch(saved.host_batch)
 
@@ -452,7 +457,7 @@ class _TableRows:
     """Slot-table rows written into a double-buffered staging table, each set only where it changed.
 
     Rewriting whole rows every step costs ~260 µs at batch 64 with 3K-token contexts (188 pages a row) and
-    grows with the context, while a decode step adds a page to a row only every ``page_size`` tokens. Per
+    grows with the context, while a decode step adds a page to a row only every ``tokens_per_block`` tokens. Per
     staging set, this remembers which page list each row holds and how many of its pages are written: the
     manager's own list object for a live allocation (`Glm5NextCacheManager.page_lists`), which only ever
     grows. A row whose list is the same object gets its new pages appended; any other row is rewritten in

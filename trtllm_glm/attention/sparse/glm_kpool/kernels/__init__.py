@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 from trtllm_glm.triton_interp import InterpretedModule, KernelPackage, interpreting
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 
 from ._common import INDEX_DIM, INTERPRETED, KPOOL, bf16_bits, pool4, rotate_quant_rows
 
@@ -122,7 +122,10 @@ def _check_planes(cache: KpoolLayerCache) -> bool:
     """Validate the planes; returns whether the keys are BF16 (no scale plane) rather than FP8."""
     ik, isc, ring = cache.index_k, cache.index_scale, cache.tail_ring
     key_bf16 = ik.dtype == torch.bfloat16
-    if ik.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or ik.shape[1:] != (cache.page_size // KPOOL, INDEX_DIM):
+    if ik.dtype not in (torch.float8_e4m3fn, torch.bfloat16) or ik.shape[1:] != (
+        cache.tokens_per_block // KPOOL,
+        INDEX_DIM,
+    ):
         raise ValueError(f"index_k must be [num_pages, P // 4, 128] e4m3 or bf16, got {tuple(ik.shape)} {ik.dtype}")
     if ik.stride(-1) != 1:
         raise ValueError("index_k must have a unit last stride")
@@ -194,7 +197,7 @@ def update_decode_pools(
         n,
         ik.shape[0],
         slot_table.shape[1],
-        cache.page_size,
+        cache.tokens_per_block,
         key.stride(0),
         gate.stride(0),
         ape.stride(0),

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 
 from ._common import INDEX_DIM, INTERPRETED, KPOOL, bf16_bits, pool4, rotate_quant_rows
 from .decode_update import _check_planes, _rows, key_planes
@@ -165,7 +165,7 @@ def update_prefill_pools(
         n,
         ik.shape[0],
         slot_table.shape[1],
-        cache.page_size,
+        cache.tokens_per_block,
         key.stride(0),
         gate.stride(0),
         ape.stride(0),

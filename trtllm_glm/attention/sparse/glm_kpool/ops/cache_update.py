@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from trtllm_glm.cache.manager import KpoolLayerCache
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 
 from .fp8 import rotate_quant
 from .pooling import KPOOL, pool_keys
@@ -234,13 +234,13 @@ def update_decode_pools(
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
     _seq_bounds(positions, row_seq)
-    pages = lookup_pages(positions, row_seq, slot_table, cache.page_size, cache.index_k.shape[0])
+    pages = lookup_pages(positions, row_seq, slot_table, cache.tokens_per_block, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
     if tail_ring is not None:
         # After validation, so that a bad batch still leaves the cache (and the backups) untouched.
         tail_ring.prepare_step(cache.tail_ring, key, gate, positions, row_seq, state_slots, num_accepted_tokens)
     ring = cache.tail_ring
-    pools_per_page = cache.page_size // KPOOL
+    pools_per_page = cache.tokens_per_block // KPOOL
     for n in range(positions.shape[0]):
         pos, slot = int(positions[n]), int(slots[n])
         ring[slot, 0, pos % KPOOL] = key[n].to(torch.float32)
@@ -283,7 +283,7 @@ def update_prefill_pools(
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
     first_pos, _ = _seq_bounds(positions, row_seq)
-    pages = lookup_pages(positions, row_seq, slot_table, cache.page_size, cache.index_k.shape[0])
+    pages = lookup_pages(positions, row_seq, slot_table, cache.tokens_per_block, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
     done = (positions % KPOOL == KPOOL - 1).nonzero().squeeze(1)
     if done.numel() == 0:
@@ -296,7 +296,7 @@ def update_prefill_pools(
     ring = cache.tail_ring[slots[done]]
     member_key = torch.where(in_batch[..., None], key.to(torch.float32)[src], ring[:, 0])
     member_gate = torch.where(in_batch[..., None], gate.to(torch.float32)[src], ring[:, 1])
-    within = (positions[done] // KPOOL) % (cache.page_size // KPOOL)
+    within = (positions[done] // KPOOL) % (cache.tokens_per_block // KPOOL)
     _write_pools(cache, member_key, member_gate, ape, pages[done], within)
 
 
