@@ -12,7 +12,7 @@ lazily, on the first interpreted call.
 Two shortcuts keep interpreted launches cheap without changing what they compute: ``triton.language`` is
 patched once per launch instead of again at every call of a ``@triton.jit`` helper, and ``tl.sort`` of
 integers runs as one numpy sort instead of an interpreted bitonic network (about 2x and 3x on the pool
-top-k and expansion kernels; tests/unittest/test_triton_interp.py checks them against Triton's own path).
+top-k and expansion kernels; tests/unittest/house/test_triton_interp.py checks them against Triton's own path).
 
 The interpreter's bf16 arithmetic and fp8 casts are not IEEE: kernels upcast right after loading and
 round to the e4m3 grid in fp32 before casting; CPU tests check numerics in fp32 / fp16.

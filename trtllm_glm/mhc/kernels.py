@@ -45,7 +45,7 @@ accumulated in FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLA
 differs from it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
 mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it passed on the
 H200 on 2026-12-01). The tensor-core path's weights are checked against fp64 weights
-(tests/unittest/test_mhc_kernels_gpu.py, N = 1000 and 8192, bound: max rel error 2e-5, the FMA path's and Triton's
+(tests/unittest/mhc/test_mhc_kernels_gpu.py, N = 1000 and 8192, bound: max rel error 2e-5, the FMA path's and Triton's
 split precisions printed beside it): not yet run on the H200. On the CPU the interpreter runs the same three-part
 split with IEEE fp32 dots (its bf16 arithmetic is wrong), which checks the split (the sum of the parts is fn
 exactly), the masking and the launch shapes, not the tensor cores' rounding. In the batch-invariant mode ``mhc_pre``
