@@ -1,26 +1,7 @@
 """One Triton kernel for the clamped SwiGLU after a fused gate|up GEMM (`trtllm_glm.act.swiglu`).
 
-``_swiglu_kernel``, grid ``(N, cdiv(I, BLOCK))``: a program loads ``BLOCK`` gate columns and the matching up
-columns (``I`` further along the same row) of ``gate_up [N, 2I]``, upcasts both to fp32 right after loading
-(the interpreter's bf16 arithmetic is wrong), and computes ``silu(min(gate, L)) * clamp(up, -L, L)`` in
-registers; one store of ``[N, I]`` in the input dtype.
-
-Numerics: the same operations, in the same precision and with the same roundings, as the torch reference
-(`trtllm_glm.act.reference.clamped_swiglu`) on CUDA, so results are the reference's bit for bit there:
-
-* the clamps: torch compares against the limit converted to fp32 and writes the limit converted to the tensor's
-  dtype; for values of that dtype this is a comparison with the limit rounded to the dtype, which is what the
-  kernel receives (`_limit_in`), so clamped values are exact and NaN passes through unchanged;
-* ``silu``: torch's CUDA kernel computes ``x / (1 + expf(-x))`` in fp32 (its "opmath" type for bf16 / fp16)
-  with CUDA's accurate ``expf`` and an IEEE division, then rounds once to the input dtype. The kernel does the
-  same with libdevice's ``expf`` and ``div_rn`` (Triton's default ``tl.exp`` is an approximation and its ``/``
-  is not correctly rounded), then rounds to the input dtype and back to fp32;
-* the product: torch multiplies two bf16 tensors in fp32 and rounds once to bf16; the kernel multiplies the two
-  fp32 values (each exactly a bf16 / fp16 value, so the fp32 product is exact but for underflow) and rounds
-  once on the store. For fp32 inputs the intermediate rounding is a no-op and the sequence is torch's fp32 one.
-
-Under Triton's interpreter (the CPU) the exponential is numpy's, which differs from torch's CPU ``exp`` by an
-ulp for some inputs: CPU results agree with the reference to an ulp, not bit for bit.
+Bit for bit the torch reference on CUDA (same operations, precisions and roundings: libdevice ``expf``,
+``div_rn``); to an ulp under the interpreter. Why each step matches: docs/kernels.md, "Clamped SwiGLU".
 """
 
 from __future__ import annotations

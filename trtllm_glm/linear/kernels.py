@@ -1,48 +1,9 @@
 """One Triton kernel for ``y = x @ W^T`` with fp32 accumulation and an fp32 result, for a few rows of ``x``
-(`trtllm_glm.linear.skinny_gemm`).
+(`trtllm_glm.linear.skinny_gemm`), and the batch-invariant mode's GEMM (`launch_invariant_gemm`).
 
-Why: the MoE router logits (``W [288, 4096]``) and the indexer's head weights (``W [32, 4096]``) are fp32 GEMMs
-of a bf16 weight with a handful of decode / verify rows. Through torch they are a cast of the whole weight to
-fp32 (read 2 bytes, write 4 bytes per weight) plus a SIMT sgemm whose 128-row tiles give ~9 programs: ~10 µs
-per router call where reading the weight once takes well under 1 µs. Here the weight is read once, in its own
-dtype, by ~100+ programs.
-
-``_skinny_gemm_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT)``: program ``(t, s)`` computes the partial product of
-output columns ``t * BLOCK_N ..`` (rows of ``W``) over the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns,
-as ``acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T`` (the weight rows are the MMA's "M" side, so a single row of
-``x`` still fills a tensor-core tile; rows of ``x`` beyond ``M`` are loaded as zeros and never stored). The
-chunk is walked in ``BLOCK_K`` steps that Triton's pipeliner keeps in flight together (``num_stages``).
-
-* ``SPLIT == 1``: the program stores its tile of ``y``.
-* ``SPLIT > 1``: the program stores its fp32 partial tile to a scratch buffer, then (after a CTA barrier, so that
-  every warp's stores precede it) increments the tile's arrival counter with an acq_rel atomic. The program
-  that arrives last (old count ``SPLIT - 1``) reads the ``SPLIT`` partials back in split order ``0, 1, ..``
-  (L1-bypassing loads: they were written by other SMs), sums them in that order, stores ``y`` and resets the
-  counter to 0. Which program arrives last varies from run to run; the order of the sum does not, so results
-  are bitwise reproducible. Counters are zero again after every launch, so repeated launches and CUDA-graph
-  replays need no memset.
-
-Numerics: every product is formed from the inputs' own values and summed in fp32 (no TF32, no atomics on the
-sums). ``DOT_FP32`` picks the arithmetic: False (CUDA, both inputs bf16 or both fp16) uses tensor-core MMAs,
-whose products of 16-bit values are exact and whose fp32 accumulation is exact up to the alignment rounding
-inside one MMA (16 products; the same order of error as an fp32 sum); True (fp32 or mixed inputs, and always
-under Triton's interpreter, whose bf16 arithmetic is wrong) upcasts right after loading and uses an IEEE fp32
-dot (FMAs on the GPU, numpy's fp32 matmul in the interpreter). Compiled, each output element's summation order
-depends on ``(N, K)``, the dtypes and the launch shape only, never on ``M`` (an MMA or FMA never mixes the
-columns of different rows, and `launch_config` ignores ``M``): a row's result does not change with the other rows
-of the batch, so a decode row and the same row inside a verify batch get the same bits. (Interpreted, numpy's
-matmul makes no such promise.)
-
-``_invariant_gemm_kernel`` (`launch_invariant_gemm`, the batch-invariant mode's GEMM, docs/numerics.md): the same
-tiles for any number of rows, ``y`` in any float dtype. The row tile is fixed (``INVARIANT_BLOCK_M``, not the
-next power of two of ``M``) and so is the split; up to one row tile the chunks are programs with the partials
-reduced as above, beyond it a program per (weight tile, row tile) adds the same chunks in the same order
-itself (``_invariant_gemm4_kernel``: four weight tiles per program, the same dots). Batched (per-head weights)
-through a batch offset per program.
-
-Launch parameters come from shapes only (`launch_config`) and the scratch (partials and counters) is allocated
-once per (device, tiles, split) and cached (`_scratch`), so calls can be captured in a CUDA graph. Launches that
-share a scratch must be ordered (one stream), as every step of the model is.
+Split-K partials summed in split order by the last-arriving program: bitwise reproducible, a row's bits never
+depend on ``M``. Launches that share a scratch must be ordered (one stream). Why and how: docs/kernels.md,
+"Skinny fp32 GEMM".
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """Triton kernels of `trtllm_glm.logits`: each row's greedy token and top-2 logit gap in two launches.
 
-``torch.argmax`` plus ``torch.topk(k=2)`` over a 155K vocabulary costs about ten launches per decode step on
-CUDA (topk is a multi-pass radix select: ~40 µs at batch 1 on an H200, against ~0.15 µs to read one row of
-fp32 logits), and packing their results for the host (`greedy_and_gap`) four more. Here:
-
-1. ``_partial_kernel``, grid ``(N, SPLIT)``: program ``(n, s)`` scans a contiguous run of columns of row
-   ``n`` in ``BLOCK``-wide tiles, keeping the largest value ``m1``, the first column holding it ``i1``, the
-   largest of the rest ``m2`` (a repeated maximum makes ``m2 == m1``) and the first NaN column. The run is
-   ``cdiv(V, SPLIT)`` columns, with ``SPLIT`` from the shapes only (enough programs to cover the GPU at
-   decode sizes), so the launch is graph safe.
-2. ``_finish_kernel``, grid ``(cdiv(N, BLOCK_N),)``: merges a row's ``SPLIT`` partials (``i1``: the lowest
-   column among the partials holding the maximum; ``m2``: the best of the winner's ``m2`` and every other
-   partial's ``m1``), and writes the requested outputs: the ids (int64), the gaps (fp32) and/or the packed
-   ``[N, 3]`` float64 rows ``(id, gap, accepted)`` the runtime copies to the host in one transfer.
-
-Semantics are those of the torch reference (`trtllm_glm.logits.greedy_top2_reference`): the id is the first
-maximum (``torch.argmax``), the gap ``top1 - top2`` of the two largest values counted with multiplicity
-(``torch.topk``), both in fp32 (logits of another float dtype are upcast on load). A row holding a NaN gets
-the first NaN's column and a NaN gap, as torch's NaN-propagating argmax and topk do. Exact: no rounding is
-involved, so the kernel and the reference agree bit for bit.
-
-Where it runs: CUDA tensors go to the compiled kernels, other devices to an interpreted copy of this module
-(`trtllm_glm.triton_interp`).
+Exact (bit for bit `greedy_top2_reference`: first maximum, gap with multiplicity, NaN rows as torch). CPU: an
+interpreted copy (`trtllm_glm.triton_interp`). Launches: docs/kernels.md, "Greedy id and top-2 gap".
 """
 
 from __future__ import annotations

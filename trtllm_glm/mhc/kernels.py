@@ -1,95 +1,9 @@
 """Triton kernels of one mHC-wrapped block: `mhc_pre` (weights, Sinkhorn, collapse) and `mhc_post` (expand).
 
-Drop-in for the torch reference of `trtllm_glm.modules.mhc` (``mhc_weights`` + ``mhc_collapse``, and
-``mhc_expand``). Three launches per block instead of ~60 (the 20-iteration Sinkhorn alone is ~80 tiny torch
-ops), all sizes from shapes only and no host sync, so a block can be captured in a CUDA graph:
-
-1. ``_mix_partial_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT)``: split-K partial mixing logits. The flattened
-   streams ``x [N, S*D]`` times ``fnᵀ [S*D, M]`` (``M = (2 + S) * S``) in IEEE fp32 (``tl.dot`` with
-   ``input_precision="ieee"``: the reference's ``F.linear`` is fp32, TF32 would lose ~3 digits), plus the
-   partial sum of squares of ``x`` for the weightless RMS, both written to a workspace
-   ``[SPLIT, N, M_PAD]`` (the sum of squares in the spare column ``M``). A program covers ``BLOCK_N`` tokens
-   and a contiguous run of ``BLOCK_K``-wide units (one stream's ``d`` range each: ``D`` may be any size,
-   tiles are masked), so ``fn`` (1.5 MB at the real geometry) is read once per token block, and split over
-   enough programs to fill the GPU at decode sizes (one program reading all of ``fn`` would take ~10 µs).
-   From `TC_MIN_ROWS` (256) tokens of bf16 streams (prefill chunks), outside the batch-invariant mode,
-   ``_mix_partial_tc_kernel`` takes its place (`pre_path`): the same workspace, filled on tensor cores.
-   ``fn``'s fp32 tile is split in registers into three bf16 parts whose sum is exactly ``fn`` (`_split3`:
-   8 significant bits each, by masks), and the bf16 streams (exact MMA operands) are multiplied by each in
-   three bf16 MMAs with fp32 accumulation, so every product is exact and only fp32 sums round, as in the
-   FMA path; each unit's MMAs start from zero and the units are summed in registers (round-to-nearest), so the
-   tensor cores' own accumulation rounding (not specified as IEEE) only ever covers one unit. Token tiles of
-   64 rows (128 from 1,024 tokens), ``BLOCK_K = 64``, a split giving ~2 programs per SM over the token tiles
-   (`pre_tc_launch_config`; 5 at N = 8192 on 132 SMs: a 5 MB workspace). fp16 / fp32 streams keep the FMA
-   path (their values are not exact bf16 operands). ``mma=`` picks other tensor-core precisions for
-   comparison: ``"split3_chain"`` (the tensor cores accumulate across units), Triton's ``"tf32x3"`` (fn to
-   ~22 bits, tf32 MMAs) and ``"bf16x6"`` (both operands split in three, six MMAs).
-2. ``_pre_finish_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: each program sums its token's partials in a fixed
-   order (deterministic, no atomics), applies the RMS scale, the sigmoids, the softmax and the Sinkhorn
-   normalisation on the ``[S, S]`` tile in registers, in the reference's order (softmax ``+ hc_eps``, one
-   column normalisation, then ``iters - 1`` (row, column) pairs, every denominator ``+ hc_eps``), and
-   collapses its ``BLOCK_D`` slice: ``x_in = sum_s pre[s] * streams[s]`` (fp32 products summed over ``s``
-   in order, cast once to the streams' dtype). The ``[S, S]`` work is repeated by the ``cdiv(D, BLOCK_D)``
-   programs of a token (a few hundred flops, in parallel); the first one stores ``post`` and ``comb``.
-3. ``_post_kernel``, grid ``(N, cdiv(D, BLOCK_D))``: ``new[s] = post[s] * out + sum_j comb[j, s] *
-   streams[j]`` with the reference's dtype handling (``mhc_expand``): ``post``, ``comb`` and ``block_out``
-   are rounded to the streams' dtype first, the product ``post * out`` and the ``[S, S] @ [S, D]`` mix are
-   each rounded to it (bf16 elementwise product; bf16 matmul with fp32 accumulation), then added and rounded.
-
-Numerics: FP32 in registers throughout (on the tensor-core path, exact bf16 products summed in fp32). Sums run in a
-different order than torch's (split-K, sum of squares), and ``exp`` / division are the GPU's fast versions, so
-``pre``/``post``/``comb`` agree with the reference to a few FP32 ulps (H200, real geometry: max rel 2.3e-6 up to N =
-2048), not bit for bit. In bf16 ``x_in`` then equals the reference's collapse but for one-ulp flips where an FP32
-value sits on a rounding boundary (0.003% of values). The expand is the exact rounding model above (the 4-term mix
-accumulated in FP32, rounded once); the reference's bf16 ``torch.matmul`` (cuBLAS, allowed to reduce in bf16)
-differs from it by about one ulp in 16-23% of values (max rel 6e-3 of the largest value). The model rounds the exact
-mix once, so that difference is cuBLAS's rounding (the GPU test compares the kernel with the model; it passed on the
-H200 on 2026-12-01). The tensor-core path's weights are checked against fp64 weights
-(tests/unittest/mhc/test_mhc_kernels_gpu.py, N = 1000 and 8192, bound: max rel error 2e-5, the FMA path's and Triton's
-split precisions printed beside it): not yet run on the H200. On the CPU the interpreter runs the same three-part
-split with IEEE fp32 dots (its bf16 arithmetic is wrong), which checks the split (the sum of the parts is fn
-exactly), the masking and the launch shapes, not the tensor cores' rounding. In the batch-invariant mode ``mhc_pre``
-keeps the FMA path at every N (one token tile, one split), so a row's bits never depend on N; prefill there runs at
-the FMA path's speed.
-
-Performance (H200, CUDA-graph replay, one block's fn read from HBM, bf16, S = 4, D = 4096;
-``benchmarks/results/kernels/mhc_h200_2026-11-30.log``): pre + post 14.2 / 14.6 / 21.2 / 32.6 µs at N = 1 / 16 / 64
-/ 128 against 232 / 272 / 300 / 337 µs for the graph-replayed torch reference. ``mhc_post`` is near the
-copy ceiling at N = 128 (3.1 µs, 73%) and ~1.7 µs (launch-bound) at N = 1. ``mhc_pre`` (12.4 µs at N = 1,
-29.5 µs at N = 128) is latency-bound, ~20-30x its byte floor: the split is already at its best
-(128 programs; 32: 27 µs, 64: 17 µs, 256: 12.8 µs) and ``block_k`` / ``block_d`` change it by < 1 µs, so the
-time is the serial chain of two dependent launches (partials, then one program per token and slice that
-reduces them, runs the Sinkhorn and loads the streams). The launch boundary is not the cost: finishing in the
-same launch was built and measured on the H200 (2026-12-01, ``mhc_pre`` alone in a graph, bf16, S = 4,
-D = 4096) and dropped as slower. With ticketed work items joined by completion counters (release / acquire,
-self-resetting, bit-identical results): 12.95 vs 12.35 µs at N = 1, 17.9 vs 12.6 at N = 16, 124 vs 29 at
-N = 128 (the counters' round trips cost more than a kernel boundary inside a graph). With the last-arriving
-projection program finishing everything: 12.95 vs 12.42 at N = 1, 75 at N = 16. What costs is the finishing
-chain itself, ~4-4.7 µs per token (partials load, 20 Sinkhorn iterations of reductions over the ``[S, S]``
-tile, stream loads). Likely next steps, not measured: keep the ``[S, S]`` tile in one thread's registers (no
-cross-thread exchange in the Sinkhorn), issue the collapse's stream loads before the weights, or fuse block
-``i + 1``'s projection partials into block ``i``'s expand.
-
-Prefill sizes (issue 32): on the H200 profile of a 128K-token prompt (4 layers, chunks of 8,192 rows) the FMA
-projection took 1.32 ms per launch at N = 8192 (169 ms over 128 launches), ~20x the ~63 µs of reading the
-streams once: IEEE fp32 ``tl.dot`` is bound by the FMA units there. The tensor-core path does 3 bf16 MMAs of
-``[N, S*D] x [S*D, 32]`` (26 GFLOP at N = 8192, a few tens of µs at the H200's bf16 rate) while reading the
-streams once, so it should sit near that byte floor; not yet measured: `benchmarks/bench_mhc.py` times the old
-and new paths (and the ``mma`` variants) at N = 1024 and 8192 in one run, with GB/s against the copy ceiling
-and each variant's error against fp64. The finishing kernel reads ``SPLIT`` partials per token (5 at N = 8192
-instead of 2), unchanged otherwise.
-
-Fused residual sites (issue 44, ``TRTLLM_GLM_MHC_FUSE=1``; docs/gpu.md): ``_post_mix_kernel`` is ``_post_kernel`` of
-one block and ``_mix_partial_kernel`` of the next in one launch (the same launch shape and units, both outputs bit
-for bit the pair's); ``_pre_finish_kernel`` with ``NORM`` holds a token's whole row and applies the block's input
-RMSNorm to the collapse (`mhc_pre_norm`: a site in two launches instead of four); ``_post_mean_norm_kernel`` is the
-last block's expand, the stream mean and the final norm (`mhc_post_mean_norm`). References:
-``trtllm_glm.modules.mhc.mhc_pre_norm_reference`` / ``mhc_post_mean_norm_reference``.
-
-Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to an interpreted copy of
-this module (`trtllm_glm.mhc.kernel_module`, via `trtllm_glm.triton_interp`). The interpreter's bf16
-arithmetic is wrong: loads are upcast to fp32 at once, and CPU tests check fp32 / fp16 (bf16 streams only on the
-tensor-core path's weights, whose interpreted dots are IEEE fp32; its bf16 ``x_in`` to one ulp).
+Drop-in for the torch reference of `trtllm_glm.modules.mhc`: three launches per block, sizes from shapes only, no
+host sync (graph-capturable). The fused residual sites (``TRTLLM_GLM_MHC_FUSE``) are docs/gpu.md, "Decode-step
+fusions". CPU: an interpreted copy (`trtllm_glm.triton_interp`). Launches, numerics, measurements and what was tried:
+docs/kernels.md, "mHC".
 """
 
 from __future__ import annotations

@@ -1,63 +1,8 @@
 """Triton fused MoE: routed experts as two grouped GEMMs over expert-sorted pairs (decode, verify and prefill).
 
-`fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result):
-
-1. `moe_align` (one program; or the torch ops of `ops.moe_align`, same layout) sorts the ``P = N * k``
-   (token, slot) pairs by expert on the device and pads each expert's run to a multiple of the row block
-   ``M``, in a buffer of ``padded_pairs_bound(P, E, M)`` slots, and tags each row block with its expert
-   (``-1``: unused block). No host sync, sizes from the shapes only. Up to `SORT_ALIGN_MAX_PAIRS` pairs
-   (decode and verify batches) ``_align_sort_kernel`` holds them all in registers: a histogram gives the
-   counts, cumsums the runs, one register sort of the keys ``expert * P_pad + pair`` the order (ascending pair
-   id within a run, as the reference's stable sort), and each pair's slot is its sorted position plus its
-   run's offset (one round trip through a small global array). Larger batches (prefill chunks) take the torch
-   ops, whose cost hardly grows with the pair count. On the H200 (`benchmarks/bench_moe_align.py`, E = 288,
-   top-8, graph replay, ``row_live`` flags) the sort kernel takes 2.6 / 3.3 / 4.9 / 9.4 / 20 / 69 us at
-   1 / 16 / 64 / 128 / 256 / 512 rows, the torch ops 59 / 61 / 89 / 92 / 95 / 101 us. (A single-program
-   kernel that walked the pairs in chunks of 64, a chain of dependent round trips per chunk, took 12 / 24 /
-   81 / 148 / 279 / 541 us, slower than the torch ops from 64 rows on: it was removed.)
-2. ``_gate_up_kernel``, grid ``(row blocks, cdiv(I, BLOCK_N))``: a program takes its block's ``M`` pairs,
-   gathers their tokens' rows of ``x``, multiplies them by its expert's gate and up rows ``[BLOCK_N, H]`` on
-   the tensor cores (fp32 accumulation), applies ``silu(min(g, L)) * clamp(u, -L, L)`` in fp32 and writes
-   ``[M, BLOCK_N]`` of the intermediate ``[L_slots, I]`` (activation dtype) at the block's slots.
-3. ``_down_kernel``, grid ``(row blocks, cdiv(H, BLOCK_N))``: the intermediate rows times the expert's
-   ``down`` rows, times the pair's routing weight, written in fp32 to ``pair_out[p]`` (``[P, H]``).
-4. ``_combine_kernel``: ``out[n] = sum_j pair_out[n * k + j]`` in slot order: each pair has its own row, so
-   there are no atomics and the result is bit-deterministic run to run. The ``[P, H]`` fp32 buffer is the
-   price (16.8 MB at N = 128, k = 8, H = 4096).
-
-Dead rows (``row_live``): CUDA-graph padding rows and verify filler rows compute outputs nobody reads, yet
-their routing would make experts' weights be read (up to ``k`` experts per row: at batch 1 a width-8 verify
-with two proposed drafts reads ~57 experts instead of ~23). Their pairs are left out of the sort (step 1),
-so no block holds them, and the combine writes 0 for them without reading their stale ``pair_out`` rows.
-
-Each program of a row block reads its expert's weight tile once for all ``M`` pairs, so at decode sizes
-(each expert gets at most a few pairs) every touched expert's weights are read once per step; an expert with
-more than ``M`` pairs is read once per row block (from L2 after the first when blocks run together).
-Unused blocks (past the last expert's run) exit at once. The intermediate of padding rows is zero and their
-outputs are not stored.
-
-Numerics: bf16/fp16 operands on the tensor cores with fp32 accumulation; fp32 operands use IEEE fp32 dots
-(not TF32). The SwiGLU is evaluated in fp32 and rounded once to the activation dtype (the per-expert torch
-loop rounds ``gate``, ``up`` and each elementwise step to it), the down product is weighted in fp32 (the loop
-rounds it to the activation dtype first). So in bf16 the kernel is closer to the fp32 reference than the loop.
-
-Block-FP8 expert weights (``w_gate_up_scale`` / ``w_down_scale``; layout in `ops`): both GEMMs load the e4m3
-weight tiles (half the bytes of bf16), convert them to fp16 (exact, one packed conversion per two weights: the
-bf16 operand would take two more conversions per weight, and the conversions, not the bytes, would bound the
-kernel), multiply on the tensor cores with fp32 accumulation, and scale each K step's partial product by its
-128 x 128 tile's fp32 scale before adding it (``block_n`` and ``block_k`` divide 128, so a program's columns share
-a tile row and each K step lies in one tile column: one scalar scale per step). bf16 activations go to fp16
-exactly after a power-of-two scaling per row and K step (`_pow2_fp16`; the power is undone on the fp32 partial
-product), so any bf16 range works; fp16 activations go as they are, fp32 ones take IEEE fp32 dots. That is the
-product of the stored values with the reference's per-tile dequantised weights up to fp32 rounding (the scale is
-never rounded into a 16-bit type). The clamped SwiGLU, the routing weights and dead rows are as above; nothing
-changes in the sorting, the buffers or the combine. Compiled for sm_90 (H = 4096, block 16 x 64 x 128, 4 warps):
-gate_up 162 registers, 45 KB shared, no spills (bf16 weights: 108, 72 KB); down 94 registers.
-
-Where it runs: CUDA tensors go to the compiled kernels; other devices (the CPU) go to a copy of this module
-imported with Triton's interpreter switched on (as ``glm_kpool.kernels`` does for its kernels: the choice
-depends neither on ``TRITON_INTERPRET`` nor on import order). Under the interpreter operands are upcast to
-fp32 right after loading (its bf16 arithmetic is wrong); test numerics there in fp32 / fp16.
+`fused_moe` is a drop-in for `ops.fused_moe_ref` (same arguments, ``[N, H]`` fp32 result), bit-deterministic (no
+atomics: one fp32 row per pair, summed in slot order). The four steps, dead rows, numerics and block-FP8 experts:
+docs/kernels.md, "Fused MoE".
 """
 
 from __future__ import annotations

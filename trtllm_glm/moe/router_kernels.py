@@ -1,28 +1,8 @@
 """One Triton kernel for the sigmoid MoE router after its logits (`trtllm_glm.moe.router.fused_route`).
 
-``_route_kernel``, grid ``(cdiv(N, BLOCK_N),)``: a program loads ``BLOCK_N`` rows of fp32 logits ``[E]`` (padded
-to ``BLOCK_E``, a power of two) and the correction bias, and computes in registers:
-
-1. ``scores = sigmoid(logits)`` and ``choice = scores + bias`` (fp32, the reference's operations);
-2. a sort key per expert: ``choice`` mapped to an int32 whose signed order is the float order (NaN above
-   ``+inf``, ``-0.0`` equal to ``+0.0``, as ``torch.sort`` orders them), shifted left 16 bits, with
-   ``65535 - expert`` in the low bits. Equal choices then differ only in the low bits, the lower expert id
-   having the larger key, so one int64 ``max`` gives the best remaining expert *and* breaks ties toward the
-   lower id: exactly the stable descending sort of the reference, without a second (argmin) reduction;
-3. ``top_k`` passes: take the max key, decode the expert id from its low bits, retire that expert's key;
-4. a gather of the ``top_k`` selected logits, their (unbiased) sigmoid, the optional normalisation by their
-   sum plus ``1e-20``, the scaling, and one store of ids (int64) and weights (fp32).
-
-Numerics: on CUDA the sigmoid is ``1 / (1 + exp(-x))`` with libdevice's ``expf`` and an IEEE (round to nearest)
-division, the same arithmetic as torch's CUDA sigmoid, so the selection is the reference's bit for bit; only the
-normalising sum runs in another order (weights agree to an ulp or two). Triton's default fp32 ``exp`` is an
-approximation and its ``/`` is not IEEE, which would move near-ties. Under Triton's interpreter (the CPU) the
-exponential is numpy's, which differs from torch's vectorised CPU ``exp`` by an ulp for some inputs: exact ties
-and exact saturation (sigmoid 0 or 1) still agree, a near-tie within an ulp or two may resolve differently.
-
-NaN logits: a NaN choice sorts above every number, as ``torch.sort`` puts it (several NaNs: lower id first), so
-NaN experts are selected first and their weights are NaN; with ``norm_topk_prob`` the whole row's weights are
-NaN. The reference does the same; nothing raises.
+The selection is the reference's bit for bit on CUDA (libdevice ``expf``, IEEE division; ties to the lower expert
+id through the packed sort key); NaN experts are selected first, as ``torch.sort`` does. Steps and numerics:
+docs/kernels.md, "MoE router".
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """One Triton kernel for the row normalisations of the decode path (`trtllm_glm.norm.row_norm`).
 
-``_row_norm_kernel``, grid ``(R,)`` over the rows of ``x`` viewed as ``[A, B, D]`` (two leading strides, so
-views such as the per-head slices of a split projection need no copy; more leading dims are merged): one
-program loads a row, upcasts it to FP32 (the interpreter's bf16 arithmetic is wrong, and the references
-compute in FP32), reduces the sum of squares (divided by ``D`` for RMSNorm), scales by ``rsqrt(stat + eps)``,
-then by the weight and by ``sigmoid(gate)`` when given, in the references' order, and stores once in the
-output dtype. With ``TRTLLM_GLM_PDL=1`` on sm_90+ it launches with programmatic dependent launch
-(`trtllm_glm.pdl`): it lets the next kernel launch at once (a projection then streams its weight while the norm
-runs) and waits for the previous one before it reads.
-
-Numerics: the sum runs in a different order than torch's reduction, so results agree with the references
-to a few FP32 ulps, not bit for bit (then rounded to the output dtype, where a value on a rounding boundary
-may flip one ulp).
+One program per row of ``x`` viewed as ``[A, B, D]`` (no copy of strided views), FP32, the references' order of
+operations; optional PDL (``TRTLLM_GLM_PDL``). Agreement to a few FP32 ulps. Details: docs/kernels.md, "Row
+normalisations".
 """
 
 from __future__ import annotations

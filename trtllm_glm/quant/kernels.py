@@ -1,63 +1,9 @@
 """Triton kernels for the weight-only block-FP8 linear ``y = x @ (fp8 * scale_inv)^T`` (`trtllm_glm.quant.ops`).
 
-Why: decode reads every weight once per step; a block-FP8 weight read as one byte per element halves the bytes
-of the bf16 weight it replaces, but only if nothing dequantises it to memory first. Here each weight tile is
-read once as e4m3 codes, decoded in registers (exact: every e4m3 value is a bf16 / fp16 / fp32 value), multiplied
-with the activations on tensor cores (bf16 / fp16 activations) or with IEEE fp32 FMAs (fp32 activations), and
-the tile's partial product is scaled by its fp32 block scale before it joins the fp32 accumulator:
-``sum_k x w s = s * sum_k x w`` within one ``QBLOCK x QBLOCK`` tile, so the scale costs one multiply per output
-per step and the products stay exact.
-
-``_fp8_linear_kernel``, grid ``(cdiv(N, BLOCK_N), SPLIT, cdiv(M, BLOCK_M))``: program ``(t, s, r)`` computes
-the ``[BLOCK_N, BLOCK_M]`` tile of ``y^T`` for weight rows ``t * BLOCK_N ..``, activation rows ``r * BLOCK_M ..``
-and the ``s``-th chunk of ``K_PER_SPLIT`` reduction columns, in ``BLOCK_K`` steps, ``UNROLL`` steps per loop
-iteration. ``BLOCK_K`` divides ``QBLOCK`` and chunks start on multiples of ``BLOCK_K * UNROLL``, so every step lies
-inside one scale column: the scales of a step are one ``[BLOCK_N]`` vector (row ``n // QBLOCK``). Two operand
-orientations (``X_AS_A``, same products, same per-step order):
-
-* ``X_AS_A=False``: ``W_tile [BLOCK_N, BLOCK_K] @ x_tile^T``, the weight rows on the MMA's "M" side (a single
-  activation row still fills a tensor-core tile). On sm_90 at 64 weight rows that is a wgmma whose left operand
-  comes from registers, and its fragment layout makes the e4m3 codes come out of shared memory two bytes at a time
-  (32 ``ld.shared.b16`` per thread per 128-column step): the launch this module shipped first (38 % of the copy
-  ceiling on average at ``M <= 16``).
-* ``X_AS_A=True`` (the fused MoE's FP8 expert GEMM, `trtllm_glm.moe.kernels`): ``x_tile [BLOCK_M, BLOCK_K] @
-  W_tile^T`` with the weight tile loaded as ``[BLOCK_K, BLOCK_N]`` (k along memory). At 16 rows: ``mma.sync
-  m16n8k16``, the weight fragments through ``ldmatrix`` and one packed ``e4m3x2 -> f16x2`` conversion per two
-  weights, 108 registers and no spills at ``BLOCK_N = 64`` (PTX / ptxas for sm_90a, the same profile as the MoE's
-  kernel, which runs at 1.11x its bytes floor at 16 rows on the H200).
-
-* Decode / verify / small chunks (``M <= MAX_M_SPLIT``): one row tile, split along K so that enough programs
-  stream the weight (`launch_config`; per-shape tuned knobs in `_TUNED_SHAPES` / `_TUNED_CLASSES`). With
-  ``SPLIT > 1`` the partial tiles go to a scratch buffer (``X_AS_A``: the live activation rows only) and the
-  program that arrives last at a tile's counter (acq_rel atomic) sums them in split order ``0, 1, ..`` and stores
-  ``y``, then resets the counter: bitwise reproducible, no memset between launches or graph replays. ``SPLIT`` is
-  a runtime argument (``SPLIT_K`` tells the compiler whether there is a reduction): one compile serves every split.
-* Stream-K decode launches (``stream_k=P``, `_fp8_linear_sk_kernel`, x as the left operand): the split-K grid
-  runs ``tiles x split`` programs in waves of what fits on the SMs (2 per SM for 128-row tiles), so 388 programs
-  on 132 SMs leave the last wave half empty. Here ``P`` programs (e.g. 264, a full wave) share the ``tiles x
-  steps`` units equally; a program's run may end inside a tile, cover whole tiles and start another. A tile
-  covered by one run stores ``y``; otherwise each run's partial takes the slot ``p - (the tile's first program)``
-  and the last to arrive sums them in slot order (`_join_partial`, as the split's). The cut depends on ``(N, K,
-  P)`` only: a row's bits never depend on M. Not yet timed on the H200 (sweep candidates).
-* Programmatic dependent launch (``pdl=True`` / ``TRTLLM_GLM_PDL=1``, decode launches, sm_90+; off by default
-  until an H200 A/B says it pays): the kernel lets the next one launch at once, asks L2 to prefetch the first
-  ``prefetch`` bytes of each weight row of its chunk, and waits (``griddepcontrol.wait``) before it reads x or
-  writes anything (`_pdl_start`; `trtllm_glm.pdl`). The kernels before the projections (row norm, SwiGLU) let
-  it launch early, so the weight starts moving while they run. No arithmetic changes: the bits are the same.
-* Larger ``M`` (prefill chunks): ``SPLIT == 1`` and a grid over row tiles too.
-
-Loads are pipelined by the compiler (``cp.async``, ``num_stages`` iterations in flight) when ``K`` and the strides
-are multiples of 16 (every real shape; Triton's launch specialisation tells it so); otherwise the masked tail makes
-it fall back to narrow loads (correct, slower).
-
-e4m3 decode: compiled, the hardware conversion (``bitcast`` to ``float8e4nv``, then to fp16: the MMA runs in fp16,
-bf16 activations scaled into fp16 by a power of two per row and K step, exactly, the power undone on the fp32
-partial product); under
-Triton's interpreter (whose fp8 casts are not IEEE) an exact integer decode to fp16 holding ``value * 2**-8``,
-upcast to fp32 and multiplied by ``2**8``. The interpreter also computes in fp32 (``DOT_FP32``).
-
-Launch parameters come from shapes only and the scratch is allocated once per (device, tiles, split) and cached,
-so calls can be captured in a CUDA graph after one eager call of the same shape.
+e4m3 tiles decoded in registers, fp32 accumulation, one scale multiply per tile; split-K with a last-arrival
+reduction in split order (bitwise reproducible, no memset), graph-capturable after one eager call of a shape.
+Design (operand orientations, stream-K, PDL, the e4m3 decode): docs/kernels.md, "Block-FP8 linear"; the tuned
+launch tables below and how they are swept: docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Triton kernels of the KDA speculative verify pass and its commit, drop-in for `ops.verify`'s references.
 
-`kda_verify` and `kda_commit` take the reference functions' arguments (plus optional keywords: a slot
-table and ``fresh`` flags to address the state pool directly, launch knobs) and return the same things
-(``KdaRecords``); `ops.verify` dispatches CUDA tensors here. They allocate only the verify outputs ``o``
-and ``u`` (sizes from shapes alone) and never synchronise with the host, so a verify + commit pair can be
-captured in a CUDA graph. Numerics: FP32 in registers; the same operations as the reference in the same
-order, with the K-reductions in a different order, so results agree to FP32 rounding (not bit for bit), and
-a commit of ``a = 0`` leaves the state's bits untouched. ``kernels/verify.py`` has the kernel design.
-
-Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same kernel source, imported under its own module name with Triton's interpreter
-switched on only for that import (`trtllm_glm.triton_interp`, shared with the indexer kernels). So a CPU test and a
-GPU test can run in one pytest process, whatever ``TRITON_INTERPRET`` says. Triton is imported lazily, on
-the first call. The interpreter's bf16 arithmetic is not IEEE: the kernels upcast right after loading, and
-CPU tests check numerics in FP32 / FP16.
+`kda_verify` / `kda_commit` take the references' arguments (plus a slot table, ``fresh`` flags and launch knobs)
+and return ``KdaRecords``; they allocate only ``o`` and ``u`` and never sync with the host (graph-capturable).
+FP32, agreement to FP32 rounding. CPU: an interpreted copy (`trtllm_glm.triton_interp`). Design: ``verify.py``.
 """
 
 from __future__ import annotations

@@ -1,49 +1,9 @@
 """Triton kernels of the KDA short convolution's front half: decode update, prefill, speculative verify and commit.
 
-Each replaces a dozen small launches per KDA layer and step of its torch reference in
-`trtllm_glm.kda.ops.conv` (gathers of the conv states, window concatenations, tap products and their sum,
-SiLU, state scatters, two row norms, a copy of ``v``). The conv state's channel order is ``q | k | v``,
-head-major within each, ``C = H * (2K + V)``; a window holds the last ``W - 1`` inputs, oldest first.
-
-``_conv_decode_kernel`` (`conv_decode`), grid ``(n, H)``: one program per (decode row, head) covers the head's
-``K`` query, ``K`` key and ``V`` value channels. For each channel it loads the ``W - 1`` stored inputs
-(oldest first) of the row's state slot and the new input, computes ``silu(sum_w window[w] * weight[c, w])`` in
-FP32 (taps in order, oldest first), L2-normalises the query and key rows of the head
-(``y / sqrt(sum(y^2) + eps)``), stores ``q``, ``k``, ``v`` and writes the shifted window back into the slot
-(the newest input last, cast to the state's dtype). Heads own disjoint channels, so programs never touch each
-other's state, and each program reads its window before writing it. Rows sharing a slot (only the padding
-rows of a CUDA-graph step do) race on that slot's garbage, which no real row reads.
-
-``_conv_verify_kernel`` (`conv_verify_qkv`), grid ``(n, H, Wm)``: one program per (verified sequence, head,
-row) computes that row from the committed window, which is only read (a convolution has no recurrence: rows
-run in parallel; one program per (sequence, head) looping over the rows took ~10 us per layer at batch 1 x
-width 4 on the H200). Tap ``w`` of row ``j`` reads position ``j + w`` of history-then-rows: a stored input
-(zeros for a fresh sequence, whose slot is masked, never multiplied, as it may hold garbage) or the
-sequence's row ``j + w - (W - 1)``; the few re-read inputs come from the cache. The arithmetic per row is
-the decode kernel's (same tap order, SiLU and norm). Rows past the sequence's width are written as zeros.
-Sequences start at ``row0`` with ``widths`` rows, or, without them, at row ``j * Wm`` with ``Wm`` rows each.
-
-``_conv_commit_kernel`` (`conv_commit_slots`), grid ``(n, cdiv(C, BC))``: once ``a`` rows of a sequence are
-accepted, its new window is the last ``W - 1`` entries of (window or zeros) ++ rows ``[:a]``: entry ``i``
-takes position ``a + i``. A ``[BC, W - 1]`` tile is loaded whole, then (after a barrier, since the tile's
-entries are read and overwritten by different threads of the program) stored into the slot. Stored entries
-keep their bits, rows are rounded as ``.float().to(state dtype)`` rounds them, and a sequence with ``a = 0``
-that is not fresh is not stored at all: data movement, bit-exact against the reference.
-
-``_conv_prefill_kernel`` (`conv_prefill`), grid ``(cdiv(T, BT), 3H)``: one program per block of ``BT`` packed
-prefill rows and one head's q, k or v channels. Each row finds its sequence by a branch-free binary search over
-the packed offsets ``cu_seqlens`` (device tensor: no host sync; a block may hold the end of one sequence and the
-start of the next), then sums the taps oldest first exactly as the verify kernel does: position ``j + w - (W - 1)``
-of the sequence is its own row when ``>= 0``, else entry ``j + w`` of the slot's window (masked for a fresh
-sequence), so only a sequence's first ``W - 1`` rows read the window. SiLU, the head's L2 norm (q and k) and a
-contiguous FP32 store ``[T, H, K|V]`` (what fla-core's chunk kernels read) follow. The window is only read here:
-`conv_prefill` then launches ``_conv_commit_kernel`` with every row accepted (the new window is the last ``W - 1``
-entries of window-then-rows), after all rows have read the old one.
-
-Numerics: the same FP32 operations as the references; the tap sum, SiLU and the norm may round differently
-(agreement to FP32 rounding, not bit for bit). The wrappers allocate only the outputs and never synchronise
-with the host: graph-capturable. Under Triton's interpreter (CPU tests) bf16 arithmetic is not IEEE, so inputs
-are upcast right after loading and CPU tests check FP32 / FP16.
+Drop-ins for `trtllm_glm.kda.ops.conv`. The conv state's channel order is ``q | k | v``, head-major within each,
+``C = H * (2K + V)``; a window holds the last ``W - 1`` inputs, oldest first. FP32 arithmetic (agreement to FP32
+rounding; the commit is bit-exact data movement), no host sync. Per-kernel design: docs/kernels.md, "KDA short
+convolution".
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """Triton kernels of the KDA speculative verify pass and its commit (`ops.verify` is the torch reference).
 
-Both kernels run one program per (sequence, head, block of ``BV`` value channels) and keep that program's
-state tile ``S [K, BV]`` in FP32 registers; heads and value blocks are independent in the delta rule
-(``u`` and ``o`` of a value channel only read that channel's column of the state), so no program talks to
-another.
-
-* verify: loads the committed tile once, then for each of the ``W`` rows (inputs upcast to FP32 right
-  after loading: the interpreter's bf16 arithmetic is not IEEE)::
-
-      S <- exp(g)[:, None] * S            (the reference's `_step`, same order)
-      u  = beta * (v - k^T S)
-      S <- S + k u^T
-      o  = (scale * q)^T S
-
-  and stores ``o`` and ``u``. The committed state is only read.
-* commit: loads the tile, replays ``S <- exp(g_t)[:, None] * S + k_t u_t^T`` for ``t < a[n]`` (``a`` read
-  on the device, clamped to ``[0, W]``) with the very expressions verify used for its running state, and
-  stores the tile only when ``a[n] > 0`` (or the sequence is fresh), so ``a = 0`` leaves the slot's bits
-  untouched.
-
-* decode (`kda_decode_inplace`, the batch-invariant mode's decode): the verify kernel with one row that
-  stores its running state back into the slot, so a decode row runs the very step function (`_kda_step`) a
-  verify row runs. In the mode all three use one value block (32) whatever the batch, and no FP contraction.
-
-Either kernel can address the state through a slot table (``state[slot[n]]``, the cache's state pool) and a
-``fresh`` flag per sequence (start from zeros without reading the slot, whose old contents may be garbage,
-even NaN), so the layer needs no gather/scatter copies. The wrappers allocate only ``o`` and ``u`` (sizes
-from shapes), never synchronise with the host and validate shapes only: graph-capturable.
+One program per (sequence, head, ``BV`` value channels), the state tile in FP32 registers; a commit of ``a = 0``
+leaves the slot's bits untouched. The recurrences and the slot / ``fresh`` addressing: docs/kernels.md, "KDA verify
+and commit".
 """
 
 from __future__ import annotations

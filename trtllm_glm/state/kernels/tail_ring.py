@@ -1,46 +1,8 @@
 """Triton kernel of `DecodeTailRing.prepare_step`: the tail ring's rollback and backup in one launch.
 
-The torch reference (`trtllm_glm.state.tail_ring.DecodeTailRing.prepare_step_reference`) dispatches about ninety
-small device ops per sparse layer and decode/verify step (scatter geometry, gathers, selects, indexed writes, the
-counter); this is one launch with the same results, bit for bit (pure data movement: fp32 copies and exact upcasts).
-
-``_prepare_step_kernel``, grid ``(B,)``: program ``b`` serves sequence ``b`` of the step.
-
-1. Geometry. It reads ``s = state_slots[b]`` and scans every row of the step (``N`` is at most a few hundred:
-   a few masked vector loads of ``row_seq``, ``state_slots[row_seq]`` and ``positions``) for the rows that
-   belong to slot ``s``: a row with ``0 <= row_seq < B`` whose sequence names ``s``, with ``s`` in
-   ``[0, S)``. Their count is the width ``W``, their smallest position ``p0``, their smallest row index
-   ``r0``, exactly as the reference's per-slot scatter computes them.
-2. Ownership. Program ``b`` *owns* slot ``s`` when ``W > 0`` and the first row ``r0`` is one of its own rows
-   (``row_seq[r0] == b``); only the owner reads or writes anything of the slot, and only the owner counts.
-   Every touched slot has exactly one owner (the sequence of its first row, which names the slot), so the
-   other sequences naming ``s`` (stale duplicate ids, prefill or padding entries of ``state_slots``) and
-   sequences with out-of-range ids (``W = 0``) do nothing. The reference instead lets every sequence
-   naming a slot recompute and write identical values; the result is the same, and here no two programs
-   ever write (or write and read) the same bytes, so the launch is race-free by construction, in any
-   program order. Untouched slots are never accessed: their rings and backups keep their bits.
-3. Restore (owner, ``saved_count[s] > 0``): ``a = clamp(p0 - saved_pos[s], 0, saved_count[s])``; the ring's
-   ``[2, 4, 128]`` block becomes the snapshot with the last (up to four) accepted saved rows replayed into
-   their entries ``(saved_pos[s] + i) % 4``, computed per entry as in the reference (entry ``m`` takes saved
-   row ``a - 1 - ((saved_pos[s] + a - 1 - m) mod 4)`` when that is ``>= 0``).
-4. Backup (owner, ``1 < W <= max_rows``): ``snapshot[s]`` = the restored ring, ``saved_rows[s, :W]`` = rows
-   ``r0 .. r0 + W - 1`` of ``key`` / ``gate`` upcast to fp32, ``saved_pos[s] = p0``, ``saved_count[s] = W``;
-   a touched slot without a backup gets ``saved_count[s] = 0``.
-5. Counter: the owner adds one to ``num_disagreements_t`` (an atomic add: owners of different slots run
-   concurrently) when the accepted length had to be clamped, when ``num_accepted_tokens[b]`` differs from
-   the derived one, or when ``W > max_rows``.
-
-Inside the owning program, the restore reads the ring, the snapshot and up to four saved rows, and the backup
-then overwrites the snapshot and the saved rows. The ring and the snapshot are read and written through the
-same ``[8, 128]`` block (each element loaded and stored by the same thread, in that order), but the saved rows
-are read at the replayed row indices and written at the backup's, by other threads: a CTA barrier between the
-two phases keeps every read before every write (it is a no-op under the interpreter, which runs one program
-at a time anyway).
-
-No allocation and no host synchronisation: the wrapper only validates shapes and launches, so a step can be
-captured in a CUDA graph. Integer inputs may be int32 or int64 (widened to int64 in registers); ``key`` and
-``gate`` may be any float dtype (upcast right after loading: Triton's interpreter does not do bf16 arithmetic
-as IEEE, the CPU tests use fp32 / fp16).
+Bit for bit `prepare_step_reference` (pure data movement), one program per sequence; only a slot's owner (the
+sequence of its first row) touches it, so the launch is race-free in any program order. No allocation, no host
+sync. The five phases and the barrier between restore and backup: docs/kernels.md, "Tail-ring rollback and backup".
 """
 
 from __future__ import annotations

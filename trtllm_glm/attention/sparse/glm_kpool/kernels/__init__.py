@@ -1,31 +1,10 @@
 """Triton kernels of the pooled (C4) FP8 lightning indexer and of sparse MLA, drop-in for the torch reference
-ops in ``../ops``.
+ops in ``../ops`` (same names and signatures).
 
-Each public function here has the signature of the reference function of the same name (``ops.cache_update``
-/ ``ops.score`` / ``ops.fp8`` / ``ops.fwht`` / ``ops.pooling`` / ``ops.sparse_mla``), so a dispatcher can swap
-one for the other. The wrappers allocate nothing per call except the outputs the reference also returns
-(``score_pools``, ``expand_selection``, ``select_topk_pools`` and ``sparse_mla_attention`` also take an
-optional keyword ``out=``, a persistent buffer to write instead) and, for ``sparse_mla_attention``, split-K
-scratch whose size follows from the shapes alone; they do no host synchronisation and no validation that
-would need one: tables, slots and positions must describe a valid batch (the reference ops validate; the
-kernels only mask their memory accesses, so that a bad page id, a padding row (``row_seq < 0``) or an
-out-of-range pool id is skipped rather than read or written out of bounds). Rows of a sequence must be
-contiguous in the batch with consecutive positions, as the reference requires.
-
-Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same kernel source (Triton's interpreter, as under ``TRITON_INTERPRET=1``),
-imported under its own module name with the interpreter switched on only for that import; its launches
-run inside `interpreting`, which lets ``triton.language``'s own jit functions (``tl.max``, ``tl.sum``,
-``tl.sort``, decorated for compilation when triton was imported) be interpreted too (the mechanism is
-shared by every kernel package: trtllm_glm/triton_interp.py). So the choice depends neither on the
-process environment nor on import order, and a CPU test and a GPU test can run in one pytest process.
-Triton is imported lazily, on the first call.
-
-Numerics (docs/architecture.md, "Indexer numerics"): FP8 pools, their scales, tail rings, latent rows,
-quantised queries and selections are bit-identical to the reference (so are the fp32 FWHT and pooling
-helpers). Scores use fp32 accumulation of the exact fp8 products on tensor cores and a tree sum over
-heads, so they agree with the reference (exact dot rounded once, heads summed in order) to fp32
-rounding, not bit for bit. NOTES.md beside this file has the byte/FLOP floors and what the GPU run checks.
+The kernels do no host synchronisation and no validation: tables, slots and positions must describe a valid batch
+(rows of a sequence contiguous, positions consecutive); bad ids are masked, not read. CPU: an interpreted copy
+(`trtllm_glm.triton_interp`). Contract and numerics: docs/kernels.md, "Indexer and sparse MLA kernels"; floors:
+NOTES.md beside this file.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Triton device helpers shared by the indexer kernels: bf16/e4m3 rounding, the 128-wide FWHT, pooling.
 
-Everything is fp32 (plus fp64 for ``exp``) and integer bit arithmetic, never a float->bf16 or float->fp8
-cast: Triton's interpreter gets those casts wrong, and one code path must serve the interpreter (CPU
-tests) and the GPU. The helpers mirror the reference ops in ``../ops`` operation by operation, so that
-pools, scales and rings come out bit-identical (see docs/architecture.md, "Indexer numerics"):
-
-* ``bf16_round``: round-to-nearest-even onto the bf16 grid via the fp32 bits (as ``x.to(bfloat16)``);
-  ``bf16_bits`` / ``bf16_bits_to_f32``: the bf16 bit pattern of that value and back (BF16 index keys).
-* ``fwht128``: the reference butterfly order (stages ``h = 1, 2, ..., 64``, pair ``(i, i + h)``), then one
-  multiply by ``float32(128 ** -0.5)``. Each stage is an exact pairing of correctly rounded fp32 adds, so
-  the result equals `ops.fwht` bit for bit (a Hadamard matrix product would not: its fp32 accumulation
-  order differs and inputs with a wide exponent range make the sums inexact).
-* ``pow2_scale``/``e4m3_codes``: exponent arithmetic on the fp32 bits, exactly as `ops.fp8`.
-* ``pool4``: `ops.pool_keys`'s fixed operation order; ``exp`` goes through fp64 like the reference, so the
-  fp32 result is the correctly rounded exp on both sides. Kernels that call it must be launched with
-  ``enable_fp_fusion=False``: a fused multiply-add would round ``w * k + acc`` once instead of twice.
+fp32 and integer bit arithmetic only, never a float->bf16 or float->fp8 cast (the interpreter gets those wrong);
+each helper mirrors its reference op operation by operation (bit-identical). Kernels calling ``pool4`` must launch
+with ``enable_fp_fusion=False``. Per helper: docs/kernels.md, "Indexer device helpers".
 """
 
 from __future__ import annotations

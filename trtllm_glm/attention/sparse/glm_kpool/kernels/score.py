@@ -1,21 +1,7 @@
 """Triton kernel: indexer scores over each row's complete pools (`ops.score_pools`).
 
-Grid ``(N rows, pool chunks)``. A program owns ``ITERS`` blocks of ``BLOCK_P`` pools of one row: it decodes
-the row's ``H`` FP8 query heads once, then per block gathers the pool keys through the slot table, takes
-``[BLOCK_P, 128] x [128, H]`` on the tensor cores, applies ReLU and the head weights, sums over heads and
-multiplies by the pool scale. Pools at or beyond ``min((pos + 1) // 4, max_pools)`` get ``-inf`` (chunks that
-start there skip every load).
-
-Numerics: e4m3 codes are decoded arithmetically to fp16 holding ``value * 2**-8`` (exact, subnormals
-included), so each product is exact and the dot accumulates in fp32. The factor ``2**16`` of the two
-operands comes back in the final power-of-two multiply, which is exact. The reference instead sums the dot
-exactly (fp64) and rounds once, and sums heads in order 0..H-1, so scores agree to fp32 rounding (relative
-error ~1e-6 of ``sum_h |w_h| * |q_h| . |k_p| * kscale_p``), not bit for bit. Each row's result depends only
-on that row's inputs (no batch-dependent reduction).
-
-BF16 keys (``index_k`` bfloat16, no scale plane, bf16 queries; docs/indexer_keys.md): on CUDA the bf16 operands
-go to the tensor cores as they are (exact products, fp32 accumulation); under the interpreter (and with
-``fp8_decode="arith"``) their bits are widened to fp32 and the dot runs in IEEE fp32. No scale multiply.
+Exact fp8 (or bf16) products accumulated in fp32 on the tensor cores: agreement with the reference to fp32
+rounding, each row's result from its own inputs only. Grid and numerics: docs/kernels.md, "Indexer scores".
 """
 
 from __future__ import annotations

@@ -1,44 +1,9 @@
 """Sparse MLA decode/verify attention over selected latent rows (`ops.sparse_mla_attention`): Triton + Gluon.
 
-Absorbed (MQA) form: every head of a query row attends over the same selected latent rows, so each latent
-row is read once per query row and shared by all heads of a program. Split-K (flash-decoding) layout, grid
-``(head blocks, splits, N)``: a program owns ``BLOCK_H`` heads of one row and a contiguous range of
-``rows_per_split`` entries of ``sel``. Per tile of ``BLOCK_W`` entries it gathers the latent rows through
-the slot table (entries ``< 0``, bad pages and padding rows are masked: no load), takes ``S = Q C^T`` and
-``O += P C`` on the tensor cores with an online (running max) softmax in fp32, and writes the normalised
-partial output and its log2-sum-exp; with one split it writes the final output directly and no combine
-runs. Two kernels implement that program:
-
-* ``_gluon_split_kernel`` (Gluon, Triton's explicit-layout dialect; sm_90 with bf16/fp16 and R = 512, see
-  `gluon_eligible`; the default there): all 64 heads, 8 warps, 64-entry tiles. Its schedule is written
-  out: the latent rows of tile ``t + 1`` are gathered by 16-byte ``cp.async`` copies into the second of two
-  shared-memory buffers at the top of step ``t`` (a whole step ahead of their use), the page lookups run one
-  tile ahead of the copies and the selection loads two, and both products split their N across the two
-  warpgroups (``S`` by entries, ``O`` by latent columns: each warpgroup keeps ``O[:, 256-column half]`` in
-  registers). Shared memory: Q 64 KB + 2 x 64 KB tiles + P 8 KB. ``block_w`` 32 / 16 with deeper rings
-  (4 / 8 tiles) exist for tuning (slower on the H200, kernels/NOTES.md).
-* ``_split_kernel`` (Triton; every other case: fp32, other GPUs, the CPU interpreter): the same program
-  with the loop left to Triton's software pipeliner.
-
-``_combine_kernel``, grid ``(head blocks, N)``, weights the partials by ``2 ** (lse_s - max lse)`` and
-writes the output in ``q_abs``'s dtype. A row with nothing selected has every ``lse = -inf`` and gets zeros,
-as in the reference.
-
-The split count depends only on shapes (rows, heads, selection width, multiprocessor count; in the
-batch-invariant mode the selection width and heads alone, `choose_splits`), and the
-partial buffers are allocated from shapes only, so the op has no host synchronisation and can be captured
-in a CUDA graph.
-
-Numerics: on CUDA with bf16/fp16 queries and cache (the model's case) both products run on the tensor
-cores with fp32 accumulation; ``Q C^T`` is exact per product (bf16 x bf16 fits fp32), the probabilities
-are rounded to the cache dtype for ``P C`` (as FlashAttention does), the softmax and the combine are fp32,
-so outputs agree with the fp32 reference to about one unit of the output dtype's last place (both kernels
-alike). With fp32 inputs, mixed dtypes or under the interpreter (CPU), everything is fp32 with IEEE dot
-products in the Triton kernel (bf16 values are upcast right after loading: the interpreter's bf16
-arithmetic is not IEEE).
-
-Defensive differences from the reference (which raises): a selected token whose page is missing from the
-slot table or out of range, and rows with ``row_seq < 0``, are skipped instead.
+Split-K (flash-decoding) over the selection, ``_gluon_split_kernel`` on sm_90 (bf16/fp16, R = 512), ``_split_kernel``
+elsewhere, then ``_combine_kernel``; split count from shapes only (graph-capturable). Bad pages and ``row_seq < 0``
+rows are skipped where the reference raises. Schedule and numerics: docs/kernels.md, "Sparse MLA decode / verify";
+floors: kernels/NOTES.md.
 """
 
 from __future__ import annotations
