@@ -1,37 +1,9 @@
 """CUDA graphs of the decode and verify forwards (TensorRT-LLM's ``CudaGraphConfig``).
 
-A pure-decode step (every sequence one row) and a speculative verify step (every sequence ``1 + K`` rows)
-are captured once per (padded batch size ``P``, width ``W``) and replayed afterwards: input ids -> final
-hidden ``[P * W, D]``, FP32 logits ``[P * W, V]`` and, packed for one device-to-host copy, each row's greedy
-token, top-2 logit gap and its sequence's accepted count ``[P * W, 3]``. Steps with any prefill rows, mixed
-widths or a batch larger than the largest captured size run eagerly.
-
-A verify graph (``W > 1``) also accepts and commits on the device: each sequence's accepted count is one
-plus the longest prefix of its drafts that the target's argmax confirms, capped at the drafts the host
-marked as proposed (`CudaGraphRunner.set_proposed`; filler past them is never accepted), and the KDA
-layers' verify records are folded into their state slots with those counts inside the graph
-(`RequestStateOwner.fold_pending`). The host then only advances the committed lengths, after checking
-that its own acceptance of the copied greedy tokens agrees (docs/design.md §5).
-
-Padding (docs/design.md §5): a batch of ``B`` sequences is padded to the next captured size with ``P - B``
-trailing sequences that
-
-* have ``row_seq = -1`` on every row, so the sparse-MLA kernels (latent rows, pools, scores, attention) and
-  the tail-ring rollback skip them: they read and write no page, pool or ring of any request;
-* name the executor's reserved *padding state slot* (taken from the cache manager at construction through
-  its ordinary ``add_request``, under `PADDING_REQUEST_ID`, so no real request can ever hold it): the KDA
-  layers' in-place decode / verify records touch only that slot;
-* have an all ``-1`` slot-table row and token id 0.
-
-Their outputs are garbage that nothing reads: the executor samples and commits only the first ``B``
-sequences (`AttentionMetadata.trim_padding`). In a verify graph they propose nothing, accept one row and
-fold it into the padding slot, which no request reads.
-
-Capture: a graph is captured on the first step that needs it (or all of them up front with
-`CudaGraphRunner.capture_all`), from a batch made only of padding sequences, so warm-up and capture never
-touch a real request's state. Every graph shares one memory pool. Buffers a graph reads (metadata, input
-ids) are persistent and refreshed in place before each replay; a `GraphAddressGuard` checks their
-addresses before every replay (a dictionary of a handful of pointers: cheap enough to keep on).
+Captured per (padded batch size ``P``, width ``W``): input ids -> final hidden ``[P * W, D]``, FP32 logits
+``[P * W, V]`` and the packed ``[P * W, 3]`` rows (greedy token, top-2 gap, accepted count) for one device-to-host
+copy. A verify graph also accepts and folds the KDA records on the device. Padding sequences, the reserved padding
+state slot (`PADDING_REQUEST_ID`), capture from padding-only batches and the `GraphAddressGuard`: docs/design.md §5.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Structured output: grammars compiled against the tokenizer's vocabulary, and token masks on the logits.
 
-A request with ``SamplingParams.guided_decoding`` (`GuidedDecodingParams`, TensorRT-LLM's name: a JSON schema,
-any JSON object, a regular expression or a Lark / GBNF grammar) gets its own `RequestGrammar` when the executor
-admits it: an ``llguidance`` matcher that says, before each token, which tokens keep the output inside the
-grammar. The executor masks that request's logits rows with it before choosing a token (`apply_token_bitmask`:
-disallowed tokens get ``-inf``), and advances the matcher over every token it emits. End of sequence is
-allowed only where the grammar accepts, so a request ends either with complete output (finish reason
-``stop``) or at ``max_tokens`` (``length``).
-
-Why llguidance: one 3 MB wheel with no Python dependencies (abi3, any CPython >= 3.9), JSON schema, regex and
-Lark grammars in one engine, masks computed in ~50 µs per token on the CPU, and rollback (speculative
-decoding) built in. It is imported on first use only: ``pip install llguidance`` (the ``structured`` extra).
-
-Compilation happens once per distinct grammar (`GrammarCompiler`: an LRU of built matchers that each request
-copies in microseconds), so a schema sent with every request is parsed once.
-
-Masks are bitmasks ``[rows, ceil(V / 32)]`` int32 (bit ``t % 32`` of word ``t // 32`` set: token ``t`` is
-allowed), filled on the host and applied on the logits' device. Under speculative decoding each verify row
-``j`` of a grammar request is masked with the matcher state after drafts ``0 .. j - 1`` (`fill_bitmasks`),
-then the matcher keeps the accepted tokens only (rejected drafts are rolled back, never consumed).
-
-Thinking before a constrained answer (``GuidedDecodingParams.reasoning``): a reasoning model writes
-``<think> ... </think>`` and then its answer; with ``reasoning="inside"`` (the prompt opened the thinking, as GLM's
-templates do) or ``"optional"`` (the output may open it with ``<think>`` first) the grammar applies only after the
-closing tag: the thinking is free text (end of sequence excluded, so the answer always follows), and the grammar
-starts fresh at the first token after ``</think>`` (vLLM's and SGLang's behaviour with a reasoning parser). The tags
-are found in the tokens' bytes, so a tag written as one special token or as several pieces is found alike.
-``max_reasoning_tokens`` caps the thinking: past it only the closing tag's tokens are allowed.
+Each request with ``SamplingParams.guided_decoding`` gets a `RequestGrammar` (an ``llguidance`` matcher, imported on
+first use) at admission; `GrammarCompiler` keeps an LRU of built matchers that requests copy. Masks are bitmasks
+``[rows, ceil(V / 32)]`` int32 (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed), filled on the host and
+applied on the logits' device; verify row ``j`` is masked with the state after drafts ``0 .. j - 1`` and the
+matcher keeps the accepted tokens only. Behaviour, reasoning modes and why llguidance: docs/python_api.md,
+"Structured output"; under speculation: docs/speculation.md, "Speculation under a grammar".
 """
 
 from __future__ import annotations

@@ -1,45 +1,13 @@
 """Piecewise CUDA graphs of the eager steps (issue 42 item 2): prefill chunks, mixed prefill + decode steps, and
 decode steps no full graph covers.
 
-A full CUDA graph (`cuda_graph.CudaGraphRunner`) needs a step whose shape the host knows in advance (every
-sequence one row, or ``1 + K`` rows); a step with a prefill chunk in it runs eagerly, hundreds of launches per
-layer. Most of those launches are token-wise: row ``i`` of their output depends on row ``i`` of their input only
-(mHC collapse and expansion, the norms, every projection, the KDA gate, the FFN / MoE, the final norm). Only the
-attention cores read the step's layout or the caches. So, as vLLM does, the forward is cut at the cores:
-
-    segment 0:      embed, layer 0's attention input side (mHC pre, input norm, KDA projections)
-    core 0:         layer 0's attention core (eager)
-    segment k:      layer k-1's attention output side (KDA gated norm + o_proj, all-reduce, mHC post), its FFN
-                    block (mHC pre, norm, MLP / MoE, all-reduce, mHC post), layer k's attention input side
-    core k:         ...
-    segment L:      layer L-1's output side and FFN block, the stream mean and the final norm
-
-Each segment is captured once per (segment, padded token count ``T``) and replayed; the cores run eagerly between
-them on the step's ``n`` real rows. ``T`` is the smallest bucket (`piecewise_buckets`: powers of two up to 256,
-then multiples of 256) holding ``n``. A step of ``L`` layers is ``L + 1`` replays plus the cores' launches.
-
-Carry buffers: what crosses a segment boundary lives in persistent buffers of ``max_tokens`` rows (made once, at
-the first eager run of the segment that writes them; never reallocated, so graphs read fixed addresses), shared
-by every bucket (bucket ``T`` uses rows ``:T``) and every layer. A segment never writes a buffer it reads: the
-values a layer's output side reads back (streams, normed input, mHC weights, the output gate's input) alternate
-between two buffers by layer parity. So a segment is a pure function of its inputs and may run twice (its
-warm-up and its capture happen in the middle of the step that first needs it). A segment's results are copied
-into the carry buffers at its end; nothing the graphs allocate outlives a replay, so every graph shares one
-memory pool and it holds one segment's working memory, not one per graph. Memory: `PiecewiseStats`.
-
-Padding rows ``n .. T - 1``: input ids 0, ``row_live`` 0 (the MoE computes no routed expert for them), the core
-outputs whatever an earlier step left there. Token-wise segments never mix rows, so real rows are unaffected;
-nothing reads padding rows' outputs (cores and the returned hidden take rows ``:n``).
-
-Numerics: the same ops as the eager forward on the same real rows, but the token-wise kernels see ``T`` rows where
-the eager step has ``n``: a kernel that chooses its launch (GEMM algorithm, MoE tiles) from the row count may round
-differently (greedy tokens agree but for near ties, as for the full graphs' padding). In the batch-invariant mode
-(`trtllm_glm.numerics`) no launch depends on the row count, so piecewise steps equal eager ones bit for bit; the
-runner still stays off there unless built with ``allow_batch_invariant=True`` until a GPU run of
-``test_piecewise_gpu.py`` has shown it.
-
-Not covered (eager as before): steps with speculative verify sequences (the KDA verify records keep views of the
-conv inputs until the commit), steps above the largest bucket, and the LM head (the rows a step samples).
+The forward is cut at the attention cores (vLLM's scheme): segment ``k`` is layer ``k-1``'s attention output side and
+FFN block plus layer ``k``'s attention input side, captured per (segment, padded token count); the cores run eagerly
+on the real rows between the replays. A segment never writes a carry buffer it reads (the read-back values alternate
+between two buffers by layer parity), so it may run twice in the step that first needs it (warm-up, capture).
+Not covered: steps with speculative verify sequences (the KDA verify records keep views of the conv inputs until
+the commit), steps above the largest bucket, and the LM head. Design, buckets, memory and numerics: docs/gpu.md,
+"Piecewise CUDA graphs of eager steps".
 """
 
 from __future__ import annotations

@@ -1,31 +1,16 @@
 """Start-up warm-up: run every kind of step a served batch can take, so that no kernel compiles while serving.
 
-Triton compiles a kernel the first time it meets a new specialisation: a new ``tl.constexpr`` (block sizes
-chosen from a row count or a context length), an integer argument that newly is 1 or a multiple of 16. On a GPU
-that first launch stalls the step for hundreds of milliseconds or more, and a served step meets new shapes all
-the time (each prompt length, each mix of decode and prefill rows, each context length). CUDA graphs cover the
-decode and verify steps of the captured batch sizes; `warm_up` covers the rest by running synthetic requests
-through the executor itself (the same code path as serving):
+Triton compiles on each new specialisation (a ``tl.constexpr`` chosen from a row count or a context length, an
+integer argument newly 1 or a multiple of 16); CUDA graphs cover the captured decode / verify steps and `warm_up`
+the rest, through the executor itself: (1) prefill widths on a length ladder (`length_ladder`), (2) the same chunks
+beside a decoding request, (3) sequence counts up to ``max_batch_size`` and admissions beside decoding requests,
+(4) contexts up to ``max_seq_len``, (5) sampling and logprobs, (6) the greedy kernels with and without a grammar
+mask (`warm_up_greedy`). Piecewise segment graphs are captured first (`PiecewiseRunner.capture_all`).
 
-1. prefill widths alone: one prompt of every length of a ladder (each power of two and the count below it,
-   and the token budget: `length_ladder`), each decoded a step;
-2. mixed steps: the same ladder of prompt chunks beside a request that is decoding;
-3. sequence counts: n short prompts at once for n on the ladder up to ``max_batch_size``, decoded together,
-   and beside a decoding request; then d decoding requests (d on the ladder) admitting 1, 2, 15 and 16 prompts;
-4. contexts: a prompt at each power of two beyond the budget up to ``max_seq_len`` (chunked prefill at growing
-   contexts; the indexer's top-k widths follow the context);
-5. sampling: seeded temperature / top-p / top-k requests and logprobs;
-6. the greedy kernels at each row count's variant, with and without a grammar's token mask (`warm_up_greedy`).
-
-With piecewise CUDA graphs (`CudaGraphConfig.piecewise`) every bucket's segment graphs are captured first
-(`PiecewiseRunner.capture_all`), so that the eager steps of the phases, and of serving, replay them.
-
-Prefix caching stays on while it runs (its chunk cuts at page boundaries and checkpoint restores are steps a
-served request takes: H100, a warm-up without them left the KDA conv's continued-chunk kernels to compile
-while serving); afterwards the prefix cache starts empty (the synthetic prompts' sealed pages go back to the
-free lists, their checkpoints are dropped) and the executor's step counters are restored, so that the first
-served request finds the executor as it was built. `WarmupReport.compiles` counts the Triton compilations it
-caused (0 on the CPU, where kernels are interpreted or not used).
+Prefix caching stays on while it runs: its page-boundary chunk cuts and checkpoint restores are steps a served
+request takes (H100: without them the KDA conv's continued-chunk kernels compiled while serving). Afterwards the
+prefix cache starts empty and the step counters are restored. `WarmupReport.compiles` counts the compilations
+(0 on the CPU). Serving view: docs/serving.md, "Defaults that fit serving".
 """
 
 from __future__ import annotations

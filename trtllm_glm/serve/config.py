@@ -1,35 +1,9 @@
 """``--config options.yaml``: LLM API options for ``trtllm-glm serve``, with the keys of ``LLM(...)``.
 
-Example::
-
-    max_batch_size: 32
-    max_num_tokens: 1024
-    max_seq_len: 4096
-    dtype: bfloat16
-    quantization: fp8             # auto (default) | fp8 | none: how weights are held (docs/fp8.md)
-    device: cuda
-    kv_cache_config:
-      tokens_per_block: 64
-      max_tokens: 65536
-    speculative_config:
-      decoding_type: MTP          # or NGram (any registered type: speculative/registry.py)
-      max_draft_len: 3            # drafts per round (MTP also takes num_nextn_predict_layers)
-      draft_kv_mode: separate
-      max_concurrency: 16         # larger decode batches run without speculation
-      adaptive: true              # default: each round's draft length from measured costs and acceptance
-    enable_chunked_prefill: true  # accepted: prefill is always chunked
-    cuda_graph_config:            # default on (CUDA only); null turns graphs off
-      batch_sizes: [1, 2, 4, 8, 16, 32]
-      enable_padding: true
-    disable_overlap_scheduler: false  # default: decode steps overlap the host's work (graphs only)
-    warmup: true                  # default: run every step shape once at start-up (CUDA: no compiles later)
-    batch_invariant: true         # bit-exact speculation (docs/numerics.md); default null: auto
-    engine_process: true          # default: the engine runs in its own process (serve's key, not LLM's)
-
-Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from
-mappings); an unknown key is a `ConfigError` that names it. ``speculative_config`` takes a ``decoding_type`` of
-the speculation registry and its config class's fields (``MTP``: `MTPDecodingConfig`, ``NGram``:
-`NGramDecodingConfig`).
+Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from mappings), plus
+serve's ``engine_process``; an unknown key is a `ConfigError` that names it. ``speculative_config`` takes a
+``decoding_type`` of the speculation registry and its config class's fields. A complete example:
+examples/serve_options.yaml; the keys: docs/serving.md.
 """
 
 from __future__ import annotations
