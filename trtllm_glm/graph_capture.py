@@ -1,26 +1,9 @@
 """CUDA-graph capture that survives the rest of the process: `capture_graph`, the one way the package captures.
 
-Two hazards of ``torch.cuda.graph`` that a long-lived serving process meets, seen on an H200 (2026-12-06,
-`bench_e2e.py` building one executor after another in one process; the first inferred from its warnings, the
-second reproduced on an H100):
-
-* **The cyclic garbage collector runs inside the capture.** Objects of a dropped executor (its CUDA graphs,
-  events, pinned staging) that sit in reference cycles are freed whenever Python's collector happens to run, and
-  that can be in the middle of a capture, where destroying a graph (``cudaGraphExecDestroy``) or freeing pinned
-  memory is not permitted: it invalidates the capture in progress ("operation not permitted when stream is
-  capturing (function reset)", then "operation failed due to a previous error during capture"). torch no longer
-  collects before capturing by default. Here the collector runs once before the capture and is held off during
-  it. A full collection walks every object of the process (~120 ms with the server imported, on the CPU here);
-  `capture_session` (start-up: many captures in a row) collects once and freezes what is alive, so each capture's
-  collection walks only what was made since (~1 us).
-* **A failed capture poisons its memory pool and leaves the capture stream current.** ``CUDAGraph.capture_end``
-  raises before it ends the caching allocator's allocation to the graph's pool, and torch 2.11 refuses every
-  later capture into that pool ("beginAllocateToPool: already recording to mempool_id"; one failure became four
-  eager batch sizes), even once that recording is ended (checked on an H100, 2026-12-06); ``torch.cuda.graph``
-  also skips restoring the stream that was current. Here a failed capture ends the recording, restores the
-  stream and raises `GraphCaptureError`, which tells the caller to capture the next graph into a fresh pool.
-
-The module imports nothing of the package (a leaf), so that any layer may capture through it.
+The cyclic garbage collector runs once before a capture and is held off during it (`capture_session`: collect once
+and freeze for many captures in a row); a failed capture ends its pool's recording, restores the caller's stream and
+raises `GraphCaptureError` (capture the next graph into a fresh pool). The two hazards, as seen on an H200 / H100:
+docs/gpu.md, "Capturing in a long-lived process". A leaf module: imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Prefix caching: content keys of sealed pages and recurrent-state checkpoints (docs/design.md §6.4).
 
-A KDA model cannot resume from shared pages alone: the recurrent and conv state, the indexer tail rings
-and the drafter's state at the shared prefix's end must be restored too. So reuse has two parts:
-
-* **Sealed pages** (`Glm5NextCacheManager.seal_page`): a full page whose content is final is registered
-  under a content key and shared read-only by later requests with the same tokens.
-* **Checkpoints** (`Checkpoint`): taken after a step that ends a prefill chunk at an endpoint ``E = kP + r``:
-  the byte copy of the request's state slot (KDA recurrent + conv state, every tail ring and its
-  rollback planes, the draft's last hidden, the committed length), of its partial page ``k`` when
-  ``r != 0``, and the keys of its ``k`` full pages. A later request whose tokens ``0..E`` match restores
-  the checkpoint, shares the ``k`` pages and computes from ``E`` on.
-
-Why keys cover one token past the page: the MTP layer's row at position ``i`` pairs the target hidden of
-row ``i`` with token ``i + 1``, so the draft rows of page ``j`` (positions ``jP .. jP + P - 1``) depend on
-tokens up to ``(j + 1) P``. The key of page ``j`` therefore hashes tokens ``0 .. (j + 1) P`` (chained), and a
-checkpoint at ``E`` is keyed by tokens ``0 .. E``: a request that shares the page's tokens but not the next
-one gets its own copy of the page, whose last draft row it computes itself. (The design reference puts the
-draft rows one page later — draft logical page ``j`` in request page ``j + 1`` — and copies the draft pages
-not fully inside shared pages; keying one token further keeps every draft row of a shared page valid for
-every sharer, so no draft page needs a copy beyond the partial page ``k``.) The same keys serve plain
-decoding, where the extra token only delays sealing by one token.
+Sealed pages (`Glm5NextCacheManager.seal_page`) are shared read-only under a content key; a `Checkpoint` at
+``E = kP + r`` holds the byte copy of the request's state slot, its partial page ``k`` (``r != 0``) and the keys of
+its ``k`` full pages. The key of page ``j`` hashes tokens ``0 .. (j + 1) P`` (chained; one token past the page, since
+the MTP row at ``i`` pairs hidden ``i`` with token ``i + 1``) and a checkpoint's key tokens ``0 .. E``, so every
+draft row of a shared page is valid for every sharer; why, and the design reference's layout: docs/design.md §6.4.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The sharding plan: each rank's local config and, per checkpoint tensor, the slice that rank holds.
 
-One rule per parameter (`param_shard`): a tensor is either replicated (``None``), not held by this rank (a
-routed expert of another block), or cut along one dimension into ``[start, stop)`` (`Shard`). The loader
-applies the same `Shard` to a block-FP8 weight and to its ``_scale_inv`` (`Shard.scale_shard`), and an
-in-memory state dict is cut with `shard_state_dict`: the same plan either way.
-
-Per layer (``tp`` = `Mapping.tp_size`, heads are contiguous row blocks in every projection):
-
-=========================================  ===========================================================
-parameter                                  held by a rank
-=========================================  ===========================================================
-sparse MLA ``q_b_proj``, ``kv_b_proj``     rows of its heads (``H / tp`` heads)
-sparse MLA / KDA ``o_proj``                columns of its heads (row parallel: partial sums, all-reduce)
-KDA ``q/k/v_proj``, ``q/k/v_conv1d``,      rows / channels of its heads (projections, short conv and the
-``f_b_proj``, ``g_b_proj``, ``b_proj``,    recurrent state hold local heads only)
-``A_log``, ``dt_bias``
-dense MLP ``gate/up_proj`` / ``down_proj``  rows / columns of ``intermediate_size / tp``
-routed expert ``e``                        only experts ``[e0, e0 + E / ep)``, renamed ``e - e0``; rows /
-                                           columns of ``moe_intermediate_size / moe_tp``
-shared experts                             rows / columns of ``I_shared / world``
-everything else                            replicated (embedding, LM head, norms, mHC, router, indexer,
-                                           ``q_a`` / ``kv_a`` latent projections, KDA low-rank downs)
-=========================================  ===========================================================
+One rule per parameter (`param_shard`): replicated (``None``), not held by this rank (a routed expert of another
+block), or cut along one dimension into ``[start, stop)`` (`Shard`; heads are contiguous row blocks in every
+projection). The loader applies the same `Shard` to a block-FP8 weight and its ``_scale_inv`` (`Shard.scale_shard`),
+`shard_state_dict` cuts an in-memory state dict: one plan either way. A rank's routed experts ``[e0, e0 + E / ep)``
+are renamed ``e - e0``. The plan per parameter: docs/parallelism.md, "Sharding plan".
 """
 
 from __future__ import annotations

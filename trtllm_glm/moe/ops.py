@@ -5,23 +5,13 @@ The routed part of `MoE` (``trtllm_glm.modules.ffn``), with the experts' weights
     out[n] = sum_j topk_w[n, j] * W2[e] @ clamped_swiglu(W1g[e] @ x[n], W1u[e] @ x[n]),  e = topk_ids[n, j]
 
 where ``w_gate_up[e] = cat(W1g[e], W1u[e])`` (``[2I, H]``: expert ``e``'s ``gate_proj.weight`` rows, then its
-``up_proj.weight`` rows) and ``w_down[e] = W2[e]`` (``[H, I]``, its ``down_proj.weight``).
+``up_proj.weight`` rows) and ``w_down[e] = W2[e]`` (``[H, I]``, its ``down_proj.weight``). `fused_moe_ref` is the fp32
+numerical reference of `trtllm_glm.moe.kernels.fused_moe` (host loop); `moe_align` sorts pairs by expert on
+fixed-size device buffers (graph-safe); `padded_pairs_bound` is their length.
 
-* `fused_moe_ref` computes that in fp32 (inputs upcast), one expert at a time (host loop, host sync): the
-  numerical reference of `trtllm_glm.moe.kernels.fused_moe`.
-* `moe_align` sorts the ``N * k`` (token, slot) pairs by expert and pads each expert's run to a multiple of
-  the GEMM row block ``M`` (leaving out the pairs of rows flagged dead: padding and verify filler), entirely
-  with device ops on fixed-size buffers (no host sync, no size that depends on the routing), so the
-  kernels' wrapper can use it under CUDA-graph capture.
-* `padded_pairs_bound` is the buffer length: ``P + min(E, P) * (M - 1)`` rounded down to a multiple of ``M``
-  (every non-empty expert wastes at most ``M - 1`` padding slots, and at most ``min(E, P)`` are non-empty).
-
-Block-FP8 expert weights (DeepSeek-V3 convention, ``FP8_BLOCK`` = 128): ``w_gate_up`` ``float8_e4m3fn
-[E, 2I, H]`` with ``w_gate_up_scale`` fp32 ``[E, 2 * ceil(I/128), ceil(H/128)]`` (each expert's gate tile rows,
-then its up tile rows: the concatenation of the two linears' ``weight_scale_inv``), and ``w_down`` ``[E, H, I]``
-with ``w_down_scale`` ``[E, ceil(H/128), ceil(I/128)]``. Stacked row ``r`` of ``gate_up`` takes scale row
-``r // 128`` if ``r < I`` else ``ceil(I/128) + (r - I) // 128`` (so ``I`` need not be a multiple of 128); column
-``c`` takes ``c // 128``. `dequantize_experts` expands that in fp32 (the reference's weights).
+Block-FP8 experts (``FP8_BLOCK`` = 128; shapes: docs/architecture.md, "Package map", ``moe/``): stacked row ``r`` of
+``gate_up`` takes scale row ``r // 128`` if ``r < I`` else ``ceil(I/128) + (r - I) // 128``; column ``c`` takes
+``c // 128``. `dequantize_experts` expands that in fp32.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """`PrefixCache`: the executor's block reuse and recurrent-state checkpoints (docs/design.md §6.4).
 
-Per step the executor asks it to
-
-1. ``match`` waiting requests against stored checkpoints (the longest endpoint ``E <= len(tokens) - 1``
-   whose tokens ``0..E`` match and whose full pages are all still cached), so the scheduler plans their
-   rows from ``E``;
-2. ``admit`` a matched request: share its full pages, copy its partial page, restore its state slot
-   (and the drafter's) byte for byte;
-3. ``cut`` prefill chunks so that they end at checkpoint endpoints (every ``checkpoint_interval`` prompt
-   tokens, the last page boundary before the prompt's end, and the request's *branch point*);
-4. ``after_step``: seal pages whose content became final, and take a checkpoint where a prefill chunk
-   ended at an endpoint.
-
-A branch point is where a waiting request's prompt stops matching sealed pages (the last matching page
-boundary) when no usable checkpoint reaches that far: the pages are there but no recurrent state to resume
-from, so the request recomputes up to it (counted as lost reuse) and leaves a checkpoint there, from which
-every later request sharing that prefix (a system prompt, a document, a conversation that branches)
-resumes.
-
-Only committed positions are checkpointed (a step's end, records folded); a checkpoint taken in a step
-is matched from the next step on. A drafter that keeps per-position history (MTP) must have caught up
-to a page's last row before the page is sealed or a checkpoint is taken there.
+Per step the executor calls ``match`` (waiting requests against stored checkpoints), ``admit`` (share full pages,
+copy the partial page, restore the state slot and the drafter's), ``cut`` (prefill chunks end at checkpoint
+endpoints: the stride, the last page boundary, branch points) and ``after_step`` (seal final pages, checkpoint at
+endpoints). Only committed positions are checkpointed, matched from the next step on; a drafter with per-position
+history (MTP) must have caught up to a page's last row before it is sealed or checkpointed. The steps, branch
+points and waiting for a leader: docs/architecture.md, "Prefix caching".
 """
 
 from __future__ import annotations

@@ -1,28 +1,15 @@
 """`DecodeTailRing`: keeps rejected draft keys out of the indexer tail ring (docs/design.md §6.2).
 
-A verify step of width ``W = 1 + K`` writes ``W`` consecutive rows into the 4-entry tail ring
-``tail_ring[slot, :, pos % 4]``. A rejected row four positions past a committed member of the still-open
-pool overwrites that member's entry, and the next step would complete the pool from keys of tokens that
-never existed. `DecodeTailRing` backs the ring up around every wide decode step and, at the start of the
-next step, rolls it back to exactly what a run that only ever received the accepted rows would hold:
+Planes per slot ``s``: ``snapshot[s]`` (the ring before a wide step's rows land), ``saved_rows[s, :W]`` (the
+``(key, gate)`` rows the step writes), ``saved_pos[s]`` (its first position) and ``saved_count[s]`` (``W``; 0 after
+a width-one step, whose only row is always committed). The next step of the slot restores the snapshot and replays
+saved rows ``0 .. a - 1`` into entries ``(saved_pos[s] + i) % 4``, with ``a = p0 - saved_pos[s]`` derived from
+positions. Pools completed by a rejected row are left alone on purpose: the real token at that position completes
+the same pool again before any committed row can see it (a row at ``pos`` sees pools ``p < (pos + 1) // 4``).
 
-* backup (a step of width ``W > 1``): ``snapshot[s]`` = the ring before the step's rows land,
-  ``saved_rows[s, :W]`` = the ``(key, gate)`` rows the step writes, ``saved_pos[s]`` = its first
-  position, ``saved_count[s] = W``. A width-one step has nothing to roll back (its only row is the pending
-  token, always committed), so it leaves ``saved_count[s] = 0`` and saves nothing.
-* restore (next step of the slot, whatever its width): the accepted length is derived from positions,
-  ``a = p0 - saved_pos[s]``; the ring becomes ``snapshot[s]`` with saved rows ``0 .. a-1`` replayed into
-  entries ``(saved_pos[s] + i) % 4``, then this step's own update runs as usual.
-
-Pools completed by a rejected row are left alone on purpose: the real token at that position completes
-the same pool again (from restored members) before any committed row can see it, because a row at ``pos``
-only sees pools ``p < (pos + 1) // 4``.
-
-Everything runs on the device: no host synchronisation, fixed-address buffers allocated once (CUDA-graph
-safe). `DecodeTailRing.prepare_step` is one Triton launch on CUDA (`trtllm_glm.state.kernels`, chosen by
-``TRTLLM_GLM_TAIL_RING_BACKEND``) and otherwise the vectorised torch reference (`prepare_step_reference`,
-small elementwise temporaries per step); both give the same bits. One instance belongs to one sparse layer's
-ring (the MTP layer's ring needs its own instance).
+No host sync, fixed-address buffers (graph-safe); `prepare_step` is one Triton launch on CUDA
+(``TRTLLM_GLM_TAIL_RING_BACKEND``), else `prepare_step_reference`, same bits. One instance per sparse layer's ring
+(the MTP layer's ring needs its own).
 """
 
 from __future__ import annotations
