@@ -1,23 +1,12 @@
 """Programmatic dependent launch (PDL, ``griddepcontrol``): which devices have it, and Triton helpers for kernels
 that use it.
 
-A kernel launched with PDL (Triton's ``launch_pdl=True``) may start while the kernel before it on the stream still
-runs: as soon as every program of that kernel has executed ``griddepcontrol.launch_dependents`` (or exited). It
-must then wait (``griddepcontrol.wait``: the previous grids completed and their memory visible) before it reads
-anything a previous kernel wrote and before it writes anything a previous kernel may still read. What it may do
-before the wait is read constants (weights) and compute on them, which is the point: a weight-streaming kernel
-starts moving its weight while the kernel before it finishes, instead of paying its launch and its first DRAM
-round trips after it. Stream capture keeps the dependency as a programmatic edge, so it holds inside CUDA graphs.
-
-No kernel here relies on PDL for correctness: every early start is followed by a wait before the first dependent
-access, and a kernel launched without the attribute simply starts late. Where a chain of small decode kernels
-(mHC, norms, the FP8 projections, SwiGLU, the KDA gate and conv) all launch this way, each is resident and
-waiting when the one before it ends, so a step of ~100 dependent launches stops paying each launch's latency
-in series.
-
-`PDL_ENV` (``TRTLLM_GLM_PDL``, read per call so that benchmarks can switch it): ``1`` launches those kernels with
-PDL on sm_90+ devices, ``0`` never; unset: off (until an H200 A/B says it pays), except FP8 launches whose tuned
-knobs ask for it (`trtllm_glm.quant.kernels`).
+A kernel launched with PDL may start while the one before it on the stream still runs; it must
+``griddepcontrol.wait`` before it reads anything a previous kernel wrote or writes anything one may still read, and
+before that only read constants (weights). Capture keeps the edge, so it holds inside CUDA graphs. No kernel relies
+on PDL for correctness: launched without it, a kernel simply starts late. `PDL_ENV` (``TRTLLM_GLM_PDL``, read per
+call): ``1`` on sm_90+, ``0`` never, unset off except FP8 launches whose tuned knobs ask for it. Which kernels and
+what it measured: docs/fp8.md, "Launch overhead".
 """
 
 from __future__ import annotations

@@ -2,20 +2,10 @@
 in one target forward, accept the longest greedy-matching prefix plus the bonus token, and commit exactly
 the accepted state.
 
-Per round and request (docs/design.md §6-§7):
-
-- Verify rows go through the KDA record path (state untouched until commit) and the indexer's
-  `DecodeTailRing` (the previous round's rejected ring entries are rolled back, positions decide).
-- Width-one rounds (no drafts: nothing matched, budget exhausted, sampling, or an adaptive width of 0)
-  decode in place: no records, no convolution shift, no draft tail backup/restore; the emitted token
-  still reaches the drafter.
-- Commit: the cache manager's state owner folds the accepted KDA rows (`RequestStateOwner.commit_verified`).
-- Drafting goes through the `Drafter` interface (`speculative/drafters.py`): the n-gram / oracle parallel
-  drafters, or the MTP drafter (`speculative/mtp/`), which owns the draft manager's use. The configured
-  drafter and its resources come from the speculation registry (`speculative/registry.py`).
-
-Dependency direction: `runtime/` imports `speculative/` (mechanism: configs, drafters, the draft replay
-interface), never the other way round.
+Verify rows take the KDA record path and the `DecodeTailRing` rollback; width-one rounds decode in place; the state
+owner folds the accepted rows (`RequestStateOwner.commit_verified`). Drafters come from the speculation registry
+(`speculative/registry.py`) behind the `Drafter` interface. `runtime/` imports `speculative/`, never the other way
+round. The round: docs/design.md §6-§7 and docs/architecture.md, "Speculative rounds".
 """
 
 from __future__ import annotations

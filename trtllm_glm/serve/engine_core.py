@@ -1,25 +1,12 @@
 """The engine process of ``trtllm-glm serve``: it owns the `LLM` and steps it; the API process talks to it over
 ZeroMQ (`engine_client`, messages in `engine_messages`).
 
-The API process (HTTP, validation, chat templates, tokenization, SSE and JSON) and the engine loop used to
-share one interpreter, so every chunk the front end framed held the GIL against the thread that launches the
-GPU's work. Here the loop runs alone: the engine is the runtime's `AsyncEngine` (the same scheduling,
-metrics and step log as in-process), with two differences, both in `CoreEngine`:
-
-- callers are remote: an `AddRequest` enters the engine's inbox with a `_RemoteStream` standing for the API's
-  `ResultStream`, and the engine's hand-over (`AsyncEngine._hand_over`) sends one `StepOutput` per loop
-  iteration carrying every delta, the requests' acknowledgements and the stats when they changed;
-- Prometheus metrics stay here (the engine records into its own `ServeMetrics`); the API forwards its
-  rejections (`CountRejected`) and fetches the rendered page for ``/metrics`` (`ScrapeMetrics`).
-
-Detokenization (incremental text, stop strings, text offsets) is the API process's: the engine runs with
-``detokenize=False`` and sends token ids and logprobs, so the loop does no per-token string work. A stop string
-found there ends the generation for its client at once; the API then aborts it here (`AbortRequest` with its
-index), which frees its pages a step or so later than in-process.
-
-Lifetime: the process ignores SIGINT (the API process owns the drain: a terminal's Ctrl-C reaches the whole
-process group), exits after a `StopEngine` drain, and exits by itself within a fraction of a second when its
-parent dies (its parent pid changes), stopping the rank processes of a parallel LLM first.
+The engine is the runtime's `AsyncEngine` with remote callers (`CoreEngine`: an `AddRequest` enters the inbox with a
+`_RemoteStream` standing for the API's `ResultStream`; one `StepOutput` per loop iteration carries every delta,
+acknowledgements and changed stats) and the Prometheus registry. It runs with ``detokenize=False``: text and stop
+strings are the API process's, which aborts a stopped request here (`AbortRequest`). It ignores SIGINT, exits after a
+`StopEngine` drain or when its parent dies (stopping a parallel LLM's ranks first). Why and how: docs/serving.md,
+"Processes".
 """
 
 from __future__ import annotations

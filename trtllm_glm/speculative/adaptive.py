@@ -1,23 +1,10 @@
 """`AdaptiveDraftPolicy`: the draft length of each round, down to 0, from measured round costs and acceptance.
 
-A round with ``K`` drafts gains ``E(K) = 1 + a + a^2 + ... + a^K`` tokens per request on average when each
-draft is accepted with probability ``a`` given that the ones before it were (drafts are accepted up to the
-first miss, plus the target's own token); it costs ``T(b, K)`` seconds for a decode batch of ``b`` requests
-(drafting, the verify of width ``K + 1``, the host's work). The policy picks the ``K`` that maximises
-``E(K) / T(b, K)``: ``K = 0`` (a plain width-one round) when no draft length pays for its cost.
-
-``T`` is measured online, per batch-size bucket (powers of two) and ``K``: the caller stamps a cheap host
-clock once per round at a point where it already waits for the round's results (the speculative executor
-reads the accepted tokens back there, so the stamp adds no device synchronisation), and hands the policy the
-interval between consecutive stamps with the ``K`` and batch size that round ran with. ``a`` is a running
-estimate over the batch: accepted drafts over drafts reached (a draft is reached when every draft before it
-was accepted; the maximum-likelihood estimate of ``a`` under that model), both exponentially averaged.
-
-Every (bucket, ``K``) is measured before it is trusted (its first interval is discarded: a first-use graph
-capture or kernel compilation lands there), and each bucket re-measures its least recently tried ``K`` every
-``explore_every`` rounds, so the policy follows costs and acceptance that change (a long context, a new
-prompt mix) instead of locking in its first choice. Everything is deterministic given the intervals it is
-fed: tests inject a clock.
+Picks the ``K`` that maximises ``E(K) / T(b, K)`` with ``E(K) = 1 + a + ... + a^K``; ``T`` is measured online per
+batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits (a first interval per
+(bucket, ``K``) discarded), ``a`` is accepted over reached drafts, exponentially averaged. Deterministic given the
+intervals it is fed (tests inject a clock). The model, exploration and measurements: docs/speculation.md, "Adaptive
+draft length (opt-in)".
 """
 
 from __future__ import annotations
