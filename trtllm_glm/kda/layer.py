@@ -560,13 +560,31 @@ class KimiDeltaAttention(nn.Module):
     ) -> None:
         """Short prefill chunks of ``seqs`` through the verify kernels (`short_prefill_rows`): every row verified from
         the slot (zeros for a fresh sequence), then all of them committed; their outputs written into ``o``'s rows."""
+        records = self._ragged_verify(x, g, beta, o, batch, seqs, state, weight)
+        records.commit([batch.q_lens[b] for b in range(batch.num_seqs)], state)
+
+    def _ragged_verify(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        o: torch.Tensor,
+        batch: KdaBatchLike,
+        seqs: list[int],
+        state: KdaLayerState,
+        weight: torch.Tensor,
+    ) -> KdaLayerRecords:
+        """The verify pass of ``seqs`` at any widths and positions, fresh or not (the state is only read): their rows'
+        outputs written into ``o [N, H, V]``; returns the commit records. No stream sync: every index is built on the
+        host and copied once."""
         dev, n = x.device, len(seqs)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         widths = [batch.q_lens[b] for b in seqs]
         firsts = [batch.cu_seqlens[b] for b in seqs]
-        Wm = max(widths)
-        # One host-to-device copy (no stream sync): the [n, Wm] row grid (padding entries repeat a sequence's last
-        # row; zero decay and beta make them no-ops), fresh flags, first rows, widths, and where the real rows go.
+        Wm = max(widths, default=0)
+        # One host-to-device copy: the [n, Wm] row grid (padding entries repeat a sequence's last row; zero decay and
+        # beta make them no-ops, and they are never committed), fresh flags, first rows, widths, and where the real
+        # rows' outputs go.
         grid = [f + min(j, w - 1) for f, w in zip(firsts, widths) for j in range(Wm)]
         fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
         src = [i * Wm + j for i, w in enumerate(widths) for j in range(w)]
@@ -584,8 +602,17 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
         o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V).index_select(0, src_t))
-        conv_commit_slots(state.conv, x, slots, widths_t, Wm, row0=row0, fresh=fresh)
-        kda_commit(state.recurrent, rec, widths_t, state_slots=slots, fresh=fresh)
+        return KdaLayerRecords(
+            seq_ids=seqs,
+            widths=widths,
+            state_slots=[batch.state_slots[b] for b in seqs],
+            slots_t=slots,
+            fresh=fresh,
+            x=x,
+            row0=row0,
+            kda=rec,
+            num_seqs=batch.num_seqs,
+        )
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit
@@ -626,47 +653,29 @@ class KimiDeltaAttention(nn.Module):
             and all(batch.cu_seqlens[b] == j * Wm and w == Wm for j, (b, w) in enumerate(zip(seqs, widths)))
             and all(batch.past_lens[b] > 0 for b in seqs)
         )
-        fresh: torch.Tensor | None
-        row0: torch.Tensor | None
-        if uniform:
-            fresh = row0 = widths_t = None  # nobody starts from zero: the slots are read as they are
-            R = n * Wm
-            gr, br = g[:R].reshape(n, Wm, *g.shape[1:]), beta[:R].reshape(n, Wm, *beta.shape[1:])
-        else:
-            fresh = torch.tensor([batch.past_lens[b] == 0 for b in seqs], dtype=torch.bool, device=dev)
-            # First row and width of each sequence, for the conv kernels (one copy, no stream sync).
-            rw = to_device([batch.cu_seqlens[b] for b in seqs] + widths, dev, torch.int64)
-            row0, widths_t = rw[:n], rw[n:]
-            # [n, Wm] row index, padding entries point at the sequence's first row and are masked below.
-            idx = [[batch.cu_seqlens[b] + min(j, w - 1) for j in range(Wm)] for b, w in zip(seqs, widths)]
-            valid_h = [[j < w for j in range(Wm)] for w in widths]
-            ridx = torch.tensor(idx, dtype=torch.int64, device=dev).view(n, Wm)
-            valid = torch.tensor(valid_h, dtype=torch.bool, device=dev).view(n, Wm)
-            vmask = valid.unsqueeze(-1)
-            # Padding rows: zero decay and beta make them no-ops (they are never committed anyway).
-            gr = torch.where(vmask.unsqueeze(-1), g[ridx], 0.0)
-            br = torch.where(vmask, beta[ridx], 0.0)
+        if not uniform:
+            o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+            return o, self._ragged_verify(x, g, beta, o, batch, seqs, state, self._conv_weight())
+        R = n * Wm
+        gr, br = g[:R].reshape(n, Wm, *g.shape[1:]), beta[:R].reshape(n, Wm, *beta.shape[1:])
         # The short convolution from the committed windows, SiLU and the q/k norms: one kernel on CUDA
-        # (`ops.conv.conv_verify_qkv`), padding rows zero; the windows are not written.
+        # (`ops.conv.conv_verify_qkv`); the windows are not written. Nobody starts from zero: slots read as they are.
         q, k, v = conv_verify_qkv(x, state.conv, self._conv_weight(), slots, self.num_heads, self.head_k_dim,
-                                  self.head_v_dim, Wm, row0=row0, widths=widths_t, fresh=fresh)  # fmt: skip
-        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
-        if uniform and R == N:  # the verify output is o (no zero fill, no copy)
+                                  self.head_v_dim, Wm)  # fmt: skip
+        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots)
+        if R == N:  # the verify output is o (no zero fill, no copy)
             o = ov.reshape(N, *ov.shape[2:])
         else:
             o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
-            if uniform:  # every row valid: no boolean-mask gather (it would sync on the mask's size)
-                o[:R] = ov.reshape(R, *ov.shape[2:])
-            else:
-                o.index_copy_(0, ridx[valid], ov[valid])
+            o[:R] = ov.reshape(R, *ov.shape[2:])
         records = KdaLayerRecords(
             seq_ids=seqs,
             widths=widths,
             state_slots=[batch.state_slots[b] for b in seqs],
             slots_t=slots,
-            fresh=fresh,
+            fresh=None,
             x=x,
-            row0=row0,
+            row0=None,
             kda=rec,
             num_seqs=batch.num_seqs,
         )

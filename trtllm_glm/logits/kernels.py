@@ -143,13 +143,18 @@ def split_for(n: int, v: int, device: torch.device, block: int) -> int:
     return max(1, min(want, triton.cdiv(v, block), 1024))
 
 
+def _columns(v: int, nsplit: int, block: int) -> tuple[int, int]:
+    """``(programs, columns each)`` for ``nsplit`` asked: whole tiles per program, no empty programs."""
+    cols = triton.cdiv(triton.cdiv(v, nsplit), block) * block
+    return triton.cdiv(v, cols), cols
+
+
 def warm_up_row_counts(n_max: int, v: int, device: torch.device, block: int = 1024) -> list[int]:
     """One row count up to ``n_max`` per compiled variant of `greedy_top2`'s kernels (the finish kernel's
     ``SPLIT_PAD`` and warp count follow `split_for`; nothing else depends on the row count)."""
     seen: dict[tuple[int, int], int] = {}
     for n in range(1, n_max + 1):
-        nsplit = split_for(n, v, device, block)
-        nsplit = triton.cdiv(v, triton.cdiv(triton.cdiv(v, nsplit), block) * block)
+        nsplit, _ = _columns(v, split_for(n, v, device, block), block)
         seen.setdefault((max(2, triton.next_power_of_2(nsplit)), 1 if nsplit <= 32 else 4), n)
     return sorted(seen.values())
 
@@ -191,9 +196,7 @@ def greedy_top2(
     gap = torch.empty(N, dtype=torch.float32, device=dev) if want_gap else None
     if N == 0:
         return ids, gap
-    nsplit = split or split_for(N, V, dev, block)
-    cols = triton.cdiv(triton.cdiv(V, nsplit), block) * block
-    nsplit = triton.cdiv(V, cols)  # no empty programs
+    nsplit, cols = _columns(V, split or split_for(N, V, dev, block), block)
     npart = N * nsplit
     vals = torch.empty(2 * npart, dtype=torch.float32, device=dev)
     idxs = torch.empty(2 * npart, dtype=torch.int32, device=dev)
