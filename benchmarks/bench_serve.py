@@ -54,6 +54,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from benchmarks.harness import proc_cpu
+
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -413,6 +415,16 @@ def _sync(llm: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+def _labels(rows: list[dict[str, Any]]) -> dict[int, str]:
+    """Short names of the server's processes: the API process (``trtllm_glm.cli serve``) and its spawned engine."""
+    out = {}
+    for r in rows:
+        name = r["name"]
+        out[r["pid"]] = ("api" if "trtllm_glm.cli" in name else "engine" if "spawn_main" in name
+                         else "tracker" if "resource_tracker" in name else "")  # fmt: skip
+    return out
+
+
 def fmt_row(s: dict[str, Any]) -> str:
     def trio(v: list[float]) -> str:
         return "/".join(f"{x:.1f}" for x in v)
@@ -435,6 +447,9 @@ def fmt_row(s: dict[str, Any]) -> str:
             + (f", GPU {s['step_gpu_ms_mean']:.2f} ms" if s.get("step_gpu_ms_mean") is not None else "")
             + f"; kernels compiled {s.get('kernel_compiles', 'n/a')}"
         )
+    if s.get("server_cpu"):
+        cpu = proc_cpu.format_usage(s["server_cpu"], _labels(s["server_cpu"]))
+        line += f"\n       server CPU (1 core = 100%): {cpu}"
     if "client_loop_lag_ms" in s:
         procs = s.get("client_procs", 1)
         line += f"\n       client event-loop lag p50/p90/p99 {trio(s['client_loop_lag_ms'])} ms ({procs} process"
@@ -442,7 +457,9 @@ def fmt_row(s: dict[str, Any]) -> str:
     return line
 
 
-async def main_async(args: argparse.Namespace, url: str, step_log: Path | None) -> list[dict[str, Any]]:
+async def main_async(
+    args: argparse.Namespace, url: str, step_log: Path | None, server_pid: int | None = None
+) -> list[dict[str, Any]]:
     shapes = load_workload(args)
     vocab = args.vocab_size
     async with httpx.AsyncClient(timeout=60, trust_env=False) as c:
@@ -465,7 +482,11 @@ async def main_async(args: argparse.Namespace, url: str, step_log: Path | None) 
             warm = [(make_prompt(rng, len(p), vocab), ol) for p, ol in jobs[: min(len(jobs), args.warmup_requests)]]
             await run_level(url, args, load, warm)
         before = (await _metrics(url)) if step_log is not None else ""
+        cpu0 = proc_cpu.snapshot(server_pid) if server_pid is not None else None
         row, _ = await run_level(url, args, load, jobs)
+        if cpu0 is not None:
+            # The server's processes and busiest threads over the level: a thread near 100 % is the bottleneck.
+            row["server_cpu"] = proc_cpu.usage(cpu0, proc_cpu.snapshot(server_pid))
         if step_log is not None:
             await asyncio.sleep(0.3)  # the idle engine writes its last steps' GPU times
             row.update(server_split(step_log, row["t_start"], row["t_end"] + 0.2))
@@ -582,7 +603,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     startup: list[str] = []
     try:
-        results = asyncio.run(main_async(args, url, step_log))
+        results = asyncio.run(main_async(args, url, step_log, proc.pid if proc is not None else None))
     finally:
         if proc is not None:
             stop_child_server(proc)

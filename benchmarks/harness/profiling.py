@@ -97,6 +97,9 @@ def count_launches_and_syncs(step) -> tuple[int, int]:
         n = e.name
         if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaGraphLaunch"):
             launches += 1
-        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize") or (n == "cudaMemcpyAsync" and "DtoH" in str(e)):
+        # An event wait is a sync too (`HostStaging.acquire`, results read back late): the host blocks on the GPU.
+        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize") or (
+            n == "cudaMemcpyAsync" and "DtoH" in str(e)
+        ):
             syncs += 1
     return launches, syncs
