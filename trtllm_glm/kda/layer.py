@@ -1,33 +1,9 @@
 """Kimi Delta Attention (KDA) layer over per-request state slots.
 
-Weights (``H = kda_num_heads``, ``K = V = kda_head_dim``, ``D = hidden_size``, ``R = kda_gate_low_rank``,
-``W = kda_short_conv_kernel_size``); every linear has no bias:
-
-=====================  ===================  ==============================================================
-name                   shape                role
-=====================  ===================  ==============================================================
-``q_proj.weight``      ``[H*K, D]``         query projection
-``k_proj.weight``      ``[H*K, D]``         key projection
-``v_proj.weight``      ``[H*V, D]``         value projection
-``q_conv1d.weight``    ``[H*K, 1, W]``      depthwise causal conv taps of the q channels (tap W-1 = now)
-``k_conv1d.weight``    ``[H*K, 1, W]``      same for k
-``v_conv1d.weight``    ``[H*V, 1, W]``      same for v
-``f_a_proj.weight``    ``[R, D]``           decay gate, low-rank down
-``f_b_proj.weight``    ``[H*K, R]``         decay gate, low-rank up (``g_raw``)
-``A_log``              ``[H]``              per-head log rate of the gate (FP32)
-``dt_bias``            ``[H*K]``            per-channel gate bias (FP32)
-``b_proj.weight``      ``[H, D]``           ``beta = sigmoid(b_proj(h))``
-``g_a_proj.weight``    ``[R, D]``           output gate, low-rank down
-``g_b_proj.weight``    ``[H*V, R]``         output gate, low-rank up
-``o_norm.weight``      ``[V]``              gated RMSNorm weight (shared by heads)
-``o_proj.weight``      ``[D, H*V]``         output projection
-=====================  ===================  ==============================================================
-
-Per token: ``x = [q_proj h; k_proj h; v_proj h]`` (the conv-state channel order, ``C = H*(2K+V)``),
-``q, k, v = SiLU(conv(x))``; ``q, k`` L2-normalised per head (eps 1e-6 inside the root), the scale ``K^-0.5``
-applied to q; ``g = kda_gate(f_b(f_a(h)))``; the delta rule (`ops.recurrent`); then
-``o = RMSNorm(o_head) * o_norm.weight * sigmoid(g_b(g_a(h)))`` per head and ``o_proj``. Everything between
-the projections runs in FP32; the projections run in the parameters' dtype.
+Everything between the projections runs in FP32; the projections run in the parameters' dtype. The conv state's
+channel order is ``q | k | v`` (``C = H*(2K+V)``). The weights (names, shapes, roles) and the per-token
+computation: docs/model.md, "KDA layer weights"; the recurrence, verify and commit: docs/design.md §4; prefill:
+docs/prefill.md, "KDA layer prefill".
 """
 
 from __future__ import annotations

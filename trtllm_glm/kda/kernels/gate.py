@@ -1,14 +1,10 @@
 """Triton kernel of the KDA layer's per-row gates: the log decay ``g`` and the delta-rule strength ``beta``.
 
-A drop-in for `trtllm_glm.kda.ops.gate.kda_gate_beta_reference` (``kda_gate`` plus ``sigmoid(b)``), which
-runs as about ten small launches per KDA layer (casts, ``exp`` of ``A_log``, the bias add, products, two
-sigmoids); each costs a few microseconds at decode sizes, about what the whole layer's gate math is worth.
-
-``_gate_beta_kernel``, grid ``(N, cdiv(H * K, BLOCK))``: program ``(n, j)`` computes
-``g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias))`` for ``BLOCK`` channels of row ``n`` (channel
-``c`` belongs to head ``c // K``), and the programs with ``j == 0`` also ``beta = sigmoid(b)`` for the row's
-``H`` heads. FP32 in registers (inputs upcast on load); ``exp`` and the division may differ from torch's by
-an ulp or two (agreement to FP32 rounding, not bit for bit). Shapes only, no host sync: graph-capturable.
+A drop-in for `trtllm_glm.kda.ops.gate.kda_gate_beta_reference` (about ten small launches per KDA layer).
+``_gate_beta_kernel``, grid ``(N, cdiv(H * K, BLOCK))``: program ``(n, j)`` computes ``g`` for ``BLOCK`` channels
+of row ``n`` (channel ``c`` belongs to head ``c // K``); programs with ``j == 0`` also ``beta = sigmoid(b)`` for the
+row's ``H`` heads. FP32 in registers; ``exp`` and the division may differ from torch's by an ulp or two (agreement
+to FP32 rounding, not bit for bit). Shapes only, no host sync: graph-capturable. The gate formula: docs/design.md §4.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Chunked (WY / UT-transform) KDA for prefill (torch reference, FP32).
 
-Within a chunk of ``C`` tokens starting from state ``S0`` let ``G_t = sum_{i<=t} g_i`` (per key channel).
-Unrolling the recurrence of `recurrent.py` gives, for token ``t`` of the chunk,
-
-    S_t = diag(exp(G_t)) S0 + sum_{j<=t} diag(exp(G_t - G_j)) k_j u_j^T
-    u_t = beta_t (v_t - k_t^T diag(exp(G_t)) S0 - sum_{j<t} A_tj u_j),  A_tj = sum_d k_td k_jd exp(G_td - G_jd)
-
-so ``(I + diag(beta) A) u = diag(beta) (v - (k * exp(G)) S0)``: a unit lower-triangular system. With
-``T = (I + diag(beta) A)^-1``, ``u = T (beta v) - T (beta k exp(G)) S0 = U - W S0`` and
-
-    o_t = (scale q_t * exp(G_t)) S0 + sum_{j<=t} (scale q_t^T diag(exp(G_t - G_j)) k_j) u_j
-    S_C = diag(exp(G_last)) S0 + sum_j diag(exp(G_last - G_j)) k_j u_j^T
-
-Every exponential is of a non-positive number (``G_t - G_j`` with ``j <= t``), so nothing overflows however
-strong the decay; the ``[C, C, K]`` pairwise decay is formed explicitly (this is a reference, not a kernel).
-The last chunk is padded with ``k = v = q = g = beta = 0`` rows, which leave the state unchanged.
+Every exponential is of a non-positive number, so nothing overflows however strong the decay; the ``[C, C, K]``
+pairwise decay is formed explicitly (a reference, not a kernel). The last chunk is padded with zero rows, which
+leave the state unchanged. The derivation: docs/prefill.md, "The chunked form".
 """
 
 from __future__ import annotations

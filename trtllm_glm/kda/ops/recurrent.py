@@ -1,13 +1,8 @@
 """Token-by-token KDA recurrence (torch reference, FP32).
 
-State layout is ``[..., H, K, V]`` (key-major, the cache layout). One step for one head:
-
-    S <- exp(g)[:, None] * S          (per-key-channel decay)
-    u  = beta * (v - k @ S)           (delta-rule correction, [V])
-    S <- S + k[:, None] * u[None, :]
-    o  = (scale * q) @ S
-
-``q`` and ``k`` are expected L2-normalised by the caller; ``scale`` (``K^-0.5``) is applied here.
+State layout ``[..., H, K, V]`` (key-major, the cache layout). One step per head: ``S <- exp(g)[:, None] * S``;
+``u = beta * (v - k @ S)``; ``S <- S + k[:, None] * u[None, :]``; ``o = (scale * q) @ S``. ``q`` and ``k`` are
+expected L2-normalised by the caller; ``scale`` (``K^-0.5``) is applied here. docs/design.md §4.
 """
 
 from __future__ import annotations

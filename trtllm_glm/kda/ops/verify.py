@@ -1,22 +1,11 @@
 """Speculative verify with records, and commit: the torch reference (any device, FP32) and the dispatch.
 
-`kda_verify` runs ``W`` rows from the committed state without touching it and records, per row, the three
-things a step adds to the state: the log decay ``g``, the key ``k`` and the correction ``u``. After
-acceptance of ``a`` rows `kda_commit` replays ``S <- exp(g_t)[:, None] * S + k_t u_t^T`` for ``t < a``,
-which is exactly what the verify pass computed for its own running state, so commit reproduces the state
-after row ``a - 1`` without recomputing ``u`` (no re-read of ``v``, ``beta`` or the state).
-
-Backends: CUDA tensors go to the Triton kernels of `trtllm_glm.kda.kernels` (same arguments and results,
-FP32 rounding apart), other devices to the torch reference below. ``backend=`` or the environment variable
-``TRTLLM_GLM_KDA_VERIFY`` = ``torch`` | ``triton`` | ``auto`` (default) overrides the choice: ``triton`` on
-the CPU runs the kernels through Triton's interpreter (tests compare the two that way). When
-``TRTLLM_GLM_KDA_VERIFY`` is unset, ``TRTLLM_GLM_KDA_BACKEND=torch`` (the torch-everything switch of
-`backend.resolve_backend`) selects the reference here too.
-
-Both functions can address the state through a slot table (``state_slots``: ``state`` is then the pool
-``[S, H, K, V]`` and sequence ``n`` uses ``state[state_slots[n]]``) with per-sequence ``fresh`` flags (start
-from zeros without reading the slot, which may hold garbage). The kernels read and write the pool in
-place; the reference gathers, runs, and (commit) scatters back, which is what the layer did before.
+`kda_verify` runs ``W`` rows from the committed state without touching it and records per row ``g``, ``k`` and
+the correction ``u``; `kda_commit` replays ``S <- exp(g_t)[:, None] * S + k_t u_t^T`` for ``t < a``, exactly what
+verify computed for its running state (no re-read of ``v``, ``beta`` or the state). CUDA tensors go to
+`trtllm_glm.kda.kernels`, other devices to the reference below (``backend=`` or ``TRTLLM_GLM_KDA_VERIFY``:
+docs/settings.md). With ``state_slots`` the kernels work on the pool in place; the reference gathers, runs and
+(commit) scatters back. Slot tables, ``fresh`` flags and the kernels: docs/kernels.md, "KDA verify and commit".
 """
 
 from __future__ import annotations
