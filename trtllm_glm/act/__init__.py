@@ -1,14 +1,10 @@
 """The clamped SwiGLU of the dense MLP after one fused gate|up GEMM, in one launch on CUDA.
 
-The torch reference is `clamped_swiglu` (`trtllm_glm.act.reference`) on the two halves of the GEMM output (clamp,
-clamp, silu, mul: four launches, each costing microseconds at decode batch sizes); `kernels.swiglu` does it in
-one, bit for bit like the reference on CUDA. `trtllm_glm.modules.ffn.GatedMLP` calls `swiglu` once its gate and
-up weights share one storage (`GatedMLP.fuse_weights`), choosing through `swiglu_backend`
-(``TRTLLM_GLM_SWIGLU_BACKEND``).
-
-Where the kernel runs: CUDA tensors go to the compiled kernel; any other device (the CPU) goes to an interpreted
-copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source. Triton is imported
-lazily, on the first call: importing this package needs only torch.
+`kernels.swiglu` replaces the reference's four launches (`trtllm_glm.act.reference.clamped_swiglu` on the two
+halves of the GEMM output), bit for bit like it on CUDA. `trtllm_glm.modules.ffn.GatedMLP` calls `swiglu` once its
+gate and up weights share one storage (`GatedMLP.fuse_weights`), through `swiglu_backend`
+(``TRTLLM_GLM_SWIGLU_BACKEND``). CUDA tensors go to the compiled kernel, the CPU to an interpreted copy
+(`trtllm_glm.triton_interp`); importing this package needs only torch. Numerics: docs/kernels.md, "Clamped SwiGLU".
 """
 
 from __future__ import annotations

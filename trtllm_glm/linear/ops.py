@@ -1,14 +1,11 @@
 """fp32 GEMMs of a few rows against a (usually bf16) weight: the torch reference, the kernel op, the dispatcher.
 
-`skinny_gemm_reference` is the definition the model's reference (transformers' glm5_next) uses for the MoE
-router logits and the indexer's head weights: ``F.linear(x.float(), W.float())``. `skinny_gemm` computes the
-same product in one Triton launch (`kernels`), reading ``x`` and ``W`` in their own dtypes. `linear_fp32` is
-what the model calls: the kernel for CUDA inference with at most `MAX_M` rows, the reference otherwise, as
-`skinny_gemm_backend` (``TRTLLM_GLM_SKINNY_GEMM_BACKEND``) decides.
-
-Where the kernel runs: CUDA tensors go to the compiled kernel; any other device (the CPU) goes to an interpreted
-copy of `kernels` (`trtllm_glm.triton_interp.KernelPackage`), so CPU tests exercise the kernel source. Triton is
-imported lazily, on the first kernel call: importing this module needs only torch.
+`skinny_gemm_reference` is the definition the reference (transformers' glm5_next) uses for the MoE router logits and
+the indexer's head weights: ``F.linear(x.float(), W.float())``. `skinny_gemm` computes it in one Triton launch
+(`kernels`), reading ``x`` and ``W`` in their own dtypes; `linear_fp32` picks as `skinny_gemm_backend` decides.
+CUDA tensors go to the compiled kernel, the CPU to an interpreted copy of `kernels`
+(`trtllm_glm.triton_interp.KernelPackage`); importing this module needs only torch. docs/kernels.md, "Skinny fp32
+GEMM".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """What a step reads off its final logits: each row's greedy token and the gap between its two best logits.
 
-`greedy_top2_reference` is the torch definition (``torch.argmax``: the first maximum; ``torch.topk(k=2)``:
-the two largest values with multiplicity, so a repeated maximum has gap 0). On CUDA, `greedy_top2` and
-`greedy_pack` run it in two Triton launches (`kernels`) instead of ~10 (topk's radix select alone is ~40 µs
-at batch 1 over a 155K vocabulary), with identical results (no arithmetic beyond comparisons and one
-subtraction). ``TRTLLM_GLM_LOGITS_BACKEND`` (``auto`` / ``torch`` / ``triton``) forces either path.
-
-`draw_reference` is the torch definition of drawing sampled rows (temperature, top-k, top-p, then the inverse of the
-kept tokens' cumulative distribution at each row's uniform; `trtllm_glm.runtime.sampling.Sampler` calls it);
-`sample_rows` runs it, or for rows whose top-k is 1 .. `SAMPLE_MAX_K` the two-launch kernel `kernels.sample_top_k`
-(no sort of the whole vocabulary; ``TRTLLM_GLM_SAMPLING_BACKEND``: ``torch``, the default until a GPU A/B says
-otherwise, ``triton`` or ``auto``).
-
-Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same module (`trtllm_glm.triton_interp`) when the triton backend is forced.
+`greedy_top2_reference` is the torch definition (``torch.argmax``: the first maximum; ``torch.topk(k=2)``: a repeated
+maximum has gap 0); `greedy_top2` and `greedy_pack` run it in two Triton launches (`kernels`), with identical
+results. `draw_reference` is the definition of drawing sampled rows (temperature, top-k, top-p, inverse CDF at each
+row's uniform; `trtllm_glm.runtime.sampling.Sampler` calls it); `sample_rows` runs it, or `kernels.sample_top_k` for
+rows whose top-k is 1 .. `SAMPLE_MAX_K`. Backends: ``TRTLLM_GLM_LOGITS_BACKEND``, ``TRTLLM_GLM_SAMPLING_BACKEND``
+(docs/settings.md); the CPU runs an interpreted copy (`trtllm_glm.triton_interp`) when triton is forced.
+docs/kernels.md, "Greedy id and top-2 gap"; docs/gpu.md, "Decode-step fusions".
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Fused mHC (manifold-constrained hyper-connections) kernels for the CUDA decode path.
 
-The torch reference is `trtllm_glm.modules.mhc` (``mhc_weights``, ``mhc_collapse``, ``mhc_expand``,
-``mhc_block``); `kernels` holds the Triton version of one block in three launches instead of ~60:
-`mhc_pre` (RMS, mixing logits, sigmoids, softmax + Sinkhorn on the ``[S, S]`` tile, collapse) and `mhc_post`
-(expand). ``mhc_block`` dispatches to them (``TRTLLM_GLM_MHC_BACKEND``). `mhc_pre_norm` is a residual site in two
-launches instead of four: the previous block's expand fused with this block's projection (`post_mix_partials`),
-then the finishing kernel with the block's input RMSNorm (reference: ``modules.mhc.mhc_pre_norm_reference``;
-the model takes it with ``TRTLLM_GLM_MHC_FUSE=1``).
-
-Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source.
-Triton is imported lazily, on the first call: importing this package needs only torch.
+`kernels` runs one block in three launches instead of ~60 (`mhc_pre`: RMS, mixing logits, Sinkhorn, collapse;
+`mhc_post`: expand) and `mhc_pre_norm` a residual site in two instead of four (``TRTLLM_GLM_MHC_FUSE=1``). The torch
+reference is `trtllm_glm.modules.mhc`, which dispatches here (``TRTLLM_GLM_MHC_BACKEND``). CUDA tensors go to the
+compiled kernels, the CPU to an interpreted copy (`trtllm_glm.triton_interp`); importing this package needs only
+torch. docs/kernels.md, "mHC"; docs/gpu.md, "Decode-step fusions".
 """
 
 from __future__ import annotations

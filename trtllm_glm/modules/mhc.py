@@ -1,29 +1,12 @@
-"""Manifold-constrained hyper-connections (mHC): the residual stream of GLM-5.3-Flash is ``hc_mult``
-parallel streams ``[N, S, D]`` (``S = hc_mult``) that every block reads through a learned collapse and
-writes through a learned expansion plus a doubly-stochastic mix of the input streams.
+"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` parallel residual streams ``[N, S, D]`` that every
+block reads through a learned collapse and writes through a learned expansion plus a doubly-stochastic mix.
 
-Per block (attention or FFN), with ``fn [(2 + S) * S, S * D]``, ``base [(2 + S) * S]`` and
-``scale [3]`` (checkpoint keys ``hc_{attn,ffn}_{fn,base,scale}``), all in FP32:
-
-* ``x = rms(streams.flatten(-2))`` (no learned weight, eps = ``rms_norm_eps``);
-  ``[pre_w | post_w | comb_w] = x @ fn.T``;
-* ``pre = sigmoid(pre_w * scale[0] + base_pre) + hc_eps`` ``[N, S]``;
-* ``post = 2 * sigmoid(post_w * scale[1] + base_post)`` ``[N, S]``;
-* ``comb = softmax(comb_w * scale[2] + base_comb, -1) + hc_eps`` ``[N, S, S]``, then Sinkhorn: one
-  column normalisation, then ``hc_sinkhorn_iters - 1`` (row, column) pairs, each ``/ (sum + hc_eps)``;
-* block input ``sum_s pre[s] * streams[s]``; new streams ``post[s] * block_out + sum_j comb[j, s] * streams[j]``.
-
-This is the reference's (``transformers`` ``Glm5NextTextHyperConnection``) order of operations, kept
-exactly so that logits match it to FP32 rounding.
-
-The functions below are the plain torch reference (any device). `mhc_block` runs one block either through
-them or through the fused Triton kernels of `trtllm_glm.mhc` (three launches instead of ~60, no host sync,
-CUDA-graph capturable), chosen per call by ``TRTLLM_GLM_MHC_BACKEND`` (`mhc_backend`).
-
-`mhc_pre_norm` is one residual site as the model's fused decode path runs it (``TRTLLM_GLM_MHC_FUSE=1``,
-`mhc_fuse`): the previous block's expand, this block's weights and collapse, and the block's input RMSNorm;
-`mhc_pre_norm_reference` is its plain torch definition (the composition of the functions here and
-`modules.norm.rms_norm`'s reference), `trtllm_glm.mhc.mhc_pre_norm` the two-launch kernel version.
+The functions below are the plain torch reference (any device, FP32), in the reference's (``transformers``
+``Glm5NextTextHyperConnection``) order of operations, kept exactly so that logits match it to FP32 rounding.
+`mhc_block` runs one block through them or through the Triton kernels of `trtllm_glm.mhc`
+(``TRTLLM_GLM_MHC_BACKEND``); `mhc_pre_norm` is one residual site as the fused decode path runs it
+(``TRTLLM_GLM_MHC_FUSE=1``), `mhc_pre_norm_reference` its torch definition. The equations: docs/model.md, "mHC per
+block"; the kernels: docs/kernels.md, "mHC"; the fused sites: docs/gpu.md, "Decode-step fusions".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Torch reference of the routed-experts computation and the device-side pair sorting the kernels use.
 
-The routed part of `MoE` (``trtllm_glm.modules.ffn``), with the experts' weights stacked:
-
-    out[n] = sum_j topk_w[n, j] * W2[e] @ clamped_swiglu(W1g[e] @ x[n], W1u[e] @ x[n]),  e = topk_ids[n, j]
-
-where ``w_gate_up[e] = cat(W1g[e], W1u[e])`` (``[2I, H]``: expert ``e``'s ``gate_proj.weight`` rows, then its
-``up_proj.weight`` rows) and ``w_down[e] = W2[e]`` (``[H, I]``, its ``down_proj.weight``). `fused_moe_ref` is the fp32
-numerical reference of `trtllm_glm.moe.kernels.fused_moe` (host loop); `moe_align` sorts pairs by expert on
-fixed-size device buffers (graph-safe); `padded_pairs_bound` is their length.
-
-Block-FP8 experts (``FP8_BLOCK`` = 128; shapes: docs/architecture.md, "Package map", ``moe/``): stacked row ``r`` of
-``gate_up`` takes scale row ``r // 128`` if ``r < I`` else ``ceil(I/128) + (r - I) // 128``; column ``c`` takes
-``c // 128``. `dequantize_experts` expands that in fp32.
+``out[n] = sum_j topk_w[n, j] * W2[e] @ clamped_swiglu(W1g[e] @ x[n], W1u[e] @ x[n])``, ``e = topk_ids[n, j]``, with
+``w_gate_up[e] = cat(W1g[e], W1u[e])`` ``[2I, H]`` (gate rows, then up rows) and ``w_down[e] = W2[e]`` ``[H, I]``.
+`fused_moe_ref` is the fp32 reference of `trtllm_glm.moe.kernels.fused_moe`; `moe_align` sorts pairs by expert on
+fixed-size device buffers (graph-safe), `padded_pairs_bound` their length. Block-FP8 experts: stacked row ``r`` of
+``gate_up`` takes scale row ``r // 128`` if ``r < I`` else ``ceil(I/128) + (r - I) // 128``, column ``c`` takes
+``c // 128`` (`dequantize_experts`; shapes: docs/architecture.md, "Package map", ``moe/``). docs/kernels.md, "Fused
+MoE".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """The sigmoid MoE router after its logits: the torch reference and a one-launch Triton kernel.
 
-`route_reference` is the routing math of `trtllm_glm.modules.ffn.MoEGate` (sigmoid scores, the correction
-bias for selection only, optional group-limited routing, top-k by a stable descending sort, weights from the
-unbiased scores, normalisation and scaling): ~10 small kernels on CUDA, one of them a full radix sort over the
-experts. `fused_route` does the same for ``n_group == 1`` in one launch (`router_kernels`): ``top_k`` max
-passes over the row in registers instead of a sort, with the same tie rule (equal biased scores: lower id
-first) and the same order of the ids. `route` is the dispatcher the router calls; it picks through
-`router_backend` (``TRTLLM_GLM_ROUTER_BACKEND``), as `trtllm_glm.norm.norm_backend` does for the norms.
-
-Where the kernel runs: CUDA tensors go to the compiled kernel; any other device (the CPU) goes to an
-interpreted copy of `router_kernels` (`trtllm_glm.triton_interp.KernelPackage`), so CPU tests exercise the
-kernel source. Triton is imported lazily, on the first kernel call: importing this module needs only torch.
-(`trtllm_glm.moe.kernels`, the fused expert GEMMs, keeps its own interpreted copy and is not loaded through
-this package object: its relative imports would not resolve under the alias package.)
+`route_reference` is the routing math of `trtllm_glm.modules.ffn.MoEGate` (~10 small kernels on CUDA, one a radix
+sort); `fused_route` does the same for ``n_group == 1`` in one launch (`router_kernels`), with the same tie rule
+(equal biased scores: lower id first) and id order. `route` dispatches through `router_backend`
+(``TRTLLM_GLM_ROUTER_BACKEND``). The CPU runs an interpreted copy of `router_kernels`
+(`trtllm_glm.triton_interp.KernelPackage`); importing this module needs only torch. (`trtllm_glm.moe.kernels` keeps
+its own interpreted copy: its relative imports would not resolve under the alias package.) docs/kernels.md, "MoE
+router".
 """
 
 from __future__ import annotations

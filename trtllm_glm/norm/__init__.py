@@ -1,13 +1,10 @@
 """Fused row normalisations for the CUDA decode path: RMSNorm, gated RMSNorm and L2 normalisation.
 
-The torch references are `trtllm_glm.modules.norm.rms_norm`, `trtllm_glm.kda.layer.GatedRMSNorm` and
-`trtllm_glm.kda.ops.gate.l2_normalize`; each is ~6-11 small torch kernels (casts, square, mean, add,
-rsqrt, products, sigmoid), and a decode step calls them ~20 times. `kernels.row_norm` does any of them in
-one launch. The callers dispatch through `norm_backend` (``TRTLLM_GLM_NORM_BACKEND``).
-
-Where the kernels run: CUDA tensors go to the compiled kernels; any other device (the CPU) goes to an
-interpreted copy of the same module (`trtllm_glm.triton_interp`), so CPU tests exercise the kernel source.
-Triton is imported lazily, on the first call: importing this package needs only torch.
+`kernels.row_norm` does any of them in one launch instead of ~6-11 small torch kernels (a decode step calls them ~20
+times); references: `trtllm_glm.modules.norm.rms_norm`, `trtllm_glm.kda.layer.GatedRMSNorm`,
+`trtllm_glm.kda.ops.gate.l2_normalize`. Callers dispatch through `norm_backend` (``TRTLLM_GLM_NORM_BACKEND``). CUDA
+tensors go to the compiled kernels, the CPU to an interpreted copy (`trtllm_glm.triton_interp`); importing this
+package needs only torch. docs/kernels.md, "Row normalisations".
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """The weight-only block-FP8 linear: the torch reference, the kernel op and the dispatcher.
 
-`fp8_linear_reference` is the definition: dequantise the weight to fp32 (`dequantize_block_fp8`), multiply in
-fp32, cast to the activations' dtype. `fp8_linear_triton` computes the same product in one Triton launch
-(`kernels`): the e4m3 codes are read once and decoded in registers, fp32 accumulation. `fp8_linear` is what the
-layers call: the kernel for CUDA inference, the reference otherwise, as `fp8_linear_backend`
-(``TRTLLM_GLM_FP8_LINEAR_BACKEND`` = ``auto`` / ``torch`` / ``triton``) decides.
-
-CUDA tensors go to the compiled kernel; the CPU runs an interpreted copy (`trtllm_glm.triton_interp`), so CPU tests
-exercise the kernel source. Importing this module needs only torch.
+`fp8_linear_reference` is the definition (dequantise to fp32, multiply in fp32, cast to the activations' dtype);
+`fp8_linear_triton` computes it in one launch (`kernels`, e4m3 codes decoded in registers); `fp8_linear` picks as
+`fp8_linear_backend` (``TRTLLM_GLM_FP8_LINEAR_BACKEND``) decides. CUDA tensors go to the compiled kernel, the CPU to
+an interpreted copy (`trtllm_glm.triton_interp`); importing this module needs only torch. docs/fp8.md;
+docs/kernels.md, "Block-FP8 linear".
 """
 
 from __future__ import annotations
