@@ -1,17 +1,9 @@
 """`AttentionBackend`: what an attention backend owns, and what the cache manager, the model and the executor
 ask it for (TensorRT-LLM's ``AttentionBackend`` with its ``Metadata``, vLLM's backend + metadata builder).
 
-A backend owns three things:
-
-* its **metadata**: the class describing a step's batch (`Metadata`, a subclass of `AttentionMetadata`), made
-  by `make_metadata` with its persistent buffers;
-* its **cache layout**: the paged planes the cache manager allocates for each layer of the backend
-  (`paged_planes`), and the per-layer views a layer reads (`layer_cache`);
-* its **dispatch**: the module implementing its ops on a device (`ops`: torch reference or kernels) and the
-  ``nn.Module`` a decoder layer runs (`make_layer`).
-
-A new backend is one module implementing this class, registered by name (`attention.registry`); docs/architecture.md,
-"Attention backends", lists the files it touches.
+A backend owns its **metadata** (`Metadata`, `make_metadata`), its **cache layout** (`paged_planes`, `layer_cache`)
+and its **dispatch** (`ops`, `make_layer`). A new backend is one module implementing this class, registered by name
+(`attention.registry`); docs/architecture.md, "Attention backends", describes the members and the files it touches.
 """
 
 from __future__ import annotations

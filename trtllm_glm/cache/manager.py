@@ -1,13 +1,9 @@
 """Paged KV cache and per-request state slots for Glm5Next models.
 
-One page pool is shared by all sparse MLA layers: a page of ``P = tokens_per_block`` tokens holds, per sparse
-layer, every paged plane the layers' attention backend declares (`AttentionBackend.paged_planes`; the k-pool
-backend's: ``P`` latent rows and ``P / 4`` FP8 pooled index entries, BF16 pooled keys without scales with
-``indexer_key_dtype="bf16"``), so all planes share one slot-id space. KDA recurrent/conv
-state and the indexer tail rings are per-request *state slots*, owned by the manager's `RequestStateOwner`
-(``manager.state``, trtllm_glm/state), which also owns their rollback and snapshot planes; the manager
-allocates slots and exposes the planes as views.
-See docs/architecture.md for the exact plane shapes.
+One page pool is shared by all sparse MLA layers: a page holds, per sparse layer, every paged plane the attention
+backend declares (`AttentionBackend.paged_planes`), so all planes share one slot-id space. KDA state and the
+indexer tail rings are per-request *state slots*, owned by the manager's `RequestStateOwner` (``manager.state``);
+the manager allocates slots and exposes the planes as views. Plane shapes: docs/architecture.md, "Cache layout".
 """
 
 from __future__ import annotations

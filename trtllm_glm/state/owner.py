@@ -1,24 +1,11 @@
 """`RequestStateOwner`: the one owner of per-request (per state slot) state and of its rollback planes.
 
-A request's cache has two halves. Its *pages* (latent rows, pooled FP8 index keys) are append-only
-and live in the cache manager's page pool. Everything else a request carries between steps is per
-*state slot* and lives here:
-
-* KDA recurrent state ``[Lk, S, H, K, K]`` and conv window ``[Lk, S, C, kernel - 1]`` (FP32);
-* the indexer tail rings ``[Ls, S, 2, 4, 128]`` (FP32; the MTP plane too when it is stored here);
-* the rollback planes of speculative decoding: one `DecodeTailRing` per target sparse plane (the
-  previous wide round's ring backup, restored lazily to the accepted prefix), the pending KDA verify
-  records of the current step (folded by `commit_verified`), and the MTP chain backup of a draft plane
-  (`speculative_rows`);
-* the draft's last hidden ``[S, D]`` (the target hidden of the last committed row, which the MTP layer
-  pairs with the next token), when a drafter asks for it;
-* the committed length of each slot (tokens whose state is folded into the slot).
-
-`snapshot` / `restore` copy all of a slot's planes byte for byte plus its committed length; a restore
-whose committed length disagrees with the endpoint it is restored at is rejected (`StateError`).
-
-This module depends only on `config` and `errors` (and `state.tail_ring`): the attention backend, the KDA
-layer and the speculative executor reach state through it, never the other way round.
+Everything a request carries between steps apart from its append-only pages lives here: KDA recurrent state and
+conv window, the indexer tail rings, the speculative rollback planes (`DecodeTailRing`, pending KDA verify records,
+the MTP chain backup), the draft's last hidden and each slot's committed length. `snapshot` / `restore` are byte for
+byte, and a restore whose committed length disagrees with its endpoint is rejected (`StateError`). Depends only on
+`config`, `errors` and `state.tail_ring`: callers reach state through it, never the other way round. Planes,
+shapes and the contract: docs/architecture.md, "Per-request state".
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """`DecodeTailRing`: keeps rejected draft keys out of the indexer tail ring (docs/design.md §6.2).
 
-Planes per slot ``s``: ``snapshot[s]`` (the ring before a wide step's rows land), ``saved_rows[s, :W]`` (the
-``(key, gate)`` rows the step writes), ``saved_pos[s]`` (its first position) and ``saved_count[s]`` (``W``; 0 after
-a width-one step, whose only row is always committed). The next step of the slot restores the snapshot and replays
-saved rows ``0 .. a - 1`` into entries ``(saved_pos[s] + i) % 4``, with ``a = p0 - saved_pos[s]`` derived from
+Planes per slot: ``snapshot``, ``saved_rows``, ``saved_pos``, ``saved_count`` (0 after a width-one step, whose only
+row is always committed); the next step restores the snapshot and replays the accepted saved rows, ``a`` derived from
 positions. Pools completed by a rejected row are left alone on purpose: the real token at that position completes
-the same pool again before any committed row can see it (a row at ``pos`` sees pools ``p < (pos + 1) // 4``).
-
-No host sync, fixed-address buffers (graph-safe); `prepare_step` is one Triton launch on CUDA
-(``TRTLLM_GLM_TAIL_RING_BACKEND``), else `prepare_step_reference`, same bits. One instance per sparse layer's ring
-(the MTP layer's ring needs its own).
+the same pool again before any committed row can see it (a row at ``pos`` sees pools ``p < (pos + 1) // 4``). No
+host sync, fixed-address buffers (graph-safe); `prepare_step` is one launch on CUDA (``TRTLLM_GLM_TAIL_RING_BACKEND``),
+else `prepare_step_reference`, same bits. One instance per sparse layer's ring (the MTP layer's ring needs its own).
+The kernel: docs/kernels.md, "Tail-ring rollback and backup".
 """
 
 from __future__ import annotations

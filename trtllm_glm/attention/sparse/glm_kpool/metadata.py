@@ -1,17 +1,12 @@
 """`GlmKpoolMetadata`: batch metadata of the k-pool sparse MLA backend.
 
-Adds to `AttentionMetadata` the persistent device slot table ``[max_num_seqs, max_pages_per_seq]``
-(pinned, double-buffered host staging; one non-blocking copy per step) and the persistent selection
-buffer. Slot tables come from the KV cache manager's ``get_batch_slot_tables``; a request that needs a
-wider table than was allocated raises `TableWidthError` (never a reallocation, never a truncation).
-
-Draft forwards with a separate draft KV manager (docs/design.md §5, hazard §6.1): the two managers allocate pages
-and state slots independently, so the target's ids index the draft cache out of bounds (or another
-request's pages). A second persistent table ``draft_slot_table`` and state-slot buffer ``draft_state_slots``
-hold the draft manager's own ids; `GlmKpoolMetadata.prepare_for_draft_forward` fills them (never while a
-CUDA graph is capturing) and *rebinds* the active ``slot_table`` / state-slot binding to them;
-`GlmKpoolMetadata.restore_after_draft_forward` rebinds the target buffers. Nothing is ever copied into the
-target buffers, so the target binding survives any failure of the draft path.
+Adds to `AttentionMetadata` the persistent device slot table ``[max_num_seqs, max_pages_per_seq]`` (pinned,
+double-buffered host staging; one non-blocking copy per step) and the persistent selection buffer. A request that
+needs a wider table than was allocated raises `TableWidthError` (never a reallocation, never a truncation). Draft
+forwards with a separate draft KV manager: `prepare_for_draft_forward` fills ``draft_slot_table`` /
+``draft_state_slots`` (never while a graph captures) and *rebinds* the active binding to them,
+`restore_after_draft_forward` rebinds the target's; nothing is copied into the target buffers, so the target binding
+survives any failure of the draft path. docs/design.md §5 and §6.1.
 """
 
 from __future__ import annotations

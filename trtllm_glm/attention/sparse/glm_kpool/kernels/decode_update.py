@@ -1,13 +1,9 @@
 """Triton kernel: decode/verify update of the indexer tail rings and pools (`ops.update_decode_pools`).
 
-One program per sequence: the program launched for a sequence's first row (its "leader") walks the
-sequence's rows in batch order, keeping the 4-entry tail ring in registers. Each row replaces ring entry
-``pos % 4``; a row with ``pos % 4 == 3`` completes pool ``pos // 4`` from the 4 entries and writes it. The
-ring goes back to memory once, at the end. Sequential order inside a sequence is what makes verify rows
-(several per sequence) see the entries of earlier rows, exactly as the reference applies them one by one.
-
-Launch: one program per row (most return at once), so the grid needs no per-sequence metadata and no host
-sync; rows of a sequence are contiguous and ``row_seq < 0`` marks padding rows.
+One program per row; the program of a sequence's first row (its "leader") walks the sequence's rows in batch order
+with the 4-entry ring in registers, so verify rows see the entries of earlier rows exactly as the reference applies
+them one by one. No per-sequence metadata, no host sync; rows of a sequence are contiguous and ``row_seq < 0`` marks
+padding rows. docs/kernels.md, "Decode / verify ring and pool update".
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Triton kernel: expand selected pools to token positions (`ops.expand_selection`).
 
-One program per row: the ``K`` pool ids are sorted ascending (invalid ids pushed to the end), pool ``p``
-expands to ``4p .. 4p + 3`` in place (``[K, 4]`` reshaped to ``4K`` columns, so no gather is needed), then
-the open pool's tail ``4 n_c .. pos`` follows and ``-1`` fills the rest. Every one of the ``width`` columns
-is written exactly once (the two stores cover disjoint columns), so the output needs no pre-fill and a
-persistent selection buffer can be passed as ``out``.
-
-Defensive differences from the reference, which raises instead: ids ``< 0`` or ``>= (pos + 1) // 4`` are
-dropped (never expanded to positions the row cannot see), and a selection longer than ``width`` is cut.
-Repeated ids are not detected (the top-k never produces them).
+One program per row; every one of the ``width`` columns is written exactly once, so the output needs no pre-fill
+and a persistent selection buffer can be passed as ``out``. Unlike the reference, which raises, ids ``< 0`` or
+``>= (pos + 1) // 4`` are dropped and a selection longer than ``width`` is cut; repeated ids are not detected (the
+top-k never produces them). docs/kernels.md, "Selection expansion".
 """
 
 from __future__ import annotations

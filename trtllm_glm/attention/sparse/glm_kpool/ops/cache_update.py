@@ -1,14 +1,10 @@
 """Cache writes of the sparse layers (torch reference): latent rows, completed pools and tail rings.
 
-All functions take a flat batch (docs/architecture.md, "Batch layout"): ``positions[n]`` and
-``row_seq[n]`` per row, ``slot_table[b, j]`` the raw page of sequence ``b``'s logical page ``j`` and
-``state_slots[b]`` its state slot. The rows of one sequence must be contiguous in the batch, with
-consecutive positions. Every page a row needs is looked up and validated before anything is written, so
-a bad table raises `ValueError` and leaves the cache untouched.
-
-Decode and prefill produce bit-identical pools and rings for the same rows: both complete a pool from the
-same ``[4, 128]`` member tensors with the same `pool_keys` and `rotate_quant` (FP8 keys) or the same
-bf16 rounding (BF16 keys: ``index_k`` of dtype bfloat16, no scale plane; docs/indexer_keys.md).
+Flat batch (docs/architecture.md, "Batch layout"); the rows of one sequence must be contiguous in the batch, with
+consecutive positions. Every page a row needs is looked up and validated before anything is written, so a bad table
+raises `ValueError` and leaves the cache untouched. Decode and prefill produce bit-identical pools and rings for the
+same rows: both complete a pool from the same ``[4, 128]`` member tensors with the same `pool_keys` and
+`rotate_quant` (FP8 keys) or bf16 rounding (BF16 keys, docs/indexer_keys.md). docs/architecture.md, "Cache writes".
 """
 
 from __future__ import annotations
