@@ -1,13 +1,10 @@
 """`CompileCounter`: counts Triton JIT compilations (new kernel specialisations) in this process.
 
-A served step that meets a kernel specialisation for the first time stalls while Triton compiles it (hundreds
-of milliseconds to seconds; a cache hit on disk still loads a binary): `Executor.warm_up` runs every shape a
-served step can take at start-up, and `bench_serve` and the GPU tests count what is compiled after it, which
-must be nothing. Counting uses Triton's ``jit_post_compile_hook`` (called once per new specialisation of a
-``@triton.jit`` function, after it is compiled or loaded from the on-disk cache); an existing hook is kept and
-still called. Interpreted kernels (CPU tensors) never compile, so the count stays 0 there.
-
-A leaf: imports nothing of the package.
+A served step that meets a new specialisation stalls while Triton compiles it: `Executor.warm_up` runs every shape at
+start-up, and `bench_serve` and the GPU tests count what compiles after it, which must be nothing. Counting uses
+Triton's ``jit_post_compile_hook`` (once per new specialisation, compiled or loaded from the disk cache); an
+existing hook is kept and still called. Interpreted kernels never compile, so the count stays 0 on the CPU. A leaf:
+imports nothing of the package.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The process-wide numerics mode: batch invariance (issue 31).
+"""The process-wide numerics mode: batch invariance (issue 31, docs/numerics.md).
 
-With batch invariance on, every row's result is independent of how many rows share the step, of the verify width
-and of the row's position in the batch: kernels pick one tile shape and one reduction order per weight shape or
-per context length, never per number of rows (vLLM calls this batch invariance, SGLang deterministic inference).
-Then speculative greedy decoding equals plain greedy decoding bit for bit, and a request alone equals the same
-request inside any batch.
-
-The mode is read where a kernel or a launch configuration is chosen (`batch_invariant`); the LLM sets it from its
-``batch_invariant`` argument (`set_batch_invariant`). It is process-wide, like the kernels' backend variables,
-because the choice is made deep inside ops that see tensors, not the engine. ``TRTLLM_GLM_BATCH_INVARIANT``
-(``1`` / ``0``) gives the value a process starts with.
+With it on, every row's result is independent of the rows sharing its step, of the verify width and of its position:
+kernels pick one tile shape and reduction order per weight shape or context length, never per number of rows. The
+mode is read where a kernel or launch configuration is chosen (`batch_invariant`); the LLM sets it
+(`set_batch_invariant`). It is process-wide, like the kernels' backend variables, because the choice is made deep
+inside ops that see tensors, not the engine. ``TRTLLM_GLM_BATCH_INVARIANT`` gives a process's starting value.
 """
 
 from __future__ import annotations

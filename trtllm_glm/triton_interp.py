@@ -1,21 +1,10 @@
 """Running Triton kernels on CPU tensors through Triton's interpreter, next to compiled ones on CUDA.
 
-Every kernel package (`attention.sparse.glm_kpool.kernels`, `kda.kernels`) serves CUDA tensors from its
-normally imported modules and every other device (the CPU) from an *interpreted copy* of the same source:
-the modules imported a second time, under an alias package, with Triton's interpreter switched on only
-for that import (`KernelPackage.module`). Launches of the copy run inside `interpreting`, which lets
-``triton.language``'s own jit functions (``tl.max``, ``tl.sum``, ``tl.sort``, decorated for compilation
-when triton was imported) run interpreted too. So the choice depends neither on the process environment
-nor on import order, and a CPU test and a GPU test can run in one pytest process. Triton is imported
-lazily, on the first interpreted call.
-
-Two shortcuts keep interpreted launches cheap without changing what they compute: ``triton.language`` is
-patched once per launch instead of again at every call of a ``@triton.jit`` helper, and ``tl.sort`` of
-integers runs as one numpy sort instead of an interpreted bitonic network (about 2x and 3x on the pool
-top-k and expansion kernels; tests/unittest/house/test_triton_interp.py checks them against Triton's own path).
-
-The interpreter's bf16 arithmetic and fp8 casts are not IEEE: kernels upcast right after loading and
-round to the e4m3 grid in fp32 before casting; CPU tests check numerics in fp32 / fp16.
+Every kernel package serves CUDA tensors from its normally imported modules and every other device from an
+*interpreted copy* of the same source (`KernelPackage.module`), launched inside `interpreting`; the choice depends
+neither on the process environment nor on import order, so a CPU test and a GPU test can share one process. Triton is
+imported lazily, on the first interpreted call. The two shortcuts that keep interpreted launches cheap (checked by
+tests/unittest/house/test_triton_interp.py) and the interpreter's numerics: docs/kernels.md, "Kernels on the CPU".
 """
 
 from __future__ import annotations

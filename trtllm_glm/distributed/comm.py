@@ -1,15 +1,10 @@
 """The collectives the sharded model and the lockstep checks use (torch.distributed; NCCL on CUDA, gloo on CPU).
 
-`Comm.all_reduce` is called *inside* the forward, so a CUDA graph captures the NCCL kernel with the rest of
-the step (NCCL collectives are capturable; nothing here allocates or syncs with the host). At world size 1
-(`NULL_COMM`) every call returns its input untouched, and the layers pay nothing.
-
-In the batch-invariant mode (`trtllm_glm.numerics`) `Comm.all_reduce` is an all-gather followed by a sum in rank
-order (fp32, rounded once to the tensor's dtype): NCCL's all-reduce picks its algorithm (ring, tree) and its
-chunking by message size, so a row's sum would depend on how many rows the step has; the gathered sum does not.
-
-Control traffic (the per-step lockstep fingerprint, worker errors) goes over a separate gloo group on host
-tensors, so it never enters a captured graph or queues behind device work on the NCCL stream.
+`Comm.all_reduce` is called *inside* the forward, so a CUDA graph captures the NCCL kernel with the step (nothing
+here allocates or syncs with the host); at world size 1 (`NULL_COMM`) every call returns its input. In the
+batch-invariant mode it is an all-gather and a sum in rank order (NCCL picks algorithm and chunking by message size,
+so a row's sum would depend on the step's rows). Control traffic (lockstep fingerprints, worker errors) goes over a
+separate gloo group on host tensors, never into a captured graph or behind device work. docs/parallelism.md.
 """
 
 from __future__ import annotations

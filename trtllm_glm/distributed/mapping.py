@@ -1,17 +1,10 @@
 """`Mapping`: which share of the model one rank holds (TensorRT-LLM's names and conventions).
 
-A world of ``W`` ranks runs one model:
-
-* attention, the dense MLPs (and the KDA / sparse-MLA projections) are tensor parallel over ``tp_size``
-  ranks, which is either ``W`` (heads split) or 1 (replicated on every rank);
-* the routed experts are split over ``moe_ep_size`` blocks of contiguous experts times ``moe_tp_size``
-  slices of each expert's intermediate dimension, ``moe_ep_size * moe_tp_size == W``;
-* the shared experts are column/row parallel over all ``W`` ranks (their partial sums join the routed
-  experts' in the MoE's one all-reduce);
-* the embedding, the LM head, the norms, the mHC weights, the MoE router and the indexer are replicated.
-
-Rank ``r`` holds expert block ``moe_ep_rank = r % moe_ep_size`` and intermediate slice
-``moe_tp_rank = r // moe_ep_size`` (TensorRT-LLM's order).
+Attention and dense MLPs are tensor parallel over ``tp_size`` (``W`` or 1); routed experts split over
+``moe_ep_size`` blocks of contiguous experts times ``moe_tp_size`` slices of the intermediate dimension
+(``moe_ep_size * moe_tp_size == W``); shared experts over all ``W`` ranks; the rest replicated. Rank ``r`` holds
+expert block ``moe_ep_rank = r % moe_ep_size`` and slice ``moe_tp_rank = r // moe_ep_size`` (TensorRT-LLM's order).
+The sharding plan: docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Piecewise CUDA graphs of the eager steps (issue 42 item 2): prefill chunks, mixed prefill + decode steps, and
-decode steps no full graph covers.
+"""Piecewise CUDA graphs of the eager steps (issue 42 item 2): prefill chunks, mixed steps, uncovered decode steps.
 
 The forward is cut at the attention cores (vLLM's scheme): segment ``k`` is layer ``k-1``'s attention output side and
 FFN block plus layer ``k``'s attention input side, captured per (segment, padded token count); the cores run eagerly
-on the real rows between the replays. A segment never writes a carry buffer it reads (the read-back values alternate
-between two buffers by layer parity), so it may run twice in the step that first needs it (warm-up, capture).
-Not covered: steps with speculative verify sequences (the KDA verify records keep views of the conv inputs until
-the commit), steps above the largest bucket, and the LM head. Design, buckets, memory and numerics: docs/gpu.md,
-"Piecewise CUDA graphs of eager steps".
+between the replays. A segment never writes a carry buffer it reads (read-back values alternate between two buffers
+by layer parity), so it may run twice in the step that first needs it. Not covered: steps with verify sequences (the
+KDA verify records keep views of the conv inputs until the commit), steps above the largest bucket, the LM head.
+Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
 """
 
 from __future__ import annotations

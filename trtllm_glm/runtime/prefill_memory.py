@@ -2,27 +2,9 @@
 
 The executor adds this to the cache estimate it checks before allocating anything (`Executor._make_manager`), so
 that a configuration whose long prompts cannot run (a 1M-token context's score matrix, a large chunk's MoE pair
-buffer) is refused at start-up with the numbers, not by an out-of-memory error in the middle of a prompt.
-
-A chunk of ``N = max_num_tokens`` rows at a context of up to ``S = max_seq_len`` tokens holds, besides the weights
-and the caches (counted elsewhere):
-
-* ``hidden``: the mHC residual streams (``hc_mult`` fp32 copies of ``[N, hidden]``), two of them live across a
-  layer, plus the layer input and output in the model dtype;
-* per layer kind, the largest of
-  - ``kda``: the q / k / v / gate rows in fp32 after the short convolution and gates, fla's chunk intermediates
-    (``w``, ``u``, the within-chunk matrix) and the per-chunk states ``[N / 64, heads, dk, dv]`` fp32 it stores;
-  - ``sparse_mla``: the indexer's ``[N, score_columns]`` fp32 scores (``score_columns``: the pool count ``S / 4``
-    rounded up to a power of two), the top-k's candidate scratch (at most 32,768 int32 key / id pairs per row), the
-    FP8 queries, and the attention's per-row query, absorbed query, fp32 latent output and value rows; in the
-    batch-invariant mode also the attention's fp32 split partials (the mode fixes the split count per selection
-    width, so prefill rows are split too; `sparse_mla.PARTIAL_SLAB_ROWS` rows at a time);
-  - ``ffn``: the MoE's fused-path buffers for a slab of at most ``FUSED_MAX_ROWS`` rows (``[rows * k, hidden]``
-    fp32 pair outputs, the ``[padded pairs, I]`` intermediate) and its fp32 ``[N, hidden]`` accumulator, or a
-    dense MLP's ``[N, 2 I]`` gate / up rows.
-
-Upper bounds rather than exact peaks (allocator rounding and fragmentation are not modelled); at 8,192-row chunks
-of GLM-5.3-Flash and a 1M context the indexer's scores dominate (8.6 GB).
+buffer) is refused at start-up with the numbers, not by an out-of-memory error in the middle of a prompt. Upper
+bounds rather than exact peaks (allocator rounding and fragmentation are not modelled). What each part counts:
+docs/prefill.md, "Memory at long contexts".
 """
 
 from __future__ import annotations

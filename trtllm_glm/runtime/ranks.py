@@ -1,21 +1,11 @@
-"""The ranks of a tensor / expert parallel `LLM` (docs/parallelism.md).
+"""The ranks of a tensor / expert parallel `LLM` (docs/parallelism.md, "How the ranks run").
 
-Two ways to run a world of ``W`` ranks, one model share each:
-
-* **Spawned** (``LLM(model, tensor_parallel_size=W)`` in one process): the calling process is rank 0 and
-  starts ranks ``1 .. W-1`` itself (`RankGroup`, multiprocessing ``spawn``). Rank 0's executor is the real
-  one (the LLM API and the server use it as on one device); its ``add_request`` / ``step`` /
-  ``abort_request`` are mirrored (`RankGroup.mirror`): each call is sent down a pipe to every worker, whose
-  identical executor (`worker_main`) replays it, so every rank runs the same scheduler on the same inputs.
-* **torchrun** (``WORLD_SIZE`` / ``RANK`` set): every process runs the user's script, so every rank makes
-  the same calls by construction. This is also how several nodes are used.
-
-Either way every rank checks after each step that all ranks agree on the step's plan and tokens
-(`install_lockstep`: one small all-gather over a gloo group); a rank that would diverge raises
-`LockstepError` on every rank instead of leaving the others waiting in a collective. A worker that raises
-reports its error and exits; rank 0's pending collective then fails (the peer's sockets close, or the
-process-group timeout fires) and the call raises `WorkerError` naming the rank. After any failed step the
-world is torn down: build a new `LLM`.
+Spawned (``LLM(model, tensor_parallel_size=W)``): rank 0 starts ranks ``1 .. W-1`` (`RankGroup`) and mirrors its
+executor's ``add_request`` / ``step`` / ``abort_request`` to them (`RankGroup.mirror`, replayed by `worker_main`).
+torchrun (``WORLD_SIZE`` / ``RANK`` set): every rank makes the same calls by construction. Either way every rank
+checks after each step that all agree on the step's plan and tokens (`install_lockstep`, `LockstepError`); a
+worker that raises makes the call raise `WorkerError` naming the rank, and after any failed step the world is torn
+down: build a new `LLM`. docs/parallelism.md, "Lockstep and faults".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Serving defaults for the batch and the token budget, sized against the device's memory at start-up.
 
-`LLM(max_batch_size=None, max_num_tokens=None)` (the defaults) take TensorRT-LLM-like serving sizes,
-`DEFAULT_MAX_BATCH_SIZE` sequences and a `DEFAULT_MAX_NUM_TOKENS`-row budget per step, and shrink them (the
-token budget first, by halves, down to `MIN_AUTO_NUM_TOKENS`; then the batch, down to `MIN_AUTO_BATCH_SIZE`)
-until the KV cache, the state slots and a prefill chunk's transient buffers fit in `AUTO_MEMORY_FRACTION` of the
-memory free once the weights are loaded. A value the caller sets is kept as it is, and a configuration that
-cannot fit is refused by the executor's check with the estimate and what is free (`Executor._make_manager`).
-
-Why these sizes: a 512-row budget (the old default) cuts a batch of 16 prompts of 512 tokens into 16 steps
-and left a served request seconds from its first token at concurrency 16 (issue 42); 8,192 is TensorRT-LLM's
-``max_num_tokens`` default, and 64 sequences keep a server's decode batches at the concurrency it is offered.
+`LLM(max_batch_size=None, max_num_tokens=None)` take `DEFAULT_MAX_BATCH_SIZE` sequences and a
+`DEFAULT_MAX_NUM_TOKENS`-row budget and halve them (the budget first, down to `MIN_AUTO_NUM_TOKENS`, then the batch,
+down to `MIN_AUTO_BATCH_SIZE`) until the KV cache, the state slots and a prefill chunk's buffers fit in
+`AUTO_MEMORY_FRACTION` of the memory free after the weights. A value the caller sets is kept; one that cannot fit is
+refused by the executor's check (`Executor._make_manager`). Why these sizes: docs/serving.md, "Defaults that fit
+serving".
 """
 
 from __future__ import annotations

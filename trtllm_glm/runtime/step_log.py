@@ -1,17 +1,11 @@
 """`StepLog`: an opt-in record of every engine step and of each request's way to its first token.
 
-Where a served request's time goes (issue 42): a request waits in the engine's inbox and the executor's
-queue, is admitted, prefills in one or more steps (mixed with other requests' decode rows), gets its first
-token when a step is read back, and that token reaches its stream when the engine thread flushes. With a
-log attached (``executor.step_log = StepLog(...)``; ``trtllm-glm serve --step-log FILE``, which
-``bench_serve`` reads) every step appends a `StepRecord` and every request that gets its first token a
-`RequestTiming`; both go to a bounded in-memory ring and, when a path is given, to a JSON-lines file.
-
-Cheap when off: the executor tests ``step_log is None`` once per step. When on, a step costs two
-``perf_counter`` calls and, on CUDA, two recorded events whose elapsed time is read only once the step's
-end event has completed (``Event.query``: no host synchronisation is added).
-
-Times are ``time.perf_counter()`` seconds (one clock for the engine thread, the executor and the front end).
+With a log attached (``executor.step_log = StepLog(...)``; ``trtllm-glm serve --step-log FILE``) every step appends a
+`StepRecord` and every request that gets its first token a `RequestTiming`, to a bounded ring and optionally a
+JSON-lines file. Cheap when off (one ``step_log is None`` test per step); when on, two ``perf_counter`` calls and,
+on CUDA, two events whose elapsed time is read only once the end event has completed (``Event.query``: no host
+synchronisation). Times are ``time.perf_counter()`` seconds. What the records hold: docs/serving.md, "Where the time
+to first token goes".
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Start-up warm-up: run every kind of step a served batch can take, so that no kernel compiles while serving.
 
-Triton compiles on each new specialisation (a ``tl.constexpr`` chosen from a row count or a context length, an
-integer argument newly 1 or a multiple of 16); CUDA graphs cover the captured decode / verify steps and `warm_up`
-the rest, through the executor itself: (1) prefill widths on a length ladder (`length_ladder`), (2) the same chunks
-beside a decoding request, (3) sequence counts up to ``max_batch_size`` and admissions beside decoding requests,
-(4) contexts up to ``max_seq_len``, (5) sampling and logprobs, (6) the greedy kernels with and without a grammar
-mask (`warm_up_greedy`). Piecewise segment graphs are captured first (`PiecewiseRunner.capture_all`).
-
-Prefix caching stays on while it runs: its page-boundary chunk cuts and checkpoint restores are steps a served
-request takes (H100: without them the KDA conv's continued-chunk kernels compiled while serving). Afterwards the
-prefix cache starts empty and the step counters are restored. `WarmupReport.compiles` counts the compilations
-(0 on the CPU). Serving view: docs/serving.md, "Defaults that fit serving".
+Triton compiles on each new specialisation; CUDA graphs cover the captured decode / verify steps and `warm_up` the
+rest through the executor itself: prefill widths on a length ladder (`length_ladder`), the same beside a decoding
+request, sequence counts up to ``max_batch_size``, contexts up to ``max_seq_len``, sampling and logprobs, the greedy
+kernels with and without a grammar mask (`warm_up_greedy`); piecewise segment graphs first. Prefix caching stays on
+(its chunk cuts and restores are served steps: on an H100 the KDA conv's continued-chunk kernels compiled while
+serving without them); afterwards the prefix cache starts empty and the step counters are restored.
+`WarmupReport.compiles` counts compilations (0 on the CPU). docs/serving.md, "Defaults that fit serving".
 """
 
 from __future__ import annotations
