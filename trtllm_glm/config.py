@@ -1,19 +1,11 @@
 """Model configuration for GLM-5.3-Flash-class hybrid models.
 
-`Glm5NextConfig` reads the ``config.json`` of a GLM-5.3-Flash checkpoint, in either layout:
-
-* the real (VL) layout: ``{"model_type": "glm5_next", "text_config": {...}, "vision_config": {...},
-  "quantization_config": {...}, ...}``, the text model's fields inside ``text_config``
-  (``model_type`` ``glm5_next_text``), as ``transformers``' ``Glm5NextConfig.save_pretrained`` writes it;
-* a flat text-only layout (the text fields at the top level).
-
-Field names are the published reference's (``transformers`` ``Glm5NextTextConfig``); a few keep the
-project's older spellings as aliases (``kda_*`` for ``linear_*``, ``linear_attn_config``,
-``first_k_dense_replace``). **Every key must be known**: a key this module does not understand raises
-`ConfigError` naming it, because silently ignoring one (a new mixing scheme, a different pool size)
-would load a checkpoint and compute a different function. Keys that do not change the computation
-(``use_cache``, ``transformers_version``, vision fields...) are listed in `_IGNORED_TEXT_KEYS` /
-`_IGNORED_TOP_KEYS` and accepted. Every inconsistency raises `ConfigError` naming the field.
+`Glm5NextConfig` reads a checkpoint's ``config.json`` in the real (VL, ``text_config`` inside) or a flat text-only
+layout, with the reference's field names and a few older aliases. **Every key must be known**: an unknown key raises
+`ConfigError` naming it, because silently ignoring one (a new mixing scheme, a different pool size) would load a
+checkpoint and compute a different function; keys that do not change the computation are listed in
+`_IGNORED_TEXT_KEYS` / `_IGNORED_TOP_KEYS`. Every inconsistency raises `ConfigError` naming the field.
+docs/model.md, "Config".
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """HF-layout safetensors checkpoints: save (single file or sharded), selective load, block-FP8 dequantisation.
 
-Layout written and read:
-
-* ``config.json`` (`Glm5NextConfig.save`);
-* either ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors`` plus
-  ``model.safetensors.index.json`` = ``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``.
-
-Tensor names: the real GLM-5.3-Flash checkpoint keeps the text model under ``model.language_model.``
-(``lm_head.weight`` at the top) and vision weights under ``model.visual.``; the loader maps the text names
-to the canonical ``model.*`` names this package uses internally (`canonical_name`), skips the vision
-weights (saying so once), and also reads flat text-only checkpoints whose names are already canonical.
-
-Block-FP8 checkpoints (DeepSeek-V3 style) store a weight ``W [out, in]`` as ``float8_e4m3fn`` next to
-``W_scale_inv [ceil(out/128), ceil(in/128)]`` (fp32); the loader either keeps both as they are (the model
-holds them: `trtllm_glm.modules.linear.Fp8Linear`) or multiplies each 128 x 128 block by its scale and drops
-the ``_scale_inv`` keys (``dequantize=True``; the tile helpers live in `trtllm_glm.quant.fp8`).
-`Glm5NextForCausalLM.load_weights` is the one strict gate (names, shapes, finiteness) for every source, a
-checkpoint or tensors in memory.
+Layout: ``config.json``, then ``model.safetensors`` or shards ``model-0000i-of-0000n.safetensors`` with
+``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``). Text names
+under ``model.language_model.`` map to the canonical ``model.*`` (`canonical_name`), vision weights are skipped, flat
+text-only checkpoints are read as they are. Block-FP8 weights are kept with their ``_scale_inv`` or dequantised
+(``dequantize=True``; tiles in `trtllm_glm.quant.fp8`). `Glm5NextForCausalLM.load_weights` is the one strict gate
+(names, shapes, finiteness) for every source. docs/model.md, "Checkpoints"; docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Chat templates: the checkpoint's own (Jinja, as Hugging Face stores it) or a simple one for presets.
 
-The preset template (`DEFAULT_CHAT_TEMPLATE`) uses GLM's role tags as plain text::
-
-    <|system|>
-    You are terse.
-    <|user|>
-    Hello
-    <|assistant|>
-
-one ``<|role|>`` line and the message content per message, then ``<|assistant|>`` and a newline when a
-generation prompt is wanted. The tokenizer adds BOS in front. With the byte tokenizer of the presets the
-tags are ordinary bytes.
-
-A checkpoint template comes from ``chat_template.jinja`` or the ``chat_template`` entry of
-``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` from which ``default`` is taken).
-It is rendered in a sandboxed Jinja environment with ``messages``, ``add_generation_prompt``,
-``bos_token`` and ``eos_token``, and the result is encoded without adding BOS (the template writes its
-own special tokens, as Hugging Face's ``apply_chat_template`` expects).
+The preset template (`DEFAULT_CHAT_TEMPLATE`) writes GLM's role tags as plain text, one ``<|role|>`` line and the
+content per message, then ``<|assistant|>`` and a newline for a generation prompt; the tokenizer adds BOS. A
+checkpoint template (``chat_template.jinja``, or ``tokenizer_config.json``'s ``chat_template``: a string, or a list
+of ``{"name", "template"}`` from which ``default`` is taken) is rendered in a sandboxed Jinja environment with
+``messages``, ``add_generation_prompt``, ``bos_token`` and ``eos_token``, and encoded without adding BOS (the
+template writes its own special tokens, as Hugging Face's ``apply_chat_template`` expects). docs/serving.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The messages between the API process and the engine process (`engine_client` and `engine_core`).
 
-Every message is a `msgspec` struct encoded as MessagePack (tagged, array-like: a struct is its tag and its
-fields in order, no field names on the wire). The hot path is `StepOutput`: one message per engine-loop
-iteration carrying every generation's delta of that step, the acknowledgements of the requests the step
-admitted, and the engine's stats when they changed. No pickle: tokens, text and logprobs are plain lists,
-strings and numbers.
-
-API -> engine: `AddRequest`, `AbortRequest`, `CountRejected`, `ScrapeMetrics`, `StopEngine`.
-Engine -> API: `EngineReady` or `EngineFailed` (start-up), `StepOutput`, `MetricsPage`, `EngineFatal`,
-`EngineStopped`.
+Every message is a `msgspec` struct encoded as tagged, array-like MessagePack (its tag and fields in order, no field
+names on the wire; no pickle). The hot path is `StepOutput`, one per engine-loop iteration. API -> engine:
+`AddRequest`, `AbortRequest`, `CountRejected`, `ScrapeMetrics`, `StopEngine`. Engine -> API: `EngineReady` or
+`EngineFailed` (start-up), `StepOutput`, `MetricsPage`, `EngineFatal`, `EngineStopped`. docs/serving.md, "Processes".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Reasoning output: a GLM model's thinking text split from its answer (``reasoning_content`` vs ``content``).
 
-GLM-4.5-and-later chat templates let the model think between ``<think>`` and ``</think>`` before it answers; some
-put ``<think>`` at the end of the generation prompt (the output then starts inside the thinking), and with
-``enable_thinking: false`` they close it in the prompt (``<think></think>``: the output is all answer). The
-``glm45`` parser (SGLang's and vLLM's name for this format) follows both: where the output starts is read from
-the rendered prompt's tail, an opening tag at the start of the output opens the thinking, and the first closing
-tag ends it. Everything after it is content, tags inside it included.
-
-Streaming: `ReasoningParser.feed` takes each text delta and returns the ``(reasoning, content)`` text it can
-release; text that may be the beginning of a tag is held back until it is known (a tag split across deltas is
-still found), and `finish` releases what is left.
+The ``glm45`` parser (SGLang's and vLLM's name): where the output starts (inside the thinking, or after a closed
+``<think></think>``) is read from the rendered prompt's tail, an opening tag at the start of the output opens the
+thinking, the first closing tag ends it, and everything after it is content, tags included. Streaming:
+`ReasoningParser.feed` returns the ``(reasoning, content)`` text it can release per delta, holding back what may be
+the beginning of a tag (a tag split across deltas is still found); `finish` releases the rest. docs/serving.md,
+"Reasoning output".
 """
 
 from __future__ import annotations

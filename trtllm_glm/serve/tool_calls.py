@@ -1,24 +1,11 @@
 """Tool calls in GLM's format: parsing a chat answer's ``<tool_call>`` blocks into OpenAI ``tool_calls``.
 
-GLM-4.5 and later call a function with a block per call (SGLang's ``glm45`` / ``glm47`` parsers read the same
-shape; 4.7 leaves out the newlines)::
-
-    <tool_call>get_weather
-    <arg_key>city</arg_key>
-    <arg_value>Beijing</arg_value>
-    </tool_call>
-
-An argument's value is the text between its tags; where the function's JSON schema gives the parameter a type other
-than ``string`` the value is read as JSON (``3``, ``true``, ``{"a": 1}``), and kept as a string when it is not valid
-JSON. Text before the first block is the answer's ``content``; several blocks are parallel calls. A block that
-never closes (the output was cut) stays text.
-
-`ToolCallParser` works on streamed text: content is released as it comes, except what may be the start of a
-``<tool_call>`` tag (held back until known), and each call is released whole when its block closes.
-
-`tool_call_grammar` writes the same format as a grammar (llguidance's Lark dialect) for ``tool_choice: "required"``
-and a named function: the answer is then one or more blocks (one with ``parallel_tool_calls: false`` or a named
-function) whose arguments follow the function's parameters schema, whatever the model would have written.
+One block per call (SGLang's ``glm45`` / ``glm47``): the function name, then ``<arg_key>``/``<arg_value>`` pairs. A
+value is read as JSON where the function's schema types the parameter as other than ``string`` (kept as a string when
+it is not valid JSON); text before the first block is ``content``; a block that never closes stays text.
+`ToolCallParser` works on streamed text (a possible tag start is held back; each call is released whole when its
+block closes). `tool_call_grammar` writes the format as a grammar (llguidance's Lark dialect) for
+``tool_choice: "required"`` and a named function. The format and the API: docs/serving.md, "Tool calls".
 """
 
 from __future__ import annotations

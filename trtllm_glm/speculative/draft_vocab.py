@@ -1,16 +1,11 @@
 """A restricted draft vocabulary (FR-Spec style): MTP draft steps score only the most frequent tokens.
 
-A draft step's LM head reads the whole ``[V, D]`` head weight for a few rows (three draft steps of an MTP-3 round
-read the 1.27 GB bf16 head three times at real geometry). `DraftVocab` holds a ``[N, D]`` copy of the head's rows
-of the ``N`` most frequent token ids, made once when the executor is built (so CUDA graphs captured on it keep a
-fixed address), and takes each draft as the argmax inside that subset mapped back to its full id. Verification
-still scores the full vocabulary, so the output is unchanged: a draft outside the subset is simply never proposed
-(the round accepts fewer tokens), never emitted.
-
-The frequency ranking comes from a JSON file (`TOKEN_FREQUENCY_FILE`, `load_token_ranking`) shipped beside a
-checkpoint (the ``small`` preset's is counted from its training text, `scripts/token_frequency.py`) or named by
-``MTPDecodingConfig.draft_vocab_file``; a size with no ranking is refused (`resolve_draft_vocab`): a made-up
-ranking (e.g. the lowest ids) would silently drop acceptance.
+`DraftVocab` holds a ``[N, D]`` copy of the head's rows of the ``N`` most frequent ids, made once when the executor is
+built (graphs captured on it keep a fixed address), and maps each draft's argmax in that subset back to its full id.
+Verification scores the full vocabulary, so the output is unchanged. The ranking comes from `TOKEN_FREQUENCY_FILE`
+beside a checkpoint or ``MTPDecodingConfig.draft_vocab_file`` (`load_token_ranking`); a size with no ranking is
+refused (`resolve_draft_vocab`): a made-up ranking would silently drop acceptance. docs/speculation.md, "Restricted
+draft vocabulary".
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """Speculative-decoding interface to attention metadata: draft-domain swaps around draft forwards.
 
-With a separate draft KV manager the draft model's pages and state slots have their own ids, so a draft
-forward (eager, or a CUDA-graph replay) must read the draft manager's slot tables, never the target's
-(docs/design.md §5, hazard §6.1). Callers bracket every draft forward::
-
-    saved = prepare_attn_metadata_for_draft_replay(meta, draft_mgr)
-    try:
-        graph.replay()  # or an eager draft forward
-    finally:
-        restore_attn_metadata_after_draft_replay(meta, saved)
-
-or use `draft_replay` (the same in a ``with`` block). Prepare is exception-atomic: if anything raises
-inside it, every attribute of the metadata is back to the exact object it held before (``is``) when the
-exception propagates. With no draft manager (or the target's own, the shared-manager mode) the swap is a
-no-op. `GraphAddressGuard` is the strict opt-in check that graph-visible tensors kept their addresses.
+With a separate draft KV manager a draft forward (eager or a graph replay) must read the draft manager's slot tables,
+never the target's (docs/design.md §5, hazard §6.1). Callers bracket it with
+`prepare_attn_metadata_for_draft_replay` and, in a ``finally``, `restore_attn_metadata_after_draft_replay`, or use
+`draft_replay` (a ``with`` block). Prepare is exception-atomic: if it raises, every metadata attribute is back to the
+exact object it held (``is``). With no draft manager (or the shared-manager mode) the swap is a no-op.
+`GraphAddressGuard` is the strict opt-in check that graph-visible tensors kept their addresses.
 """
 
 from __future__ import annotations
