@@ -44,7 +44,7 @@ __all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWe
 # and their host work). An admission step is host-bound (issue 42: ~17-24 ms eager against ~6 ms of GPU work on
 # the 4-layer slice), and a served prompt's chunk is often a few dozen tokens: on an H100 it cut admitting 1 / 16
 # prompts of 30 tokens into 15 decoding requests from 16.5 / 27.9 to 14.0 / 21.3 ms
-# (`benchmarks/results/serve/mixed_short_prefill_ab_h100_2026-12-06.log`). ``0``: off (the chunked path for every
+# (`benchmarks/results/serve/mixed_short_prefill_ab_real4_h100_2026-12-06.log`). ``0``: off (the chunked path for every
 # prefill). The rows' recurrence is the verify pass's, so its rounding differs from the chunked path's; which path a
 # chunk takes depends only on its own length, never on the batch.
 SHORT_PREFILL_ENV = envs.KDA_SHORT_PREFILL.name
