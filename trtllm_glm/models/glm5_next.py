@@ -722,15 +722,10 @@ class Glm5NextForCausalLM(nn.Module):
         """A preset name (seeded random weights, or the shipped checkpoint of a trained preset such as
         ``"small"``) or a checkpoint directory (real VL layout or flat).
 
-        With a parallel ``mapping`` the model is that rank's share, and a checkpoint rank reads only its
-        slices of the files (`trtllm_glm.distributed.sharding`; ``load_stats["bytes_read"]`` counts them).
-
-        The parameter memory is estimated from the config before anything is allocated or read (FP8 weights
-        at one byte), and a model that cannot fit in the device's free memory is refused with the estimate.
-
-        Block-FP8 checkpoints: every weight stored as float8_e4m3fn with its ``weight_scale_inv`` whose module
-        is an ``nn.Linear`` is held as it is (`Fp8Linear`); an FP8 tensor of any other parameter (the router,
-        the FP32-kept weights, mHC) is dequantised. ``quantization`` (`QUANTIZATION_MODES`) changes that.
+        With a parallel ``mapping`` the model is that rank's share, read as slices (``load_stats["bytes_read"]``).
+        A model that cannot fit in the device's free memory is refused before anything is read. Block-FP8
+        ``nn.Linear`` weights are held as FP8 (`Fp8Linear`), other FP8 tensors dequantised (the router, the
+        FP32-kept weights, mHC); ``quantization`` changes that. docs/model.md, "Checkpoints"; docs/parallelism.md.
 
         Args:
             model: ``"tiny"``, ``"glm-5.3-flash"`` or a directory with ``config.json`` and safetensors.

@@ -706,9 +706,8 @@ def fused_moe(
             neither read nor computed for it, and its output row is 0. The other rows' outputs are bit-equal
             to an unflagged call's (each GEMM row depends on its own operands only).
         w_gate_up_scale: block-FP8 weights: ``[E, 2 ceil(I/128), ceil(H/128)]`` fp32 tile scales of
-            ``w_gate_up`` (gate tile rows, then up tile rows; see `ops`). The kernels load e4m3 tiles, convert
-            them to the activation dtype (exact), multiply on the tensor cores and scale each K step's fp32
-            partial product by its tile's scale; ``block_n`` and ``block_k`` must then be at most 128.
+            ``w_gate_up`` (gate tile rows, then up tile rows; see `ops`); ``block_n`` and ``block_k`` must then be
+            at most 128 (how the kernels use them: docs/kernels.md, "Fused MoE").
         w_down_scale: block-FP8 weights: ``[E, ceil(H/128), ceil(I/128)]`` fp32 tile scales of ``w_down``.
         expert_start: expert parallelism: the weights hold experts ``[expert_start, expert_start + E)`` of the
             router's; pairs routed to other experts are left out of the sort (never computed) and add nothing,

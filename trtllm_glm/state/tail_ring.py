@@ -146,23 +146,12 @@ class DecodeTailRing:
     ) -> None:
         """Roll back the previous step's rejected rows, then back up this step; before its ring writes.
 
-        For each sequence ``b`` with rows in this step (first position ``p0``, width ``W``, slot ``s``):
-
-        1. If ``saved_count[s] > 0``: ``a = p0 - saved_pos[s]`` is the number of the previous step's rows
-           that were accepted (this step starts at the first position after them). ``a`` outside
-           ``[0, saved_count[s]]`` cannot come from an accepted prefix; it is clamped (``a < 0`` restores
-           the snapshot, ``a > saved_count[s]`` replays every saved row, i.e. leaves the ring as the
-           previous step left it) and counted. When ``num_accepted_tokens`` is given, a count differing
-           from ``a`` is counted too, and positions win. Then ``ring[s] = snapshot[s]`` with saved rows
-           ``0 .. a-1`` replayed into entries ``(saved_pos[s] + i) % 4``.
-        2. If ``W > 1``: ``snapshot[s]`` = the (restored) ring, ``saved_rows[s, :W]`` = this step's rows,
-           ``saved_pos[s] = p0``, ``saved_count[s] = W``. If ``W == 1``: ``saved_count[s] = 0``. A step
-           wider than ``max_rows`` cannot be backed up: ``saved_count[s] = 0`` and it is counted.
-
-        ``num_disagreements_t`` grows by the number of sequences with any of the counted conditions.
-        Slots without rows in this step keep their ring and backup bit for bit, including slots named by
-        sequences without rows (prefill or padding entries of ``state_slots``, stale ids included).
-        Rows with ``row_seq < 0`` (padding) or an out-of-range slot are ignored.
+        Per sequence with rows in this step (first position ``p0``, width ``W``, slot ``s``): restore the snapshot
+        and replay the accepted saved rows (``a = p0 - saved_pos[s]``, clamped to ``[0, saved_count[s]]``), then
+        back this step up when ``1 < W <= max_rows`` (else ``saved_count[s] = 0``). A clamp, a
+        ``num_accepted_tokens`` differing from ``a`` (positions win) or a step wider than ``max_rows`` adds one to
+        ``num_disagreements_t``. Slots without rows in this step keep their bits; padding rows and out-of-range
+        slots are ignored. The rules step by step: docs/kernels.md, "Tail-ring rollback and backup".
 
         Args:
             ring: ``[S, 2, 4, 128]`` fp32 tail ring of the layer (``cache.tail_ring``), updated in place.

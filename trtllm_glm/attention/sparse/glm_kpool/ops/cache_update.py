@@ -202,13 +202,9 @@ def update_decode_pools(
 ) -> None:
     """Decode/verify update: apply rows one by one to the tail ring, completing pools as they fill.
 
-    Row at ``pos`` stores ``(key, gate)`` in ``tail_ring[slot, :, pos % 4]``; when ``pos % 4 == 3`` pool
-    ``pos // 4`` is completed from the ring's 4 entries and written with `rotate_quant`. A sequence may
-    bring several rows (speculative verify); they are applied in position order, so later rows see the
-    ring entries of earlier ones.
-
-    With ``tail_ring`` (speculative decoding, docs/design.md §6.2), `DecodeTailRing.prepare_step` first rolls the
-    ring back to the previous step's accepted rows and backs this step up, then the rows are applied.
+    Rows of a sequence (several for a verify) are applied in position order, so later rows see the ring entries
+    of earlier ones (docs/architecture.md, "Cache writes"). With ``tail_ring`` (docs/design.md §6.2),
+    `DecodeTailRing.prepare_step` first rolls the ring back to the previous step's accepted rows.
 
     Args:
         cache: the layer's cache planes (``index_k``, ``index_scale`` and ``tail_ring`` are updated).
