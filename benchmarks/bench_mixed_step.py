@@ -32,7 +32,7 @@ import torch
 from benchmarks.harness.host_syncs import sync_sites
 from benchmarks.harness.idle_sites import idle_sites
 from benchmarks.harness.models import random_model
-from benchmarks.harness.profiling import count_launches_and_syncs, top_kernels
+from benchmarks.harness.profiling import count_launches_and_syncs, module_host_ms, top_kernels
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
@@ -122,6 +122,8 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     pw0 = (pw.stats.steps, pw.stats.replays) if pw is not None else None
     launches, syncs = count_launches_and_syncs(lambda: b.admit(new, length))
     row.update(launches=launches, syncs=syncs)
+    # The host's time issuing each part of one admission (no profiler, no sync): which part keeps it host-bound.
+    row["module_host_ms"] = module_host_ms(b.ex.model, lambda: b.admit(new, length), _PARTS)
     if pw is not None and pw0 is not None:  # piecewise steps / segment replays of that one admission
         row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1])
     if dev == "cuda":
@@ -140,7 +142,10 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     return row
 
 
-_LISTS = ("kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
+# Model parts whose host time `module_host_ms` reports (inclusive: a decoder layer holds its mixer and MoE).
+_PARTS = ("Glm5NextModel", "Glm5NextDecoderLayer", "KimiDeltaAttention", "GlmKpoolSparseMLA", "GlmKpoolIndexer",
+          "MoE", "GatedMLP", "Glm5NextMTPLayer")  # fmt: skip
+_LISTS = ("module_host_ms", "kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
 
 
 def main() -> None:
@@ -188,6 +193,8 @@ def main() -> None:
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k not in _LISTS}),
                       flush=True)  # fmt: skip
+                parts = ", ".join(f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["module_host_ms"].items())
+                print(f"    host by part: {parts}")
                 for key in ("host_top", "host_own", "kernels_top", "sync_sites"):
                     for item in r.get(key, []):
                         print(f"    {key}: {item}")

@@ -103,3 +103,39 @@ def count_launches_and_syncs(step) -> tuple[int, int]:
         ):
             syncs += 1
     return launches, syncs
+
+
+def module_host_ms(root: torch.nn.Module, step, names: tuple[str, ...]) -> dict[str, tuple[float, int]]:
+    """Host wall time inside the forwards of ``root``'s modules whose class name is in ``names``, over one call of
+    ``step``: ``{class name: (ms, calls)}``, inclusive of nested modules, plus ``"(step)"``: the whole call.
+
+    Forward hooks read the host clock only (nothing synchronises), so on CUDA this is the time the host spent
+    issuing each part, not the GPU's: a host-bound eager step's budget by part.
+    """
+    import time
+
+    acc: dict[str, list[float]] = {}
+    start: dict[int, list[float]] = {}
+
+    def pre(mod, args):  # noqa: ANN001, ARG001
+        start.setdefault(id(mod), []).append(time.perf_counter())
+
+    def post(mod, args, out):  # noqa: ANN001, ARG001
+        t0 = start[id(mod)].pop()
+        a = acc.setdefault(type(mod).__name__, [0.0, 0])
+        a[0] += time.perf_counter() - t0
+        a[1] += 1
+
+    handles = []
+    for m in root.modules():
+        if type(m).__name__ in names:
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    t = time.perf_counter()
+    try:
+        step()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"(step)": (round(1e3 * (time.perf_counter() - t), 3), 1)}
+    out.update({k: (round(1e3 * v[0], 3), int(v[1])) for k, v in sorted(acc.items(), key=lambda kv: -kv[1][0])})
+    return out
