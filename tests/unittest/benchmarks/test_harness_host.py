@@ -1,0 +1,59 @@
+"""The host-time breakdowns of the benchmark harness: per model part (`module_host_ms`) and per server process
+(`proc_cpu`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.harness import proc_cpu
+from benchmarks.harness.profiling import module_host_ms
+
+
+class _Slow(nn.Module):
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return self.lin(x)
+
+
+def test_module_host_ms_times_each_named_part_inclusively() -> None:
+    model = nn.Sequential(_Slow(0.02), _Slow(0.01), nn.ReLU())
+    x = torch.randn(2, 4)
+    out = module_host_ms(model, lambda: model(x), ("_Slow", "Linear", "Sequential"))
+    step, _ = out["(step)"]
+    slow_ms, slow_calls = out["_Slow"]
+    assert slow_calls == 2 and out["Linear"][1] == 2 and out["Sequential"][1] == 1
+    assert slow_ms >= 29.0 and out["Sequential"][0] >= slow_ms >= out["Linear"][0] and step >= out["Sequential"][0]
+    assert "ReLU" not in out  # only the named classes
+    # The hooks are gone afterwards.
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_proc_cpu_sees_a_busy_child_thread() -> None:
+    code = "import threading,time\nt=time.time()\nwhile time.time()-t<1.0: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.2)
+        a = proc_cpu.snapshot(os.getpid())
+        time.sleep(0.5)
+        b = proc_cpu.snapshot(os.getpid())
+    finally:
+        child.wait(timeout=10)
+    rows = {r["pid"]: r for r in proc_cpu.usage(a, b)}
+    assert rows[child.pid]["cpu"] > 0.5  # one core spinning (2-core CI: shared, still most of a core)
+    assert rows[child.pid]["threads"][0]["thread"] == "main"
+    assert rows[os.getpid()]["cpu"] < rows[child.pid]["cpu"]  # this test sleeps
+    line = proc_cpu.format_usage(list(rows.values()), {child.pid: "spinner"})
+    assert line.startswith("spinner ") and "main" in line
