@@ -122,8 +122,10 @@ class MTPDecodingConfig(DecodingBaseConfig):
             fixed K = 3 at batch 1); under CUDA graphs it now picks 0 or K, not yet measured (docs/speculation.md).
         overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its
             verify) from the previous round's outputs on the device before that round is read back (issue 43
-            item 1). Off by default: on the same H100 run a round launched ahead cost 3.6 ms against 1.9 ms
-            synchronously at batch 1 (~20 more small launches a round), 872 against 1,632 tokens/s.
+            item 1). Off by default: on an H100 (trained ``small``, bf16, batch 1) a round launched ahead costs
+            1.84 ms against 1.68 ms synchronously (1,756 against 1,923 tokens/s): the ahead path is host-bound, its
+            device-side re-description of the round adding 34 small launches to the GPU's 0.95 ms
+            (`benchmarks/results/profiles/mtp_round_ahead_profile_small_h100_2026-12-06.log`).
         catchup_lag: in rounds where nobody drafts (an adaptive length of 0, ``max_concurrency``), the MTP layer
             may fall behind the committed tokens by up to this many rows per request: their target hidden rows
             are kept on the device and the MTP layer catches up on them in one forward when drafting resumes or
