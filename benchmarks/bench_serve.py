@@ -365,6 +365,7 @@ def server_split(step_log: Path, t0: float, t1: float) -> dict[str, Any]:
         overlapped_steps=sum(s["overlapped"] for s in steps),
         step_host_ms_mean=sum(s["host_s"] for s in steps) / n * 1e3,
         step_gap_ms_mean=sum(s["gap_s"] for s in steps) / n * 1e3,
+        step_idle_ms_mean=sum(s.get("idle_s", 0.0) for s in steps) / n * 1e3,
         step_gpu_ms_mean=(sum(gpu) / len(gpu) * 1e3) if gpu else None,
         rows_per_step_mean=sum(s["rows"] for s in steps) / n,
     )  # fmt: skip
@@ -443,7 +444,7 @@ def fmt_row(s: dict[str, Any]) -> str:
             f"{s['server_delivery_ms'][0]:.1f}; client TTFT p50 {s['ttft_ms'][0]:.1f}"
             f"\n       steps {s['steps']} {s['steps_by_kind']}, eager {s['eager_steps']}, overlapped "
             f"{s['overlapped_steps']}, rows/step {s['rows_per_step_mean']:.1f}, host {s['step_host_ms_mean']:.2f} ms"
-            f" + gap {s['step_gap_ms_mean']:.2f} ms"
+            f" + gap {s['step_gap_ms_mean']:.2f} ms (idle {s.get('step_idle_ms_mean', 0.0):.2f})"
             + (f", GPU {s['step_gpu_ms_mean']:.2f} ms" if s.get("step_gpu_ms_mean") is not None else "")
             + f"; kernels compiled {s.get('kernel_compiles', 'n/a')}"
         )

@@ -386,10 +386,15 @@ class AsyncEngine:
                     self.step_log.flush()  # idle: the last steps' GPU times are known now
                 self._check_fatal()
                 with self._cv:
+                    t_idle = now()
+                    waited = False
                     while not self._inbox and not self.executor.has_work and not self._stop_now:
+                        waited = True
                         # Woken at least each second while idle: a rank that died meanwhile is noticed.
                         if not self._cv.wait(timeout=1.0):
                             break
+                    if waited and self.step_log is not None:
+                        self.step_log.add_idle(now() - t_idle)
                     cmds, self._inbox = self._inbox, []
                     stop_now = self._stop_now
                 for cmd in cmds:

@@ -44,6 +44,8 @@ class StepRecord:
         host_s: host seconds in ``Executor.step`` (includes waiting for the results when it read them).
         gap_s: host seconds between the previous step's end and this one's start (the engine loop's own
             work: inbox, detokenization, delivery; or idle time with nothing to run).
+        idle_s: the part of ``gap_s`` an `AsyncEngine` spent waiting with nothing to run (`StepLog.add_idle`);
+            ``gap_s - idle_s`` is the loop's own work.
         gpu_s: device seconds between events recorded around the forward (``None`` off CUDA or while not
             yet known).
     """
@@ -60,6 +62,7 @@ class StepRecord:
     t_start: float
     host_s: float = 0.0
     gap_s: float = 0.0
+    idle_s: float = 0.0
     gpu_s: float | None = None
 
 
@@ -168,6 +171,7 @@ class StepLog:
         self.requests: deque[RequestTiming] = deque(maxlen=capacity)
         self._pending_gpu: deque[tuple[StepRecord, Any, Any]] = deque()  # steps whose end event is not done
         self._last_end: float | None = None
+        self._idle = 0.0  # waited with nothing to run since the last step (`add_idle`)
         # Set by an `AsyncEngine` that serves the executor: it records request timings when it delivers first
         # tokens; otherwise the executor records them when requests finish.
         self.delivered_by_engine = False
@@ -193,6 +197,7 @@ class StepLog:
         rec.t_start = t0
         rec.host_s = t1 - t0
         rec.gap_s = 0.0 if self._last_end is None else max(0.0, t0 - self._last_end)
+        rec.idle_s, self._idle = min(self._idle, rec.gap_s), 0.0
         self._last_end = t1
         if ev0 is not None:
             ev1 = torch.cuda.Event(enable_timing=True)
@@ -203,6 +208,10 @@ class StepLog:
             self.steps.append(rec)
         if ev0 is None:
             self._write({"step": asdict(rec)})
+
+    def add_idle(self, seconds: float) -> None:
+        """Charge ``seconds`` of waiting with nothing to run to the next step's ``idle_s`` (the engine thread)."""
+        self._idle += seconds
 
     def _resolve_gpu(self, block: bool) -> None:
         while self._pending_gpu:
@@ -262,12 +271,13 @@ class StepSummary:
     eager: int = 0
     host_s: float = 0.0
     gap_s: float = 0.0
+    idle_s: float = 0.0
     gpu_s: float = 0.0
     rows: int = 0
 
 
 def summarize(steps: list[StepRecord]) -> StepSummary:
-    """Counts and time totals of ``steps`` (kind counts, eager steps, host / gap / GPU seconds, rows)."""
+    """Counts and time totals of ``steps`` (kind counts, eager steps, host / gap / idle / GPU seconds, rows)."""
     s = StepSummary()
     for r in steps:
         s.steps += 1
@@ -275,6 +285,7 @@ def summarize(steps: list[StepRecord]) -> StepSummary:
         s.eager += int(not r.graph)
         s.host_s += r.host_s
         s.gap_s += r.gap_s
+        s.idle_s += r.idle_s
         s.gpu_s += r.gpu_s or 0.0
         s.rows += r.rows
     return s

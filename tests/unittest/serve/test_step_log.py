@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -119,3 +120,32 @@ def _serve_metrics():
     from trtllm_glm.serve.metrics import ServeMetrics
 
     return ServeMetrics()
+
+
+def test_idle_wait_is_told_apart_from_the_loops_own_work() -> None:
+    """A step after the engine sat idle has that wait in ``idle_s`` (part of its ``gap_s``); steps of a busy loop
+    have none, so ``gap_s - idle_s`` is the loop's own work between steps."""
+    log = StepLog()
+    eng = AsyncEngine(make_llm(max_batch_size=2), max_queue_size=4, step_log=log)
+    eng.start()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def one(p: list[int]) -> None:
+        stream = await eng.submit([GenerationRequest(p, params)])
+        async for _ in stream:
+            pass
+
+    try:
+        run(one([5, 6, 7]))
+        wait_idle(eng)
+        n_before = len(log.snapshot()[0])
+        time.sleep(0.3)  # the engine waits with nothing to run
+        run(one([8, 9, 10]))
+        wait_idle(eng)
+    finally:
+        eng.stop(drain_timeout=0)
+    steps, _ = log.snapshot()
+    first, rest = steps[n_before], steps[n_before + 1 :]
+    assert first.gap_s >= 0.29 and 0.25 <= first.idle_s <= first.gap_s
+    assert rest and all(r.idle_s <= r.gap_s for r in rest)
+    assert summarize(steps).idle_s >= first.idle_s
