@@ -60,6 +60,7 @@ from benchmarks.harness.profiling import count_launches_and_syncs, host_profile,
 from benchmarks.harness.prompts import held_out_prompt_ids
 from benchmarks.harness.rows import RANK0, emit, say, write_json
 from trtllm_glm.config import Glm5NextConfig
+from trtllm_glm.jit_compiles import CompileCounter
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.numerics import set_batch_invariant
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, default_batch_sizes
@@ -281,12 +282,14 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     # past them is computed but skips the routed experts, so the floor does not count it).
     proposed0 = sum(sum(r.proposed_per_position) for r in reqs)
     live_rows = 0
-    while ex.has_work:
-        live_rows += sum(1 for r in reqs if not r.finished)
-        ts = time.perf_counter()
-        ex.step()
-        per_step.append(time.perf_counter() - ts)
-        steps += 1
+    # Kernels compiled inside the timed steps (a new shape met mid-run: each stalls the run for a compile).
+    with CompileCounter() as compiles:
+        while ex.has_work:
+            live_rows += sum(1 for r in reqs if not r.finished)
+            ts = time.perf_counter()
+            ex.step()
+            per_step.append(time.perf_counter() - ts)
+            steps += 1
     live_rows += sum(sum(r.proposed_per_position) for r in reqs) - proposed0
     sync()
     dt = time.perf_counter() - t0
@@ -316,6 +319,8 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "graph_pool_mb": gstats.pool_bytes / 2**20 if gstats else 0.0,
         "graph_failed": {str(k): v[:200] for k, v in gstats.failed.items()} if gstats else {},
         "step_ms": 1e3 * dt / max(steps, 1),
+        "timed_compiles": compiles.count,
+        "timed_compile_names": sorted(set(compiles.names))[:8],
         "step_ms_median": 1e3 * per_step[len(per_step) // 2] if per_step else float("nan"),
         "step_ms_max": 1e3 * per_step[-1] if per_step else float("nan"),
         "replay_ms": replay,
@@ -475,7 +480,9 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
                    "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
                    "adaptive_k": r["adaptive_k"], "draft_vocab_size": r["draft_vocab_size"],
-                   "lag_flushes": r["lag_flushes"]}  # fmt: skip
+                   "lag_flushes": r["lag_flushes"], "step_ms_median": r["step_ms_median"],
+                   "step_ms_max": r["step_ms_max"], "timed_compiles": r["timed_compiles"],
+                   "timed_compile_names": r["timed_compile_names"]}  # fmt: skip
             if args.profile_kernels or args.profile_host:
                 row["top_kernels"], row["host_profile"] = r["top_kernels"], r["host_profile"]
             if args.profile_idle:
@@ -680,6 +687,7 @@ def main() -> None:
                     row = {"layers": L, "batch": B, "mode": mode, "env": env, "tokens_per_s": r["tokens_per_s"],
                            "step_ms": r["step_ms"], "step_ms_median": r["step_ms_median"],
                            "step_ms_max": r["step_ms_max"], "replay_ms": r["replay_ms"],
+                           "timed_compiles": r["timed_compiles"],
                            "launch_ms": r["launch_ms"], "floor_ms": floor_ms,
                            "ratio_to_floor": r["step_ms"] / floor_ms,
                            "step_vs_plain": r["step_ms"] / base[0] if base and base[0] else None,

@@ -45,7 +45,11 @@ def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
             assert sum(o.mean_accepted_length * o.num_draft_rounds - o.num_draft_rounds
                        for i, o in enumerate(outs) if i % 2) > 0, name  # fmt: skip
         got[name] = [o.token_ids for o in outs]
-        assert llm.executor.graph_runner is not None and llm.executor.graph_runner.stats.replays > 0
+        stats = llm.executor.graph_runner.stats if llm.executor.graph_runner is not None else None
+        # An n-gram verify step carrying a grammar request's drafts runs eagerly (its masks are made on the host
+        # from the drafts), which is every verify step of this batch: its replays are the width-one steps
+        # launched ahead (``device_row_replays``). The H100 run of 2026-12-06 saw 0 / 5 there.
+        assert stats is not None and stats.replays + (stats.device_row_replays if name == "ngram" else 0) > 0
         if spec is None:  # steps with grammar requests launched ahead, their tokens chosen one step late
             assert llm.executor.num_overlapped_steps > 0
         llm.shutdown()
