@@ -37,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -327,10 +328,11 @@ async def run_asgi_bursts(n: int, bursts: int, prompt_len: int, max_tokens: int,
 
 # ------------------------------------------------------------------------------------------------
 # Through uvicorn
-def serve_child(n: int, step_s: float) -> None:
-    """The stamped app served as ``trtllm-glm serve`` serves it (`server.bind_socket`, `server.run_server`) on a
-    free loopback port (printed as ``port N``), until SIGTERM. ``GET /bench/stamps`` answers the records and steps so
-    far, the HTTP protocol and event loop uvicorn runs, and the garbage collector's pauses."""
+def serve_child(n: int, step_s: float, log_level: str, port_file: str) -> None:
+    """The stamped app served as ``trtllm-glm serve`` serves it (`server.bind_socket`, `server.run_server`, uvicorn's
+    logging at ``log_level``: ``info`` writes an access-log line per request) on a free loopback port (written to
+    ``port_file``), until SIGTERM. ``GET /bench/stamps`` answers the records and steps so far, the HTTP protocol and
+    event loop uvicorn runs, and the garbage collector's pauses."""
     import gc
 
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -344,7 +346,7 @@ def serve_child(n: int, step_s: float) -> None:
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             began[0] = time.perf_counter()
-        else:
+        elif app.records:  # serving (run_server's own collection at start-up is not a pause of the loop's)
             pauses.append((info["generation"], time.perf_counter() - began[0]))
 
     gc.callbacks.append(on_gc)
@@ -357,8 +359,10 @@ def serve_child(n: int, step_s: float) -> None:
                 "http": AutoHTTPProtocol.__name__, "loop": f"{loop.__module__}.{loop.__name__}"}  # fmt: skip
 
     sock = bind_socket(HOST, 0)
-    print(f"port {sock.getsockname()[1]}", flush=True)
-    run_server(app, host=HOST, port=0, log_level="warning", sock=sock)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(sock.getsockname()[1]))
+    os.replace(port_file + ".tmp", port_file)
+    run_server(app, host=HOST, port=0, log_level=log_level, sock=sock)
 
 
 def _http_request(port: int, body: bytes, path: str = "/v1/completions", method: str = "POST") -> bytes:
@@ -426,29 +430,55 @@ def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[float, li
     return t0, first
 
 
-def run_http_bursts(n: int, bursts: int, prompt_len: int, max_tokens: int, step_s: float) -> tuple[list[dict], str]:
-    """``bursts`` bursts of ``n`` streamed requests through uvicorn (child process): each burst's `analyse` row
-    with the client's TTFT, and a line on the server (its HTTP protocol and loop, its garbage collections)."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_api", "--serve-child", "--concurrency", str(n),
-           "--step-ms", str(step_s * 1e3)]  # fmt: skip
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        line = child.stdout.readline() if child.stdout else ""
-        if not line.startswith("port "):
-            raise RuntimeError(f"the server child did not start: {line!r}")
-        port = int(line.split()[1])
-        socks = [_connect(port) for _ in range(n)]
-        sent = []
-        for b in range(bursts + 1):
-            requests = [_http_request(port, body) for body in request_bodies(n, prompt_len, max_tokens, 100 + b)]
-            sent.append(_burst(socks, requests))
-        stamps = _fetch_json(port, "/bench/stamps")
-        for s in socks:
-            s.close()
-    finally:
-        child.terminate()
-        child.wait(30)
+def run_http_bursts(
+    n: int, bursts: int, prompt_len: int, max_tokens: int, step_s: float, log_level: str
+) -> tuple[list[dict], str]:
+    """``bursts`` bursts of ``n`` streamed requests through uvicorn (child process, its log in a temporary file):
+    each burst's `analyse` row with the client's TTFT, and a line on the server (its HTTP protocol and loop, its
+    garbage collections)."""
+    with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
+        port_file, log_path = os.path.join(tmp, "port"), os.path.join(tmp, "server.log")
+        cmd = [sys.executable, "-m", "benchmarks.bench_api", "--serve-child", port_file, "--concurrency", str(n),
+               "--step-ms", str(step_s * 1e3), "--log-level", log_level]  # fmt: skip
+        with open(log_path, "w") as log:
+            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            port = _wait_port(port_file, child, log_path)
+            stamps, sent = _drive(port, n, bursts, prompt_len, max_tokens)
+        finally:
+            child.terminate()
+            child.wait(30)
+    return _http_rows(stamps, sent, n, bursts)
+
+
+def _wait_port(port_file: str, child: subprocess.Popen, log_path: str, timeout: float = 120.0) -> int:
+    """The server child's port, once it has bound it."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(port_file):
+        if child.poll() is not None or time.monotonic() > deadline:
+            with open(log_path) as f:
+                raise RuntimeError(f"the server child did not start:\n{f.read()[-3000:]}")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        return int(f.read())
+
+
+def _drive(port: int, n: int, bursts: int, prompt_len: int, max_tokens: int) -> tuple[dict, list]:
+    """``bursts + 1`` bursts (the first warms up) over ``n`` connections: the server's stamps and each burst's
+    `_burst` times."""
+    socks = [_connect(port) for _ in range(n)]
+    sent = []
+    for b in range(bursts + 1):
+        requests = [_http_request(port, body) for body in request_bodies(n, prompt_len, max_tokens, 100 + b)]
+        sent.append(_burst(socks, requests))
+    stamps = _fetch_json(port, "/bench/stamps")
+    for s in socks:
+        s.close()
+    return stamps, sent
+
+
+def _http_rows(stamps: dict, sent: list, n: int, bursts: int) -> tuple[list[dict], str]:
+    """`run_http_bursts`' rows and server line from the server's stamps and the client's burst times."""
     recs = [Record(a, s, st, sends) for a, s, st, sends in stamps["records"]]
     steps = [tuple(x) for x in stamps["steps"]]
     full = [p for g, p in stamps["gc"] if g == 2]
@@ -538,17 +568,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--step-ms", type=float, default=20.0, help="between the fake engine's steps")
     ap.add_argument("--no-http", action="store_true", help="skip the uvicorn measurement")
+    ap.add_argument("--log-level", default="info", help="the server's (trtllm-glm serve's default: info)")
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="print a cProfile of the stage run")
-    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-child", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     step_s = args.step_ms / 1e3
     if args.serve_child:
-        serve_child(args.concurrency, step_s)
+        serve_child(args.concurrency, step_s, args.log_level, args.serve_child)
         return {}
     if args.profile:
         profile(args.reps, args.prompt_len, args.max_tokens, args.profile)
     say(f"API overhead: streamed /v1/completions, {args.prompt_len}-token prompts, max_tokens {args.max_tokens}, "
-        f"bursts of {args.concurrency}; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")  # fmt: skip
+        f"bursts of {args.concurrency}, server log level {args.log_level}; python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs")  # fmt: skip
     row: dict[str, Any] = {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
                            "max_tokens": args.max_tokens}  # fmt: skip
     stages = asyncio.run(run_stages(args.reps, args.prompt_len, args.max_tokens))
@@ -561,7 +593,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     say(_burst_line("asgi", args.concurrency, asgi))
     row.update({f"asgi_{k}": v for k, v in asgi.items()})
     if not args.no_http:
-        rows, info = run_http_bursts(args.concurrency, args.bursts, args.prompt_len, args.max_tokens, step_s)
+        rows, info = run_http_bursts(args.concurrency, args.bursts, args.prompt_len, args.max_tokens, step_s,
+                                     args.log_level)  # fmt: skip
         http = summarise(rows)
         say(_burst_line("http", args.concurrency, http))
         say(f"  client TTFT p50 {http['client_ttft_p50_ms']:.2f} ms, max {http['client_ttft_max_ms']:.2f} ms; the "
