@@ -41,12 +41,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.rows import emit, say
 
 HOST = "127.0.0.1"
 MODEL = "bench"
+REPO = Path(__file__).resolve().parents[1]
 # The stamps of the requests under way: set by `Stamped` for each request, read by `FakeEngine.submit`.
 _CURRENT: contextvars.ContextVar[Record | None] = contextvars.ContextVar("bench_api_record", default=None)
 # The `_Server` methods the stage breakdown times (those missing on a version of the app are left out).
@@ -441,7 +443,7 @@ def run_http_bursts(
         cmd = [sys.executable, "-m", "benchmarks.bench_api", "--serve-child", port_file, "--concurrency", str(n),
                "--step-ms", str(step_s * 1e3), "--log-level", log_level]  # fmt: skip
         with open(log_path, "w") as log:
-            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+            child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)  # -m finds benchmarks/
         try:
             port = _wait_port(port_file, child, log_path)
             stamps, sent = _drive(port, n, bursts, prompt_len, max_tokens)
