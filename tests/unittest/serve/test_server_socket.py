@@ -1,0 +1,38 @@
+"""The server's listening socket (`server.bind_socket`): its connections have Nagle's algorithm off."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+
+from tests.serve_helpers import run
+from trtllm_glm.serve.server import bind_socket
+
+pytestmark = pytest.mark.cpu_only
+
+
+def test_bound_socket_connections_have_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY on the connections of a socket whose protocol is TCP (`bind_socket`'s)."""
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    nodelay: list[int] = []
+
+    class Proto(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            s = transport.get_extra_info("socket")
+            nodelay.append(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Proto, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            while not nodelay:
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    run(main(), timeout=10)
+    assert sock.proto == socket.IPPROTO_TCP and nodelay == [1]
