@@ -1,9 +1,10 @@
 """Paged KV cache and per-request state slots for Glm5Next models.
 
 One page pool is shared by all sparse MLA layers: a page holds, per sparse layer, every paged plane the attention
-backend declares (`AttentionBackend.paged_planes`), so all planes share one slot-id space. KDA state and the
-indexer tail rings are per-request *state slots*, owned by the manager's `RequestStateOwner` (``manager.state``);
-the manager allocates slots and exposes the planes as views. Plane shapes: docs/architecture.md, "Cache layout".
+backend declares (`AttentionBackend.paged_planes`), so all planes share one slot-id space. KDA state (the slot planes
+the KDA backend declares, `KdaBackend.slot_planes`) and the indexer tail rings are per-request *state slots*, owned by
+the manager's `RequestStateOwner` (``manager.state``); the manager allocates slots and exposes the planes as views.
+Plane shapes: docs/architecture.md, "Cache layout".
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..attention.registry import resolve_attention_backend
 from ..attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
+from ..kda.backend import KdaBackend, resolve_kda_backend
 from ..state import KdaLayerState, RequestStateOwner
 from .index_keys import indexer_key_dtype as _key_dtype
 
@@ -42,10 +44,13 @@ class Glm5NextCacheManager:
         device: where every plane lives.
         attention_backend: the sparse layers' backend (name or object; default the k-pool backend): its paged
             planes are what a page holds.
+        kda_backend: the KDA layers' backend (default `KdaBackend`): its slot planes are what a state slot holds
+            per KDA layer (``manager.state.planes``).
 
     Attributes:
         planes: name -> ``[L_s, num_pages, *shape]`` paged plane (`PagedPlane`); each is also an attribute
             (``manager.latent``), and a plane the backend may declare but this cache leaves out reads as None.
+            The KDA backend's slot planes ``[L_k, S, *shape]`` read as attributes too (``manager.kda_recurrent``).
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class Glm5NextCacheManager:
         indexer_key_dtype: str | torch.dtype = "fp8",
         device: torch.device | str = "cpu",
         attention_backend: str | AttentionBackend | None = None,
+        kda_backend: KdaBackend | None = None,
     ) -> None:
         key_dtype = _key_dtype(indexer_key_dtype)
         if tokens_per_block <= 0 or tokens_per_block % INDEX_KPOOL:
@@ -72,6 +78,7 @@ class Glm5NextCacheManager:
             raise ValueError(f"max_num_requests must be positive, got {max_num_requests}")
         self.config = config
         self.attention_backend = resolve_attention_backend(attention_backend)
+        self.kda_backend = resolve_kda_backend(kda_backend)
         self.tokens_per_block = tokens_per_block
         self.num_pages = num_pages
         self.max_num_requests = max_num_requests
@@ -97,15 +104,13 @@ class Glm5NextCacheManager:
             num_state_slots=S,
             num_sparse_layers=Ls,
             num_kda_layers=num_kda_layers,
-            kda_num_heads=config.kda_num_heads,
-            kda_head_dim=config.kda_head_dim,
-            kda_conv_kernel=config.kda_short_conv_kernel_size,
+            slot_planes=self.kda_backend.slot_planes(config),
+            layer_state=self.kda_backend.layer_state,
             device=dev,
         )
-        # Views of the owner's planes (the same storage), kept for the attention backend and tests.
+        # A view of the owner's plane (the same storage), kept for the attention backend and tests; the KDA slot
+        # planes read through `__getattr__` (``manager.kda_recurrent`` is ``manager.state.planes["kda_recurrent"]``).
         self.tail_ring = self.state.tail_ring
-        self.kda_recurrent = self.state.kda_recurrent
-        self.kda_conv = self.state.kda_conv
 
         # Host-side bookkeeping (the state owner keeps the free state slots). Free lists pop from the end;
         # reversed so that ids come out ascending.
@@ -135,6 +140,7 @@ class Glm5NextCacheManager:
         dtype: torch.dtype = torch.float32,
         indexer_key_dtype: str | torch.dtype = "fp8",
         attention_backend: str | AttentionBackend | None = None,
+        kda_backend: KdaBackend | None = None,
     ) -> int:
         """Bytes the constructor with these arguments allocates (to refuse early, before allocating)."""
         Ls = len(config.sparse_layer_ids) + int(include_mtp_layer) if num_sparse_layers is None else num_sparse_layers
@@ -145,17 +151,20 @@ class Glm5NextCacheManager:
         )
         pages = num_pages * sum(p.bytes_per_page for p in specs)
         rings = S * 2 * INDEX_KPOOL * INDEX_HEAD_DIM * 4
-        H, K = config.kda_num_heads, config.kda_head_dim
-        kda = S * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * 4
+        kda = S * sum(p.bytes_per_slot for p in resolve_kda_backend(kda_backend).slot_planes(config))
         return Ls * (pages + rings) + Lk * kda
 
     def __getattr__(self, name: str) -> Any:
         # The backend's paged planes by name (`manager.latent`); one it may declare but left out here reads as None
-        # (the k-pool's FP8 scales with BF16 keys). Only reached when normal lookup fails.
+        # (the k-pool's FP8 scales with BF16 keys). Then the state owner's slot planes (`manager.kda_recurrent`).
+        # Only reached when normal lookup fails.
         planes = self.__dict__.get("planes")
         backend = self.__dict__.get("attention_backend")
         if planes is not None and backend is not None and name in backend.plane_names:
             return planes.get(name)
+        state = self.__dict__.get("state")
+        if state is not None and name in state.planes:
+            return state.planes[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
@@ -428,7 +437,7 @@ class Glm5NextCacheManager:
 
     @property
     def state_bytes_per_request(self) -> int:
-        """Bytes of one state slot: KDA recurrent + conv state and every tail ring."""
+        """Bytes of one state slot: the KDA backend's slot planes (recurrent + conv state) and every tail ring."""
         return self.state.state_bytes_per_slot
 
     def bytes_per_request(self, num_tokens: int) -> int:

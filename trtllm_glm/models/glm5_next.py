@@ -28,7 +28,7 @@ from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping
 from ..distributed.sharding import local_config, shard_fn, shard_state_dict
 from ..errors import CheckpointError
-from ..kda.layer import KimiDeltaAttention
+from ..kda.backend import DEFAULT_KDA_BACKEND
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
@@ -148,7 +148,8 @@ class Glm5NextDecoderLayer(nn.Module):
         use_mhc: wrap the blocks in mHC (trunk) or a plain residual (MTP).
         mapping: tensor / expert parallel layout (``config`` is then the rank's local config): the mixer's and
             the FFN's outputs are partial sums, all-reduced here through ``comm`` (set by the model).
-        attention_backend: the backend that builds a sparse layer's mixer (default the k-pool backend).
+        attention_backend: the backend that builds a sparse layer's mixer (default the k-pool backend); a KDA layer's
+            mixer comes from `kda.backend.DEFAULT_KDA_BACKEND`.
     """
 
     def __init__(
@@ -177,7 +178,7 @@ class Glm5NextDecoderLayer(nn.Module):
         if kind == LAYER_SPARSE_MLA:
             self.self_attn: nn.Module = resolve_attention_backend(attention_backend).make_layer(config, layer_idx)
         else:
-            self.self_attn = KimiDeltaAttention(config, cache_idx)
+            self.self_attn = DEFAULT_KDA_BACKEND.make_layer(config, cache_idx)
         self.post_attention_layernorm = RMSNorm(D, eps=config.rms_norm_eps)
         self.mlp = make_ffn(config, layer_idx, mapping)
         if use_mhc:

@@ -1,4 +1,5 @@
-"""Per-request state: state slots and every rollback / snapshot plane (`RequestStateOwner`).
+"""Per-request state: state slots and every rollback / snapshot plane (`RequestStateOwner`), and the slot planes a
+mixer backend declares for it to allocate (`SlotPlane`).
 
 Below the attention backend, the KDA layer, the cache manager and the speculative mechanism: it imports
 only `config` and `errors`. See docs/architecture.md ("Per-request state").
@@ -7,6 +8,7 @@ only `config` and `errors`. See docs/architecture.md ("Per-request state").
 from __future__ import annotations
 
 from .owner import KdaLayerState, RequestStateOwner, StateSnapshot, VerifyRecords
+from .slot_planes import SlotPlane, SlotStateBackend
 from .spec_metadata import SpecMetadata
 from .tail_ring import DecodeTailRing
 
@@ -14,6 +16,8 @@ __all__ = [
     "DecodeTailRing",
     "KdaLayerState",
     "RequestStateOwner",
+    "SlotPlane",
+    "SlotStateBackend",
     "SpecMetadata",
     "StateSnapshot",
     "VerifyRecords",

@@ -1,16 +1,17 @@
 """`RequestStateOwner`: the one owner of per-request (per state slot) state and of its rollback planes.
 
-Everything a request carries between steps apart from its append-only pages lives here: KDA recurrent state and
-conv window, the indexer tail rings, the speculative rollback planes (`DecodeTailRing`, pending KDA verify records,
-the MTP chain backup), the draft's last hidden and each slot's committed length. `snapshot` / `restore` are byte for
-byte, and a restore whose committed length disagrees with its endpoint is rejected (`StateError`). Depends only on
-`config`, `errors` and `state.tail_ring`: callers reach state through it, never the other way round. Planes,
-shapes and the contract: docs/architecture.md, "Per-request state".
+Everything a request carries between steps apart from its append-only pages lives here: the slot planes the KDA
+backend declares (`kda.backend.KdaBackend.slot_planes`: recurrent state and conv window), the indexer tail rings,
+the speculative rollback planes (`DecodeTailRing`, pending KDA verify records, the MTP chain backup), the draft's
+last hidden and each slot's committed length. `snapshot` / `restore` are byte for byte, and a restore whose committed
+length disagrees with its endpoint is rejected (`StateError`). Depends only on `config`, `errors` and `state/`:
+callers reach state through it (and hand it the planes to allocate), never the other way round. Planes, shapes and
+the contract: docs/architecture.md, "Per-request state".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ import torch
 
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL
 from ..errors import CapacityError, StateError
+from .slot_planes import SlotPlane
 from .tail_ring import DecodeTailRing
 
 __all__ = ["KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords"]
@@ -26,7 +28,7 @@ __all__ = ["KdaLayerState", "RequestStateOwner", "StateSnapshot", "VerifyRecords
 
 @dataclass
 class KdaLayerState:
-    """Views of one KDA layer's per-request state.
+    """Views of one KDA layer's per-request state (`kda.backend.KdaBackend.layer_state`).
 
     Attributes:
         recurrent: ``[num_state_slots, H, K, V]`` FP32 delta-rule state.
@@ -73,10 +75,15 @@ class RequestStateOwner:
         num_state_slots: ``S``, live requests at once.
         num_sparse_layers: ``Ls``, tail-ring planes (sparse layers stored by the manager).
         num_kda_layers: ``Lk``, KDA layers with state here (0 for a draft-only manager).
-        kda_num_heads: ``H``.
-        kda_head_dim: ``K`` (= ``V``).
-        kda_conv_kernel: short-convolution kernel size (the window keeps ``kernel - 1`` inputs).
+        slot_planes: the planes a KDA layer keeps per slot (`KdaBackend.slot_planes`): each is allocated
+            ``[Lk, S, *shape]`` in ``planes`` and reads as an attribute (``owner.kda_recurrent``).
+        layer_state: ``(planes, kda_idx) -> view`` of one KDA layer (`KdaBackend.layer_state`); `kda_layer_state`
+            and the verify commit call it.
         device: where every plane lives.
+
+    Attributes:
+        planes: name -> ``[Lk, S, *shape]`` of every declared slot plane (zeroed, snapshotted, reset with the slot).
+        slot_plane_specs: the declared planes (`SlotPlane`).
     """
 
     def __init__(
@@ -85,22 +92,25 @@ class RequestStateOwner:
         num_state_slots: int,
         num_sparse_layers: int,
         num_kda_layers: int,
-        kda_num_heads: int,
-        kda_head_dim: int,
-        kda_conv_kernel: int,
+        slot_planes: Sequence[SlotPlane] = (),
+        layer_state: Callable[[Mapping[str, torch.Tensor], int], Any] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         if num_state_slots <= 0:
             raise ValueError(f"num_state_slots must be positive, got {num_state_slots}")
-        S, H, K, dev = num_state_slots, kda_num_heads, kda_head_dim, torch.device(device)
+        S, dev = num_state_slots, torch.device(device)
         self.num_state_slots = S
         self.num_sparse_layers = num_sparse_layers
         self.num_kda_layers = num_kda_layers
         self.device = dev
         f32 = torch.float32
         self.tail_ring = torch.zeros(num_sparse_layers, S, 2, INDEX_KPOOL, INDEX_HEAD_DIM, dtype=f32, device=dev)
-        self.kda_recurrent = torch.zeros(num_kda_layers, S, H, K, K, dtype=f32, device=dev)
-        self.kda_conv = torch.zeros(num_kda_layers, S, 3 * H * K, kda_conv_kernel - 1, dtype=f32, device=dev)
+        # The KDA backend's slot planes (`KdaBackend.slot_planes`: kda_recurrent, kda_conv).
+        self.slot_plane_specs = tuple(slot_planes)
+        self.planes: dict[str, torch.Tensor] = {
+            p.name: torch.zeros(num_kda_layers, S, *p.shape, dtype=p.dtype, device=dev) for p in self.slot_plane_specs
+        }
+        self._layer_state = layer_state
         # Rollback planes, enabled by the speculative executor (none for plain decoding).
         self.decode_tail_rings: list[DecodeTailRing] = []
         self.draft_hidden: torch.Tensor | None = None
@@ -112,6 +122,18 @@ class RequestStateOwner:
         self._committed = [0] * S
         self._free: list[int] = list(range(S - 1, -1, -1))
         self._in_use = [False] * S
+        # Plane names are attributes and snapshot keys: identifiers, distinct, none an attribute of the owner.
+        names = [p.name for p in self.slot_plane_specs]
+        bad = [n for n in names if not n.isidentifier() or n in self.__dict__ or hasattr(type(self), n)]
+        if bad or len(set(names)) != len(names):
+            raise ValueError(f"slot plane names must be distinct identifiers the owner does not use: {names}")
+
+    def __getattr__(self, name: str) -> Any:
+        # The declared slot planes by name (`owner.kda_recurrent`); only reached when normal lookup fails.
+        planes = self.__dict__.get("planes")
+        if planes is not None and name in planes:
+            return planes[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # --------------------------------------------------------------------------------------------
     # Set-up of the speculative planes
@@ -133,10 +155,12 @@ class RequestStateOwner:
     # --------------------------------------------------------------------------------------------
     # Views
     def kda_layer_state(self, kda_idx: int) -> KdaLayerState:
-        """State planes of the ``kda_idx``-th KDA layer (views)."""
+        """State planes of the ``kda_idx``-th KDA layer (views, the KDA backend's `layer_state`)."""
         if not 0 <= kda_idx < self.num_kda_layers:
             raise IndexError(f"KDA layer {kda_idx} not in [0, {self.num_kda_layers})")
-        return KdaLayerState(recurrent=self.kda_recurrent[kda_idx], conv=self.kda_conv[kda_idx])
+        if self._layer_state is None:
+            raise StateError("this state owner was given no layer_state view for its slot planes")
+        return self._layer_state(self.planes, kda_idx)
 
     def decode_tail_ring(self, sparse_idx: int) -> DecodeTailRing | None:
         """The rollback of tail-ring plane ``sparse_idx``, or None when that plane has none."""
@@ -148,8 +172,9 @@ class RequestStateOwner:
 
     @property
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one slot's live planes (KDA recurrent + conv state and every tail ring)."""
-        return sum(t[:, 0].numel() * t.element_size() for t in (self.tail_ring, self.kda_recurrent, self.kda_conv))
+        """Bytes of one slot's live planes (every declared slot plane, e.g. KDA recurrent + conv state, and every
+        tail ring)."""
+        return sum(t[:, 0].numel() * t.element_size() for t in (self.tail_ring, *self.planes.values()))
 
     # --------------------------------------------------------------------------------------------
     # Lifetime
@@ -185,8 +210,8 @@ class RequestStateOwner:
         """Zero every plane of ``slot`` and drop its backups (a fresh request takes the slot)."""
         self._check(slot)
         self.tail_ring[:, slot].zero_()
-        self.kda_recurrent[:, slot].zero_()
-        self.kda_conv[:, slot].zero_()
+        for t in self.planes.values():
+            t[:, slot].zero_()
         for ring in self.decode_tail_rings:
             ring.reset(slot)
         if self.draft_hidden is not None:
@@ -278,7 +303,7 @@ class RequestStateOwner:
     # Snapshots
     def _slot_planes(self) -> dict[str, torch.Tensor]:
         """Every plane with the state slot as dimension 1 (``[L, S, ...]``)."""
-        planes = {"tail_ring": self.tail_ring, "kda_recurrent": self.kda_recurrent, "kda_conv": self.kda_conv}
+        planes = {"tail_ring": self.tail_ring, **self.planes}
         for i, ring in enumerate(self.decode_tail_rings):
             # saved_count is [S] on a [S + 1] buffer: unsqueezed so every plane is [L, S, ...].
             planes[f"ring{i}.snapshot"] = ring.snapshot.unsqueeze(0)

@@ -191,6 +191,8 @@ def test_no_import_circles() -> None:
         ("runtime", ("trtllm_glm.serve", "trtllm_glm.cli")),
         # Attention backends sit below the cache manager, which allocates the planes they declare.
         ("attention", ("trtllm_glm.cache", "trtllm_glm.models")),
+        # So does the KDA backend: the manager's state owner allocates the slot planes it declares.
+        ("kda", ("trtllm_glm.cache", "trtllm_glm.models", "trtllm_glm.attention")),
     ],
 )
 def test_imports_run_downward(sub: str, forbidden: tuple[str, ...]) -> None:
@@ -217,6 +219,14 @@ def test_runtime_and_model_ask_the_attention_backend(path: str) -> None:
     bad = {m for m in imported(PKG / path) if m.startswith("trtllm_glm.attention.sparse")}
     allowed = {"trtllm_glm.attention.sparse.glm_kpool.cache_layout"} if path == "cache/manager.py" else set()
     assert bad <= allowed, bad
+
+
+@pytest.mark.parametrize("path", ["runtime/executor.py", "models/glm5_next.py", "cache/manager.py"])
+def test_runtime_and_model_ask_the_kda_backend(path: str) -> None:
+    """The model builds its KDA layers and the cache manager its KDA slot planes from `kda.backend.KdaBackend`, never
+    by the layer's or the ops' names; the state owner allocates what the backend declares (`state.SlotPlane`)."""
+    bad = {m for m in imported(PKG / path) if m.startswith("trtllm_glm.kda")}
+    assert bad <= {"trtllm_glm.kda.backend"}, bad
 
 
 def test_attention_interface_is_light() -> None:

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
+from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.errors import StateError
+from trtllm_glm.kda.backend import KdaBackend
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
@@ -20,13 +22,24 @@ from trtllm_glm.state import RequestStateOwner, StateSnapshot
 pytestmark = pytest.mark.cpu_only
 
 S, D = 4, 16
+KDA = KdaBackend()
+
+
+def new_owner(num_kda_layers: int, *, num_state_slots: int = S, num_sparse_layers: int = 3) -> RequestStateOwner:
+    """An owner with the KDA backend's slot planes for ``H = 2, K = 8, W = 4``."""
+    cfg = Glm5NextConfig(kda_num_heads=2, kda_head_dim=8, kda_short_conv_kernel_size=4)
+    return RequestStateOwner(
+        num_state_slots=num_state_slots,
+        num_sparse_layers=num_sparse_layers,
+        num_kda_layers=num_kda_layers,
+        slot_planes=KDA.slot_planes(cfg),
+        layer_state=KDA.layer_state,
+    )
 
 
 def make_owner(seed: int = 0) -> RequestStateOwner:
     """An owner with every plane enabled and filled with distinct random bytes."""
-    own = RequestStateOwner(
-        num_state_slots=S, num_sparse_layers=3, num_kda_layers=2, kda_num_heads=2, kda_head_dim=8, kda_conv_kernel=4
-    )
+    own = new_owner(2)
     own.enable_decode_tail_rings(max_rows=4, num_layers=2)
     own.enable_draft_hidden(D, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
@@ -110,9 +123,7 @@ def test_snapshot_validates_endpoint_pending_records_and_geometry() -> None:
         own.snapshot(0, endpoint=5)
     own.discard_pending()
     snap = own.snapshot(0, endpoint=5)
-    other = RequestStateOwner(
-        num_state_slots=S, num_sparse_layers=3, num_kda_layers=1, kda_num_heads=2, kda_head_dim=8, kda_conv_kernel=4
-    )
+    other = new_owner(1)
     with pytest.raises(StateError, match="geometry"):
         other.restore(0, snap)
 
@@ -262,9 +273,7 @@ def test_executors_keep_committed_lengths(model, mode: str) -> None:
 def test_slots_are_acquired_ascending_and_released_once() -> None:
     from trtllm_glm.errors import CapacityError
 
-    own = RequestStateOwner(
-        num_state_slots=2, num_sparse_layers=1, num_kda_layers=0, kda_num_heads=1, kda_head_dim=4, kda_conv_kernel=2
-    )
+    own = new_owner(0, num_state_slots=2, num_sparse_layers=1)
     assert [own.acquire(), own.acquire()] == [0, 1] and own.num_free_slots == 0
     with pytest.raises(CapacityError):
         own.acquire()
