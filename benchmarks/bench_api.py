@@ -136,7 +136,7 @@ class FakeEngine:
     def _post(self, cmd: tuple) -> None:
         """`ResultStream.abort`'s way in: nothing to stop (a finished stream never gets here)."""
 
-    async def submit(self, gens: list[Any]) -> Any:
+    async def submit(self, gens: list[Any], arrival: float | None = None) -> Any:
         from trtllm_glm.serve.engine import ResultStream
 
         rec = _CURRENT.get()

@@ -335,8 +335,9 @@ class AsyncEngine:
 
     # --------------------------------------------------------------------------------------------
     # Callers (event loop)
-    async def submit(self, requests: Sequence[GenerationRequest]) -> ResultStream:
-        """Queue generations together (all or none).
+    async def submit(self, requests: Sequence[GenerationRequest], arrival: float | None = None) -> ResultStream:
+        """Queue generations together (all or none). ``arrival``: when the caller received them (``perf_counter``;
+        default now), where their TTFT and queue time start.
 
         Returns:
             A `ResultStream` of their deltas.
@@ -363,7 +364,7 @@ class AsyncEngine:
                     f"(max_batch_size {self.executor.cfg.max_batch_size} + max_queue_size {self.max_queue_size})"
                 )
             self._live += n
-            self._inbox.append(("add", stream, list(requests), fut, now()))
+            self._inbox.append(("add", stream, list(requests), fut, now() if arrival is None else arrival))
             self._cv.notify_all()
         try:
             await fut

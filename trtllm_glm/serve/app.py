@@ -224,6 +224,9 @@ class _Job:
     token_ids: bool = False  # return the prompt's and the choices' token ids
     prompts: list[list[int]] = field(default_factory=list)
     n: int = 1  # choices per prompt
+    # When the request entered the app (``perf_counter``, the clock of every process on the machine): the server's
+    # TTFT account starts here, body parsing and validation included.
+    arrival: float | None = None
 
 
 class _Server:
@@ -420,7 +423,7 @@ class _Server:
                 code="unavailable", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
         try:
-            return await self.engine.submit(job.gens)
+            return await self.engine.submit(job.gens, arrival=job.arrival)
         except QueueFullError as e:
             m.requests_rejected.labels(reason="overloaded").inc()
             raise ApiError(
@@ -515,6 +518,7 @@ class _Server:
     # --------------------------------------------------------------------------------------------
     # /v1/completions
     async def completions(self, request: Request) -> Response:
+        arrival = time.perf_counter()
         req: CompletionRequest = await self.parse(request, CompletionRequest)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
@@ -536,6 +540,7 @@ class _Server:
         # best_of > n ranks by the chosen tokens' logprobs: computed for every generation, returned as asked.
         lp = req.logprobs if best_of is None else (req.logprobs or 0)
         job = self.build_job(prompts, req, req.max_tokens, "max_tokens", lp, guided=guided, best_of=best_of)
+        job.arrival = arrival
         stream = await self.submit(job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
@@ -627,6 +632,7 @@ class _Server:
     # --------------------------------------------------------------------------------------------
     # /v1/chat/completions
     async def chat(self, request: Request) -> Response:
+        arrival = time.perf_counter()
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         self.check_model(req.model)
         tools, guided, guided_param = self.check_structured(req)
@@ -685,6 +691,7 @@ class _Server:
             guided = dataclasses.replace(guided, reasoning=grammar_reasoning(prompt_text))
         await self.check_grammar(guided, guided_param)
         job = self.build_job([ids], req, mt, mt_param, logprobs, prompt_param="messages", guided=guided)
+        job.arrival = arrival
         stream = await self.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         # A constrained answer follows the thinking (the grammar starts after the closing tag: runtime/grammar.py).

@@ -334,8 +334,9 @@ class EngineClient:
 
     # --------------------------------------------------------------------------------------------
     # Callers (event loop)
-    async def submit(self, requests: Sequence[GenerationRequest]) -> ResultStream:
-        """Queue generations together (all or none); as `AsyncEngine.submit`."""
+    async def submit(self, requests: Sequence[GenerationRequest], arrival: float | None = None) -> ResultStream:
+        """Queue generations together (all or none); as `AsyncEngine.submit` (``arrival``: ``perf_counter``, the
+        same clock in the engine process)."""
         loop = asyncio.get_running_loop()
         n = len(requests)
         if n == 0:
@@ -360,7 +361,7 @@ class EngineClient:
                 [_Gen(OutputProcessor(self.tokenizer, g.stop)) for g in requests], fut, set(range(n)),
             )  # fmt: skip
             gens = [GenSpec(list(g.prompt_ids), _params(g)) for g in requests]
-            self._send(AddRequest(key, gens, now()))
+            self._send(AddRequest(key, gens, now() if arrival is None else arrival))
         try:
             await fut
         except asyncio.CancelledError:

@@ -11,6 +11,7 @@ strings are the API process's, which aborts a stopped request here (`AbortReques
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -228,6 +229,11 @@ def run_engine_core(cfg: CoreConfig) -> None:
         engine = CoreEngine(llm, channel=channel, max_queue_size=cfg.max_queue_size, step_log=step_log)
         lines = _start_lines(engine, llm, cfg.model, time.perf_counter() - t0)
         engine.on_fatal = lambda reason: channel.send(EngineFatal("rank", str(reason)))
+        # What start-up made (the model's modules and tensors, the tokenizer, compiled kernels' wrappers) moves to the
+        # collector's permanent generation: a full collection otherwise walks all of it on the engine thread, a
+        # stall of one step (the API process does the same, `server.run_server`).
+        gc.collect()
+        gc.freeze()
         engine.start()
         channel.send(EngineReady(
             os.getpid(), llm.config.to_dict(), engine.vocab_size, engine.max_seq_len,

@@ -31,7 +31,7 @@ class _StubEngine:
     def fatal_error(self) -> None:
         return None
 
-    async def submit(self, gens: list[Any]) -> Any:
+    async def submit(self, gens: list[Any], arrival: float | None = None) -> Any:
         raise AssertionError("a refused request must not be submitted")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import pytest
@@ -95,15 +96,16 @@ class _Engine:
     """The engine surface the app uses, answering every request with a scripted text."""
 
     def __init__(self, text: str) -> None:
-        self.text, self.prompts = text, []
+        self.text, self.prompts, self.arrivals = text, [], []
         self.capacity, self.max_seq_len, self.vocab_size = 8, 100_000, 256
         self.metrics, self.tokenizer, self.llm, self.running = ServeMetrics(), _Tok(), object(), True
 
     def fatal_error(self) -> None:
         return None
 
-    async def submit(self, gens: list) -> _Stream:
+    async def submit(self, gens: list, arrival: float | None = None) -> _Stream:
         self.prompts.append(gens[0].prompt_ids)
+        self.arrivals.append((arrival, time.perf_counter()))
         return _Stream(self.text, len(gens))
 
 
@@ -113,6 +115,17 @@ def _post(app, body: dict):
             return await c.post("/v1/chat/completions", json=body)
 
     return run(main())
+
+
+def test_submit_carries_when_the_request_entered_the_app() -> None:
+    """The server's TTFT account starts when the request entered the app (body parsing, validation and templating
+    included), not when it reached the engine: ``submit`` gets that ``perf_counter`` time."""
+    eng = _Engine(ANSWER)
+    app = build_app(eng, served_model_name="m", manage_engine=False)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    assert _post(app, {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}).status_code == 200
+    ((arrival, at_submit),) = eng.arrivals
+    assert arrival is not None and t0 <= arrival < at_submit <= time.perf_counter()
 
 
 def test_chat_returns_tool_calls_streamed_and_not() -> None:
@@ -189,7 +202,7 @@ class _ChunkedEngine(_Engine):
         super().__init__(text)
         self.size = size
 
-    async def submit(self, gens: list) -> _Stream:
+    async def submit(self, gens: list, arrival: float | None = None) -> _Stream:
         s = _Stream(self.text, len(gens))
         t, k = self.text, self.size
         s._deltas = [Delta(index=0, text=t[j : j + k], token_ids=[1], num_output_tokens=j + 1)
