@@ -353,10 +353,11 @@ def test_rounds_without_drafts_hold_rows_for_one_catch_up(
     monkeypatch, graphs: bool, mode: str, lag: int, preset: str
 ) -> None:
     """With a catch-up lag (the default), a round in which nobody drafts runs no MTP forward at all: its rows'
-    target hidden are held on the device, and the MTP layer catches up on all of them in one forward when the
-    request drafts again (or its held rows fill the lag: ``lag=3``). The MTP cache then holds what per-step
-    catch-ups would have written: the same drafts are proposed and accepted at every position, and the output is
-    plain greedy's. Requests end at different points, so slots are freed and reused with rows held."""
+    target hidden are held on the device, and the MTP layer catches up on all of them in one flush when the
+    request drafts again (or its held rows fill the lag: ``lag=3``): one eager forward, or under graphs the
+    head-free catch-up graph over slices of its width. The MTP cache then holds what per-step catch-ups would have
+    written: the same drafts are proposed and accepted at every position, and the output is plain greedy's.
+    Requests end at different points, so slots are freed and reused with rows held."""
     import dataclasses
 
     from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -392,33 +393,36 @@ def test_rounds_without_drafts_hold_rows_for_one_catch_up(
                 forwards.append(any(r.want > 0 for r in reqs) or max(q) > catchup_lag or prompt)
             return step(self, reqs, past, q, *a, **kw)
 
-        def counted_flush(self, seqs):  # noqa: ANN001, ANN202
+        def counted_flush(self, seqs, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
             flushing[0] = True
             try:
-                return flush(self, seqs)
+                return flush(self, seqs, *a, **kw)
             finally:
                 flushing[0] = False
 
         monkeypatch.setattr(MTPDrafter, "_mtp_step", counted_step)
         monkeypatch.setattr(MTPDrafter, "_flush_lag", counted_flush)
-        only: list = []
+        only: list = []  # head-free catch-up replays outside a flush
+        in_flush: list = []  # and inside one (the held rows, in slices of the graph's width)
         if graphs:
             graphs_ = ex.drafter.chain_graphs
             run_only, run_rows = graphs_.run_catchup_only, graphs_.run_catchup_only_rows
-            graphs_.run_catchup_only = lambda *a: (only.append(a[0]), run_only(*a))[1]
+            graphs_.run_catchup_only = lambda *a: ((in_flush if flushing[0] else only).append(a[0]), run_only(*a))[1]
             graphs_.run_catchup_only_rows = lambda *a: (only.append(a[0]), run_rows(*a))[1]
         reqs = [ex.add_request(p, SamplingParams(max_tokens=t, ignore_eos=True)) for p, t in zip(ps, mt)]
         ex.run_until_done()
         monkeypatch.setattr(MTPDrafter, "_mtp_step", step)
         monkeypatch.setattr(MTPDrafter, "_flush_lag", flush)
-        return ex, reqs, forwards, only
+        return ex, reqs, forwards, only, in_flush
 
-    ex, reqs, forwards, only = run(lag)
+    ex, reqs, forwards, only, in_flush = run(lag)
     assert_lossless(refs, reqs)
     assert ex.drafter.num_lag_flushes > 0 and sum(r.num_verify_rounds for r in reqs) > 0
     # Rounds that draft nothing ran no MTP forward on generated rows: neither eagerly nor through a head-free
     # catch-up graph (prompt rows are caught up at once: checkpoints need them).
     assert not only and all(forwards), (only, forwards)
+    # Under graphs the flushes replayed the head-free catch-up graph (no eager forward of a new row count).
+    assert bool(in_flush) == graphs and all(k[0] == "catchup_only" and k[2] <= 3 for k in in_flush), in_flush
     if lag < 8:  # the lag filled up before drafting resumed: caught up in the middle of the held rounds
         assert ex.drafter.num_lag_flushes > len(reqs)
     for m_ in {ex.manager, ex.draft_manager}:
@@ -426,7 +430,7 @@ def test_rounds_without_drafts_hold_rows_for_one_catch_up(
     if preset == "tiny":
         return  # (its drafts are seldom accepted: the comparison below is made with the trained model)
     # The same drafts as catching up every step (the MTP cache holds the same rows either way).
-    _, per_step, _, _ = run(0)
+    _, per_step, _, _, _ = run(0)
     assert [r.accepted_per_position for r in reqs] == [r.accepted_per_position for r in per_step]
     if preset == "small":
         assert sum(r.num_accepted_total - r.num_verify_rounds for r in reqs) > 5  # drafts were accepted

@@ -247,10 +247,17 @@ class MTPDrafter(Drafter):
         flat = ring.view(-1, ring.shape[-1])
         flat.index_copy_(0, to_device(dst, self.device), hidden.index_select(0, to_device(src, self.device)))
 
-    def _flush_lag(self, seqs: Sequence[DraftSeq]) -> None:
+    def _flush_lag(self, seqs: Sequence[DraftSeq], capture: bool = True) -> None:
         """Catch the MTP layer up on the held rows of ``seqs`` (each ``state.lag > 0``; their next tokens are on
-        the host: ``tokens[mtp_len + 1 .. mtp_len + lag]``), as prefill rows of one forward per metadata-sized
-        group; afterwards each history is caught up to ``mtp_len + lag`` and nothing is held."""
+        the host: ``tokens[mtp_len + 1 .. mtp_len + lag]``); afterwards each history is caught up to
+        ``mtp_len + lag`` and nothing is held.
+
+        With the catch-up graphs, in slices of at most their width per sequence (`_flush_through_graphs`), as
+        per-step catch-ups would have run: a flush's row counts vary from one to the whole lag, and an eager forward
+        meets a new shape at many of them (the adaptive runs of 2026-12-06 averaged 9-30 ms a step with every step
+        a replay and 6-12 flushes: kernel compiles in the eager flushes, most likely; not counted then). Otherwise as
+        prefill rows of one eager forward per metadata-sized group. ``capture=False``: use only graphs captured
+        already (a step launched ahead is in flight)."""
         ring = self._lag_buffer()
         R, D = self.catchup_lag, ring.shape[-1]
         flat = ring.view(-1, D)
@@ -265,16 +272,61 @@ class MTPDrafter(Drafter):
             lags = [s.state.lag for s in group]
             src = [slot * R + j for slot, n in zip(slots, lags) for j in range(n)]
             toks = [t for s, p, n in zip(group, starts, lags) for t in s.tokens[p + 1 : p + n + 1]]
-            prev_h = flat.index_select(0, to_device(src, self.device))
             # The rows as a catch-up of `lag` committed rows ending at mtp_len + lag (the state is shared).
             done = [dataclasses.replace(s, num_computed=p + n, committed=n) for s, p, n in zip(group, starts, lags)]
-            self._mtp_step(done, starts, lags, to_device(toks, self.device, torch.int64), prev_h, decode=False)
-            last = to_device([sum(lags[: j + 1]) - 1 for j in range(len(group))], self.device)
-            self._caught_up(done, lags, prev_h.index_select(0, last))
+            if not self._flush_through_graphs(group, slots, starts, lags, flat, capture):
+                prev_h = flat.index_select(0, to_device(src, self.device))
+                self._mtp_step(done, starts, lags, to_device(toks, self.device, torch.int64), prev_h, decode=False)
+                last = to_device([slot * R + n - 1 for slot, n in zip(slots, lags)], self.device)
+                self._caught_up(done, lags, flat.index_select(0, last))
             for s in group:
                 s.state.lag = 0
             self.num_lag_flushes += 1
             self._flushed = True
+
+    def _flush_through_graphs(
+        self,
+        group: Sequence[DraftSeq],
+        slots: Sequence[int],
+        starts: Sequence[int],
+        lags: Sequence[int],
+        flat: torch.Tensor,
+        capture: bool,
+    ) -> bool:
+        """Catch ``group`` up on its held rows by replaying the catch-up graph without the LM head over slices of
+        at most its width ``W`` rows per sequence (slice ``j``: rows ``j W ..`` of each sequence that has them);
+        False (nothing run) when a slice has no graph.
+
+        Args:
+            group: the sequences, ``starts[i]`` each one's MTP history length, ``lags[i]`` its held rows.
+            slots: their draft state slots (held row ``k`` of sequence ``i`` is ``flat[slots[i] * R + k]``).
+            flat: ``[S * R, D]`` the held rows' ring.
+            capture: whether a missing graph may be captured now.
+        """
+        graphs = self.chain_graphs
+        if graphs is None or not graphs.width:
+            return False
+        W, R = graphs.width, self.catchup_lag
+        plan = []
+        for j0 in range(0, max(lags), W):
+            sub = [i for i, n in enumerate(lags) if n > j0]
+            committed = [min(W, lags[i] - j0) for i in sub]
+            key = graphs.catchup_key(committed, head=False, capture=capture)
+            if key is None:
+                return False
+            plan.append((j0, sub, committed, key))
+        for j0, sub, committed, key in plan:
+            at = [starts[i] + j0 for i in sub]  # each sequence's MTP history before the slice
+            toks = [t for i, p, c in zip(sub, at, committed) for t in group[i].tokens[p + 1 : p + c + 1]]
+            src = [slots[i] * R + j0 + k for i, c in zip(sub, committed) for k in range(c)]
+            graphs.run_catchup_only(key, [group[i].request_id for i in sub], at, committed, toks, flat, src)
+            # Booked slice by slice, as per-step catch-ups are (a separate draft manager commits each).
+            done = [
+                dataclasses.replace(group[i], num_computed=p + c, committed=c) for i, p, c in zip(sub, at, committed)
+            ]
+            last = to_device([slots[i] * R + j0 + c - 1 for i, c in zip(sub, committed)], self.device)
+            self._caught_up(done, committed, flat.index_select(0, last))
+        return True
 
     def take_flushed(self) -> bool:
         """Whether held rows were caught up since the last call (that round's time includes the catch-up)."""
@@ -314,7 +366,7 @@ class MTPDrafter(Drafter):
         if self.catchup_lag:
             full = [s for s in cat if s.state.lag + 1 > self.catchup_lag]
             if full:
-                self._flush_lag(full)
+                self._flush_lag(full, capture=False)
             self._hold(cat, hidden)
             return
         if not cat:

@@ -160,21 +160,27 @@ class MtpChainGraphs:
         P = self.runner.padded_size(n, self.sizes)
         return None if P is None else self._ready((CHAIN, P, 1))
 
-    def catchup_key(self, committed: Sequence[int], head: bool = True) -> GraphKey | None:
+    def catchup_key(self, committed: Sequence[int], head: bool = True, capture: bool = True) -> GraphKey | None:
         """The key a catch-up of these committed counts replays at (padded size, largest count), or None;
-        ``head=False``: the catch-up without the LM head (`CATCHUP_ONLY`)."""
-        return self._catch_or_draft_key(CATCHUP if head else CATCHUP_ONLY, committed)
+        ``head=False``: the catch-up without the LM head (`CATCHUP_ONLY`). ``capture=False``: only a graph captured
+        already (no capture now: a step launched ahead is in flight)."""
+        return self._catch_or_draft_key(CATCHUP if head else CATCHUP_ONLY, committed, capture)
 
     def draft_key(self, committed: Sequence[int]) -> GraphKey | None:
         """The key of the fused draft for these committed counts (padded size, largest count), or None when
         it is off or cannot replay (then the per-step graphs serve the round)."""
         return self._catch_or_draft_key(DRAFT, committed) if self.fused else None
 
-    def _catch_or_draft_key(self, kind: str, committed: Sequence[int]) -> GraphKey | None:
+    def _catch_or_draft_key(self, kind: str, committed: Sequence[int], capture: bool = True) -> GraphKey | None:
         if not self.runner.enabled or not self.width or not committed or max(committed) > self.width:
             return None
         P = self.runner.padded_size(len(committed), self.catch_sizes)
-        return None if P is None else self._ready((kind, P, max(committed)))
+        if P is None:
+            return None
+        key = (kind, P, max(committed))
+        if not capture and key not in self.graphs and not self.runner.emulate:
+            return None
+        return self._ready(key)
 
     def startup_keys(self, max_wide_size: int | None = None) -> list[GraphKey]:
         """The keys `capture_all` captures: every chained size, every catch-up (size, width) and every fused
