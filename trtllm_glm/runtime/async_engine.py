@@ -1,21 +1,10 @@
 """`AsyncEngine`: continuous batching across concurrent callers on one background thread.
 
-Both front doors run on it: `LLM.generate_async` (the Python API's streaming) and ``trtllm-glm serve`` (the
-HTTP server, which passes its Prometheus `ServeMetrics`; without one, nothing is recorded).
-
-The model is synchronous torch code, so one dedicated thread owns the executor (``llm.executor``, an
-`Executor` or a `SpeculativeExecutor`) and is the only thread that touches it. Callers on an asyncio
-event loop talk to it through an inbox of commands (add, abort) and receive per-request deltas (new text,
-token ids, logprobs, finish reason) through their own `ResultStream`, delivered with
-``loop.call_soon_threadsafe``. Requests join and leave between steps.
-
-Failure isolation: a request that the executor refuses (``add_request`` raises: prompt too long, token out
-of range) fails alone, and its caller gets the exception. A step that raises fails the requests in the
-running batch (they are aborted, which frees their pages and state slots) and the loop keeps serving.
-
-Back-pressure: at most ``max_batch_size + max_queue_size`` generations are live at once (running plus
-queued); `submit` raises `QueueFullError` beyond that. `stop` drains: new work is refused, live requests
-get ``drain_timeout`` seconds to finish, the rest are aborted, then the thread exits.
+Both front doors run on it: `LLM.generate_async` and ``trtllm-glm serve`` (which passes its Prometheus
+`ServeMetrics`; without one, nothing is recorded). One dedicated thread owns the executor and is the only one that
+touches it; callers on an asyncio loop post commands to its inbox (add, abort) and receive per-request deltas through
+their own `ResultStream` (``loop.call_soon_threadsafe``). Requests join and leave between steps. Failure isolation,
+back-pressure and the drain: docs/serving.md, "The engine loop".
 """
 
 from __future__ import annotations

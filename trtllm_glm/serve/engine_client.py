@@ -1,21 +1,11 @@
 """The API process's side of the engine process: `EngineClient`, what the app serves when the engine runs in a
-process of its own (the server's default; `engine_core` is the other side, `engine_messages` the wire).
+process of its own (`engine_core` is the other side, `engine_messages` the wire).
 
-It has the interface the app uses of an in-process `AsyncEngine` (``submit`` returning a `ResultStream`,
-``stats``, ``running``, ``start`` / ``stop``, ``metrics`` for the app's rejections, the tokenizer and limits), so
-the routes do not know where the engine runs. One receiver thread reads the engine's messages: per
-`StepOutput` it resolves the acknowledged submissions, turns each generation's new tokens into text (the
-runtime's `OutputProcessor`: incremental detokenization, stop strings, text offsets; the engine sends token ids
-only), and hands every stream its deltas with one ``call_soon_threadsafe`` per event loop, as the in-process
-engine does. The deltas are the in-process engine's, field for field. A stop string ends its generation for
-the client at once and aborts it in the engine (`AbortRequest` with its index).
-
-Faults: when the engine process exits without being asked (killed, crashed), every live generation ends with
-an error delta naming the cause, pending submissions fail, ``running`` turns false with ``down_reason`` set
-(``/health`` answers 503 with it), and ``on_fatal`` is called once, so that the server drains and exits. A
-failed start-up is re-raised here as the exception the engine process raised (its class when it is one the
-command line reports as one line, else ``RuntimeError``), and an engine process that dies while starting is a
-``RuntimeError`` saying how it ended.
+It has the interface the app uses of an in-process `AsyncEngine`, so the routes do not know where the engine runs.
+One receiver thread reads the engine's messages: per `StepOutput` it resolves acknowledged submissions, detokenizes
+each generation's new tokens (`OutputProcessor`) and hands every stream its deltas, field for field the in-process
+engine's. A failed start-up is re-raised as the engine process's exception (its class when the command line reports
+it as one line, else ``RuntimeError``). Processes, the wire and faults: docs/serving.md, "Processes".
 """
 
 from __future__ import annotations
