@@ -135,6 +135,7 @@ class AttentionMetadata:
         # Speculative fields live apart, in their own dataclass (filled by the speculative executor after
         # prepare(); prepare() replaces it with an empty one).
         self.spec = SpecMetadata()
+        self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
 
     # --------------------------------------------------------------------------------------------
     def prepare(
@@ -201,6 +202,7 @@ class AttentionMetadata:
         self.num_padding_seqs = num_padding_seqs
         self.valid_q_lens = list(valid_q_lens) if valid_q_lens is not None else None
         self.spec = SpecMetadata()
+        self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
 
         host = self._staging.acquire()
         arr = self._staging.arrays()
@@ -266,6 +268,7 @@ class AttentionMetadata:
         self.max_kv_len = max((p + 1 for p in self.past_lens), default=0)
         self.valid_q_lens = None
         self.spec = SpecMetadata()
+        self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
 
     def set_verify_rows(
         self,

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -136,7 +137,9 @@ class KdaLayerRecords:
         return verify_rows(self.x, len(self.seq_ids), self.width_max, self.row0, widths)
 
     @torch.no_grad()
-    def commit(self, num_accepted: Sequence[int] | torch.Tensor, state: KdaLayerState) -> None:
+    def commit(
+        self, num_accepted: Sequence[int] | torch.Tensor, state: KdaLayerState, accepted_t: torch.Tensor | None = None
+    ) -> None:
         """Fold the first ``a`` verified rows of each sequence into its slot and shift its conv window.
 
         ``state`` must be unchanged since the verify pass that made these records. ``a = 0`` leaves the
@@ -147,12 +150,16 @@ class KdaLayerRecords:
             num_accepted: ``[num_seqs]`` accepted rows per batch sequence (root + accepted drafts), host list
                 preferred; entries of sequences that were not verified are ignored.
             state: this layer's state planes, updated in place (only the verified sequences' slots).
+            accepted_t: optional ``[n]`` int64 on the device, the counts of the verified sequences themselves
+                (checked by the caller); replaces ``num_accepted`` (a short prefill commits every row).
         """
         records = self
         if not records.seq_ids:
             return
-        if isinstance(num_accepted, torch.Tensor):
-            a: Sequence[int] | torch.Tensor = num_accepted.reshape(-1)
+        if accepted_t is not None:
+            a: Sequence[int] | torch.Tensor = accepted_t
+        elif isinstance(num_accepted, torch.Tensor):
+            a = num_accepted.reshape(-1)
             if a.numel() != records.num_seqs:
                 raise ValueError(f"num_accepted has {a.numel()} entries for {records.num_seqs} sequences")
             if records.seq_ids != list(range(records.num_seqs)):
@@ -174,6 +181,21 @@ class KdaLayerRecords:
         # (`ops.conv.conv_commit_slots`, `ops.verify.kda_commit`).
         conv_commit_slots(state.conv, records.x, slots, a, records.width_max, row0=records.row0, fresh=fresh)
         kda_commit(state.recurrent, records.kda, a, state_slots=slots, fresh=fresh)
+
+
+def _step_cached(batch: KdaBatchLike, key: tuple, build: Callable[[], Any]) -> Any:
+    """``build()``, made once per step for every KDA layer of it: the row indices, slots and flags a mixed step's
+    layers share depend only on the batch, so the first layer builds them (host lists and one copy to the device)
+    and the others reuse them (the full model has 45 KDA layers). ``key`` holds every host value ``build`` reads;
+    the cache (``AttentionMetadata.kda_scratch``) is emptied whenever the step is described anew. A batch without
+    one (`KdaBatch`) builds every time."""
+    scratch = getattr(batch, "kda_scratch", None)
+    if scratch is None:
+        return build()
+    hit = scratch.get(key)
+    if hit is None:
+        hit = scratch[key] = build()
+    return hit
 
 
 def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
@@ -456,10 +478,12 @@ class KimiDeltaAttention(nn.Module):
         n = len(first)
         # A pure decode step (rows 0..n-1 in order) takes slices: no index tensor built from a host list, so
         # the step has no host-to-device copy and can be captured in a CUDA graph.
-        rows: torch.Tensor | slice = (
-            slice(0, n) if first == list(range(n)) else torch.tensor(first, dtype=torch.int64, device=dev)
-        )
-        slots = self._slots(batch, seqs, dev)
+        rows: torch.Tensor | slice
+        if first == list(range(n)) and seqs == list(range(batch.num_seqs)):
+            rows, slots = slice(0, n), self._slots(batch, seqs, dev)
+        else:
+            key = ("decode", tuple(first), tuple(batch.state_slots[b] for b in seqs))
+            rows, slots = _step_cached(batch, key, lambda: self._decode_index(batch, seqs, first, dev))
         # Conv update, SiLU and the q/k norms: one kernel on CUDA (`ops.conv.conv_decode`).
         q, k, v = conv_decode(x[rows], state.conv, weight, slots, self.num_heads, self.head_k_dim, self.head_v_dim)
         od = kda_decode_inplace(q, k, v, g[rows], beta[rows], self.scale, state.recurrent, slots, backend=self.backend)
@@ -470,6 +494,17 @@ class KimiDeltaAttention(nn.Module):
         else:
             o.index_copy_(0, rows, od)
         return o
+
+    def _decode_index(
+        self, batch: KdaBatchLike, seqs: list[int], first: list[int], dev: torch.device
+    ) -> tuple[slice | torch.Tensor, torch.Tensor]:
+        """The decode rows of ``seqs`` (a slice when they are rows ``0 .. n-1``, else ``[n]`` int64) and their
+        ``[n]`` slots, in one copy to the device (no stream sync)."""
+        n = len(first)
+        if first == list(range(n)):
+            return slice(0, n), self._slots(batch, seqs, dev)
+        both = to_device(first + [batch.state_slots[b] for b in seqs], dev, torch.int64)
+        return both[:n], both[n:]
 
     def _prefill(
         self,
@@ -537,7 +572,10 @@ class KimiDeltaAttention(nn.Module):
         """Short prefill chunks of ``seqs`` through the verify kernels (`short_prefill_rows`): every row verified from
         the slot (zeros for a fresh sequence), then all of them committed; their outputs written into ``o``'s rows."""
         records = self._ragged_verify(x, g, beta, o, batch, seqs, state, weight)
-        records.commit([batch.q_lens[b] for b in range(batch.num_seqs)], state)
+        # Every row is committed: the counts are the widths, the same for every KDA layer of the step.
+        dev, widths = x.device, records.widths
+        every = _step_cached(batch, ("commit", tuple(seqs), tuple(widths)), lambda: to_device(widths, dev, torch.int64))
+        records.commit([batch.q_lens[b] for b in range(batch.num_seqs)], state, accepted_t=every)
 
     def _ragged_verify(
         self,
@@ -558,23 +596,14 @@ class KimiDeltaAttention(nn.Module):
         widths = [batch.q_lens[b] for b in seqs]
         firsts = [batch.cu_seqlens[b] for b in seqs]
         Wm = max(widths, default=0)
-        # One host-to-device copy: the [n, Wm] row grid (padding entries repeat a sequence's last row; zero decay and
-        # beta make them no-ops, and they are never committed), fresh flags, first rows, widths, and where the real
-        # rows' outputs go.
-        grid = [f + min(j, w - 1) for f, w in zip(firsts, widths) for j in range(Wm)]
         fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
-        src = [i * Wm + j for i, w in enumerate(widths) for j in range(w)]
-        dst = [f + j for f, w in zip(firsts, widths) for j in range(w)]
-        meta = to_device(grid + fresh_h + firsts + widths + src + dst, dev, torch.int64)
-        cut = list(itertools.accumulate([n * Wm, n, n, n, len(src)]))
-        ridx = meta[: cut[0]].view(n, Wm)
-        fresh = meta[cut[0] : cut[1]] != 0
-        row0, widths_t = meta[cut[1] : cut[2]], meta[cut[2] : cut[3]]
-        src_t, dst_t = meta[cut[3] : cut[4]], meta[cut[4] :]
-        valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+        key = ("ragged", tuple(seqs), tuple(widths), tuple(firsts), tuple(fresh_h),
+               tuple(batch.state_slots[b] for b in seqs))  # fmt: skip
+        ridx, fresh, row0, widths_t, src_t, dst_t, valid, slots = _step_cached(
+            batch, key, lambda: self._ragged_index(batch, seqs, widths, firsts, fresh_h, dev)
+        )
         gr = torch.where(valid.view(n, Wm, 1, 1), g[ridx], 0.0)
         br = torch.where(valid.view(n, Wm, 1), beta[ridx], 0.0)
-        slots = self._slots(batch, seqs, dev)
         q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
         o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V).index_select(0, src_t))
@@ -589,6 +618,30 @@ class KimiDeltaAttention(nn.Module):
             kda=rec,
             num_seqs=batch.num_seqs,
         )
+
+    def _ragged_index(
+        self,
+        batch: KdaBatchLike,
+        seqs: list[int],
+        widths: list[int],
+        firsts: list[int],
+        fresh_h: list[int],
+        dev: torch.device,
+    ) -> tuple[torch.Tensor, ...]:
+        """`_ragged_verify`'s indices, in one host-to-device copy: ``ridx [n, Wm]`` the row grid (padding entries
+        repeat a sequence's last row; zero decay and beta make them no-ops, and they are never committed), ``fresh
+        [n]`` bool, ``row0 [n]`` first rows, ``widths [n]``, ``src / dst [R]`` where the real rows' outputs go (R the
+        real rows), ``valid [n, Wm]`` bool and the ``[n]`` slots."""
+        n, Wm = len(seqs), max(widths, default=0)
+        grid = [f + min(j, w - 1) for f, w in zip(firsts, widths) for j in range(Wm)]
+        src = [i * Wm + j for i, w in enumerate(widths) for j in range(w)]
+        dst = [f + j for f, w in zip(firsts, widths) for j in range(w)]
+        meta = to_device(grid + fresh_h + firsts + widths + src + dst, dev, torch.int64)
+        cut = list(itertools.accumulate([n * Wm, n, n, n, len(src)]))
+        widths_t = meta[cut[2] : cut[3]]
+        valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+        return (meta[: cut[0]].view(n, Wm), meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], widths_t,
+                meta[cut[3] : cut[4]], meta[cut[4] :], valid, self._slots(batch, seqs, dev))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit

@@ -385,3 +385,49 @@ def test_short_prefill_through_the_verify_kernels(monkeypatch, backend: str) -> 
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "some")
     with pytest.raises(ValueError, match="TRTLLM_GLM_KDA_SHORT_PREFILL"):
         _run(layer, _clone(st), hidden, *args)
+
+
+def test_step_indices_built_once_for_every_layer_of_a_step(monkeypatch) -> None:
+    """A mixed step's row indices, slots and commit counts (decode rows out of order, short prefills) are built by
+    its first KDA layer and reused by the others when the batch carries a per-step scratch (``kda_scratch``, as
+    ``AttentionMetadata`` does): outputs and states bit for bit those of layers that build their own; a batch whose
+    slots changed does not reuse them."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "10")
+    layers = [_layer(11 + i) for i in range(3)]
+    specs = [(6, 1, 5), (0, 9, 2), (4, 5, 0), (3, 12, 4), (3, 1, 1)]  # decode, prompts (one over the limit), decode
+    hidden = torch.cat([_hidden(n, 50 + i) for i, (_, n, _) in enumerate(specs)])
+    q, p, s = [n for _, n, _ in specs], [x for x, _, _ in specs], [x for _, _, x in specs]
+    builds: list[str] = []
+    for name in ("_ragged_index", "_decode_index"):
+        orig = getattr(KimiDeltaAttention, name)
+        monkeypatch.setattr(KimiDeltaAttention, name,
+                            lambda self, *a, _o=orig, _n=name: (builds.append(_n), _o(self, *a))[1])  # fmt: skip
+
+    def run(batches) -> tuple[list[torch.Tensor], list[KdaLayerState]]:  # noqa: ANN001
+        outs, states = [], []
+        for i, (layer, batch) in enumerate(zip(layers, batches)):
+            st = _state(layer, 20 + i)
+            outs.append(layer(hidden, batch, st))
+            states.append(st)
+        return outs, states
+
+    ref_out, ref_st = run([KdaBatch.build(q, p, s) for _ in layers])
+    assert sorted(builds) == ["_decode_index"] * 3 + ["_ragged_index"] * 3
+    builds.clear()
+    shared = KdaBatch.build(q, p, s)
+    shared.kda_scratch = {}
+    out, st = run([shared] * len(layers))
+    assert sorted(builds) == ["_decode_index", "_ragged_index"]  # the first layer's, reused by the other two
+    for a, b, sa, sb in zip(out, ref_out, st, ref_st):
+        assert torch.equal(a, b) and torch.equal(sa.recurrent, sb.recurrent) and torch.equal(sa.conv, sb.conv)
+    # Other slots under the same scratch: built anew, not taken from the cache.
+    builds.clear()
+    s2 = [7, 3, 6, 4, 0]
+    moved = KdaBatch.build(q, p, s2)
+    moved.kda_scratch = shared.kda_scratch
+    st = _state(layers[0], 20)
+    got = layers[0](hidden, moved, st)
+    ref_st2 = _state(layers[0], 20)
+    assert torch.equal(got, layers[0](hidden, KdaBatch.build(q, p, s2), ref_st2)) and sorted(builds) == [
+        "_decode_index", "_decode_index", "_ragged_index", "_ragged_index"]  # fmt: skip
+    assert torch.equal(st.recurrent, ref_st2.recurrent) and torch.equal(st.conv, ref_st2.conv)
