@@ -20,7 +20,8 @@
 #                 GPU tests: GPU_TESTS=tests/unittest/mhc/test_decode_fusions_gpu.py)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
-#                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio)
+#                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio), and LLM.generate of
+#                 16 x 512-token prompts at the defaults against max_num_tokens 4096 / 16384 (issue 42's 90 % goal)
 #   serve_proc    issue 42: the same server with the engine on a thread (engine_process: false) and in its own process
 #                 (the default), back to back: 30-token prompts at concurrency 16 and 64, the engine alone at the same
 #                 batch (the in-process run's baseline)
@@ -123,7 +124,7 @@ for stage in "$@"; do
     serve)
       timeout "${T_SERVE:-420}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 --engine-baseline \
-        --json "$O/serve.json" 2>&1 | tee "$O/serve.log"
+        --generate-check 16x512x64 --json "$O/serve.json" 2>&1 | tee "$O/serve.log"
       timeout "${T_SERVE_1K:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 1,16 --input-len 1024 --output-len 128 --num-requests 48 \
         --json "$O/serve_1k.json" 2>&1 | tee "$O/serve_1k.log" ;;
