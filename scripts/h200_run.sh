@@ -48,8 +48,9 @@
 #                 trained small bf16, batch 1 / 16 / 64, overlap, mtp3+os, mtp3+adaptive+os (512 tokens: the policy's
 #                 re-measurements amortised); then the 4-layer slice, batch 1 / 16, overlap and MTP-oracle 0.7 K = 3
 #   spec_default  issue 43, trained small bf16, batch 1 / 16 / 64, one process: overlap, mtp3 (overlap scheduler off),
-#                 mtp3+os (on: the LLM default), mtp3+adaptive+os; rows carry timed_compiles (kernels compiled inside the
-#                 timed steps) and lag_flushes: whether the adaptive policy now holds plain speed where K = 3 loses
+#                 mtp3+os (on: the LLM default), mtp3+ed / mtp3+ed+os (drafts launched before the read-back:
+#                 early_draft), mtp3+adaptive+os; rows carry timed_compiles (kernels compiled inside the timed steps) and
+#                 lag_flushes: whether the adaptive policy now holds plain speed where K = 3 loses
 #   prefill_tests issue 32: the prefill GPU tests (indexer + sparse MLA at a 1M context, a 128K prompt across chunk
 #                 sizes, the fused MoE at prefill and decode sizes)
 #   prefill_all   issue 32: bench_prefill at 8K / 32K / 128K / 1M in one run, 16 tokens decoded after each, the
@@ -186,7 +187,7 @@ for stage in "$@"; do
         --json "$O/spec_lag_real.json" 2>&1 | tee "$O/spec_lag_real.log" ;;
     spec_default)
       timeout "${T_SPEC_DEFAULT:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
-        --batch 1 16 64 --gen 384 --modes overlap mtp3 mtp3+os mtp3+adaptive+os --cuda-graphs on \
+        --batch 1 16 64 --gen 384 --modes overlap mtp3 mtp3+os mtp3+ed mtp3+ed+os mtp3+adaptive+os --cuda-graphs on \
         --json "$O/spec_default.json" 2>&1 | tee "$O/spec_default.log" ;;
     prefill_tests)
       timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/runtime/test_prefill_gpu.py \

@@ -124,3 +124,41 @@ def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:
     assert_lossless(ref, got)
     assert ex.draft_policy is None and ex.num_overlapped_steps > 0 and ex.num_catchups_ahead > 0 and disabled == 0
     assert ex.num_unspeculated_rounds > 0 and sum(r.num_verify_rounds for r in got) > 0
+
+
+@pytest.mark.parametrize("mode", ["shared", "separate"])
+def test_early_draft_launched_before_the_read_back_drafts_as_after_it(emulated, mode: str) -> None:
+    """``early_draft``: each round's MTP draft is launched from its verify's outputs on the device before the host
+    reads the round back, and booked after. The trained model accepts drafts, so a draft made from the wrong rows
+    (or caught up on the wrong count) would change what is accepted: the drafts accepted at every position, the
+    MTP cache and the output equal the synchronous rounds', including a request that stops on a token mid-run
+    (its early draft is dropped) and one that joins late. Emulated graphs (the verify's outputs stay in their
+    buffers, as a replay's do)."""
+    m = Glm5NextForCausalLM.from_pretrained("small", dtype="float32").eval()
+    prompts = [list(t.encode()) for t in ("import os\nimport sys\n", "class A:\n    def f(self", "for i in range(")]
+
+    def go(early: bool):  # noqa: ANN202
+        cfg = ExecutorConfig(tokens_per_block=8, max_tokens=2048, max_batch_size=3, max_num_tokens=64,
+                             max_seq_len=160, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4],
+                                                                                enable_padding=True))  # fmt: skip
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=mode, early_draft=early)
+        ex = SpeculativeExecutor(m, cfg, spec)
+        params = [SamplingParams(max_tokens=48, ignore_eos=True),
+                  SamplingParams(max_tokens=48, ignore_eos=True, stop_token_ids=[10]),  # stops at a newline
+                  SamplingParams(max_tokens=40, ignore_eos=True)]  # fmt: skip
+        reqs = [ex.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+        for _ in range(6):
+            ex.step()
+        reqs.append(ex.add_request(prompts[2], params[2]))  # joins late: a round with a prefill is not early
+        ex.run_until_done()
+        dm = ex.draft_manager
+        assert dm.num_free_pages == dm.num_pages and ex.manager.num_free_pages == ex.manager.num_pages
+        return ex, reqs
+
+    ex_s, sync = go(False)
+    ex_e, early = go(True)
+    assert ex_s.num_early_drafts == 0 and ex_e.num_early_drafts > 5
+    assert [r.output_ids for r in early] == [r.output_ids for r in sync]
+    assert [r.accepted_per_position for r in early] == [r.accepted_per_position for r in sync]
+    assert sum(r.num_accepted_total - r.num_verify_rounds for r in sync) > 10  # drafts were accepted
+    assert early[1].output_ids[-1] == 10 and len(early[1].output_ids) < 48  # stopped on its token

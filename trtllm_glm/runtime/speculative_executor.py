@@ -114,6 +114,7 @@ class SpeculativeExecutor(Executor):
         self._carry_k: int | None = None
         # MTP catch-ups made on the device before a step launched ahead (`_before_chained_launch`).
         self.num_catchups_ahead = 0
+        self.num_early_drafts = 0  # drafts launched before their verify round was read back (`_early_draft`)
         # Drafting rounds (MTP draft + verify) launched before the previous round was read back
         # (`_launch_round_ahead`); a test asserts it grows, so a silent fall-back to synchronous rounds shows.
         self.num_overlapped_rounds = 0
@@ -482,6 +483,13 @@ class SpeculativeExecutor(Executor):
         A request that finished before its round was read back (stopped by the round before, or aborted) has its
         rows dropped.
         """
+        if drafted is None and slots is None:
+            # Before anything here reads the round back. The draft re-describes the batch in the shared metadata:
+            # the commit below then takes the verify round's slots from here, as a round read back late does.
+            verified = list(self.meta.state_slots)
+            drafted = self._early_draft(plan)
+            if drafted is not None:
+                slots = verified
         out = self._step_out
         if slots is not None and (out is None or out.width == 1):
             # A width-one step read back late (the overlap scheduler, `_may_launch_ahead`): the plain commit,
@@ -617,6 +625,58 @@ class SpeculativeExecutor(Executor):
         else:
             self._book_round_ahead(live, plan, committed, drafted)
         return finished
+
+    def _early_draft(self, plan: list[ScheduledSeq]) -> DeviceDrafts | None:
+        """``MTPDecodingConfig.early_draft``: the next round's fused MTP draft, launched from the verify round
+        ``plan``'s outputs on the device before the host reads the round back (`MTPDrafter.draft_ahead`); `_advance`
+        then books it (`_book_round_ahead`) instead of drafting. None (nothing launched) unless every sequence of a
+        steady batch verified ``K`` real drafts and drafts ``K`` again: the conditions of a round launched ahead
+        (`_round_may_launch_ahead`) other than the overlap scheduler, and no adaptive policy."""
+        K = self.max_draft_len
+        W = K + 1
+        out, drafter = self._step_out, self.drafter
+        if not getattr(self.spec, "early_draft", False) or out is None or out.width != W:
+            return None
+        chain = drafter.chain_graphs if isinstance(drafter, MTPDrafter) else None
+        if chain is None or not chain.fused or not getattr(drafter, "defer", False) or not self.use_mtp:
+            return None
+        if self.draft_policy is not None or self.spec.draft_len_fn is not None:
+            return None
+        mc = self.spec.max_concurrency
+        if (mc is not None and len(self.running) > mc) or self.waiting:
+            return None
+        if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != W for s in plan):
+            return None
+        for s in plan:
+            r, p = s.request, s.request.params
+            st = self.state.get(r.request_id)
+            if r.finished or st is None or st.mtp_disabled or st.mtp_len != s.start:
+                return None
+            if not p.greedy or r.wants_logits or r.has_grammar:
+                return None
+            if (len(st.drafts) if st.num_proposed is None else st.num_proposed) != K:
+                return None
+            if r.num_output + 2 * W >= p.max_tokens or len(r.tokens) + 2 * W >= self.max_seq_len:
+                return None
+        reqs = [s.request for s in plan]
+        starts = [s.start for s in plan]
+        # Pages for the draft's rows (its catch-up and chained steps reach start + W + K - 1), or no early draft.
+        try:
+            for r, p0 in zip(reqs, starts):
+                self.manager.ensure_capacity(r.request_id, p0 + W + K - 1)
+        except CapacityError:
+            return None
+        if not all(drafter.reserve_ahead(r.request_id, p0 + W + K - 1) for r, p0 in zip(reqs, starts)):
+            return None
+        # This round's drafts to the host first: the draft launched now lands in the same pinned buffer.
+        self._resolve_drafts()
+        with torch.inference_mode():
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
+            tokens = out.packed[:, 0].to(torch.int64)
+            drafts = drafter.draft_ahead([r.request_id for r in reqs], starts, tokens, out.hidden, acc)
+        if drafts is not None:
+            self.num_early_drafts += 1
+        return drafts
 
     def _book_round_ahead(
         self,

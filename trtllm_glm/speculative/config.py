@@ -126,6 +126,12 @@ class MTPDecodingConfig(DecodingBaseConfig):
             1.84 ms against 1.68 ms synchronously (1,756 against 1,923 tokens/s): the ahead path is host-bound, its
             device-side re-description of the round adding 34 small launches to the GPU's 0.95 ms
             (`benchmarks/results/profiles/mtp_round_ahead_profile_small_h100_2026-12-06.log`).
+        early_draft: launch each round's fused MTP draft right behind its verify, from the verify's outputs on the
+            device (its accepted counts read there), before the host reads the round back; the host then books the
+            drafts instead of preparing and launching the draft after the read-back, so the GPU runs the verify and
+            the next draft back to back (the next verify is still prepared after the read-back). The same
+            conditions as ``overlap_rounds`` (a steady batch of greedy requests drafting K, no adaptive policy) but
+            without the overlap scheduler. Off by default: not yet measured on a GPU. Drafts only: output unchanged.
         catchup_lag: in rounds where nobody drafts (an adaptive length of 0, ``max_concurrency``), the MTP layer
             may fall behind the committed tokens by up to this many rows per request: their target hidden rows
             are kept on the device and the MTP layer catches up on them in one forward when drafting resumes or
@@ -140,6 +146,7 @@ class MTPDecodingConfig(DecodingBaseConfig):
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
     overlap_rounds: bool = False
+    early_draft: bool = False
     catchup_lag: int = 64
 
     MAX_DRAFT_LEN: ClassVar[int] = MAX_MTP_DRAFTS
@@ -163,6 +170,8 @@ class MTPDecodingConfig(DecodingBaseConfig):
             raise ValueError("draft_vocab_file is the ranking of draft_vocab_size: set draft_vocab_size too")
         if not isinstance(self.overlap_rounds, bool):
             raise ValueError(f"overlap_rounds must be a bool, got {self.overlap_rounds!r}")
+        if not isinstance(self.early_draft, bool):
+            raise ValueError(f"early_draft must be a bool, got {self.early_draft!r}")
 
 
 @dataclass
