@@ -346,3 +346,39 @@ def test_mtp_drafting_rounds_launch_ahead(model, kv_mode: str) -> None:
     assert per_round > 2.0  # the trained layer: ~2.9 at K = 3
     for ring in ex_o.manager.state.decode_tail_rings:
         assert ring.num_disagreements == 0
+
+
+@pytest.mark.parametrize("kv_mode", ["shared", "separate"])
+def test_mtp_early_draft_on_real_graphs(model, kv_mode: str) -> None:
+    """``MTPDecodingConfig.early_draft`` on real graphs: each round's fused draft is replayed from its verify's
+    outputs before the host reads the round back. In batch-invariant mode the tokens, the acceptance per position
+    and the rounds equal the synchronous rounds' bit for bit and the output is plain greedy's; drafts were launched
+    early (a silent fall-back fails the count)."""
+    from trtllm_glm.numerics import batch_invariant_mode
+
+    def run(early: bool):  # noqa: ANN202
+        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
+                             max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False, early_draft=early)
+        ex = SpeculativeExecutor(model, cfg, spec)
+        ex.capture_cuda_graphs()
+        reqs = [
+            ex.add_request(p, SamplingParams(max_tokens=2 * m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)
+        ]
+        ex.run_until_done()
+        return ex, reqs
+
+    with batch_invariant_mode(True):
+        plain = _make(model, "plain", None)
+        ref = [
+            plain.add_request(p, SamplingParams(max_tokens=2 * m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)
+        ]
+        plain.run_until_done()
+        ex_e, got_e = run(True)
+        ex_s, got_s = run(False)
+    rounds = sum(r.num_verify_rounds for r in got_e)
+    print(f"\n[{kv_mode}] early drafts {ex_e.num_early_drafts} of {rounds} rounds")
+    assert ex_e.num_early_drafts > 10 and ex_s.num_early_drafts == 0
+    assert [r.output_ids for r in got_e] == [r.output_ids for r in got_s] == [r.output_ids for r in ref]
+    assert [r.accepted_per_position for r in got_e] == [r.accepted_per_position for r in got_s]
+    assert [r.num_verify_rounds for r in got_e] == [r.num_verify_rounds for r in got_s]
