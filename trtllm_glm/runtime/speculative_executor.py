@@ -382,7 +382,6 @@ class SpeculativeExecutor(Executor):
         if not self.drafts_ahead_supported:
             return False
         K = self.max_draft_len
-        W = 1 + K
         if self.spec.draft_len_fn is not None:
             return False
         mc = self.spec.max_concurrency
@@ -393,6 +392,14 @@ class SpeculativeExecutor(Executor):
         # As plain overlap: requests waiting while the batch is full could not be admitted anyway.
         if self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0:
             return False
+        return self._steady_verify_round(plan)
+
+    def _steady_verify_round(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether the round after the verify round ``plan`` can be drafted from ``plan``'s outputs on the device:
+        the same requests again, each verifying ``K`` real drafts from an MTP history at its start, greedy, reading
+        no logits, with no grammar, and none within two rounds of its length limits."""
+        K = self.max_draft_len
+        W = 1 + K
         if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != W for s in plan):
             return False
         for s in plan:
@@ -408,6 +415,20 @@ class SpeculativeExecutor(Executor):
             if r.num_output + 2 * W >= p.max_tokens or len(r.tokens) + 2 * W >= self.max_seq_len:
                 return False
         return True
+
+    def _reserve_next_round(self, reqs: list[Request], starts: list[int], target_rows: int) -> bool:
+        """Pages for the next round drafted (and verified) from the device: ``start + target_rows`` target positions
+        and the draft's ``start + W + K - 1`` MTP positions per request; False when they cannot be had now."""
+        K = self.max_draft_len
+        W = 1 + K
+        try:
+            for r, p0 in zip(reqs, starts):
+                self.manager.ensure_capacity(r.request_id, p0 + target_rows)
+        except CapacityError:
+            return False
+        drafter = self.drafter
+        assert isinstance(drafter, MTPDrafter)
+        return all(drafter.reserve_ahead(r.request_id, p0 + W + K - 1) for r, p0 in zip(reqs, starts))
 
     def _step_overlapped(self) -> list[Request]:
         """Read the in-flight step back, launching the next one first when it may (a width-one step: the base
@@ -443,12 +464,7 @@ class SpeculativeExecutor(Executor):
         assert runner is not None and isinstance(drafter, MTPDrafter)
         reqs = [s.request for s in cur.plan]
         starts = [s.start for s in cur.plan]
-        try:
-            for r, p0 in zip(reqs, starts):
-                self.manager.ensure_capacity(r.request_id, p0 + 2 * W)
-        except CapacityError:
-            return None
-        if not all(drafter.reserve_ahead(r.request_id, p0 + W + K - 1) for r, p0 in zip(reqs, starts)):
+        if not self._reserve_next_round(reqs, starts, 2 * W):
             return None
         key = runner.key([W] * len(reqs))
         if key is None:
@@ -643,30 +659,12 @@ class SpeculativeExecutor(Executor):
         if self.draft_policy is not None or self.spec.draft_len_fn is not None:
             return None
         mc = self.spec.max_concurrency
-        if (mc is not None and len(self.running) > mc) or self.waiting:
+        if (mc is not None and len(self.running) > mc) or self.waiting or not self._steady_verify_round(plan):
             return None
-        if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != W for s in plan):
-            return None
-        for s in plan:
-            r, p = s.request, s.request.params
-            st = self.state.get(r.request_id)
-            if r.finished or st is None or st.mtp_disabled or st.mtp_len != s.start:
-                return None
-            if not p.greedy or r.wants_logits or r.has_grammar:
-                return None
-            if (len(st.drafts) if st.num_proposed is None else st.num_proposed) != K:
-                return None
-            if r.num_output + 2 * W >= p.max_tokens or len(r.tokens) + 2 * W >= self.max_seq_len:
-                return None
         reqs = [s.request for s in plan]
         starts = [s.start for s in plan]
         # Pages for the draft's rows (its catch-up and chained steps reach start + W + K - 1), or no early draft.
-        try:
-            for r, p0 in zip(reqs, starts):
-                self.manager.ensure_capacity(r.request_id, p0 + W + K - 1)
-        except CapacityError:
-            return None
-        if not all(drafter.reserve_ahead(r.request_id, p0 + W + K - 1) for r, p0 in zip(reqs, starts)):
+        if not self._reserve_next_round(reqs, starts, W + K - 1):
             return None
         # This round's drafts to the host first: the draft launched now lands in the same pinned buffer.
         self._resolve_drafts()

@@ -306,20 +306,24 @@ def test_idle_mtp_rounds_launch_ahead(model, kv_mode: str) -> None:
     assert per_round > 2.0  # the trained layer: ~2.9 at K = 3
 
 
+@pytest.mark.parametrize("how", ["ahead", "early"])
 @pytest.mark.parametrize("kv_mode", ["shared", "separate"])
-def test_mtp_drafting_rounds_launch_ahead(model, kv_mode: str) -> None:
-    """Issue 43 item 1: MTP drafting rounds (K = 3) under the overlap scheduler on real graphs. Round n + 1's fused
-    draft and verify are replayed from round n's outputs on the device before round n is read back (the replays
-    overwrite round n's buffers for real here). In batch-invariant mode the tokens, the acceptance per position and
-    the number of rounds equal the synchronous rounds' bit for bit (the same drafts), and the output is plain
-    greedy's; rounds are launched ahead (a silent fall-back fails the count)."""
+def test_mtp_drafting_rounds_launch_ahead(model, kv_mode: str, how: str) -> None:
+    """Issue 43: MTP drafts (K = 3) made from a verify round's outputs on the device, on real graphs. ``ahead``
+    (``overlap_rounds``, under the overlap scheduler): round n + 1's fused draft and verify are replayed before round
+    n is read back (the replays overwrite round n's buffers for real here). ``early`` (``early_draft``): only the
+    draft, right behind its verify, before the read-back. In batch-invariant mode the tokens, the acceptance per
+    position and the number of rounds equal the synchronous rounds' bit for bit (the same drafts), and the output
+    is plain greedy's; drafts were made on the device (a silent fall-back fails the count)."""
     from trtllm_glm.numerics import batch_invariant_mode
 
-    def run(overlap: bool):  # noqa: ANN202
+    def run(device_side: bool):  # noqa: ANN202
+        overlap = device_side and how == "ahead"
         cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
                              max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]),
                              overlap_scheduler=overlap)  # fmt: skip
-        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False, overlap_rounds=True)
+        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False,
+                                 overlap_rounds=True, early_draft=device_side and how == "early")  # fmt: skip
         ex = SpeculativeExecutor(model, cfg, spec)
         ex.capture_cuda_graphs()
         reqs = [
@@ -338,47 +342,12 @@ def test_mtp_drafting_rounds_launch_ahead(model, kv_mode: str) -> None:
         ex_s, got_s = run(False)
     rounds = sum(r.num_verify_rounds for r in got_o)
     per_round = sum(r.num_accepted_total for r in got_o) / max(rounds, 1)
-    print(f"\n[{kv_mode}] rounds launched ahead {ex_o.num_overlapped_rounds} of {rounds}, {per_round:.2f} tokens each")
-    assert ex_o.num_overlapped_rounds > 10 and ex_s.num_overlapped_rounds == 0
+    made = ex_o.num_overlapped_rounds if how == "ahead" else ex_o.num_early_drafts
+    print(f"\n[{kv_mode}, {how}] drafts made on the device {made} of {rounds} rounds, {per_round:.2f} tokens each")
+    assert made > 10 and ex_s.num_overlapped_rounds == 0 and ex_s.num_early_drafts == 0
     assert [r.output_ids for r in got_o] == [r.output_ids for r in got_s] == [r.output_ids for r in ref]
     assert [r.accepted_per_position for r in got_o] == [r.accepted_per_position for r in got_s]
     assert [r.num_verify_rounds for r in got_o] == [r.num_verify_rounds for r in got_s]
     assert per_round > 2.0  # the trained layer: ~2.9 at K = 3
     for ring in ex_o.manager.state.decode_tail_rings:
         assert ring.num_disagreements == 0
-
-
-@pytest.mark.parametrize("kv_mode", ["shared", "separate"])
-def test_mtp_early_draft_on_real_graphs(model, kv_mode: str) -> None:
-    """``MTPDecodingConfig.early_draft`` on real graphs: each round's fused draft is replayed from its verify's
-    outputs before the host reads the round back. In batch-invariant mode the tokens, the acceptance per position
-    and the rounds equal the synchronous rounds' bit for bit and the output is plain greedy's; drafts were launched
-    early (a silent fall-back fails the count)."""
-    from trtllm_glm.numerics import batch_invariant_mode
-
-    def run(early: bool):  # noqa: ANN202
-        cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
-                             max_seq_len=256, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4]))  # fmt: skip
-        spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=kv_mode, adaptive=False, early_draft=early)
-        ex = SpeculativeExecutor(model, cfg, spec)
-        ex.capture_cuda_graphs()
-        reqs = [
-            ex.add_request(p, SamplingParams(max_tokens=2 * m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)
-        ]
-        ex.run_until_done()
-        return ex, reqs
-
-    with batch_invariant_mode(True):
-        plain = _make(model, "plain", None)
-        ref = [
-            plain.add_request(p, SamplingParams(max_tokens=2 * m, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)
-        ]
-        plain.run_until_done()
-        ex_e, got_e = run(True)
-        ex_s, got_s = run(False)
-    rounds = sum(r.num_verify_rounds for r in got_e)
-    print(f"\n[{kv_mode}] early drafts {ex_e.num_early_drafts} of {rounds} rounds")
-    assert ex_e.num_early_drafts > 10 and ex_s.num_early_drafts == 0
-    assert [r.output_ids for r in got_e] == [r.output_ids for r in got_s] == [r.output_ids for r in ref]
-    assert [r.accepted_per_position for r in got_e] == [r.accepted_per_position for r in got_s]
-    assert [r.num_verify_rounds for r in got_e] == [r.num_verify_rounds for r in got_s]
