@@ -499,7 +499,7 @@ class SpeculativeExecutor(Executor):
         A request that finished before its round was read back (stopped by the round before, or aborted) has its
         rows dropped.
         """
-        if drafted is None and slots is None:
+        if drafted is None and slots is None and getattr(self.spec, "early_draft", False):
             # Before anything here reads the round back. The draft re-describes the batch in the shared metadata:
             # the commit below then takes the verify round's slots from here, as a round read back late does.
             verified = list(self.meta.state_slots)
