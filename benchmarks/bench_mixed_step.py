@@ -32,7 +32,7 @@ import torch
 from benchmarks.harness.host_syncs import sync_sites
 from benchmarks.harness.idle_sites import idle_sites
 from benchmarks.harness.models import random_model
-from benchmarks.harness.profiling import count_launches_and_syncs, module_host_ms, top_kernels
+from benchmarks.harness.profiling import count_launches_and_syncs, func_host_ms, module_host_ms, top_kernels
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
@@ -124,6 +124,8 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     row.update(launches=launches, syncs=syncs)
     # The host's time issuing each part of one admission (no profiler, no sync): which part keeps it host-bound.
     row["module_host_ms"] = module_host_ms(b.ex.model, lambda: b.admit(new, length), _PARTS)
+    # The same by function (the runtime around the forward and the KDA core's parts), averaged over three admissions.
+    row["func_host_ms"] = func_host_ms(lambda: b.admit(new, length), _FUNCS, reps=3)
     if pw is not None and pw0 is not None:  # piecewise steps / segment replays of that one admission
         row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1])
     if dev == "cuda":
@@ -145,7 +147,24 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
 # Model parts whose host time `module_host_ms` reports (inclusive: a decoder layer holds its mixer and MoE).
 _PARTS = ("Glm5NextModel", "Glm5NextDecoderLayer", "KimiDeltaAttention", "GlmKpoolSparseMLA", "GlmKpoolIndexer",
           "MoE", "GatedMLP", "Glm5NextMTPLayer")  # fmt: skip
-_LISTS = ("module_host_ms", "kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
+# Functions whose host time `func_host_ms` reports (inclusive; per admission).
+_FUNCS = tuple(
+    f"trtllm_glm.{m}" for m in (
+        "runtime.executor:Executor._plan", "runtime.executor:Executor._forward",
+        "runtime.executor:Executor._sample_rows", "runtime.executor:Executor._advance",
+        "runtime.executor:Executor._after_step", "runtime.executor:Executor._emit",
+        "runtime.prefix_cache:PrefixCache.after_step", "attention.metadata:AttentionMetadata.prepare",
+        "models.glm5_next:Glm5NextModel.forward", "models.glm5_next:Glm5NextDecoderLayer._mhc",
+        "models.glm5_next:Glm5NextDecoderLayer._ffn", "kda.layer:KimiDeltaAttention._inputs",
+        "kda.layer:KimiDeltaAttention._forward_o", "kda.layer:KimiDeltaAttention._decode",
+        "kda.layer:KimiDeltaAttention._short_prefill", "kda.layer:KimiDeltaAttention._ragged_verify",
+        "kda.layer:KimiDeltaAttention._prefill", "kda.layer:KimiDeltaAttention._output",
+        "kda.layer:KdaLayerRecords.commit",
+        "attention.sparse.glm_kpool.layer:GlmKpoolSparseMLA.forward",
+        "attention.sparse.glm_kpool.indexer:GlmKpoolIndexer.forward", "modules.ffn:MoE.forward",
+    )
+)  # fmt: skip
+_LISTS = ("module_host_ms", "func_host_ms", "kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
 
 
 def main() -> None:
@@ -195,6 +214,8 @@ def main() -> None:
                       flush=True)  # fmt: skip
                 parts = ", ".join(f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["module_host_ms"].items())
                 print(f"    host by part: {parts}")
+                funcs = ", ".join(f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["func_host_ms"].items())
+                print(f"    host by function: {funcs}")
                 for key in ("host_top", "host_own", "kernels_top", "sync_sites"):
                     for item in r.get(key, []):
                         print(f"    {key}: {item}")
