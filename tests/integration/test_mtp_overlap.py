@@ -143,6 +143,15 @@ def test_early_draft_launched_before_the_read_back_drafts_as_after_it(emulated, 
                                                                                 enable_padding=True))  # fmt: skip
         spec = MTPDecodingConfig(num_nextn_predict_layers=3, draft_kv_mode=mode, early_draft=early)
         ex = SpeculativeExecutor(m, cfg, spec)
+        draft_ahead = ex.drafter.draft_ahead
+
+        def spy(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            # The verify's read-back must be queued before its early draft (else the host waits for both).
+            copies.append(ex._step_out._copy is not None and ex._step_out._host is None)
+            return draft_ahead(*a, **kw)
+
+        copies: list[bool] = []
+        ex.drafter.draft_ahead = spy
         params = [SamplingParams(max_tokens=48, ignore_eos=True),
                   SamplingParams(max_tokens=48, ignore_eos=True, stop_token_ids=[10]),  # stops at a newline
                   SamplingParams(max_tokens=40, ignore_eos=True)]  # fmt: skip
@@ -153,6 +162,7 @@ def test_early_draft_launched_before_the_read_back_drafts_as_after_it(emulated, 
         ex.run_until_done()
         dm = ex.draft_manager
         assert dm.num_free_pages == dm.num_pages and ex.manager.num_free_pages == ex.manager.num_pages
+        assert len(copies) == ex.num_early_drafts and all(copies)
         return ex, reqs
 
     ex_s, sync = go(False)

@@ -187,12 +187,22 @@ class GraphOutputs:
     chosen: bool = False
     masked: bool = False
     _host: list[list[float]] | None = None
+    # A copy of ``packed`` started already (`start_host_copy`): the read-back waits for it alone, not for work
+    # queued on the stream after it.
+    _copy: HostResults | None = None
 
     def host_rows(self) -> list[list[float]]:
         """``packed`` on the host (the step's one device-to-host copy; cached)."""
         if self._host is None:
-            self._host = self.packed.tolist()
+            self._host = self._copy.wait() if self._copy is not None else self.packed.tolist()
+            self._copy = None
         return self._host
+
+    def start_host_copy(self, runner: CudaGraphRunner) -> None:
+        """Start ``packed``'s copy to the host now (`CudaGraphRunner.results_to_host`), before more work is queued
+        behind this step: `host_rows` then returns once the step itself is done."""
+        if self._host is None and self._copy is None:
+            self._copy = runner.results_to_host(self)
 
     @property
     def committed_on_device(self) -> bool:

@@ -668,6 +668,10 @@ class SpeculativeExecutor(Executor):
             return None
         # This round's drafts to the host first: the draft launched now lands in the same pinned buffer.
         self._resolve_drafts()
+        # The verify's read-back is queued before the draft: the host books the round as soon as the verify is done,
+        # while the GPU runs the draft (else it would wait for both).
+        assert self.graph_runner is not None
+        out.start_host_copy(self.graph_runner)
         with torch.inference_mode():
             acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
             tokens = out.packed[:, 0].to(torch.int64)
