@@ -110,8 +110,8 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     ``+mix``: every second request sampled; ``+mcN``: the speculative config's ``max_concurrency=N``;
     ``+adaptive`` and ``+dvN``: `mode_options`; ``+ov``: the overlap scheduler with MTP drafting rounds launched
     ahead; ``+os``: the overlap scheduler alone (the LLM API's default: width-one steps launched ahead, drafting
-    rounds synchronous) (`make_executor`); ``+ed``: MTP drafts launched before their round is read back
-    (``early_draft``).
+    rounds synchronous) (`make_executor`); ``+ed`` / ``+noed``: MTP drafts launched before their round is read back
+    (``early_draft``, the default) or after it.
     """
     base, *flags = mode.split("+")
     mix, mc = False, None
@@ -120,11 +120,12 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
             mix = True
         elif f.startswith("mc") and f[2:].isdigit():
             mc = int(f[2:])
-        elif f in ("adaptive", "ov", "os", "ed") or (f.startswith("dv") and f[2:].isdigit()):
+        elif f in ("adaptive", "ov", "os", "ed", "noed") or (f.startswith("dv") and f[2:].isdigit()):
             continue
         else:
             raise ValueError(
-                f"unknown mode suffix {'+' + f!r} in {mode!r} (expected +mix, +mcN, +adaptive, +dvN, +ov, +os or +ed)"
+                f"unknown mode suffix {'+' + f!r} in {mode!r} "
+                "(expected +mix, +mcN, +adaptive, +dvN, +ov, +os, +ed or +noed)"
             )
     return base, mix, mc
 
@@ -132,13 +133,13 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
 def mode_options(mode: str) -> dict:
     """The speculative config options a mode's suffixes set: ``adaptive`` (``+adaptive``; False otherwise: the
     fixed-K modes), ``draft_vocab_size`` (``+dvN``, MTP modes), ``overlap_rounds`` (``+ov``, MTP modes) and
-    ``early_draft`` (``+ed``, MTP modes)."""
+    ``early_draft`` (``+ed`` / ``+noed``, MTP modes; unset: the config's default)."""
     flags = mode.split("+")[1:]
     out: dict = {"adaptive": "adaptive" in flags}
     if "ov" in flags and base_mode(mode).startswith("mtp"):
         out["overlap_rounds"] = True
-    if "ed" in flags and base_mode(mode).startswith("mtp"):
-        out["early_draft"] = True
+    if ("ed" in flags or "noed" in flags) and base_mode(mode).startswith("mtp"):
+        out["early_draft"] = "ed" in flags
     for f in flags:
         if f.startswith("dv") and f[2:].isdigit():
             out["draft_vocab_size"] = int(f[2:])

@@ -52,7 +52,9 @@
 #                 early_draft), mtp3+adaptive+os; rows carry timed_compiles (kernels compiled inside the timed steps) and
 #                 lag_flushes: whether the adaptive policy now holds plain speed where K = 3 loses
 #   spec_real_ed  issue 43, 4-layer slice, batch 1 / 16 (random weights: mtp3 accepts nothing, the round's cost): overlap,
-#                 mtp3, mtp3+ed (early drafts), mtporacle0.7k3 and +dv32768 (the MTP layer's cost at oracle acceptance)
+#                 mtp3+noed, mtp3 (early drafts), mtporacle0.7k3 and +dv32768 (the MTP layer's cost at oracle acceptance)
+#   spec_ed       issue 43 with early drafts on by default: trained small bf16, batch 1 / 16 / 64, overlap, mtp3+noed+os,
+#                 mtp3+os, mtp3+adaptive+os (early drafts while the policy chooses K), mtp3+mc8+os
 #   prefill_tests issue 32: the prefill GPU tests (indexer + sparse MLA at a 1M context, a 128K prompt across chunk
 #                 sizes, the fused MoE at prefill and decode sizes)
 #   prefill_all   issue 32: bench_prefill at 8K / 32K / 128K / 1M in one run, 16 tokens decoded after each, the
@@ -193,8 +195,12 @@ for stage in "$@"; do
         --json "$O/spec_default.json" 2>&1 | tee "$O/spec_default.log" ;;
     spec_real_ed)
       timeout "${T_SPEC_REAL_ED:-300}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --prompt-len 256 --gen 128 \
-        --modes overlap mtp3 mtp3+ed mtporacle0.7k3 mtporacle0.7k3+dv32768 --cuda-graphs on \
+        --modes overlap mtp3+noed mtp3 mtporacle0.7k3 mtporacle0.7k3+dv32768 --cuda-graphs on \
         --json "$O/spec_real_ed.json" 2>&1 | tee "$O/spec_real_ed.log" ;;
+    spec_ed)
+      timeout "${T_SPEC_ED:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
+        --batch 1 16 64 --gen 384 --modes overlap mtp3+noed+os mtp3+os mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
+        --json "$O/spec_ed.json" 2>&1 | tee "$O/spec_ed.log" ;;
     prefill_tests)
       timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/runtime/test_prefill_gpu.py \
         tests/unittest/moe/test_fused_moe_gpu.py 2>&1 | tee "$O/prefill_gpu_tests.log" ;;

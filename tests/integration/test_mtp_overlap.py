@@ -105,6 +105,19 @@ def test_drafting_resumes_after_overlapped_stretches(emulated, model, mode: str)
     assert ex.drafter.num_lag_flushes > 0  # the K = 0 stretches held their rows (the default catch-up lag)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_early_drafts_follow_the_adaptive_choice(emulated, model, overlap: bool) -> None:
+    """``early_draft`` (the default) under the adaptive policy: a round's draft is launched before its read-back
+    while the policy's last choice was K; a choice of 0 made at a read-back applies from the round after (drafted
+    already), and drafting resumes at the next choice of K. Output stays plain greedy's."""
+    ref = plain(model)
+    ex, got, disabled = run(model, "shared", overlap, lambda i: 2 if (i // 5) % 2 == 0 else 0)
+    assert_lossless(ref, got)
+    assert ex.num_early_drafts >= 3 and disabled == 0
+    assert 2 in ex.draft_policy.chosen and 0 in ex.draft_policy.chosen
+    assert sum(r.num_verify_rounds for r in got) > ex.num_early_drafts  # rounds drafted after a read-back too
+
+
 def test_idle_rounds_launched_ahead_hold_rows_and_flush_a_full_lag(emulated, model) -> None:
     """K = 0 every round with a lag of 3 rows: the steps launched ahead hold their rows on the device, and a full
     lag is caught up before the next row is held (its tokens are on the host by then). The MTP history never has

@@ -647,7 +647,8 @@ class SpeculativeExecutor(Executor):
         ``plan``'s outputs on the device before the host reads the round back (`MTPDrafter.draft_ahead`); `_advance`
         then books it (`_book_round_ahead`) instead of drafting. None (nothing launched) unless every sequence of a
         steady batch verified ``K`` real drafts and drafts ``K`` again: the conditions of a round launched ahead
-        (`_round_may_launch_ahead`) other than the overlap scheduler, and no adaptive policy."""
+        (`_round_may_launch_ahead`) other than the overlap scheduler (with the adaptive policy: its last choice was
+        ``K``; a choice made at this round's read-back applies from the round after, `_book_round_ahead`)."""
         K = self.max_draft_len
         W = K + 1
         out, drafter = self._step_out, self.drafter
@@ -656,7 +657,9 @@ class SpeculativeExecutor(Executor):
         chain = drafter.chain_graphs if isinstance(drafter, MTPDrafter) else None
         if chain is None or not chain.fused or not getattr(drafter, "defer", False) or not self.use_mtp:
             return None
-        if self.draft_policy is not None or self.spec.draft_len_fn is not None:
+        if self.spec.draft_len_fn is not None:
+            return None
+        if self.draft_policy is not None and (self._next_k != K or self._carry_k is not None):
             return None
         mc = self.spec.max_concurrency
         if (mc is not None and len(self.running) > mc) or self.waiting or not self._steady_verify_round(plan):

@@ -28,6 +28,7 @@ def test_expected_tokens_per_step(mode: str, want: float | None) -> None:
         ("mtp3+adaptive+dv32", "mtp3", {"adaptive": True, "draft_vocab_size": 32}, 3, None),
         ("mtp3+ov", "mtp3", {"adaptive": False, "overlap_rounds": True}, 3, None),
         ("mtp3+ed+os", "mtp3", {"adaptive": False, "early_draft": True}, 3, None),
+        ("mtp3+noed+adaptive", "mtp3", {"adaptive": True, "early_draft": False}, 3, None),
         ("mtporacle0.7k3", "mtporacle0.7k3", {"adaptive": False}, 3, 0.7),
         ("mtporacle0.9", "mtporacle0.9", {"adaptive": False}, 3, 0.9),
         ("oracle0.5k2+mix+mc8", "oracle0.5k2", {"adaptive": False}, 2, 0.5),
