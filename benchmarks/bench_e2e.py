@@ -227,17 +227,18 @@ def timing_ranking_file(vocab_size: int) -> str:
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
              profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0,
-             max_batch: int | None = None, profile_comm: bool = False):  # fmt: skip
+             max_batch: int | None = None, profile_comm: bool = False, profile_steps: int = 3):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
     ``graphs``: CUDA graphs of TensorRT-LLM's default batch sizes up to ``max_batch`` (default ``batch``;
     padding on: a batch between two sizes replays the larger one), all captured before timing.
     ``profile_kernels``: also list that many of the costliest kernels of one steady step (``top_kernels``).
-    ``profile_host``: also list that many package functions by host time over three steps (``host_profile``).
+    ``profile_host``: also list that many package functions by host time over ``profile_steps`` steps
+    (``host_profile``; more than the catch-up lag's length to include its flushes).
     ``profile_sites``: also list that many call sites of one steady step's torch ops (`op_sites`; an eager
     step: run with graphs off).
-    ``profile_idle``: also charge the GPU's idle time over three steps to that many host functions
+    ``profile_idle``: also charge the GPU's idle time over ``profile_steps`` steps to that many host functions
     (`idle_sites.idle_sites`: ``idle_sites``, CUDA only).
     ``profile_comm``: also time the collectives of one step (`collective_time`, CUDA only; every rank must
     pass the same value: the profiled step runs the collectives).
@@ -272,9 +273,9 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     warm_s = time.perf_counter() - t_start - prefill_s
     launches, syncs = count_launches_and_syncs(ex.step) if ex.has_work else (0, 0)
     kernels = top_kernels(ex.step, profile_kernels) if profile_kernels and ex.has_work and device == "cuda" else []
-    host = host_profile(ex, 3, profile_host) if profile_host else []
+    host = host_profile(ex, profile_steps, profile_host) if profile_host else []
     sites = op_sites(ex.step, profile_sites) if profile_sites and ex.has_work else []
-    idle = idle_sites(ex.step, 3, profile_idle) if profile_idle and ex.has_work and device == "cuda" else {}
+    idle = idle_sites(ex.step, profile_steps, profile_idle) if profile_idle and ex.has_work and device == "cuda" else {}
     comm_us, busy_us = collective_time(ex.step) if profile_comm and ex.has_work and device == "cuda" else (0.0, 0.0)
     sync()
     tok0 = sum(len(r.output_ids) for r in reqs)
@@ -466,7 +467,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                      max_batch=args.max_batch_size)  # warm-up  # fmt: skip
             r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
                          profile_kernels=args.profile_kernels, profile_host=args.profile_host,
-                         profile_idle=args.profile_idle, max_batch=args.max_batch_size)  # fmt: skip
+                         profile_idle=args.profile_idle, max_batch=args.max_batch_size,
+                         profile_steps=args.profile_steps)  # fmt: skip
             if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = lossless_summary(
@@ -543,6 +545,9 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--profile-host", type=int, default=0, help="list the N package functions with the most host time per step"
+    )
+    ap.add_argument(
+        "--profile-steps", type=int, default=3, help="steps --profile-host and --profile-idle cover (default 3)"
     )
     ap.add_argument(
         "--profile-idle", type=int, default=0,
@@ -665,6 +670,7 @@ def main() -> None:
                                  graphs=graphs, profile_kernels=args.profile_kernels,
                                  profile_host=args.profile_host, profile_sites=args.profile_sites,
                                  profile_idle=args.profile_idle, max_batch=args.max_batch_size,
+                                 profile_steps=args.profile_steps,
                                  profile_comm=world > 1 or args.collectives_at_one)  # fmt: skip
                     # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
                     # computes the root and the proposed drafts (the rest is filler: never read).
