@@ -118,6 +118,33 @@ def test_early_drafts_follow_the_adaptive_choice(emulated, model, overlap: bool)
     assert sum(r.num_verify_rounds for r in got) > ex.num_early_drafts  # rounds drafted after a read-back too
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lag_flushes_stay_aligned_when_requests_join_apart(emulated, model, overlap: bool) -> None:
+    """Requests join one step apart and nobody drafts (K = 0) for ten rounds, lag 3: when one request's ring is
+    full, every request's held rows are caught up with it, so the batch flushes about once per lag's length, not
+    once per request (each flush replaying the catch-up graph over a few rows). Then drafting resumes; output plain
+    greedy's and the MTP history has no gap."""
+    ref = plain(model)
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96,
+                         cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                         overlap_scheduler=overlap)  # fmt: skip
+    spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="shared", catchup_lag=3)
+    ex = SpeculativeExecutor(model, cfg, spec, draft_policy=Scripted(2, lambda i: 0 if i < 10 else 2))
+    reqs = []
+    for p, m in zip(PROMPTS, MAX_TOKENS):
+        reqs.append(ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)))
+        ex.step()
+    steps = 0
+    while ex.has_work:
+        ex.step()
+        steps += 1
+        assert not any(st.mtp_disabled for st in ex.state.values())
+    assert_lossless(ref, reqs)
+    assert sum(r.num_verify_rounds for r in reqs) > 0  # drafting resumed
+    # Ten rounds with all three holding, lag 3: three or four aligned flushes (unaligned: seven or eight).
+    assert 1 <= ex.drafter.num_lag_flushes <= 4, (ex.drafter.num_lag_flushes, steps)
+
+
 def test_idle_rounds_launched_ahead_hold_rows_and_flush_a_full_lag(emulated, model) -> None:
     """K = 0 every round with a lag of 3 rows: the steps launched ahead hold their rows on the device, and a full
     lag is caught up before the next row is held (its tokens are on the host by then). The MTP history never has

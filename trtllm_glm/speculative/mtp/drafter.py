@@ -52,6 +52,12 @@ class MTPDrafter(Drafter):
     catches up on all of them in one forward (`_flush_lag`) when the request drafts again, when the ring is full,
     or when its MTP history is needed. ``DraftState.lag`` counts the held rows: the history is ``mtp_len``
     (caught up) ``+ lag`` (held) rows long.
+
+    Aligned flushes: when a ring is full, every request holding rows is caught up in the same flush, not only the
+    full ones. Requests that began holding at different steps (they joined at different times) would otherwise each
+    flush at its own step: a flush a step at a large batch, each replaying the catch-up graph over one request's
+    rows, ``catchup_lag / W`` replays (W the graph's width) for a handful of rows each. Aligned, a batch flushes once
+    per ``catchup_lag`` steps and each replay covers every request; the rows caught up are the same.
     """
 
     def __init__(
@@ -151,7 +157,9 @@ class MTPDrafter(Drafter):
             rows_h.append(range(s.row_offset, s.row_offset + s.committed))
             toks.extend(s.tokens[start + 1 : s.num_computed + 1])
         # Held rows first (a full ring, or a request drafting or catching up on a long prefill chunk now).
-        behind += [s for s in hold if s.state.lag + s.committed > self.catchup_lag]
+        if any(s.state.lag + s.committed > self.catchup_lag for s in hold):
+            # Every held row goes with the full rings (aligned flushes: the class docstring).
+            behind += [s for s in hold if s.state.lag > 0]
         if behind:
             self._flush_lag(behind)
         self._hold(hold, hidden)
@@ -364,9 +372,9 @@ class MTPDrafter(Drafter):
                                 committed=1, row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
             sel.append(b)
         if self.catchup_lag:
-            full = [s for s in cat if s.state.lag + 1 > self.catchup_lag]
-            if full:
-                self._flush_lag(full, capture=False)
+            if any(s.state.lag + 1 > self.catchup_lag for s in cat):
+                # Every held row goes with the full rings (aligned flushes: the class docstring).
+                self._flush_lag([s for s in cat if s.state.lag > 0], capture=False)
             self._hold(cat, hidden)
             return
         if not cat:
