@@ -240,20 +240,37 @@ class MTPDrafter(Drafter):
     def _hold(self, cat: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
         """Keep the committed rows of ``cat`` (rows ``row_offset ..`` of ``hidden [N, D]``, ``committed`` each) for
         a later catch-up, after each sequence's held rows; one device copy for all, no MTP forward."""
-        if not cat:
-            return
+        if cat:
+            self._hold_rows([s.request_id for s in cat], [s.state for s in cat], [s.row_offset for s in cat],
+                            [s.committed for s in cat], hidden)  # fmt: skip
+
+    def _hold_rows(
+        self,
+        rids: Sequence[int],
+        states: Sequence[DraftState],
+        offsets: Sequence[int],
+        counts: Sequence[int],
+        hidden: torch.Tensor,
+    ) -> None:
+        """`_hold` on columns: request ``rids[i]`` (state ``states[i]``) holds rows ``offsets[i] ..`` of ``hidden``,
+        ``counts[i]`` of them (a width-one step held ahead builds no `DraftSeq` per request: `catch_up_ahead`)."""
         ring = self._lag_buffer()
         R = self.catchup_lag
-        slots = self.draft_manager.get_batch_state_slots([s.request_id for s in cat])
+        slots = self.draft_manager.get_batch_state_slots(list(rids))
         dst, src = [], []
-        for s, slot in zip(cat, slots):
-            lag = s.state.lag
-            dst.extend(range(slot * R + lag, slot * R + lag + s.committed))
-            src.extend(range(s.row_offset, s.row_offset + s.committed))
-            s.state.lag = lag + s.committed
-            s.state.drafts = []
+        for st, slot, off, n in zip(states, slots, offsets, counts):
+            lag = st.lag
+            if n == 1:
+                dst.append(slot * R + lag)
+                src.append(off)
+            else:
+                dst.extend(range(slot * R + lag, slot * R + lag + n))
+                src.extend(range(off, off + n))
+            st.lag = lag + n
+            st.drafts = []
+        both = to_device(dst + src, self.device)  # one host-to-device copy
         flat = ring.view(-1, ring.shape[-1])
-        flat.index_copy_(0, to_device(dst, self.device), hidden.index_select(0, to_device(src, self.device)))
+        flat.index_copy_(0, both[: len(dst)], hidden.index_select(0, both[len(dst) :]))
 
     def _flush_lag(self, seqs: Sequence[DraftSeq], capture: bool = True) -> None:
         """Catch the MTP layer up on the held rows of ``seqs`` (each ``state.lag > 0``; their next tokens are on
@@ -358,9 +375,8 @@ class MTPDrafter(Drafter):
             tokens: ``[B]`` the step's chosen token of each row (``GraphOutputs.packed[:, 0]``, float64 ids).
             hidden: ``[B, D]`` the step's final hidden rows.
         """
-        cat: list[DraftSeq] = []
         sel: list[int] = []
-        for b, (rid, st, pos, greedy, held) in enumerate(seqs):
+        for b, (rid, st, pos, greedy, _) in enumerate(seqs):
             if not greedy or st.mtp_disabled:
                 continue
             if st.mtp_len + st.lag != pos:
@@ -368,17 +384,18 @@ class MTPDrafter(Drafter):
                 continue
             if self.separate and not self._draft_pages(st, rid, pos + 1):
                 continue
-            cat.append(DraftSeq(request_id=rid, state=st, tokens=held, num_output=0, num_computed=pos + 1,
-                                committed=1, row_offset=b, greedy=True, live=True, want=0))  # fmt: skip
             sel.append(b)
-        if self.catchup_lag:
-            if any(s.state.lag + 1 > self.catchup_lag for s in cat):
+        if not sel:
+            return
+        R = self.catchup_lag
+        if R:
+            # The usual width-one step: each row held, no `DraftSeq` per request (host time at large batch).
+            if any(seqs[b][1].lag + 1 > R for b in sel):
                 # Every held row goes with the full rings (aligned flushes: the class docstring).
-                self._flush_lag([s for s in cat if s.state.lag > 0], capture=False)
-            self._hold(cat, hidden)
+                self._flush_lag([self._ahead_seq(seqs[b], b) for b in sel if seqs[b][1].lag > 0], capture=False)
+            self._hold_rows([seqs[b][0] for b in sel], [seqs[b][1] for b in sel], sel, [1] * len(sel), hidden)
             return
-        if not cat:
-            return
+        cat = [self._ahead_seq(seqs[b], b) for b in sel]
         idx = to_device(sel, self.device)
         toks = tokens.index_select(0, idx).to(torch.int64)
         rows = hidden.index_select(0, idx)
@@ -393,6 +410,13 @@ class MTPDrafter(Drafter):
         self._caught_up(cat, [1] * len(cat), rows)
         for s in cat:
             s.state.drafts = []
+
+    @staticmethod
+    def _ahead_seq(seq: tuple[int, DraftState, int, bool, Sequence[int]], row: int) -> DraftSeq:
+        """A row of a step caught up ahead (`catch_up_ahead`'s ``seqs`` entry) as a one-row `DraftSeq`."""
+        rid, st, pos, _, held = seq
+        return DraftSeq(request_id=rid, state=st, tokens=held, num_output=0, num_computed=pos + 1, committed=1,
+                        row_offset=row, greedy=True, live=True, want=0)  # fmt: skip
 
     def reserve_ahead(self, request_id: int, num_tokens: int) -> bool:
         """Pages for ``num_tokens`` positions of ``request_id``'s MTP history (a draft launched ahead: its catch-up
