@@ -123,6 +123,7 @@ def run_slot_reuse(model, refs: list[Request], *, reset: bool, prefill_hook: boo
     for ring in rings:  # instance attributes shadow the methods the manager and the indexer call
         if not reset:
             ring.reset = lambda slot=None: None  # type: ignore[method-assign]
+            ring.reset_slots = lambda slots: None  # type: ignore[method-assign]  (a step's admissions at once)
         if not prefill_hook:
             ring.on_prefill = lambda state_slots: None  # type: ignore[method-assign]
 
@@ -130,7 +131,7 @@ def run_slot_reuse(model, refs: list[Request], *, reset: bool, prefill_hook: boo
     left_wide: dict[int, str] = {}  # slot -> why its last occupant left right after a wide round
     reuse: dict[str, list[int]] = {"finish": [], "preempt": []}
     violations: list[str] = []
-    free_request, add_request = mgr.free_request, mgr.add_request
+    free_request, add_request, reset_state_slots = mgr.free_request, mgr.add_request, mgr.reset_state_slots
 
     def free_spy(rid: int) -> None:
         slot = mgr.get_state_slot(rid)
@@ -141,18 +142,34 @@ def run_slot_reuse(model, refs: list[Request], *, reset: bool, prefill_hook: boo
             left_wide[slot] = "finish" if r.state is RequestState.FINISHED else "preempt"
         free_request(rid)
 
-    def add_spy(rid: int, num_tokens: int = 0) -> int:
-        slot = add_request(rid, num_tokens)
+    def check_zeroed(rid: int, slot: int) -> None:
+        for li, ring in enumerate(rings):
+            if int(ring.saved_count[slot]) or mgr.tail_ring[li, slot].any():
+                violations.append(f"layer {li}: slot {slot} handed to request {rid} keeps ring state")
+
+    deferred: dict[int, int] = {}  # slot -> request, admitted unzeroed (the executor zeroes a step's at once)
+
+    def add_spy(rid: int, num_tokens: int = 0, shared_pages=(), *, reset: bool = True) -> int:  # noqa: ANN001
+        slot = add_request(rid, num_tokens, shared_pages, reset=reset)
         why = left_wide.pop(slot, None)
         if why is not None:
             reuse[why].append(rid)
-        if reset:
-            for li, ring in enumerate(rings):
-                if int(ring.saved_count[slot]) or mgr.tail_ring[li, slot].any():
-                    violations.append(f"layer {li}: slot {slot} handed to request {rid} keeps ring state")
+        if not reset:
+            deferred[slot] = rid
+        elif guard_reset:
+            check_zeroed(rid, slot)
         return slot
 
+    def reset_spy(slots) -> None:  # noqa: ANN001
+        reset_state_slots(slots)
+        for slot in slots:
+            rid = deferred.pop(slot)
+            if guard_reset:
+                check_zeroed(rid, slot)
+
+    guard_reset = reset
     mgr.free_request, mgr.add_request = free_spy, add_spy  # type: ignore[method-assign]
+    mgr.reset_state_slots = reset_spy  # type: ignore[method-assign]
     plans = spy_plans(ex)
     reqs = [ex.add_request(p, greedy(m)) for p, m in zip(ps, REUSE_MAX_TOKENS)]
     for r in reqs:

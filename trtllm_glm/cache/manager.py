@@ -184,7 +184,9 @@ class Glm5NextCacheManager:
 
     # --------------------------------------------------------------------------------------------
     # Request lifetime
-    def add_request(self, request_id: int, num_tokens: int = 0, shared_pages: Sequence[int] = ()) -> int:
+    def add_request(
+        self, request_id: int, num_tokens: int = 0, shared_pages: Sequence[int] = (), *, reset: bool = True
+    ) -> int:
         """Give the request a zeroed state slot and pages for ``num_tokens``; returns the slot.
 
         Args:
@@ -192,6 +194,8 @@ class Glm5NextCacheManager:
             num_tokens: tokens its pages must hold now.
             shared_pages: sealed pages (`seal_page`) the request starts with, in logical order: its first
                 ``len(shared_pages)`` logical pages (a prefix hit). They are shared read-only.
+            reset: zero the slot now; False leaves it to the caller, who must call `reset_state_slots` with it
+                before anything reads or writes the slot (the executor zeroes a step's admissions at once).
 
         Raises:
             CapacityError: no free slot or too few pages (nothing is taken then).
@@ -221,7 +225,8 @@ class Glm5NextCacheManager:
             self._page_refs[p] = self._page_refs.get(p, 0) + 1
         self._pages[request_id] = list(shared_pages)
         self._num_tokens[request_id] = 0
-        self.reset_state_slot(slot)
+        if reset:
+            self.reset_state_slot(slot)
         self.ensure_capacity(request_id, num_tokens)
         return slot
 
@@ -363,6 +368,10 @@ class Glm5NextCacheManager:
     def reset_state_slot(self, slot: int) -> None:
         """Zero every per-request state plane of ``slot`` (KDA state, conv window, tail rings, backups)."""
         self.state.reset(slot)
+
+    def reset_state_slots(self, slots: Sequence[int]) -> None:
+        """`reset_state_slot` of several slots, one fill per plane."""
+        self.state.reset_slots(slots)
 
     # --------------------------------------------------------------------------------------------
     # Queries

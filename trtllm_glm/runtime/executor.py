@@ -499,6 +499,7 @@ class Executor:
                 plan = self.prefix.cut(plan)
             planned: list[ScheduledSeq] = []
             admitted: list[Request] = []
+            fresh: list[int] = []  # admitted state slots to zero, all at once below
             victim = None
             admission_closed = False
             for s in plan:
@@ -509,7 +510,7 @@ class Executor:
                         admission_closed = True
                         continue
                     try:
-                        self._admit(r, need)
+                        self._admit(r, need, fresh)
                     except CapacityError:
                         admission_closed = True
                         continue
@@ -525,6 +526,8 @@ class Executor:
                     break
                 planned.append(s)
             if victim is None:
+                # Nothing read or wrote these slots since they were taken (other admissions take other slots).
+                self.manager.reset_state_slots(fresh)
                 t_admit = now() if admitted else 0.0
                 for r in admitted:
                     self.waiting.remove(r)
@@ -543,12 +546,13 @@ class Executor:
                 self.on_unadmit(r)
             self._preempt(victim)
 
-    def _admit(self, r: Request, num_tokens: int) -> None:
-        """Give a waiting request its slot and pages (restoring its prefix match, if any)."""
+    def _admit(self, r: Request, num_tokens: int, fresh: list[int]) -> None:
+        """Give a waiting request its slot and pages (restoring its prefix match, if any). A slot that is not
+        restored is appended to ``fresh`` unzeroed: the caller zeroes the step's admissions at once."""
         if self.prefix is not None:
-            self.prefix.admit(r, num_tokens)
+            self.prefix.admit(r, num_tokens, fresh)
         else:
-            self.manager.add_request(r.request_id, num_tokens)
+            fresh.append(self.manager.add_request(r.request_id, num_tokens, reset=False))
 
     def on_unadmit(self, req: Request) -> None:
         """Hook: ``req`` was admitted in a planning round that then preempted; its target cache is freed."""

@@ -309,8 +309,11 @@ class PrefixCache:
             return False
         return True
 
-    def admit(self, r: Request, num_tokens: int) -> None:
+    def admit(self, r: Request, num_tokens: int, fresh: list[int] | None = None) -> None:
         """Add ``r`` to the cache manager for ``num_tokens`` tokens, restoring its match if it has one.
+
+        ``fresh``: without a match, the request's state slot is appended there unzeroed for the caller to zero
+        (`Glm5NextCacheManager.reset_state_slots`); None zeroes it now.
 
         Raises:
             CapacityError: no room, or a page of the match was reclaimed since `match` (nothing is taken
@@ -319,7 +322,9 @@ class PrefixCache:
         m: PrefixMatch | None = r.prefix_hit
         mgr = self.manager
         if m is None:
-            mgr.add_request(r.request_id, num_tokens)
+            slot = mgr.add_request(r.request_id, num_tokens, reset=fresh is None)
+            if fresh is not None:
+                fresh.append(slot)
             return
         # An allocation earlier in this planning round (a running request growing, another admission) may
         # have reclaimed a cached page of the match: then it cannot be admitted from the match now. The

@@ -20,6 +20,7 @@ import torch
 
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL
 from ..errors import CapacityError, StateError
+from ..transfer import to_device
 from .slot_planes import SlotPlane
 from .tail_ring import DecodeTailRing
 
@@ -217,6 +218,26 @@ class RequestStateOwner:
         if self.draft_hidden is not None:
             self.draft_hidden[slot].zero_()
         self._committed[slot] = 0
+
+    def reset_slots(self, slots: Sequence[int]) -> None:
+        """`reset` of several slots: one fill per plane for all of them (a step admitting many requests issued
+        three to ten small launches per request), the same bytes as resetting each."""
+        for slot in slots:
+            self._check(slot)
+        if len(slots) <= 1:
+            for slot in slots:
+                self.reset(slot)
+            return
+        idx = to_device(list(slots), self.tail_ring.device, torch.int64)
+        self.tail_ring.index_fill_(1, idx, 0)
+        for t in self.planes.values():
+            t.index_fill_(1, idx, 0)
+        for ring in self.decode_tail_rings:
+            ring.reset_slots(idx)
+        if self.draft_hidden is not None:
+            self.draft_hidden.index_fill_(0, idx, 0)
+        for slot in slots:
+            self._committed[slot] = 0
 
     # --------------------------------------------------------------------------------------------
     # Speculative commit

@@ -92,6 +92,13 @@ class DecodeTailRing:
         self.snapshot[slot].zero_()
         self.saved_rows[slot].zero_()
 
+    def reset_slots(self, slots: torch.Tensor) -> None:
+        """`reset` of the slots ``slots [n]`` (int64, on the ring's device, each in range), one fill per plane."""
+        self._saved_count.index_fill_(0, slots, 0)
+        self.saved_pos.index_fill_(0, slots, 0)
+        self.snapshot.index_fill_(0, slots, 0)
+        self.saved_rows.index_fill_(0, slots, 0)
+
     def committed_ring(self, ring: torch.Tensor, slot: int, committed_len: int) -> torch.Tensor:
         """The ring of ``slot`` as the next step will see it once a request has ``committed_len`` tokens.
 

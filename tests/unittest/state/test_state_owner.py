@@ -96,6 +96,49 @@ def test_snapshot_restore_is_byte_exact_and_touches_only_its_slot() -> None:
     assert own.committed_len(3) == 7
 
 
+@pytest.mark.parametrize("slots", [[2], [3, 0], [1, 3, 2]])
+def test_reset_slots_zeroes_what_reset_does_and_nothing_else(slots: list[int]) -> None:
+    """The batched reset (a step's admissions) leaves every plane as resetting each slot alone does: the slots
+    zeroed (tail rings, KDA planes, decode-ring backups and counts, the draft hidden, committed lengths), every
+    other slot's bytes unchanged (the rings' dump entry included)."""
+    one, many = make_owner(), make_owner()
+    for s in slots:
+        one.reset(s)
+    many.reset_slots(slots)
+    for s in range(S):
+        assert_same(slot_bytes(many, s), slot_bytes(one, s))
+        assert many.committed_len(s) == one.committed_len(s) == (0 if s in slots else [5, 7, 9, 11][s])
+    for a, b in zip(one.decode_tail_rings, many.decode_tail_rings):
+        assert torch.equal(a._saved_count, b._saved_count)
+    assert torch.count_nonzero(many.tail_ring[:, slots[0]]) == 0
+    with pytest.raises(IndexError):
+        many.reset_slots([0, S])
+
+
+def test_admitting_many_requests_zeroes_their_slots_at_once(monkeypatch) -> None:
+    """A step admitting several fresh requests zeroes their state slots in one batched reset, not one reset per
+    request (each three to ten launches), and the output is unchanged."""
+    model = Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 3], dtype="float32").eval()
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=512, max_batch_size=4, max_num_tokens=128, max_seq_len=64)
+    ref = Executor(model, cfg)
+    ex = Executor(model, cfg)
+    calls: list[tuple[str, int]] = []
+    owner = ex.manager.state
+    reset, reset_slots = owner.reset, owner.reset_slots
+    monkeypatch.setattr(owner, "reset", lambda slot: (calls.append(("one", slot)), reset(slot))[1])
+    monkeypatch.setattr(owner, "reset_slots", lambda slots: (calls.append(("many", len(slots))), reset_slots(slots))[1])
+    prompts = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8]]
+    got = {id(e): [e.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts] for e in (ref, ex)}
+    # Poison the slots the admissions will take: a reset that misses one shows in the output.
+    owner._slot_planes()["tail_ring"].fill_(float("nan"))
+    for t in owner.planes.values():
+        t.fill_(float("nan"))
+    ref.run_until_done()
+    ex.run_until_done()
+    assert [r.output_ids for r in got[id(ex)]] == [r.output_ids for r in got[id(ref)]]
+    assert ("many", 3) in calls and not any(kind == "one" for kind, _ in calls), calls
+
+
 def test_restore_rejects_a_disagreeing_endpoint_and_writes_nothing() -> None:
     own = make_owner()
     snap = own.snapshot(2, endpoint=9)
