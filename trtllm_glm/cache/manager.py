@@ -21,7 +21,7 @@ from ..attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
 from ..kda.backend import KdaBackend, resolve_kda_backend
-from ..state import KdaLayerState, RequestStateOwner
+from ..state import KdaLayerState, RequestStateOwner, packed_copies
 from .index_keys import indexer_key_dtype as _key_dtype
 
 __all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState", "PagedPlane"]
@@ -336,7 +336,7 @@ class Glm5NextCacheManager:
 
     def copy_page_out(self, page: int) -> dict[str, torch.Tensor]:
         """A copy of ``page`` in every plane (every layer): plane name -> ``[L, bytes_per_page]`` uint8."""
-        return {name: v[:, page].clone() for name, v in self.page_planes().items()}
+        return packed_copies({name: v[:, page] for name, v in self.page_planes().items()})  # one launch
 
     def copy_page_in(self, page: int, data: dict[str, torch.Tensor]) -> None:
         """Write a `copy_page_out` copy into ``page`` (a private page of the caller's request)."""

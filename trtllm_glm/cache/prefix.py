@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..state import StateSnapshot
+from ..state import StateSnapshot, held_bytes
 
 __all__ = [
     "Checkpoint",
@@ -118,7 +118,7 @@ class Checkpoint:
         n = self.target.nbytes + (self.draft.nbytes if self.draft is not None else 0)
         for part in (self.target_partial, self.draft_partial):
             if part is not None:
-                n += sum(t.numel() * t.element_size() for t in part.values())
+                n += held_bytes(list(part.values()))
         return n
 
 

@@ -2,12 +2,12 @@
 mixer backend declares for it to allocate (`SlotPlane`).
 
 Below the attention backend, the KDA layer, the cache manager and the speculative mechanism: it imports
-only `config` and `errors`. See docs/architecture.md ("Per-request state").
+only `config`, `errors` and `transfer`. See docs/architecture.md ("Per-request state").
 """
 
 from __future__ import annotations
 
-from .owner import KdaLayerState, RequestStateOwner, StateSnapshot, VerifyRecords
+from .owner import KdaLayerState, RequestStateOwner, StateSnapshot, VerifyRecords, held_bytes, packed_copies
 from .slot_planes import SlotPlane, SlotStateBackend
 from .spec_metadata import SpecMetadata
 from .tail_ring import DecodeTailRing
@@ -21,4 +21,6 @@ __all__ = [
     "SpecMetadata",
     "StateSnapshot",
     "VerifyRecords",
+    "held_bytes",
+    "packed_copies",
 ]

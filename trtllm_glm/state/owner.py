@@ -11,6 +11,7 @@ the contract: docs/architecture.md, "Per-request state".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,9 +65,45 @@ class StateSnapshot:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the copy."""
-        tensors = list(self.planes.values()) + ([self.draft_hidden] if self.draft_hidden is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes held by the copy (its storages: `RequestStateOwner.snapshot` packs planes into shared buffers)."""
+        return held_bytes([*self.planes.values(), *([self.draft_hidden] if self.draft_hidden is not None else [])])
+
+
+def held_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each counted once (copies packed by `packed_copies` share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _rows(t: torch.Tensor, L: int) -> torch.Tensor:
+    """``t [L, ...]`` (trailing dims contiguous) as a ``[L, n]`` view, its last stride 1 (a single element's stride is
+    free: a per-slot count taken from ``[1, S]`` keeps ``S``'s, which a dtype view refuses)."""
+    v = t.reshape(L, math.prod(t.shape[1:]))
+    return v if v.stride(-1) == 1 or v.shape[1] != 1 else v.as_strided(v.shape, (v.stride(0), 1))
+
+
+def packed_copies(views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of ``views`` (each ``[L, ...]``, its trailing dims contiguous), one launch per leading size ``L``: the
+    rows' bytes side by side in one new buffer ``[L, bytes]`` (widest dtypes first, so each copy is aligned, the row
+    padded to 16 bytes), each copy a view of it. A snapshot with MTP's decode tail rings held 3 + 4 per sparse layer
+    planes, each a clone (an allocation and a launch) per checkpoint; packed, at most one per leading size."""
+    groups: dict[int, list[str]] = {}
+    for name, t in views.items():
+        groups.setdefault(t.shape[0], []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for L, names in groups.items():
+        names.sort(key=lambda n: -views[n].element_size())
+        sizes = [math.prod(views[n].shape[1:]) * views[n].element_size() for n in names]
+        parts = [_rows(views[n], L).view(torch.uint8) for n in names]
+        pad = -sum(sizes) % 16
+        if pad or len(parts) == 1:
+            parts.append(torch.empty(L, pad, dtype=torch.uint8, device=views[names[0]].device))
+        packed = torch.cat(parts, dim=1)
+        off = 0
+        for n, nb in zip(names, sizes):
+            t = views[n]
+            out[n] = packed[:, off : off + nb].view(t.dtype).view(t.shape)
+            off += nb
+    return out
 
 
 class RequestStateOwner:
@@ -352,9 +389,7 @@ class RequestStateOwner:
             raise StateError("cannot snapshot while verify records are pending (commit the step first)")
         if self._committed[slot] != endpoint:
             raise StateError(f"slot {slot} has {self._committed[slot]} committed tokens, not endpoint {endpoint}")
-        planes = {
-            name: t[:, slot].clone(memory_format=torch.contiguous_format) for name, t in self._slot_planes().items()
-        }
+        planes = packed_copies({name: t[:, slot] for name, t in self._slot_planes().items()})
         hidden = self.draft_hidden[slot].clone() if self.draft_hidden is not None else None
         return StateSnapshot(endpoint=endpoint, planes=planes, draft_hidden=hidden)
 

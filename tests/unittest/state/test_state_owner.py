@@ -139,6 +139,29 @@ def test_admitting_many_requests_zeroes_their_slots_at_once(monkeypatch) -> None
     assert ("many", 3) in calls and not any(kind == "one" for kind, _ in calls), calls
 
 
+def test_snapshot_packs_its_planes_into_one_buffer_per_leading_size() -> None:
+    """A snapshot copies each leading size's planes in one launch into one buffer (the decode tail rings' per-slot
+    counts and positions included; with MTP these were 3 + 4 per sparse layer clones per checkpoint), each plane a
+    correctly typed, aligned view; its bytes count the buffers; later writes to the slot do not reach it."""
+    own = make_owner(3)
+    before = slot_bytes(own, 2)
+    snap = own.snapshot(2, endpoint=9)
+    storages = {t.untyped_storage().data_ptr() for t in snap.planes.values()}
+    leading = {t.shape[0] for t in own._slot_planes().values()}
+    assert len(storages) == len(leading) < len(snap.planes)
+    for name, t in own._slot_planes().items():
+        v = snap.planes[name]
+        assert v.dtype == t.dtype and v.shape == t[:, 2].shape and v.data_ptr() % v.element_size() == 0
+    assert (
+        snap.nbytes
+        == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in snap.planes.values()}.values())
+        + snap.draft_hidden.untyped_storage().nbytes()
+    )
+    own.reset(2)
+    own.restore(2, snap)
+    assert_same(slot_bytes(own, 2), before)
+
+
 def test_restore_rejects_a_disagreeing_endpoint_and_writes_nothing() -> None:
     own = make_owner()
     snap = own.snapshot(2, endpoint=9)
