@@ -336,7 +336,7 @@ class Glm5NextCacheManager:
 
     def copy_page_out(self, page: int) -> dict[str, torch.Tensor]:
         """A copy of ``page`` in every plane (every layer): plane name -> ``[L, bytes_per_page]`` uint8."""
-        return packed_copies({name: v[:, page] for name, v in self.page_planes().items()})  # one launch
+        return packed_copies({name: v[:, page] for name, v in self.page_planes().items()})  # one allocation
 
     def copy_page_in(self, page: int, data: dict[str, torch.Tensor]) -> None:
         """Write a `copy_page_out` copy into ``page`` (a private page of the caller's request)."""
