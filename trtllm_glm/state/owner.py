@@ -82,11 +82,11 @@ def _rows(t: torch.Tensor, L: int) -> torch.Tensor:
 
 
 def packed_copies(views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``views`` (each ``[L, ...]``, its trailing dims contiguous) in one new buffer ``[L, bytes]`` per leading
-    size ``L`` (one ``torch.cat``: the rows' bytes side by side, widest dtypes first so that each copy is aligned, the
-    row padded to 16 bytes), each copy a typed view of it. One allocation per leading size instead of one per plane;
-    rows that are contiguous (``L = 1``: the decode tail rings' per-slot planes, 4 per sparse layer with MTP) are
-    also copied in one launch, while CUDA's ``cat`` copies strided rows (``L > 1``) one input at a time."""
+    """Copies of ``views`` (each ``[L, ...]``, its trailing dims contiguous) in one new buffer ``[L, bytes]`` per
+    leading size ``L`` (one ``torch.cat``: the rows' bytes side by side, widest dtypes first so that each copy is
+    aligned, the row padded to 16 bytes), each copy a typed view of it. One allocation per leading size instead of
+    one per plane; rows that are contiguous (``L = 1``: the decode tail rings' per-slot planes, 4 per sparse layer
+    with MTP) are also copied in one launch, while CUDA's ``cat`` copies strided rows (``L > 1``) one at a time."""
     groups: dict[int, list[str]] = {}
     for name, t in views.items():
         groups.setdefault(t.shape[0], []).append(name)
