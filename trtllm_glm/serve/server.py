@@ -199,12 +199,14 @@ def _bounded_httptools_protocol(max_head: int) -> type:
             version = self.parser.get_http_version()
             if version not in ("1.0", "1.1"):
                 raise ValueError("unsupported HTTP version")  # httptools: a parser error, uvicorn: 400
-            hosts = sum(name == b"host" for name, _ in self.headers)
+            names = [name for name, _ in self.headers]
+            hosts = names.count(b"host")
             if hosts > 1 or (hosts == 0 and version == "1.1"):
                 raise ValueError("one Host header (HTTP/1.1: exactly one)")
-            self._head_bytes = None
-            if any(name == b"transfer-encoding" for name, _ in self.headers):
+            if b"transfer-encoding" in names:
                 self._head_begins()  # a chunked body: its first size line
+            else:
+                self._head_bytes = None
             super().on_headers_complete()
 
         def on_body(self, body: bytes) -> None:
