@@ -36,7 +36,10 @@ def test_bound_socket_connections_have_nagle_off(loop_kind: str) -> None:
                 await asyncio.sleep(0.01)
             writer.close()
 
-    loop = pytest.importorskip("uvloop").new_event_loop() if loop_kind == "uvloop" else asyncio.new_event_loop()
+    if loop_kind == "uvloop":
+        loop = pytest.importorskip("uvloop", exc_type=ImportError).new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(asyncio.wait_for(main(), 10))
     finally:
