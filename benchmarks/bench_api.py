@@ -17,11 +17,15 @@ Three measurements:
 - ``http burst``: the same through uvicorn (a child process serving on a loopback port, as `server.make_server`
   builds it) and a raw-socket client that writes the burst's prebuilt requests at once, so that the client's own
   cost stays out of the server's numbers (an httpx client costs more per request than the server does). Server and
-  client stamps share ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process on Linux).
+  client stamps share ``time.perf_counter`` (CLOCK_MONOTONIC, one clock for every process on Linux). ``--http`` and
+  ``--loop`` choose uvicorn's HTTP parser and event loop as `server.run_server` takes them (default ``auto``:
+  httptools and uvloop when installed); the line ``server: uvicorn ...`` names the protocol class and loop that
+  served the requests.
 
 Run::
 
     python -m benchmarks.bench_api --concurrency 64 --bursts 20
+    python -m benchmarks.bench_api --concurrency 64 --bursts 20 --http h11 --loop asyncio  # the pure-Python pair
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Stamped:
         self.app = app
         self.state = app.state  # what `server.make_server` reads (the engine)
         self.records: list[Record] = []
+        self.protocol: str | None = None  # the uvicorn protocol class that served the first request, once seen
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/completions":
@@ -81,6 +86,9 @@ class Stamped:
         rec = Record(time.perf_counter())
         self.records.append(rec)
         _CURRENT.set(rec)
+        if self.protocol is None:  # uvicorn's ``receive`` is a method of its request cycle, which holds the transport
+            transport = getattr(getattr(receive, "__self__", None), "transport", None)
+            self.protocol = type(transport.get_protocol()).__name__ if transport is not None else "none (in-process)"
 
         async def stamped(message: dict) -> None:
             await send(message)
@@ -330,14 +338,12 @@ async def run_asgi_bursts(n: int, bursts: int, prompt_len: int, max_tokens: int,
 
 # ------------------------------------------------------------------------------------------------
 # Through uvicorn
-def serve_child(n: int, step_s: float, log_level: str, port_file: str) -> None:
-    """The stamped app served as ``trtllm-glm serve`` serves it (`server.bind_socket`, `server.run_server`, uvicorn's
-    logging at ``log_level``: ``info`` writes an access-log line per request) on a free loopback port (written to
-    ``port_file``), until SIGTERM. ``GET /bench/stamps`` answers the records and steps so far, the HTTP protocol and
-    event loop uvicorn runs, and the garbage collector's pauses."""
+def serve_child(n: int, step_s: float, log_level: str, port_file: str, http: str = "auto", loop: str = "auto") -> None:
+    """The stamped app served as ``trtllm-glm serve`` serves it (`server.bind_socket`, `server.run_server` with
+    ``http`` / ``loop``, uvicorn's logging at ``log_level``: ``info`` writes an access-log line per request) on a free
+    loopback port (written to ``port_file``), until SIGTERM. ``GET /bench/stamps`` answers the records and steps so
+    far, the HTTP protocol class and event loop that served them, and the garbage collector's pauses."""
     import gc
-
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from trtllm_glm.serve.server import bind_socket, run_server
 
@@ -356,15 +362,15 @@ def serve_child(n: int, step_s: float, log_level: str, port_file: str) -> None:
     @app.app.get("/bench/stamps")
     async def stamps() -> dict[str, Any]:
         recs = [[r.asgi, r.submit, r.start, r.sends] for r in app.records]
-        loop = type(asyncio.get_running_loop())
+        ev = type(asyncio.get_running_loop())
         return {"records": recs, "steps": app.app.state.engine.steps, "gc": pauses,
-                "http": AutoHTTPProtocol.__name__, "loop": f"{loop.__module__}.{loop.__name__}"}  # fmt: skip
+                "http": app.protocol, "loop": f"{ev.__module__}.{ev.__name__}"}  # fmt: skip
 
     sock = bind_socket(HOST, 0)
     with open(port_file + ".tmp", "w") as f:
         f.write(str(sock.getsockname()[1]))
     os.replace(port_file + ".tmp", port_file)
-    run_server(app, host=HOST, port=0, log_level=log_level, sock=sock)
+    run_server(app, host=HOST, port=0, log_level=log_level, sock=sock, http=http, loop=loop)
 
 
 def _http_request(port: int, body: bytes, path: str = "/v1/completions", method: str = "POST") -> bytes:
@@ -433,15 +439,16 @@ def _burst(socks: list[socket.socket], requests: list[bytes]) -> tuple[float, li
 
 
 def run_http_bursts(
-    n: int, bursts: int, prompt_len: int, max_tokens: int, step_s: float, log_level: str
-) -> tuple[list[dict], str]:
-    """``bursts`` bursts of ``n`` streamed requests through uvicorn (child process, its log in a temporary file):
-    each burst's `analyse` row with the client's TTFT, and a line on the server (its HTTP protocol and loop, its
-    garbage collections)."""
+    n: int, bursts: int, prompt_len: int, max_tokens: int, step_s: float, log_level: str, http: str = "auto",
+    loop: str = "auto",
+) -> tuple[list[dict], str, str]:  # fmt: skip
+    """``bursts`` bursts of ``n`` streamed requests through uvicorn (child process, its log in a temporary file;
+    ``http`` / ``loop`` as `server.run_server` takes them): each burst's `analyse` row with the client's TTFT, a
+    line on the server (its HTTP protocol and loop, its garbage collections) and its protocol class and loop."""
     with tempfile.TemporaryDirectory(prefix="bench-api-") as tmp:
         port_file, log_path = os.path.join(tmp, "port"), os.path.join(tmp, "server.log")
         cmd = [sys.executable, "-m", "benchmarks.bench_api", "--serve-child", port_file, "--concurrency", str(n),
-               "--step-ms", str(step_s * 1e3), "--log-level", log_level]  # fmt: skip
+               "--step-ms", str(step_s * 1e3), "--log-level", log_level, "--http", http, "--loop", loop]  # fmt: skip
         with open(log_path, "w") as log:
             child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)  # -m finds benchmarks/
         try:
@@ -479,8 +486,8 @@ def _drive(port: int, n: int, bursts: int, prompt_len: int, max_tokens: int) -> 
     return stamps, sent
 
 
-def _http_rows(stamps: dict, sent: list, n: int, bursts: int) -> tuple[list[dict], str]:
-    """`run_http_bursts`' rows and server line from the server's stamps and the client's burst times."""
+def _http_rows(stamps: dict, sent: list, n: int, bursts: int) -> tuple[list[dict], str, str]:
+    """`run_http_bursts`' rows, server line and server from the server's stamps and the client's burst times."""
     recs = [Record(a, s, st, sends) for a, s, st, sends in stamps["records"]]
     steps = [tuple(x) for x in stamps["steps"]]
     full = [p for g, p in stamps["gc"] if g == 2]
@@ -497,7 +504,7 @@ def _http_rows(stamps: dict, sent: list, n: int, bursts: int) -> tuple[list[dict
         row["client_ttft_p50_ms"] = ttft[len(ttft) // 2] * 1e3
         row["client_ttft_max_ms"] = ttft[-1] * 1e3
         rows.append(row)
-    return rows, info
+    return rows, info, f"{stamps['http']}, {stamps['loop']}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -571,20 +578,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--step-ms", type=float, default=20.0, help="between the fake engine's steps")
     ap.add_argument("--no-http", action="store_true", help="skip the uvicorn measurement")
     ap.add_argument("--log-level", default="info", help="the server's (trtllm-glm serve's default: info)")
+    ap.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
+                    help="uvicorn's HTTP parser (server.run_server's http; auto: httptools if installed)")  # fmt: skip
+    ap.add_argument("--loop", default="auto", choices=["auto", "uvloop", "asyncio"],
+                    help="uvicorn's event loop (server.run_server's loop; auto: uvloop if installed)")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, metavar="TOP", help="print a cProfile of the stage run")
     ap.add_argument("--serve-child", metavar="PORT_FILE", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     step_s = args.step_ms / 1e3
     if args.serve_child:
-        serve_child(args.concurrency, step_s, args.log_level, args.serve_child)
+        serve_child(args.concurrency, step_s, args.log_level, args.serve_child, args.http, args.loop)
         return {}
     if args.profile:
         profile(args.reps, args.prompt_len, args.max_tokens, args.profile)
     say(f"API overhead: streamed /v1/completions, {args.prompt_len}-token prompts, max_tokens {args.max_tokens}, "
-        f"bursts of {args.concurrency}, server log level {args.log_level}; python {sys.version.split()[0]}, "
-        f"{os.cpu_count()} CPUs")  # fmt: skip
+        f"bursts of {args.concurrency}, server log level {args.log_level}, --http {args.http} --loop {args.loop}; "
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs")  # fmt: skip
     row: dict[str, Any] = {"concurrency": args.concurrency, "prompt_len": args.prompt_len,
-                           "max_tokens": args.max_tokens}  # fmt: skip
+                           "max_tokens": args.max_tokens, "http": args.http, "loop": args.loop}  # fmt: skip
     stages = asyncio.run(run_stages(args.reps, args.prompt_len, args.max_tokens))
     say(f"per request, one at a time (median us over {args.reps}):")
     for k, v in stages.items():
@@ -595,15 +606,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     say(_burst_line("asgi", args.concurrency, asgi))
     row.update({f"asgi_{k}": v for k, v in asgi.items()})
     if not args.no_http:
-        rows, info = run_http_bursts(args.concurrency, args.bursts, args.prompt_len, args.max_tokens, step_s,
-                                     args.log_level)  # fmt: skip
+        rows, info, served = run_http_bursts(args.concurrency, args.bursts, args.prompt_len, args.max_tokens, step_s,
+                                             args.log_level, args.http, args.loop)  # fmt: skip
         http = summarise(rows)
         say(_burst_line("http", args.concurrency, http))
         say(f"  client TTFT p50 {http['client_ttft_p50_ms']:.2f} ms, max {http['client_ttft_max_ms']:.2f} ms; the "
             f"server sent the first chunk at p50 {http['server_first_chunk_p50_ms']:.2f} ms (the fake engine's first "
             f"step comes {args.step_ms:g} ms after the last submit)")  # fmt: skip
         say(info)
-        row.update({f"http_{k}": v for k, v in http.items()})
+        row.update({f"http_{k}": v for k, v in http.items()}, http_server=served)
     emit(row)
     return row
 

@@ -47,10 +47,14 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     ttft, queue, prefill, delivery = (lvl[f"server_{k}_ms"][0] for k in ("ttft", "queue", "prefill", "delivery"))
     assert 0 < ttft <= lvl["ttft_ms"][2] and min(queue, prefill, delivery) >= 0
     assert "server TTFT p50" in r.stdout
-    # The server's processes' CPU over the level: the API process (its event loop busy serving) and the engine.
+    # The server's processes' CPU over the level: the API process (its event loop busy serving) and the engine. Six
+    # requests can cost the API process less than a clock tick (10 ms) under httptools and uvloop: /proc then says 0
+    # and none of its threads reaches the listing's 0.5 %, so its main thread is asked for only when it is busier.
     cpu = {row["pid"]: row for row in lvl["server_cpu"]}
     api = [row for row in cpu.values() if "trtllm_glm.cli" in row["name"]]
-    assert len(api) == 1 and api[0]["cpu"] > 0 and any(t["thread"] == "main" for t in api[0]["threads"])
+    assert len(api) == 1 and api[0]["cpu"] >= 0
+    if api[0]["cpu"] >= 0.05:
+        assert any(t["thread"] == "main" for t in api[0]["threads"]), api[0]
     engine = [row for row in cpu.values() if "spawn_main" in row["name"]]  # the engine process, busiest
-    assert len(engine) == 1 and engine[0]["cpu"] > api[0]["cpu"]
+    assert len(engine) == 1 and engine[0]["cpu"] > api[0]["cpu"] and engine[0]["threads"]
     assert "server CPU (1 core = 100%): engine " in r.stdout

@@ -23,6 +23,8 @@ def test_reports_stages_bursts_and_chunks(capsys) -> None:
             assert row[f"{kind}_{name}"] > 0, (kind, name)
         assert row[f"{kind}_last_submit_ms"] >= row[f"{kind}_first_submit_ms"]
     assert row["http_client_ttft_max_ms"] >= row["http_client_ttft_p50_ms"] > 0
+    # The protocol class and loop that served the bursts (httptools / uvloop where installed: the serve extra).
+    assert row["http_server"].split(", ")[0] in ("BoundedHttpToolsProtocol", "H11Protocol"), row["http_server"]
     out = capsys.readouterr().out
     assert "per request, one at a time" in out and "asgi burst of 4" in out and "http burst of 4" in out
     assert "client TTFT p50" in out and "server: uvicorn" in out

@@ -1,4 +1,5 @@
-"""The server's listening socket (`server.bind_socket`): its connections have Nagle's algorithm off."""
+"""The server's listening socket (`server.bind_socket`): its connections have Nagle's algorithm off, under asyncio and
+under uvloop (the loop the server runs when it is installed)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,15 @@ from typing import Any
 
 import pytest
 
-from tests.serve_helpers import run
 from trtllm_glm.serve.server import bind_socket
 
 pytestmark = pytest.mark.cpu_only
 
 
-def test_bound_socket_connections_have_nagle_off() -> None:
-    """asyncio sets TCP_NODELAY on the connections of a socket whose protocol is TCP (`bind_socket`'s)."""
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_bound_socket_connections_have_nagle_off(loop_kind: str) -> None:
+    """asyncio sets TCP_NODELAY on the connections of a socket whose protocol is TCP (`bind_socket`'s); uvloop on
+    every TCP connection."""
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     nodelay: list[int] = []
@@ -34,5 +36,12 @@ def test_bound_socket_connections_have_nagle_off() -> None:
                 await asyncio.sleep(0.01)
             writer.close()
 
-    run(main(), timeout=10)
+    if loop_kind == "uvloop":
+        loop = pytest.importorskip("uvloop", exc_type=ImportError).new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), 10))
+    finally:
+        loop.close()
     assert sock.proto == socket.IPPROTO_TCP and nodelay == [1]
