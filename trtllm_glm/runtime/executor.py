@@ -638,6 +638,8 @@ class Executor:
                 ids, device_rows = self._graph_inputs(plan)
                 with torch.inference_mode():
                     self._step_out = runner.replay(key, plan, ids, self._proposed(plan), device_rows=device_rows)
+                # A prompt's last row, alone in its chunk, is a decode row: its context logits are recorded here too.
+                self._record_prompt(plan, self._step_out.hidden)
                 return self._step_out.hidden
             runner.stats.eager_steps += 1
         ids: list[int] = []

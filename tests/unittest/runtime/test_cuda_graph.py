@@ -288,6 +288,33 @@ def test_emulated_padding_matches_eager(emulated, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtp"])
+def test_prompt_outputs_of_a_last_prompt_row_run_as_a_graph_step(emulated, mode: str) -> None:
+    """A prompt whose last chunk is a single row (33 tokens in chunks of 16) has that row scheduled as a decode
+    row, replayed through the decode graph: its context logits are recorded as on the eager path (all 33 rows,
+    equal to eager's), and so are the prompt logprobs."""
+    model = _model()
+    emulated(True)
+
+    def run(graphs: bool):  # noqa: ANN202
+        graph_cfg = CudaGraphConfig(batch_sizes=[1], enable_padding=True) if graphs else None
+        cfg = ExecutorConfig(**{**EX_CFG, "prefill_chunk_size": 16}, cuda_graph_config=graph_cfg)
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="separate")
+        ex = Executor(model, cfg) if mode == "plain" else SpeculativeExecutor(model, cfg, spec)
+        params = SamplingParams(max_tokens=3, ignore_eos=True, return_context_logits=True, prompt_logprobs=0)
+        r = ex.add_request(list(range(1, 34)), params)
+        ex.run_until_done()
+        if graphs:
+            assert ex.graph_runner is not None and ex.graph_runner.stats.replays > 0
+        return r
+
+    ref, got = run(False), run(True)
+    assert ref.output_ids == got.output_ids
+    assert torch.cat(got.context_logits).shape == (33, model.config.vocab_size)
+    torch.testing.assert_close(torch.cat(got.context_logits), torch.cat(ref.context_logits), atol=1e-4, rtol=1e-4)
+    assert len(got.prompt_logprobs) == 33 and got.prompt_logprobs[0] is None
+
+
+@pytest.mark.parametrize("mode", ["plain", "mtp"])
 def test_emulated_graphs_with_prefix_hits_match_eager(emulated, mode: str) -> None:
     """Prefix caching under (emulated) graph replay: requests restored from checkpoints join padded graph
     batches; tokens equal an eager run without reuse."""
