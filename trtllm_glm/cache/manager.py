@@ -22,6 +22,7 @@ from ..config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ..errors import CapacityError, StateError
 from ..kda.backend import KdaBackend, resolve_kda_backend
 from ..state import KdaLayerState, RequestStateOwner, packed_copies
+from ..transfer import to_device
 from .index_keys import indexer_key_dtype as _key_dtype
 
 __all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState", "PagedPlane"]
@@ -370,8 +371,11 @@ class Glm5NextCacheManager:
         self.state.reset(slot)
 
     def reset_state_slots(self, slots: Sequence[int]) -> None:
-        """`reset_state_slot` of several slots, one fill per plane."""
-        self.state.reset_slots(slots)
+        """`reset_state_slot` of several slots, one fill per plane (their index copied without a stream sync)."""
+        if len(slots) > 1:
+            self.state.reset_slots(slots, to_device(list(slots), self.state.tail_ring.device, torch.int64))
+        else:
+            self.state.reset_slots(slots)
 
     # --------------------------------------------------------------------------------------------
     # Queries

@@ -2,7 +2,7 @@
 mixer backend declares for it to allocate (`SlotPlane`).
 
 Below the attention backend, the KDA layer, the cache manager and the speculative mechanism: it imports
-only `config`, `errors` and `transfer`. See docs/architecture.md ("Per-request state").
+only `config` and `errors`. See docs/architecture.md ("Per-request state").
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ import torch
 
 from ..config import INDEX_HEAD_DIM, INDEX_KPOOL
 from ..errors import CapacityError, StateError
-from ..transfer import to_device
 from .slot_planes import SlotPlane
 from .tail_ring import DecodeTailRing
 
@@ -257,16 +256,18 @@ class RequestStateOwner:
             self.draft_hidden[slot].zero_()
         self._committed[slot] = 0
 
-    def reset_slots(self, slots: Sequence[int]) -> None:
+    def reset_slots(self, slots: Sequence[int], slots_t: torch.Tensor | None = None) -> None:
         """`reset` of several slots: one fill per plane for all of them (a step admitting many requests issued
-        three to ten small launches per request), the same bytes as resetting each."""
+        three to ten small launches per request), the same bytes as resetting each. ``slots_t``: ``slots`` as an
+        int64 tensor on the planes' device, made by the caller without a stream sync (the cache manager's
+        `transfer.to_device`); None builds it here."""
         for slot in slots:
             self._check(slot)
         if len(slots) <= 1:
             for slot in slots:
                 self.reset(slot)
             return
-        idx = to_device(list(slots), self.tail_ring.device, torch.int64)
+        idx = torch.tensor(list(slots), dtype=torch.int64, device=self.tail_ring.device) if slots_t is None else slots_t
         self.tail_ring.index_fill_(1, idx, 0)
         for t in self.planes.values():
             t.index_fill_(1, idx, 0)

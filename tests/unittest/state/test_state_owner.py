@@ -126,7 +126,8 @@ def test_admitting_many_requests_zeroes_their_slots_at_once(monkeypatch) -> None
     owner = ex.manager.state
     reset, reset_slots = owner.reset, owner.reset_slots
     monkeypatch.setattr(owner, "reset", lambda slot: (calls.append(("one", slot)), reset(slot))[1])
-    monkeypatch.setattr(owner, "reset_slots", lambda slots: (calls.append(("many", len(slots))), reset_slots(slots))[1])
+    monkeypatch.setattr(owner, "reset_slots",
+                        lambda slots, *a: (calls.append(("many", len(slots))), reset_slots(slots, *a))[1])  # fmt: skip
     prompts = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8]]
     got = {id(e): [e.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts] for e in (ref, ex)}
     # Poison the slots the admissions will take: a reset that misses one shows in the output.
