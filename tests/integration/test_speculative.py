@@ -111,6 +111,39 @@ def test_mtp_lossless_with_preemption(model) -> None:
     assert_lossless(refs, tests)
 
 
+def test_older_request_admitted_late_is_scheduled_first(model) -> None:
+    """A request held for a prefix-cache leader is admitted after a newer one; the running batch stays oldest first,
+    so the older request's verify round gets the step's row budget first. Otherwise the newer request's row comes
+    first, the older one's ``1 + K`` rows never fit the rest of the budget, and once the pool runs out the newer one
+    can preempt nobody (the other is older): no step could run (``CapacityError``)."""
+    shared = [(7 * i + 3) % 250 for i in range(16)]
+    ps = [shared + [1, 2], shared + [3, 4, 5], [9, 8, 7, 6, 5]]  # the leader, the request held for it, a newer one
+    budgets = [2, 30, 40]
+    pool = 60  # the batch outgrows it: the later rounds cannot get pages for both requests
+    ref_ex = Executor(model, ExecutorConfig(tokens_per_block=4, max_tokens=4096, max_batch_size=4, max_num_tokens=64,
+                                            max_seq_len=pool))  # fmt: skip
+    refs = [ref_ex.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(ps, budgets)]
+    ref_ex.run_until_done()
+    # K = 3 fills a step (max_num_tokens 4); the newer request decodes width one while the leader prefills beside it.
+    spec = NGramDecodingConfig(
+        max_draft_len=3, draft_len_fn=lambda r: 0 if r.request_id == 2 and r.num_output < 12 else 3
+    )
+    cfg = ExecutorConfig(tokens_per_block=4, max_tokens=pool, max_batch_size=2, max_num_tokens=4, max_seq_len=pool,
+                         prefill_chunk_size=2, enable_block_reuse=True)  # fmt: skip
+    ex = SpeculativeExecutor(model, cfg, spec, drafter=OracleDrafter({i: r.output_ids for i, r in enumerate(refs)}))
+    reqs = [ex.add_request(ps[0], SamplingParams(max_tokens=budgets[0], ignore_eos=True))]
+    while ex.has_work:
+        ex.step()
+        if ex.num_steps == 2:  # the leader is prefilling the shared pages: the first of these waits for it
+            reqs += [
+                ex.add_request(p, SamplingParams(max_tokens=b, ignore_eos=True)) for p, b in zip(ps[1:], budgets[1:])
+            ]
+        assert [r.arrival for r in ex.running] == sorted(r.arrival for r in ex.running)
+    assert_lossless(refs, reqs)
+    assert ex.prefix is not None and ex.prefix.stats.held > 0 and reqs[1].num_cached_tokens == 16
+    assert reqs[2].t_admitted < reqs[1].t_admitted  # the newer request was admitted first
+
+
 # --------------------------------------------------------------------------------------------------
 def _state_check(model):
     """After each step: every running request's committed state equals a from-scratch prefill of its

@@ -7,6 +7,7 @@ sample the rows that end a sequence's pending tokens, and retire finished reques
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass
@@ -39,6 +40,10 @@ from .scheduler import ScheduledSeq, Scheduler
 from .step_log import RequestTiming, StepLog, StepRecord, now, step_kind
 
 __all__ = ["Executor", "ExecutorConfig"]
+
+
+def _arrival(r: Request) -> int:
+    return r.arrival
 
 
 @dataclass
@@ -534,7 +539,9 @@ class Executor:
                     r.state = RequestState.RUNNING
                     if r.t_admitted is None:
                         r.t_admitted = t_admit
-                    self.running.append(r)
+                    # Oldest first (the schedule's order): a request admitted after a newer one (held for a prefix
+                    # leader) must still be scheduled before it, or its verify rows may never fit the step's budget.
+                    bisect.insort(self.running, r, key=_arrival)
                     if self.prefix is not None:
                         self.prefix.admitted(r)
                 if self.prefix is not None:
