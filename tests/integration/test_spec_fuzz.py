@@ -1,0 +1,712 @@
+"""Randomized differential test of speculative decoding's runtime: `SpeculativeExecutor` against plain greedy.
+
+Each case is drawn from one seed (printed in every failure, with the command that reruns it) and mixes what the
+focused tests cover one at a time: MTP (K = 1..4, shared / separate draft caches, a small draft pool, rounds
+launched ahead, early drafts, a scripted adaptive policy, catch-up lags, ``max_concurrency``, ``draft_len_fn``,
+selection sharing, a restricted draft vocabulary), the n-gram drafter and oracle drafters, emulated CUDA graphs
+(padded or not, piecewise or not) with or without the overlap scheduler, page pools small enough to preempt,
+prefix caching over shared prompt prefixes, repeated prompts and a conversation's next turn, chunked prefill,
+requests arriving between steps, stop tokens, ``end_id``, ``max_tokens`` and the context limit inside accepted
+drafts, ``ignore_eos``, logprobs and returned logits, sampled requests and aborts. A third of the cases are steady
+batches of greedy requests (where rounds are launched ahead and drafts made early), a third mix everything, a
+third are harsh (small pools and step budgets, many arrivals, aborts and sampled requests).
+
+What it proves, per case:
+
+- every greedy request's tokens are plain greedy decoding's (or part from them only at a near tie of the
+  reference's top-2 logits, docs/design.md §7, or where plain decoding itself flips in another batch:
+  `_plain_flips`) and end for the same reason; an aborted request's tokens are a prefix of them; their logprobs,
+  generation and context logits and prompt logprobs are the reference's to fp32 rounding;
+- sampled requests finish within their budget for a valid reason, drawing once per token from their generator;
+- with the MTP drafter, every round's drafts are those the plainest speculative run (eager, synchronous, no lag,
+  no cache) makes after the same tokens: draft state (MTP cache, lag, catch-ups, restores) is never corrupted,
+  which the output alone would not show; speculation is never turned off short of a full separate draft pool;
+- nothing is left behind: no request running or waiting, every page and state slot (target and draft) free again,
+  no per-request speculative state or n-gram index, and the device-side acceptance never disagreed with the
+  host's (the tail rings' cross-check); no step failed to plan.
+
+The references are one plain run per case (``ignore_eos``, each request's own budget); each request's expected
+output is that run's tokens cut where its own stop tokens, EOS, ``max_tokens`` or the context limit end it (greedy
+decoding makes those cuts exact). The trained ``small`` preset drafts well (MTP and n-gram drafts are really
+accepted, several per round); on the random ``tiny`` preset (two layers) drafts come from an oracle that replays
+the reference with corruptions, either as the drafter itself or replacing the MTP layer's drafts
+(`OracleAcceptanceDrafter`: the MTP layer still runs).
+
+Emulated graphs are made to behave like captured ones (`_graph_like`): every replay of a graph writes its outputs
+into the same buffers, and results and fused drafts reach the host through reused landing buffers, so a read of a
+previous replay's outputs after the next one sees the new values.
+
+``TRTLLM_GLM_SPEC_FUZZ_CASES`` (default 20) and ``TRTLLM_GLM_SPEC_FUZZ_SEED`` (default 0) choose the seeds; a
+single seed reruns with ``TRTLLM_GLM_SPEC_FUZZ_SEED=<seed> TRTLLM_GLM_SPEC_FUZZ_CASES=1``; a sweep, e.g.
+``TRTLLM_GLM_SPEC_FUZZ_SEED=1000 TRTLLM_GLM_SPEC_FUZZ_CASES=500 pytest -n 2 tests/integration/test_spec_fuzz.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+
+from tests.spec_helpers import Scripted, emulate_graphs
+from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, CudaGraphRunner, GraphOutputs, HostResults
+from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.lossless import compare_greedy
+from trtllm_glm.runtime.request import FinishReason, Request
+from trtllm_glm.runtime.sampling import SamplingParams
+from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
+from trtllm_glm.speculative.drafters import DeviceDrafts, NGramDrafter, OracleAcceptanceDrafter, OracleDrafter
+from trtllm_glm.speculative.mtp.graphs import MtpChainGraphs
+
+pytestmark = pytest.mark.cpu_only
+
+KPOOL_BACKEND = "TRTLLM_GLM_KPOOL_BACKEND"
+NUM_CASES = int(os.environ.get("TRTLLM_GLM_SPEC_FUZZ_CASES", "20"))
+FIRST_SEED = int(os.environ.get("TRTLLM_GLM_SPEC_FUZZ_SEED", "0"))
+# The reference's context limit (every case's is at most this).
+REF_MAX_SEQ_LEN = 256
+
+SNIPPETS = [
+    "    def __init__(self",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Config:\n    def __init__(self, name",
+    "for i in range(len(",
+    "        return self.",
+    "def test_",
+    "    if not isinstance(value, str):\n        raise TypeError(",
+    "from collections import ",
+    "        self._data = {}\n        self._",
+    "    @property\n    def ",
+]
+HEADERS = ["import os\nimport sys\nimport json\n\n\nclass Config:\n", "def f(x):\n    return x + 1\n\n\n"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Cases
+@dataclass
+class Req:
+    """One request of a case: its prompt, parameters, the step it arrives before, and an optional abort."""
+
+    prompt: list[int]
+    params: SamplingParams
+    arrive: int = 0
+    abort_at: int | None = None  # the step before which it is aborted (if still live)
+    # The next turn of a conversation: request ``turn_of``'s prompt, its answer, then ``prompt[-extra:]`` (`references`
+    # writes the answer in; until then ``prompt`` holds the longest it can be).
+    turn_of: int | None = None
+    extra: int = 0
+
+
+@dataclass
+class Case:
+    """Everything one seed chose."""
+
+    seed: int
+    profile: str  # "steady", "mixed" or "harsh"
+    model: str  # "small" (trained) or "tiny" (random, two layers)
+    drafter: str  # "mtp", "ngram", "oracle" (parallel), "oracle_mtp" (MTP layer runs, oracle tokens proposed)
+    spec: Any
+    cfg: ExecutorConfig
+    graphs: bool
+    policy: list[int] | None  # a scripted adaptive policy's choices, cycled
+    corrupt_mod: int  # oracle drafters: a draft at output position j is corrupted when (7 i + j) % corrupt_mod == 0
+    reqs: list[Req] = field(default_factory=list)
+
+    def describe(self) -> str:
+        spec = dataclasses.asdict(self.spec)
+        cfg = {k: v for k, v in dataclasses.asdict(self.cfg).items() if k != "cuda_graph_config"}
+        reqs = [
+            dict(prompt_len=len(r.prompt), arrive=r.arrive, abort_at=r.abort_at,
+                 **{k: v for k, v in dataclasses.asdict(r.params).items() if v not in (None, False, 0, 1.0)})
+            for r in self.reqs
+        ]  # fmt: skip
+        return (
+            f"seed={self.seed} profile={self.profile} model={self.model} drafter={self.drafter} graphs={self.graphs} "
+            f"policy={self.policy} corrupt_mod={self.corrupt_mod}\n  spec={type(self.spec).__name__}{spec}\n"
+            f"  cfg={cfg}, graphs {self.cfg.cuda_graph_config}\n  reqs={reqs}"
+        )
+
+
+def _prompt(rng: random.Random, model: str, header: list[int] | None) -> list[int]:
+    if model == "small":
+        text = rng.choice(SNIPPETS)
+        cut = rng.randrange(max(1, len(text) // 2), len(text) + 1)
+        p = list(text[:cut].encode())
+    elif rng.random() < 0.5:  # repetitive: the n-gram drafter finds matches
+        base = [rng.randrange(256) for _ in range(rng.randrange(2, 5))]
+        p = (base * 10)[: rng.randrange(4, 24)]
+    else:
+        p = [rng.randrange(256) for _ in range(rng.randrange(1, 24))]
+    return (header or []) + p
+
+
+@dataclass
+class _DraftCap:
+    """A per-request draft cap (``draft_len_fn``) that changes from round to round: 0 .. K + 1."""
+
+    K: int
+
+    def __call__(self, r: Any) -> int:
+        return (r.request_id + len(r.tokens)) % (self.K + 2)
+
+
+def make_case(seed: int) -> Case:
+    """The case of ``seed`` (deterministic; its profile: the module docstring)."""
+    rng = random.Random(seed)
+    profile = rng.choice(["steady", "mixed", "harsh"])
+    steady, harsh = profile == "steady", profile == "harsh"
+    model = "small" if rng.random() < 0.65 else "tiny"
+    if model == "small":
+        drafter = rng.choices(["mtp", "ngram"], [0.75, 0.25])[0]
+    else:
+        drafter = rng.choices(["oracle_mtp", "oracle", "ngram"], [0.45, 0.35, 0.2])[0]
+    graphs = rng.random() < (0.85 if steady else 0.6)
+    overlap = graphs and rng.random() < (0.75 if steady else 0.5)
+    mc = rng.choice([None, None, None, 1, 2, 3])
+    policy = None
+    if drafter in ("mtp", "oracle_mtp"):
+        K = rng.randint(2 if steady else 1, 4)
+        separate = rng.random() < 0.5
+        # Rounds launched ahead need the overlap scheduler; early drafts apply to the rounds that are not.
+        ahead = rng.choice(["rounds", "early", "both", "none"])
+        if ahead == "early" and rng.random() < 0.6:
+            overlap = False
+        spec = MTPDecodingConfig(
+            max_draft_len=K,
+            draft_kv_mode="separate" if separate else "shared",
+            draft_max_tokens=rng.choice([None, None, None, 48, 96]) if separate else None,
+            overlap_rounds=ahead in ("rounds", "both"),
+            early_draft=ahead in ("early", "both"),
+            catchup_lag=rng.choice([0, 0, 2, 5, 64]),
+            max_concurrency=None if steady and rng.random() < 0.7 else mc,
+            index_share_for_mtp_iteration=rng.choice([None, None, True]),
+            draft_vocab_size=rng.choice([None, None, None, 32]) if model == "small" else None,
+        )
+    else:
+        K = rng.randint(1, 5)
+        spec = NGramDecodingConfig(max_draft_len=K, max_concurrency=mc)
+    if not steady and rng.random() < 0.15:
+        spec = dataclasses.replace(spec, draft_len_fn=_DraftCap(K))
+    if rng.random() < (0.15 if steady else 0.3):
+        policy = [rng.choice([0, K, K, rng.randint(0, K)]) for _ in range(rng.randint(3, 12))]
+        spec = dataclasses.replace(spec, adaptive=True)
+    P = rng.choice([4, 8, 8, 16])
+    block_reuse = rng.random() < (0.2 if steady else 0.4)
+    n = rng.randint(2, 6)
+    batch = rng.choice([1, 2, 3, 4, 4])
+    if steady:  # all at once (one more than the batch sometimes: it waits for a slot)
+        n = min(n, batch + int(rng.random() < 0.3))
+    header = list(rng.choice(HEADERS).encode()) if model == "small" else [rng.randrange(256) for _ in range(20)]
+    reqs: list[Req] = []
+    for i in range(n):
+        shared = block_reuse and rng.random() < 0.7
+        prompt = _prompt(rng, model, header[: rng.randrange(P, len(header) + 1)] if shared else None)
+        turn_of = None
+        if block_reuse and i and rng.random() < 0.2:
+            prompt = list(reqs[rng.randrange(i)].prompt)  # the same prompt again
+        elif block_reuse and i and rng.random() < 0.25 and reqs[i - 1].params.greedy:
+            turn_of = i - 1  # the next turn: the previous request's prompt and answer, then a few tokens
+            prev = reqs[turn_of]
+            extra = [rng.randrange(256) for _ in range(rng.randint(1, 6))]
+            prompt = prev.prompt + [0] * prev.params.max_tokens + extra
+        top = 40 if steady else 28
+        kw: dict[str, Any] = dict(max_tokens=rng.randint(12 if steady else 1, top), ignore_eos=rng.random() < 0.7)
+        if not steady and rng.random() < (0.3 if harsh else 0.12):
+            kw.update(temperature=0.8, top_k=rng.choice([0, 8]), seed=rng.randrange(1000))
+        if rng.random() < 0.12:  # per-token outputs (greedy ones are compared with the reference's)
+            kw.update(rng.choice([dict(logprobs=rng.randint(0, 2)), dict(return_generation_logits=True),
+                                  dict(prompt_logprobs=1), dict(return_context_logits=True)]))  # fmt: skip
+        arrive = 0 if steady or i < 2 else rng.choice([0, 0, 1, 2, 3, 6, 10])
+        if turn_of is not None:
+            arrive = max(arrive, reqs[turn_of].arrive + rng.choice([4, 10, 20]))
+        reqs.append(
+            Req(
+                prompt,
+                SamplingParams(**kw),
+                arrive=arrive,
+                turn_of=turn_of,
+                extra=len(extra) if turn_of is not None else 0,
+            )
+        )
+        if rng.random() < (0.25 if harsh else 0.1):
+            reqs[-1].abort_at = reqs[-1].arrive + rng.randint(0, 16 if steady else 8)
+    longest = max(len(r.prompt) + r.params.max_tokens for r in reqs)
+    max_seq_len = rng.choice([REF_MAX_SEQ_LEN, REF_MAX_SEQ_LEN, longest + rng.randint(-6, 4)])
+    max_seq_len = max(max_seq_len, max(len(r.prompt) for r in reqs) + 2)
+    total = sum(len(r.prompt) + r.params.max_tokens + K + 1 for r in reqs)
+    if rng.random() < (0.6 if harsh else 0.15):  # preempts: room for about one or two requests
+        pool = max(min(max_seq_len, longest + K + 1) + 2 * P, total // 3)
+    else:
+        pool = 2048
+    cfg = ExecutorConfig(
+        tokens_per_block=P,
+        max_tokens=pool,
+        max_batch_size=batch,
+        max_num_tokens=rng.choice([max(1 + K, 6), 16, 64] if harsh else [16, 64, 64]),
+        max_seq_len=max_seq_len,
+        prefill_chunk_size=rng.choice([None, None, 3, 7]),
+        cuda_graph_config=CudaGraphConfig(
+            # Usually every size up to the batch (sizes above it are dropped); sometimes a few, padding to them.
+            batch_sizes=sorted({batch, *range(1, batch)} if rng.random() < 0.7 else {rng.randint(1, 4), 4}),
+            enable_padding=rng.random() < 0.8,
+            piecewise=rng.random() < 0.2,
+        )
+        if graphs
+        else None,
+        enable_block_reuse=block_reuse,
+        checkpoint_interval=rng.choice([None, P, 2 * P]) if block_reuse else None,
+        checkpoint_prompt_end=block_reuse and rng.random() < 0.5,
+        checkpoint_request_end=block_reuse and rng.random() < 0.5,
+        overlap_scheduler=overlap,
+    )
+    return Case(seed, profile, model, drafter, spec, cfg, graphs, policy, rng.choice([2, 3, 5, 1000]), reqs)
+
+
+def _stops(case: Case, rng: random.Random, free: list[list[int]]) -> None:
+    """Give some greedy requests stop tokens (or an ``end_id``) taken from their own free-running output, so that
+    they stop mid-output (often on an accepted draft)."""
+    for r, out in zip(case.reqs, free):
+        if not r.params.greedy or len(out) < 2 or rng.random() > 0.45:
+            continue
+        tok = out[rng.randrange(1, len(out))]
+        if rng.random() < 0.2:
+            r.params = dataclasses.replace(r.params, end_id=tok, ignore_eos=False)
+        else:
+            r.params = dataclasses.replace(r.params, stop_token_ids=[tok])
+
+
+# --------------------------------------------------------------------------------------------------
+# Models and references
+_MODELS: dict[str, Glm5NextForCausalLM] = {}
+
+
+def get_model(name: str) -> Glm5NextForCausalLM:
+    """The preset ``name`` in fp32, loaded once per process (``tiny``: its first KDA and sparse layers)."""
+    if name not in _MODELS:
+        kw: dict[str, Any] = {"layers": [0, 3]} if name == "tiny" else {}
+        _MODELS[name] = Glm5NextForCausalLM.from_pretrained(name, dtype="float32", **kw).eval()
+    return _MODELS[name]
+
+
+def free_reference(model: Glm5NextForCausalLM, reqs: list[Req]) -> list[Request]:
+    """Plain runs of every request, all in one batch: greedy ones free-running (``ignore_eos``, their own budget),
+    sampled ones as they are (the oracle drafters need a continuation for every request)."""
+    ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512,
+                                        max_seq_len=REF_MAX_SEQ_LEN))  # fmt: skip
+    out = []
+    for r in reqs:
+        p = r.params
+        if p.greedy:
+            p = dataclasses.replace(p, ignore_eos=True, stop_token_ids=None, end_id=None)
+        out.append(ex.add_request(r.prompt, p))
+    ex.run_until_done()
+    return out
+
+
+def expected(
+    ref: Request, params: SamplingParams, prompt_len: int, max_seq_len: int, eos: list[int]
+) -> tuple[list[int], list[float], FinishReason]:
+    """``ref``'s free-running tokens (and gaps) cut where ``params`` and the context limit end the request."""
+    stop = params.stop_ids(eos)
+    toks, gaps = ref.output_ids, ref.logit_gaps
+    for i, t in enumerate(toks):
+        if t in stop:
+            return toks[: i + 1], gaps[: i + 1], FinishReason.STOP
+        if i + 1 >= params.max_tokens or prompt_len + i + 1 >= max_seq_len:
+            return toks[: i + 1], gaps[: i + 1], FinishReason.LENGTH
+    raise AssertionError("the reference ran out before the request's budget")
+
+
+# --------------------------------------------------------------------------------------------------
+# Graph-like emulation
+@contextmanager
+def _graph_like() -> Iterator[None]:
+    """Emulated graphs behave like captured ones where reuse could hide a stale read on the CPU: every replay of a
+    graph writes its outputs into the same buffers (the emulation returns fresh tensors), a step's results land in
+    one of two alternating host buffers and the fused draft's tokens in one landing buffer, read when the host
+    asks for them (as the pinned buffers of a CUDA device; on the CPU they are copies at once), and a request's
+    generation logits are copied when emitted (``.cpu()``: a view on the CPU)."""
+    launch, run, emit = CudaGraphRunner._launch, MtpChainGraphs._replay_or_run, Executor._emit
+    chain_init, drafts_init = MtpChainGraphs.__init__, DeviceDrafts.__init__
+
+    def keep(owner: Any, key: Any, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        store = owner.__dict__.setdefault("_fuzz_outputs", {})
+        bufs = store.get(key)
+        with torch.inference_mode():
+            if bufs is None or any(b.shape != t.shape or b.dtype != t.dtype for b, t in zip(bufs, out)):
+                bufs = store[key] = tuple(torch.empty_like(t) for t in out)
+            for b, t in zip(bufs, out):
+                b.copy_(t)
+        return bufs
+
+    @contextmanager
+    def kernels(meta: Any) -> Iterator[None]:
+        # The k-pool cache writes of a replay with padding rows through the (interpreted) kernels, the only ones that
+        # skip them; other steps keep the torch references (the interpreter costs most of an emulated case's time).
+        prev = os.environ[KPOOL_BACKEND]
+        if bool((meta.row_seq_t[: meta.num_tokens] < 0).any()):
+            os.environ[KPOOL_BACKEND] = "triton"
+        try:
+            yield
+        finally:
+            os.environ[KPOOL_BACKEND] = prev
+
+    def launch_kept(self: CudaGraphRunner, key: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        with kernels(self.meta):
+            return keep(self, key, launch(self, key))
+
+    def run_kept(self: MtpChainGraphs, key: Any, host_committed_lens: Any = None) -> tuple[torch.Tensor, ...]:
+        with kernels(self.meta):
+            return keep(self, key, run(self, key, host_committed_lens))
+
+    def results_to_host(self: CudaGraphRunner, out: GraphOutputs) -> HostResults:
+        n = out.packed.shape[0]
+        if self._result_bufs is None:
+            shape = (self.input_ids.numel(), out.packed.shape[1])
+            self._result_bufs = [torch.empty(shape, dtype=out.packed.dtype) for _ in range(2)]
+        buf = self._result_bufs[self._result_turn][:n]
+        self._result_turn ^= 1
+        buf.copy_(out.packed)
+        return HostResults(buf, None)
+
+    def chain_init_landing(self: MtpChainGraphs, *a: Any, **kw: Any) -> None:
+        chain_init(self, *a, **kw)
+        if self.fused and self.host_drafts is None:
+            self.host_drafts = torch.zeros(self.meta.max_num_seqs, self.max_draft_len, dtype=torch.int64)
+
+    def drafts_init_landing(self: DeviceDrafts, tensor: torch.Tensor, host: torch.Tensor | None = None) -> None:
+        drafts_init(self, tensor, None)
+        if host is not None:
+            self._host = host[: tensor.shape[0]]
+            self._host.copy_(tensor)
+
+    def emit_copied(self: Executor, req: Request, tokens: list[int], gaps: list[float], logits: Any = None) -> bool:
+        return emit(self, req, tokens, gaps, None if logits is None else logits.clone())
+
+    patches = [
+        (CudaGraphRunner, "_launch", launch_kept),
+        (CudaGraphRunner, "results_to_host", results_to_host),
+        (MtpChainGraphs, "_replay_or_run", run_kept),
+        (MtpChainGraphs, "__init__", chain_init_landing),
+        (DeviceDrafts, "__init__", drafts_init_landing),
+        (Executor, "_emit", emit_copied),
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        for cls, name, fn in patches:
+            mp.setattr(cls, name, fn)
+        mp.setenv(KPOOL_BACKEND, "torch")
+        yield
+
+
+# --------------------------------------------------------------------------------------------------
+# One case
+def build(case: Case, refs: list[Request]) -> SpeculativeExecutor:
+    model = get_model(case.model)
+    policy = None
+    if case.policy is not None:
+        script = case.policy
+        policy = Scripted(case.spec.max_draft_len, lambda i: script[i % len(script)])
+    oracle = None
+    if case.drafter in ("oracle", "oracle_mtp"):
+        m = case.corrupt_mod
+        cont = {i: list(r.output_ids) for i, r in enumerate(refs)}
+        oracle = OracleDrafter(cont, lambda i, j: (7 * i + j) % m == 0, vocab_size=model.config.vocab_size)
+    ex = SpeculativeExecutor(model, case.cfg, case.spec, drafter=oracle if case.drafter == "oracle" else None,
+                             draft_policy=policy)  # fmt: skip
+    if case.drafter == "oracle_mtp":
+        assert oracle is not None
+        ex.drafter = OracleAcceptanceDrafter(ex.drafter, oracle, model.config.vocab_size)
+    return ex
+
+
+def record_drafts(ex: SpeculativeExecutor, index: dict[int, int]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """Record every verify round's real drafts, keyed by (case request, the tokens they follow): what the drafter
+    proposed from that history. ``index``: request id -> case request."""
+    drafts: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    advance = ex._advance
+
+    def spy(plan: list[Any], hidden: torch.Tensor, *a: Any, **kw: Any) -> list[Request]:
+        for s in plan:
+            r = s.request
+            if s.is_decode and s.num_rows > 1 and not r.finished and r.request_id in ex.state:
+                st = ex.state[r.request_id]
+                d = st.resolve()
+                k = len(d) if st.num_proposed is None else st.num_proposed
+                drafts[(index[r.request_id], tuple(r.tokens))] = list(d[:k])
+        return advance(plan, hidden, *a, **kw)
+
+    ex._advance = spy  # type: ignore[method-assign]
+    return drafts
+
+
+def canonical_drafts(case: Case) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """The MTP drafts of the case's greedy requests in the plainest speculative run: eager synchronous rounds, all
+    requests at once, a roomy pool, no prefix cache, no catch-up lag, no policy or concurrency cap."""
+    c = case.cfg
+    cfg = ExecutorConfig(tokens_per_block=c.tokens_per_block, max_tokens=4096, max_batch_size=8, max_num_tokens=64,
+                         max_seq_len=c.max_seq_len)  # fmt: skip
+    spec = dataclasses.replace(case.spec, overlap_rounds=False, early_draft=False, catchup_lag=0, adaptive=False,
+                               max_concurrency=None, draft_max_tokens=None, draft_len_fn=None)  # fmt: skip
+    ex = SpeculativeExecutor(get_model(case.model), cfg, spec)
+    index: dict[int, int] = {}
+    drafts = record_drafts(ex, index)
+    for i, r in enumerate(case.reqs):
+        if r.params.greedy:
+            index[ex.add_request(r.prompt, r.params).request_id] = i
+    ex.run_until_done()
+    return drafts
+
+
+def references(case: Case) -> list[Request]:
+    """The case's `free_reference`; then stop tokens drawn from it (`_stops`). A conversation's next turn gets the
+    answer its previous turn will give (the reference's, cut by that request's budget and stop tokens) written into its
+    prompt, and its own reference run."""
+    model = get_model(case.model)
+    refs = free_reference(model, case.reqs)
+    _stops(case, random.Random(case.seed + 1), [r.output_ids for r in refs])
+    turns = [i for i, r in enumerate(case.reqs) if r.turn_of is not None]
+    eos = model.config.eos_token_ids
+    for i in turns:
+        r = case.reqs[i]
+        j = r.turn_of
+        assert j is not None
+        prev = case.reqs[j]
+        answer, _, _ = expected(refs[j], prev.params, len(prev.prompt), REF_MAX_SEQ_LEN, eos)
+        r.prompt = prev.prompt + answer + r.prompt[-r.extra :]
+    if turns:
+        for i, ref in zip(turns, free_reference(model, [case.reqs[i] for i in turns])):
+            refs[i] = ref
+    return refs
+
+
+def run_case(
+    case: Case, refs: list[Request], canon: dict[tuple[int, tuple[int, ...]], list[int]] | None = None
+) -> list[str]:
+    """Run ``case`` (``refs``: its `references`; ``canon``: its `canonical_drafts`, to compare the drafts with);
+    returns what went wrong (empty: nothing)."""
+    model = get_model(case.model)
+    ex = build(case, refs)
+    index: dict[int, int] = {}
+    drafts = record_drafts(ex, index)
+    slots0 = ex.manager.num_free_slots
+    dm = ex.separate_draft_manager
+    dslots0 = dm.num_free_slots if dm is not None else 0
+    reqs: list[Request | None] = [None] * len(case.reqs)
+    aborted: set[int] = set()
+    disabled: set[int] = set()
+    step = 0
+    while True:
+        for i, r in enumerate(case.reqs):
+            if reqs[i] is None and r.arrive <= step:
+                reqs[i] = ex.add_request(r.prompt, r.params)
+                index[reqs[i].request_id] = i
+            q = reqs[i]
+            if q is not None and r.abort_at == step and not q.finished:
+                assert ex.abort_request(q.request_id) is q
+                aborted.add(i)
+        if not ex.has_work and all(q is not None for q in reqs):
+            break
+        if ex.has_work:
+            ex.step()
+            disabled |= {index[rid] for rid, st in ex.state.items() if st.mtp_disabled}
+        step += 1
+        assert step < 2000, "no progress"
+    problems: list[str] = []
+    # Only a full separate draft pool may turn speculation off (shared: the target's pages are the MTP plane's; a
+    # separate pool as large as the target's fills no sooner, short of prefix caching's sharing); a gap in the MTP
+    # history would do it silently.
+    spec = case.spec
+    pool_limited = getattr(spec, "draft_max_tokens", None) is not None or case.cfg.enable_block_reuse
+    if disabled and not (getattr(spec, "draft_kv_mode", "") == "separate" and pool_limited):
+        problems.append(f"speculation turned off (mtp_disabled) for requests {sorted(disabled)}")
+    eos = model.config.eos_token_ids
+    for i, (r, q) in enumerate(zip(case.reqs, reqs)):
+        assert q is not None
+        out = q.output_ids
+        if not q.finished:
+            problems.append(f"request {i} did not finish")
+            continue
+        if not r.params.greedy:
+            stop = r.params.stop_ids(eos)
+            ok = (
+                q.finish_reason is FinishReason.ABORT
+                or (q.finish_reason is FinishReason.STOP and out and out[-1] in stop)
+                or (q.finish_reason is FinishReason.LENGTH
+                    and (len(out) == r.params.max_tokens or len(q.tokens) >= ex.max_seq_len))
+            )  # fmt: skip
+            if not ok or len(out) > r.params.max_tokens:
+                problems.append(f"sampled request {i}: {len(out)} tokens, finish {q.finish_reason}")
+            if r.params.logprobs is not None and len(q.logprobs) != len(out):
+                problems.append(f"sampled request {i}: {len(q.logprobs)} logprobs for {len(out)} tokens")
+            if r.params.return_generation_logits and len(q.generation_logits) != len(out):
+                problems.append(f"sampled request {i}: {len(q.generation_logits)} logits for {len(out)} tokens")
+            # One uniform per token from the request's own generator (a step launched ahead may draw one more for
+            # a request that ended in the step before it). Its tokens are not compared with the plain run's: a
+            # rounding difference can flip the indexer's pool selection, which moves the logits by far more than
+            # rounding (greedy tokens are compared under the near-tie rule; a draw has no such rule).
+            draws = _draws(q.generator, r.params.seed, len(out) + 2)
+            extra = 1 if case.cfg.overlap_scheduler or q.finish_reason is FinishReason.ABORT else 0
+            if draws is None or not len(out) <= draws <= len(out) + extra:
+                problems.append(f"sampled request {i}: {draws} draws from its generator for {len(out)} tokens")
+            continue
+        ref = refs[i]
+        toks, gaps, reason = expected(ref, r.params, len(r.prompt), ex.max_seq_len, eos)
+        if i in aborted and q.finish_reason is FinishReason.ABORT:
+            toks, gaps = toks[: len(out)], gaps[: len(out)]  # aborted: a prefix of the output
+            reason = FinishReason.ABORT
+        d = compare_greedy(toks, gaps, out)
+        if d is not None and not d.excused and d.test_token is not None and _plain_flips(case, i, out[: d.index + 1]):
+            continue  # plain greedy decoding itself picks this token in another batch (see `_plain_flips`)
+        if d is not None and not d.excused:
+            problems.append(f"request {i}: {d}\n    expected {toks}\n    got      {out}")
+        elif d is None and q.finish_reason is not reason:
+            problems.append(f"request {i}: finished {q.finish_reason}, expected {reason}")
+        if d is None:
+            problems += [f"request {i}: {p}" for p in _outputs_differ(ref, q, reason is FinishReason.ABORT)]
+    # Nothing left behind: every request retired, every page and slot free, no per-request state.
+    if ex.running or ex.waiting or ex._inflight is not None:
+        problems.append(f"left: {len(ex.running)} running, {len(ex.waiting)} waiting, in flight {ex._inflight}")
+    if ex.state:
+        problems.append(f"speculative state left for requests {sorted(ex.state)}")
+    m = ex.manager
+    if m.num_free_slots != slots0 or m.num_free_pages != m.num_pages:
+        problems.append(f"target cache: {m.num_free_slots}/{slots0} slots, {m.num_free_pages}/{m.num_pages} pages")
+    if dm is not None and (dm.num_free_slots != dslots0 or dm.num_free_pages != dm.num_pages):
+        problems.append(f"draft cache: {dm.num_free_slots}/{dslots0} slots, {dm.num_free_pages}/{dm.num_pages} pages")
+    if isinstance(ex.drafter, NGramDrafter) and ex.drafter._index:
+        problems.append(f"n-gram index left for requests {sorted(ex.drafter._index)}")
+    bad = [ring.num_disagreements for ring in ex.manager.state.decode_tail_rings if ring.num_disagreements]
+    if bad:
+        problems.append(f"tail-ring device/host disagreements: {bad}")
+    if canon is not None:
+        # The MTP layer's drafts depend on the history they follow only: any difference is corrupted draft state.
+        for key in sorted(drafts.keys() & canon.keys()):
+            a, b = drafts[key], canon[key]
+            n = min(len(a), len(b))
+            if a[:n] != b[:n]:
+                i, toks = key
+                problems.append(f"request {i} after {len(toks)} tokens drafted {a}, the plain run {b}")
+    return problems
+
+
+def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -> bool:
+    """Whether plain greedy decoding itself emits ``prefix`` (a speculative run's output up to where it diverged)
+    for case request ``i`` in some other batch: alone, or alone in the case's pages and chunks. At a small top-2
+    gap a rounding difference between batch shapes can flip the indexer's pool selection (the random ``tiny``
+    model selects 4 of its pools once a context passes 16 tokens), which moves the logits by far more than the
+    near-tie rule's tolerance; a divergence that plain decoding reproduces is not speculation's."""
+    r = case.reqs[i]
+    c = case.cfg
+    params = dataclasses.replace(r.params, ignore_eos=True, stop_token_ids=None, end_id=None, max_tokens=len(prefix))
+    model = get_model(case.model)
+    for cfg in (
+        ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512, max_seq_len=256),
+        ExecutorConfig(tokens_per_block=c.tokens_per_block, max_tokens=4096, max_batch_size=c.max_batch_size,
+                       max_num_tokens=c.max_num_tokens, max_seq_len=256, prefill_chunk_size=c.prefill_chunk_size),
+    ):  # fmt: skip
+        ex = Executor(model, cfg)
+        q = ex.add_request(r.prompt, params)
+        ex.run_until_done()
+        if q.output_ids == prefix and q.logit_gaps[-1] <= max_gap:
+            return True
+    return False
+
+
+def _draws(gen: torch.Generator | None, seed: int | None, most: int) -> int | None:
+    """How many of the sampler's draws (one float64 uniform each) ``gen`` has made since it was seeded with ``seed``
+    (None: more than ``most``, or not that generator)."""
+    if gen is None or seed is None:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    state = gen.get_state()
+    for n in range(most + 1):
+        if torch.equal(g.get_state(), state):
+            return n
+        torch.rand((), dtype=torch.float64, generator=g)
+    return None
+
+
+def _outputs_differ(ref: Request, got: Request, aborted: bool) -> list[str]:
+    """How ``got``'s per-token outputs (logprobs, generation logits, prompt logprobs, context logits) differ from the
+    reference's (same tokens: values to fp32 rounding; the reference ran longer, so only its first ones count; an
+    aborted request may have recorded only the first prompt rows)."""
+    out: list[str] = []
+    n = got.num_output
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= 1e-3 * max(1.0, abs(b))
+
+    p = got.params
+    if p.logprobs is not None:
+        if len(got.logprobs) != n:
+            out.append(f"{len(got.logprobs)} logprobs for {n} tokens")
+        for j, (a, b) in enumerate(zip(got.logprobs, ref.logprobs[:n])):
+            t = got.output_ids[j]  # the chosen token's, then the top ones' (ids may swap at an exact tie)
+            va, vb = sorted(x.logprob for x in a.values()), sorted(x.logprob for x in b.values())
+            if not close(a[t].logprob, b[t].logprob) or len(va) != len(vb) or not all(map(close, va, vb)):
+                out.append(f"logprobs of token {j}: {a} against {b}")
+                break
+    if p.return_generation_logits:
+        if len(got.generation_logits) != n:
+            out.append(f"{len(got.generation_logits)} generation logits for {n} tokens")
+        elif n and not torch.allclose(torch.stack(got.generation_logits), torch.stack(ref.generation_logits[:n]),
+                                      atol=1e-3, rtol=1e-3):  # fmt: skip
+            out.append("generation logits differ")
+    if p.prompt_logprobs is not None:
+        a, b = got.prompt_logprobs, ref.prompt_logprobs
+        if (len(a) != len(got.prompt_ids) and not (aborted and len(a) < len(got.prompt_ids))) or (
+            a and a[0] is not None
+        ):
+            out.append(f"{len(a)} prompt logprobs for {len(got.prompt_ids)} prompt tokens")
+        else:
+            for j, (x, y) in enumerate(zip(a[1:], b[1:])):
+                t = got.prompt_ids[j + 1]
+                if not close(x[t].logprob, y[t].logprob):
+                    out.append(f"prompt logprob of token {j + 1}: {x} against {y}")
+                    break
+    if p.return_context_logits:
+        V = ref.context_logits[0].shape[-1]
+        a = torch.cat(got.context_logits) if got.context_logits else torch.empty(0, V)
+        b = torch.cat(ref.context_logits)
+        if aborted:
+            b = b[: a.shape[0]]
+        if a.shape != b.shape or not torch.allclose(a, b, atol=1e-3, rtol=1e-3):
+            out.append(f"context logits {tuple(a.shape)} differ from {tuple(b.shape)}")
+    return out
+
+
+def seeds() -> list[int]:
+    return list(range(FIRST_SEED, FIRST_SEED + NUM_CASES))
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_speculative_runtime_matches_plain_greedy(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """One random case (see the module docstring): speculative output is plain greedy's, and nothing leaks."""
+    case = make_case(seed)
+    rerun = f"TRTLLM_GLM_SPEC_FUZZ_SEED={seed} TRTLLM_GLM_SPEC_FUZZ_CASES=1 pytest {__file__}"
+    try:
+        refs = references(case)  # before any patching
+        canon = canonical_drafts(case) if case.drafter == "mtp" else None
+        with _maybe_graphs(monkeypatch, case.graphs):
+            problems = run_case(case, refs, canon)
+    except Exception as e:  # an exception is a finding too: report it with the case
+        raise AssertionError(f"{type(e).__name__}: {e}\n{case.describe()}\nrerun: {rerun}") from e
+    assert not problems, "\n".join(problems) + f"\n{case.describe()}\nrerun: {rerun}"
+
+
+@contextmanager
+def _maybe_graphs(monkeypatch: pytest.MonkeyPatch, on: bool) -> Iterator[None]:
+    if not on:
+        yield
+        return
+    with monkeypatch.context() as mp, _graph_like():
+        emulate_graphs(mp)
+        yield
