@@ -220,7 +220,7 @@ def make_case(seed: int) -> Case:
         top = 40 if steady else 28
         kw: dict[str, Any] = dict(max_tokens=rng.randint(12 if steady else 1, top), ignore_eos=rng.random() < 0.7)
         if not steady and rng.random() < (0.3 if harsh else 0.12):
-            kw.update(temperature=0.8, top_k=rng.choice([0, 8]), seed=rng.randrange(1000))
+            kw.update(temperature=0.8, top_k=rng.choice([0, 8]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000))
         if rng.random() < 0.12:  # per-token outputs (greedy ones are compared with the reference's)
             kw.update(rng.choice([dict(logprobs=rng.randint(0, 2)), dict(return_generation_logits=True),
                                   dict(prompt_logprobs=1), dict(return_context_logits=True)]))  # fmt: skip
@@ -250,7 +250,7 @@ def make_case(seed: int) -> Case:
         tokens_per_block=P,
         max_tokens=pool,
         max_batch_size=batch,
-        max_num_tokens=rng.choice([max(1 + K, 6), 16, 64] if harsh else [16, 64, 64]),
+        max_num_tokens=rng.choice([1 + K, max(1 + K, 6), 16, 64] if harsh else [16, 64, 64]),
         max_seq_len=max_seq_len,
         prefill_chunk_size=rng.choice([None, None, 3, 7]),
         cuda_graph_config=CudaGraphConfig(
@@ -265,7 +265,12 @@ def make_case(seed: int) -> Case:
         checkpoint_interval=rng.choice([None, P, 2 * P]) if block_reuse else None,
         checkpoint_prompt_end=block_reuse and rng.random() < 0.5,
         checkpoint_request_end=block_reuse and rng.random() < 0.5,
+        checkpoint_last_page=rng.random() < 0.8,
+        checkpoint_branch_points=rng.random() < 0.8,
+        prefix_wait_for_leader=rng.random() < 0.8,
+        max_checkpoints=rng.choice([64, 64, 2]),
         overlap_scheduler=overlap,
+        indexer_key_dtype=rng.choice(["fp8", "fp8", "fp8", "bf16"]),
     )
     return Case(seed, profile, model, drafter, spec, cfg, graphs, policy, rng.choice([2, 3, 5, 1000]), reqs)
 
@@ -296,11 +301,19 @@ def get_model(name: str) -> Glm5NextForCausalLM:
     return _MODELS[name]
 
 
-def free_reference(model: Glm5NextForCausalLM, reqs: list[Req]) -> list[Request]:
+def plain_config(keys: str, **kw: Any) -> ExecutorConfig:
+    """A roomy plain executor's sizes (``kw`` overrides them), with the case's indexer keys (``keys``: fp8 and bf16
+    keys score differently)."""
+    sizes = dict(
+        tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512, max_seq_len=REF_MAX_SEQ_LEN
+    )
+    return ExecutorConfig(**{**sizes, **kw}, indexer_key_dtype=keys)
+
+
+def free_reference(model: Glm5NextForCausalLM, reqs: list[Req], keys: str) -> list[Request]:
     """Plain runs of every request, all in one batch: greedy ones free-running (``ignore_eos``, their own budget),
     sampled ones as they are (the oracle drafters need a continuation for every request)."""
-    ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512,
-                                        max_seq_len=REF_MAX_SEQ_LEN))  # fmt: skip
+    ex = Executor(model, plain_config(keys))
     out = []
     for r in reqs:
         p = r.params
@@ -451,8 +464,8 @@ def canonical_drafts(case: Case) -> dict[tuple[int, tuple[int, ...]], list[int]]
     """The MTP drafts of the case's greedy requests in the plainest speculative run: eager synchronous rounds, all
     requests at once, a roomy pool, no prefix cache, no catch-up lag, no policy or concurrency cap."""
     c = case.cfg
-    cfg = ExecutorConfig(tokens_per_block=c.tokens_per_block, max_tokens=4096, max_batch_size=8, max_num_tokens=64,
-                         max_seq_len=c.max_seq_len)  # fmt: skip
+    cfg = plain_config(c.indexer_key_dtype, tokens_per_block=c.tokens_per_block, max_num_tokens=64,
+                       max_seq_len=c.max_seq_len)  # fmt: skip
     spec = dataclasses.replace(case.spec, overlap_rounds=False, early_draft=False, catchup_lag=0, adaptive=False,
                                max_concurrency=None, draft_max_tokens=None, draft_len_fn=None)  # fmt: skip
     ex = SpeculativeExecutor(get_model(case.model), cfg, spec)
@@ -470,7 +483,8 @@ def references(case: Case) -> list[Request]:
     answer its previous turn will give (the reference's, cut by that request's budget and stop tokens) written into its
     prompt, and its own reference run."""
     model = get_model(case.model)
-    refs = free_reference(model, case.reqs)
+    keys = case.cfg.indexer_key_dtype
+    refs = free_reference(model, case.reqs, keys)
     _stops(case, random.Random(case.seed + 1), [r.output_ids for r in refs])
     turns = [i for i, r in enumerate(case.reqs) if r.turn_of is not None]
     eos = model.config.eos_token_ids
@@ -482,7 +496,7 @@ def references(case: Case) -> list[Request]:
         answer, _, _ = expected(refs[j], prev.params, len(prev.prompt), REF_MAX_SEQ_LEN, eos)
         r.prompt = prev.prompt + answer + r.prompt[-r.extra :]
     if turns:
-        for i, ref in zip(turns, free_reference(model, [case.reqs[i] for i in turns])):
+        for i, ref in zip(turns, free_reference(model, [case.reqs[i] for i in turns], keys)):
             refs[i] = ref
     return refs
 
@@ -608,9 +622,9 @@ def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -
     params = dataclasses.replace(r.params, ignore_eos=True, stop_token_ids=None, end_id=None, max_tokens=len(prefix))
     model = get_model(case.model)
     for cfg in (
-        ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512, max_seq_len=256),
-        ExecutorConfig(tokens_per_block=c.tokens_per_block, max_tokens=4096, max_batch_size=c.max_batch_size,
-                       max_num_tokens=c.max_num_tokens, max_seq_len=256, prefill_chunk_size=c.prefill_chunk_size),
+        plain_config(c.indexer_key_dtype),
+        plain_config(c.indexer_key_dtype, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
+                     max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size),
     ):  # fmt: skip
         ex = Executor(model, cfg)
         q = ex.add_request(r.prompt, params)
