@@ -315,6 +315,13 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "adaptive": pol is not None,
         "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
         "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
+        # What the policy believed at the end (why it chose what it chose): its acceptance estimate, the trusted
+        # round costs of this batch size (ms) and its first choices.
+        "adaptive_state": (
+            {"acceptance": round(pol.acceptance, 4), "chosen_head": pol.chosen[:32],
+             "costs_ms": {k: round(v * 1e3, 4) for k, v in pol.costs(batch).items()}}
+            if pol is not None else None
+        ),  # fmt: skip
         # MTP catch-ups of rows held while nobody drafted (`MTPDecodingConfig.catchup_lag`).
         "lag_flushes": getattr(ex.drafter, "num_lag_flushes", None) if hasattr(ex, "drafter") else None,
         "capture_s": capture_s,
@@ -486,7 +493,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
                    "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
-                   "adaptive_k": r["adaptive_k"], "draft_vocab_size": r["draft_vocab_size"],
+                   "adaptive_k": r["adaptive_k"], "adaptive_state": r["adaptive_state"],
+                   "draft_vocab_size": r["draft_vocab_size"],
                    "lag_flushes": r["lag_flushes"], "step_ms_median": r["step_ms_median"],
                    "step_ms_max": r["step_ms_max"], "timed_compiles": r["timed_compiles"],
                    "timed_compile_names": r["timed_compile_names"]}  # fmt: skip
@@ -723,7 +731,7 @@ def main() -> None:
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
                            "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
-                           "draft_vocab_size": r["draft_vocab_size"], "lag_flushes": r["lag_flushes"],
+                           "adaptive_state": r["adaptive_state"], "draft_vocab_size": r["draft_vocab_size"], "lag_flushes": r["lag_flushes"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,

@@ -84,9 +84,24 @@ def test_policy_explores_then_picks_the_best_rate() -> None:
     assert pol.acceptance == pytest.approx(1.0, abs=0.01)
     # A batch of another bucket measures afresh; the same bucket (3 -> 4) shares the table.
     assert pol.bucket(3) == pol.bucket(4) == 4 and pol.bucket(5) == 8 and pol.bucket(1) == 1
-    assert pol.costs(8) == {} and set(pol.costs(3)) == {0, 2, 3}
+    assert pol.costs(8) == {} and {0, 3} <= set(pol.costs(3))
     # K = 1 was never worth measuring: its cost is the line between K = 0 and K = 3.
     assert pol.estimated_costs(4)[1] == pytest.approx(1.3)
+
+
+def test_batch_of_one_learns_its_acceptance_in_the_first_rounds() -> None:
+    """One request gives one acceptance sample a round: the estimate must reach the drafts' rate within the first
+    rounds, not after tens of them. Here K = 3 accepts ~2.9 of 3 drafts and its round costs 2.6 plain steps (a round
+    of fewer drafts still verifies the padded full width: 2.2 and 2.4); from the prior (0.5) the old slow average
+    spent rounds 7-12 on K = 1 and 2 before it found K = 3."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    rng = random.Random(3)
+    # a per-draft acceptance of 0.96: accepted drafts of a K round, up to the first miss
+    acc = lambda k: next((i for i in range(k) if rng.random() > 0.96), k)  # noqa: E731
+    ks = feed(pol, clock, 200, 1, lambda k: (1.0, 2.2, 2.4, 2.6)[k], acc)
+    assert ks[:6] == [3, 3, 3, 0, 0, 0] and ks[6:12] == [3] * 6
+    assert pol.acceptance > 0.85 and ks[6:].count(3) >= 0.95 * len(ks[6:])
 
 
 def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
@@ -276,7 +291,11 @@ def test_lossless_while_k_changes_every_round(model, kind) -> None:
     refs = plain(model, ps, mt)
     rng = random.Random(5)
     clock = FakeClock()
-    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, min_samples=1)
+    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, min_samples=1, prior_acceptance=0.6)
+    if kind != "oracle":
+        # The random tiny model's MTP drafts are never accepted: with its measured acceptance (0) K = 0 would win
+        # every round. The prior is kept instead, so that the random costs alone switch K.
+        pol.observe_acceptance = lambda proposed, accepted: None
     step = lambda rows: rng.uniform(0.5, 2.0)  # noqa: E731
     if kind == "oracle":
         corrupt = lambda i, j: (i + j) % 3 == 0  # noqa: E731

@@ -200,6 +200,9 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
         assert (r["K"], r["acceptance"], r["overlap"], r["drafter"]) == (3, 0.7, False, "mtp+oracle")
         assert r["vs_plain"]["diverged"] == 0 and r["expected_tokens_per_step"] == pytest.approx(2.533)
     assert not fixed["adaptive"] and adaptive["adaptive"] and sum(adaptive["adaptive_k"].values()) > 0
+    st = adaptive["adaptive_state"]
+    assert fixed["adaptive_state"] is None and 0 < st["acceptance"] <= 1 and st["chosen_head"]
+    assert sum(adaptive["adaptive_k"].values()) >= len(st["chosen_head"]) and set(st["costs_ms"]) <= {"0", "1", "2", "3"}
     # Random weights ship no ranking: under the oracle the restricted head is timed with the first N ids.
     dv = rows["mtporacle0.7k3+dv64"]
     assert dv["draft_vocab_size"] == 64 and fixed["draft_vocab_size"] is None and dv["vs_plain"]["diverged"] == 0
