@@ -318,9 +318,13 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         # What the policy believed at the end (why it chose what it chose): its acceptance estimate, the trusted
         # round costs of this batch size (ms) and its first choices.
         "adaptive_state": (
-            {"acceptance": round(pol.acceptance, 4), "chosen_head": pol.chosen[:32],
-             "costs_ms": {k: round(v * 1e3, 4) for k, v in pol.costs(batch).items()}}
-            if pol is not None else None
+            {
+                "acceptance": round(pol.acceptance, 4),
+                "chosen_head": pol.chosen[:32],
+                "costs_ms": {k: round(v * 1e3, 4) for k, v in pol.costs(batch).items()},
+            }
+            if pol is not None
+            else None
         ),  # fmt: skip
         # MTP catch-ups of rows held while nobody drafted (`MTPDecodingConfig.catchup_lag`).
         "lag_flushes": getattr(ex.drafter, "num_lag_flushes", None) if hasattr(ex, "drafter") else None,
@@ -731,7 +735,8 @@ def main() -> None:
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
                            "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
-                           "adaptive_state": r["adaptive_state"], "draft_vocab_size": r["draft_vocab_size"], "lag_flushes": r["lag_flushes"],
+                           "adaptive_state": r["adaptive_state"], "draft_vocab_size": r["draft_vocab_size"],
+                           "lag_flushes": r["lag_flushes"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,
                            "fp8_skip": args.fp8_skip if weights == "fp8" else None,
