@@ -55,7 +55,9 @@
 #                 mtp3+noed, mtp3 (early drafts), mtporacle0.7k3 and +dv32768 (the MTP layer's cost at oracle acceptance)
 #   spec_ed       issue 43 with early drafts on by default: trained small bf16, batch 1 / 16 / 64, overlap, mtp3+noed+os,
 #                 mtp3+os, mtp3+adaptive+os (early drafts while the policy chooses K), mtp3+mc8+os
-#   spec_w1       issue 43, trained small bf16, batch 64: overlap, mtp3+os, mtp3+mc8+os (above max_concurrency: rounds
+#   spec_adapt    issue 43, trained small bf16, batch 1 / 16 / 64: overlap, mtp3+os, mtp3+adaptive+os, mtp3+mc8+os (rows
+#                 carry the policy's final acceptance, costs and first choices: adaptive_state)
+#   spec_w1       issue 43, trained small bf16, batch 64: overlap, mtp3+mc8+os (above max_concurrency: rounds
 #                 without drafts) with host-by-function and GPU-idle profiles over 70 steps: where a width-one round's
 #                 time goes against a plain step
 #   prefill_tests issue 32: the prefill GPU tests (indexer + sparse MLA at a 1M context, a 128K prompt across chunk
@@ -204,9 +206,13 @@ for stage in "$@"; do
       timeout "${T_SPEC_ED:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
         --batch 1 16 64 --gen 384 --modes overlap mtp3+noed+os mtp3+os mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
         --json "$O/spec_ed.json" 2>&1 | tee "$O/spec_ed.log" ;;
+    spec_adapt)
+      timeout "${T_SPEC_ADAPT:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
+        --batch 1 16 64 --gen 384 --modes overlap mtp3+os mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
+        --json "$O/spec_adapt.json" 2>&1 | tee "$O/spec_adapt.log" ;;
     spec_w1)
       timeout "${T_SPEC_W1:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
-        --gen 256 --modes overlap mtp3+os mtp3+mc8+os --cuda-graphs on --profile-host 30 --profile-idle 25 \
+        --gen 256 --modes overlap mtp3+mc8+os --cuda-graphs on --profile-host 30 --profile-idle 25 \
         --profile-steps 70 --json "$O/spec_w1.json" 2>&1 | tee "$O/spec_w1.log" ;;
     prefill_tests)
       timeout "${T_PREFILL_TESTS:-200}" "$PY" -m pytest -q -s -p no:xdist tests/unittest/runtime/test_prefill_gpu.py \
