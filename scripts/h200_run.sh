@@ -57,6 +57,8 @@
 #                 mtp3+os, mtp3+adaptive+os (early drafts while the policy chooses K), mtp3+mc8+os
 #   spec_adapt    issue 43, trained small bf16, batch 1 / 16 / 64: overlap, mtp3+os, mtp3+adaptive+os, mtp3+mc8+os (rows
 #                 carry the policy's final acceptance, costs and first choices: adaptive_state)
+#   spec_flush    issue 43, as spec_adapt at batch 16 / 64 (overlap, mtp3+adaptive+os, mtp3+mc8+os) with the held rows
+#                 caught up by one eager forward (TRTLLM_GLM_MTP_FLUSH=eager) instead of catch-up graph slices
 #   spec_w1       issue 43, trained small bf16, batch 64: overlap, mtp3+mc8+os (above max_concurrency: rounds
 #                 without drafts) with host-by-function and GPU-idle profiles over 70 steps: where a width-one round's
 #                 time goes against a plain step
@@ -210,6 +212,10 @@ for stage in "$@"; do
       timeout "${T_SPEC_ADAPT:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 \
         --batch 1 16 64 --gen 384 --modes overlap mtp3+os mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
         --json "$O/spec_adapt.json" 2>&1 | tee "$O/spec_adapt.log" ;;
+    spec_flush)
+      TRTLLM_GLM_MTP_FLUSH=eager timeout "${T_SPEC_FLUSH:-200}" "$PY" -m benchmarks.bench_e2e --trained --preset small \
+        --dtype bfloat16 --batch 16 64 --gen 384 --modes overlap mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
+        --json "$O/spec_flush.json" 2>&1 | tee "$O/spec_flush.log" ;;
     spec_w1)
       timeout "${T_SPEC_W1:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 256 --modes overlap mtp3+mc8+os --cuda-graphs on --profile-host 30 --profile-idle 25 \

@@ -302,6 +302,10 @@ MTP_FUSED_DRAFT = OffAtZero("TRTLLM_GLM_MTP_FUSED_DRAFT", "the whole MTP draft a
 MTP_DEFER_DRAFTS = OffAtZero(
     "TRTLLM_GLM_MTP_DEFER_DRAFTS", "a fused draft's tokens stay on the device for the next verify"
 )
+MTP_FLUSH: Choice[str] = Choice(
+    "TRTLLM_GLM_MTP_FLUSH", ("graphs", "eager"), "graphs", "how the MTP layer catches up on rows held by the catch-up "
+    "lag: the catch-up graphs in slices of K + 1 rows per request, or one eager forward over all of them",
+)  # fmt: skip
 
 # Host side.
 NUM_THREADS: Int[int | None] = Int(

@@ -19,6 +19,7 @@ import torch
 
 from ...attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ...cache.manager import Glm5NextCacheManager
+from ... import envs
 from ...errors import CapacityError
 from ...models.glm5_next import Glm5NextForCausalLM
 from ...transfer import to_device
@@ -299,7 +300,8 @@ class MTPDrafter(Drafter):
             toks = [t for s, p, n in zip(group, starts, lags) for t in s.tokens[p + 1 : p + n + 1]]
             # The rows as a catch-up of `lag` committed rows ending at mtp_len + lag (the state is shared).
             done = [dataclasses.replace(s, num_computed=p + n, committed=n) for s, p, n in zip(group, starts, lags)]
-            if not self._flush_through_graphs(group, slots, starts, lags, flat, capture):
+            eager = envs.MTP_FLUSH.get() == "eager"
+            if eager or not self._flush_through_graphs(group, slots, starts, lags, flat, capture):
                 prev_h = flat.index_select(0, to_device(src, self.device))
                 self._mtp_step(done, starts, lags, to_device(toks, self.device, torch.int64), prev_h, decode=False)
                 last = to_device([slot * R + n - 1 for slot, n in zip(slots, lags)], self.device)
