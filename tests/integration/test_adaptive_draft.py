@@ -328,7 +328,6 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
     ps, mt = prompts(3, 9), [14, 14, 14]
     cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96)
     refs = plain(m, ps, mt)
-    monkeypatch.setenv("TRTLLM_GLM_MTP_FLUSH", flush)
     if graphs:
         emulate_graphs(monkeypatch)
         cfg = dataclasses.replace(cfg, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 4], enable_padding=True))
@@ -368,7 +367,8 @@ def test_rounds_without_drafts_skip_the_draft_head(monkeypatch, graphs: bool) ->
 @pytest.mark.parametrize(
     ("graphs", "mode", "lag", "preset", "flush"),
     [(False, "shared", 32, "small", "graphs"), (True, "separate", 32, "small", "graphs"),
-     (True, "shared", 3, "tiny", "graphs"), (True, "shared", 32, "small", "eager"), (True, "separate", 3, "tiny", "eager")],
+     (True, "shared", 3, "tiny", "graphs"), (True, "shared", 32, "small", "eager"),
+     (True, "separate", 3, "tiny", "eager")],
 )  # fmt: skip
 def test_rounds_without_drafts_hold_rows_for_one_catch_up(
     monkeypatch, graphs: bool, mode: str, lag: int, preset: str, flush: str
@@ -376,7 +376,8 @@ def test_rounds_without_drafts_hold_rows_for_one_catch_up(
     """With a catch-up lag (the default), a round in which nobody drafts runs no MTP forward at all: its rows'
     target hidden are held on the device, and the MTP layer catches up on all of them in one flush when the
     request drafts again (or its held rows fill the lag: ``lag=3``): one eager forward, or under graphs the
-    head-free catch-up graph over slices of its width (``TRTLLM_GLM_MTP_FLUSH=eager``: one eager forward there too). The MTP cache then holds what per-step catch-ups would have
+    head-free catch-up graph over slices of its width (``TRTLLM_GLM_MTP_FLUSH=eager``: one eager forward there too).
+    The MTP cache then holds what per-step catch-ups would have
     written: the same drafts are proposed and accepted at every position, and the output is plain greedy's.
     Requests end at different points, so slots are freed and reused with rows held."""
     import dataclasses

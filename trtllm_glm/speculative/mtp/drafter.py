@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from ... import envs
 from ...attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from ...cache.manager import Glm5NextCacheManager
-from ... import envs
 from ...errors import CapacityError
 from ...models.glm5_next import Glm5NextForCausalLM
 from ...transfer import to_device
