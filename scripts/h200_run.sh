@@ -59,6 +59,8 @@
 #                 carry the policy's final acceptance, costs and first choices: adaptive_state)
 #   spec_flush    issue 43, as spec_adapt at batch 16 / 64 (overlap, mtp3+adaptive+os, mtp3+mc8+os) with the held rows
 #                 caught up by one eager forward (TRTLLM_GLM_MTP_FLUSH=eager) instead of catch-up graph slices
+#   spec_prof64   issue 43, trained small bf16, batch 64: overlap and mtp3+os with the costliest kernels and GPU-idle sites
+#                 (where a verify round's time goes against a plain step)
 #   spec_w1       issue 43, trained small bf16, batch 64: overlap, mtp3+mc8+os (above max_concurrency: rounds
 #                 without drafts) with host-by-function and GPU-idle profiles over 70 steps: where a width-one round's
 #                 time goes against a plain step
@@ -216,6 +218,10 @@ for stage in "$@"; do
       TRTLLM_GLM_MTP_FLUSH=eager timeout "${T_SPEC_FLUSH:-200}" "$PY" -m benchmarks.bench_e2e --trained --preset small \
         --dtype bfloat16 --batch 16 64 --gen 384 --modes overlap mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
         --json "$O/spec_flush.json" 2>&1 | tee "$O/spec_flush.log" ;;
+    spec_prof64)
+      timeout "${T_SPEC_PROF64:-150}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
+        --gen 128 --modes overlap mtp3+os --cuda-graphs on --profile-kernels 30 --profile-idle 20 --profile-steps 12 \
+        --json "$O/spec_prof64.json" 2>&1 | tee "$O/spec_prof64.log" ;;
     spec_w1)
       timeout "${T_SPEC_W1:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 256 --modes overlap mtp3+mc8+os --cuda-graphs on --profile-host 30 --profile-idle 25 \
