@@ -111,7 +111,7 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
     ``+adaptive`` and ``+dvN``: `mode_options`; ``+ov``: the overlap scheduler with MTP drafting rounds launched
     ahead; ``+os``: the overlap scheduler alone (the LLM API's default: width-one steps launched ahead, drafting
     rounds synchronous) (`make_executor`); ``+ed`` / ``+noed``: MTP drafts launched before their round is read back
-    (``early_draft``, the default) or after it.
+    (``early_draft``, the default) or after it; ``+fp8h``: the draft head as an FP8 copy (``draft_head_fp8``).
     """
     base, *flags = mode.split("+")
     mix, mc = False, None
@@ -120,12 +120,12 @@ def mode_parts(mode: str) -> tuple[str, bool, int | None]:
             mix = True
         elif f.startswith("mc") and f[2:].isdigit():
             mc = int(f[2:])
-        elif f in ("adaptive", "ov", "os", "ed", "noed") or (f.startswith("dv") and f[2:].isdigit()):
+        elif f in ("adaptive", "ov", "os", "ed", "noed", "fp8h") or (f.startswith("dv") and f[2:].isdigit()):
             continue
         else:
             raise ValueError(
                 f"unknown mode suffix {'+' + f!r} in {mode!r} "
-                "(expected +mix, +mcN, +adaptive, +dvN, +ov, +os, +ed or +noed)"
+                "(expected +mix, +mcN, +adaptive, +dvN, +fp8h, +ov, +os, +ed or +noed)"
             )
     return base, mix, mc
 
@@ -140,6 +140,8 @@ def mode_options(mode: str) -> dict:
         out["overlap_rounds"] = True
     if ("ed" in flags or "noed" in flags) and base_mode(mode).startswith("mtp"):
         out["early_draft"] = "ed" in flags
+    if "fp8h" in flags and base_mode(mode).startswith("mtp"):
+        out["draft_head_fp8"] = True
     for f in flags:
         if f.startswith("dv") and f[2:].isdigit():
             out["draft_vocab_size"] = int(f[2:])
@@ -313,7 +315,10 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         # Drafting rounds launched before the previous one was read back (MTP under the overlap scheduler).
         "rounds_ahead": getattr(ex, "num_overlapped_rounds", 0),
         "adaptive": pol is not None,
-        "draft_vocab_size": dv.size if (dv := getattr(ex, "draft_vocab", None)) is not None else None,
+        "draft_vocab_size": dv.size
+        if (dv := getattr(ex, "draft_vocab", None)) is not None and dv.ids is not None
+        else None,
+        "draft_head_fp8": bool(dv is not None and dv.fp8),
         "adaptive_k": dict(sorted(pol.counts.items())) if pol is not None else None,
         # What the policy believed at the end (why it chose what it chose): its acceptance estimate, the trusted
         # round costs of this batch size (ms) and its first choices.
@@ -498,7 +503,7 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
                    "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
                    "adaptive_k": r["adaptive_k"], "adaptive_state": r["adaptive_state"],
-                   "draft_vocab_size": r["draft_vocab_size"],
+                   "draft_vocab_size": r["draft_vocab_size"], "draft_head_fp8": r["draft_head_fp8"],
                    "lag_flushes": r["lag_flushes"], "step_ms_median": r["step_ms_median"],
                    "step_ms_max": r["step_ms_max"], "timed_compiles": r["timed_compiles"],
                    "timed_compile_names": r["timed_compile_names"]}  # fmt: skip
@@ -736,6 +741,7 @@ def main() -> None:
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
                            "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
                            "adaptive_state": r["adaptive_state"], "draft_vocab_size": r["draft_vocab_size"],
+                           "draft_head_fp8": r["draft_head_fp8"],
                            "lag_flushes": r["lag_flushes"],
                            "drafter": "mtp+oracle" if base_mode(mode).startswith("mtporacle") else None,
                            "dtype": args.dtype, "weights": weights, "prompt_len": args.prompt_len, "gen": args.gen,

@@ -61,6 +61,8 @@
 #                 caught up by one eager forward (TRTLLM_GLM_MTP_FLUSH=eager) instead of catch-up graph slices
 #   spec_prof64   issue 43, trained small bf16, batch 64: overlap and mtp3+os with the costliest kernels and GPU-idle sites
 #                 (where a verify round's time goes against a plain step)
+#   spec_fp8h     issue 43 item 3, 4-layer slice, batch 1: MTP K=3 rounds at oracle acceptance 0.7 with the draft head in
+#                 bf16 and as an FP8 copy (+fp8h), over the full vocabulary and 32,768 tokens, against an overlapped step
 #   spec_w1       issue 43, trained small bf16, batch 64: overlap, mtp3+mc8+os (above max_concurrency: rounds
 #                 without drafts) with host-by-function and GPU-idle profiles over 70 steps: where a width-one round's
 #                 time goes against a plain step
@@ -222,6 +224,10 @@ for stage in "$@"; do
       timeout "${T_SPEC_PROF64:-150}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 128 --modes overlap mtp3+os --cuda-graphs on --profile-kernels 30 --profile-idle 20 --profile-steps 12 \
         --json "$O/spec_prof64.json" 2>&1 | tee "$O/spec_prof64.log" ;;
+    spec_fp8h)
+      timeout "${T_SPEC_FP8H:-240}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 --prompt-len 256 --gen 128 \
+        --modes overlap mtporacle0.7k3 mtporacle0.7k3+fp8h mtporacle0.7k3+dv32768 mtporacle0.7k3+dv32768+fp8h \
+        --cuda-graphs on --json "$O/spec_fp8h.json" 2>&1 | tee "$O/spec_fp8h.log" ;;
     spec_w1)
       timeout "${T_SPEC_W1:-300}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 256 --modes overlap mtp3+mc8+os --cuda-graphs on --profile-host 30 --profile-idle 25 \

@@ -117,6 +117,46 @@ def test_small_preset_ships_a_ranking() -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("source", "subset"), [("float", False), ("float", True), ("fp8", False), ("fp8", True)])
+def test_fp8_draft_head_matches_reference(source: str, subset: bool) -> None:
+    """``draft_head_fp8``: the head's rows (all, or a subset's) as block-FP8 codes read by the FP8 linear; the argmax
+    is the reference's over the same rounded rows, and the rounding moves some drafts off the float head's."""
+    torch.manual_seed(1)
+    head = nn.Linear(256, 600, bias=False)
+    head.weight.data.mul_(4.0)
+    if source == "fp8":
+        head = Fp8Linear.from_linear(head, block=32)
+    ids = sorted(random.Random(2).sample(range(600), 300)) if subset else None
+    dv = DraftVocab(head, ids, torch.float32, fp8=True)
+    assert dv.fp8 and dv.weight.dtype == torch.float8_e4m3fn and dv.size == (300 if subset else 600)
+    # A model head that is FP8 already is reused whole (no copy); any other is quantised over its own 128-tiles.
+    assert (dv.weight is head.weight) == (source == "fp8" and not subset)
+    h = torch.randn(512, 256)
+    got = dv.greedy(h)
+    assert torch.equal(got, greedy_reference(head, ids, h, fp8=True))
+    if source == "float":
+        assert not torch.equal(got, greedy_reference(head, ids, h))  # the copy's rounding shows in some drafts
+    with pytest.raises(ValueError, match="full vocabulary"):
+        DraftVocab(head, None, torch.float32)
+
+
+def test_fp8_draft_head_through_the_executor(model) -> None:
+    """``MTPDecodingConfig(draft_head_fp8=True)`` without a draft vocabulary: the drafter scores the full vocabulary
+    through an FP8 copy of the head; greedy output stays plain greedy."""
+    ps = prompts(4, 21)
+    refs = plain_reference(model, ps)
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=3, draft_head_fp8=True)
+    seen: list[list[int]] = []
+    tests, ex = run_mtp(model, ps, cfg, spec, seen.append)
+    assert ex.draft_vocab is not None and ex.draft_vocab.fp8 and ex.draft_vocab.ids is None
+    assert ex.draft_vocab.size == model.config.vocab_size
+    assert_lossless(refs, tests)
+    assert seen
+    with pytest.raises(ValueError, match="draft_head_fp8"):
+        MTPDecodingConfig(draft_head_fp8="yes")
+
+
 def plain_reference(model, ps, max_tokens=MAX_TOKENS):
     ex = Executor(model, ExecutorConfig(tokens_per_block=16, max_tokens=2048, max_batch_size=8, max_num_tokens=512,
                                         max_seq_len=128))  # fmt: skip

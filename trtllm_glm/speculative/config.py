@@ -112,6 +112,12 @@ class MTPDecodingConfig(DecodingBaseConfig):
             token-frequency ranking: ``draft_vocab_file``, or the checkpoint's ``token_frequency.json``.
         draft_vocab_file: the token-frequency ranking (JSON, `speculative.draft_vocab.load_token_ranking`) for
             ``draft_vocab_size``; None takes the checkpoint's own.
+        draft_head_fp8: the draft steps' LM head (the full vocabulary's, or ``draft_vocab_size``'s rows) as a
+            block-FP8 copy (128 x 128 tiles, `quant.fp8`) read by the FP8 linear: half the bytes of a bf16 head per
+            draft step, where the head is most of a draft step's cost at real geometry. Verification keeps the
+            model's own head, so the output is unchanged; only which drafts are proposed may change (near ties of
+            the draft head). Costs ``N x D`` bytes of GPU memory for the copy (the full vocabulary: half a bf16
+            head). Off by default (not yet measured on a GPU).
         adaptive: each round's draft length (``0 .. max_draft_len``) is chosen by an
             `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
             acceptance, down to 0 where speculation cannot pay. Off by default: on an H100 (trained ``small``,
@@ -148,6 +154,7 @@ class MTPDecodingConfig(DecodingBaseConfig):
     index_share_for_mtp_iteration: bool | None = None
     draft_vocab_size: int | None = None
     draft_vocab_file: str | None = None
+    draft_head_fp8: bool = False
     overlap_rounds: bool = False
     early_draft: bool = True
     catchup_lag: int = 64
@@ -171,6 +178,8 @@ class MTPDecodingConfig(DecodingBaseConfig):
             raise ValueError(f"draft_vocab_file must be None or a file path, got {f!r}")
         if f is not None and n is None:
             raise ValueError("draft_vocab_file is the ranking of draft_vocab_size: set draft_vocab_size too")
+        if not isinstance(self.draft_head_fp8, bool):
+            raise ValueError(f"draft_head_fp8 must be a bool, got {self.draft_head_fp8!r}")
         if not isinstance(self.overlap_rounds, bool):
             raise ValueError(f"overlap_rounds must be a bool, got {self.overlap_rounds!r}")
         if not isinstance(self.early_draft, bool):

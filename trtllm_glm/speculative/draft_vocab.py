@@ -1,7 +1,8 @@
-"""A restricted draft vocabulary (FR-Spec style): MTP draft steps score only the most frequent tokens.
+"""The MTP draft steps' own LM head: a restricted draft vocabulary (FR-Spec style) and / or an FP8 copy.
 
 `DraftVocab` holds a ``[N, D]`` copy of the head's rows of the ``N`` most frequent ids, made once when the executor is
-built (graphs captured on it keep a fixed address), and maps each draft's argmax in that subset back to its full id.
+built (graphs captured on it keep a fixed address), and maps each draft's argmax in that subset back to its full id;
+with ``fp8`` the copy is block-FP8 (``MTPDecodingConfig.draft_head_fp8``; also over the full vocabulary: ``ids=None``).
 Verification scores the full vocabulary, so the output is unchanged. The ranking comes from `TOKEN_FREQUENCY_FILE`
 beside a checkpoint or ``MTPDecodingConfig.draft_vocab_file`` (`load_token_ranking`); a size with no ranking is
 refused (`resolve_draft_vocab`): a made-up ranking would silently drop acceptance. docs/speculation.md, "Restricted
@@ -18,7 +19,8 @@ import torch
 from torch import nn
 
 from ..linear import model_linear
-from ..quant.fp8 import dequantize_block_fp8
+from ..quant.fp8 import dequantize_block_fp8, quantize_block_fp8
+from ..quant.ops import fp8_linear
 
 __all__ = ["TOKEN_FREQUENCY_FILE", "DraftVocab", "load_token_ranking", "resolve_draft_vocab", "subset_ids"]
 
@@ -91,55 +93,114 @@ def dequantize_block_fp8_rows(rows: torch.Tensor, row_scale: torch.Tensor, block
     return rows.float() * row_scale.float().repeat_interleave(block, dim=1)[:, :D]
 
 
+# The FP8 draft head's scale tile (the model's block-FP8 weights use the same).
+FP8_BLOCK = 128
+
+
 class DraftVocab:
     """The draft steps' LM head over ``N`` token ids: ``[N, D]`` head rows, argmax mapped back to full ids.
 
     Args:
         lm_head: the target model's LM head (``weight [V, D]``; float, or block-FP8 with ``weight_scale_inv``).
-        ids: the ``N`` token ids (distinct, ascending; `subset_ids`).
+        ids: the ``N`` token ids (distinct, ascending; `subset_ids`); None: every id (``N = V``, no mapping: an FP8
+            copy of the whole head).
+        act_dtype: the activations' dtype (an FP8 head's rows are dequantised to it).
+        fp8: hold the rows as block-FP8 codes and scales (`quant.fp8.quantize_block_fp8` of the float rows) and
+            project with the FP8 linear.
 
     Attributes:
-        ids: ``[N]`` int64 token ids on the head's device.
+        ids: ``[N]`` int64 token ids on the head's device, or None (the full vocabulary).
         weight: ``[N, D]`` head rows in the head's float dtype (bf16 / fp32; an FP8 head's rows dequantised to
-            the activations' dtype ``act_dtype``), allocated once: CUDA graphs captured on it stay valid.
+            the activations' dtype ``act_dtype``), or FP8 codes with ``fp8``; allocated once: CUDA graphs captured on
+            it stay valid.
+        scale_inv: ``[ceil(N / block), ceil(D / block)]`` fp32 tile scales with ``fp8``, else None.
+        block: their tile edge (128; an FP8 model head reused whole keeps its own).
     """
 
-    def __init__(self, lm_head: nn.Module, ids: Sequence[int], act_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, lm_head: nn.Module, ids: Sequence[int] | None, act_dtype: torch.dtype | None = None, fp8: bool = False
+    ) -> None:
         w = lm_head.weight
-        if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
-            raise ValueError("draft vocabulary ids must be distinct and ascending")
-        if not ids or min(ids) < 0 or max(ids) >= w.shape[0]:
-            raise ValueError(f"draft vocabulary ids must be in [0, {w.shape[0]})")
-        self.ids = torch.tensor(list(ids), dtype=torch.int64, device=w.device)
-        dtype = act_dtype if w.dtype == torch.float8_e4m3fn else w.dtype
+        self.act_dtype = act_dtype if w.dtype == torch.float8_e4m3fn else w.dtype
+        self.act_dtype = self.act_dtype or torch.bfloat16
+        self.scale_inv: torch.Tensor | None = None
+        self.block = FP8_BLOCK
+        if ids is None:
+            if not fp8:
+                raise ValueError("a draft head over the full vocabulary is only made as an FP8 copy (fp8=True)")
+            self.ids = None
+            self._n = int(w.shape[0])
+            rows_ids = torch.arange(self._n, device=w.device)
+        else:
+            if len(set(ids)) != len(ids) or list(ids) != sorted(ids):
+                raise ValueError("draft vocabulary ids must be distinct and ascending")
+            if not ids or min(ids) < 0 or max(ids) >= w.shape[0]:
+                raise ValueError(f"draft vocabulary ids must be in [0, {w.shape[0]})")
+            self.ids = torch.tensor(list(ids), dtype=torch.int64, device=w.device)
+            self._n = len(ids)
+            rows_ids = self.ids
         with torch.no_grad():
-            self.weight = _head_rows(lm_head, self.ids, dtype or torch.bfloat16).contiguous()
+            if fp8 and ids is None and w.dtype == torch.float8_e4m3fn:
+                # The model's head is block-FP8 already: the same codes and scales (no second copy).
+                self.weight, self.scale_inv = w, lm_head.weight_scale_inv
+                self.block = int(getattr(lm_head, "block", FP8_BLOCK))
+            elif fp8:
+                # Quantised in row chunks: the float rows of a full head would be a transient copy of V x D fp32.
+                codes, scales = [], []
+                for r0 in range(0, self._n, 64 * FP8_BLOCK):
+                    rows = _head_rows(lm_head, rows_ids[r0 : r0 + 64 * FP8_BLOCK], torch.float32)
+                    q, s = quantize_block_fp8(rows, FP8_BLOCK)
+                    codes.append(q)
+                    scales.append(s)
+                self.weight, self.scale_inv = torch.cat(codes).contiguous(), torch.cat(scales).contiguous()
+            else:
+                self.weight = _head_rows(lm_head, rows_ids, self.act_dtype).contiguous()
 
     @property
     def size(self) -> int:
         """``N``."""
-        return int(self.ids.numel())
+        return self._n
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the rows are block-FP8."""
+        return self.scale_inv is not None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [n, D]`` -> ``[n, N]`` FP32 logits of the subset (the model's float projection: batch-invariant
-        in that mode, like the full head)."""
+        """``hidden [n, D]`` -> ``[n, N]`` FP32 logits of the subset (the model's float projection, or the FP8
+        linear with ``fp8``: batch-invariant in that mode, like the full head)."""
+        if self.scale_inv is not None:
+            return fp8_linear(hidden.to(self.act_dtype), self.weight, self.scale_inv, self.block).float()
         return model_linear(hidden.to(self.weight.dtype), self.weight).float()
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [n, D]`` -> ``[n]`` int64 full-vocabulary ids of the argmax inside the subset (graph-safe: no
         host work, fixed buffers)."""
-        return self.ids.index_select(0, self.logits(hidden).argmax(dim=-1))
+        best = self.logits(hidden).argmax(dim=-1)
+        return best if self.ids is None else self.ids.index_select(0, best)
 
 
-def greedy_reference(lm_head: nn.Module, ids: Sequence[int], hidden: torch.Tensor) -> torch.Tensor:
-    """The plain reference of `DraftVocab.greedy`: full FP32 logits, every id outside ``ids`` masked to -inf,
-    argmax. ``hidden [n, D]`` -> ``[n]`` int64."""
+def greedy_reference(
+    lm_head: nn.Module, ids: Sequence[int] | None, hidden: torch.Tensor, fp8: bool = False
+) -> torch.Tensor:
+    """The plain reference of `DraftVocab.greedy`: full FP32 logits, every id outside ``ids`` masked to -inf (None:
+    none), argmax. ``fp8``: the head's rows of ``ids`` rounded as `DraftVocab` rounds them (block-FP8 over the subset's
+    own tiles) and the activations rounded to the head's dtype first. ``hidden [n, D]`` -> ``[n]`` int64."""
     w = lm_head.weight
     if w.dtype == torch.float8_e4m3fn:
         w = dequantize_block_fp8(w, lm_head.weight_scale_inv, int(getattr(lm_head, "block", 128)))
-    logits = hidden.float() @ w.float().t()
+    w = w.float()
+    keep = list(range(w.shape[0])) if ids is None else list(ids)
+    if fp8 and not (ids is None and lm_head.weight.dtype == torch.float8_e4m3fn):
+        q, s = quantize_block_fp8(w[keep], FP8_BLOCK)
+        w = w.clone()
+        w[keep] = dequantize_block_fp8(q, s, FP8_BLOCK)
+    x = hidden.float()
+    if fp8 and lm_head.weight.dtype != torch.float8_e4m3fn:
+        x = hidden.to(lm_head.weight.dtype).float()
+    logits = x @ w.t()
     mask = torch.full_like(logits, float("-inf"))
-    mask[:, list(ids)] = 0.0
+    mask[:, keep] = 0.0
     return (logits + mask).argmax(dim=-1)
 
 
@@ -150,8 +211,10 @@ def resolve_draft_vocab(
     path: str | os.PathLike[str] | None,
     checkpoint_dir: str | os.PathLike[str] | None,
     act_dtype: torch.dtype | None = None,
+    fp8: bool = False,
 ) -> DraftVocab | None:
-    """The MTP drafter's draft vocabulary for ``MTPDecodingConfig.draft_vocab_size`` / ``draft_vocab_file``.
+    """The MTP drafter's draft head for ``MTPDecodingConfig.draft_vocab_size`` / ``draft_vocab_file`` /
+    ``draft_head_fp8`` (None: the model's own LM head serves the drafts).
 
     Args:
         lm_head: the target's LM head.
@@ -160,12 +223,13 @@ def resolve_draft_vocab(
         path: the ranking file; None looks for `TOKEN_FREQUENCY_FILE` in ``checkpoint_dir``.
         checkpoint_dir: the directory the model was loaded from (None for presets built from a seed).
         act_dtype: the activations' dtype (an FP8 head's subset is held in it).
+        fp8: the draft head as a block-FP8 copy (over the subset, or the full vocabulary without ``size``).
 
     Raises:
         ValueError: a size with no ranking to take it from, or a size or ranking that does not fit.
     """
     if size is None:
-        return None
+        return DraftVocab(lm_head, None, act_dtype, fp8=True) if fp8 else None
     if path is None and checkpoint_dir is not None:
         cand = os.path.join(os.fspath(checkpoint_dir), TOKEN_FREQUENCY_FILE)
         path = cand if os.path.isfile(cand) else None
@@ -175,6 +239,6 @@ def resolve_draft_vocab(
             "(pass MTPDecodingConfig(draft_vocab_file=...), or leave draft_vocab_size=None for the full vocabulary)"
         )
     ids = subset_ids(load_token_ranking(path), size, vocab_size)
-    if size == vocab_size:
-        return None  # every id: the full head is the same draft, without the copy
-    return DraftVocab(lm_head, ids, act_dtype)
+    if size == vocab_size:  # every id: the full head is the same draft, without the copy (or the FP8 one)
+        return DraftVocab(lm_head, None, act_dtype, fp8=True) if fp8 else None
+    return DraftVocab(lm_head, ids, act_dtype, fp8=fp8)

@@ -30,6 +30,13 @@ def test_expected_tokens_per_step(mode: str, want: float | None) -> None:
         ("mtp3+ed+os", "mtp3", {"adaptive": False, "early_draft": True}, 3, None),
         ("mtp3+noed+adaptive", "mtp3", {"adaptive": True, "early_draft": False}, 3, None),
         ("mtporacle0.7k3", "mtporacle0.7k3", {"adaptive": False}, 3, 0.7),
+        (
+            "mtporacle0.7k3+dv64+fp8h",
+            "mtporacle0.7k3",
+            {"adaptive": False, "draft_vocab_size": 64, "draft_head_fp8": True},
+            3,
+            0.7,
+        ),
         ("mtporacle0.9", "mtporacle0.9", {"adaptive": False}, 3, 0.9),
         ("oracle0.5k2+mix+mc8", "oracle0.5k2", {"adaptive": False}, 2, 0.5),
     ],
@@ -187,6 +194,7 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "float32",
            "--layers", "4",
            "--batch", "2", "--modes", "plain", "mtporacle0.7k3", "mtporacle0.7k3+adaptive", "mtporacle0.7k3+dv64",
+           "mtporacle0.7k3+fp8h",
            "--gen", "8",
            "--prompt-len", "12", "--oracle-passes", "2", "--json", str(out)]  # fmt: skip
     env = dict(
@@ -207,4 +215,6 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     # Random weights ship no ranking: under the oracle the restricted head is timed with the first N ids.
     dv = rows["mtporacle0.7k3+dv64"]
     assert dv["draft_vocab_size"] == 64 and fixed["draft_vocab_size"] is None and dv["vs_plain"]["diverged"] == 0
+    assert not dv["draft_head_fp8"] and rows["mtporacle0.7k3+fp8h"]["draft_head_fp8"]
+    assert rows["mtporacle0.7k3+fp8h"]["draft_vocab_size"] is None
     assert rows["plain"]["K"] == 0 and rows["plain"]["acceptance"] is None

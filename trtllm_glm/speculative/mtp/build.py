@@ -49,7 +49,7 @@ def build_mtp(ctx: DraftContext, spec: MTPDecodingConfig) -> DraftResources:
     # The restricted draft vocabulary's head rows: copied once here, before any graph captures them.
     vocab = resolve_draft_vocab(
         model.lm_head, model.config.vocab_size, spec.draft_vocab_size, spec.draft_vocab_file, model.checkpoint_dir,
-        ctx.dtype,
+        ctx.dtype, fp8=spec.draft_head_fp8,
     )  # fmt: skip
     drafter = MTPDrafter(
         model, ctx.meta, manager, draft_manager, plane, K,
