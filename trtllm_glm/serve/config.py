@@ -57,8 +57,11 @@ def _dataclass_from(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -
         t = types[k]
         if v is None and "None" in t:
             continue
-        # Annotations are strings (postponed evaluation); bool is an int to isinstance(), so refuse it.
-        if t.startswith("int") and (not isinstance(v, int) or isinstance(v, bool)):
+        # Annotations are strings (postponed evaluation); bool is an int to isinstance(), so refuse it. A string is
+        # left to the class where the field takes one too (``checkpoint_interval: auto``).
+        if isinstance(v, str) and "str" in t:
+            pass
+        elif t.startswith("int") and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{where}.{k}: expected an int, got {v!r}")
         if t.startswith("str") and not isinstance(v, str):
             raise ConfigError(f"{where}.{k}: expected a string, got {v!r}")

@@ -134,6 +134,15 @@ def test_the_servers_keys_are_split_off() -> None:
     )  # fmt: skip
 
 
+def test_auto_values_of_kv_cache_config() -> None:
+    """Fields that take an int or ``"auto"`` take ``auto`` from a YAML file too (it was refused as not an int); any
+    other string is the class's error, naming the field."""
+    kv = llm_options_from_dict({"kv_cache_config": {"checkpoint_interval": "auto", "checkpoint_max_bytes": "auto"}})
+    assert kv["kv_cache_config"] == KvCacheConfig()
+    with pytest.raises(ConfigError, match="checkpoint_interval must be a positive int, 'auto' or None, got 'often'"):
+        llm_options_from_dict({"kv_cache_config": {"checkpoint_interval": "often"}})
+
+
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_llm_options(write(tmp_path, "- 1\n- 2\n"))
