@@ -367,6 +367,33 @@ def _check_lossless(args: argparse.Namespace, outs: list, sp) -> int:
     return 1 if bad else 0
 
 
+# ``serve --http`` / ``--loop``: `serve.http_loop.HTTP_CHOICES` / `LOOP_CHOICES` written out, so that building the
+# parser imports nothing of the server (the serve package imports the runtime, and torch); a test keeps them equal.
+_HTTP_CHOICES = ("auto", "httptools", "h11")
+_LOOP_CHOICES = ("auto", "uvloop", "asyncio")
+
+
+def _serve_http_loop(args: argparse.Namespace, serve_options: dict[str, Any]) -> tuple[str, str]:
+    """uvicorn's HTTP parser and event loop asked for: ``--http`` / ``--loop`` over the ``--config`` file's ``http`` /
+    ``loop`` keys (default ``auto``). Checked now, before the address is bound or the model built: a C one named that
+    does not import is an error naming where it was asked for, never a fall-back to the pure-Python one."""
+    from .serve.http_loop import choose_http_loop
+
+    asked = []
+    for key in ("http", "loop"):
+        flag = getattr(args, key)
+        if flag is not None:
+            value, source = flag, f"--{key} {flag}"
+        else:
+            value, source = serve_options.get(key, "auto"), f"{args.config}: {key}"
+        try:
+            choose_http_loop(**{key: value})  # the other one "auto": only this one's name can fail
+        except ValueError as e:
+            raise UserError(f"{source}: {e}") from None
+        asked.append(value)
+    return asked[0], asked[1]
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -382,6 +409,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         options, serve_options = split_serve_options(load_llm_options(args.config) if args.config else {})
         engine_process = serve_options.get("engine_process", True) and not args.no_engine_process
+        http, loop = _serve_http_loop(args, serve_options)
         options.update(_parallel_options(args))
         if args.batch_invariant is not None:  # the flag overrides the YAML key
             options["batch_invariant"] = _batch_invariant(args)
@@ -404,7 +432,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
         try:
             run_server(app, host=args.host, port=args.port, log_level=args.log_level, drain_timeout=args.drain_timeout,
-                       sock=sock)  # fmt: skip
+                       sock=sock, http=http, loop=loop)  # fmt: skip
         finally:
             engine = getattr(getattr(app, "state", None), "engine", None)
             llm = getattr(engine, "llm", None)
@@ -541,6 +569,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-engine-process", action="store_true",
         help="run the engine on a thread of the server's process instead of a process of its own (debugging; "
         "also the YAML key engine_process: false)",
+    )  # fmt: skip
+    s.add_argument(
+        "--http", choices=list(_HTTP_CHOICES), default=None,
+        help="uvicorn's HTTP parser: auto (httptools when installed, else h11; the default), httptools (an error when "
+        "not installed) or h11; overrides the YAML key http",
+    )  # fmt: skip
+    s.add_argument(
+        "--loop", choices=list(_LOOP_CHOICES), default=None,
+        help="uvicorn's event loop: auto (uvloop when installed, else asyncio; the default), uvloop (an error when not "
+        "installed) or asyncio; overrides the YAML key loop",
     )  # fmt: skip
     _add_parallel_args(s)
     _add_batch_invariant_arg(s)

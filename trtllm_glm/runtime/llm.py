@@ -89,6 +89,12 @@ class KvCacheConfig:
             is a state slot's copy: ~153 MB on GLM-5.3-Flash); ``None``: no limit.
         checkpoint_prompt_end: also checkpoint where each prompt's prefill ends, so that the next turn of
             a conversation (this prompt + the answer + more) reuses the whole prompt. On by default.
+        checkpoint_prompt_end_min_tokens: the shortest prompt that gets a prompt-end checkpoint (default 64; never
+            less than a page). A checkpoint is a whole state-slot copy whatever the prompt's length (~94-153 MB on
+            GLM-5.3-Flash, a share of ``checkpoint_max_bytes`` that evicts others), and a short prompt's saves
+            its next turn only the prompt's few tokens of prefill (the answer is recomputed either way). Short
+            prompts keep their request-end checkpoint: the next turn still resumes after the answer where one is
+            taken (docs/prefix_caching.md, "Short prompts").
         checkpoint_last_page: also cut each prompt's prefill at its last page boundary and checkpoint there, so
             that the first repeat of the prompt resumes there too. Off by default: the cut costs every prompt
             longer than a page one more (eager) prefill step before its first token; off, a repeat finds the
@@ -111,6 +117,7 @@ class KvCacheConfig:
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | str | None = "auto"
     checkpoint_prompt_end: bool = True
+    checkpoint_prompt_end_min_tokens: int = 64
     checkpoint_last_page: bool = False
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = True
@@ -130,6 +137,9 @@ class KvCacheConfig:
                 raise ValueError(f"{name} must be a positive int, 'auto' or None, got {v!r}")
         if self.max_checkpoints < 0:
             raise ValueError(f"max_checkpoints must be >= 0, got {self.max_checkpoints}")
+        n = self.checkpoint_prompt_end_min_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"checkpoint_prompt_end_min_tokens must be a positive int (prompt tokens), got {n!r}")
         ci = self.checkpoint_interval
         if isinstance(ci, int) and not isinstance(ci, bool) and ci < self.tokens_per_block:
             # A stride below a page cuts every prefill chunk into a few rows (measured 4.5-6x slower prefill at
@@ -352,7 +362,8 @@ class LLM:
             checkpoint_interval=kv.resolved_interval(max_num_tokens, prefill_chunk_size),
             max_checkpoints=kv.max_checkpoints,
             checkpoint_max_bytes=kv.checkpoint_max_bytes,
-            checkpoint_prompt_end=kv.checkpoint_prompt_end,
+            # The executor's checkpoint_prompt_end takes the minimum in place of True (`PrefixCache`'s prompt_end).
+            checkpoint_prompt_end=kv.checkpoint_prompt_end_min_tokens if kv.checkpoint_prompt_end else False,
             checkpoint_last_page=kv.checkpoint_last_page,
             checkpoint_branch_points=kv.checkpoint_branch_points,
             checkpoint_request_end=kv.checkpoint_request_end,

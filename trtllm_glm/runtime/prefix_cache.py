@@ -72,6 +72,20 @@ def auto_checkpoint_max_bytes(manager: Glm5NextCacheManager, fraction: float = 0
     return max(int(total * fraction), per_slot * manager.max_num_requests * one)
 
 
+def _prompt_end_min_tokens(prompt_end: bool | int, tokens_per_block: int) -> int | None:
+    """`PrefixCache`'s ``prompt_end`` as the shortest prompt that gets a prompt-end checkpoint (None: none does).
+
+    Never below a page: without the next token in its key a checkpoint inside the first page matches every prompt
+    that starts with its tokens (a 1-token prompt's: every prompt with that first token), and saves fewer than a
+    page of prefill for a whole state-slot copy.
+    """
+    if isinstance(prompt_end, bool):
+        return tokens_per_block if prompt_end else None
+    if not isinstance(prompt_end, int) or prompt_end <= 0:
+        raise ValueError(f"prompt_end must be True, False or a positive int (prompt tokens), got {prompt_end!r}")
+    return max(prompt_end, tokens_per_block)
+
+
 class PrefixCache:
     """Block reuse for one executor.
 
@@ -83,7 +97,9 @@ class PrefixCache:
             request that repeats the prompt, at the cost of one more prefill step for every prompt; off, a repeat
             finds the pages sealed and checkpoints there as a branch point: the repeats after it resume).
         prompt_end: also checkpoint where a prompt's prefill ends (keyed with the first output token), so
-            that a follow-up turn that repeats the prompt and the answer reuses the whole prompt.
+            that a follow-up turn that repeats the prompt and the answer reuses the whole prompt: ``True`` for
+            prompts of at least a page, an int ``n`` for prompts of at least ``n`` tokens (and a page), ``False``
+            for none (`KvCacheConfig.checkpoint_prompt_end_min_tokens` says why a minimum).
         branch_points: checkpoint at branch points (see the module docstring).
         wait_for_leader: hold a waiting request while a running one prefills the pages they share (`match`).
         request_end: also checkpoint each request where it ends (`at_finish`; the next turn reuses the answer).
@@ -96,7 +112,7 @@ class PrefixCache:
         executor: PrefixHost,
         *,
         checkpoint_interval: int | None,
-        prompt_end: bool = False,
+        prompt_end: bool | int = False,
         last_page: bool = False,
         branch_points: bool = True,
         wait_for_leader: bool = True,
@@ -111,7 +127,8 @@ class PrefixCache:
         self.ex = executor
         self.tokens_per_block = executor.manager.tokens_per_block
         self.interval = checkpoint_interval
-        self.prompt_end = prompt_end
+        # The shortest prompt that gets a prompt-end checkpoint (None: none does).
+        self.prompt_end_min_tokens = _prompt_end_min_tokens(prompt_end, self.tokens_per_block)
         self.last_page = last_page
         self.branch_points = branch_points
         if max_bytes == "auto":
@@ -162,14 +179,20 @@ class PrefixCache:
         if b is not None and b <= last:
             out.add(b)
         out.update(e for e in self._leads.get(r.request_id, ()) if e <= last)
-        if not out and not self.prompt_end and not self._warned_short:
+        if not out and not self.prompt_end_at(len(r.prompt_ids)) and not self._warned_short:
             self._warned_short = True
             log.debug(
                 "prefix caching: a prompt of %d tokens gets no checkpoint (prompts need more than "
-                "tokens_per_block=%d tokens, or set checkpoint_interval); such prompts are never reused",
+                "tokens_per_block=%d tokens, or set checkpoint_interval; prompt-end checkpoints: %s); a later "
+                "request repeating it recomputes it (a next turn may resume at its request-end checkpoint)",
                 len(r.prompt_ids), self.tokens_per_block,
+                "off" if self.prompt_end_min_tokens is None else f"from {self.prompt_end_min_tokens} tokens",
             )  # fmt: skip
         return sorted(out)
+
+    def prompt_end_at(self, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens gets a checkpoint where its prefill ends."""
+        return self.prompt_end_min_tokens is not None and prompt_len >= self.prompt_end_min_tokens
 
     @staticmethod
     def eligible(r: Request) -> bool:
@@ -429,10 +452,9 @@ class PrefixCache:
                 self.ex.seal_draft_page(r, j, keys[j])
             r.pages_sealed = max(r.pages_sealed, n_final)
             E = r.num_computed
-            # A prompt shorter than a page gets no prompt-end checkpoint: it would save fewer than P tokens of
-            # prefill for a whole state-slot copy, and without the next token in its key it matches every prompt
-            # that starts with it (a 1-token prompt's: every prompt with that first token).
-            at_end = self.prompt_end and len(r.prompt_ids) == E >= P
+            # A short prompt gets no prompt-end checkpoint (`prompt_end_at`): a whole state-slot copy and its share
+            # of the byte budget for a few tokens of prefill (`KvCacheConfig.checkpoint_prompt_end_min_tokens`).
+            at_end = len(r.prompt_ids) == E and self.prompt_end_at(E)
             if s.is_decode or done < E or not (at_end or (len(r.prompt_ids) > E and E in self.endpoints(r))):
                 continue
             if n_final < E // P:
@@ -462,7 +484,7 @@ class PrefixCache:
             return
         P, E = self.tokens_per_block, r.num_computed
         if E < P or len(r.tokens) <= E or history(r) < E:
-            return  # (a sequence shorter than a page: see the prompt-end rule in `after_step`)
+            return  # (a sequence shorter than a page: see `_prompt_end_min_tokens`)
         keys = self._keys(r.page_keys, r.tokens, E // P)
         if len(keys) < E // P:
             return

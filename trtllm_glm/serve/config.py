@@ -1,7 +1,8 @@
 """``--config options.yaml``: LLM API options for ``trtllm-glm serve``, with the keys of ``LLM(...)``.
 
 Every key of ``LLM.__init__`` except ``model`` and ``tokenizer`` is accepted (objects are built from mappings), plus
-serve's ``engine_process``; an unknown key is a `ConfigError` that names it. ``speculative_config`` takes a
+the server's own `SERVE_KEYS` (``engine_process``, ``http``, ``loop``); an unknown key, or a value a key does not take,
+is a `ConfigError` that names it. ``speculative_config`` takes a
 ``decoding_type`` of the speculation registry and its config class's fields. A complete example:
 examples/serve_options.yaml; the keys: docs/serving.md.
 """
@@ -14,13 +15,15 @@ import os
 from typing import Any
 
 from ..config import ConfigError
+from .http_loop import HTTP_CHOICES, LOOP_CHOICES
 
 __all__ = ["load_llm_options", "llm_options_from_dict", "split_serve_options", "SERVE_KEYS"]
 
 # Keys LLM does not take but the YAML accepts, with the only value that matches what the runtime does.
 _FIXED_KEYS = {"enable_chunked_prefill": True}
-# Keys of the server itself, not of LLM (split off by `split_serve_options`), with their types.
-SERVE_KEYS = {"engine_process": bool}
+# Keys of the server itself, not of LLM (split off by `split_serve_options`), with what each takes: a type, or the
+# names it may be (uvicorn's HTTP parser and event loop, `http_loop.choose_http_loop`).
+SERVE_KEYS: dict[str, type | tuple[str, ...]] = {"engine_process": bool, "http": HTTP_CHOICES, "loop": LOOP_CHOICES}
 # Keys that cannot come from a YAML file.
 _NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
 _INT_KEYS = {"max_seq_len", "seed", "tensor_parallel_size"}
@@ -54,8 +57,11 @@ def _dataclass_from(cls: type, d: Any, where: str, skip: tuple[str, ...] = ()) -
         t = types[k]
         if v is None and "None" in t:
             continue
-        # Annotations are strings (postponed evaluation); bool is an int to isinstance(), so refuse it.
-        if t.startswith("int") and (not isinstance(v, int) or isinstance(v, bool)):
+        # Annotations are strings (postponed evaluation); bool is an int to isinstance(), so refuse it. A string is
+        # left to the class where the field takes one too (``checkpoint_interval: auto``).
+        if isinstance(v, str) and "str" in t:
+            pass
+        elif t.startswith("int") and (not isinstance(v, int) or isinstance(v, bool)):
             raise ConfigError(f"{where}.{k}: expected an int, got {v!r}")
         if t.startswith("str") and not isinstance(v, str):
             raise ConfigError(f"{where}.{k}: expected a string, got {v!r}")
@@ -85,6 +91,16 @@ def _speculative(d: Any) -> Any:
     return _dataclass_from(cls, d, where, skip=("draft_len_fn",))
 
 
+def _serve_value(v: Any, takes: type | tuple[str, ...], where: str) -> Any:
+    """``v`` checked against what a `SERVE_KEYS` key takes (``where`` names the key in the message)."""
+    if isinstance(takes, tuple):
+        if not isinstance(v, str) or v not in takes:
+            raise ConfigError(f"{where}: expected one of {', '.join(takes)}, got {v!r}")
+    elif not isinstance(v, takes):  # only bool so far
+        raise ConfigError(f"{where}: expected true or false, got {v!r}")
+    return v
+
+
 def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
     """``LLM(**options)`` keyword arguments from a parsed YAML mapping.
 
@@ -108,9 +124,7 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
                 raise ConfigError(f"{where}: only {_FIXED_KEYS[k]!r} is supported")
             continue
         if k in SERVE_KEYS:
-            if not isinstance(v, SERVE_KEYS[k]):
-                raise ConfigError(f"{where}: expected true or false, got {v!r}")
-            out[k] = v
+            out[k] = _serve_value(v, SERVE_KEYS[k], where)
             continue
         if k not in keys:
             known = ", ".join(sorted([*keys, *_FIXED_KEYS, *SERVE_KEYS]))
@@ -153,7 +167,8 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
 
 
 def split_serve_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(LLM options, server options)``: the `SERVE_KEYS` (``engine_process``) apart from ``LLM``'s keys."""
+    """``(LLM options, server options)``: the `SERVE_KEYS` (``engine_process``, ``http``, ``loop``) apart from ``LLM``'s
+    keys."""
     llm = {k: v for k, v in options.items() if k not in SERVE_KEYS}
     return llm, {k: v for k, v in options.items() if k in SERVE_KEYS}
 

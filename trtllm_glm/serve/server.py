@@ -7,7 +7,8 @@ only then does uvicorn close the connections and exit. A second signal exits at 
 
 HTTP parser and event loop (`choose_http_loop`): httptools and uvloop (C; the serve extra installs them) when they
 import, else h11 and asyncio (pure Python; h11 is uvicorn's own dependency); ``http="h11"`` / ``loop="asyncio"`` force
-the pure-Python ones. A start-up line says which pair runs. Under httptools, what h11 refuses and llhttp would take
+the pure-Python ones (``trtllm-glm serve``: ``--http`` / ``--loop``, or the keys ``http`` / ``loop`` of its ``--config``
+file). A start-up line says which pair runs. Under httptools, what h11 refuses and llhttp would take
 (over-long heads, a missing or doubled Host, HTTP/0.9) gets the same 400 (`_bounded_httptools_protocol`).
 """
 
@@ -31,6 +32,7 @@ from .app import build_app
 from .chat import load_chat_template
 from .describe import describe_engine
 from .engine import AsyncEngine
+from .http_loop import HTTP_CHOICES, LOOP_CHOICES, choose_http_loop
 from .reasoning import resolve_reasoning_parser
 
 __all__ = [
@@ -42,10 +44,6 @@ log = logging.getLogger("trtllm_glm.serve")
 
 # Seconds the final chunks of aborted streams get to reach their clients once the drain ends.
 FLUSH_S = 5.0
-# uvicorn's HTTP parser and event loop: "auto" prefers the C one (httptools, uvloop) and falls back to the pure-Python
-# one (h11, asyncio) when it does not import; a named one is used as named (an error when it does not import).
-HTTP_CHOICES = ("auto", "httptools", "h11")
-LOOP_CHOICES = ("auto", "uvloop", "asyncio")
 # The longest request head (request line and headers) still incomplete after a read that the server waits on: h11's
 # default ``max_incomplete_event_size``, which uvicorn's h11 protocol keeps; httptools gets the same bound.
 MAX_HEAD_BYTES = 16 * 1024
@@ -103,36 +101,6 @@ def make_app(
         engine, served_model_name=served_model_name or os.fspath(model), chat_template=template,
         drain_timeout=drain_timeout, reasoning_parser=parser,
     )  # fmt: skip
-
-
-def _importable(name: str) -> bool:
-    try:
-        __import__(name)
-    except ImportError:
-        return False
-    return True
-
-
-def choose_http_loop(http: str = "auto", loop: str = "auto") -> tuple[str, str]:
-    """The ``(http, loop)`` pair a server runs: ``"auto"`` is ``httptools`` / ``uvloop`` when the package imports, else
-    ``h11`` / ``asyncio``; a named one is kept.
-
-    Raises:
-        ValueError: a name outside `HTTP_CHOICES` / `LOOP_CHOICES`, or a C one named that does not import.
-    """
-    if http not in HTTP_CHOICES:
-        raise ValueError(f"http must be one of {', '.join(HTTP_CHOICES)}, got {http!r}")
-    if loop not in LOOP_CHOICES:
-        raise ValueError(f"loop must be one of {', '.join(LOOP_CHOICES)}, got {loop!r}")
-    out = []
-    for asked, fast, pure in ((http, "httptools", "h11"), (loop, "uvloop", "asyncio")):
-        if asked == "auto":
-            out.append(fast if _importable(fast) else pure)
-        elif asked == fast and not _importable(fast):
-            raise ValueError(f"{fast} is not installed (pip install 'trtllm_glm[serve]'), or choose {pure}")
-        else:
-            out.append(asked)
-    return out[0], out[1]
 
 
 def _describe_http_loop(chosen: tuple[str, str], asked: tuple[str, str]) -> str:

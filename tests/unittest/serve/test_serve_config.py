@@ -116,6 +116,8 @@ def test_mtp_draft_vocab_and_adaptive_keys() -> None:
         ({"dtype": 16}, "dtype: expected a string"),
         ({"disable_overlap_scheduler": "no"}, "disable_overlap_scheduler: expected true or false"),
         ({"engine_process": "yes"}, "engine_process: expected true or false"),
+        ({"http": "fast"}, "http: expected one of auto, httptools, h11, got 'fast'"),
+        ({"loop": None}, "loop: expected one of auto, uvloop, asyncio, got None"),
     ],
 )
 def test_bad_options_name_the_key(options: dict, message: str) -> None:
@@ -123,10 +125,22 @@ def test_bad_options_name_the_key(options: dict, message: str) -> None:
         llm_options_from_dict(options, source="opts.yaml")
 
 
-def test_engine_process_is_the_servers_key() -> None:
-    """``engine_process`` (serve's, not LLM's) is accepted and split off before the LLM is built."""
-    opts = llm_options_from_dict({"max_batch_size": 4, "engine_process": False})
-    assert split_serve_options(opts) == ({"max_batch_size": 4}, {"engine_process": False})
+def test_the_servers_keys_are_split_off() -> None:
+    """``engine_process``, ``http`` and ``loop`` (serve's, not LLM's) are accepted and split off before the LLM is
+    built."""
+    opts = llm_options_from_dict({"max_batch_size": 4, "engine_process": False, "http": "h11", "loop": "uvloop"})
+    assert split_serve_options(opts) == (
+        {"max_batch_size": 4}, {"engine_process": False, "http": "h11", "loop": "uvloop"}
+    )  # fmt: skip
+
+
+def test_auto_values_of_kv_cache_config() -> None:
+    """Fields that take an int or ``"auto"`` take ``auto`` from a YAML file too (it was refused as not an int); any
+    other string is the class's error, naming the field."""
+    kv = llm_options_from_dict({"kv_cache_config": {"checkpoint_interval": "auto", "checkpoint_max_bytes": "auto"}})
+    assert kv["kv_cache_config"] == KvCacheConfig()
+    with pytest.raises(ConfigError, match="checkpoint_interval must be a positive int, 'auto' or None, got 'often'"):
+        llm_options_from_dict({"kv_cache_config": {"checkpoint_interval": "often"}})
 
 
 def test_bad_files(tmp_path: Path) -> None:
