@@ -65,7 +65,9 @@ class ExecutorConfig:
         max_checkpoints: checkpoints kept (LRU); they have their own budget apart from pages.
         checkpoint_max_bytes: device bytes all checkpoints may hold (``None``: no byte limit; ``"auto"``:
             a quarter of the cache's bytes, at least two checkpoints per state slot: `auto_checkpoint_max_bytes`).
-        checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse).
+        checkpoint_prompt_end: also checkpoint where each prompt's prefill ends (multi-turn reuse): True for prompts
+            of at least a page, an int ``n`` for prompts of at least ``n`` tokens (the LLM passes
+            `KvCacheConfig.checkpoint_prompt_end_min_tokens`), False for none.
         checkpoint_last_page: cut each prompt's last chunk at its last page boundary and checkpoint there (a
             repeat of the prompt resumes there; one more prefill step per prompt). Off, only a branch point
             or a waiting request cuts a prompt's last chunk (`PrefixCache.cut`).
@@ -97,7 +99,7 @@ class ExecutorConfig:
     checkpoint_interval: int | None = None
     max_checkpoints: int = 64
     checkpoint_max_bytes: int | str | None = None
-    checkpoint_prompt_end: bool = False
+    checkpoint_prompt_end: bool | int = False
     checkpoint_last_page: bool = True
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = False
