@@ -86,6 +86,13 @@ class ExecutorConfig:
             drafting rounds ahead where it can (docs/speculation.md); other steps run as before. Off here by
             default; the LLM API turns it on (unless ``disable_overlap_scheduler``), as TensorRT-LLM does.
         indexer_key_dtype: ``"fp8"`` or ``"bf16"`` pooled indexer keys in every cache manager (docs/indexer_keys.md).
+        batch_wait_timeout_iters: while every running request decodes, hold newly waiting requests for up to this
+            many steps so that arrivals are admitted together (TensorRT-LLM's name): a step that admits prompts runs
+            eagerly and costs several decode steps whatever it admits. 0 (default): admitted at the first step with
+            room. Holding ends early when nothing is decoding, a running request still prefills (that step is mixed
+            anyway), the waiting requests fill the free batch slots, or ``batch_wait_max_tokens_ratio`` is reached.
+        batch_wait_max_tokens_ratio: holding ends once the waiting prompts' tokens reach this share of
+            ``max_num_tokens`` (0: only the step count ends it).
     """
 
     tokens_per_block: int = 16
@@ -106,6 +113,16 @@ class ExecutorConfig:
     prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
     indexer_key_dtype: str = "fp8"
+    batch_wait_timeout_iters: int = 0
+    batch_wait_max_tokens_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = self.batch_wait_timeout_iters
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"batch_wait_timeout_iters must be an int >= 0 (steps), got {n!r}")
+        f = self.batch_wait_max_tokens_ratio
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+            raise ValueError(f"batch_wait_max_tokens_ratio must be a number in [0, 1], got {f!r}")
 
 
 @dataclass
@@ -188,6 +205,10 @@ class Executor:
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
+        # Admissions held back (`ExecutorConfig.batch_wait_timeout_iters`): the step the current hold began at, and
+        # steps that held (statistics).
+        self._hold_since: int | None = None
+        self.num_held_steps = 0
         self.num_preemptions = 0
         # The overlap scheduler's launched-but-unread step (`_InFlight`) and how many steps it launched ahead.
         self._inflight: _InFlight | None = None
@@ -356,7 +377,7 @@ class Executor:
             return False
         # Requests waiting are admitted only by a step that was read back (the plan changes); while the batch is
         # full none could be admitted anyway, so a steady batch keeps overlapping (a served batch at capacity).
-        if self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0:
+        if self.admission_pending():
             return False
         if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != 1 for s in plan):
             return False
@@ -499,8 +520,11 @@ class Executor:
         """
         if self.prefix is not None:
             self.prefix.match(list(self.waiting), self.running)
+        held = self._admissions_held(self.num_steps)
         while True:
             waiting = self.waiting if self.prefix is None else self.prefix.admissible(self.waiting)
+            if held:
+                waiting = []
             plan = self.scheduler.schedule(self.running, waiting, decode_width)
             if self.prefix is not None:
                 plan = self.prefix.cut(plan)
@@ -554,6 +578,44 @@ class Executor:
                 self.manager.free_request(r.request_id)
                 self.on_unadmit(r)
             self._preempt(victim)
+
+    def _hold_conditions(self) -> bool:
+        """Whether the batch is one whose waiting requests `ExecutorConfig.batch_wait_timeout_iters` holds back: every
+        running request decodes, and the waiting ones neither fill the free batch slots nor reach the token ratio."""
+        if self.cfg.batch_wait_timeout_iters <= 0 or not self.waiting or not self.running:
+            return False
+        free = min(self.cfg.max_batch_size - len(self.running), self.manager.num_free_slots)
+        ratio = self.cfg.batch_wait_max_tokens_ratio
+        return (
+            all(r.is_decode for r in self.running)
+            and len(self.waiting) < free
+            and not (ratio > 0 and sum(r.num_pending for r in self.waiting) >= ratio * self.cfg.max_num_tokens)
+        )
+
+    def _admissions_held(self, step: int) -> bool:
+        """Whether step ``step`` holds the waiting requests back: `_hold_conditions`, and the first of them has waited
+        fewer than ``batch_wait_timeout_iters`` steps (counted from the step it was first held at)."""
+        if not self._hold_conditions():
+            self._hold_since = None
+            return False
+        if self._hold_since is None:
+            self._hold_since = step
+        if step - self._hold_since >= self.cfg.batch_wait_timeout_iters:
+            self._hold_since = None
+            return False
+        self.num_held_steps += 1
+        return True
+
+    def admission_pending(self) -> bool:
+        """Whether the next step (``num_steps``: planned, or launched ahead of a read-back) could admit a waiting
+        request: room in the batch and a state slot, and not held back (`_admissions_held`; the first held step is
+        always planned, so a hold starts at a read-back). A step launched ahead cannot admit: it is not launched
+        while this holds."""
+        if not (self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0):
+            return False
+        if not self._hold_conditions() or self._hold_since is None:
+            return True
+        return self.num_steps - self._hold_since >= self.cfg.batch_wait_timeout_iters
 
     def _admit(self, r: Request, num_tokens: int, fresh: list[int]) -> None:
         """Give a waiting request its slot and pages (restoring its prefix match, if any). A slot that is not

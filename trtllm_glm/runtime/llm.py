@@ -255,6 +255,11 @@ class LLM:
             shape, CUDA graphs are captured in it): the last LLM built in a process sets it. Spawned workers of a
             parallel LLM get the same value.
 
+        batch_wait_timeout_iters: while the batch decodes, hold newly arrived requests up to this many steps so that
+            they are admitted together (`ExecutorConfig.batch_wait_timeout_iters`, TensorRT-LLM's name; 0, the
+            default: admitted at the first step with room).
+        batch_wait_max_tokens_ratio: stop holding once the waiting prompts reach this share of ``max_num_tokens``.
+
         warmup: on CUDA, run every kind of step a served batch can take once while the LLM is built (prefill
             widths, mixed steps, a full batch, growing contexts, sampling: `trtllm_glm.runtime.warmup`), so that no
             Triton kernel compiles while serving. Ignored on the CPU (nothing compiles there) and, for now, by a
@@ -285,6 +290,8 @@ class LLM:
         moe_expert_parallel_size: int | None = None,
         moe_tensor_parallel_size: int | None = None,
         batch_invariant: bool | None = None,
+        batch_wait_timeout_iters: int = 0,
+        batch_wait_max_tokens_ratio: float = 0.0,
         warmup: bool = True,
         _spawned_rank: tuple[int, int] | None = None,
     ) -> None:
@@ -369,6 +376,8 @@ class LLM:
             checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,
             indexer_key_dtype=kv.indexer_key_dtype,
+            batch_wait_timeout_iters=batch_wait_timeout_iters,
+            batch_wait_max_tokens_ratio=batch_wait_max_tokens_ratio,
         )
         self.seed = seed
         self.speculative_config = speculative_config

@@ -390,7 +390,7 @@ class SpeculativeExecutor(Executor):
         if self.draft_policy is not None and (self._next_k != K or self._carry_k is not None):
             return False
         # As plain overlap: requests waiting while the batch is full could not be admitted anyway.
-        if self.waiting and len(self.running) < self.cfg.max_batch_size and self.manager.num_free_slots > 0:
+        if self.admission_pending():
             return False
         return self._steady_verify_round(plan)
 
@@ -662,7 +662,10 @@ class SpeculativeExecutor(Executor):
         if self.draft_policy is not None and (self._next_k != K or self._carry_k is not None):
             return None
         mc = self.spec.max_concurrency
-        if (mc is not None and len(self.running) > mc) or self.waiting or not self._steady_verify_round(plan):
+        # Anybody waiting (admitted at this read-back, or by a finish seen there) keeps the round synchronous, unless
+        # admissions are held (`ExecutorConfig.batch_wait_timeout_iters`).
+        waits = bool(self.waiting) and (self.cfg.batch_wait_timeout_iters <= 0 or self.admission_pending())
+        if (mc is not None and len(self.running) > mc) or waits or not self._steady_verify_round(plan):
             return None
         reqs = [s.request for s in plan]
         starts = [s.start for s in plan]

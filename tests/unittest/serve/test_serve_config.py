@@ -33,6 +33,8 @@ def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
         prefill_chunk_size: null
         enable_chunked_prefill: true
         disable_overlap_scheduler: true
+        batch_wait_timeout_iters: 4
+        batch_wait_max_tokens_ratio: 0.25
         kv_cache_config:
           tokens_per_block: 8
           max_tokens: 512
@@ -51,6 +53,7 @@ def test_full_file_maps_to_llm_kwargs_and_builds(tmp_path: Path) -> None:
     llm = LLM(model="tiny", **opts)
     assert llm.executor_config.max_batch_size == 4 and llm.executor_config.tokens_per_block == 8
     assert opts["disable_overlap_scheduler"] is True and not llm.executor_config.overlap_scheduler
+    assert llm.executor_config.batch_wait_timeout_iters == 4 and llm.executor_config.batch_wait_max_tokens_ratio == 0.25
     assert type(llm.executor).__name__ == "SpeculativeExecutor"
 
 
