@@ -22,6 +22,8 @@
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio), and LLM.generate of
 #                 16 x 512-token prompts at the defaults against max_num_tokens 4096 / 16384 (issue 42's 90 % goal)
+#   serve_wait    issue 42: the serve stage's 30-token runs (concurrency 16, 64) with admissions held while the batch
+#                 decodes (batch_wait_timeout_iters: WAIT_ITERS, default 8; batch_wait_max_tokens_ratio: 0.25)
 #   serve_proc    issue 42: the same server with the engine on a thread (engine_process: false) and in its own process
 #                 (the default), back to back: 30-token prompts at concurrency 16 and 64, the engine alone at the same
 #                 batch (the in-process run's baseline)
@@ -144,6 +146,11 @@ for stage in "$@"; do
       timeout "${T_SERVE_1K:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
         --concurrency 1,16 --input-len 1024 --output-len 128 --num-requests 48 \
         --json "$O/serve_1k.json" 2>&1 | tee "$O/serve_1k.log" ;;
+    serve_wait)
+      printf 'batch_wait_timeout_iters: %s\nbatch_wait_max_tokens_ratio: 0.25\n' "${WAIT_ITERS:-8}" > /tmp/serve_wait.yaml
+      timeout "${T_SERVE_WAIT:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+        --config /tmp/serve_wait.yaml --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 \
+        --json "$O/serve_wait.json" 2>&1 | tee "$O/serve_wait.log" ;;
     serve_proc)
       for ep in false true; do
         printf 'engine_process: %s\n' "$ep" > "/tmp/serve_ep_$ep.yaml"
