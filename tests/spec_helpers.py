@@ -12,6 +12,20 @@ from trtllm_glm.runtime.executor import Executor
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 
+# Prompt openings the trained small preset continues well (its drafts are accepted): the speculative tests' prompts.
+SNIPPETS = [
+    "    def __init__(self",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Config:\n    def __init__(self, name",
+    "for i in range(len(",
+    "        return self.",
+    "def test_",
+    "    if not isinstance(value, str):\n        raise TypeError(",
+    "from collections import ",
+    "        self._data = {}\n        self._",
+    "    @property\n    def ",
+]
+
 
 class Scripted(AdaptiveDraftPolicy):
     """A policy whose every choice comes from ``script(i)`` (the i-th choice): the rounds are fixed, not timed."""

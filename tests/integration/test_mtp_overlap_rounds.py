@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 
-from tests.spec_helpers import Scripted, emulate_graphs
+from tests.spec_helpers import SNIPPETS, Scripted, emulate_graphs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -30,14 +30,6 @@ pytestmark = pytest.mark.cpu_only
 K = 3
 W = 1 + K
 AHEAD = MTPDecodingConfig(num_nextn_predict_layers=K, adaptive=False, overlap_rounds=True)
-SNIPPETS = [
-    "    def __init__(self",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, name",
-    "for i in range(len(",
-    "        return self.",
-    "def test_",
-]
 
 
 def prompt(text: str) -> list[int]:

@@ -54,7 +54,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.spec_helpers import Scripted, emulate_graphs
+from tests.spec_helpers import SNIPPETS, Scripted, emulate_graphs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, CudaGraphRunner, GraphOutputs, HostResults
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -74,18 +74,6 @@ FIRST_SEED = int(os.environ.get("TRTLLM_GLM_SPEC_FUZZ_SEED", "0"))
 # The reference's context limit (every case's is at most this).
 REF_MAX_SEQ_LEN = 256
 
-SNIPPETS = [
-    "    def __init__(self",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, name",
-    "for i in range(len(",
-    "        return self.",
-    "def test_",
-    "    if not isinstance(value, str):\n        raise TypeError(",
-    "from collections import ",
-    "        self._data = {}\n        self._",
-    "    @property\n    def ",
-]
 HEADERS = ["import os\nimport sys\nimport json\n\n\nclass Config:\n", "def f(x):\n    return x + 1\n\n\n"]
 
 

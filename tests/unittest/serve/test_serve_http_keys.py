@@ -17,21 +17,13 @@ import pytest
 
 from trtllm_glm import cli
 from trtllm_glm.cli import main
-from trtllm_glm.serve.http_loop import HTTP_CHOICES, LOOP_CHOICES
+from trtllm_glm.serve.http_loop import HTTP_CHOICES, LOOP_CHOICES, _importable
 from trtllm_glm.serve.server import DrainingServer
 
 pytestmark = pytest.mark.cpu_only
 
 
-def _imports(name: str) -> bool:
-    try:
-        __import__(name)
-    except ImportError:
-        return False
-    return True
-
-
-HAVE_C = _imports("httptools") and _imports("uvloop")
+HAVE_C = _importable("httptools") and _importable("uvloop")
 # CI installs the serve extra and sets TRTLLM_GLM_REQUIRE_SERVE=1: there the C pair's test runs (and fails) without it.
 C_REQUIRED = os.environ.get("TRTLLM_GLM_REQUIRE_SERVE") == "1"
 
@@ -107,7 +99,7 @@ def test_the_flags_reach_the_server_and_override_the_yaml(tmp_path: Path, served
 def test_one_flag_leaves_the_other_auto(served, capsys) -> None:
     rc, err = run_cli(["serve", "tiny", "--port", free_port(), "--loop", "asyncio"], capsys)
     assert rc == 0, err
-    http = "httptools" if _imports("httptools") else "h11"
+    http = "httptools" if _importable("httptools") else "h11"
     assert served[0].http_loop == (http, "asyncio")
     line = next(x for x in err.splitlines() if "HTTP: uvicorn" in x)
     assert f"parser {http} {md.version(http)}" in line and "event loop asyncio (asked for)" in line, line
