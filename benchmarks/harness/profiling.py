@@ -141,6 +141,39 @@ def module_host_ms(root: torch.nn.Module, step, names: tuple[str, ...]) -> dict[
     return out
 
 
+def _resolve(name: str) -> tuple[object, str, object]:
+    """``(owner, attr, raw)`` of a ``"package.module:attr"`` / ``"package.module:Class.attr"`` name (see
+    `func_host_ms`); ValueError for a name that does not resolve to a plain function or method."""
+    import importlib
+
+    mod_name, _, path = name.partition(":")
+    owner: object = importlib.import_module(mod_name)
+    *outer, attr = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    if isinstance(owner, type) and attr not in owner.__dict__:
+        raise ValueError(f"{name}: {attr} is not defined in {owner.__name__} itself (name the class that is)")
+    raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    if isinstance(raw, staticmethod | classmethod):
+        raise ValueError(f"{name}: static and class methods are not timed")
+    return owner, attr, raw
+
+
+def _with_wrapped(names: tuple[str, ...], wrap, run) -> None:  # noqa: ANN001
+    """Call ``run()`` with each named function replaced by ``wrap(label, fn)`` (label: the name after ``:``),
+    restoring them afterwards."""
+    undo: list[tuple[object, str, object]] = []
+    try:
+        for name in names:
+            owner, attr, raw = _resolve(name)
+            undo.append((owner, attr, raw))
+            setattr(owner, attr, wrap(name.partition(":")[2], raw))
+        run()
+    finally:
+        for owner, attr, raw in reversed(undo):
+            setattr(owner, attr, raw)
+
+
 def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple[float, int]]:
     """Host wall time inside each named function over ``reps`` calls of ``step``, per call: ``{name: (ms, calls)}``,
     inclusive of what it calls, plus ``"(step)"``. Names are ``"package.module:attr"`` or
@@ -152,11 +185,9 @@ def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple
     an error (a renamed function must not silently vanish from a breakdown).
     """
     import functools
-    import importlib
     import time
 
     acc: dict[str, list[float]] = {}
-    undo: list[tuple[object, str, object]] = []
 
     def wrap(label: str, fn):  # noqa: ANN001, ANN202
         a = acc.setdefault(label, [0.0, 0])
@@ -172,27 +203,111 @@ def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple
 
         return timed
 
-    try:
-        for name in names:
-            mod_name, _, path = name.partition(":")
-            owner: object = importlib.import_module(mod_name)
-            *outer, attr = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            if isinstance(owner, type) and attr not in owner.__dict__:
-                raise ValueError(f"{name}: {attr} is not defined in {owner.__name__} itself (name the class that is)")
-            raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-            if isinstance(raw, staticmethod | classmethod):
-                raise ValueError(f"{name}: static and class methods are not timed")
-            undo.append((owner, attr, raw))
-            setattr(owner, attr, wrap(path, raw))
+    total = [0.0]
+
+    def run() -> None:
         t = time.perf_counter()
         for _ in range(reps):
             step()
-        total = time.perf_counter() - t
-    finally:
-        for owner, attr, raw in reversed(undo):
-            setattr(owner, attr, raw)
-    out = {"(step)": (round(1e3 * total / reps, 3), 1)}
+        total[0] = time.perf_counter() - t
+
+    _with_wrapped(names, wrap, run)
+    out = {"(step)": (round(1e3 * total[0] / reps, 3), 1)}
     out.update({k: (round(1e3 * v[0] / reps, 3), round(v[1] / reps)) for k, v in acc.items()})
+    return out
+
+
+def op_counts(
+    step,
+    funcs: tuple[str, ...],
+    root: torch.nn.Module | None = None,
+    modules: tuple[str, ...] = (),
+    fused: tuple[str, ...] = (),
+) -> dict[str, tuple[int, int]]:
+    """Torch ops (aten calls that are not views, `VIEW_OPS`) issued inside each named function and each module class
+    over one call of ``step``: ``{name: (ops, calls)}``, inclusive, plus ``"(step)"``. ``funcs`` are named as for
+    `func_host_ms`; ``modules`` are class names of ``root``'s modules (forward hooks, as `module_host_ms`).
+
+    On the GPU an eager op is about one kernel launch and its host cost, so on the CPU this counts the launches an
+    eager step would issue where the code path is the CUDA one. ``fused`` names the functions (named as ``funcs``)
+    that CUDA runs as a fused kernel while the CPU runs their torch reference: each call counts as one op and the
+    reference's own ops not at all, so the counts are launch equivalents of the CUDA path (a fused op of two or
+    three launches still counts one). Triton launches themselves are not torch ops (a CUDA run counts none of them).
+    """
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    active: dict[str, int] = {}  # name -> nesting depth (a recursive call counts its ops once)
+    acc: dict[str, list[int]] = {}
+    total = [0]
+    in_fused = [0]  # depth inside `fused` functions: their ops are the CPU's stand-in for one kernel
+
+    def count_one() -> None:
+        total[0] += 1
+        for label in active:
+            acc[label][0] += 1
+
+    def enter(label: str) -> None:
+        a = acc.setdefault(label, [0, 0])
+        a[1] += 1
+        active[label] = active.get(label, 0) + 1
+
+    def leave(label: str) -> None:
+        active[label] -= 1
+        if not active[label]:
+            del active[label]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if not in_fused[0] and func.overloadpacket.__name__ not in VIEW_OPS:
+                count_one()
+            return func(*args, **(kwargs or {}))
+
+    def wrap(label: str, fn):  # noqa: ANN001, ANN202
+        acc.setdefault(label, [0, 0])
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            enter(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave(label)
+
+        return counted
+
+    handles = []
+    if root is not None:
+        for m in root.modules():
+            name = type(m).__name__
+            if name in modules:
+                acc.setdefault(name, [0, 0])
+                handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: enter(n)))  # noqa: ARG005
+                handles.append(m.register_forward_hook(lambda mod, a, o, n=name: leave(n)))  # noqa: ARG005
+
+    def wrap_fused(label: str, fn):  # noqa: ANN001, ANN202, ARG001
+        @functools.wraps(fn)
+        def one(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if not in_fused[0]:
+                count_one()
+            in_fused[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                in_fused[0] -= 1
+
+        return one
+
+    def run() -> None:
+        with _Count():
+            step()
+
+    try:
+        _with_wrapped(funcs, wrap, lambda: _with_wrapped(fused, wrap_fused, run))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"(step)": (total[0], 1)}
+    out.update({k: (v[0], v[1]) for k, v in acc.items()})
     return out
