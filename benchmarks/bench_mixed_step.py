@@ -21,7 +21,8 @@ graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-
 CPU proxy of the host cost (no GPU needed): ``--widths tiny`` keeps the preset's layer pattern (KDA / sparse MLA,
 dense / MoE FFNs, mHC streams, Sinkhorn iterations, MTP layer) and shrinks every width (`TINY_WIDTHS`), so an
 eager step's time is Python and per-op dispatch, as a GPU step's host time is; it also takes the CUDA defaults'
-code paths where they depend on a setting (KDA short prefill: `TRTLLM_GLM_KDA_SHORT_PREFILL` 64 unless set).
+code paths where they depend on a setting or the device (KDA short prefill: `TRTLLM_GLM_KDA_SHORT_PREFILL` 64
+unless set; the fused KDA input weights, `Glm5NextForCausalLM.fuse_weights`).
 ``--ops`` adds ``ops_by_part`` / ``ops_by_function``: torch ops (about one launch each on the GPU) per model part
 and function of one admission (`benchmarks.harness.profiling.op_counts`). On the CPU the fused ops run their torch
 references, so read the counts of the orchestration code. Example (issue 42, 2-core CPU, one torch thread)::
@@ -256,6 +257,8 @@ def main() -> None:
         os.environ.setdefault("TRTLLM_GLM_KDA_SHORT_PREFILL", "64")
     cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
     model = random_model(cfg, args.device, args.dtype, seed=args.seed)
+    if args.widths == "tiny":
+        model.fuse_weights()  # as the executor does on CUDA (the CPU keeps separate GEMMs otherwise)
     kw = json.loads(args.llm_args)
     if "kv_cache_config" in kw:
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])

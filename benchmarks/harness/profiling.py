@@ -32,6 +32,10 @@ VIEW_OPS = ("view", "_unsafe_view", "t", "detach", "detach_", "slice", "select",
              "is_same_size", "new_empty", "new_empty_strided", "resolve_conj", "resolve_neg", "set_")  # fmt: skip
 
 
+# Aten ops that return their input unchanged when it already has the asked dtype / layout (no launch then).
+_CASTS = ("to", "contiguous", "type_as")
+
+
 def op_sites(step, n: int) -> list[tuple[str, int]]:
     """The torch ops of one call of ``step`` by call site: the ``n`` busiest (``op @ file:line function`` of the
     innermost ``trtllm_glm`` frame, calls), after a first row with the total. Each such op is about one kernel
@@ -260,9 +264,13 @@ def op_counts(
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if not in_fused[0] and func.overloadpacket.__name__ not in VIEW_OPS:
+            out = func(*args, **(kwargs or {}))
+            op = func.overloadpacket.__name__
+            # A cast that returns its input (``.to`` / ``.float()`` / ``.contiguous()`` of what already is) launches
+            # nothing (in-place ops return their input too, and do launch).
+            if not in_fused[0] and op not in VIEW_OPS and not (op in _CASTS and args and out is args[0]):
                 count_one()
-            return func(*args, **(kwargs or {}))
+            return out
 
     def wrap(label: str, fn):  # noqa: ANN001, ANN202
         acc.setdefault(label, [0, 0])

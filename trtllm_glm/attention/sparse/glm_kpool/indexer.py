@@ -42,6 +42,8 @@ class GlmKpoolIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(INDEX_HEAD_DIM, D))
         self.weights_proj = nn.Linear(D, Hi, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(INDEX_KPOOL, INDEX_HEAD_DIM))
+        # `_k_norm_fp32`'s cached FP32 copies: (key, weight, bias).
+        self._k_norm_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -67,8 +69,28 @@ class GlmKpoolIndexer(nn.Module):
         if projected is None:
             projected = (self.wk(h), model_linear(h, self.index_kpool_compress_gate.to(h.dtype)))
         raw_k, gate = projected
-        k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
+        weight, bias = self._k_norm_fp32()
+        k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), weight, bias, 1e-6)
         return k, gate.float()
+
+    def _k_norm_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_norm``'s ``weight`` and ``bias`` ``[128]`` in FP32: the parameters themselves when they are FP32, else
+        copies made once and kept while both keep their storage and version (a 16-bit model otherwise cast both,
+        two launches, in every sparse layer of every step). A miss while a CUDA graph captures casts without keeping
+        the copies (memory of the graph's pool is not ours to keep), as every call did before."""
+        w, b = self.k_norm.weight, self.k_norm.bias
+        if w.dtype == torch.float32 and b.dtype == torch.float32:
+            return w, b
+        key = (w.data_ptr(), w._version, w.dtype, b.data_ptr(), b._version, b.dtype)
+        hit = self._k_norm_cache
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return w.float(), b.float()
+        with torch.inference_mode(False), torch.no_grad():
+            wf, bf = w.float(), b.float()
+        self._k_norm_cache = (key, wf, bf)
+        return wf, bf
 
     def forward(
         self,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from trtllm_glm.errors import TableWidthError
@@ -27,6 +29,14 @@ def _complete_pools(positions: torch.Tensor) -> torch.Tensor:
     return (positions.to(torch.int64) + 1) // KPOOL
 
 
+@functools.cache
+def _head_scale(n_heads: int) -> float:
+    """``(128 * n_heads) ** -0.5`` rounded to fp32, as a Python float. A Python scalar is applied in the tensor's fp32
+    (same bits as an fp32 constant tensor) and needs no host-to-device copy, so the op can be captured; cached
+    because making it (a CPU tensor and its read-back) cost more host time than the multiply's launch."""
+    return float(torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32))
+
+
 def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor | None, n_heads: int) -> torch.Tensor:
     """Fold the query FP8 scale and ``(128 * n_heads) ** -0.5`` into the per-head weights.
 
@@ -41,9 +51,7 @@ def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor | No
     Returns:
         ``[N, H]`` fp32 head weights.
     """
-    # A Python scalar is applied in the tensor's fp32 (same bits as an fp32 constant tensor) and needs no
-    # host-to-device copy, so the op can be captured.
-    c = float(torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32))
+    c = _head_scale(n_heads)
     w = weights_logits.to(torch.float32)
     if qscale is not None:
         w = w * qscale.to(torch.float32)
