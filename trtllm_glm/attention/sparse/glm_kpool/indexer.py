@@ -131,10 +131,13 @@ class GlmKpoolIndexer(nn.Module):
             ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
-        sel = meta.selection(N)
+        # The selection buffer's rows are written whole below (no -1 fill first: two launches less per sparse layer
+        # and step, captured graphs included) unless the buffer is wider than this layer's selection.
+        whole = meta.selection_buf.shape[1] == self.select_width
         if meta.spec.shared_pool_ids is not None:
             # A chained MTP step with index_share_for_mtp_iteration: step 0's pools plus the recent window.
             assert meta.spec.shared_window_start is not None
+            sel = meta.selection_buf[:N]  # every column copied
             sel.copy_(
                 expand_selection_window(meta.spec.shared_pool_ids, meta.spec.shared_window_start, pos, sel.shape[1])
             )
@@ -153,5 +156,8 @@ class GlmKpoolIndexer(nn.Module):
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.spec.last_pool_ids = pool_ids
+        if whole:  # the expansion writes every column, -1 past the selection
+            return ops.expand_selection(pool_ids, pos, self.select_width, out=meta.selection_buf[:N])
+        sel = meta.selection(N)
         sel[:, : self.select_width].copy_(ops.expand_selection(pool_ids, pos, self.select_width))
         return sel
