@@ -24,8 +24,10 @@ eager step's time is Python and per-op dispatch, as a GPU step's host time is; i
 code paths where they depend on a setting or the device (KDA short prefill: `TRTLLM_GLM_KDA_SHORT_PREFILL` 64
 unless set; the fused KDA input weights, `Glm5NextForCausalLM.fuse_weights`).
 ``--ops`` adds ``ops_by_part`` / ``ops_by_function``: torch ops (about one launch each on the GPU) per model part
-and function of one admission (`benchmarks.harness.profiling.op_counts`). On the CPU the fused ops run their torch
-references, so read the counts of the orchestration code. Example (issue 42, 2-core CPU, one torch thread)::
+and function of one admission (`benchmarks.harness.profiling.op_counts`), each call of an op that CUDA runs as a
+fused kernel (`_FUSED`, a torch reference on the CPU) counted as one; and ``func_host_ms_outside_fused``: the host
+time by function with the time inside those references left out (the orchestration's host time, which the GPU pays
+too; ``(fused)``: the references' time and calls). Example (issue 42, 2-core CPU, one torch thread)::
 
     OMP_NUM_THREADS=1 python -m benchmarks.bench_mixed_step --widths tiny --device cpu --dtype float32 \
         --layers 4 --decode 15 --new 16 --prompt-len 30 --reps 9 --ops
@@ -140,6 +142,10 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     row["module_host_ms"] = module_host_ms(b.ex.model, lambda: b.admit(new, length), _PARTS)
     # The same by function (the runtime around the forward and the KDA core's parts), averaged over three admissions.
     row["func_host_ms"] = func_host_ms(lambda: b.admit(new, length), _FUNCS, reps=args.func_reps)
+    if args.ops:  # the same without the fused ops' torch references (the CPU proxy's orchestration time)
+        row["func_host_ms_outside_fused"] = func_host_ms(
+            lambda: b.admit(new, length), _FUNCS, reps=args.func_reps, fused=_FUSED
+        )
     if args.ops:  # torch ops (about one launch each on the GPU) by part and by function, one admission
         ops = op_counts(lambda: b.admit(new, length), _FUNCS, b.ex.model, _PARTS, _FUSED)
         row["ops_by_part"] = {k: v for k, v in ops.items() if k == "(step)" or k in _PARTS}
@@ -199,6 +205,7 @@ _FUSED = (
 _LISTS = (
     "module_host_ms",
     "func_host_ms",
+    "func_host_ms_outside_fused",
     "ops_by_part",
     "ops_by_function",
     "kernels_top",
@@ -289,6 +296,11 @@ def main() -> None:
                 print(f"    host by part: {parts}")
                 funcs = ", ".join(f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["func_host_ms"].items())
                 print(f"    host by function: {funcs}")
+                if "func_host_ms_outside_fused" in r:
+                    funcs = ", ".join(
+                        f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["func_host_ms_outside_fused"].items()
+                    )
+                    print(f"    host by function outside fused ops: {funcs}")
                 for key, label in (("ops_by_part", "ops by part"), ("ops_by_function", "ops by function")):
                     if key in r:
                         print(f"    {label}: " + ", ".join(f"{k} {n} ({c})" for k, (n, c) in r[key].items()))

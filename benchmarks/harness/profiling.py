@@ -178,7 +178,9 @@ def _with_wrapped(names: tuple[str, ...], wrap, run) -> None:  # noqa: ANN001
             setattr(owner, attr, raw)
 
 
-def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple[float, int]]:
+def func_host_ms(
+    step, names: tuple[str, ...], reps: int = 1, fused: tuple[str, ...] = ()
+) -> dict[str, tuple[float, int]]:
     """Host wall time inside each named function over ``reps`` calls of ``step``, per call: ``{name: (ms, calls)}``,
     inclusive of what it calls, plus ``"(step)"``. Names are ``"package.module:attr"`` or
     ``"package.module:Class.attr"`` with ``Class`` the class defining ``attr`` (wrapped there, so every instance's call
@@ -187,23 +189,46 @@ def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple
     Only the host clock is read (no profiler, no synchronisation): the time the host spent issuing each part, with
     one clock read per call in and out instead of cProfile's per-function overhead. A name that does not resolve is
     an error (a renamed function must not silently vanish from a breakdown).
+
+    ``fused`` (named alike; see `op_counts`): functions CUDA runs as fused kernels while the CPU runs their torch
+    reference. Time inside them is left out of every row (``"(step)"`` too), and ``"(fused)"`` reports it with their
+    calls: on the CPU proxy the rest is the orchestration's host time (Python, index building, the torch ops around
+    the kernels), which the GPU pays too, while a reference's compute stands in for a kernel launch's host cost.
     """
     import functools
     import time
 
     acc: dict[str, list[float]] = {}
+    inside = [0.0, 0, 0]  # time inside fused functions so far, their calls, nesting depth
 
     def wrap(label: str, fn):  # noqa: ANN001, ANN202
         a = acc.setdefault(label, [0.0, 0])
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            f0 = inside[0]
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                a[0] += time.perf_counter() - t0
+                a[0] += time.perf_counter() - t0 - (inside[0] - f0)
                 a[1] += 1
+
+        return timed
+
+    def wrap_fused(label: str, fn):  # noqa: ANN001, ANN202, ARG001
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if inside[2]:  # nested: the outer call times it
+                return fn(*args, **kwargs)
+            inside[1] += 1
+            inside[2] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - t0
+                inside[2] -= 1
 
         return timed
 
@@ -213,10 +238,12 @@ def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple
         t = time.perf_counter()
         for _ in range(reps):
             step()
-        total[0] = time.perf_counter() - t
+        total[0] = time.perf_counter() - t - inside[0]
 
-    _with_wrapped(names, wrap, run)
+    _with_wrapped(names, wrap, lambda: _with_wrapped(fused, wrap_fused, run))
     out = {"(step)": (round(1e3 * total[0] / reps, 3), 1)}
+    if fused:
+        out["(fused)"] = (round(1e3 * inside[0] / reps, 3), round(inside[1] / reps))
     out.update({k: (round(1e3 * v[0] / reps, 3), round(v[1] / reps)) for k, v in acc.items()})
     return out
 
