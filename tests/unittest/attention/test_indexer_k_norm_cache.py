@@ -68,3 +68,18 @@ def test_copies_follow_in_place_updates_and_new_storage() -> None:
     ix.k_norm.bias = torch.nn.Parameter(ix.k_norm.bias.detach() + 1.0)  # another storage
     with torch.inference_mode():
         assert torch.equal(ix.keys(raw_k, (raw_k, raw_k))[0], _plain_keys(ix, raw_k))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_query_rotation_reads_a_16_bit_projection_exactly(dtype: torch.dtype) -> None:
+    """The indexer hands `rotate_quant` its 16-bit query projection without an fp32 copy: the reference and the kernel
+    (the CPU interpreter) give the bits of the fp32 copy's."""
+    pytest.importorskip("triton")
+    from trtllm_glm.attention.sparse.glm_kpool import kernels as K
+    from trtllm_glm.attention.sparse.glm_kpool import ops as R
+
+    x = (torch.randn(6, 2, INDEX_HEAD_DIM, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    want_q, want_s = R.rotate_quant(x.float())
+    for got_q, got_s in (R.rotate_quant(x), K.rotate_quant(x)):
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(got_s, want_s)
+    assert torch.equal(x.to(torch.bfloat16), x.float().to(torch.bfloat16))  # the bf16-key branch's rounding

@@ -142,7 +142,9 @@ class GlmKpoolIndexer(nn.Module):
                 expand_selection_window(meta.spec.shared_pool_ids, meta.spec.shared_window_start, pos, sel.shape[1])
             )
             return sel
-        q_idx = self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM)
+        # In the projection's dtype: both branches below read it exactly (`rotate_quant` computes from its input cast
+        # to fp32, the bf16 branch rounds once to bf16), so no separate fp32 copy (a launch per sparse layer and step).
+        q_idx = self.wq_b(q_lora).view(N, self.n_heads, INDEX_HEAD_DIM)
         if cache.index_k.dtype == torch.bfloat16:
             # BF16 keys (docs/indexer_keys.md): bf16 queries, unrotated (the rotation only spreads outliers
             # for the FP8 scales) and unscaled, so that keys and queries keep 8 mantissa bits each.
