@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
+from trtllm_glm.kda import layer as layer_mod
 from trtllm_glm.kda.layer import ragged_destinations
 from trtllm_glm.state import KdaLayerState
 
@@ -131,3 +132,43 @@ def test_mixed_step_matches_masked_padding_and_each_sequence_alone(monkeypatch) 
     assert torch.equal(st.recurrent, masked_st.recurrent) and torch.equal(st.conv, masked_st.conv)
     torch.testing.assert_close(st.recurrent, alone_st.recurrent, atol=2e-5, rtol=1e-4)
     assert torch.equal(out[T:], zero_rows)
+
+
+def test_step_plan_built_once_per_step_and_anew_for_new_lists(monkeypatch) -> None:
+    """The host split of a step's sequences (`_StepPlan`) and the paths' host descriptions are built by the first KDA
+    layer and reused by the others while the batch holds the same lists (``AttentionMetadata.prepare`` assigns new
+    ones); outputs and states bit for bit those of layers that derive everything themselves."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
+    builds: list[str] = []
+    for name, owner in (("_decode_host", layer_mod), ("_ragged_host", layer_mod)):
+        orig = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _o=orig, _n=name: (builds.append(_n), _o(*a))[1])
+    plan_build = layer_mod._StepPlan.build.__func__
+    monkeypatch.setattr(
+        layer_mod._StepPlan, "build", classmethod(lambda cls, *a: (builds.append("plan"), plan_build(cls, *a))[1])
+    )
+    layers = [_layer(20 + i) for i in range(3)]
+    q, p, s = _mixed_batch()
+    hidden = torch.randn(sum(q), 32, generator=torch.Generator().manual_seed(7))
+
+    def run(batch_of) -> list[tuple[torch.Tensor, KdaLayerState]]:  # noqa: ANN001
+        out = []
+        for i, layer in enumerate(layers):
+            st = _state(layer, 30 + i)
+            out.append((layer(hidden, batch_of(i), st), st))
+        return out
+
+    ref = run(lambda i: KdaBatch.build(q, p, s))  # no scratch: every layer builds
+    assert builds.count("plan") == 3
+    builds.clear()
+    shared = KdaBatch.build(q, p, s)
+    shared.kda_scratch = {}
+    got = run(lambda i: shared)
+    assert sorted(builds) == ["_decode_host", "_ragged_host", "plan"]
+    for (a, sa), (b, sb) in zip(got, ref):
+        assert torch.equal(a, b) and torch.equal(sa.recurrent, sb.recurrent) and torch.equal(sa.conv, sb.conv)
+    # The same values in new lists (a new step described under the same scratch): built anew.
+    builds.clear()
+    shared.q_lens, shared.past_lens = list(q), list(p)
+    run(lambda i: shared)
+    assert sorted(builds) == ["_decode_host", "_ragged_host", "plan"]
