@@ -61,10 +61,12 @@ def test_copies_follow_in_place_updates_and_new_storage() -> None:
     raw_k = torch.randn(3, INDEX_HEAD_DIM).to(torch.bfloat16)
     with torch.inference_mode():
         ix.keys(raw_k, (raw_k, raw_k))
+    kept = ix._k_norm_fp32()[0]
     with torch.no_grad():
         ix.k_norm.weight.mul_(2.0)  # a load into the same storage bumps the version
     with torch.inference_mode():
         assert torch.equal(ix.keys(raw_k, (raw_k, raw_k))[0], _plain_keys(ix, raw_k))
+    assert ix._k_norm_fp32()[0] is kept  # refreshed in place: a captured graph reads the same address
     ix.k_norm.bias = torch.nn.Parameter(ix.k_norm.bias.detach() + 1.0)  # another storage
     with torch.inference_mode():
         assert torch.equal(ix.keys(raw_k, (raw_k, raw_k))[0], _plain_keys(ix, raw_k))

@@ -77,7 +77,8 @@ class GlmKpoolIndexer(nn.Module):
         """``k_norm``'s ``weight`` and ``bias`` ``[128]`` in FP32: the parameters themselves when they are FP32, else
         copies made once and kept while both keep their storage and version (a 16-bit model otherwise cast both,
         two launches, in every sparse layer of every step). A miss while a CUDA graph captures casts without keeping
-        the copies (memory of the graph's pool is not ours to keep), as every call did before."""
+        the copies (memory of the graph's pool is not ours to keep), as every call did before. A captured graph reads
+        the copies: changed weights reach it at the next eager call, which refreshes them in place."""
         w, b = self.k_norm.weight, self.k_norm.bias
         if w.dtype == torch.float32 and b.dtype == torch.float32:
             return w, b
@@ -88,7 +89,10 @@ class GlmKpoolIndexer(nn.Module):
         if w.is_cuda and torch.cuda.is_current_stream_capturing():
             return w.float(), b.float()
         with torch.inference_mode(False), torch.no_grad():
-            wf, bf = w.float(), b.float()
+            if hit is not None and hit[1].shape == w.shape and hit[2].shape == b.shape and hit[1].device == w.device:
+                wf, bf = hit[1].copy_(w), hit[2].copy_(b)  # the addresses a captured graph reads
+            else:
+                wf, bf = w.float(), b.float()
         self._k_norm_cache = (key, wf, bf)
         return wf, bf
 
