@@ -17,12 +17,28 @@ Usage (GPU): ``python -m benchmarks.bench_mixed_step --layers 4 --decode 15 63 -
 --json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test). Piecewise CUDA
 graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-args '{"cuda_graph_config":
 {"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` of one admission.
+
+CPU proxy of the host cost (no GPU needed): ``--widths tiny`` keeps the preset's layer pattern (KDA / sparse MLA,
+dense / MoE FFNs, mHC streams, Sinkhorn iterations, MTP layer) and shrinks every width (`TINY_WIDTHS`), so an
+eager step's time is Python and per-op dispatch, as a GPU step's host time is; it also takes the CUDA defaults'
+code paths where they depend on a setting or the device (KDA short prefill: `TRTLLM_GLM_KDA_SHORT_PREFILL` 64
+unless set; the fused KDA input weights, `Glm5NextForCausalLM.fuse_weights`).
+``--ops`` adds ``ops_by_part`` / ``ops_by_function``: torch ops (about one launch each on the GPU) per model part
+and function of one admission (`benchmarks.harness.profiling.op_counts`), each call of an op that CUDA runs as a
+fused kernel (`_FUSED`, a torch reference on the CPU) counted as one; and ``func_host_ms_outside_fused``: the host
+time by function with the time inside those references left out (the orchestration's host time, which the GPU pays
+too; ``(fused)``: the references' time and calls). Example (issue 42, 2-core CPU, one torch thread)::
+
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_mixed_step --widths tiny --device cpu --dtype float32 \
+        --layers 4 --decode 15 --new 16 --prompt-len 30 --reps 9 --ops
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -32,7 +48,7 @@ import torch
 from benchmarks.harness.host_syncs import sync_sites
 from benchmarks.harness.idle_sites import idle_sites
 from benchmarks.harness.models import random_model
-from benchmarks.harness.profiling import count_launches_and_syncs, func_host_ms, module_host_ms, top_kernels
+from benchmarks.harness.profiling import count_launches_and_syncs, func_host_ms, module_host_ms, op_counts, top_kernels
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
@@ -125,7 +141,15 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     # The host's time issuing each part of one admission (no profiler, no sync): which part keeps it host-bound.
     row["module_host_ms"] = module_host_ms(b.ex.model, lambda: b.admit(new, length), _PARTS)
     # The same by function (the runtime around the forward and the KDA core's parts), averaged over three admissions.
-    row["func_host_ms"] = func_host_ms(lambda: b.admit(new, length), _FUNCS, reps=3)
+    row["func_host_ms"] = func_host_ms(lambda: b.admit(new, length), _FUNCS, reps=args.func_reps)
+    if args.ops:  # the same without the fused ops' torch references (the CPU proxy's orchestration time)
+        row["func_host_ms_outside_fused"] = func_host_ms(
+            lambda: b.admit(new, length), _FUNCS, reps=args.func_reps, fused=_FUSED
+        )
+    if args.ops:  # torch ops (about one launch each on the GPU) by part and by function, one admission
+        ops = op_counts(lambda: b.admit(new, length), _FUNCS, b.ex.model, _PARTS, _FUSED)
+        row["ops_by_part"] = {k: v for k, v in ops.items() if k == "(step)" or k in _PARTS}
+        row["ops_by_function"] = {k: v for k, v in ops.items() if k != "(step)" and k not in _PARTS}
     if pw is not None and pw0 is not None:  # piecewise steps / segment replays of that one admission
         row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1])
     if dev == "cuda":
@@ -164,7 +188,49 @@ _FUNCS = tuple(
         "attention.sparse.glm_kpool.indexer:GlmKpoolIndexer.forward", "modules.ffn:MoE.forward",
     )
 )  # fmt: skip
-_LISTS = ("module_host_ms", "func_host_ms", "kernels_top", "idle_sites", "host_top", "host_own", "sync_sites")
+# Ops that CUDA runs as fused kernels (one or a few launches) and the CPU as torch references: `op_counts` counts
+# each call as one op (names as looked up by their callers: the KDA layer imports its ops into `kda.layer`).
+_FUSED = (
+    "trtllm_glm.modules.norm:rms_norm", "trtllm_glm.kda.layer:GatedRMSNorm.forward",
+    "trtllm_glm.modules.mhc:mhc_block_pre", "trtllm_glm.modules.mhc:mhc_block_post",
+    *(f"trtllm_glm.kda.layer:{f}" for f in (
+        "kda_gate_beta", "conv_decode", "kda_decode_inplace", "conv_verify_qkv", "kda_verify", "conv_commit_slots",
+        "kda_commit", "conv_prefill", "kda_prefill")),
+    *(f"trtllm_glm.attention.sparse.glm_kpool.ops:{f}" for f in (
+        "write_latent_rows", "update_decode_pools", "update_prefill_pools", "write_prefill_tail", "score_pools",
+        "expand_selection", "rotate_quant", "select_topk_pools", "sparse_mla_attention")),
+    "trtllm_glm.modules.ffn:swiglu", "trtllm_glm.modules.ffn:clamped_swiglu",
+    "trtllm_glm.modules.ffn:MoE._routed_loop", "trtllm_glm.moe.router:route",
+)  # fmt: skip
+_LISTS = (
+    "module_host_ms",
+    "func_host_ms",
+    "func_host_ms_outside_fused",
+    "ops_by_part",
+    "ops_by_function",
+    "kernels_top",
+    "idle_sites",
+    "host_top",
+    "host_own",
+    "sync_sites",
+)
+
+# `--widths tiny`: every width of the CPU proxy (the layer pattern, mHC streams, Sinkhorn iterations and the
+# constrained sizes - indexer head dim 128, pools of 4 - stay the preset's). index_topk stays above any context
+# of the run (as 2048 does for the GPU's 30-token prompts): every pool is selected, on the same code path.
+TINY_WIDTHS = {
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 4,
+    "index_topk": 128, "kda_num_heads": 4, "kda_head_dim": 32, "kda_gate_low_rank": 32, "pad_token_id": None,
+}  # fmt: skip
+
+
+def proxy_config(full: Glm5NextConfig) -> Glm5NextConfig:
+    """``full`` with `TINY_WIDTHS` (validated as any config)."""
+    cfg = dataclasses.replace(full, **TINY_WIDTHS)
+    cfg.validate()
+    return cfg
 
 
 def main() -> None:
@@ -179,13 +245,27 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--profile", type=int, default=0, help="N: also the top N host functions / kernels / idle sites")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--widths",
+        choices=("real", "tiny"),
+        default="real",
+        help="tiny: the CPU proxy of the host cost (the preset's layer pattern at tiny widths)",
+    )
+    ap.add_argument("--ops", action="store_true", help="also torch ops per model part / function of one admission")
+    ap.add_argument("--func-reps", type=int, default=3, help="admissions averaged by the host-by-function breakdown")
     ap.add_argument("--json", default=None)
     ap.add_argument("--llm-args", default="{}", help="extra LLM keyword arguments as JSON (kv_cache_config: a dict)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     full = Glm5NextConfig.from_pretrained(args.preset)
+    if args.widths == "tiny":
+        full = proxy_config(full)
+        # The CUDA default (a CPU run would take the chunked KDA prefill): the same code path as the GPU's.
+        os.environ.setdefault("TRTLLM_GLM_KDA_SHORT_PREFILL", "64")
     cfg = subset_config(full, list(range(min(args.layers, full.num_hidden_layers))))
     model = random_model(cfg, args.device, args.dtype, seed=args.seed)
+    if args.widths == "tiny":
+        model.fuse_weights()  # as the executor does on CUDA (the CPU keeps separate GEMMs otherwise)
     kw = json.loads(args.llm_args)
     if "kv_cache_config" in kw:
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
@@ -216,6 +296,14 @@ def main() -> None:
                 print(f"    host by part: {parts}")
                 funcs = ", ".join(f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["func_host_ms"].items())
                 print(f"    host by function: {funcs}")
+                if "func_host_ms_outside_fused" in r:
+                    funcs = ", ".join(
+                        f"{k} {ms:.2f} ms ({c})" for k, (ms, c) in r["func_host_ms_outside_fused"].items()
+                    )
+                    print(f"    host by function outside fused ops: {funcs}")
+                for key, label in (("ops_by_part", "ops by part"), ("ops_by_function", "ops by function")):
+                    if key in r:
+                        print(f"    {label}: " + ", ".join(f"{k} {n} ({c})" for k, (n, c) in r[key].items()))
                 for key in ("host_top", "host_own", "kernels_top", "sync_sites"):
                     for item in r.get(key, []):
                         print(f"    {key}: {item}")

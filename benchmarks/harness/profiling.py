@@ -32,6 +32,10 @@ VIEW_OPS = ("view", "_unsafe_view", "t", "detach", "detach_", "slice", "select",
              "is_same_size", "new_empty", "new_empty_strided", "resolve_conj", "resolve_neg", "set_")  # fmt: skip
 
 
+# Aten ops that return their input unchanged when it already has the asked dtype / layout (no launch then).
+_CASTS = ("to", "contiguous", "type_as")
+
+
 def op_sites(step, n: int) -> list[tuple[str, int]]:
     """The torch ops of one call of ``step`` by call site: the ``n`` busiest (``op @ file:line function`` of the
     innermost ``trtllm_glm`` frame, calls), after a first row with the total. Each such op is about one kernel
@@ -141,7 +145,42 @@ def module_host_ms(root: torch.nn.Module, step, names: tuple[str, ...]) -> dict[
     return out
 
 
-def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple[float, int]]:
+def _resolve(name: str) -> tuple[object, str, object]:
+    """``(owner, attr, raw)`` of a ``"package.module:attr"`` / ``"package.module:Class.attr"`` name (see
+    `func_host_ms`); ValueError for a name that does not resolve to a plain function or method."""
+    import importlib
+
+    mod_name, _, path = name.partition(":")
+    owner: object = importlib.import_module(mod_name)
+    *outer, attr = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    if isinstance(owner, type) and attr not in owner.__dict__:
+        raise ValueError(f"{name}: {attr} is not defined in {owner.__name__} itself (name the class that is)")
+    raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    if isinstance(raw, staticmethod | classmethod):
+        raise ValueError(f"{name}: static and class methods are not timed")
+    return owner, attr, raw
+
+
+def _with_wrapped(names: tuple[str, ...], wrap, run) -> None:  # noqa: ANN001
+    """Call ``run()`` with each named function replaced by ``wrap(label, fn)`` (label: the name after ``:``),
+    restoring them afterwards."""
+    undo: list[tuple[object, str, object]] = []
+    try:
+        for name in names:
+            owner, attr, raw = _resolve(name)
+            undo.append((owner, attr, raw))
+            setattr(owner, attr, wrap(name.partition(":")[2], raw))
+        run()
+    finally:
+        for owner, attr, raw in reversed(undo):
+            setattr(owner, attr, raw)
+
+
+def func_host_ms(
+    step, names: tuple[str, ...], reps: int = 1, fused: tuple[str, ...] = ()
+) -> dict[str, tuple[float, int]]:
     """Host wall time inside each named function over ``reps`` calls of ``step``, per call: ``{name: (ms, calls)}``,
     inclusive of what it calls, plus ``"(step)"``. Names are ``"package.module:attr"`` or
     ``"package.module:Class.attr"`` with ``Class`` the class defining ``attr`` (wrapped there, so every instance's call
@@ -150,49 +189,160 @@ def func_host_ms(step, names: tuple[str, ...], reps: int = 1) -> dict[str, tuple
     Only the host clock is read (no profiler, no synchronisation): the time the host spent issuing each part, with
     one clock read per call in and out instead of cProfile's per-function overhead. A name that does not resolve is
     an error (a renamed function must not silently vanish from a breakdown).
+
+    ``fused`` (named alike; see `op_counts`): functions CUDA runs as fused kernels while the CPU runs their torch
+    reference. Time inside them is left out of every row (``"(step)"`` too), and ``"(fused)"`` reports it with their
+    calls: on the CPU proxy the rest is the orchestration's host time (Python, index building, the torch ops around
+    the kernels), which the GPU pays too, while a reference's compute stands in for a kernel launch's host cost.
     """
     import functools
-    import importlib
     import time
 
     acc: dict[str, list[float]] = {}
-    undo: list[tuple[object, str, object]] = []
+    inside = [0.0, 0, 0]  # time inside fused functions so far, their calls, nesting depth
 
     def wrap(label: str, fn):  # noqa: ANN001, ANN202
         a = acc.setdefault(label, [0.0, 0])
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            f0 = inside[0]
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                a[0] += time.perf_counter() - t0
+                a[0] += time.perf_counter() - t0 - (inside[0] - f0)
                 a[1] += 1
 
         return timed
 
-    try:
-        for name in names:
-            mod_name, _, path = name.partition(":")
-            owner: object = importlib.import_module(mod_name)
-            *outer, attr = path.split(".")
-            for part in outer:
-                owner = getattr(owner, part)
-            if isinstance(owner, type) and attr not in owner.__dict__:
-                raise ValueError(f"{name}: {attr} is not defined in {owner.__name__} itself (name the class that is)")
-            raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-            if isinstance(raw, staticmethod | classmethod):
-                raise ValueError(f"{name}: static and class methods are not timed")
-            undo.append((owner, attr, raw))
-            setattr(owner, attr, wrap(path, raw))
+    def wrap_fused(label: str, fn):  # noqa: ANN001, ANN202, ARG001
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if inside[2]:  # nested: the outer call times it
+                return fn(*args, **kwargs)
+            inside[1] += 1
+            inside[2] += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - t0
+                inside[2] -= 1
+
+        return timed
+
+    total = [0.0]
+
+    def run() -> None:
         t = time.perf_counter()
         for _ in range(reps):
             step()
-        total = time.perf_counter() - t
-    finally:
-        for owner, attr, raw in reversed(undo):
-            setattr(owner, attr, raw)
-    out = {"(step)": (round(1e3 * total / reps, 3), 1)}
+        total[0] = time.perf_counter() - t - inside[0]
+
+    _with_wrapped(names, wrap, lambda: _with_wrapped(fused, wrap_fused, run))
+    out = {"(step)": (round(1e3 * total[0] / reps, 3), 1)}
+    if fused:
+        out["(fused)"] = (round(1e3 * inside[0] / reps, 3), round(inside[1] / reps))
     out.update({k: (round(1e3 * v[0] / reps, 3), round(v[1] / reps)) for k, v in acc.items()})
+    return out
+
+
+def op_counts(
+    step,
+    funcs: tuple[str, ...],
+    root: torch.nn.Module | None = None,
+    modules: tuple[str, ...] = (),
+    fused: tuple[str, ...] = (),
+) -> dict[str, tuple[int, int]]:
+    """Torch ops (aten calls that are not views, `VIEW_OPS`) issued inside each named function and each module class
+    over one call of ``step``: ``{name: (ops, calls)}``, inclusive, plus ``"(step)"``. ``funcs`` are named as for
+    `func_host_ms`; ``modules`` are class names of ``root``'s modules (forward hooks, as `module_host_ms`).
+
+    On the GPU an eager op is about one kernel launch and its host cost, so on the CPU this counts the launches an
+    eager step would issue where the code path is the CUDA one. ``fused`` names the functions (named as ``funcs``)
+    that CUDA runs as a fused kernel while the CPU runs their torch reference: each call counts as one op and the
+    reference's own ops not at all, so the counts are launch equivalents of the CUDA path (a fused op of two or
+    three launches still counts one). Triton launches themselves are not torch ops (a CUDA run counts none of them).
+    """
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    active: dict[str, int] = {}  # name -> nesting depth (a recursive call counts its ops once)
+    acc: dict[str, list[int]] = {}
+    total = [0]
+    in_fused = [0]  # depth inside `fused` functions: their ops are the CPU's stand-in for one kernel
+
+    def count_one() -> None:
+        total[0] += 1
+        for label in active:
+            acc[label][0] += 1
+
+    def enter(label: str) -> None:
+        a = acc.setdefault(label, [0, 0])
+        a[1] += 1
+        active[label] = active.get(label, 0) + 1
+
+    def leave(label: str) -> None:
+        active[label] -= 1
+        if not active[label]:
+            del active[label]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            op = func.overloadpacket.__name__
+            # A cast that returns its input (``.to`` / ``.float()`` / ``.contiguous()`` of what already is) launches
+            # nothing (in-place ops return their input too, and do launch).
+            if not in_fused[0] and op not in VIEW_OPS and not (op in _CASTS and args and out is args[0]):
+                count_one()
+            return out
+
+    def wrap(label: str, fn):  # noqa: ANN001, ANN202
+        acc.setdefault(label, [0, 0])
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            enter(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                leave(label)
+
+        return counted
+
+    handles = []
+    if root is not None:
+        for m in root.modules():
+            name = type(m).__name__
+            if name in modules:
+                acc.setdefault(name, [0, 0])
+                handles.append(m.register_forward_pre_hook(lambda mod, a, n=name: enter(n)))  # noqa: ARG005
+                handles.append(m.register_forward_hook(lambda mod, a, o, n=name: leave(n)))  # noqa: ARG005
+
+    def wrap_fused(label: str, fn):  # noqa: ANN001, ANN202, ARG001
+        @functools.wraps(fn)
+        def one(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if not in_fused[0]:
+                count_one()
+            in_fused[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                in_fused[0] -= 1
+
+        return one
+
+    def run() -> None:
+        with _Count():
+            step()
+
+    try:
+        _with_wrapped(funcs, wrap, lambda: _with_wrapped(fused, wrap_fused, run))
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"(step)": (total[0], 1)}
+    out.update({k: (v[0], v[1]) for k, v in acc.items()})
     return out

@@ -38,7 +38,14 @@ from .ops import (
 )
 from .ops.conv import verify_rows
 
-__all__ = ["KimiDeltaAttention", "KdaLayerRecords", "GatedRMSNorm", "ShortConvWeight", "short_prefill_rows"]
+__all__ = [
+    "KimiDeltaAttention",
+    "KdaLayerRecords",
+    "GatedRMSNorm",
+    "ShortConvWeight",
+    "ragged_destinations",
+    "short_prefill_rows",
+]
 
 # Prefill chunks of at most this many rows take the verify kernels' recurrence (verify every row from the slot,
 # then commit them all: four launches a layer) instead of the chunked path (fla's chunk kernels: a dozen launches
@@ -198,6 +205,68 @@ def _step_cached(batch: KdaBatchLike, key: tuple, build: Callable[[], Any]) -> A
     return hit
 
 
+def _step_host(batch: KdaBatchLike, key: tuple, build: Callable[[], Any]) -> Any:
+    """``build()``, a host-only description derived from the batch's host lists, made once per step for every KDA
+    layer of it (the full model's 45 layers otherwise re-derive the same lists and keys, tens of µs a layer for a
+    few dozen sequences). Cached in the batch's per-step scratch like `_step_cached`, and taken only while the
+    batch still holds the very lists it was built from (``AttentionMetadata.prepare`` assigns new ones and empties
+    the scratch; a batch's lists are never changed in place while its scratch lives). ``key`` names what is built
+    and the arguments ``build`` reads besides the batch. A batch without a scratch builds every time."""
+    scratch = getattr(batch, "kda_scratch", None)
+    if scratch is None:
+        return build()
+    lists = (batch.q_lens, batch.past_lens, batch.cu_seqlens, batch.state_slots)
+    extra = (batch.num_seqs, getattr(batch, "num_padding_seqs", 0))
+    hit = scratch.get(key)
+    if hit is not None and hit[1] == extra and all(a is b for a, b in zip(hit[0], lists)):
+        return hit[2]
+    value = build()
+    scratch[key] = (lists, extra, value)
+    return value
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """How a step's sequences split between the KDA paths (host lists; the same for every KDA layer of a step).
+
+    Attributes:
+        seqs: sequences with rows (``q_len >= 1``), slots checked distinct.
+        dec: width-one rows of sequences with a past (the recurrent step).
+        pre: chunks over the short-prefill limit (the chunked path).
+        short: chunks up to it (the verify recurrence, `short_prefill_rows`).
+        decode_only: every row of the step is one decode row, in order.
+        tiled: the sequences' rows cover all ``N`` rows (no padding rows to zero).
+        sink: padding rows of the short prefills' verify grid (`_ragged_padding`).
+    """
+
+    seqs: list[int]
+    dec: list[int]
+    pre: list[int]
+    short: list[int]
+    decode_only: bool
+    tiled: bool
+    sink: int
+
+    @classmethod
+    def build(cls, batch: KdaBatchLike, N: int, dev: torch.device) -> _StepPlan:
+        """The plan of ``batch`` over ``N`` rows on ``dev`` (raises as `_check_slots` for repeated slots)."""
+        q, p = batch.q_lens, batch.past_lens
+        seqs = [b for b in range(batch.num_seqs) if q[b] > 0]
+        _check_slots(batch, seqs)
+        dec = [b for b in seqs if q[b] == 1 and p[b] > 0]
+        pre = [b for b in seqs if not (q[b] == 1 and p[b] > 0)]
+        short: list[int] = []
+        limit = short_prefill_rows(dev) if pre else 0
+        if limit:
+            short = [b for b in pre if q[b] <= limit]
+            pre = [b for b in pre if q[b] > limit]
+        decode_only = (
+            not pre and not short and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec))
+        )
+        tiled = sum(q[b] for b in seqs) == N
+        return cls(seqs, dec, pre, short, decode_only, tiled, _ragged_padding(batch, short))
+
+
 def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
     # CUDA-graph padding sequences (trailing, `AttentionMetadata.num_padding_seqs`) all share the executor's
     # reserved padding slot on purpose: whatever they write there is never read by a real request.
@@ -205,6 +274,55 @@ def _check_slots(batch: KdaBatchLike, seqs: Sequence[int]) -> None:
     slots = [batch.state_slots[b] for b in seqs if b < n_real]
     if len(set(slots)) != len(slots):
         raise ValueError(f"state slots repeat within one KDA batch: {slots}")
+
+
+def _ragged_padding(batch: KdaBatchLike, seqs: Sequence[int]) -> int:
+    """Padding rows of the verify grid of ``seqs`` (each padded to the widest): ``n * Wm - sum(widths)``."""
+    widths = [batch.q_lens[b] for b in seqs]
+    return len(widths) * max(widths, default=0) - sum(widths)
+
+
+def _decode_host(batch: KdaBatchLike, seqs: list[int]) -> tuple[list[int], bool, tuple]:
+    """`KimiDeltaAttention._decode`'s host description of ``seqs``: their first rows, whether they are every sequence
+    at rows ``0 .. n-1`` (slices, no index tensor) and the key of their index tensors (`_step_cached`)."""
+    first = [batch.cu_seqlens[b] for b in seqs]
+    every_seq = first == list(range(len(first))) and seqs == list(range(batch.num_seqs))
+    return first, every_seq, ("decode", tuple(first), tuple(batch.state_slots[b] for b in seqs))
+
+
+def _ragged_host(batch: KdaBatchLike, seqs: list[int], rows: int) -> tuple[list[int], list[int], list[int], int, tuple]:
+    """`KimiDeltaAttention._ragged_verify`'s host description of ``seqs`` written into an output of ``rows`` rows:
+    widths, first rows, fresh flags, the first sink row (``rows`` less the grid's padding rows) and the key of the
+    index tensors (`_step_cached`)."""
+    widths = [batch.q_lens[b] for b in seqs]
+    firsts = [batch.cu_seqlens[b] for b in seqs]
+    fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
+    sink = rows - _ragged_padding(batch, seqs)  # the first sink row (N)
+    key = ("ragged", tuple(seqs), tuple(widths), tuple(firsts), tuple(fresh_h),
+           tuple(batch.state_slots[b] for b in seqs), sink)  # fmt: skip
+    return widths, firsts, fresh_h, sink, key
+
+
+def ragged_destinations(firsts: Sequence[int], widths: Sequence[int], sink: int) -> list[int]:
+    """Where each row of a verify grid goes (sequence ``i``'s ``Wm`` rows, ``Wm = max(widths)``): real row ``j`` of
+    sequence ``i`` to ``firsts[i] + j``; the ``k``-th padding row of the grid to ``sink + k``, a row of its own (no
+    index repeats, so one ``index_copy_`` places every output and stays deterministic).
+
+    Args:
+        firsts: ``[n]`` first row of each sequence in the step.
+        widths: ``[n]`` its rows (``>= 1``).
+        sink: the first sink row (the step's row count ``N``).
+
+    Returns:
+        ``n * Wm`` destination rows.
+    """
+    Wm = max(widths, default=0)
+    out: list[int] = []
+    for f, w in zip(firsts, widths):
+        out.extend(range(f, f + w))
+        out.extend(range(sink, sink + Wm - w))
+        sink += Wm - w
+    return out
 
 
 # Parameter groups `KimiDeltaAttention.fuse_weights` puts into one storage each (modules with ``.weight``).
@@ -432,24 +550,25 @@ class KimiDeltaAttention(nn.Module):
         """`forward` up to the mixer output ``o [N, H, V]`` (rows of other sequences stay zero)."""
         N, dev = hidden.shape[0], hidden.device
         x, g, beta, _ = inputs
-        seqs = [b for b in range(batch.num_seqs) if batch.q_lens[b] > 0]
-        _check_slots(batch, seqs)
-        dec = [b for b in seqs if batch.q_lens[b] == 1 and batch.past_lens[b] > 0]
-        pre = [b for b in seqs if not (batch.q_lens[b] == 1 and batch.past_lens[b] > 0)]
-        short: list[int] = []
-        limit = short_prefill_rows(dev) if pre else 0
-        if limit:
-            short = [b for b in pre if batch.q_lens[b] <= limit]
-            pre = [b for b in pre if batch.q_lens[b] > limit]
+        plan = _step_host(batch, ("plan", N, dev), lambda: _StepPlan.build(batch, N, dev))
+        dec, pre, short = plan.dec, plan.pre, plan.short
         weight = self._conv_weight()
-        if not pre and not short and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec)):
+        if plan.decode_only:
             # Every row is one decode row, in order: the decode output is o (no zero fill, no copy).
             return self._decode(x, g, beta, None, batch, dec, state, weight)
         op, rows = self._prefill(x, g, beta, batch, pre, state, weight) if pre else (None, None)
         if not dec and not short and isinstance(rows, slice) and rows == slice(0, N):
             # Every row is a prefill row, in order: the chunk output is o (no zero fill, no copy).
             return op
-        o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+        # The short prefills' padding rows land in sink rows past N (`_ragged_verify`); o is the first N rows.
+        sink = plan.sink
+        shape = (N + sink, self.num_heads, self.head_v_dim)
+        if plan.tiled:
+            # The sequences' rows tile all N rows and each path writes every one of its rows: no zero fill
+            # (a launch per layer on CUDA).
+            o = torch.empty(shape, dtype=torch.float32, device=dev)
+        else:  # padding rows (a piecewise bucket) read as zeros
+            o = torch.zeros(shape, dtype=torch.float32, device=dev)
         if dec:
             self._decode(x, g, beta, o, batch, dec, state, weight)
         if short:
@@ -458,7 +577,7 @@ class KimiDeltaAttention(nn.Module):
             o[rows] = op
         elif rows is not None:
             o.index_copy_(0, rows, op)
-        return o
+        return o[:N] if sink else o
 
     def _decode(
         self,
@@ -474,15 +593,14 @@ class KimiDeltaAttention(nn.Module):
         """The recurrent step of the decode rows of ``seqs``: written into their rows of ``o``, or, with
         ``o`` None (every row of the batch is one of them, in order), returned as ``o [N, H, V]`` FP32."""
         dev = x.device
-        first = [batch.cu_seqlens[b] for b in seqs]
+        first, every_seq, key = _step_host(batch, ("decode-host", tuple(seqs)), lambda: _decode_host(batch, seqs))
         n = len(first)
         # A pure decode step (rows 0..n-1 in order) takes slices: no index tensor built from a host list, so
         # the step has no host-to-device copy and can be captured in a CUDA graph.
         rows: torch.Tensor | slice
-        if first == list(range(n)) and seqs == list(range(batch.num_seqs)):
+        if every_seq:
             rows, slots = slice(0, n), self._slots(batch, seqs, dev)
         else:
-            key = ("decode", tuple(first), tuple(batch.state_slots[b] for b in seqs))
             rows, slots = _step_cached(batch, key, lambda: self._decode_index(batch, seqs, first, dev))
         # Conv update, SiLU and the q/k norms: one kernel on CUDA (`ops.conv.conv_decode`).
         q, k, v = conv_decode(x[rows], state.conv, weight, slots, self.num_heads, self.head_k_dim, self.head_v_dim)
@@ -570,12 +688,15 @@ class KimiDeltaAttention(nn.Module):
         weight: torch.Tensor,
     ) -> None:
         """Short prefill chunks of ``seqs`` through the verify kernels (`short_prefill_rows`): every row verified from
-        the slot (zeros for a fresh sequence), then all of them committed; their outputs written into ``o``'s rows."""
-        records = self._ragged_verify(x, g, beta, o, batch, seqs, state, weight)
+        the slot (zeros for a fresh sequence), then all of them committed; their outputs written into ``o``'s rows
+        (``o [N + P, H, V]``, P = `_ragged_padding`: sink rows for the padding rows)."""
+        # Every row is committed, so the padding rows' decay and beta are never folded into a slot: they need no
+        # zeroing (the verify runs each sequence's rows in order, so they cannot reach its real rows either).
+        records = self._ragged_verify(x, g, beta, o, batch, seqs, state, weight, mask_padding=False)
         # Every row is committed: the counts are the widths, the same for every KDA layer of the step.
         dev, widths = x.device, records.widths
         every = _step_cached(batch, ("commit", tuple(seqs), tuple(widths)), lambda: to_device(widths, dev, torch.int64))
-        records.commit([batch.q_lens[b] for b in range(batch.num_seqs)], state, accepted_t=every)
+        records.commit((), state, accepted_t=every)  # (the host counts are not read with ``accepted_t``)
 
     def _ragged_verify(
         self,
@@ -587,26 +708,36 @@ class KimiDeltaAttention(nn.Module):
         seqs: list[int],
         state: KdaLayerState,
         weight: torch.Tensor,
+        *,
+        mask_padding: bool = True,
     ) -> KdaLayerRecords:
         """The verify pass of ``seqs`` at any widths and positions, fresh or not (the state is only read): their rows'
-        outputs written into ``o [N, H, V]``; returns the commit records. No stream sync: every index is built on the
-        host and copied once."""
+        outputs written into ``o [N + P, H, V]`` (``P`` = `_ragged_padding` of ``seqs``; the padding rows' outputs
+        land in the sink rows ``N ..``, so one copy places every output); returns the commit records. No stream
+        sync: every index is built on the host and copied once per step (`_step_cached`).
+
+        ``mask_padding``: zero the padding rows' decay and beta, so that their records fold as no-ops even under a
+        count past a sequence's width (a speculative commit takes counts from elsewhere); a caller that commits
+        exactly the widths (`_short_prefill`) skips those two launches (the outputs and the committed state do not
+        change: the padding rows come after each sequence's real rows and are never committed)."""
         dev, n = x.device, len(seqs)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
-        widths = [batch.q_lens[b] for b in seqs]
-        firsts = [batch.cu_seqlens[b] for b in seqs]
-        Wm = max(widths, default=0)
-        fresh_h = [int(batch.past_lens[b] == 0) for b in seqs]
-        key = ("ragged", tuple(seqs), tuple(widths), tuple(firsts), tuple(fresh_h),
-               tuple(batch.state_slots[b] for b in seqs))  # fmt: skip
-        ridx, fresh, row0, widths_t, src_t, dst_t, valid, slots = _step_cached(
-            batch, key, lambda: self._ragged_index(batch, seqs, widths, firsts, fresh_h, dev)
+        widths, firsts, fresh_h, sink, key = _step_host(
+            batch, ("ragged-host", tuple(seqs), o.shape[0]), lambda: _ragged_host(batch, seqs, o.shape[0])
         )
-        gr = torch.where(valid.view(n, Wm, 1, 1), g[ridx], 0.0)
-        br = torch.where(valid.view(n, Wm, 1), beta[ridx], 0.0)
+        Wm = max(widths, default=0)
+        ridx, fresh, row0, widths_t, dst_t, valid, slots = _step_cached(
+            batch, key, lambda: self._ragged_index(batch, seqs, widths, firsts, fresh_h, sink, dev)
+        )
+        # index_select, not advanced indexing: the same gather for less host work per launch.
+        gr = g.index_select(0, ridx).view(n, Wm, *g.shape[1:])
+        br = beta.index_select(0, ridx).view(n, Wm, *beta.shape[1:])
+        if mask_padding and valid is not None:
+            gr = torch.where(valid.view(n, Wm, 1, 1), gr, 0.0)
+            br = torch.where(valid.view(n, Wm, 1), br, 0.0)
         q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
-        o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V).index_select(0, src_t))
+        o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V))
         return KdaLayerRecords(
             seq_ids=seqs,
             widths=widths,
@@ -626,22 +757,27 @@ class KimiDeltaAttention(nn.Module):
         widths: list[int],
         firsts: list[int],
         fresh_h: list[int],
+        sink: int,
         dev: torch.device,
-    ) -> tuple[torch.Tensor, ...]:
-        """`_ragged_verify`'s indices, in one host-to-device copy: ``ridx [n, Wm]`` the row grid (padding entries
-        repeat a sequence's last row; zero decay and beta make them no-ops, and they are never committed), ``fresh
-        [n]`` bool, ``row0 [n]`` first rows, ``widths [n]``, ``src / dst [R]`` where the real rows' outputs go (R the
-        real rows), ``valid [n, Wm]`` bool and the ``[n]`` slots."""
+    ) -> tuple[torch.Tensor | None, ...]:
+        """`_ragged_verify`'s indices, in one host-to-device copy: ``ridx [n * Wm]`` the row grid (padding entries
+        repeat a sequence's last row), ``fresh [n]`` bool, ``row0 [n]`` first rows, ``widths [n]``, ``dst [n * Wm]``
+        where each grid row's output goes (a real row to its own row, the ``k``-th padding row to the sink row
+        ``sink + k``), ``valid [n, Wm]`` bool (``None`` without padding rows) and the ``[n]`` slots."""
         n, Wm = len(seqs), max(widths, default=0)
-        grid = [f + min(j, w - 1) for f, w in zip(firsts, widths) for j in range(Wm)]
-        src = [i * Wm + j for i, w in enumerate(widths) for j in range(w)]
-        dst = [f + j for f, w in zip(firsts, widths) for j in range(w)]
-        meta = to_device(grid + fresh_h + firsts + widths + src + dst, dev, torch.int64)
-        cut = list(itertools.accumulate([n * Wm, n, n, n, len(src)]))
+        grid: list[int] = []
+        for f, w in zip(firsts, widths):  # each sequence's rows, then its last row repeated to Wm
+            grid.extend(range(f, f + w))
+            grid.extend([f + w - 1] * (Wm - w))
+        dst = ragged_destinations(firsts, widths, sink)
+        meta = to_device(grid + fresh_h + firsts + widths + dst, dev, torch.int64)
+        cut = list(itertools.accumulate([n * Wm, n, n, n]))
         widths_t = meta[cut[2] : cut[3]]
-        valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
-        return (meta[: cut[0]].view(n, Wm), meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], widths_t,
-                meta[cut[3] : cut[4]], meta[cut[4] :], valid, self._slots(batch, seqs, dev))  # fmt: skip
+        valid = None
+        if any(w < Wm for w in widths):
+            valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+        return (meta[: cut[0]], meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], widths_t, meta[cut[3] :], valid,
+                self._slots(batch, seqs, dev))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit
@@ -683,8 +819,10 @@ class KimiDeltaAttention(nn.Module):
             and all(batch.past_lens[b] > 0 for b in seqs)
         )
         if not uniform:
-            o = torch.zeros(N, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
-            return o, self._ragged_verify(x, g, beta, o, batch, seqs, state, self._conv_weight())
+            sink = _ragged_padding(batch, seqs)
+            o = torch.zeros(N + sink, self.num_heads, self.head_v_dim, dtype=torch.float32, device=dev)
+            records = self._ragged_verify(x, g, beta, o, batch, seqs, state, self._conv_weight())
+            return (o[:N] if sink else o), records
         R = n * Wm
         gr, br = g[:R].reshape(n, Wm, *g.shape[1:]), beta[:R].reshape(n, Wm, *beta.shape[1:])
         # The short convolution from the committed windows, SiLU and the q/k norms: one kernel on CUDA

@@ -1,5 +1,5 @@
-"""The host-time breakdowns of the benchmark harness: per model part (`module_host_ms`) and per server process
-(`proc_cpu`)."""
+"""The host-time breakdowns of the benchmark harness: per model part (`module_host_ms`), per function with the fused
+ops' references left out (`func_host_ms`, `op_counts`) and per server process (`proc_cpu`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import proc_cpu
-from benchmarks.harness.profiling import module_host_ms
+from benchmarks.harness.profiling import func_host_ms, module_host_ms, op_counts
 
 
 class _Slow(nn.Module):
@@ -38,6 +38,31 @@ def test_module_host_ms_times_each_named_part_inclusively() -> None:
     assert "ReLU" not in out  # only the named classes
     # The hooks are gone afterwards.
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    """Stands for a fused op's torch reference: slow, three ops."""
+    time.sleep(0.02)
+    return (x * 2 + 1).exp()
+
+
+def _orchestrate(x: torch.Tensor) -> torch.Tensor:
+    y = x + 1  # one op
+    z = _reference(y)  # one launch on the GPU (three ops on the CPU)
+    return z.view(-1).to(torch.float32).clone()  # a view and a cast of what already is fp32: nothing; one copy
+
+
+def test_op_counts_and_host_ms_take_a_fused_reference_as_one_launch() -> None:
+    x = torch.randn(4)
+    orch, ref = f"{__name__}:_orchestrate", f"{__name__}:_reference"
+    before = (globals()["_orchestrate"], globals()["_reference"])
+    assert op_counts(lambda: _orchestrate(x), (orch,)) == {"(step)": (5, 1), "_orchestrate": (5, 1)}
+    assert op_counts(lambda: _orchestrate(x), (orch,), fused=(ref,)) == {"(step)": (3, 1), "_orchestrate": (3, 1)}
+    out = func_host_ms(lambda: _orchestrate(x), (orch,), reps=2, fused=(ref,))
+    assert out["(fused)"][0] >= 19.0 and out["(fused)"][1] == 1
+    assert out["_orchestrate"][0] < 10.0 and out["(step)"][0] < 10.0  # the reference's time is left out
+    assert func_host_ms(lambda: _orchestrate(x), (orch,))["_orchestrate"][0] >= 19.0
+    assert (globals()["_orchestrate"], globals()["_reference"]) == before  # the wrappers are gone
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")

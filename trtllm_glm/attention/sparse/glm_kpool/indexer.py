@@ -42,6 +42,8 @@ class GlmKpoolIndexer(nn.Module):
         self.index_kpool_compress_gate = nn.Parameter(torch.zeros(INDEX_HEAD_DIM, D))
         self.weights_proj = nn.Linear(D, Hi, bias=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.zeros(INDEX_KPOOL, INDEX_HEAD_DIM))
+        # `_k_norm_fp32`'s cached FP32 copies: (key, weight, bias).
+        self._k_norm_cache: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator, std: float) -> None:
@@ -67,8 +69,32 @@ class GlmKpoolIndexer(nn.Module):
         if projected is None:
             projected = (self.wk(h), model_linear(h, self.index_kpool_compress_gate.to(h.dtype)))
         raw_k, gate = projected
-        k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), self.k_norm.weight.float(), self.k_norm.bias.float(), 1e-6)
+        weight, bias = self._k_norm_fp32()
+        k = F.layer_norm(raw_k.float(), (INDEX_HEAD_DIM,), weight, bias, 1e-6)
         return k, gate.float()
+
+    def _k_norm_fp32(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_norm``'s ``weight`` and ``bias`` ``[128]`` in FP32: the parameters themselves when they are FP32, else
+        copies made once and kept while both keep their storage and version (a 16-bit model otherwise cast both,
+        two launches, in every sparse layer of every step). A miss while a CUDA graph captures casts without keeping
+        the copies (memory of the graph's pool is not ours to keep), as every call did before. A captured graph reads
+        the copies: changed weights reach it at the next eager call, which refreshes them in place."""
+        w, b = self.k_norm.weight, self.k_norm.bias
+        if w.dtype == torch.float32 and b.dtype == torch.float32:
+            return w, b
+        key = (w.data_ptr(), w._version, w.dtype, b.data_ptr(), b._version, b.dtype)
+        hit = self._k_norm_cache
+        if hit is not None and hit[0] == key:
+            return hit[1], hit[2]
+        if w.is_cuda and torch.cuda.is_current_stream_capturing():
+            return w.float(), b.float()
+        with torch.inference_mode(False), torch.no_grad():
+            if hit is not None and hit[1].shape == w.shape and hit[2].shape == b.shape and hit[1].device == w.device:
+                wf, bf = hit[1].copy_(w), hit[2].copy_(b)  # the addresses a captured graph reads
+            else:
+                wf, bf = w.float(), b.float()
+        self._k_norm_cache = (key, wf, bf)
+        return wf, bf
 
     def forward(
         self,
@@ -109,15 +135,20 @@ class GlmKpoolIndexer(nn.Module):
             ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
             ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
-        sel = meta.selection(N)
+        # The selection buffer's rows are written whole below (no -1 fill first: two launches less per sparse layer
+        # and step, captured graphs included) unless the buffer is wider than this layer's selection.
+        whole = meta.selection_buf.shape[1] == self.select_width
         if meta.spec.shared_pool_ids is not None:
             # A chained MTP step with index_share_for_mtp_iteration: step 0's pools plus the recent window.
             assert meta.spec.shared_window_start is not None
+            sel = meta.selection_buf[:N]  # every column copied
             sel.copy_(
                 expand_selection_window(meta.spec.shared_pool_ids, meta.spec.shared_window_start, pos, sel.shape[1])
             )
             return sel
-        q_idx = self.wq_b(q_lora).float().view(N, self.n_heads, INDEX_HEAD_DIM)
+        # In the projection's dtype: both branches below read it exactly (`rotate_quant` computes from its input cast
+        # to fp32, the bf16 branch rounds once to bf16), so no separate fp32 copy (a launch per sparse layer and step).
+        q_idx = self.wq_b(q_lora).view(N, self.n_heads, INDEX_HEAD_DIM)
         if cache.index_k.dtype == torch.bfloat16:
             # BF16 keys (docs/indexer_keys.md): bf16 queries, unrotated (the rotation only spreads outliers
             # for the FP8 scales) and unscaled, so that keys and queries keep 8 mantissa bits each.
@@ -131,5 +162,8 @@ class GlmKpoolIndexer(nn.Module):
         )
         pool_ids = ops.select_topk_pools(scores, pos, self.topk_pools)
         meta.spec.last_pool_ids = pool_ids
+        if whole:  # the expansion writes every column, -1 past the selection
+            return ops.expand_selection(pool_ids, pos, self.select_width, out=meta.selection_buf[:N])
+        sel = meta.selection(N)
         sel[:, : self.select_width].copy_(ops.expand_selection(pool_ids, pos, self.select_width))
         return sel

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from trtllm_glm.errors import TableWidthError
@@ -27,6 +29,14 @@ def _complete_pools(positions: torch.Tensor) -> torch.Tensor:
     return (positions.to(torch.int64) + 1) // KPOOL
 
 
+@functools.cache
+def _head_scale(n_heads: int) -> float:
+    """``(128 * n_heads) ** -0.5`` rounded to fp32, as a Python float. A Python scalar is applied in the tensor's fp32
+    (same bits as an fp32 constant tensor) and needs no host-to-device copy, so the op can be captured; cached
+    because making it (a CPU tensor and its read-back) cost more host time than the multiply's launch."""
+    return float(torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32))
+
+
 def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor | None, n_heads: int) -> torch.Tensor:
     """Fold the query FP8 scale and ``(128 * n_heads) ** -0.5`` into the per-head weights.
 
@@ -41,9 +51,7 @@ def indexer_head_weights(weights_logits: torch.Tensor, qscale: torch.Tensor | No
     Returns:
         ``[N, H]`` fp32 head weights.
     """
-    # A Python scalar is applied in the tensor's fp32 (same bits as an fp32 constant tensor) and needs no
-    # host-to-device copy, so the op can be captured.
-    c = float(torch.tensor((_INDEX_DIM * n_heads) ** -0.5, dtype=torch.float32))
+    c = _head_scale(n_heads)
     w = weights_logits.to(torch.float32)
     if qscale is not None:
         w = w * qscale.to(torch.float32)
@@ -219,7 +227,9 @@ def select_topk_pools(scores: torch.Tensor, positions: torch.Tensor, topk_pools:
     return out
 
 
-def expand_selection(pool_ids: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
+def expand_selection(
+    pool_ids: torch.Tensor, positions: torch.Tensor, width: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Expand selected pools to token positions and append the open pool's tail.
 
     Per row: the tokens ``4p .. 4p+3`` of the selected pools in ascending order, then the open pool's
@@ -229,9 +239,10 @@ def expand_selection(pool_ids: torch.Tensor, positions: torch.Tensor, width: int
         pool_ids: ``[N, K]`` int pool ids, any order, ``-1`` = none.
         positions: ``[N]`` int64 token positions.
         width: output columns (``index_topk + 3`` for the model).
+        out: optional ``[N, width]`` int32 buffer written whole (as the kernel's ``out``).
 
     Returns:
-        ``[N, width]`` int32 token positions.
+        ``[N, width]`` int32 token positions (``out`` when given).
 
     Raises:
         ValueError: a pool id is not a complete pool of its row (``>= n_c``) or is repeated.
@@ -263,10 +274,14 @@ def expand_selection(pool_ids: torch.Tensor, positions: torch.Tensor, width: int
     tail_valid = j < n_tail[:, None]
     tail_col = torch.where(tail_valid, KPOOL * n_sel[:, None] + j, cols - 1)
     buf.scatter_(1, tail_col, torch.where(tail_valid, KPOOL * n_c[:, None] + j, -1))
-    out = torch.full((n_rows, width), -1, dtype=torch.int32, device=device)
+    res = torch.full((n_rows, width), -1, dtype=torch.int32, device=device)
     keep = min(width, cols - 1)
-    out[:, :keep] = buf[:, :keep].to(torch.int32)
-    return out
+    res[:, :keep] = buf[:, :keep].to(torch.int32)
+    if out is None:
+        return res
+    if out.shape != (n_rows, width) or out.dtype != torch.int32:
+        raise ValueError(f"out must be [N={n_rows}, width={width}] int32, got {tuple(out.shape)} {out.dtype}")
+    return out.copy_(res)
 
 
 def select_tokens(scores: torch.Tensor, positions: torch.Tensor, topk_pools: int, width: int) -> torch.Tensor:
