@@ -400,6 +400,11 @@ def _graph_like() -> Iterator[None]:
         (DeviceDrafts, "__init__", drafts_init_landing),
         (Executor, "_emit", emit_copied),
     ]
+    # The patches go on the base classes: a subclass's own copy (another test that put an inherited method back by
+    # assignment) would silently bypass them (logits not copied: "generation logits differ" with nothing wrong).
+    shadowed = [f"{sub.__name__}.{name}" for cls, name, _ in patches for sub in (SpeculativeExecutor,)
+                if issubclass(sub, cls) and sub is not cls and name in sub.__dict__]  # fmt: skip
+    assert not shadowed, f"{shadowed} override the emulation's patches (left behind by another test?)"
     with pytest.MonkeyPatch.context() as mp:
         for cls, name, fn in patches:
             mp.setattr(cls, name, fn)
