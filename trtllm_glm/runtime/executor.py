@@ -206,7 +206,7 @@ class Executor:
         self._arrivals = itertools.count()
         self.num_steps = 0
         # Admissions held back (`ExecutorConfig.batch_wait_timeout_iters`): the step the current hold began at, and
-        # steps that held (statistics).
+        # the planned steps that held (statistics; steps launched ahead while held are not planned).
         self._hold_since: int | None = None
         self.num_held_steps = 0
         self.num_preemptions = 0

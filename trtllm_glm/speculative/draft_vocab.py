@@ -121,8 +121,7 @@ class DraftVocab:
         self, lm_head: nn.Module, ids: Sequence[int] | None, act_dtype: torch.dtype | None = None, fp8: bool = False
     ) -> None:
         w = lm_head.weight
-        self.act_dtype = act_dtype if w.dtype == torch.float8_e4m3fn else w.dtype
-        self.act_dtype = self.act_dtype or torch.bfloat16
+        self.act_dtype = (act_dtype or torch.bfloat16) if w.dtype == torch.float8_e4m3fn else w.dtype
         self.scale_inv: torch.Tensor | None = None
         self.block = FP8_BLOCK
         if ids is None:

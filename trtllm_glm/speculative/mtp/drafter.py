@@ -261,12 +261,8 @@ class MTPDrafter(Drafter):
         dst, src = [], []
         for st, slot, off, n in zip(states, slots, offsets, counts):
             lag = st.lag
-            if n == 1:
-                dst.append(slot * R + lag)
-                src.append(off)
-            else:
-                dst.extend(range(slot * R + lag, slot * R + lag + n))
-                src.extend(range(off, off + n))
+            dst.extend(range(slot * R + lag, slot * R + lag + n))
+            src.extend(range(off, off + n))
             st.lag = lag + n
             st.drafts = []
         both = to_device(dst + src, self.device)  # one host-to-device copy
@@ -288,6 +284,7 @@ class MTPDrafter(Drafter):
         R, D = self.catchup_lag, ring.shape[-1]
         flat = ring.view(-1, D)
         todo = [s for s in seqs if s.state.lag > 0]
+        eager = envs.MTP_FLUSH.get() == "eager"
         while todo:
             group, rows = [], 0
             while todo and len(group) < self.meta.max_num_seqs and rows + todo[0].state.lag <= self.meta.max_num_tokens:
@@ -300,7 +297,6 @@ class MTPDrafter(Drafter):
             toks = [t for s, p, n in zip(group, starts, lags) for t in s.tokens[p + 1 : p + n + 1]]
             # The rows as a catch-up of `lag` committed rows ending at mtp_len + lag (the state is shared).
             done = [dataclasses.replace(s, num_computed=p + n, committed=n) for s, p, n in zip(group, starts, lags)]
-            eager = envs.MTP_FLUSH.get() == "eager"
             if eager or not self._flush_through_graphs(group, slots, starts, lags, flat, capture):
                 prev_h = flat.index_select(0, to_device(src, self.device))
                 self._mtp_step(done, starts, lags, to_device(toks, self.device, torch.int64), prev_h, decode=False)
