@@ -327,6 +327,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
                 "acceptance": round(pol.acceptance, 4),
                 "chosen_head": pol.chosen[:32],
                 "costs_ms": {k: round(v * 1e3, 4) for k, v in pol.costs(batch).items()},
+                "lag_cost_ms": round(pol.lag_cost(batch) * 1e3, 4),
             }
             if pol is not None
             else None

@@ -104,6 +104,57 @@ def test_batch_of_one_learns_its_acceptance_in_the_first_rounds() -> None:
     assert pol.acceptance > 0.85 and ks[6:].count(3) >= 0.95 * len(ks[6:])
 
 
+def test_a_round_after_a_change_of_length_is_not_its_cost() -> None:
+    """The first round of a length pays the change: a verify round after width-one steps runs synchronously (no
+    overlap, no draft launched early), and the first width-one step after a verify round is not launched ahead.
+    Here K = 3 costs 1.5 a round in a run of K = 3 rounds and 4.5 after K = 0; K = 0 0.6 in a run and 1.0 after
+    K = 3. In runs K = 3 gives 3.44 tokens per 1.5 (2.29 a unit) against 1.67: the policy must hold K = 3. Taking
+    the change's cost as K = 3's (as the 2026-12-06 H100 runs did) it fell back to K = 0 and stayed there."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    rng = random.Random(7)
+    acc = lambda k: next((i for i in range(k) if rng.random() > 0.9), k)  # noqa: E731
+    prev = [None]
+
+    def cost(k: int) -> float:
+        steady = prev[0] in (None, k)
+        prev[0] = k
+        return (0.6 if steady else 1.0) if k == 0 else (1.5 if steady else 4.5)
+
+    ks = feed(pol, clock, 400, 1, cost, acc)
+    assert ks[:6] == [3, 3, 3, 0, 0, 0]
+    assert ks[6:].count(3) >= 0.9 * len(ks[6:]), ks[:80]
+    assert pol.costs(1)[3] == pytest.approx(1.5) and pol.costs(1)[0] == pytest.approx(0.6)
+
+
+def test_catch_ups_of_held_rows_are_charged_to_width_one_rounds() -> None:
+    """MTP rounds without drafts hold the MTP layer's rows; a catch-up forward over them runs when eight are held or
+    when the request drafts again (1.0 per held row here). That forward is the K = 0 rounds' cost: K = 0 at 0.5 a
+    round plus 1.0 of catch-up gives 1 token per 1.5, K = 3 at acceptance 0.5 1.875 per 1.2: the policy must draft.
+    Dropping the rounds that held a catch-up (the old accounting) left K = 0 at 0.5 and chose it for good."""
+    clock = FakeClock()
+    pol = AdaptiveDraftPolicy(3, clock=clock)
+    rng = random.Random(11)
+    held = [0]
+    ks = []
+    for _ in range(300):
+        k = pol.begin_round(True, 1)
+        ks.append(k)
+        t = 0.5 if k == 0 else 1.2
+        if k == 0:
+            held[0] += 1
+        if held[0] and (k > 0 or held[0] == 8):
+            t += 1.0 * held[0]
+            held[0] = 0
+            pol.note_flush()  # the drafter caught up inside this round
+        clock.sleep(t)
+        if k:
+            pol.observe_acceptance(k, next((i for i in range(k) if rng.random() > 0.5), k))
+    assert pol.lag_cost(1) == pytest.approx(1.0, rel=0.3)
+    assert ks[40:].count(3) >= 0.9 * len(ks[40:]), ks[:80]
+    assert pol.estimated_costs(1)[0] == pytest.approx(pol.costs(1)[0] + pol.lag_cost(1))
+
+
 def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
     clock = FakeClock()
     pol = AdaptiveDraftPolicy(3, clock=clock)
@@ -120,9 +171,12 @@ def test_policy_backs_off_re_measurements_while_they_change_nothing() -> None:
     cost = {"draft": 1.0}
     ks = feed(pol, clock, 3000, 1, lambda k: 1.0 + cost["draft"] * k, lambda k: k // 2)
     probes = [i for i, k in enumerate(ks) if i >= 6 and k != 0]
-    # 64, 128, 256, 512, 1024 apart, then 1024: 63, 191, 447, 959, 1983 (one round each; the last K measured).
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) == 5 and gaps == [128, 256, 512, 1024], probes
+    # 64, 128, 256, 512, 1024 apart, then 1024: 63, 191, 447, 959, 1983, each a run of `probe_rounds` = 3 rounds of
+    # one length (the first pays the change and is not measured).
+    starts = [i for i in probes if i - 1 not in probes]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) == 5 and gaps == [128, 256, 512, 1024], probes
+    assert probes == [i + j for i in starts for j in range(3)] and all(len(set(ks[i : i + 3])) == 1 for i in starts)
     # Drafts become cheap and always right: the next re-measurement (at most 1024 rounds on) finds a draft length
     # cheaper than it was, and the bucket looks around every 64 rounds again until drafting settles.
     cost["draft"] = 0.05
@@ -260,7 +314,8 @@ def test_slow_drafter_falls_back_to_plain(model) -> None:
                          drafter=oracle(refs), policy=pol)  # fmt: skip
     assert_lossless(refs, tests)
     ks = pol.chosen
-    assert ks[:3] == [3, 3, 3] and set(ks[6:]) <= {0, 1} and ks[6:].count(1) <= len(ks) // 64 + 1
+    # (a re-measurement runs `probe_rounds` = 3 rounds)
+    assert ks[:3] == [3, 3, 3] and set(ks[6:]) <= {0, 1} and ks[6:].count(1) <= 3 * (len(ks) // 64 + 1)
     t_plain = plain_time(model, ps, mt, step)
     assert clock.t < 1.25 * t_plain
     fixed = FakeClock()
@@ -278,8 +333,10 @@ def test_perfect_cheap_drafter_drafts_the_maximum(model) -> None:
     assert_lossless(refs, tests)
     ks = ex.draft_policy.chosen
     assert ks[:3] == [4, 4, 4] and ks[3:6] == [0, 0, 0]
-    settled = [k for i, k in enumerate(ks[6:], 6) if i % 8 != 7]  # not a periodic re-measurement
-    assert settled and set(settled) == {4}
+    # Every other length is a periodic re-measurement: a run of `probe_rounds` = 3 rounds at most once every 8.
+    others = [i for i, k in enumerate(ks[6:], 6) if k != 4]
+    assert len(ks) > 12 and len(others) <= 3 * (len(ks) // 8 + 1)
+    assert all(ks[i] == ks[i - 1] or ks[i - 1] == 4 for i in others)
     assert ex.draft_policy.acceptance > 0.95
 
 
@@ -291,7 +348,7 @@ def test_lossless_while_k_changes_every_round(model, kind) -> None:
     refs = plain(model, ps, mt)
     rng = random.Random(5)
     clock = FakeClock()
-    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, min_samples=1, prior_acceptance=0.6)
+    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, probe_rounds=1, min_samples=1, prior_acceptance=0.6)
     if kind != "oracle":
         # The random tiny model's MTP drafts are never accepted: with its measured acceptance (0) K = 0 would win
         # every round. The prior is kept instead, so that the random costs alone switch K.

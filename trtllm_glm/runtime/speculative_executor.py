@@ -346,7 +346,7 @@ class SpeculativeExecutor(Executor):
         with torch.inference_mode():
             catch(seqs, cur.out.packed[:, 0], cur.out.hidden)
         self.num_catchups_ahead += 1
-        self._after_lag_flush(drafting=False)
+        self._after_lag_flush(drafting=False, ahead=True)
 
     # --------------------------------------------------------------------------------------------
     # MTP drafting rounds under the overlap scheduler (docs/speculation.md)
@@ -793,16 +793,17 @@ class SpeculativeExecutor(Executor):
             _pad_drafts(seqs, {s.request.request_id: self._padded_len(s.request, want[s.request.request_id])
                                for _, s in live})  # fmt: skip
 
-    def _after_lag_flush(self, drafting: bool) -> None:
+    def _after_lag_flush(self, drafting: bool, ahead: bool = False) -> None:
         """Keep an MTP catch-up of held rows (`MTPDrafter`'s lag, a one-off forward over many rows) out of the
-        adaptive policy's costs: the round it ran in is not measured, and a round that drafts after it keeps its
-        length one more round, which is measured (else a length probed after a lag would never be measured
-        without one)."""
+        adaptive policy's per-round costs: the round it delays (``ahead``: launched before a step in flight, it
+        delays the one after) is no sample of its length but the catch-up's cost, charged to the K = 0 rounds that
+        held the rows (`AdaptiveDraftPolicy.note_flush`); a round that drafts after it keeps its length one more
+        round, which is measured."""
         took = getattr(self.drafter, "take_flushed", None)
         pol = self.draft_policy
         if took is None or not took() or pol is None:
             return
-        pol.reset_interval()
+        pol.note_flush(ahead)
         if drafting and self._inflight is None and self._next_k:
             self._carry_k = self._next_k
 

@@ -1,10 +1,11 @@
 """`AdaptiveDraftPolicy`: the draft length of each round, down to 0, from measured round costs and acceptance.
 
 Picks the ``K`` that maximises ``E(K) / T(b, K)`` with ``E(K) = 1 + a + ... + a^K``; ``T`` is measured online per
-batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits (a first interval per
-(bucket, ``K``) discarded), ``a`` is accepted over reached drafts, exponentially averaged. Deterministic given the
-intervals it is fed (tests inject a clock). The model, exploration and measurements: docs/speculation.md, "Adaptive
-draft length (opt-in)".
+batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits (the first interval of
+each run of one ``K`` discarded: a round after a change of length pays the change; MTP catch-ups of held rows
+charged to ``K = 0``, whose rounds caused them), ``a`` is accepted over reached drafts, exponentially averaged.
+Deterministic given the intervals it is fed (tests inject a clock). The model, exploration and measurements:
+docs/speculation.md, "Adaptive draft length (opt-in)".
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class AdaptiveDraftPolicy:
             next, up to this many rounds; a changed choice goes back to ``explore_every``. A re-measurement runs a
             length that is not the best (and, with the MTP catch-up lag, first catches up the held rows), so a
             settled bucket should pay for it rarely.
+        probe_rounds: rounds a re-measurement runs its length for. The first round of a run pays the change of
+            length (a verify round after width-one steps runs synchronously, no draft launched early) and is not
+            measured, so a probe of one round would only ever see that; the rest are its steady cost.
         prior_acceptance: ``a`` before any draft was verified.
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
@@ -72,6 +76,7 @@ class AdaptiveDraftPolicy:
     min_samples: int = 2
     explore_every: int = 64
     max_explore_every: int = 1024
+    probe_rounds: int = 3
     prior_acceptance: float = 0.5
     clock: Callable[[], float] | None = None
     history: int = 4096
@@ -89,6 +94,8 @@ class AdaptiveDraftPolicy:
             raise ValueError("cost_weight and acceptance_weight must be in (0, 1]")
         if self.min_samples < 1 or self.explore_every < 2 or self.max_explore_every < self.explore_every:
             raise ValueError("min_samples must be >= 1, explore_every >= 2 and max_explore_every >= explore_every")
+        if not 1 <= self.probe_rounds < self.explore_every:
+            raise ValueError(f"probe_rounds must be in [1, explore_every), got {self.probe_rounds}")
         if self.clock is None:
             import time
 
@@ -102,8 +109,15 @@ class AdaptiveDraftPolicy:
         # bucket -> [round of its next re-measurement, current wait, best before it, the K re-measured (None: none
         # pending), that K's cost before]
         self._explore: dict[int, list] = {}
-        # The open interval: (stamp, bucket, K) of the round now running.
+        self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (K re-measured, rounds of it still to run)
+        self._prev_k: dict[int, int] = {}  # bucket -> K of the last round that ran (measured or not)
+        # MTP catch-ups of held rows: bucket -> [seconds they added, K = 0 rounds run] (their cost per K = 0 round).
+        self._lag: dict[int, list] = {}
+        # The open interval: (stamp, bucket, K) of the round now running; whether it holds a catch-up of held rows
+        # (`note_flush`), and whether the interval opened next will.
         self._open: tuple[float, int, int] | None = None
+        self._open_flush = False
+        self._next_flush = False
 
     # --------------------------------------------------------------------------------------------
     @staticmethod
@@ -136,7 +150,16 @@ class AdaptiveDraftPolicy:
         if 0 not in got or kmax not in got:
             return {}
         c0, cm = got[0], got[kmax]
-        return {k: got.get(k, c0 + (cm - c0) * k / kmax) for k in self.candidates}  # type: ignore[union-attr]
+        out = {k: got.get(k, c0 + (cm - c0) * k / kmax) for k in self.candidates}  # type: ignore[union-attr]
+        # K = 0 rounds hold the MTP layer's rows for a later catch-up: that forward is their cost too.
+        out[0] += self.lag_cost(batch_size)
+        return out
+
+    def lag_cost(self, batch_size: int) -> float:
+        """Seconds per ``K = 0`` round that the MTP catch-ups of held rows added in ``batch_size``'s bucket (0 before
+        one was measured; always 0 for drafters that hold nothing)."""
+        s, n = self._lag.get(self.bucket(batch_size), (0.0, 0))
+        return s / n if n else 0.0
 
     def choose(self, batch_size: int) -> int:
         """The draft length of the next round of a ``batch_size``-request decode batch.
@@ -149,6 +172,10 @@ class AdaptiveDraftPolicy:
         b = self.bucket(batch_size)
         n = self._rounds.get(b, 0)
         self._rounds[b] = n + 1
+        probe = self._probe.get(b)
+        if probe is not None and probe[1] > 0:
+            self._probe[b] = (probe[0], probe[1] - 1)
+            return self._pick(probe[0])
         cands: list[int] = list(self.candidates)  # type: ignore[arg-type]
         got = self.costs(batch_size)
         for k in (cands[-1], 0):
@@ -174,6 +201,7 @@ class AdaptiveDraftPolicy:
             if near:
                 k = min(sorted(near), key=lambda k: self._last_round(b, k))
                 ex[0], ex[2], ex[3], ex[4] = n, best, k, got.get(k)
+                self._probe[b] = (k, self.probe_rounds - 1)
                 return self._pick(k)
         ex[2] = best
         return self._pick(best)
@@ -203,14 +231,18 @@ class AdaptiveDraftPolicy:
         self._accepted = (1 - w) * self._accepted + w * accepted
         self._reached = (1 - w) * self._reached + w * reached
 
-    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
-        """One round of ``k`` drafts over ``batch_size`` requests took ``seconds``."""
+    def observe_cost(self, batch_size: int, k: int, seconds: float, *, after: int | None = None) -> None:
+        """One round of ``k`` drafts over ``batch_size`` requests took ``seconds``; ``after``: the ``K`` of the round
+        before it (``None``: unknown). The first round of a length (after another length, or ever) is not a sample:
+        it pays the change (a verify round after width-one steps neither overlaps nor has its drafts launched
+        early; first-use captures and compiles); the 2026-12-06 H100 runs measured K = 3 only in such rounds, as
+        2-3x its steady cost, and chose K = 0 in 327 of 334 rounds at batch 1 where K = 3 was 1.7x faster."""
         b = self.bucket(batch_size)
         c = self._costs.setdefault((b, k), _Cost())
         c.seen += 1
         c.last_round = self._rounds.get(b, 0)
-        if c.seen == 1:
-            return  # the first interval: first-use captures and compilation, not the steady cost
+        if c.seen == 1 or after != k:
+            return
         w = self.cost_weight if c.samples else 1.0
         c.seconds = (1 - w) * c.seconds + w * seconds
         c.samples += 1
@@ -235,13 +267,42 @@ class AdaptiveDraftPolicy:
             The chosen ``K``.
         """
         now = self.clock()  # type: ignore[misc]
-        if self._open is not None and steady:
-            t0, ob, ok = self._open
-            self.observe_cost(ob, ok, now - t0)
+        self._close(now, steady)
         if k is None:
             k = self.choose(batch_size)
         self._open = (now, batch_size, k if running is None else running)
+        self._open_flush, self._next_flush = self._next_flush, False
         return k
+
+    def _close(self, now: float | None, steady: bool) -> None:
+        """End the open interval at ``now`` (``None``: dropped unmeasured): a cost sample when ``steady``, else only
+        the record of which ``K`` ran. An interval holding a catch-up of held rows books, instead of a sample, what
+        it took beyond its ``K``'s cost as the catch-up's cost, spread over the bucket's ``K = 0`` rounds."""
+        if self._open is None:
+            return
+        t0, ob, ok = self._open
+        b = self.bucket(ob)
+        prev = self._prev_k.get(b)
+        self._prev_k[b] = ok
+        lag = self._lag.setdefault(b, [0.0, 0])
+        if ok == 0:
+            lag[1] += 1
+        if now is None or not steady:
+            return
+        if self._open_flush:
+            c = self._costs.get((b, ok))
+            if c is not None and c.samples >= self.min_samples:
+                lag[0] += max(0.0, now - t0 - c.seconds)
+            return
+        self.observe_cost(ob, ok, now - t0, after=prev)
+
+    def note_flush(self, ahead: bool = False) -> None:
+        """The MTP drafter caught held rows up: the open interval holds that forward, or (``ahead``: launched behind
+        a step in flight, which the next read-back does not wait for) the interval opened next does."""
+        if ahead:
+            self._next_flush = True
+        else:
+            self._open_flush = True
 
     @property
     def open_batch_size(self) -> int | None:
@@ -249,5 +310,8 @@ class AdaptiveDraftPolicy:
         return None if self._open is None else self._open[1]
 
     def reset_interval(self) -> None:
-        """Drop the running interval (the next `stamp` only opens one)."""
+        """Drop the running interval unmeasured (the next `begin_round` only opens one); its ``K`` still counts as
+        the last length run."""
+        self._close(None, False)
         self._open = None
+        self._open_flush = False
