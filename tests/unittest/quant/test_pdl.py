@@ -361,7 +361,8 @@ def _interpreted_cases() -> dict[str, object]:
         "norm": lambda: norm.kernel_module(cpu).row_norm(gen(1)(3, 72), 1e-6, weight=gen(2)(72)),
         "swiglu": lambda: act.kernel_module(cpu).swiglu(gen(4)(3, 2 * 40), 7.0),
         "mhc": mhc_sites,
-        "kda_gate": lambda: kda.kda_gate_beta(*(lambda r: (r(2, 32), r(2, 2), r(2), r(32)))(gen(6)), -5.0),
+        # Two programs per row: only the first stores beta (a branch every program must leave with its trigger).
+        "kda_gate": lambda: kda.kda_gate_beta(*(lambda r: (r(2, 32), r(2, 2), r(2), r(32)))(gen(6)), -5.0, block=16),
         "kda_conv": conv,
         "fp8_split": linear(k_chunk=96, x_as_a=True),
         "fp8_split_x_as_b": linear(k_chunk=96, x_as_a=False),
