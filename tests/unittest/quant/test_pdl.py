@@ -1,9 +1,12 @@
-"""Programmatic dependent launch of the FP8 linear (`trtllm_glm.pdl`, `quant.kernels`: split-K and stream-K): how a
-launch resolves it, and what the compiled kernels do before they wait (sm_90 PTX, compiled without a GPU).
+"""Programmatic dependent launch (`trtllm_glm.pdl`) of the FP8 linear (`quant.kernels`: split-K and stream-K) and the
+other kernels of the PDL chain: how a launch resolves it, where the compiled kernels wait and trigger (sm_90 PTX,
+compiled without a GPU), and what the interpreter computes with PDL's instructions recorded instead of run.
 
 A PDL-launched kernel may run while the kernel before it still writes; its only safe accesses before
-``griddepcontrol.wait`` are reads of constants. The PTX checks below fail if a load, store or atomic of the kernel
-moves above the wait, or if the weight prefetch or the early trigger go missing.
+``griddepcontrol.wait`` are reads of constants. The PTX checks below follow every path of a kernel's control flow:
+they fail if a load, store or atomic can run before the wait, if the weight prefetch goes missing, if the trigger
+is not where ``TRTLLM_GLM_PDL_TRIGGER`` puts it (``start``: before the wait; ``end``: after the main loop, once on
+every path), or runs twice.
 """
 
 from __future__ import annotations
@@ -468,16 +471,20 @@ def test_pdl_kernels_interpreted_with_their_trigger_give_the_plain_bits(trigger:
 
 
 @pytest.mark.gpu
-def test_pdl_chain_changes_no_bit_of_a_model(monkeypatch) -> None:
-    """A block-FP8 model with every small decode kernel launched with PDL (``TRTLLM_GLM_PDL=1``): context logits
-    bit for bit those of the plain launches, and greedy tokens with CUDA graphs (captured under each setting) the
-    same. A kernel that read before its wait would race the kernel before it and show here."""
+@pytest.mark.parametrize("trigger", ["start", "end"])
+def test_pdl_chain_changes_no_bit_of_a_model(trigger: str, monkeypatch) -> None:
+    """A block-FP8 model with every small decode kernel launched with PDL (``TRTLLM_GLM_PDL=1``), each triggering
+    the next launch at its start or after its main loop (``TRTLLM_GLM_PDL_TRIGGER``): context logits bit for bit
+    those of the plain launches, and greedy tokens with CUDA graphs (captured under each setting) the same. A
+    kernel that read before its wait would race the kernel before it and show here."""
     from trtllm_glm import LLM, SamplingParams
     from trtllm_glm.config import Glm5NextConfig
     from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.pdl import PDL_TRIGGER_ENV
 
     if not has_pdl(torch.device("cuda")):
         pytest.skip("needs sm_90+")
+    monkeypatch.setenv(PDL_TRIGGER_ENV, trigger)  # both runs: the "0" run's pool top-k triggers where it says too
     m = Glm5NextForCausalLM.from_config(Glm5NextConfig.from_pretrained("tiny"), seed=4)
     m.quantize_fp8_()
     m = m.to(device="cuda", dtype=torch.bfloat16)
