@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -316,7 +317,7 @@ def test_late_trigger_follows_the_main_loop_on_every_path(pdl_ptx) -> None:
             assert not pf
 
 
-def _interpreted_cases() -> dict[str, object]:
+def _interpreted_cases() -> dict[str, Callable[[], torch.Tensor | tuple[torch.Tensor, ...]]]:
     """Each PDL kernel's op on small random CPU inputs, fresh per call (the conv updates its state in place);
     outputs preallocated by the ops are poisoned by the caller's ``torch.empty``."""
     from trtllm_glm import act, mhc, norm
