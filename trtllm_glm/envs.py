@@ -264,6 +264,10 @@ PDL: Switch[bool | None] = Switch(
     "TRTLLM_GLM_PDL", None, "programmatic dependent launch of decode kernels on sm_90+ (unset: off, except FP8 "
     "launches whose tuned knobs ask for it)",
 )  # fmt: skip
+PDL_TRIGGER: Choice[str] = Choice(
+    "TRTLLM_GLM_PDL_TRIGGER", ("start", "end"), "start", "where a PDL-launched kernel lets the next launch start: at "
+    "its start, or after its main loop (docs/fp8.md, \"Launch overhead\")",
+)  # fmt: skip
 DECODE_FUSE: Switch[bool] = Switch(
     "TRTLLM_GLM_DECODE_FUSE", False, "both decode-step fusions at once where their own variables are unset"
 )

@@ -7,6 +7,19 @@ before that only read constants (weights). Capture keeps the edge, so it holds i
 on PDL for correctness: launched without it, a kernel simply starts late. `PDL_ENV` (``TRTLLM_GLM_PDL``, read per
 call): ``1`` on sm_90+, ``0`` never, unset off except FP8 launches whose tuned knobs ask for it. Which kernels and
 what it measured: docs/fp8.md, "Launch overhead".
+
+Where a kernel lets the next one launch (`PDL_TRIGGER_ENV`, ``TRTLLM_GLM_PDL_TRIGGER``, read per call; the
+``PDL_LATE`` constexpr of every PDL kernel): ``start`` (the default) triggers before the wait (`pdl_enter`), ``end``
+after the program's main loop (`pdl_leave`). The PTX ISA ("griddepcontrol", PTX ISA 9.0; the same text in the
+ptx-90-parser crate's docs/instructions/griddepcontrol.md on docs.rs): ``.launch_dependents`` lets the dependents
+"be scheduled as soon as all other CTAs in the grid issue the same instruction or have completed" (a program that
+exits has triggered; repeated invocations by a CTA have no further effect), and ``.wait`` waits "until all
+prerequisite grids in flight have completed and all the memory operations from the prerequisite grids are
+performed and made visible to the current grid". The trigger is only a scheduling hint: it makes nothing visible
+(cuTile's ``grid_dependency_control_launch_dependents``: it "does not imply that the producer has completed or
+that its memory writes are visible"), so a dependent's reads are safe after its own wait wherever the kernel before
+it triggered, before or after its last stores. A late trigger changes when the next grid's programs take SM slots,
+never what any kernel computes.
 """
 
 from __future__ import annotations
@@ -21,9 +34,23 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from trtllm_glm import envs
 
-__all__ = ["PDL_ENV", "has_pdl", "launch_kwargs", "pdl_enter", "pdl_from_env", "prefetch_l2", "use_pdl"]
+__all__ = [
+    "PDL_ENV",
+    "PDL_TRIGGER_ENV",
+    "has_pdl",
+    "late_trigger",
+    "launch_kwargs",
+    "pdl_enter",
+    "pdl_from_env",
+    "pdl_leave",
+    "pdl_trigger",
+    "pdl_wait",
+    "prefetch_l2",
+    "use_pdl",
+]
 
 PDL_ENV = envs.PDL.name
+PDL_TRIGGER_ENV = envs.PDL_TRIGGER.name
 
 
 def pdl_from_env() -> bool | None:
@@ -56,13 +83,47 @@ def launch_kwargs(pdl: bool) -> dict[str, Any]:
     return {"launch_pdl": True} if pdl else {}
 
 
+def late_trigger(pdl: bool) -> bool:
+    """The ``PDL_LATE`` constexpr of a launch with (``pdl``) or without PDL: whether it lets the next kernel launch
+    after its main loop (`PDL_TRIGGER_ENV` is ``end``) instead of at its start. ``False`` without PDL, where the
+    variable is not read (one compiled variant, and no lookup per CPU launch).
+
+    Raises:
+        ValueError: with ``pdl``, a `PDL_TRIGGER_ENV` other than ``start`` / ``end``.
+    """
+    return pdl and envs.PDL_TRIGGER.get() == "end"
+
+
+# Every griddepcontrol instruction of the package goes through these two (the kernels never import Triton's gdc
+# functions themselves): an interpreted test replaces the module's two names and sees every trigger and wait.
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """A PDL-launched kernel's first statement: let the next kernel launch, then wait for the previous one (its
-    writes visible). Without ``PDL`` nothing."""
+def pdl_trigger():
+    """``griddepcontrol.launch_dependents``: the next kernel may launch once every program has done this or exited."""
+    gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait():
+    """``griddepcontrol.wait``: the kernels before this one have completed and their writes are visible."""
+    gdc_wait()
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr, LATE: tl.constexpr = False):
+    """A PDL-launched kernel's first statement: let the next kernel launch (unless ``LATE``: then `pdl_leave` does,
+    after the main loop), then wait for the previous one (its writes visible). Without ``PDL`` nothing."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        if not LATE:
+            pdl_trigger()
+        pdl_wait()
+
+
+@triton.jit
+def pdl_leave(PDL: tl.constexpr, LATE: tl.constexpr = False):
+    """With ``PDL`` and ``LATE``: let the next kernel launch now. Called once per program after its main loop, on a
+    path every program takes (a program that exits without it triggers at its exit, later). Else nothing."""
+    if PDL and LATE:
+        pdl_trigger()
 
 
 @triton.jit

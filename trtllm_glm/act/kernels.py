@@ -15,7 +15,7 @@ from triton.language.extra import libdevice
 
 # Absolute: the interpreted copy of this module lives in an alias package without the package's own names.
 from trtllm_glm.act import check_gate_up
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 __all__ = ["INTERPRETED", "swiglu"]
 
@@ -48,9 +48,11 @@ def _swiglu_kernel(
     PRECISE_EXP: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    # With PDL (`trtllm_glm.pdl`) the down projection after this launches now and starts streaming its weight.
-    pdl_enter(PDL)
+    # With PDL (`trtllm_glm.pdl`) the down projection after this launches now (or at the end: ``PDL_LATE``) and
+    # starts streaming its weight.
+    pdl_enter(PDL, PDL_LATE)
     # int64 row offsets: N * 2I exceeds 2**31 elements for long prefills of the 12288-wide dense MLP.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -66,6 +68,7 @@ def _swiglu_kernel(
     # Round silu to the input dtype as torch's silu kernel does before the multiplication.
     s = _silu(g, PRECISE_EXP).to(gu_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
+    pdl_leave(PDL, PDL_LATE)
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,6 +122,6 @@ def swiglu(
     _swiglu_kernel[grid](
         gate_up, out, inter, gate_up.stride(0), out.stride(0), lim,
         HAS_LIMIT=limit is not None, PRECISE_EXP=not INTERPRETED, BLOCK=blk, PDL=pdl,
-        num_warps=num_warps, **launch_kwargs(pdl),
+        PDL_LATE=late_trigger(pdl), num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return out

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from trtllm_glm.numerics import batch_invariant
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 __all__ = [
     "mhc_pre",
@@ -57,8 +57,9 @@ def _mix_partial_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the block before it
+    pdl_enter(PDL, PDL_LATE)  # `trtllm_glm.pdl`: launched early, it waits here for the block before it
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,6 +89,7 @@ def _mix_partial_kernel(
     # Column M (always padding: fn is masked there, so the dot left it 0) carries the sum of squares.
     acc = tl.where(mm[None, :] == M, sq[:, None], acc)
     tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+    pdl_leave(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -225,8 +227,9 @@ def _pre_finish_kernel(
     NORM: tl.constexpr,
     STORE_XIN: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    pdl_enter(PDL, PDL_LATE)
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     # The token's mixing logits and sum of squares: its partials summed in split order.
@@ -296,6 +299,7 @@ def _pre_finish_kernel(
         yv = xr * (1.0 / tl.sqrt(stat + rms_eps))
         yv = yv * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + n.to(tl.int64) * stride_yn + d, yv.to(y_ptr.dtype.element_ty), mask=d_ok)
+    pdl_leave(PDL, PDL_LATE)  # every program, after the branches
 
 
 @triton.jit
@@ -325,6 +329,7 @@ def _post_mix_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
     """`_post_kernel` of one block fused with `_mix_partial_kernel` of the next: each program expands the units
     (one output stream's ``BLOCK_K``-wide d range, for ``BLOCK_N`` tokens) that the next block's projection reads,
@@ -332,7 +337,7 @@ def _post_mix_kernel(
     the rows, so every element of ``out`` is written once. The expand is `_post_kernel`'s arithmetic and the
     projection `_mix_partial_kernel`'s (same launch shape, same unit order), so both outputs are those of the two
     launches bit for bit. ``out`` must not alias ``x`` (a unit reads all ``S`` input streams of its d range)."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, PDL_LATE)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -372,6 +377,7 @@ def _post_mix_kernel(
         sq += tl.sum(x * x, axis=1)
     acc = tl.where(mm[None, :] == M, sq[:, None], acc)
     tl.store(ws_ptr + pid_k * stride_wsp + rows[:, None] * stride_wn + mm[None, :], acc, mask=row_ok[:, None])
+    pdl_leave(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -393,12 +399,13 @@ def _post_mean_norm_kernel(
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
     """The last block's expand (`_post_kernel`'s arithmetic, every stream rounded to the streams' dtype), the mean
     over the streams (fp32 sum in stream order times ``1 / S``, rounded once, as torch's ``mean``) and the final
     RMSNorm (`_row_norm_kernel`'s arithmetic), one program per token holding the whole row (BLOCK_D >= D); the new
     streams themselves are never stored."""
-    pdl_enter(PDL)
+    pdl_enter(PDL, PDL_LATE)
     n = tl.program_id(0)
     dt = y_ptr.dtype.element_ty
     ss = tl.arange(0, S_PAD)
@@ -422,6 +429,7 @@ def _post_mean_norm_kernel(
     yv = xr * (1.0 / tl.sqrt(stat + rms_eps))
     yv = yv * tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + n64 * stride_yn + d, yv.to(dt), mask=d_ok)
+    pdl_leave(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -441,8 +449,9 @@ def _post_kernel(
     S_PAD: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)
+    pdl_enter(PDL, PDL_LATE)
     n = tl.program_id(0)
     pid_d = tl.program_id(1)
     dt = out_ptr.dtype.element_ty
@@ -466,6 +475,7 @@ def _post_kernel(
         y.to(dt),
         mask=s_ok[:, None] & d_ok[None, :],
     )
+    pdl_leave(PDL, PDL_LATE)
 
 
 @functools.lru_cache(maxsize=8)
@@ -618,7 +628,8 @@ def mix_partials(
     else:
         pdl = use_pdl(dev)
         _mix_partial_kernel[(triton.cdiv(n, bn), n_split)](
-            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=num_warps or (8 if bn >= 32 else 4),
+            *args, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, PDL_LATE=late_trigger(pdl),
+            num_warps=num_warps or (8 if bn >= 32 else 4),
             **launch_kwargs(pdl),
         )  # fmt: skip
     return ws
@@ -712,7 +723,8 @@ def mhc_pre(
             streams.stride(0), streams.stride(1), x_in.stride(0), ws.stride(0), ws.stride(1),
             float(norm_eps), float(hc_eps), int(sinkhorn_iters), x_in, x_in, x_in.stride(0), 0.0,
             S=s, S_PAD=s_pad, M=m, M_PAD=m_pad, SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d,
-            WRITE_PRE=return_pre, NORM=False, STORE_XIN=True, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+            WRITE_PRE=return_pre, NORM=False, STORE_XIN=True, PDL=pdl, PDL_LATE=late_trigger(pdl), num_warps=4,
+            **launch_kwargs(pdl),
         )  # fmt: skip
     if return_pre:
         return x_in, pre, post, comb
@@ -764,7 +776,8 @@ def mhc_post(
         _post_kernel[(n, triton.cdiv(d, block_d))](
             streams, block_out, post, comb, out, d,
             streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
-            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl, num_warps=num_warps,
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl, PDL_LATE=late_trigger(pdl),
+            num_warps=num_warps,
             **launch_kwargs(pdl),
         )  # fmt: skip
     return out
@@ -827,7 +840,8 @@ def post_mix_partials(
             streams, block_out, post, comb, out, fn, ws, n, d,
             streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), out.stride(1),
             fn.stride(0), ws.stride(0), ws.stride(1), upp, s * triton.cdiv(d, bk),
-            S=s, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, num_warps=num_warps or (8 if bn >= 32 else 4),
+            S=s, M=m, M_PAD=m_pad, BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, PDL_LATE=late_trigger(pdl),
+            num_warps=num_warps or (8 if bn >= 32 else 4),
             **launch_kwargs(pdl),
         )  # fmt: skip
     return out, ws
@@ -922,7 +936,7 @@ def mhc_pre_norm(
             float(norm_eps), float(hc_eps), int(sinkhorn_iters), norm_weight, x, x.stride(0), float(rms_eps),
             S=s, S_PAD=max(2, triton.next_power_of_2(s)), M=m, M_PAD=m_pad,
             SPLIT_PAD=max(2, triton.next_power_of_2(n_split)), BLOCK_D=block_d, WRITE_PRE=False, NORM=True,
-            STORE_XIN=return_x_in, PDL=pdl, num_warps=4, **launch_kwargs(pdl),
+            STORE_XIN=return_x_in, PDL=pdl, PDL_LATE=late_trigger(pdl), num_warps=4, **launch_kwargs(pdl),
         )  # fmt: skip
     if return_x_in:
         return streams, x, post, comb, x_in
@@ -971,7 +985,7 @@ def mhc_post_mean_norm(
         _post_mean_norm_kernel[(n,)](
             streams, block_out, post, comb, norm_weight, out, d,
             streams.stride(0), streams.stride(1), block_out.stride(0), out.stride(0), 1.0 / s, float(rms_eps),
-            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl,
+            S=s, S_PAD=max(2, triton.next_power_of_2(s)), BLOCK_D=block_d, PDL=pdl, PDL_LATE=late_trigger(pdl),
             num_warps=max(1, min(8, block_d // 256)), **launch_kwargs(pdl),
         )  # fmt: skip
     return out

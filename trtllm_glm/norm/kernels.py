@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 __all__ = ["row_norm"]
 
@@ -36,9 +36,11 @@ def _row_norm_kernel(
     MEAN: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    # With PDL (`trtllm_glm.pdl`) the projection after the norm launches now and starts streaming its weight.
-    pdl_enter(PDL)
+    # With PDL (`trtllm_glm.pdl`) the projection after the norm launches now (or at the end: ``PDL_LATE``) and
+    # starts streaming its weight.
+    pdl_enter(PDL, PDL_LATE)
     row = tl.program_id(0)
     a = row // B
     b = row % B
@@ -55,6 +57,7 @@ def _row_norm_kernel(
         gt = tl.load(g_ptr + a * sga + b * sgb + offs, mask=m, other=0.0).to(tl.float32)
         y = y * (1.0 / (1.0 + tl.exp(-gt)))
     tl.store(o_ptr + a * soa + b * sob + offs, y.to(o_ptr.dtype.element_ty), mask=m)
+    pdl_leave(PDL, PDL_LATE)
 
 
 def _as3d(t: torch.Tensor, what: str, *, copy_ok: bool = True) -> torch.Tensor:
@@ -126,6 +129,6 @@ def row_norm(
         x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), o3.stride(0), o3.stride(1),
         float(eps),
         HAS_W=weight is not None, HAS_GATE=gate is not None, MEAN=mean, BLOCK_D=block, PDL=pdl,
-        num_warps=warps, **launch_kwargs(pdl),
+        PDL_LATE=late_trigger(pdl), num_warps=warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return out

@@ -13,9 +13,17 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from trtllm_glm.pdl import has_pdl, launch_kwargs, pdl_from_env, prefetch_l2
+from trtllm_glm.pdl import (
+    has_pdl,
+    late_trigger,
+    launch_kwargs,
+    pdl_from_env,
+    pdl_leave,
+    pdl_trigger,
+    pdl_wait,
+    prefetch_l2,
+)
 
 __all__ = [
     "INTERPRETED",
@@ -372,19 +380,22 @@ def _join_partial(acc, part_tile, slot, n_slots, cnt, y_ptrs, y_mask, p_mask, TI
 
 
 @triton.jit
-def _pdl_start(w_ptr, rows, stride_wn, k0, nbytes, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    """With PDL (`trtllm_glm.pdl`): let the next kernel be scheduled, start moving the first ``nbytes`` of each weight
-    row (a constant) at column ``k0`` into L2 while the kernel before this one finishes, then wait for it: after
-    this, x may be read and y, partials and counters written. ``rows``: in-bounds row indices (a row past N
-    repeats the last one, harmless); ``PREFETCH > 0`` only when K, the row stride and the base are 16-byte aligned
-    (host-checked) and ``0 < nbytes``, a multiple of 16."""
+def _pdl_start(
+    w_ptr, rows, stride_wn, k0, nbytes, PDL: tl.constexpr, PREFETCH: tl.constexpr, PDL_LATE: tl.constexpr
+):  # fmt: skip
+    """With PDL (`trtllm_glm.pdl`): let the next kernel be scheduled (unless ``PDL_LATE``: then after the main loop,
+    `pdl_leave`), start moving the first ``nbytes`` of each weight row (a constant) at column ``k0`` into L2 while
+    the kernel before this one finishes, then wait for it: after this, x may be read and y, partials and counters
+    written. ``rows``: in-bounds row indices (a row past N repeats the last one, harmless); ``PREFETCH > 0`` only
+    when K, the row stride and the base are 16-byte aligned (host-checked) and ``0 < nbytes``, a multiple of 16."""
     if PDL:
-        gdc_launch_dependents()
+        if not PDL_LATE:
+            pdl_trigger()
         if PREFETCH > 0:
             prefetch_l2(
                 (w_ptr + rows.to(tl.int64) * stride_wn + k0).to(tl.int64), tl.zeros(rows.shape, tl.int32) + nbytes
             )
-        gdc_wait()
+        pdl_wait()
 
 
 # M not specialised: a decode step (M = 1) and a verify batch share one compile.
@@ -417,6 +428,7 @@ def _fp8_linear_kernel(
     X_POW2: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     s = tl.program_id(1)
@@ -431,7 +443,8 @@ def _fp8_linear_kernel(
     s_rows = s_ptr + (n // QBLOCK).to(tl.int64) * stride_sn
     k_begin = s * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    _pdl_start(w_ptr, tl.minimum(n, N - 1), stride_wn, k_begin, tl.minimum(k_end - k_begin, PREFETCH), PDL, PREFETCH)
+    _pdl_start(w_ptr, tl.minimum(n, N - 1), stride_wn, k_begin, tl.minimum(k_end - k_begin, PREFETCH), PDL, PREFETCH,
+               PDL_LATE)  # fmt: skip
     if X_AS_A:
         # The fused MoE's orientation: x [BLOCK_M, BLOCK_K] is the MMA's left operand, the weight tile the right one,
         # loaded as [BLOCK_K, BLOCK_N] (k runs along memory); y^T tiles [BLOCK_M, BLOCK_N].
@@ -449,6 +462,10 @@ def _fp8_linear_kernel(
         for u in tl.static_range(UNROLL):
             acc = _k_step(acc, x_base, w_base, s_rows, k_it + u * BLOCK_K, kk, K, n_ok, m_ok,
                           X_AS_A, QBLOCK, DOT_FP32, HW_FP8, X_POW2)  # fmt: skip
+    # ``PDL_LATE``: the weight has streamed, the program's last MMA is issued; what is left is its epilogue (a store,
+    # or the split's join). Every program passes here once, before any branch, so the next kernel can launch while
+    # the last wave stores and joins (it still waits for this grid's completion before reading y).
+    pdl_leave(PDL, PDL_LATE)
 
     if X_AS_A:
         y_ptrs = y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :]
@@ -497,6 +514,7 @@ def _fp8_linear_sk_kernel(
     X_POW2: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
     """Stream-K decode launch (x as the MMA's left operand, one row tile), grid ``(PROGRAMS,)``: the ``TILES *
     STEPS`` units (a tile of ``BLOCK_N`` weight rows times one ``BLOCK_K`` step) are cut into ``PROGRAMS`` equal
@@ -517,7 +535,8 @@ def _fp8_linear_sk_kernel(
     j0 = u - t0 * STEPS
     first = tl.minimum(end - u, STEPS - j0) * BLOCK_K
     _pdl_start(w_ptr, tl.minimum(t0 * BLOCK_N + nl, N - 1), stride_wn, j0 * BLOCK_K,
-               tl.minimum(tl.minimum(first, K - j0 * BLOCK_K), PREFETCH) // 16 * 16, PDL, PREFETCH)  # fmt: skip
+               tl.minimum(tl.minimum(first, K - j0 * BLOCK_K), PREFETCH) // 16 * 16, PDL, PREFETCH,
+               PDL_LATE)  # fmt: skip
     p_offs = ml[:, None] * BLOCK_N + nl[None, :]
     p_mask = m_ok[:, None] & (nl >= 0)[None, :]
     while u < end:
@@ -544,6 +563,9 @@ def _fp8_linear_sk_kernel(
             _join_partial(acc, part_tile, p - lo, hi - lo + 1, cnt_ptr + t, y_ptrs, y_mask, p_mask,
                           BLOCK_N * BLOCK_M)  # fmt: skip
         u += j1 - j0
+    # ``PDL_LATE``: after the program's whole run (its units are its main loop, joins included: a run that ends
+    # inside a tile may hold that tile's last partial).
+    pdl_leave(PDL, PDL_LATE)
 
 
 _SCRATCH: dict[tuple[str, int, int, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -596,8 +618,8 @@ def launch_fp8_linear(
     aligned = k % 16 == 0 and w_codes.stride(0) % 16 == 0 and w_codes.data_ptr() % 16 == 0
     common = dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, QBLOCK=qblock,
                   DOT_FP32=dot_fp32 or INTERPRETED, HW_FP8=not INTERPRETED, X_POW2=x.dtype == torch.bfloat16,
-                  PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **launch_kwargs(pdl))  # fmt: skip
+                  PDL=pdl, PREFETCH=cfg.prefetch if pdl and aligned else 0, PDL_LATE=late_trigger(pdl),
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl))  # fmt: skip
     if cfg.programs:
         if m_rows > cfg.block_m:
             raise ValueError(f"a stream-K launch covers one row tile of {cfg.block_m} rows, got {m_rows}")

@@ -82,6 +82,6 @@ def test_kernel_compiles_for_sm90() -> None:
 
     sig = dict(g_raw_ptr="*bf16", b_ptr="*bf16", a_log_ptr="*fp32", dt_bias_ptr="*fp32", g_ptr="*fp32",
                beta_ptr="*fp32", stride_gn="i32", stride_bn="i32", lower_bound="fp32")  # fmt: skip
-    const = {"H": 64, "K": 128, "BLOCK": 1024, "H_PAD": 64, "PDL": False}
+    const = {"H": 64, "K": 128, "BLOCK": 1024, "H_PAD": 64, "PDL": False, "PDL_LATE": False}
     results = compile_sm90([KernelSpec("trtllm_glm.kda.kernels.gate", "_gate_beta_kernel", sig, const)])
     assert all(r["ok"] for r in results), results

@@ -364,7 +364,7 @@ def test_fp8_linear_gpu_variants_compile_for_sm90() -> None:
         sig = {"x_ptr": f"*{act}", "w_ptr": "*u8", "s_ptr": "*fp32", "y_ptr": f"*{act}", "part_ptr": "*fp32",
                "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
                "stride_sn": "i32", "stride_ym": "i32", "K_PER_SPLIT": "i32", "SPLIT": "i32"}  # fmt: skip
-        consts = dict(QBLOCK=128, HW_FP8=True, UNROLL=1, X_AS_A=False, PDL=False, PREFETCH=0)
+        consts = dict(QBLOCK=128, HW_FP8=True, UNROLL=1, X_AS_A=False, PDL=False, PREFETCH=0, PDL_LATE=False)
         consts.update(constexprs)
         return KernelSpec("trtllm_glm.quant.kernels", "_fp8_linear_kernel", sig, consts, num_warps)
 

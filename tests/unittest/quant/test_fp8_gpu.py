@@ -95,50 +95,60 @@ def test_fp8_linear_graph_capture_and_row_independence() -> None:
 
 @pytest.mark.parametrize("n, k", [(3 * 8192 + 256, 4096), (4096, 12288), (8192, 128), (1000, 1000)])
 @pytest.mark.parametrize("m", [1, 16])
-def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m, monkeypatch) -> None:
+@pytest.mark.parametrize("trigger", ["start", "end"])
+def test_pdl_launch_waits_for_the_kernel_before_it(n, k, m, trigger, monkeypatch) -> None:
     """Programmatic dependent launch (`trtllm_glm.pdl`): the FP8 linear may start while the norm before it (which
-    triggers early) still writes x. Poisoned before every step (NaN), x is produced by that norm and read by the
-    PDL launch: a read before the wait gives NaN or stale rows. Eager and graph-replayed, over many steps with
-    fresh inputs, the results equal the plain launch's bit for bit (PDL changes no arithmetic)."""
+    triggers at its start, or after its last store with ``TRTLLM_GLM_PDL_TRIGGER=end``) still writes x, and a second
+    norm may start while the linear still writes y (with ``end`` the linear triggers after its main loop, before
+    it stores y or joins its partials). Poisoned before every step (NaN), x is produced by the first norm and read
+    by the PDL linear, y produced by the linear and read by the second norm: a read before the wait gives NaN or
+    stale rows. Eager and graph-replayed, over many steps with fresh inputs, y and the second norm's output equal
+    the plain launches' bit for bit (PDL changes no arithmetic)."""
     from trtllm_glm.norm import row_norm
-    from trtllm_glm.pdl import PDL_ENV, has_pdl
+    from trtllm_glm.pdl import PDL_ENV, PDL_TRIGGER_ENV, has_pdl
 
     if not has_pdl(torch.device("cuda")):
         pytest.skip("needs sm_90+")
+    monkeypatch.setenv(PDL_TRIGGER_ENV, trigger)
     _, q, s = _case(n, k, m, torch.bfloat16, seed=n + 7 * m)
     src = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     w = torch.rand(k, device="cuda").to(torch.bfloat16) + 0.5
     x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    z = torch.empty(m, n, device="cuda", dtype=torch.float32)
 
     def step(pdl: bool) -> None:
         x.fill_(float("nan"))
         row_norm(src, 1e-6, weight=w, out=x)
         fp8_linear_triton(x, q, s, out=y, pdl=pdl)
+        row_norm(y, 1e-6, out=z)
+
+    def fresh(i: int) -> None:
+        src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+        y.fill_(float("nan"))
+        z.fill_(float("nan"))
 
     monkeypatch.setenv(PDL_ENV, "0")
     want = []
     for i in range(8):
-        src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
+        fresh(i)
         step(False)
-        want.append(y.clone())
-    monkeypatch.setenv(PDL_ENV, "1")  # the norm too: it lets the projection launch as it starts
+        want.append((y.clone(), z.clone()))
+    monkeypatch.setenv(PDL_ENV, "1")  # the norms too: launched with PDL, they trigger where the variable says
     step(True)  # compile, cache the scratch
     for i in range(8):
-        src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
-        y.fill_(float("nan"))
+        fresh(i)
         step(True)
-        assert torch.equal(y, want[i]), i
+        assert torch.equal(y, want[i][0]) and torch.equal(z, want[i][1]), i
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step(True)
     for _ in range(3):
         for i in range(8):
-            src.copy_(torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(i)))
-            y.fill_(float("nan"))
+            fresh(i)
             graph.replay()
             torch.cuda.synchronize()
-            assert torch.equal(y, want[i]), i
+            assert torch.equal(y, want[i][0]) and torch.equal(z, want[i][1]), i
 
 
 def test_dispatch_takes_the_kernel_on_cuda() -> None:

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from trtllm_glm.kda.contract import L2NORM_EPS
 from trtllm_glm.numerics import batch_invariant
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 __all__ = ["conv_commit_slots", "conv_decode", "conv_prefill", "conv_verify_qkv"]
 
@@ -79,8 +79,9 @@ def _conv_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the kernel before it
+    pdl_enter(PDL, PDL_LATE)  # `trtllm_glm.pdl`: launched early, it waits here for the kernel before it
     row = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -105,6 +106,7 @@ def _conv_decode_kernel(
     v = _conv_channels(x_ptr, state_ptr, w_ptr, row64, slot, 2 * H * K + h * V + vv, vm, stride_xn, stride_ss,
                        stride_sc, stride_wc, W)  # fmt: skip
     tl.store(v_ptr + (row64 * H + h) * V + vv, v, mask=vm)
+    pdl_leave(PDL, PDL_LATE)
 
 
 def conv_decode(
@@ -157,6 +159,7 @@ def conv_decode(
         x, conv_state, weight, slots, q, k, v,
         x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), PDL=pdl,
+        PDL_LATE=late_trigger(pdl),
         num_warps=num_warps, **_fusion_opts(), **launch_kwargs(pdl),
     )  # fmt: skip
     return q, k, v

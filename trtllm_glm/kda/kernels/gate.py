@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 __all__ = ["kda_gate_beta"]
 
@@ -34,8 +34,9 @@ def _gate_beta_kernel(
     BLOCK: tl.constexpr,
     H_PAD: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the projections before it
+    pdl_enter(PDL, PDL_LATE)  # `trtllm_glm.pdl`: launched early, it waits here for the projections before it
     n = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     c = j * BLOCK + tl.arange(0, BLOCK)
@@ -49,6 +50,7 @@ def _gate_beta_kernel(
         h = tl.arange(0, H_PAD)
         hb = tl.load(b_ptr + n * stride_bn + h, mask=h < H, other=0.0).to(tl.float32)
         tl.store(beta_ptr + n * H + h, 1.0 / (1.0 + tl.exp(-hb)), mask=h < H)
+    pdl_leave(PDL, PDL_LATE)  # every program, after the branch
 
 
 def kda_gate_beta(
@@ -86,6 +88,7 @@ def kda_gate_beta(
     pdl = use_pdl(dev)
     _gate_beta_kernel[(N, triton.cdiv(H * K, block))](
         g_raw, b, A_log, dt_bias, g, beta, g_raw.stride(0), b.stride(0), float(lower_bound),
-        H=H, K=K, BLOCK=block, H_PAD=triton.next_power_of_2(H), PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
+        H=H, K=K, BLOCK=block, H_PAD=triton.next_power_of_2(H), PDL=pdl, PDL_LATE=late_trigger(pdl),
+        num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return g, beta

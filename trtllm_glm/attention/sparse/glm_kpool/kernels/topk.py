@@ -11,7 +11,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from trtllm_glm.pdl import late_trigger, pdl_leave, pdl_trigger, pdl_wait
 
 from ._common import INTERPRETED
 
@@ -296,11 +297,13 @@ def _chunk_kernel(
     EVEN: tl.constexpr,
     PDL: tl.constexpr,
     SNAP: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
     """Pass 1, program (chunk c, row n): a superset of the chunk's top ``take`` (at most SLOTS keys)."""
-    if PDL:
-        # The merge pass may be scheduled now; it waits for this grid's completion before reading.
-        gdc_launch_dependents()
+    if PDL and not PDL_LATE:
+        # The merge pass may be scheduled now (``PDL_LATE``: at the end); it waits for this grid's completion and
+        # flush before reading.
+        pdl_trigger()
     c = tl.program_id(0)
     n64 = tl.program_id(1).to(tl.int64)
     pos = tl.load(pos_ptr + n64).to(tl.int64)
@@ -328,6 +331,7 @@ def _chunk_kernel(
     tl.store(ckey_ptr + dst + j, tl.full([SLOTS], _INT_MIN, tl.int32), mask=j >= n_sel)
     # A lower bound for the row's threshold from a chunk that holds take candidates at or above kth.
     tl.store(thr_ptr + n64 * NCHUNK + c, tl.where(take_c == take, kth, _INT_MIN))
+    pdl_leave(PDL, PDL_LATE)
 
 
 @triton.jit
@@ -352,7 +356,7 @@ def _merge_kernel(
     """Pass 2, program n: the exact top ``take`` of the row's candidates, ascending ids, ``-1`` padding."""
     if PDL:
         # Launched early (programmatic dependent launch): wait for the chunk pass to complete and flush.
-        gdc_wait()
+        pdl_wait()
     n64 = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + n64).to(tl.int64)
     n_c = tl.minimum(tl.maximum((pos + 1) // 4, 0), max_pools).to(tl.int32)
@@ -449,7 +453,8 @@ def select_topk_pools(
         num_warps: warps per program (the chunk pass of the chunked path); tuning only.
         merge_warps: warps per program of the merge pass; tuning only.
         pdl: launch the merge pass with programmatic dependent launch (default: on CUDA devices of compute
-            capability 9.0 or newer; never under the interpreter); tuning only.
+            capability 9.0 or newer; never under the interpreter); tuning only. The chunk pass lets it launch at
+            its start, or at its end under ``TRTLLM_GLM_PDL_TRIGGER=end`` (`trtllm_glm.pdl.late_trigger`).
         search: threshold search of the chunked path: ``"bisect"`` (default; `_threshold`) or ``"snap"``
             (`_threshold_snap`), or ``"CHUNK/MERGE"`` (e.g. ``"bisect/snap"``) for one per pass; tuning only.
         block: row path only: pools per register block (power of two; default ``min(next_pow2(max_pools),
@@ -516,6 +521,7 @@ def select_topk_pools(
         EVEN=max_pools % chunk == 0,
         PDL=pdl,
         SNAP=snap_chunk,
+        PDL_LATE=late_trigger(pdl),
         num_warps=num_warps or min(max(chunk // 1024, 1), 8),
     )
     merge_kw = {"launch_pdl": True} if pdl else {}
