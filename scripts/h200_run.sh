@@ -13,6 +13,9 @@
 #   fp8           bench_e2e plain and overlap-scheduler decode with bf16 and FP8 weights, with --quality and the
 #                 costliest kernels of a step
 #   fp8_pdl       bench_e2e FP8 decode with programmatic dependent launch off and on (TRTLLM_GLM_PDL=0,1)
+#   fp8_pdl_late  issue 44: bench_e2e FP8 decode, the PDL chain's trigger at the start / after the main loop
+#                 (TRTLLM_GLM_PDL=1, TRTLLM_GLM_PDL_TRIGGER=start,end), then PDL off / on with the late trigger
+#                 (GPU tests: GPU_TESTS="tests/unittest/quant/test_pdl.py tests/unittest/quant/test_fp8_gpu.py")
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   decode_fuse   issue 44: bench_e2e FP8 decode, batch 1 / 16, plain and overlap, with the decode fusions off and on
@@ -125,6 +128,13 @@ for stage in "$@"; do
       timeout "${T_FP8_PDL:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_PDL=0,1 \
         --json "$O/fp8_pdl.json" 2>&1 | tee "$O/fp8_pdl.log" ;;
+    fp8_pdl_late)
+      TRTLLM_GLM_PDL=1 timeout "${T_FP8_PDL_LATE:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 \
+        --modes plain overlap --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 \
+        --env-ab TRTLLM_GLM_PDL_TRIGGER=start,end --json "$O/fp8_pdl_trigger.json" 2>&1 | tee "$O/fp8_pdl_trigger.log"
+      TRTLLM_GLM_PDL_TRIGGER=end timeout "${T_FP8_PDL_LATE:-200}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 \
+        --modes plain overlap --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 \
+        --env-ab TRTLLM_GLM_PDL=0,1 --json "$O/fp8_pdl_late.json" 2>&1 | tee "$O/fp8_pdl_late.log" ;;
     fp8_head)
       timeout "${T_FP8_HEAD:-120}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --fp8-skip none \
