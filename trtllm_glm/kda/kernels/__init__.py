@@ -33,7 +33,8 @@ _PACKAGE = KernelPackage(__name__, __path__)
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
-    """The kernel module ``name`` (``"verify"``, ``"conv"``, ``"gate"``, ``"decode_fused"``) for ``device``, for launch knobs and tests.
+    """The kernel module ``name`` (``"verify"``, ``"conv"``, ``"gate"``, ``"decode_fused"``) for ``device``, for
+    launch knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process runs with
     ``TRITON_INTERPRET=1``); other devices an interpreted copy whose callables run inside

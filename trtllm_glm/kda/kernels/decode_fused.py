@@ -47,28 +47,35 @@ __all__ = ["kda_decode_fused"]
 
 @triton.jit
 def _low_rank(
-    a,
+    a_ptr,
     w_ptr,
     ws_ptr,
     rows,
     rmask,
-    rr,
-    rm,
     stride_w,
     stride_s0,
     stride_s1,
+    R: tl.constexpr,
+    BR: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     QBLOCK: tl.constexpr,
 ):
-    """``w[rows] @ a`` in FP32: ``a [BR]`` (already FP32), ``w [O, R]`` rows ``rows [B]``; returns ``[B]``. With
+    """``w[rows] @ a`` in FP32: ``a [R]`` at ``a_ptr``, ``w [O, R]`` rows ``rows [B]``; returns ``[B]``. ``BR``
+    columns at a time in a loop that is not unrolled (a whole ``[B, R]`` tile would take every register). With
     ``HAS_SCALE`` the weight is block FP8, each element times its ``QBLOCK x QBLOCK`` tile's scale."""
-    m = rmask[:, None] & rm[None, :]
-    w = tl.load(w_ptr + rows[:, None] * stride_w + rr[None, :], mask=m, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        s = tl.load(ws_ptr + (rows // QBLOCK)[:, None] * stride_s0 + (rr // QBLOCK)[None, :] * stride_s1, mask=m,
-                    other=0.0)  # fmt: skip
-        w = w * s
-    return tl.sum(w * a[None, :], axis=1)
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for r0 in tl.range(0, R, BR):
+        rr = r0 + tl.arange(0, BR)
+        rm = rr < R
+        a = tl.load(a_ptr + rr, mask=rm, other=0.0).to(tl.float32)
+        m = rmask[:, None] & rm[None, :]
+        w = tl.load(w_ptr + rows[:, None] * stride_w + rr[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            s = tl.load(ws_ptr + (rows // QBLOCK)[:, None] * stride_s0 + (rr // QBLOCK)[None, :] * stride_s1,
+                        mask=m, other=0.0)  # fmt: skip
+            w = w * s
+        acc += tl.sum(w * a[None, :], axis=1)
+    return acc
 
 
 @triton.jit
@@ -133,8 +140,6 @@ def _decode_fused_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     kk = tl.arange(0, BK)
     km = kk < K
-    rr = tl.arange(0, BR)
-    rm = rr < R
 
     # 1. conv step (the window of these channels shifted in place), SiLU, L2 norms: as `conv._conv_decode_kernel`.
     q = _conv_channels(x_ptr, conv_ptr, cw_ptr, row, slot, h * K + kk, km, stride_xn, stride_cs, stride_cc,
@@ -147,9 +152,8 @@ def _decode_fused_kernel(
     k = k / tl.sqrt(tl.sum(k * k, axis=0) + l2_eps)
 
     # 2. gates: the head's rows of f_b_proj, then `gate._gate_beta_kernel`'s formula.
-    fa = tl.load(fa_ptr + row * stride_fan + rr, mask=rm, other=0.0).to(tl.float32)
-    g_raw = _low_rank(fa, fb_ptr, fbs_ptr, h * K + kk, km, rr, rm, stride_fb, stride_fbs0, stride_fbs1, FB_SCALE,
-                      QBLOCK_F)  # fmt: skip
+    g_raw = _low_rank(fa_ptr + row * stride_fan, fb_ptr, fbs_ptr, h * K + kk, km, stride_fb, stride_fbs0,
+                      stride_fbs1, R, BR, FB_SCALE, QBLOCK_F)  # fmt: skip
     g_raw += tl.load(dt_bias_ptr + h * K + kk, mask=km, other=0.0).to(tl.float32)
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     g = lower_bound / (1.0 + tl.exp(-(rate * g_raw)))
@@ -158,8 +162,8 @@ def _decode_fused_kernel(
 
     # 3. the recurrent step, BV value channels at a time (their conv channels shifted here too).
     p_o = o_ptr + (row * H + h) * V
-    sumsq = 0.0
-    for i in tl.static_range(NV):
+    sumsq = tl.zeros([], dtype=tl.float32)
+    for i in tl.range(0, NV):
         vv = i * BV + tl.arange(0, BV)
         vm = vv < V
         v = _conv_channels(x_ptr, conv_ptr, cw_ptr, row, slot, 2 * H * K + h * V + vv, vm, stride_xn, stride_cs,
@@ -177,13 +181,12 @@ def _decode_fused_kernel(
 
     # 4. output gate and gated RMSNorm (`norm.kernels`' formula), in the o_proj input's dtype.
     rstd = 1.0 / tl.sqrt(sumsq / V + norm_eps)
-    ga = tl.load(ga_ptr + row * stride_gan + rr, mask=rm, other=0.0).to(tl.float32)
-    for i in tl.static_range(NV):
+    for i in tl.range(0, NV):
         vv = i * BV + tl.arange(0, BV)
         vm = vv < V
         o = tl.load(p_o + vv, mask=vm, other=0.0)
-        gate = _low_rank(ga, gb_ptr, gbs_ptr, h * V + vv, vm, rr, rm, stride_gb, stride_gbs0, stride_gbs1, GB_SCALE,
-                         QBLOCK_G)  # fmt: skip
+        gate = _low_rank(ga_ptr + row * stride_gan, gb_ptr, gbs_ptr, h * V + vv, vm, stride_gb, stride_gbs0,
+                         stride_gbs1, R, BR, GB_SCALE, QBLOCK_G)  # fmt: skip
         y = o * rstd
         y = y * tl.load(nw_ptr + vv, mask=vm, other=0.0).to(tl.float32)
         y = y * (1.0 / (1.0 + tl.exp(-gate)))
@@ -227,6 +230,7 @@ def kda_decode_fused(
     l2_eps: float = L2NORM_EPS,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_v: int = 32,
+    block_r: int = 32,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A KDA decode step from the input projection's row to ``o_proj``'s input, in one launch (module docstring).
@@ -255,6 +259,7 @@ def kda_decode_fused(
         out: optional ``(y, o)`` buffers shaped like the results (``y`` may have a row stride, unit last
             stride; ``o`` contiguous) to write instead of allocating; every element is written.
         block_v: value channels per inner step (tuning only; a power of two).
+        block_r: low-rank columns per inner step of the gate products (tuning only; a power of two).
         num_warps: warps per program (tuning only).
 
     Returns:
@@ -303,7 +308,7 @@ def kda_decode_fused(
         conv_weight.stride(0), f_b.stride(0), fbs[1], fbs[2], g_b.stride(0), gbs[1], gbs[2], *state.stride(),
         y.stride(0), float(scale), float(lower_bound), float(l2_eps), float(norm_eps),
         H=H, K=K, V=V, R=R, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=bv, NV=triton.cdiv(V, bv),
-        BR=triton.next_power_of_2(R), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4], QBLOCK_G=gbs[4], PDL=pdl,
+        BR=min(block_r, triton.next_power_of_2(R)), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4], QBLOCK_G=gbs[4], PDL=pdl,
         num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return y, o
