@@ -308,7 +308,7 @@ def kda_decode_fused(
         conv_weight.stride(0), f_b.stride(0), fbs[1], fbs[2], g_b.stride(0), gbs[1], gbs[2], *state.stride(),
         y.stride(0), float(scale), float(lower_bound), float(l2_eps), float(norm_eps),
         H=H, K=K, V=V, R=R, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=bv, NV=triton.cdiv(V, bv),
-        BR=min(block_r, triton.next_power_of_2(R)), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4], QBLOCK_G=gbs[4], PDL=pdl,
-        num_warps=num_warps, **launch_kwargs(pdl),
+        BR=min(block_r, triton.next_power_of_2(R)), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4],
+        QBLOCK_G=gbs[4], PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return y, o
