@@ -561,7 +561,8 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``[N, D]``.
         """
-        if fused_decode_enabled(hidden):
+        # (A layer whose backend is forced to the torch reference keeps the reference recurrence.)
+        if fused_decode_enabled(hidden) and (self.backend or "auto").lower() != "torch":
             out = self._fused_decode(hidden, batch, state)
             if out is not None:
                 return out
