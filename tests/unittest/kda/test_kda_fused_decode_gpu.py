@@ -78,8 +78,8 @@ def test_kernel_matches_reference_at_real_geometry(n: int) -> None:
     torch.testing.assert_close(conv, conv_ref, equal_nan=True, atol=0, rtol=0)
 
 
-def _layer(fp8: bool) -> KimiDeltaAttention:
-    layer = KimiDeltaAttention(_REAL, kda_idx=0, device=DEV, dtype=torch.bfloat16)
+def _layer(fp8: bool, dtype: torch.dtype = torch.bfloat16) -> KimiDeltaAttention:
+    layer = KimiDeltaAttention(_REAL, kda_idx=0, device=DEV, dtype=dtype)
     layer.reset_parameters(torch.Generator().manual_seed(0), std=0.02)
     layer.A_log.data, layer.dt_bias.data = layer.A_log.data.float(), layer.dt_bias.data.float()
     if fp8:
@@ -98,14 +98,14 @@ def _state(layer: KimiDeltaAttention, S: int, live: list[int]) -> KdaLayerState:
     return st
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("dtype", "fp8"), [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)])
 @pytest.mark.parametrize("n", [1, 16])
-def test_layer_switch_off_and_on_agree(monkeypatch: pytest.MonkeyPatch, n: int, fp8: bool) -> None:
-    layer = _layer(fp8)
+def test_layer_switch_off_and_on_agree(monkeypatch: pytest.MonkeyPatch, n: int, dtype: torch.dtype, fp8: bool) -> None:
+    layer = _layer(fp8, dtype)
     S = 2 * n + 3
     slots = list(range(S - 1, 0, -2))[:n]  # reversed, with gaps
     gen = torch.Generator(device=DEV).manual_seed(9)
-    hiddens = [torch.randn(n, _REAL.hidden_size, generator=gen, device=DEV).bfloat16() for _ in range(4)]
+    hiddens = [torch.randn(n, _REAL.hidden_size, generator=gen, device=DEV).to(dtype) for _ in range(4)]
     calls = {"fused": 0}
     real = L.kda_decode_fused
 
@@ -122,10 +122,12 @@ def test_layer_switch_off_and_on_agree(monkeypatch: pytest.MonkeyPatch, n: int, 
         runs[setting] = (outs, st)
     assert calls["fused"] == len(hiddens)
     (o0, s0), (o1, s1) = runs["0"], runs["1"]
+    # A bf16 model's unfused path rounds the low-rank gate products to bf16 (the fused one keeps them in FP32); an
+    # FP32 model's differs by rounding only (fla's decode kernel against the fused step, the GEMMs' sum orders).
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-3
     for t, (a, b) in enumerate(zip(o0, o1)):
-        # bf16 model: the unfused path rounds the low-rank gate products and the norm's input to bf16.
-        assert _report(f"layer out step {t}", b, a) < 3e-2
-    assert _report("recurrent state", s1.recurrent, s0.recurrent) < 1e-2
+        assert _report(f"layer out step {t}", b, a) < tol
+    assert _report("recurrent state", s1.recurrent, s0.recurrent) < tol
     torch.testing.assert_close(s1.conv, s0.conv, equal_nan=True, atol=0, rtol=0)
 
 
