@@ -17,17 +17,21 @@ low-rank input ``g_a``) and, for head ``h`` of sequence ``i`` (state slot ``slot
 
 Why one program per (sequence, head) and not per value block too: the head's conv window and its RMSNorm span the
 whole head (splitting ``V`` would have several programs shift one window, a race, and would need a second launch
-for the norm). The low-rank weights (``K x R`` and ``V x R`` per head) are read by each program; ``n`` programs of
-one head read the same rows (L2 hits).
+for the norm). The low-rank weights (``K x R`` and ``V x R`` per head) are read by each program, ``BR`` columns a
+step; ``n`` programs of one head read the same rows (L2 hits). The loops over value blocks and low-rank columns
+are not unrolled: unrolled, or with whole ``[K, R]`` / ``[K, V]`` tiles, the kernel spilled registers at the real
+geometry on sm_90 (``ptxas -v``); with ``BV = BR = 32`` and 4 warps it does not.
 
 Numerics: FP32 between the projections. Against the unfused path (`trtllm_glm.kda.layer`) the difference is
 rounding only: the two low-rank products are FP32 sums here, where the unfused path rounds ``f_b_proj(f_a)`` and
 ``g_b_proj(g_a)`` to the activation dtype (one bf16 rounding of the gate logits in a bf16 model), and the norm's
 sum of squares is taken in ``BV`` blocks. Block-FP8 ``f_b`` / ``g_b`` weights (``float8_e4m3fn`` with ``[ceil(O/B),
-ceil(I/B)]`` FP32 scales) are dequantised as they are loaded. Not batch invariant in the `numerics` sense with
-the rest of the mode's kernels (its decode must equal a width-one verify + commit bit for bit, and the verify path
-rounds the gates through the cuBLAS low-rank GEMMs): the layer keeps this kernel off in that mode. Shapes only, no
-host sync, allocates nothing (the wrapper allocates the outputs): graph-capturable.
+ceil(I/B)]`` FP32 scales) are dequantised as they are loaded. A row's bits do not depend on the other rows (one
+launch shape per row), but the batch-invariant mode (docs/numerics.md) also promises that a decode step equals a
+width-one verify + commit bit for bit, and the verify path computes the gates through the low-rank GEMMs: the
+layer keeps this kernel off in that mode. Shapes only, no host sync, allocates only its outputs (or writes
+``out=``): graph-capturable. Under the interpreter (CPU tests) inputs are upcast right after loading (its bf16
+arithmetic is not IEEE).
 """
 
 from __future__ import annotations
