@@ -10,28 +10,31 @@ low-rank input ``g_a``) and, for head ``h`` of sequence ``i`` (state slot ``slot
    and sum), then ``lower_bound * sigmoid(exp(A_log[h]) * (. + dt_bias))``, and ``beta = sigmoid(b)``;
 3. the delta-rule step on the slot's ``[K, V]`` state tile, in place (`verify._kda_step`, the verify kernel's
    step), ``BV`` value channels at a time (the columns of the update are independent): the FP32 output ``o`` goes
-   to an FP32 buffer (returned for tests) while the sum of its squares accumulates;
-4. the output gate ``g_a @ g_b[h*V : (h+1)*V]^T`` and the gated RMSNorm ``o * rsqrt(mean(o^2) + eps) * w *
-   sigmoid(gate)`` of the head (it needs every value channel's ``o``, hence the second pass over the value blocks,
-   reading back the FP32 ``o`` this program wrote after a barrier), stored in the ``o_proj`` input's dtype.
+   to an FP32 buffer (returned for tests) while the sum of its squares accumulates; in the same pass the output
+   gate of those channels, ``w * sigmoid(g_a @ g_b[h*V : (h+1)*V]^T)``, to a second FP32 buffer (its low-rank
+   loads do not wait for the state's);
+4. the gated RMSNorm ``(o * rsqrt(mean(o^2) + eps)) * (w * sigmoid(gate))`` of the head (it needs every value
+   channel's ``o``, hence the second pass over the value blocks, reading back what this program wrote after a
+   barrier), stored in the ``o_proj`` input's dtype.
 
 Why one program per (sequence, head) and not per value block too: the head's conv window and its RMSNorm span the
 whole head (splitting ``V`` would have several programs shift one window, a race, and would need a second launch
 for the norm). The low-rank weights (``K x R`` and ``V x R`` per head) are read by each program, ``BR`` columns a
 step; ``n`` programs of one head read the same rows (L2 hits). The loops over value blocks and low-rank columns
-are not unrolled: unrolled, or with whole ``[K, R]`` / ``[K, V]`` tiles, the kernel spilled registers at the real
-geometry on sm_90 (``ptxas -v``); with ``BV = BR = 32`` and 4 warps it does not.
+take their trip counts (``NV``, ``R``) as run-time arguments, so the compiler keeps them loops: unrolled (constexpr
+counts; 3-4x the PTX), or with whole ``[K, R]`` / ``[K, V]`` tiles, the kernel spilled registers at the real
+geometry on sm_90 (``ptxas -v``); with ``BV = BR = 32`` it does not (4 or 8 warps, float or FP8 weights).
 
 Numerics: FP32 between the projections. Against the unfused path (`trtllm_glm.kda.layer`) the difference is
 rounding only: the two low-rank products are FP32 sums here, where the unfused path rounds ``f_b_proj(f_a)`` and
 ``g_b_proj(g_a)`` to the activation dtype (one bf16 rounding of the gate logits in a bf16 model), and the norm's
-sum of squares is taken in ``BV`` blocks. Block-FP8 ``f_b`` / ``g_b`` weights (``float8_e4m3fn`` with ``[ceil(O/B),
-ceil(I/B)]`` FP32 scales) are dequantised as they are loaded. A row's bits do not depend on the other rows (one
-launch shape per row), but the batch-invariant mode (docs/numerics.md) also promises that a decode step equals a
-width-one verify + commit bit for bit, and the verify path computes the gates through the low-rank GEMMs: the
-layer keeps this kernel off in that mode. Shapes only, no host sync, allocates only its outputs (or writes
-``out=``): graph-capturable. Under the interpreter (CPU tests) inputs are upcast right after loading (its bf16
-arithmetic is not IEEE).
+sum of squares is taken in ``BV`` blocks (its product grouped as above). Block-FP8 ``f_b`` / ``g_b`` weights
+(``float8_e4m3fn`` with ``[ceil(O/B), ceil(I/B)]`` FP32 scales) are dequantised as they are loaded. A row's bits
+do not depend on the other rows (one launch shape per row), but the batch-invariant mode (docs/numerics.md) also
+promises that a decode step equals a width-one verify + commit bit for bit, and the verify path computes the gates
+through the low-rank GEMMs: the layer keeps this kernel off in that mode. Shapes only, no host sync, allocates
+only its outputs and one FP32 scratch of their size (or writes ``out=``): graph-capturable. Under the interpreter
+(CPU tests) inputs are upcast right after loading (its bf16 arithmetic is not IEEE).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _low_rank(
     stride_w,
     stride_s0,
     stride_s1,
-    R: tl.constexpr,
+    R,
     BR: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -100,6 +103,7 @@ def _decode_fused_kernel(
     gbs_ptr,
     nw_ptr,
     o_ptr,
+    z_ptr,
     y_ptr,
     stride_xn,
     stride_fan,
@@ -123,14 +127,14 @@ def _decode_fused_kernel(
     lower_bound,
     l2_eps,
     norm_eps,
+    R,
+    NV,
     H: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
-    R: tl.constexpr,
     W: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
-    NV: tl.constexpr,
     BR: tl.constexpr,
     FB_SCALE: tl.constexpr,
     GB_SCALE: tl.constexpr,
@@ -164,8 +168,10 @@ def _decode_fused_kernel(
     g = tl.where(km, g, 0.0)
     beta = 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + row * stride_bn + h).to(tl.float32)))
 
-    # 3. the recurrent step, BV value channels at a time (their conv channels shifted here too).
+    # 3. the recurrent step, BV value channels at a time (their conv channels shifted here too), and the output
+    # gate's factor of the same channels (its low-rank loads are independent of the state's: they overlap).
     p_o = o_ptr + (row * H + h) * V
+    p_z = z_ptr + (row * H + h) * V
     sumsq = tl.zeros([], dtype=tl.float32)
     for i in tl.range(0, NV):
         vv = i * BV + tl.arange(0, BV)
@@ -180,21 +186,21 @@ def _decode_fused_kernel(
         o = tl.where(vm, o, 0.0)
         sumsq += tl.sum(o * o, axis=0)
         tl.store(p_o + vv, o, mask=vm)
-    # The second pass reads o values other threads of this program stored: make them visible.
+        gate = _low_rank(ga_ptr + row * stride_gan, gb_ptr, gbs_ptr, h * V + vv, vm, stride_gb, stride_gbs0,
+                         stride_gbs1, R, BR, GB_SCALE, QBLOCK_G)  # fmt: skip
+        z = tl.load(nw_ptr + vv, mask=vm, other=0.0).to(tl.float32) * (1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(p_z + vv, z, mask=vm)
+    # The second pass reads values other threads of this program stored: make them visible.
     tl.debug_barrier()
 
-    # 4. output gate and gated RMSNorm (`norm.kernels`' formula), in the o_proj input's dtype.
+    # 4. the gated RMSNorm, ``(o * rstd) * (w * sigmoid(gate))``, in the o_proj input's dtype.
     rstd = 1.0 / tl.sqrt(sumsq / V + norm_eps)
     for i in tl.range(0, NV):
         vv = i * BV + tl.arange(0, BV)
         vm = vv < V
         o = tl.load(p_o + vv, mask=vm, other=0.0)
-        gate = _low_rank(ga_ptr + row * stride_gan, gb_ptr, gbs_ptr, h * V + vv, vm, stride_gb, stride_gbs0,
-                         stride_gbs1, R, BR, GB_SCALE, QBLOCK_G)  # fmt: skip
-        y = o * rstd
-        y = y * tl.load(nw_ptr + vv, mask=vm, other=0.0).to(tl.float32)
-        y = y * (1.0 / (1.0 + tl.exp(-gate)))
-        tl.store(y_ptr + row * stride_yn + h * V + vv, y.to(y_ptr.dtype.element_ty), mask=vm)
+        z = tl.load(p_z + vv, mask=vm, other=0.0)
+        tl.store(y_ptr + row * stride_yn + h * V + vv, ((o * rstd) * z).to(y_ptr.dtype.element_ty), mask=vm)
 
 
 def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, block: int, R: int, what: str) -> tuple:
@@ -303,15 +309,17 @@ def kda_decode_fused(
             raise ValueError(f"kda_decode_fused: out o must be [{n}, {H}, {V}] contiguous fp32")
     if n == 0:
         return y, o
+    z = torch.empty(n, H, V, dtype=torch.float32, device=dev)  # the output gate's factor (between the passes)
     bv = min(block_v, triton.next_power_of_2(V))
     pdl = use_pdl(dev)
     _decode_fused_kernel[(n, H)](
         x, fa, b, ga, conv_state, conv_weight, slots, f_b, fbs[0], A_log, dt_bias, state, g_b, gbs[0],
-        norm_weight, o, y,
+        norm_weight, o, z, y,
         x.stride(0), fa.stride(0), b.stride(0), ga.stride(0), conv_state.stride(0), conv_state.stride(1),
         conv_weight.stride(0), f_b.stride(0), fbs[1], fbs[2], g_b.stride(0), gbs[1], gbs[2], *state.stride(),
         y.stride(0), float(scale), float(lower_bound), float(l2_eps), float(norm_eps),
-        H=H, K=K, V=V, R=R, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=bv, NV=triton.cdiv(V, bv),
+        R, triton.cdiv(V, bv),
+        H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=bv,
         BR=min(block_r, triton.next_power_of_2(R)), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4],
         QBLOCK_G=gbs[4], PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
