@@ -5,6 +5,9 @@ tokens) and of a KDA layer for a batch of requests with a long context, eagerly 
 replay (the sparse layer), and reports achieved bandwidth (weights + cache bytes read) against a
 device-to-device copy ceiling measured in the same run, plus the ratio to the torch-reference backend.
 
+The KDA layer is also timed as the decode graph runs it (fused input weights, graph replay) with its fused
+decode kernel off and on (``TRTLLM_GLM_KDA_FUSED_DECODE``).
+
 Usage: ``python -m benchmarks.bench_layers [--batch 64] [--context 4096]``. Exits cleanly without CUDA.
 """
 
@@ -18,6 +21,7 @@ import torch
 
 from benchmarks.harness.ceiling import copy_ceiling_gbs
 from benchmarks.harness.timing import event_us
+from trtllm_glm import envs
 from trtllm_glm.attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from trtllm_glm.attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
 from trtllm_glm.cache.manager import Glm5NextCacheManager
@@ -118,6 +122,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"KDA backend {backend}: {type(e).__name__}: {e}")
             continue
         rows.append((f"KDA decode ({backend}, eager)", us, kmoved))
+    # As the decode graph runs it (fused input weights, one CUDA-graph replay): the unfused path, then the fused
+    # decode kernel (`TRTLLM_GLM_KDA_FUSED_DECODE`, docs/kernels.md "Fused KDA decode step"); read per call, so
+    # each capture takes its own path.
+    kda.backend = None
+    kda.fuse_weights()
+    before = os.environ.get(envs.KDA_FUSED_DECODE.name)
+    try:
+        for setting in ("0", "1"):
+            os.environ[envs.KDA_FUSED_DECODE.name] = setting
+            kda(h, kmeta, state)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                kda(h, kmeta, state)
+            rows.append((f"KDA decode (fused {setting}, graph replay)", event_us(graph.replay), kmoved))
+            del graph
+    finally:
+        if before is None:
+            os.environ.pop(envs.KDA_FUSED_DECODE.name, None)
+        else:
+            os.environ[envs.KDA_FUSED_DECODE.name] = before
 
     base = {n.split(" (")[0]: us for n, us, _ in rows if "reference" in n or "torch" in n}
     print(f"\n{'step':<44} {'us':>9} {'MB moved':>9} {'GB/s':>7} {'%copy':>6} {'vs torch':>9}")

@@ -11,8 +11,9 @@ head's fp32 cast written by the greedy kernel, as the decode graph then does); t
 ``--sample`` also counts `Sampler.sample` of one temperature / top-k / top-p row (a sampled request's eager tail).
 
 What this cannot see: the KDA recurrent update runs fla-core's kernel on CUDA (one launch per layer) and the torch
-reference here (~11 ops per layer), the FP8 linear is not used (bf16 weights), and cuBLAS may use more than one
-kernel per GEMM.
+reference here (~11 ops per layer; with ``TRTLLM_GLM_KDA_FUSED_DECODE=1``, which ``TRTLLM_GLM_DECODE_FUSE=1``
+implies, it is inside the fused KDA decode kernel on both, `kda/kernels/decode_fused.py`), the FP8 linear is not
+used (bf16 weights), and cuBLAS may use more than one kernel per GEMM.
 
 Usage: ``python -m benchmarks.count_launches [--sample] [--json out.json]``. Before:
 ``TRTLLM_GLM_DECODE_FUSE=0 TRTLLM_GLM_SAMPLING_BACKEND=torch python -m benchmarks.count_launches --sample``; after:

@@ -269,7 +269,7 @@ PDL_TRIGGER: Choice[str] = Choice(
     "its start, or after its main loop (docs/fp8.md, \"Launch overhead\")",
 )  # fmt: skip
 DECODE_FUSE: Switch[bool] = Switch(
-    "TRTLLM_GLM_DECODE_FUSE", False, "both decode-step fusions at once where their own variables are unset"
+    "TRTLLM_GLM_DECODE_FUSE", False, "the decode-step fusions at once where their own variables are unset"
 )
 MHC_FUSE: Switch[bool] = Switch(
     "TRTLLM_GLM_MHC_FUSE", False, "the fused mHC residual sites of decode", fallback=DECODE_FUSE
@@ -277,6 +277,10 @@ MHC_FUSE: Switch[bool] = Switch(
 GREEDY_FUSE_CAST: Switch[bool] = Switch(
     "TRTLLM_GLM_GREEDY_FUSE_CAST", False, "the LM head's fp32 cast inside the greedy kernel", fallback=DECODE_FUSE
 )
+KDA_FUSED_DECODE: Switch[bool] = Switch(
+    "TRTLLM_GLM_KDA_FUSED_DECODE", False, "a KDA layer's decode step from its input projection to `o_proj` in one "
+    "kernel (CUDA, outside the batch-invariant mode)", fallback=DECODE_FUSE,
+)  # fmt: skip
 MOE_SKIP_DEAD_ROWS = OffAtZero("TRTLLM_GLM_MOE_SKIP_DEAD_ROWS", "the MoE leaves out rows marked dead (`row_live`)")
 FP8_DEQUANT_MIN_ROWS: Int[int | None] = Int(
     "TRTLLM_GLM_FP8_DEQUANT_MIN_ROWS", None, "rows from which a 16-bit CUDA FP8 linear dequantises and calls cuBLAS "

@@ -37,6 +37,7 @@ from .ops import (
     kda_verify,
 )
 from .ops.conv import verify_rows
+from .ops.decode_fused import fused_decode_enabled, kda_decode_fused
 
 __all__ = [
     "KimiDeltaAttention",
@@ -333,6 +334,18 @@ _FUSED_IN_NO_B = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj")
 _FUSED_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 
 
+def _low_rank_weight(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """``(weight, scale_inv or None, block)`` of a low-rank ``f_b`` / ``g_b`` projection as the fused decode kernel
+    reads it (a float weight, or block FP8 with its scales), else ``None``."""
+    w = linear.weight
+    if w.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return w, None, 128
+    scale = getattr(linear, "weight_scale_inv", None)
+    if w.dtype == torch.float8_e4m3fn and scale is not None:
+        return w, scale, int(getattr(linear, "block", 128))
+    return None
+
+
 def _act_dtype(linear: nn.Module, hidden: torch.Tensor) -> torch.dtype:
     """The dtype ``linear`` multiplies in: its weight's, or the activations' for a block-FP8 weight."""
     w = linear.weight
@@ -471,6 +484,16 @@ class KimiDeltaAttention(nn.Module):
         """``hidden [N, D]`` -> conv inputs ``x [N, C]`` (FP32, or the projection's dtype with fused weights),
         log decay ``g [N, H, K]``, ``beta [N, H]`` (FP32) and, with fused weights, the output gate's low-rank
         input ``g_a_proj(hidden)`` (else ``None``)."""
+        x, fa, b, ga = self._in_proj(hidden)
+        # One launch on CUDA (`ops.gate.kda_gate_beta`), ten small ones in torch.
+        g, beta = kda_gate_beta(self.f_b_proj(fa), b, self.A_log, self.dt_bias, self.lower_bound)
+        return x, g, beta, ga
+
+    def _in_proj(
+        self, hidden: torch.Tensor, *, with_ga: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The projections of `_inputs`: ``hidden [N, D]`` -> ``(x [N, C], fa [N, R], b [N, H], ga [N, R] | None)``
+        (``ga`` is computed by the fused GEMM, or here with ``with_ga``; ``x`` is FP32 without fused weights)."""
         f = self._in_fused
         if f is not None and f.usable():
             # Columns q | k | v (the conv channels, already in order), f_a, b, g_a.
@@ -484,12 +507,9 @@ class KimiDeltaAttention(nn.Module):
             else:  # _FUSED_IN_NO_B
                 x, fa, ga = y.split([sum(f.sizes[:3]), *f.sizes[3:]], dim=-1)
                 b = self.b_proj(hidden)
-        else:
-            x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
-            fa, b, ga = self.f_a_proj(hidden), self.b_proj(hidden), None
-        # One launch on CUDA (`ops.gate.kda_gate_beta`), ten small ones in torch.
-        g, beta = kda_gate_beta(self.f_b_proj(fa), b, self.A_log, self.dt_bias, self.lower_bound)
-        return x, g, beta, ga
+            return x, fa, b, ga
+        x = torch.cat([self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)], dim=-1).float()
+        return x, self.f_a_proj(hidden), self.b_proj(hidden), self.g_a_proj(hidden) if with_ga else None
 
     def _output(self, hidden: torch.Tensor, o: torch.Tensor, ga: torch.Tensor | None = None) -> torch.Tensor:
         """``o [N, H, V]`` FP32 -> gated RMSNorm -> ``o_proj`` -> ``[N, D]`` in ``hidden``'s dtype (``ga``:
@@ -541,8 +561,41 @@ class KimiDeltaAttention(nn.Module):
         Returns:
             ``[N, D]``.
         """
+        # (A layer whose backend is forced to the torch reference keeps the reference recurrence.)
+        if fused_decode_enabled(hidden) and (self.backend or "auto").lower() != "torch":
+            out = self._fused_decode(hidden, batch, state)
+            if out is not None:
+                return out
         inputs = self._inputs(hidden)
         return self._output(hidden, self._forward_o(hidden, batch, state, inputs), inputs[3])
+
+    def _fused_decode(self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState) -> torch.Tensor | None:
+        """`forward` of a pure decode step (every row one decode row, in order) as the input GEMM, one kernel
+        (`ops.decode_fused.kda_decode_fused`: conv, gates, recurrence, output gate and norm) and ``o_proj``;
+        ``None`` for any other step, or low-rank weights the kernel does not read (then the unfused path runs).
+        Same slots, no host sync and no index tensor from a host list (graph-capturable)."""
+        N, dev = hidden.shape[0], hidden.device
+        plan = _step_host(batch, ("plan", N, dev), lambda: _StepPlan.build(batch, N, dev))
+        low_rank = [_low_rank_weight(self.f_b_proj), _low_rank_weight(self.g_b_proj)]
+        if not plan.decode_only or N == 0 or low_rank[0] is None or low_rank[1] is None:
+            return None
+        (f_b, f_s, f_blk), (g_b, g_s, g_blk) = low_rank  # type: ignore[misc]
+        if f_s is not None and g_s is not None and f_blk != g_blk:
+            return None
+        seqs = plan.dec
+        first, every_seq, key = _step_host(batch, ("decode-host", tuple(seqs)), lambda: _decode_host(batch, seqs))
+        if every_seq:
+            slots = self._slots(batch, seqs, dev)
+        else:  # sequences without rows in the batch: the slots of those with one (rows 0 .. N-1 all the same)
+            slots = _step_cached(batch, key, lambda: self._decode_index(batch, seqs, first, dev))[1]
+        x, fa, b, ga = self._in_proj(hidden, with_ga=True)
+        assert ga is not None
+        y, _ = kda_decode_fused(
+            x, fa, b, ga, state.conv, self._conv_weight(), slots, f_b, self.A_log, self.dt_bias, self.lower_bound,
+            state.recurrent, g_b, self.o_norm.weight, self.o_norm.eps, self.scale, _act_dtype(self.o_proj, hidden),
+            backend="triton", f_b_scale=f_s, g_b_scale=g_s, quant_block=f_blk if f_s is not None else g_blk,
+        )  # fmt: skip
+        return self.o_proj(y).to(hidden.dtype)
 
     def _forward_o(
         self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple

@@ -24,6 +24,7 @@ __all__ = [
     "kda_verify",
     "kda_commit",
     "kda_decode_inplace",
+    "kda_decode_fused",
     "kernel_module",
 ]
 
@@ -32,7 +33,8 @@ _PACKAGE = KernelPackage(__name__, __path__)
 
 
 def kernel_module(name: str, device: torch.device | str) -> Any:
-    """The kernel module ``name`` (``"verify"``, ``"conv"``, ``"gate"``) for ``device``, for launch knobs and tests.
+    """The kernel module ``name`` (``"verify"``, ``"conv"``, ``"gate"``, ``"decode_fused"``) for ``device``, for
+    launch knobs and tests.
 
     CUDA devices get the normally imported module (compiled kernels, unless the process runs with
     ``TRITON_INTERPRET=1``); other devices an interpreted copy whose callables run inside
@@ -288,3 +290,44 @@ def kda_gate_beta(
         ``(g [N, H, K], beta [N, H])`` FP32.
     """
     return kernel_module("gate", g_raw.device).kda_gate_beta(g_raw, b, A_log, dt_bias, lower_bound, **launch)
+
+
+def kda_decode_fused(
+    x: torch.Tensor,
+    fa: torch.Tensor,
+    b: torch.Tensor,
+    ga: torch.Tensor,
+    conv_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    slots: torch.Tensor,
+    f_b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float,
+    state: torch.Tensor,
+    g_b: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    scale: float,
+    out_dtype: torch.dtype,
+    **launch: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton `ops.decode_fused.kda_decode_fused_reference`: a KDA decode step from the input projection's row
+    to ``o_proj``'s input in one launch (``decode_fused.py`` has the kernel design; same arguments).
+
+    Args:
+        x: ``[n, C]`` conv inputs; fa / ga: ``[n, R]`` the gates' low-rank inputs; b: ``[n, H]`` beta logits.
+        conv_state: ``[S, C, W - 1]`` and state: ``[S, H, K, V]`` pools, updated in place at ``slots [n]``.
+        conv_weight: ``[C, W]`` taps; f_b: ``[H * K, R]``; g_b: ``[H * V, R]``; A_log: ``[H]``; dt_bias:
+            ``[H * K]``; norm_weight: ``[V]``.
+        lower_bound, norm_eps, scale: the gate's bound, the norm's epsilon, the query scale.
+        out_dtype: dtype of the ``o_proj`` input.
+        **launch: ``f_b_scale``, ``g_b_scale``, ``quant_block`` (block-FP8 low-rank weights), ``l2_eps``,
+            ``block_v``, ``num_warps``.
+
+    Returns:
+        ``(y [n, H * V] out_dtype, o [n, H, V] FP32)``.
+    """
+    mod = kernel_module("decode_fused", x.device)
+    return mod.kda_decode_fused(x, fa, b, ga, conv_state, conv_weight, slots, f_b, A_log, dt_bias, lower_bound,
+                                state, g_b, norm_weight, norm_eps, scale, out_dtype, **launch)  # fmt: skip

@@ -18,6 +18,7 @@ from .conv import (
     conv_verify_qkv,
     conv_verify_qkv_reference,
 )
+from .decode_fused import fused_decode_enabled, kda_decode_fused, kda_decode_fused_reference
 from .gate import kda_gate, kda_gate_beta, kda_gate_beta_reference, l2_normalize
 from .recurrent import recurrent_kda, recurrent_kda_step
 from .verify import KdaRecords, kda_commit, kda_verify
@@ -38,8 +39,11 @@ __all__ = [
     "conv_verify_qkv",
     "conv_verify_qkv_reference",
     "fla_kda_available",
+    "fused_decode_enabled",
     "kda_commit",
     "kda_decode",
+    "kda_decode_fused",
+    "kda_decode_fused_reference",
     "kda_decode_inplace",
     "kda_gate",
     "kda_gate_beta",
