@@ -22,8 +22,8 @@ __all__ = ["GlmKpoolBackend", "kpool_ops", "backend_name"]
 
 
 class GlmKpoolBackend(AttentionBackend):
-    """The k-pool sparse MLA backend: `GlmKpoolMetadata`, paged latent rows (+ FP8 scales) + pooled index keys (+ FP8 scales) per
-    layer, the indexer tail rings of the manager's state owner, and `kpool_ops` dispatch."""
+    """The k-pool sparse MLA backend: `GlmKpoolMetadata`, paged latent rows (+ FP8 scales) + pooled index keys (+ FP8
+    scales) per layer, the indexer tail rings of the manager's state owner, and `kpool_ops` dispatch."""
 
     name = "glm_kpool"
     Metadata = GlmKpoolMetadata

@@ -15,9 +15,8 @@ import triton
 import triton.language as tl
 
 from trtllm_glm import envs
-from trtllm_glm.numerics import batch_invariant
-
 from trtllm_glm.attention.sparse.glm_kpool.cache_layout import LATENT_SCALE_BLOCK, latent_scale_blocks
+from trtllm_glm.numerics import batch_invariant
 
 from ._common import INTERPRETED, e4m3_to_f16_scaled
 
@@ -713,9 +712,10 @@ def sparse_mla_attention(
             r1 = min(n_rows, r0 + PARTIAL_SLAB_ROWS)
             sparse_mla_attention(
                 q_abs[r0:r1], latent_cache, sel[r0:r1], row_seq[r0:r1], slot_table, page_size, softmax_scale,
-                latent_scale=latent_scale, out=out[r0:r1], splits=splits, impl="gluon" if use_gluon else "triton", block_h=block_h,
-                block_w=block_w, num_warps=num_warps, num_stages=num_stages, combine_block_h=combine_block_h,
-                gluon_nbuf=gluon_nbuf, gluon_p_smem=gluon_p_smem, gluon_diag=gluon_diag,
+                latent_scale=latent_scale, out=out[r0:r1], splits=splits, impl="gluon" if use_gluon else "triton",
+                block_h=block_h, block_w=block_w, num_warps=num_warps, num_stages=num_stages,
+                combine_block_h=combine_block_h, gluon_nbuf=gluon_nbuf, gluon_p_smem=gluon_p_smem,
+                gluon_diag=gluon_diag,
             )  # fmt: skip
         return out
     head_blocks = triton.cdiv(n_heads, block_h)
