@@ -56,7 +56,7 @@ def _reference_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _poisoned_latent(num_pages: int, page_size: int, r: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 plane of random bytes (NaN codes 0x7F / 0xFF included) and a NaN scale plane."""
     codes = torch.randint(0, 256, (num_pages, page_size, r), generator=g, dtype=torch.uint8)
-    codes.view(-1)[:: 7] = 0x7F
+    codes.view(-1)[::7] = 0x7F
     scale = torch.full((num_pages, page_size, latent_scale_blocks(r)), float("nan"))
     return codes.view(E4M3), scale
 
