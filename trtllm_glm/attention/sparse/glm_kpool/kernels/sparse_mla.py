@@ -103,6 +103,7 @@ def _split_kernel(
     FP32: tl.constexpr,
     LAT_FP8: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
+    NB: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -145,12 +146,22 @@ def _split_kernel(
                 mask=ok[:, None] & r_ok[None, :],
                 other=0,
             )
-            sc = tl.load(
-                scale_ptr + (page * stride_sp + row * stride_sr)[:, None] + (r // SCALE_BLOCK)[None, :],
-                mask=ok[:, None] & r_ok[None, :],
-                other=0.0,
-            )
-            kv = e4m3_to_f16_scaled(codes.to(tl.int32)).to(tl.float32) * (sc * 256.0)
+            # fp16 value * 2**-8 (exact), the 2**8 folded into the scale below.
+            dec = e4m3_to_f16_scaled(codes.to(tl.int32)).to(tl.float32)
+            scale_row = scale_ptr + page * stride_sp + row * stride_sr
+            if RP % SCALE_BLOCK == 0:
+                # Whole blocks: load each row's NB scales once ([BLOCK_W, RP // 128]) and broadcast them over their
+                # 128 columns, instead of one scalar load per element.
+                sb = tl.arange(0, RP // SCALE_BLOCK)
+                sc = tl.load(scale_row[:, None] + sb[None, :], mask=ok[:, None] & (sb < NB)[None, :], other=0.0)
+                kv = dec.reshape(BLOCK_W, RP // SCALE_BLOCK, SCALE_BLOCK) * (sc * 256.0)[:, :, None]
+                kv = kv.reshape(BLOCK_W, RP)
+            else:
+                # A latent narrower than one block (small test models): every column reads its block's scale.
+                sc = tl.load(
+                    scale_row[:, None] + (r // SCALE_BLOCK)[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
+                )
+                kv = dec * (sc * 256.0)
             if not FP32:
                 kv = kv.to(q.dtype)
         else:
@@ -788,6 +799,7 @@ def sparse_mla_attention(
             FP32=fp32,
             LAT_FP8=lat_fp8,
             SCALE_BLOCK=LATENT_SCALE_BLOCK,
+            NB=latent_scale_blocks(rank),
             num_warps=num_warps,
             num_stages=num_stages,
         )
