@@ -1,9 +1,9 @@
 """Sparse MLA decode/verify attention over selected latent rows (`ops.sparse_mla_attention`): Triton + Gluon.
 
 Split-K (flash-decoding) over the selection, ``_gluon_split_kernel`` on sm_90 (bf16/fp16, R = 512), ``_split_kernel``
-elsewhere, then ``_combine_kernel``; split count from shapes only (graph-capturable). Bad pages and ``row_seq < 0``
-rows are skipped where the reference raises. Schedule and numerics: docs/kernels.md, "Sparse MLA decode / verify";
-floors: kernels/NOTES.md.
+elsewhere (an FP8 latent cache with its block scales included), then ``_combine_kernel``; split count from shapes only
+(graph-capturable). Bad pages and ``row_seq < 0`` rows are skipped where the reference raises. Schedule and numerics:
+docs/kernels.md, "Sparse MLA decode / verify"; floors: kernels/NOTES.md.
 """
 
 from __future__ import annotations
