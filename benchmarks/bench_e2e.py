@@ -229,7 +229,8 @@ def timing_ranking_file(vocab_size: int) -> str:
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
              profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0,
-             max_batch: int | None = None, profile_comm: bool = False, profile_steps: int = 3):  # fmt: skip
+             max_batch: int | None = None, profile_comm: bool = False, profile_steps: int = 3,
+             latent_dtype: str = "auto"):  # fmt: skip
     """Prefill ``batch`` prompts, then time decode steps until every request has ``gen`` tokens.
 
     ``prompts`` (token ids, cycled over the batch) replace the default random ``prompt_len``-token prompts.
@@ -244,6 +245,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     (`idle_sites.idle_sites`: ``idle_sites``, CUDA only).
     ``profile_comm``: also time the collectives of one step (`collective_time`, CUDA only; every rank must
     pass the same value: the profiled step runs the collectives).
+    ``latent_dtype``: the cache's latent rows, ``"auto"`` (model dtype) or ``"fp8"`` (`KvCacheConfig.latent_dtype`).
     """
     if prompts is not None:
         prompt_len = max(len(p) for p in prompts)
@@ -251,7 +253,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     gcfg = CudaGraphConfig(batch_sizes=default_batch_sizes(max_batch), enable_padding=True) if graphs else None
     cfg = ExecutorConfig(tokens_per_block=64, max_tokens=batch * (prompt_len + gen + 80), max_batch_size=max_batch,
                          max_num_tokens=max(2048, 8 * batch), max_seq_len=prompt_len + gen + 16,
-                         cuda_graph_config=gcfg)  # fmt: skip
+                         cuda_graph_config=gcfg, latent_dtype=latent_dtype)  # fmt: skip
     ex = make_executor(model, cfg, mode, continuation, seed)
     t_cap = time.perf_counter()
     ex.capture_cuda_graphs()
@@ -472,6 +474,15 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
     are compared with the plain run's (greedy, so they must be identical up to near ties).
     """
     model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device=args.device).eval()
+    if args.quality:
+        # The FP8 latent's quality on held-out text (the trained model's logits mean something there); no timing.
+        ids = held_out_prompt_ids(1, args.prompt_len)[0]
+        q = latent_quality(model, ids)
+        q.update(preset=args.preset, mode="latent_quality", dtype=args.dtype)
+        print(json.dumps(q), flush=True)
+        for line in goal_lines([q]):
+            say(line)
+        return [q]
     prompts = held_out_prompt_ids(max(args.batch), args.prompt_len)
     rows = []
     graph_modes = {"off": [False], "on": [True], "both": [False, True]}[args.cuda_graphs]
@@ -481,11 +492,11 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
         for mode, graphs, env in [(m, g, e) for g in graph_modes for m in args.modes for e in env_settings]:
             set_env(env)
             run_case(model, mode, B, 0, 8, args.device, prompts=prompts, graphs=graphs,
-                     max_batch=args.max_batch_size)  # warm-up  # fmt: skip
+                     max_batch=args.max_batch_size, latent_dtype=args.latent_dtype)  # warm-up  # fmt: skip
             r = run_case(model, mode, B, 0, args.gen, args.device, prompts=prompts, graphs=graphs,
                          profile_kernels=args.profile_kernels, profile_host=args.profile_host,
                          profile_idle=args.profile_idle, max_batch=args.max_batch_size,
-                         profile_steps=args.profile_steps)  # fmt: skip
+                         profile_steps=args.profile_steps, latent_dtype=args.latent_dtype)  # fmt: skip
             if mode == "plain" and plain_out is None:  # the first plain run (eager with "both") is the reference
                 plain_out, plain_gaps = r["outputs"], r["gaps"]
             lossless = lossless_summary(
@@ -548,7 +559,13 @@ def main() -> None:
     ap.add_argument(
         "--quality", action="store_true",
         help="with fp8 weights: KL(bf16-dequantised || FP8 path) and argmax agreement of the context logits, next "
-        "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights",
+        "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights; with --latent-dtype fp8 (bf16 "
+        "weights): KL(model dtype || FP8 latent cache) beside the same floor (with --trained: on a held-out "
+        "prompt, quality only, no timed cases)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--latent-dtype", choices=["auto", "fp8"], default="auto",
+        help="the cache's latent rows in every case (KvCacheConfig.latent_dtype; default auto: the model dtype)",
     )  # fmt: skip
     ap.add_argument("--transformers", action="store_true", help="also time the reference's generate")
     ap.add_argument("--json", default=None)
@@ -603,6 +620,8 @@ def main() -> None:
         "also at world size 1; always on with --tp / --ep above 1",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.trained and args.quality and args.latent_dtype != "fp8":
+        ap.error("--trained --quality measures the FP8 latent cache: add --latent-dtype fp8")
     if args.fp8_skip == ["none"]:
         args.fp8_skip = []
     if args.tie_tol is None:
@@ -663,7 +682,7 @@ def main() -> None:
                     set_env(env)
                     if is_oracle(mode) and plain is None:
                         plain = run_case(model, "plain", B, args.prompt_len, args.gen, args.device, graphs=graphs,
-                                         max_batch=args.max_batch_size)  # fmt: skip
+                                         max_batch=args.max_batch_size, latent_dtype=args.latent_dtype)  # fmt: skip
                     cont = plain["outputs"] if plain is not None else None
                     # Warm-up of the same case: kernel compilation and first touch stay out of the timing.
                     # An oracle's warm-up runs the whole length and its own output becomes the continuation:
@@ -676,7 +695,8 @@ def main() -> None:
                     while True:
                         warm = run_case(model, mode, B, args.prompt_len,
                                         args.gen if is_oracle(mode) else 4, args.device,
-                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size)  # fmt: skip
+                                        continuation=cont, graphs=graphs, max_batch=args.max_batch_size,
+                                        latent_dtype=args.latent_dtype)  # fmt: skip
                         if not is_oracle(mode):
                             break
                         oracle_passes += 1
@@ -689,7 +709,8 @@ def main() -> None:
                                  profile_host=args.profile_host, profile_sites=args.profile_sites,
                                  profile_idle=args.profile_idle, max_batch=args.max_batch_size,
                                  profile_steps=args.profile_steps,
-                                 profile_comm=world > 1 or args.collectives_at_one)  # fmt: skip
+                                 profile_comm=world > 1 or args.collectives_at_one,
+                                 latent_dtype=args.latent_dtype)  # fmt: skip
                     # A step verifies 1 + K rows per request (K = the mode's draft count), of which the MoE
                     # computes the root and the proposed drafts (the rest is filler: never read).
                     k = draft_len(mode)
@@ -772,6 +793,13 @@ def main() -> None:
             q.update(layers=L, mode="quality", weights="fp8")
             rows_out.append(q)
             print(json.dumps(q), flush=True)
+        if weights == "bf16" and args.quality and args.latent_dtype == "fp8":
+            g = torch.Generator().manual_seed(1)
+            ids = torch.randint(0, model.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+            q = latent_quality(model, ids)  # changes the model's dtype: last use of this model
+            q.update(layers=L, mode="latent_quality", dtype=args.dtype)
+            rows_out.append(q)
+            print(json.dumps(q), flush=True)
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -828,6 +856,53 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
             "kl_bf16": kl(hi, lo), "argmax_bf16": agree(hi, lo)}  # fmt: skip
 
 
+@torch.no_grad()
+def latent_quality(model: Glm5NextForCausalLM, ids: list[int]) -> dict:
+    """Context-logit quality of the FP8 latent cache (``latent_dtype="fp8"``) on ``model`` (changed to fp32 in
+    place at the end: use it last).
+
+    Logits of the prompt ``ids`` in the model's dtype with the latent cache in that dtype (``lo``) and in FP8
+    (``fp8``), then with the model in fp32 (``hi``, fp32 cache; ``hi_fp8``, FP8 cache). Reports ``kl_latent_fp8`` =
+    mean over rows of KL(lo || fp8) and ``argmax_latent_fp8``, next to the floor ``kl_floor`` = KL(hi || lo) and
+    ``argmax_floor``; ``kl_latent_fp8_fp32`` = KL(hi || hi_fp8) is the FP8 latent alone, without the model dtype's
+    rounding around it. The ``*_selecting`` values are over the rows past ``index_topk`` only (where the sparse
+    layers attend a selection, not every earlier token) and ``selecting_rows`` counts them.
+    """
+    from trtllm_glm.runtime.llm import LLM, KvCacheConfig
+
+    n = len(ids)
+
+    def logits(latent: str) -> torch.Tensor:
+        kv = KvCacheConfig(enable_block_reuse=False, latent_dtype=latent)
+        llm = LLM(model, max_batch_size=1, max_seq_len=n + 8, max_num_tokens=max(2048, n), kv_cache_config=kv,
+                  cuda_graph_config=None, warmup=False)  # fmt: skip
+        if latent == "fp8":
+            assert llm.executor.manager.latent.dtype == torch.float8_e4m3fn
+        out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True)).context_logits.float()
+        del llm
+        return out.cpu()
+
+    lo, fp8 = logits("auto"), logits("fp8")
+    model.float()
+    hi, hi_fp8 = logits("auto"), logits("fp8")
+    sel = slice(model.config.index_topk, None)  # row i attends i + 1 tokens: past index_topk it selects
+
+    def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+        lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+        return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+    def agree(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.argmax(-1) == b.argmax(-1)).float().mean())
+
+    topk = model.config.index_topk
+    return {"prompt_len": n, "index_topk": topk, "selecting_rows": max(0, n - topk),
+            "kl_latent_fp8": kl(lo, fp8), "argmax_latent_fp8": agree(lo, fp8),
+            "kl_floor": kl(hi, lo), "argmax_floor": agree(hi, lo),
+            "kl_latent_fp8_fp32": kl(hi, hi_fp8), "argmax_latent_fp8_fp32": agree(hi, hi_fp8),
+            "kl_latent_fp8_selecting": kl(lo[sel], fp8[sel]), "argmax_latent_fp8_selecting": agree(lo[sel], fp8[sel]),
+            "kl_floor_selecting": kl(hi[sel], lo[sel]), "argmax_floor_selecting": agree(hi[sel], lo[sel])}  # fmt: skip
+
+
 def goal_lines(rows: list[dict]) -> list[str]:
     """Issue 8's end-to-end goals, checked on this run's graph rows (one line each, for the log).
 
@@ -855,6 +930,16 @@ def goal_lines(rows: list[dict]) -> list[str]:
                 ok = vs["diverged"] == 0 and vs["near_tie"] == 0
                 out.append(f"{tag} {vs['identical']} identical to plain, {vs['near_tie']} near ties, "
                            f"{vs['diverged']} diverged (goal: all identical) {'OK' if ok else 'MISSED'}")  # fmt: skip
+            continue
+        if r.get("mode") == "latent_quality":
+            where = f"L={r['layers']}" if "layers" in r else r.get("preset", "")
+            out.append(f"[goal] {where} fp8 latent quality ({r['prompt_len']} tokens, index_topk "
+                       f"{r['index_topk']}): KL(model dtype || fp8 latent) {r['kl_latent_fp8']:.2e}, argmax "
+                       f"{100 * r['argmax_latent_fp8']:.1f}%; floor KL(fp32 || model dtype) {r['kl_floor']:.2e}, "
+                       f"argmax {100 * r['argmax_floor']:.1f}%; past index_topk: {r['kl_latent_fp8_selecting']:.2e} "
+                       f"/ {100 * r['argmax_latent_fp8_selecting']:.1f}% vs floor {r['kl_floor_selecting']:.2e} / "
+                       f"{100 * r['argmax_floor_selecting']:.1f}%; fp8 latent alone KL(fp32 || fp32 + fp8 latent) "
+                       f"{r['kl_latent_fp8_fp32']:.2e}, argmax {100 * r['argmax_latent_fp8_fp32']:.1f}%")  # fmt: skip
             continue
         if r.get("mode") == "quality":
             out.append(f"[goal] L={r['layers']} fp8 quality: KL(bf16-dequantised || fp8) {r['kl_fp8']:.2e}, argmax "

@@ -2,7 +2,9 @@
 
 Sparse MLA: 64 heads x kv_lora 512, bf16 latent cache and queries, page size 64, 2051 selected rows per query
 row (2048 pool tokens + 3 tail, as the indexer produces), N = 1, 16, 64, 128 query rows, each row on its own
-sequence. Bytes floor: every selected latent row read once per query row, ``N * W * R * 2``. Top-k: N = 16, 64
+sequence. Bytes floor: every selected latent row read once per query row, ``N * W * R * 2``. Each row count also
+times the FP8 latent cache (``latent_dtype="fp8"``: the same rows as e4m3 codes with a fp32 scale per 128 columns,
+floor ``N * W * (R + 16)``; row ``fp8 latent``). Top-k: N = 16, 64
 rows over 32768 and 8192 pools, topk 512 (floor: the scores read once plus the ids written).
 
 Two timings per case: ``eager`` is the median of ``triton.testing.do_bench`` (CUDA events; the L2 is flushed
@@ -102,6 +104,14 @@ class MlaData:
         self.sel_by_seq = torch.cat([toks, tail], dim=1).to(torch.int32)
         self.n_seqs = n_seqs
         self.g = g
+        self._fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fp8(self, ops) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """The cache's rows in the FP8 latent format (``latent_dtype="fp8"``): e4m3 codes ``[pages, P, R]`` and fp32
+        block scales ``[pages, P, R // 128]`` (`ops.quant_latent`), made once."""
+        if self._fp8 is None:
+            self._fp8 = ops.quant_latent(self.cache)
+        return self._fp8
 
     def batch(self, n_rows: int, first_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         seqs = (first_seq + torch.arange(n_rows, device=self.cache.device)) % self.n_seqs
@@ -196,10 +206,37 @@ def bench_sparse_mla(cx: _Ctx) -> None:
                 cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, t_ref, note)
             except Exception as e:  # noqa: BLE001 - one failing launch shape must not lose the others
                 print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        _bench_fp8_latent(cx, mod, data, n_rows, batches, q, sel, rs)
         if cx.sweep and n_rows == 16:
             _bench_combine_only(cx, mod, n_rows)
         del batches
         torch.cuda.empty_cache()
+
+
+def _bench_fp8_latent(cx: _Ctx, mod, data: MlaData, n_rows: int, batches: list, q, sel, rs) -> None:  # noqa: ANN001
+    """The same rows from the FP8 latent cache (codes + a fp32 scale per 128 columns: ``N * W * (R + 16)`` bytes),
+    the Triton split kernel decoding them after loading; checked against the reference over the same codes."""
+    R = cx.R
+    codes, scales = data.fp8(R)
+    nbytes = n_rows * WIDTH * (RANK + 4 * (RANK // 128))
+    label = "fp8 latent"
+    try:
+        ref32 = R.sparse_mla_attention(q.float(), codes, sel, rs, data.table, P, SCALE, latent_scale=scales)
+        out = torch.full_like(q, float("nan"))
+        mod.sparse_mla_attention(q, codes, sel, rs, data.table, P, SCALE, latent_scale=scales, out=out)
+        err = _mla_err(out, ref32)
+        bad = "" if err < 8e-3 else " WRONG"
+        t_k = bench_us(partial(mod.sparse_mla_attention, q, codes, sel, rs, data.table, P, SCALE,
+                               latent_scale=scales), cx.quick)  # fmt: skip
+        outs = [torch.empty_like(b[0]) for b in batches]
+        calls = [
+            partial(mod.sparse_mla_attention, b[0], codes, b[1], b[2], data.table, P, SCALE, latent_scale=scales, out=o)
+            for b, o in zip(batches, outs)
+        ]
+        t_g = graph_us_quick(calls, cx.quick)
+        cx.record(f"sparse_mla N={n_rows} {label}", nbytes, t_k, t_g, None, f"err {err:.1e} vs fp32 reference{bad}")
+    except Exception as e:  # noqa: BLE001 - report and go on with the other sections
+        print(f"  sparse_mla N={n_rows} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def _bench_combine_only(cx: _Ctx, mod, n_rows: int) -> None:

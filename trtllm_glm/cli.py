@@ -111,7 +111,11 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
 
     return LLM(
         args.model or args.preset,
-        kv_cache_config=KvCacheConfig(tokens_per_block=args.tokens_per_block, indexer_key_dtype=args.indexer_key_dtype),
+        kv_cache_config=KvCacheConfig(
+            tokens_per_block=args.tokens_per_block,
+            indexer_key_dtype=args.indexer_key_dtype,
+            latent_dtype=args.latent_dtype,
+        ),
         max_batch_size=max_batch_size,
         max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len,
@@ -502,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="precision of the cached indexer keys (default fp8; bf16: closer to the reference, 2x their bytes)",
     )  # fmt: skip
     g.add_argument(
+        "--latent-dtype", choices=["auto", "fp8"], default="auto",
+        help="storage of the sparse layers' latent KV rows (default auto: the model dtype; fp8: e4m3 with a scale "
+        "per 128 columns, about half the bytes)",
+    )  # fmt: skip
+    g.add_argument(
         "--max-num-tokens", type=int, default=None, metavar="N",
         help="token rows per step (default: 8192, smaller where memory is short)",
     )  # fmt: skip
@@ -536,7 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,\n"
         "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
         "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, quantization,\n"
-        "device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype},\n"
+        "device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype, latent_dtype},\n"
         f"speculative_config {{decoding_type: {' | '.join(_decoding_types())}, ...}}.",
     )  # fmt: skip
     s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")

@@ -74,7 +74,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def paged_planes(
-        self, config: Glm5NextConfig, *, tokens_per_block: int, dtype: torch.dtype, indexer_key_dtype: torch.dtype
+        self,
+        config: Glm5NextConfig,
+        *,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        indexer_key_dtype: torch.dtype,
+        latent_dtype: torch.dtype | None = None,
     ) -> tuple[PagedPlane, ...]:
         """The paged planes one layer of this backend stores per page.
 
@@ -83,6 +89,8 @@ class AttentionBackend(ABC):
             tokens_per_block: tokens per page.
             dtype: the model dtype.
             indexer_key_dtype: the cache's pooled-key dtype option (a backend without an indexer ignores it).
+            latent_dtype: the cache's latent storage dtype (``None``: the model dtype; ``torch.float8_e4m3fn`` for
+                ``latent_dtype="fp8"``). A backend without that format must refuse it (``ValueError``).
         """
 
     @abstractmethod

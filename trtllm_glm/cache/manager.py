@@ -24,6 +24,7 @@ from ..kda.backend import KdaBackend, resolve_kda_backend
 from ..state import KdaLayerState, RequestStateOwner, packed_copies
 from ..transfer import to_device
 from .index_keys import indexer_key_dtype as _key_dtype
+from .latent_format import latent_dtype as _latent_dtype
 
 __all__ = ["Glm5NextCacheManager", "KpoolLayerCache", "KdaLayerState", "PagedPlane"]
 
@@ -40,8 +41,10 @@ class Glm5NextCacheManager:
             ``include_mtp_layer`` (the shared-draft mode stores the MTP layer's pages here too).
         num_kda_layers: KDA layers with state here; defaults to the trunk's KDA layers (0 for a draft-only
             manager).
-        dtype: latent dtype (model dtype).
+        dtype: the model dtype (the latent rows' unless ``latent_dtype="fp8"``).
         indexer_key_dtype: ``"fp8"`` (default) or ``"bf16"`` pooled index keys (`index_keys`).
+        latent_dtype: ``"auto"`` (default: latent rows in ``dtype``) or ``"fp8"`` (e4m3 codes plus a power-of-two
+            fp32 scale per 128 columns, the ``latent_scale`` plane; `latent_format`).
         device: where every plane lives.
         attention_backend: the sparse layers' backend (name or object; default the k-pool backend): its paged
             planes are what a page holds.
@@ -66,11 +69,13 @@ class Glm5NextCacheManager:
         include_mtp_layer: bool = False,
         dtype: torch.dtype = torch.float32,
         indexer_key_dtype: str | torch.dtype = "fp8",
+        latent_dtype: str | torch.dtype = "auto",
         device: torch.device | str = "cpu",
         attention_backend: str | AttentionBackend | None = None,
         kda_backend: KdaBackend | None = None,
     ) -> None:
         key_dtype = _key_dtype(indexer_key_dtype)
+        lat_dtype = _latent_dtype(latent_dtype, dtype)
         if tokens_per_block <= 0 or tokens_per_block % INDEX_KPOOL:
             raise ValueError(f"tokens_per_block must be a positive multiple of {INDEX_KPOOL}, got {tokens_per_block}")
         if num_pages <= 0:
@@ -94,8 +99,9 @@ class Glm5NextCacheManager:
 
         Ls, dev = num_sparse_layers, self.device
         self.index_key_dtype = key_dtype
+        self.latent_dtype = lat_dtype
         self.paged_plane_specs = self.attention_backend.paged_planes(
-            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=key_dtype
+            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=key_dtype, latent_dtype=lat_dtype
         )
         self.planes: dict[str, torch.Tensor] = {
             p.name: torch.zeros(Ls, num_pages, *p.shape, dtype=p.dtype, device=dev) for p in self.paged_plane_specs
@@ -140,6 +146,7 @@ class Glm5NextCacheManager:
         include_mtp_layer: bool = False,
         dtype: torch.dtype = torch.float32,
         indexer_key_dtype: str | torch.dtype = "fp8",
+        latent_dtype: str | torch.dtype = "auto",
         attention_backend: str | AttentionBackend | None = None,
         kda_backend: KdaBackend | None = None,
     ) -> int:
@@ -148,7 +155,11 @@ class Glm5NextCacheManager:
         Lk = len(config.kda_layer_ids) if num_kda_layers is None else num_kda_layers
         S = max_num_requests
         specs = resolve_attention_backend(attention_backend).paged_planes(
-            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=_key_dtype(indexer_key_dtype)
+            config,
+            tokens_per_block=tokens_per_block,
+            dtype=dtype,
+            indexer_key_dtype=_key_dtype(indexer_key_dtype),
+            latent_dtype=_latent_dtype(latent_dtype, dtype),
         )
         pages = num_pages * sum(p.bytes_per_page for p in specs)
         rings = S * 2 * INDEX_KPOOL * INDEX_HEAD_DIM * 4
@@ -441,7 +452,8 @@ class Glm5NextCacheManager:
     # Sizes
     @property
     def bytes_per_page(self) -> int:
-        """Bytes of one page over all sparse layers (every paged plane: latent + pooled keys (+ FP8 scales))."""
+        """Bytes of one page over all sparse layers (every paged plane: latent (+ FP8 scales) + pooled keys (+ FP8
+        scales))."""
         return sum(p.bytes_per_page for p in self.paged_plane_specs) * self.num_sparse_layers
 
     @property

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.latent_format import check_latent_dtype
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
@@ -86,6 +87,8 @@ class ExecutorConfig:
             drafting rounds ahead where it can (docs/speculation.md); other steps run as before. Off here by
             default; the LLM API turns it on (unless ``disable_overlap_scheduler``), as TensorRT-LLM does.
         indexer_key_dtype: ``"fp8"`` or ``"bf16"`` pooled indexer keys in every cache manager (docs/indexer_keys.md).
+        latent_dtype: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3 with block scales) latent rows in every cache
+            manager, the draft's included (docs/fp8.md, "FP8 latent cache").
         batch_wait_timeout_iters: while every running request decodes, hold newly waiting requests for up to this
             many steps so that arrivals are admitted together (TensorRT-LLM's name): a step that admits prompts runs
             eagerly and costs several decode steps whatever it admits. 0 (default): admitted at the first step with
@@ -113,10 +116,12 @@ class ExecutorConfig:
     prefix_wait_for_leader: bool = True
     overlap_scheduler: bool = False
     indexer_key_dtype: str = "fp8"
+    latent_dtype: str = "auto"
     batch_wait_timeout_iters: int = 0
     batch_wait_max_tokens_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        check_latent_dtype(self.latent_dtype)  # a clear ValueError for anything but auto / fp8
         n = self.batch_wait_timeout_iters
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"batch_wait_timeout_iters must be an int >= 0 (steps), got {n!r}")
@@ -254,6 +259,7 @@ class Executor:
             include_mtp_layer=include_mtp_layer,
             dtype=self.dtype,
             indexer_key_dtype=self.cfg.indexer_key_dtype,
+            latent_dtype=self.cfg.latent_dtype,
             attention_backend=self.model.attention_backend,
         )
         # Refuse a cache that cannot fit before allocating any of it (the message carries the estimate), with

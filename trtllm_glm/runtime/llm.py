@@ -15,6 +15,7 @@ import torch
 
 from .. import envs
 from ..cache.index_keys import indexer_key_dtype
+from ..cache.latent_format import check_latent_dtype
 from ..config import Glm5NextConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
@@ -108,6 +109,10 @@ class KvCacheConfig:
             (default: e4m3 after a Hadamard rotation, one power-of-two scale per pool, 132 bytes a pool) or
             ``"bf16"`` (TensorRT-LLM's choice: 256 bytes a pool, queries scored in bf16 too; closer to the
             reference's float selection where ``index_topk`` drops pools). docs/indexer_keys.md.
+        latent_dtype: storage of the sparse layers' latent rows (the MLA KV cache proper): ``"auto"`` (default: the
+            model dtype, 1024 bytes a token and layer in bf16) or ``"fp8"`` (e4m3 codes with a power-of-two fp32
+            scale per 128 columns, 528 bytes; quantised where rows are written, dequantised where attention reads
+            them). docs/fp8.md, "FP8 latent cache".
     """
 
     tokens_per_block: int = 16
@@ -122,9 +127,11 @@ class KvCacheConfig:
     checkpoint_branch_points: bool = True
     checkpoint_request_end: bool = True
     indexer_key_dtype: str = "fp8"
+    latent_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         indexer_key_dtype(self.indexer_key_dtype)  # a clear ValueError for anything but fp8 / bf16
+        check_latent_dtype(self.latent_dtype)  # and for anything but auto / fp8
         if self.tokens_per_block <= 0 or self.tokens_per_block % 4:
             raise ValueError(f"tokens_per_block must be a positive multiple of 4, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -376,6 +383,7 @@ class LLM:
             checkpoint_request_end=kv.checkpoint_request_end,
             overlap_scheduler=not disable_overlap_scheduler,
             indexer_key_dtype=kv.indexer_key_dtype,
+            latent_dtype=kv.latent_dtype,
             batch_wait_timeout_iters=batch_wait_timeout_iters,
             batch_wait_max_tokens_ratio=batch_wait_max_tokens_ratio,
         )
@@ -518,7 +526,7 @@ class LLM:
             self.config, self.device, max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len, tokens_per_block=kv.tokens_per_block, kv_max_tokens=kv.max_tokens,
             dtype=next(self.model.parameters()).dtype,  # the executor's activation and cache dtype
-            indexer_key_dtype=kv.indexer_key_dtype,
+            indexer_key_dtype=kv.indexer_key_dtype, latent_dtype=kv.latent_dtype,
         )  # fmt: skip
         if self.mapping.is_parallel and sizes.auto:
             # Every rank must run the same steps: take the smallest automatic sizes over the world.

@@ -79,6 +79,7 @@ def resolve_step_sizes(
     kv_max_tokens: int | None,
     dtype: torch.dtype,
     indexer_key_dtype: str = "fp8",
+    latent_dtype: str = "auto",
     free: int | None | Callable[[], int | None] = free_bytes,
 ) -> StepSizes:
     """Choose the sizes the caller left ``None`` (see the module docstring); keep the others.
@@ -93,6 +94,7 @@ def resolve_step_sizes(
         kv_max_tokens: the page pool's size in tokens (``None``: ``max_batch_size * max_seq_len``).
         dtype: activations' and caches' dtype.
         indexer_key_dtype: pooled indexer keys' precision.
+        latent_dtype: latent rows' storage (``"auto"``: ``dtype``; ``"fp8"``: e4m3 with block scales).
         free: free bytes of ``device``, or a function of the device returning them (tests pass a number).
 
     Returns:
@@ -107,7 +109,7 @@ def resolve_step_sizes(
         pages = -(-(kv_max_tokens or b * max_seq_len) // P)
         cache = Glm5NextCacheManager.estimate_bytes(
             config, num_pages=pages, tokens_per_block=P, max_num_requests=b + 1, dtype=dtype,
-            indexer_key_dtype=indexer_key_dtype,
+            indexer_key_dtype=indexer_key_dtype, latent_dtype=latent_dtype,
         )  # fmt: skip
         seq = min(max_seq_len, pages * P)
         return cache + prefill_workspace_bytes(config, n, seq, dtype)

@@ -28,6 +28,7 @@ class CacheSizes(Protocol):
     max_tokens: int
     max_batch_size: int
     indexer_key_dtype: str
+    latent_dtype: str
 
 
 class TargetGraphRunner(Protocol):

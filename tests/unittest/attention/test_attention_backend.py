@@ -70,8 +70,16 @@ class DenseBackend(AttentionBackend):
     plane_names = ("kv",)
 
     def paged_planes(
-        self, config: Glm5NextConfig, *, tokens_per_block: int, dtype: torch.dtype, indexer_key_dtype: torch.dtype
+        self,
+        config: Glm5NextConfig,
+        *,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        indexer_key_dtype: torch.dtype,
+        latent_dtype: torch.dtype | None = None,
     ) -> tuple[PagedPlane, ...]:
+        if latent_dtype not in (None, dtype):  # its op reads the plane as it is: no FP8 format
+            raise ValueError(f"the test_dense backend stores kv in the model dtype, not {latent_dtype}")
         return (PagedPlane("kv", (tokens_per_block, config.kv_lora_rank), dtype),)
 
     def layer_cache(self, manager: Any, layer: int) -> dict[str, Any]:

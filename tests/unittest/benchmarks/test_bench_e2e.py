@@ -218,3 +218,31 @@ def test_mtp_oracle_mode_rows(tmp_path: Path) -> None:
     assert not dv["draft_head_fp8"] and rows["mtporacle0.7k3+fp8h"]["draft_head_fp8"]
     assert rows["mtporacle0.7k3+fp8h"]["draft_vocab_size"] is None
     assert rows["plain"]["K"] == 0 and rows["plain"]["acceptance"] is None
+
+
+def test_fp8_latent_quality_rows(tmp_path: Path) -> None:
+    """``--latent-dtype fp8 --quality`` on the tiny preset (index_topk 16, prompt 40): the plain case runs on the FP8
+    latent cache and the quality row reports KL(model dtype || FP8 latent) beside the fp32 || model-dtype floor."""
+    import json
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "benchmarks.bench_e2e", "--preset", "tiny", "--device", "cpu", "--dtype", "bfloat16",
+           "--layers", "4", "--batch", "1", "--modes", "plain", "--gen", "4", "--prompt-len", "40",
+           "--latent-dtype", "fp8", "--quality", "--json", str(out)]  # fmt: skip
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())}
+    q = rows["latent_quality"]
+    assert (q["prompt_len"], q["index_topk"], q["selecting_rows"]) == (40, 16, 24)
+    # The FP8 latent moves the logits (a cache that ignored the option would give exactly 0) but little.
+    assert 0 < q["kl_latent_fp8_fp32"] < q["kl_floor"] and q["argmax_latent_fp8_fp32"] > 0.9
+    assert q["kl_floor"] > 0 and q["kl_latent_fp8"] < 10 * q["kl_floor"] and q["argmax_latent_fp8"] > 0.5
+    assert "fp8 latent quality (40 tokens, index_topk 16)" in proc.stdout
+    bad = subprocess.run([*cmd[:3], "--trained", "--quality"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "add --latent-dtype fp8" in bad.stderr

@@ -41,6 +41,7 @@ def build_mtp(ctx: DraftContext, spec: MTPDecodingConfig) -> DraftResources:
             num_kda_layers=0,
             dtype=ctx.dtype,
             indexer_key_dtype=sizes.indexer_key_dtype,
+            latent_dtype=sizes.latent_dtype,
             device=ctx.device,
             attention_backend=model.attention_backend,
         )

@@ -22,23 +22,34 @@ __all__ = ["GlmKpoolBackend", "kpool_ops", "backend_name"]
 
 
 class GlmKpoolBackend(AttentionBackend):
-    """The k-pool sparse MLA backend: `GlmKpoolMetadata`, paged latent rows + pooled index keys (+ FP8 scales) per
-    layer, the indexer tail rings of the manager's state owner, and `kpool_ops` dispatch."""
+    """The k-pool sparse MLA backend: `GlmKpoolMetadata`, paged latent rows (+ FP8 scales) + pooled index keys (+ FP8
+    scales) per layer, the indexer tail rings of the manager's state owner, and `kpool_ops` dispatch."""
 
     name = "glm_kpool"
     Metadata = GlmKpoolMetadata
     plane_names = KPOOL_PLANE_NAMES
 
     def paged_planes(
-        self, config: Glm5NextConfig, *, tokens_per_block: int, dtype: torch.dtype, indexer_key_dtype: torch.dtype
+        self,
+        config: Glm5NextConfig,
+        *,
+        tokens_per_block: int,
+        dtype: torch.dtype,
+        indexer_key_dtype: torch.dtype,
+        latent_dtype: torch.dtype | None = None,
     ) -> tuple[PagedPlane, ...]:
         return kpool_paged_planes(
-            config, tokens_per_block=tokens_per_block, dtype=dtype, indexer_key_dtype=indexer_key_dtype
+            config,
+            tokens_per_block=tokens_per_block,
+            dtype=dtype,
+            indexer_key_dtype=indexer_key_dtype,
+            latent_dtype=latent_dtype,
         )
 
     def layer_cache(self, manager: Any, layer: int) -> KpoolLayerCache:
         planes = manager.planes
         scale = planes.get("index_scale")
+        lat_scale = planes.get("latent_scale")
         return KpoolLayerCache(
             latent=planes["latent"][layer],
             index_k=planes["index_k"][layer],
@@ -46,6 +57,7 @@ class GlmKpoolBackend(AttentionBackend):
             tail_ring=manager.state.tail_ring[layer],
             tokens_per_block=manager.tokens_per_block,
             decode_tail_ring=manager.state.decode_tail_ring(layer),
+            latent_scale=None if lat_scale is None else lat_scale[layer],
         )
 
     def make_layer(self, config: Glm5NextConfig, layer_idx: int) -> nn.Module:

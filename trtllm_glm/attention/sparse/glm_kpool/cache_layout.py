@@ -11,24 +11,50 @@ import torch
 from ....config import INDEX_HEAD_DIM, INDEX_KPOOL, Glm5NextConfig
 from ...interface import PagedPlane
 
-__all__ = ["KPOOL_PLANE_NAMES", "KpoolLayerCache", "kpool_paged_planes"]
+__all__ = [
+    "KPOOL_PLANE_NAMES",
+    "KpoolLayerCache",
+    "LATENT_SCALE_BLOCK",
+    "kpool_paged_planes",
+    "latent_scale_blocks",
+]
 
-KPOOL_PLANE_NAMES = ("latent", "index_k", "index_scale")
+KPOOL_PLANE_NAMES = ("latent", "index_k", "index_scale", "latent_scale")
+
+LATENT_SCALE_BLOCK = 128
+"""Latent columns that share one scale in the FP8 latent format (``latent_dtype="fp8"``): DeepSeek-V3.2 /
+FlashMLA's 128-column tiles, so that one outlier column costs precision in its block only."""
+
+
+def latent_scale_blocks(kv_lora_rank: int) -> int:
+    """Scales per FP8 latent row: one per `LATENT_SCALE_BLOCK` columns (a last, narrower block included)."""
+    return -(-kv_lora_rank // LATENT_SCALE_BLOCK)
 
 
 def kpool_paged_planes(
-    config: Glm5NextConfig, *, tokens_per_block: int, dtype: torch.dtype, indexer_key_dtype: torch.dtype
+    config: Glm5NextConfig,
+    *,
+    tokens_per_block: int,
+    dtype: torch.dtype,
+    indexer_key_dtype: torch.dtype,
+    latent_dtype: torch.dtype | None = None,
 ) -> tuple[PagedPlane, ...]:
-    """A sparse layer's planes per page of ``P = tokens_per_block`` tokens: ``latent [P, kv_lora]`` (model dtype),
+    """A sparse layer's planes per page of ``P = tokens_per_block`` tokens: ``latent [P, kv_lora]`` (``latent_dtype``,
+    default the model dtype ``dtype``) and, for an FP8 latent only, ``latent_scale [P, ceil(kv_lora / 128)]`` fp32;
     ``index_k [P // 4, 128]`` pooled keys (``indexer_key_dtype``) and, for FP8 keys only, ``index_scale [P // 4]``
     fp32 (BF16 keys carry no scale: pages hold only what the scoring reads)."""
     P = tokens_per_block
+    lat = dtype if latent_dtype is None else latent_dtype
+    if lat not in (dtype, torch.float8_e4m3fn):
+        raise ValueError(f"latent_dtype must be the model dtype {dtype} or torch.float8_e4m3fn, got {lat}")
     planes = [
-        PagedPlane("latent", (P, config.kv_lora_rank), dtype),
+        PagedPlane("latent", (P, config.kv_lora_rank), lat),
         PagedPlane("index_k", (P // INDEX_KPOOL, INDEX_HEAD_DIM), indexer_key_dtype),
     ]
     if indexer_key_dtype == torch.float8_e4m3fn:
         planes.append(PagedPlane("index_scale", (P // INDEX_KPOOL,), torch.float32))
+    if lat == torch.float8_e4m3fn:
+        planes.append(PagedPlane("latent_scale", (P, latent_scale_blocks(config.kv_lora_rank)), torch.float32))
     return tuple(planes)
 
 
@@ -37,7 +63,8 @@ class KpoolLayerCache:
     """Views of one sparse layer's cache planes.
 
     Attributes:
-        latent: ``[num_pages, P, kv_lora]`` latent rows (model dtype).
+        latent: ``[num_pages, P, kv_lora]`` latent rows: the model dtype, or float8_e4m3fn codes
+            (``latent_dtype="fp8"``); the ops read the format from its dtype.
         index_k: ``[num_pages, P // 4, 128]`` pooled index keys: FP8 e4m3 (rotated, scaled) or BF16
             (``indexer_key_dtype="bf16"``: the pooled key itself); the ops read the format from its dtype.
         index_scale: ``[num_pages, P // 4]`` FP32 power-of-two scale per FP8 pooled key; ``None`` with
@@ -45,6 +72,8 @@ class KpoolLayerCache:
         tail_ring: ``[num_state_slots, 2, 4, 128]`` FP32 open-pool members (``[:, 0]`` key, ``[:, 1]``
             gate), indexed by ``pos % 4``.
         tokens_per_block: tokens per page ``P``.
+        latent_scale: ``[num_pages, P, ceil(kv_lora / 128)]`` FP32 power-of-two scale per 128-column block of each
+            FP8 latent row (value = code * scale); ``None`` with a model-dtype latent.
     """
 
     latent: torch.Tensor
@@ -54,6 +83,8 @@ class KpoolLayerCache:
     tokens_per_block: int
     # Speculative rollback of the tail ring (docs/design.md §6.2); None when the manager serves no verify rounds.
     decode_tail_ring: Any = None
+    # Last, with a default: callers build the cache positionally with the fields above.
+    latent_scale: torch.Tensor | None = None
 
     @property
     def page_size(self) -> int:

@@ -1,5 +1,5 @@
-"""`GlmKpoolSparseMLA`: NoPE sparse MLA attention over a paged latent cache, columns chosen by the
-pooled FP8 indexer.
+"""`GlmKpoolSparseMLA`: NoPE sparse MLA attention over a paged latent cache (model dtype, or FP8 with block
+scales), columns chosen by the pooled FP8 indexer.
 """
 
 from __future__ import annotations
@@ -157,13 +157,16 @@ class GlmKpoolSparseMLA(nn.Module):
         qa, kva, index_in = self._input_projections(h)
         q_lora = self.q_a_layernorm(qa)
         latent = self.kv_a_layernorm(kva)
+        # An FP8 plane (``latent_dtype="fp8"``) quantises the model-dtype rows where they are written; any other
+        # plane stores them in its own dtype.
         kpool_ops(h.device).write_latent_rows(
             cache.latent,
-            latent.to(cache.latent.dtype),
+            latent if cache.latent_scale is not None else latent.to(cache.latent.dtype),
             meta.positions_t,
             meta.row_seq_t,
             meta.slot_table_t,
             cache.tokens_per_block,
+            latent_scale=cache.latent_scale,
         )
         if self.indexer is not None:
             sel = self.indexer(h, q_lora, meta, cache, projected=index_in)
@@ -174,7 +177,14 @@ class GlmKpoolSparseMLA(nn.Module):
         q = self.q_b_proj(q_lora).view(N, self.num_heads, self.qk_nope)
         q_abs = absorb_q(q, w_uk, self._w_uk_t(w_uk) if batch_invariant() else None)
         o_lat = kpool_ops(h.device).sparse_mla_attention(
-            q_abs, cache.latent, sel, meta.row_seq_t, meta.slot_table_t, cache.tokens_per_block, self.softmax_scale
+            q_abs,
+            cache.latent,
+            sel,
+            meta.row_seq_t,
+            meta.slot_table_t,
+            cache.tokens_per_block,
+            self.softmax_scale,
+            latent_scale=cache.latent_scale,
         )
         o = absorb_o(o_lat, w_uv).reshape(N, self.num_heads * self.v_head)
         return self.o_proj(o)

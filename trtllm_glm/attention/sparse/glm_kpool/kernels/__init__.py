@@ -128,16 +128,21 @@ def write_latent_rows(
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
     page_size: int,
+    *,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Kernel version of `ops.write_latent_rows`: ``latent[slot_table[b, pos // P], pos % P] = rows[n]``.
 
     Args:
-        latent_cache: ``[num_pages, P, R]`` latent plane (fp32, bf16 or fp16; written in place).
-        rows: ``[N, R]`` latent rows (any float dtype; rounded to the cache dtype, to nearest even).
+        latent_cache: ``[num_pages, P, R]`` latent plane (fp32, bf16, fp16 or float8_e4m3fn; written in place).
+        rows: ``[N, R]`` latent rows (any float dtype; rounded to the cache dtype, to nearest even; an FP8 plane
+            gets `ops.quant_latent`'s codes, bit-identical).
         positions: ``[N]`` int token positions.
         row_seq: ``[N]`` int sequence index of each row (``< 0``: padding, skipped).
         slot_table: ``[B, max_pages]`` int raw page ids.
         page_size: tokens per page ``P``.
+        latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales, written beside FP8 codes (required
+            with an FP8 plane, refused without).
     """
     _run(
         "latent",
@@ -149,6 +154,7 @@ def write_latent_rows(
         row_seq,
         slot_table,
         page_size,
+        latent_scale=latent_scale,
     )
 
 
@@ -364,6 +370,7 @@ def sparse_mla_attention(
     page_size: int,
     softmax_scale: float,
     *,
+    latent_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Kernel version of `ops.sparse_mla_attention`: absorbed queries over selected latent rows (MQA).
@@ -383,6 +390,10 @@ def sparse_mla_attention(
         slot_table: ``[B, max_pages]`` int raw page ids.
         page_size: tokens per page ``P``.
         softmax_scale: logit scale.
+        latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales of an FP8 plane: its rows are decoded
+            from the codes' bits and scaled right after loading, then multiplied as fp32 (interpreter, fp32
+            queries) or in the queries' bf16/fp16 on the tensor cores (exact: a power-of-two multiple of an e4m3
+            value fits their mantissa); the Gluon kernel is not used.
         out: optional ``[N, H, R]`` buffer of ``q_abs``'s dtype to write into.
 
     Returns:
@@ -399,5 +410,6 @@ def sparse_mla_attention(
         slot_table,
         page_size,
         softmax_scale,
+        latent_scale=latent_scale,
         out=out,
     )

@@ -1,9 +1,9 @@
 """Sparse MLA decode/verify attention over selected latent rows (`ops.sparse_mla_attention`): Triton + Gluon.
 
 Split-K (flash-decoding) over the selection, ``_gluon_split_kernel`` on sm_90 (bf16/fp16, R = 512), ``_split_kernel``
-elsewhere, then ``_combine_kernel``; split count from shapes only (graph-capturable). Bad pages and ``row_seq < 0``
-rows are skipped where the reference raises. Schedule and numerics: docs/kernels.md, "Sparse MLA decode / verify";
-floors: kernels/NOTES.md.
+elsewhere (an FP8 latent cache with its block scales included), then ``_combine_kernel``; split count from shapes only
+(graph-capturable). Bad pages and ``row_seq < 0`` rows are skipped where the reference raises. Schedule and numerics:
+docs/kernels.md, "Sparse MLA decode / verify"; floors: kernels/NOTES.md.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import triton
 import triton.language as tl
 
 from trtllm_glm import envs
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import LATENT_SCALE_BLOCK, latent_scale_blocks
 from trtllm_glm.numerics import batch_invariant
 
-from ._common import INTERPRETED
+from ._common import INTERPRETED, e4m3_to_f16_scaled
 
 try:  # Gluon (Triton's explicit-layout dialect) ships with triton >= 3.5; the Hopper kernel below needs it.
     from triton.experimental import gluon
@@ -90,6 +91,9 @@ def _split_kernel(
     stride_ln,
     stride_ls,
     qk_scale,
+    scale_ptr,
+    stride_sp,
+    stride_sr,
     R: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -97,6 +101,9 @@ def _split_kernel(
     RP: tl.constexpr,
     FINAL: tl.constexpr,
     FP32: tl.constexpr,
+    LAT_FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    NB: tl.constexpr,
 ):
     hb = tl.program_id(0)
     split = tl.program_id(1)
@@ -130,11 +137,39 @@ def _split_kernel(
         page = tl.load(table_row + logical, mask=ok, other=-1).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
         row = tok % PAGE
-        kv = tl.load(
-            kv_ptr + (page * stride_kp + row * stride_kr)[:, None] + r[None, :],
-            mask=ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )
+        if LAT_FP8:
+            # FP8 latent (uint8 view): decode the codes from their bits (no fp8 cast, which the interpreter gets
+            # wrong) and apply each 128-column block's power-of-two scale right after loading; the product is
+            # exact in fp32 and in bf16 (a power-of-two multiple of a 4-bit-mantissa value).
+            codes = tl.load(
+                kv_ptr + (page * stride_kp + row * stride_kr)[:, None] + r[None, :],
+                mask=ok[:, None] & r_ok[None, :],
+                other=0,
+            )
+            # fp16 value * 2**-8 (exact), the 2**8 folded into the scale below.
+            dec = e4m3_to_f16_scaled(codes.to(tl.int32)).to(tl.float32)
+            scale_row = scale_ptr + page * stride_sp + row * stride_sr
+            if RP % SCALE_BLOCK == 0:
+                # Whole blocks: load each row's NB scales once ([BLOCK_W, RP // 128]) and broadcast them over their
+                # 128 columns, instead of one scalar load per element.
+                sb = tl.arange(0, RP // SCALE_BLOCK)
+                sc = tl.load(scale_row[:, None] + sb[None, :], mask=ok[:, None] & (sb < NB)[None, :], other=0.0)
+                kv = dec.reshape(BLOCK_W, RP // SCALE_BLOCK, SCALE_BLOCK) * (sc * 256.0)[:, :, None]
+                kv = kv.reshape(BLOCK_W, RP)
+            else:
+                # A latent narrower than one block (small test models): every column reads its block's scale.
+                sc = tl.load(
+                    scale_row[:, None] + (r // SCALE_BLOCK)[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0
+                )
+                kv = dec * (sc * 256.0)
+            if not FP32:
+                kv = kv.to(q.dtype)
+        else:
+            kv = tl.load(
+                kv_ptr + (page * stride_kp + row * stride_kr)[:, None] + r[None, :],
+                mask=ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )
         if FP32:
             kv = kv.to(tl.float32)
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
@@ -561,6 +596,7 @@ def sparse_mla_attention(
     page_size: int,
     softmax_scale: float,
     *,
+    latent_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     splits: int | None = None,
     impl: str | None = None,
@@ -577,12 +613,14 @@ def sparse_mla_attention(
 
     Args:
         q_abs: ``[N, H, R]`` absorbed queries (last dim contiguous).
-        latent_cache: ``[num_pages, P, R]`` latent plane (last dim contiguous).
+        latent_cache: ``[num_pages, P, R]`` latent plane (last dim contiguous; model dtype or float8_e4m3fn).
         sel: ``[N, W]`` int token positions, ``-1`` = skip, any order.
         row_seq: ``[N]`` int sequence index of each row (``< 0``: padding row, outputs zeros).
         slot_table: ``[B, max_pages]`` int raw page ids.
         page_size: tokens per page ``P``.
         softmax_scale: logit scale.
+        latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales of an FP8 plane (required with one,
+            refused without; last dim contiguous). FP8 rows go to the Triton kernel, never the Gluon one.
         out: optional ``[N, H, R]`` buffer of ``q_abs``'s dtype to write into.
         splits: split count over ``W`` (default: `choose_splits`); tuning only.
         impl: ``"gluon"`` (the Hopper kernel; the default where `gluon_eligible`) or ``"triton"``; tuning
@@ -613,6 +651,15 @@ def sparse_mla_attention(
         )
     if latent_cache.stride(-1) != 1:
         raise ValueError("latent cache rows must be contiguous")
+    lat_fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    if lat_fp8:
+        want = (*latent_cache.shape[:2], latent_scale_blocks(rank))
+        if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
+            raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32")
+        if latent_scale.stride(-1) != 1:
+            raise ValueError("latent_scale rows must be contiguous")
+    elif latent_scale is not None:
+        raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
     if q_abs.stride(-1) != 1:
         q_abs = q_abs.contiguous()
     if sel.stride(-1) != 1:
@@ -636,7 +683,11 @@ def sparse_mla_attention(
     elif impl not in ("gluon", "triton"):
         raise ValueError(f"impl must be 'gluon' or 'triton', got {impl!r}")
     use_gluon = impl == "gluon"
-    fp32 = INTERPRETED or q_abs.dtype != latent_cache.dtype or latent_cache.dtype == torch.float32
+    if lat_fp8:
+        # Dequantised rows are multiplied in the queries' dtype: on the tensor cores for bf16/fp16 queries.
+        fp32 = INTERPRETED or q_abs.dtype == torch.float32
+    else:
+        fp32 = INTERPRETED or q_abs.dtype != latent_cache.dtype or latent_cache.dtype == torch.float32
     if use_gluon:
         block_h, num_warps = _GLUON_BLOCK_H, _GLUON_NUM_WARPS
         block_w = block_w or _GLUON_BLOCK_W
@@ -672,9 +723,10 @@ def sparse_mla_attention(
             r1 = min(n_rows, r0 + PARTIAL_SLAB_ROWS)
             sparse_mla_attention(
                 q_abs[r0:r1], latent_cache, sel[r0:r1], row_seq[r0:r1], slot_table, page_size, softmax_scale,
-                out=out[r0:r1], splits=splits, impl="gluon" if use_gluon else "triton", block_h=block_h,
-                block_w=block_w, num_warps=num_warps, num_stages=num_stages, combine_block_h=combine_block_h,
-                gluon_nbuf=gluon_nbuf, gluon_p_smem=gluon_p_smem, gluon_diag=gluon_diag,
+                latent_scale=latent_scale, out=out[r0:r1], splits=splits, impl="gluon" if use_gluon else "triton",
+                block_h=block_h, block_w=block_w, num_warps=num_warps, num_stages=num_stages,
+                combine_block_h=combine_block_h, gluon_nbuf=gluon_nbuf, gluon_p_smem=gluon_p_smem,
+                gluon_diag=gluon_diag,
             )  # fmt: skip
         return out
     head_blocks = triton.cdiv(n_heads, block_h)
@@ -693,7 +745,7 @@ def sparse_mla_attention(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1))
     args = (
         q_abs,
-        latent_cache,
+        latent_cache.view(torch.uint8) if lat_fp8 else latent_cache,
         sel,
         row_seq,
         slot_table,
@@ -729,8 +781,15 @@ def sparse_mla_attention(
             num_warps=num_warps,
         )
     else:
+        # The scale plane (FP8 latent) or, never read, the latent plane as a valid pointer.
+        scale_args = (
+            (latent_scale, latent_scale.stride(0), latent_scale.stride(1))
+            if latent_scale is not None
+            else (latent_cache, 0, 0)
+        )
         _split_kernel[grid](
             *args,
+            *scale_args,
             R=rank,
             PAGE=page_size,
             BLOCK_H=block_h,
@@ -738,6 +797,9 @@ def sparse_mla_attention(
             RP=rp,
             FINAL=splits == 1,
             FP32=fp32,
+            LAT_FP8=lat_fp8,
+            SCALE_BLOCK=LATENT_SCALE_BLOCK,
+            NB=latent_scale_blocks(rank),
             num_warps=num_warps,
             num_stages=num_stages,
         )

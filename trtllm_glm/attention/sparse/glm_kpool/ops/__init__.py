@@ -13,7 +13,7 @@ from .cache_update import (
     write_latent_rows,
     write_prefill_tail,
 )
-from .fp8 import AMAX_FLOOR, E4M3_MAX, dequant, pow2_scale, rotate_quant, round_to_e4m3
+from .fp8 import AMAX_FLOOR, E4M3_MAX, dequant, dequant_latent, pow2_scale, quant_latent, rotate_quant, round_to_e4m3
 from .fwht import fwht, hadamard_matrix
 from .pooling import KPOOL, pool_keys
 from .score import (
@@ -32,6 +32,7 @@ __all__ = [
     "E4M3_MAX",
     "KPOOL",
     "dequant",
+    "dequant_latent",
     "expand_selection",
     "expand_selection_window",
     "fwht",
@@ -40,6 +41,7 @@ __all__ = [
     "lookup_pages",
     "pool_keys",
     "pow2_scale",
+    "quant_latent",
     "rotate_quant",
     "round_to_e4m3",
     "score_pools",

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache, latent_scale_blocks
 
-from .fp8 import rotate_quant
+from .fp8 import quant_latent, rotate_quant
 from .pooling import KPOOL, pool_keys
 
 if TYPE_CHECKING:
     from trtllm_glm.state.tail_ring import DecodeTailRing
 
 __all__ = [
+    "check_latent_planes",
     "lookup_pages",
     "write_latent_rows",
     "update_decode_pools",
@@ -158,6 +159,25 @@ def _write_pools(
     cache.index_scale[pages, pool_in_page] = scale
 
 
+def check_latent_planes(latent_cache: torch.Tensor, latent_scale: torch.Tensor | None, page_size: int) -> None:
+    """Check a latent plane and its scale plane agree on the format (``latent_dtype``).
+
+    Raises:
+        ValueError: an FP8 plane without ``[num_pages, P, ceil(R / 128)]`` fp32 scales, or scales beside a
+            model-dtype plane.
+    """
+    if latent_cache.dim() != 3 or latent_cache.shape[1] != page_size:
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, R]")
+    if latent_cache.dtype != torch.float8_e4m3fn:
+        if latent_scale is not None:
+            raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
+        return
+    want = (*latent_cache.shape[:2], latent_scale_blocks(latent_cache.shape[2]))
+    if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
+        got = None if latent_scale is None else (tuple(latent_scale.shape), latent_scale.dtype)
+        raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32, got {got}")
+
+
 def write_latent_rows(
     latent_cache: torch.Tensor,
     rows: torch.Tensor,
@@ -165,26 +185,36 @@ def write_latent_rows(
     row_seq: torch.Tensor,
     slot_table: torch.Tensor,
     page_size: int,
+    *,
+    latent_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each row's latent vector at its token slot: ``latent[slot_table[b, pos // P], pos % P]``.
 
     Args:
-        latent_cache: ``[num_pages, P, R]`` latent plane (written in place, in its own dtype).
-        rows: ``[N, R]`` latent rows.
+        latent_cache: ``[num_pages, P, R]`` latent plane (written in place, in its own dtype; float8_e4m3fn: the
+            rows' `quant_latent` codes).
+        rows: ``[N, R]`` latent rows (the model dtype; quantised from their fp32 values for an FP8 plane).
         positions: ``[N]`` int64 token positions.
         row_seq: ``[N]`` int64 sequence index of each row.
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
         page_size: tokens per page ``P``.
+        latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales, written beside the codes; required
+            with (and only with) an FP8 plane.
 
     Raises:
-        ValueError: a position's page is not in the slot table, or shapes disagree.
+        ValueError: a position's page is not in the slot table, or shapes or formats disagree.
     """
-    if latent_cache.dim() != 3 or latent_cache.shape[1] != page_size:
-        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, R]")
+    check_latent_planes(latent_cache, latent_scale, page_size)
     if rows.dim() != 2 or rows.shape[0] != positions.shape[0] or rows.shape[1] != latent_cache.shape[2]:
         raise ValueError(f"rows {tuple(rows.shape)} do not match [N={positions.shape[0]}, {latent_cache.shape[2]}]")
     pages = lookup_pages(positions, row_seq, slot_table, page_size, latent_cache.shape[0])
-    latent_cache[pages, positions.to(torch.int64) % page_size] = rows.to(latent_cache.dtype)
+    tok = positions.to(torch.int64) % page_size
+    if latent_scale is None:
+        latent_cache[pages, tok] = rows.to(latent_cache.dtype)
+        return
+    q, scale = quant_latent(rows)
+    latent_cache[pages, tok] = q
+    latent_scale[pages, tok] = scale
 
 
 def update_decode_pools(

@@ -1,4 +1,5 @@
-"""FP8 e4m3 numerics of the indexer: grid rounding, power-of-two scales and the rotate-quantise chain.
+"""FP8 e4m3 numerics of the indexer (grid rounding, power-of-two scales, the rotate-quantise chain) and of the FP8
+latent cache (`quant_latent`, `dequant_latent`: block-scaled rows, ``latent_dtype="fp8"``).
 
 Everything here is plain fp32 arithmetic (exponent extraction, power-of-two multiplies, round-half-to-even)
 so that a Triton kernel can mirror it without relying on fp8 casts, which Triton's interpreter gets wrong.
@@ -8,9 +9,20 @@ from __future__ import annotations
 
 import torch
 
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import LATENT_SCALE_BLOCK, latent_scale_blocks
+
 from .fwht import fwht
 
-__all__ = ["E4M3_MAX", "AMAX_FLOOR", "round_to_e4m3", "pow2_scale", "rotate_quant", "dequant"]
+__all__ = [
+    "E4M3_MAX",
+    "AMAX_FLOOR",
+    "round_to_e4m3",
+    "pow2_scale",
+    "rotate_quant",
+    "dequant",
+    "quant_latent",
+    "dequant_latent",
+]
 
 E4M3_MAX = 448.0
 """Largest finite float8_e4m3fn value."""
@@ -124,3 +136,51 @@ def dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         ``[..., D]`` fp32.
     """
     return q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)
+
+
+def _latent_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``[..., R]`` -> ``[..., NB, 128]`` (zero-padded to whole 128-column blocks; a zero never raises an amax)."""
+    r = x.shape[-1]
+    nb = latent_scale_blocks(r)
+    pad = nb * LATENT_SCALE_BLOCK - r
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], nb, LATENT_SCALE_BLOCK)
+
+
+def quant_latent(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise latent rows to the FP8 cache format: per 128-column block ``b`` of each row, ``scale_b =
+    pow2_scale(amax_b)`` and ``q = e4m3(x / scale_b)``.
+
+    A power-of-two scale makes ``x / scale`` exact (the only rounding is the e4m3 one, never saturating since
+    ``amax / scale <= 448``) and ``q * scale`` exact in bf16 as well as fp32, so a kernel that dequantises into
+    bf16 for the tensor cores sees the reference's values. An all-zero block gets the floor's finite scale
+    (``2**-22``) and zero codes.
+
+    Args:
+        rows: ``[..., R]`` float latent rows (computed as fp32; ``R`` need not be a multiple of 128).
+
+    Returns:
+        ``(q [..., R] torch.float8_e4m3fn, scale [..., ceil(R / 128)] fp32)``.
+    """
+    x = rows.to(torch.float32)
+    blocks = _latent_blocks(x)
+    scale = pow2_scale(blocks.abs().amax(dim=-1))
+    q = round_to_e4m3(blocks / scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)[..., : x.shape[-1]]
+    # q holds exact e4m3 grid values, so this cast is lossless.
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequant_latent(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantise FP8 latent rows: ``q * scale`` of each row's 128-column block.
+
+    Args:
+        q: ``[..., R]`` ``torch.float8_e4m3fn`` codes.
+        scale: ``[..., ceil(R / 128)]`` fp32 block scales.
+
+    Returns:
+        ``[..., R]`` fp32.
+    """
+    r = q.shape[-1]
+    blocks = _latent_blocks(q.to(torch.float32))
+    return (blocks * scale.to(torch.float32).unsqueeze(-1)).reshape(*q.shape[:-1], -1)[..., :r]
