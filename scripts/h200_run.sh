@@ -19,8 +19,13 @@
 #   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   decode_fuse   issue 44: bench_e2e FP8 decode, batch 1 / 16, plain and overlap, with the decode fusions off and on
-#                 (TRTLLM_GLM_DECODE_FUSE=0,1: the fused mHC sites and the LM head's cast in the greedy kernel; their
-#                 GPU tests: GPU_TESTS=tests/unittest/mhc/test_decode_fusions_gpu.py)
+#                 (TRTLLM_GLM_DECODE_FUSE=0,1: the fused mHC sites, the LM head's cast in the greedy kernel and the fused
+#                 KDA decode step; their GPU tests: GPU_TESTS="tests/unittest/mhc/test_decode_fusions_gpu.py
+#                 tests/unittest/kda/test_kda_fused_decode_gpu.py")
+#   kda_fuse      issue 44: the fused KDA decode step alone off / on (TRTLLM_GLM_KDA_FUSED_DECODE=0,1), FP8 decode at
+#                 batch 1 / 16 / 64, plain and overlap
+#   latent_fp8    issue 44: the FP8 latent cache (latent_dtype fp8): its quality on the 4-layer slice beside the bf16
+#                 floor (4K prompt), then decode at batch 1 / 16 with the bf16 and the FP8 latent (4K prompts)
 #   prefix        bench_prefix_workloads on the 4-layer slice
 #   serve         bench_serve at default settings on the 4-layer bf16 slice: 30-token prompts at concurrency 16 and 64,
 #                 1K-token prompts at 16, the engine alone at the same batch (server / engine ratio), and LLM.generate of
@@ -143,6 +148,19 @@ for stage in "$@"; do
       timeout "${T_DECODE_FUSE:-220}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
         --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_DECODE_FUSE=0,1 \
         --json "$O/decode_fuse.json" 2>&1 | tee "$O/decode_fuse.log" ;;
+    kda_fuse)
+      timeout "${T_KDA_FUSE:-240}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 64 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --env-ab TRTLLM_GLM_KDA_FUSED_DECODE=0,1 \
+        --json "$O/kda_fuse.json" 2>&1 | tee "$O/kda_fuse.log" ;;
+    latent_fp8)
+      timeout "${T_LATENT_FP8:-150}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 --modes plain --weights bf16 \
+        --latent-dtype fp8 --quality --prompt-len 4096 --gen 8 --json "$O/latent_fp8_quality.json" 2>&1 \
+        | tee "$O/latent_fp8_quality.log"
+      for ld in auto fp8; do
+        timeout "${T_LATENT_FP8:-150}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
+          --cuda-graphs on --prompt-len 4096 --gen 32 --latent-dtype $ld --json "$O/latent_$ld.json" 2>&1 \
+          | tee "$O/latent_$ld.log"
+      done ;;
     fp8_sweep)
       timeout "${T_FP8_SWEEP:-420}" "$PY" -m benchmarks.bench_fp8_linear --sweep --quick --json "$O/fp8_sweep.json" \
         2>&1 | tee "$O/fp8_sweep.log" ;;
