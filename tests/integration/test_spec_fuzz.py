@@ -3,8 +3,9 @@
 Each case is drawn from one seed (printed in every failure, with the command that reruns it) and mixes what the
 focused tests cover one at a time: MTP (K = 1..4, shared / separate draft caches, a small draft pool, rounds
 launched ahead, early drafts, a scripted adaptive policy, catch-up lags, ``max_concurrency``, ``draft_len_fn``,
-selection sharing, a restricted draft vocabulary), the n-gram drafter and oracle drafters, emulated CUDA graphs
-(padded or not, piecewise or not) with or without the overlap scheduler, page pools small enough to preempt,
+selection sharing, a restricted draft vocabulary), FP8 or bf16 indexer keys, FP8 or model-dtype latent rows, the
+n-gram drafter and oracle drafters, emulated CUDA graphs (padded or not, piecewise or not) with or without the
+overlap scheduler, page pools small enough to preempt,
 prefix caching over shared prompt prefixes, repeated prompts and a conversation's next turn, chunked prefill,
 requests arriving between steps, stop tokens, ``end_id``, ``max_tokens`` and the context limit inside accepted
 drafts, ``ignore_eos``, logprobs and returned logits, sampled requests and aborts. A third of the cases are steady
@@ -259,6 +260,7 @@ def make_case(seed: int) -> Case:
         max_checkpoints=rng.choice([64, 64, 2]),
         overlap_scheduler=overlap,
         indexer_key_dtype=rng.choice(["fp8", "fp8", "fp8", "bf16"]),
+        latent_dtype=rng.choice(["auto", "auto", "fp8"]),
     )
     return Case(seed, profile, model, drafter, spec, cfg, graphs, policy, rng.choice([2, 3, 5, 1000]), reqs)
 
@@ -289,19 +291,19 @@ def get_model(name: str) -> Glm5NextForCausalLM:
     return _MODELS[name]
 
 
-def plain_config(keys: str, **kw: Any) -> ExecutorConfig:
-    """A roomy plain executor's sizes (``kw`` overrides them), with the case's indexer keys (``keys``: fp8 and bf16
-    keys score differently)."""
+def plain_config(fmt: ExecutorConfig, **kw: Any) -> ExecutorConfig:
+    """A roomy plain executor's sizes (``kw`` overrides them), with the case's cache formats (``fmt``'s indexer keys
+    and latent rows: fp8 and bf16 keys score differently, an FP8 latent attends to rounded rows)."""
     sizes = dict(
         tokens_per_block=16, max_tokens=4096, max_batch_size=8, max_num_tokens=512, max_seq_len=REF_MAX_SEQ_LEN
     )
-    return ExecutorConfig(**{**sizes, **kw}, indexer_key_dtype=keys)
+    return ExecutorConfig(**{**sizes, **kw}, indexer_key_dtype=fmt.indexer_key_dtype, latent_dtype=fmt.latent_dtype)
 
 
-def free_reference(model: Glm5NextForCausalLM, reqs: list[Req], keys: str) -> list[Request]:
+def free_reference(model: Glm5NextForCausalLM, reqs: list[Req], fmt: ExecutorConfig) -> list[Request]:
     """Plain runs of every request, all in one batch: greedy ones free-running (``ignore_eos``, their own budget),
     sampled ones as they are (the oracle drafters need a continuation for every request)."""
-    ex = Executor(model, plain_config(keys))
+    ex = Executor(model, plain_config(fmt))
     out = []
     for r in reqs:
         p = r.params
@@ -457,7 +459,7 @@ def canonical_drafts(case: Case) -> dict[tuple[int, tuple[int, ...]], list[int]]
     """The MTP drafts of the case's greedy requests in the plainest speculative run: eager synchronous rounds, all
     requests at once, a roomy pool, no prefix cache, no catch-up lag, no policy or concurrency cap."""
     c = case.cfg
-    cfg = plain_config(c.indexer_key_dtype, tokens_per_block=c.tokens_per_block, max_num_tokens=64,
+    cfg = plain_config(c, tokens_per_block=c.tokens_per_block, max_num_tokens=64,
                        max_seq_len=c.max_seq_len)  # fmt: skip
     spec = dataclasses.replace(case.spec, overlap_rounds=False, early_draft=False, catchup_lag=0, adaptive=False,
                                max_concurrency=None, draft_max_tokens=None, draft_len_fn=None)  # fmt: skip
@@ -476,8 +478,7 @@ def references(case: Case) -> list[Request]:
     answer its previous turn will give (the reference's, cut by that request's budget and stop tokens) written into its
     prompt, and its own reference run."""
     model = get_model(case.model)
-    keys = case.cfg.indexer_key_dtype
-    refs = free_reference(model, case.reqs, keys)
+    refs = free_reference(model, case.reqs, case.cfg)
     _stops(case, random.Random(case.seed + 1), [r.output_ids for r in refs])
     turns = [i for i, r in enumerate(case.reqs) if r.turn_of is not None]
     eos = model.config.eos_token_ids
@@ -489,7 +490,7 @@ def references(case: Case) -> list[Request]:
         answer, _, _ = expected(refs[j], prev.params, len(prev.prompt), REF_MAX_SEQ_LEN, eos)
         r.prompt = prev.prompt + answer + r.prompt[-r.extra :]
     if turns:
-        for i, ref in zip(turns, free_reference(model, [case.reqs[i] for i in turns], keys)):
+        for i, ref in zip(turns, free_reference(model, [case.reqs[i] for i in turns], case.cfg)):
             refs[i] = ref
     return refs
 
@@ -615,8 +616,8 @@ def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -
     params = dataclasses.replace(r.params, ignore_eos=True, stop_token_ids=None, end_id=None, max_tokens=len(prefix))
     model = get_model(case.model)
     for cfg in (
-        plain_config(c.indexer_key_dtype),
-        plain_config(c.indexer_key_dtype, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
+        plain_config(c),
+        plain_config(c, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
                      max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size),
     ):  # fmt: skip
         ex = Executor(model, cfg)
