@@ -217,11 +217,12 @@ def test_greedy_and_sampling_with_the_fp8_head(pair) -> None:
     got, _ = run(fp8, ps)
     want, _ = run(ref, ps)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]  # the same head values, the same bits
-    # Against the float head it was quantised from: equal up to near ties (the head's rounding moves the logits
-    # by a few hundredths on this random model; design.md section 7's rule with that tolerance).
+    # Against the float head it was quantised from: equal up to near ties (design.md section 7). The head's rounding
+    # moves this random model's logits by up to ~0.07 (unit-RMS hidden rows), so only a top-2 gap below twice that
+    # can flip: the tolerance.
     base, _ = run(plain, ps)
     for b, g in zip(base, got):
-        d = compare_greedy(b.output_ids, b.logit_gaps, g.output_ids, tol=0.05)
+        d = compare_greedy(b.output_ids, b.logit_gaps, g.output_ids, tol=0.15)
         assert d is None or d.excused, d
     sp = [
         SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_k=40, top_p=0.9, seed=i) for i in range(4)
