@@ -699,6 +699,10 @@ class Glm5NextForCausalLM(nn.Module):
         mode = resolve_quantization(quantization)
         trunk_fp8 = mode == "fp8" or (mode == "auto" and config.quantization is not None)
         head = decide_fp8_lm_head(fp8_lm_head, trunk_fp8=trunk_fp8, tied=config.tie_word_embeddings)
+        if head is not None:
+            # The model records its head in ``config.quantization``: a copy, so that the caller's config (reused for
+            # another model) keeps its own list.
+            config = dataclasses.replace(config)
         if local_init is None:
             local_init = needs_local_init(config)
         if local_init:

@@ -116,6 +116,11 @@ def test_auto_resolves_per_source(tmp_path) -> None:
         is NumericsLinear  # fmt: skip
     only = Glm5NextForCausalLM.from_pretrained(str(tmp_path), quantization="none", fp8_lm_head=True)
     assert [n for n, m in only.named_modules() if isinstance(m, Fp8Linear)] == ["lm_head"]
+    # A rank's share built in place (meta, then drawn linear by linear) takes it too; the caller's config is kept.
+    cfg = Glm5NextConfig.from_pretrained("tiny")
+    local = Glm5NextForCausalLM.from_config(cfg, quantization="fp8", local_init=True, fp8_lm_head="auto")
+    assert isinstance(local.lm_head, Fp8Linear) and local.lm_head.dequantized().abs().mean() > 0
+    assert cfg.quantization is None
 
 
 # --------------------------------------------------------------------------------------------------
