@@ -42,11 +42,13 @@ builds only its share (`Glm5NextForCausalLM.from_config(..., local_init=True)`),
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import random
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -473,6 +475,19 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
     Every (batch, mode) case runs once short (compilation, first touch) and then timed; speculative tokens
     are compared with the plain run's (greedy, so they must be identical up to near ties).
     """
+    if args.quality and "fp8" in args.weights:
+        # The FP8 weights' and the FP8 LM head's quality on held-out text (a trained model's argmax means
+        # something there, unlike random weights' near ties): block FP8 quantised at load, the head kept (measured
+        # both ways by `quality`); no timing.
+        model = Glm5NextForCausalLM.from_pretrained(
+            args.preset, dtype=args.dtype, device=args.device, quantization="fp8"
+        ).eval()
+        q = quality(model, args.prompt_len, prompts=held_out_prompt_ids(args.quality_prompts, args.prompt_len))
+        q.update(preset=args.preset, mode="quality", weights="fp8", dtype=args.dtype)
+        print(json.dumps(q), flush=True)
+        for line in goal_lines([q]):
+            say(line)
+        return [q]
     model = Glm5NextForCausalLM.from_pretrained(args.preset, dtype=args.dtype, device=args.device).eval()
     if args.quality:
         # The FP8 latent's quality on held-out text (the trained model's logits mean something there); no timing.
@@ -559,9 +574,15 @@ def main() -> None:
     ap.add_argument(
         "--quality", action="store_true",
         help="with fp8 weights: KL(bf16-dequantised || FP8 path) and argmax agreement of the context logits, next "
-        "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights; with --latent-dtype fp8 (bf16 "
+        "to the bf16 floor KL(fp32 || bf16) on the same dequantised weights, and the same with the LM head in FP8 "
+        "(fp8_lm_head; with --trained: held-out prompts, --quality-prompts); with --latent-dtype fp8 (bf16 "
         "weights): KL(model dtype || FP8 latent cache) beside the same floor (with --trained: on a held-out "
         "prompt, quality only, no timed cases)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--quality-prompts", type=int, default=4, metavar="N",
+        help="--trained --quality --weights fp8: held-out prompts of --prompt-len bytes whose rows are measured "
+        "(default 4: ~1,900 positions at 512)",
     )  # fmt: skip
     ap.add_argument(
         "--latent-dtype", choices=["auto", "fp8"], default="auto",
@@ -620,8 +641,9 @@ def main() -> None:
         "also at world size 1; always on with --tp / --ep above 1",
     )  # fmt: skip
     args = ap.parse_args()
-    if args.trained and args.quality and args.latent_dtype != "fp8":
-        ap.error("--trained --quality measures the FP8 latent cache: add --latent-dtype fp8")
+    if args.trained and args.quality and args.latent_dtype != "fp8" and "fp8" not in args.weights:
+        ap.error("--trained --quality measures the FP8 latent cache (add --latent-dtype fp8) or the FP8 weights and "
+                 "LM head (add --weights fp8)")  # fmt: skip
     if args.fp8_skip == ["none"]:
         args.fp8_skip = []
     if args.tie_tol is None:
@@ -815,35 +837,66 @@ def main() -> None:
         write_json(args.json, rows_out)
 
 
+@contextlib.contextmanager
+def fp8_head(model: Glm5NextForCausalLM) -> Iterator[None]:
+    """``model.lm_head`` held in block FP8 (`set_fp8_lm_head_`, quantised from its current weight) inside the block;
+    the head module and ``config.quantization`` it had are put back after (no rounding left behind)."""
+    head, quant = model.lm_head, model.config.quantization
+    model.set_fp8_lm_head_(True)
+    try:
+        yield
+    finally:
+        model.lm_head, model.config.quantization = head, quant
+
+
 @torch.no_grad()
-def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
+def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1, prompts: list[list[int]] | None = None) -> dict:
     """Context-logit quality of the FP8 path on ``model`` (FP8 weights; changed in place, use it last).
 
-    Logits of one ``prompt_len``-token prompt from the FP8 model, from the same weights dequantised to the
-    activations' dtype (bf16), and to fp32. Reports ``kl_fp8`` = mean over rows of KL(bf16-dequantised || FP8
-    path) and ``argmax_fp8`` (agreement of the two), next to the bf16 floor ``kl_bf16`` = KL(fp32 || bf16) and
-    ``argmax_bf16`` on the same dequantised weights.
+    Logits of ``prompts`` (default: one ``prompt_len``-token random prompt) from the FP8 model, from the same weights
+    dequantised to the activations' dtype (bf16), and to fp32; rows of all prompts together. Reports ``kl_fp8`` =
+    mean over rows of KL(bf16-dequantised || FP8 path) and ``argmax_fp8`` (agreement of the two), next to the bf16
+    floor ``kl_bf16`` = KL(fp32 || bf16) and ``argmax_bf16`` on the same dequantised weights.
+
+    The LM head in FP8 (``fp8_lm_head``; docs/fp8.md), each with its argmax agreement: ``kl_head_fp8`` = KL(bf16 ||
+    bf16 with the head in FP8), the number issue 44 compares with the floor (``head_within_floor``: KL at most the
+    floor's and agreement at least the floor's); ``kl_fp8_head_fp8`` = KL(bf16 || the FP8 model with the head in FP8
+    too) (the FP8 path as held when the head already is); ``kl_head_fp8_fp32`` = KL(fp32 || fp32 with the head in
+    FP8), the head's rounding alone. A tied head (it stays float) reports none of them.
     """
-    from trtllm_glm.modules.linear import dequantize_fp8_linears_
+    from trtllm_glm.modules.linear import Fp8Linear, dequantize_fp8_linears_
     from trtllm_glm.runtime.llm import LLM, KvCacheConfig
 
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()
+    if prompts is None:
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,), generator=g).tolist()]
     act = model.model.embed_tokens.weight.dtype
+    longest = max(len(p) for p in prompts)
+    tied = model.config.tie_word_embeddings
 
     def logits() -> torch.Tensor:
-        llm = LLM(model, max_batch_size=1, max_seq_len=prompt_len + 8, max_num_tokens=max(2048, prompt_len),
+        llm = LLM(model, max_batch_size=1, max_seq_len=longest + 8, max_num_tokens=max(2048, longest),
                   kv_cache_config=KvCacheConfig(enable_block_reuse=False), cuda_graph_config=None,
                   warmup=False)  # fmt: skip
-        out = llm.generate(ids, SamplingParams(max_tokens=1, return_context_logits=True)).context_logits.float()
+        sp = SamplingParams(max_tokens=1, return_context_logits=True)
+        out = torch.cat([llm.generate(ids, sp).context_logits.float().cpu() for ids in prompts])
         del llm
-        return out.cpu()
+        return out
+
+    def head_fp8_logits() -> torch.Tensor | None:
+        if tied:
+            return None
+        with fp8_head(model):
+            return logits()
 
     fp8 = logits()
+    fp8_h = fp8 if isinstance(model.lm_head, Fp8Linear) else head_fp8_logits()
     dequantize_fp8_linears_(model, act)
     lo = logits()
+    lo_h = head_fp8_logits()
     model.float()
     hi = logits()
+    hi_h = head_fp8_logits()
 
     def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
         lp, lq = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
@@ -852,8 +905,15 @@ def quality(model: Glm5NextForCausalLM, prompt_len: int, seed: int = 1) -> dict:
     def agree(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.argmax(-1) == b.argmax(-1)).float().mean())
 
-    return {"prompt_len": prompt_len, "kl_fp8": kl(lo, fp8), "argmax_fp8": agree(lo, fp8),
-            "kl_bf16": kl(hi, lo), "argmax_bf16": agree(hi, lo)}  # fmt: skip
+    out = {"prompt_len": longest, "positions": int(lo.shape[0]), "prompts": len(prompts),
+           "kl_fp8": kl(lo, fp8), "argmax_fp8": agree(lo, fp8),
+           "kl_bf16": kl(hi, lo), "argmax_bf16": agree(hi, lo)}  # fmt: skip
+    if lo_h is not None and fp8_h is not None and hi_h is not None:
+        out.update(kl_head_fp8=kl(lo, lo_h), argmax_head_fp8=agree(lo, lo_h),
+                   kl_fp8_head_fp8=kl(lo, fp8_h), argmax_fp8_head_fp8=agree(lo, fp8_h),
+                   kl_head_fp8_fp32=kl(hi, hi_h), argmax_head_fp8_fp32=agree(hi, hi_h))  # fmt: skip
+        out["head_within_floor"] = out["kl_head_fp8"] <= out["kl_bf16"] and out["argmax_head_fp8"] >= out["argmax_bf16"]
+    return out
 
 
 @torch.no_grad()
@@ -942,9 +1002,19 @@ def goal_lines(rows: list[dict]) -> list[str]:
                        f"{r['kl_latent_fp8_fp32']:.2e}, argmax {100 * r['argmax_latent_fp8_fp32']:.1f}%")  # fmt: skip
             continue
         if r.get("mode") == "quality":
-            out.append(f"[goal] L={r['layers']} fp8 quality: KL(bf16-dequantised || fp8) {r['kl_fp8']:.2e}, argmax "
+            where = f"L={r['layers']}" if "layers" in r else r.get("preset", "")
+            out.append(f"[goal] {where} fp8 quality: KL(bf16-dequantised || fp8) {r['kl_fp8']:.2e}, argmax "
                        f"{100 * r['argmax_fp8']:.1f}%; bf16 floor KL(fp32 || bf16) {r['kl_bf16']:.2e}, argmax "
                        f"{100 * r['argmax_bf16']:.1f}%")  # fmt: skip
+            if "kl_head_fp8" in r:
+                # Issue 44: the FP8 LM head beside the same floor (fp8_lm_head's default follows this line).
+                ok = "within" if r["head_within_floor"] else "NOT within"
+                out.append(f"[goal] {where} fp8 lm_head ({r.get('positions', '?')} positions): KL(bf16 || bf16 + fp8 "
+                           f"head) {r['kl_head_fp8']:.2e}, argmax {100 * r['argmax_head_fp8']:.2f}% vs floor "
+                           f"KL(fp32 || bf16) {r['kl_bf16']:.2e}, argmax {100 * r['argmax_bf16']:.2f}%: {ok} the "
+                           f"floor; fp8 trunk + fp8 head KL(bf16 || .) {r['kl_fp8_head_fp8']:.2e}, argmax "
+                           f"{100 * r['argmax_fp8_head_fp8']:.2f}%; the head alone KL(fp32 || fp32 + fp8 head) "
+                           f"{r['kl_head_fp8_fp32']:.2e}, argmax {100 * r['argmax_head_fp8_fp32']:.2f}%")  # fmt: skip
             continue
         if not r.get("graphs") or "step_ms" not in r:
             continue

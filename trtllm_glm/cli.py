@@ -121,6 +121,7 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
         max_seq_len=args.max_seq_len,
         dtype=args.dtype,
         quantization=args.quantization,
+        fp8_lm_head=_FP8_LM_HEAD_CHOICES[args.fp8_lm_head],
         device=args.device,
         seed=args.seed,
         prefill_chunk_size=args.prefill_chunk_size,
@@ -131,6 +132,8 @@ def _make_llm(args: argparse.Namespace, *, max_batch_size: int, speculative_conf
 
 
 _BATCH_INVARIANT_CHOICES = {"on": True, "off": False, "auto": None}
+# ``--fp8-lm-head``: LLM's fp8_lm_head (None, the default: the head as the checkpoint stores it).
+_FP8_LM_HEAD_CHOICES: dict[str | None, str | bool | None] = {None: None, "auto": "auto", "on": True, "off": False}
 
 
 def _add_batch_invariant_arg(p: argparse.ArgumentParser) -> None:
@@ -499,6 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: block-FP8 checkpoints stay FP8 (default); fp8: also quantise bf16 weights at load; "
         "none: dequantise at load",
     )  # fmt: skip
+    g.add_argument(
+        "--fp8-lm-head", "--fp8_lm_head", choices=["auto", "on", "off"], default=None,
+        help="the LM head in block FP8: auto = when the rest of the model is block FP8; on / off = always / never "
+        "(default: as the checkpoint stores it; docs/fp8.md)",
+    )  # fmt: skip
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     g.add_argument("--tokens-per-block", type=int, default=16, metavar="N", help="KV page size, a multiple of 4")
     g.add_argument(
@@ -545,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health,\n"
         "/health_generate, /version and /metrics (Prometheus). LLM options come from --config, a YAML\n"
         "file with the keys of LLM(...): max_batch_size, max_num_tokens, max_seq_len, dtype, quantization,\n"
-        "device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype, latent_dtype},\n"
+        "fp8_lm_head, device, kv_cache_config {tokens_per_block, max_tokens, indexer_key_dtype, latent_dtype},\n"
         f"speculative_config {{decoding_type: {' | '.join(_decoding_types())}, ...}}.",
     )  # fmt: skip
     s.add_argument("model", metavar="MODEL", help=f"preset ({', '.join(presets)}) or checkpoint directory")

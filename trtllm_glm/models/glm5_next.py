@@ -31,7 +31,13 @@ from ..errors import CheckpointError
 from ..kda.backend import DEFAULT_KDA_BACKEND
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
-from ..modules.linear import Fp8Linear, swap_fp8_linears_, unswap_empty_, use_numerics_linears_
+from ..modules.linear import (
+    Fp8Linear,
+    dequantize_fp8_linears_,
+    swap_fp8_linears_,
+    unswap_empty_,
+    use_numerics_linears_,
+)
 from ..modules.mhc import (
     mhc_backend,
     mhc_block,
@@ -45,12 +51,16 @@ from ..modules.norm import RMSNorm
 from ..numerics import batch_invariant
 
 __all__ = [
+    "DEFAULT_FP8_LM_HEAD",
+    "FP8_LM_HEAD_MODES",
     "QUANTIZATION_MODES",
     "Glm5NextDecoderLayer",
     "Glm5NextMTPLayer",
     "Glm5NextModel",
     "Glm5NextForCausalLM",
+    "decide_fp8_lm_head",
     "resolve_dtype",
+    "resolve_fp8_lm_head",
     "resolve_quantization",
 ]
 
@@ -99,6 +109,91 @@ def resolve_quantization(mode: str | None) -> str:
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unsupported quantization {mode!r} (expected one of {list(QUANTIZATION_MODES)})")
     return mode
+
+
+FP8_LM_HEAD_MODES: tuple[str | bool | None, ...] = (None, "auto", True, False)
+"""How `Glm5NextForCausalLM.from_pretrained` holds ``lm_head`` (``fp8_lm_head``; docs/fp8.md, "The LM head"):
+
+* ``None`` (the default, `DEFAULT_FP8_LM_HEAD`): as the source holds it, the behaviour before the option: a
+  checkpoint's ``lm_head`` as stored (GLM's FP8 checkpoints list it in ``modules_to_not_convert``: bf16), and
+  quantising at load (``quantization="fp8"``) keeps it in the model dtype;
+* ``"auto"``: block FP8 when the rest of the model holds block-FP8 weights (an FP8 checkpoint, or
+  ``quantization="fp8"``), else in the model dtype: where the trunk is FP8 the head is the largest weight left in
+  16 bits (1.27 GB at the real size, about half of the FP8 decode step's bytes on the 4-layer slice);
+* ``True``: block FP8 (128 x 128 tiles, or the checkpoint's; quantised at load when stored in float), whatever the
+  trunk holds;
+* ``False``: in the model dtype (a head stored in FP8 is dequantised at load).
+
+A head tied to the embedding (``tie_word_embeddings``) stays tied and in the model dtype: ``"auto"`` keeps it so,
+``True`` is refused (the embedding is a row lookup that stays float, and an FP8 copy beside it would add bytes, not
+save them)."""
+
+DEFAULT_FP8_LM_HEAD: str | bool | None = None
+"""The default of ``fp8_lm_head``: ``None``, as the source holds the head (no FP8 head unless a checkpoint stores
+one). ``"auto"`` is not the default: on the trained ``small`` preset (CPU, 2026-12-07, held-out stdlib prompts,
+``bench_e2e.py --trained --quality --weights fp8``) the FP8 head's argmax agreement with the bf16 model is below the
+bf16 floor's (99.07 % vs 99.53 % over 1,929 positions, 99.20 % vs 99.48 % over 7,718) and so is its KL (2.13e-4 vs
+9.71e-5; 1.89e-4 vs 1.43e-4), where issue 44 asks for both within the floor (docs/fp8.md, "The LM head")."""
+
+
+def resolve_fp8_lm_head(value: object) -> str | bool | None:
+    """``value`` checked against `FP8_LM_HEAD_MODES` (``None``, ``"auto"``, ``True``, ``False``) and returned.
+
+    Raises:
+        ValueError: anything else (``1``, ``"on"``, ``"fp8"`` ...): one line naming the accepted values.
+    """
+    if value is None or value is True or value is False or value == "auto":
+        return value  # type: ignore[return-value]
+    raise ValueError(f"fp8_lm_head must be 'auto', True, False or None (as stored), got {value!r}")
+
+
+def decide_fp8_lm_head(value: object, *, trunk_fp8: bool, tied: bool) -> bool | None:
+    """Whether ``lm_head`` is held in block FP8 for ``fp8_lm_head=value`` (`FP8_LM_HEAD_MODES`); ``None`` for the
+    default (``value`` None: the head as the source holds it, nothing to change).
+
+    Args:
+        value: ``None``, ``"auto"``, ``True`` or ``False``.
+        trunk_fp8: whether the rest of the model holds block-FP8 weights (what ``"auto"`` follows).
+        tied: whether ``lm_head`` is tied to the embedding (``"auto"`` then keeps it float).
+
+    Raises:
+        ValueError: a bad value, or ``True`` for a tied head.
+    """
+    mode = resolve_fp8_lm_head(value)
+    if mode is None:
+        return None
+    if mode is True and tied:
+        raise ValueError(
+            "fp8_lm_head=True: this model ties lm_head to the embedding (tie_word_embeddings), which stays in the "
+            "model dtype; use fp8_lm_head='auto', False or None"
+        )
+    return bool(trunk_fp8 and not tied) if mode == "auto" else bool(mode)
+
+
+def _skip_list_for_head(model: nn.Module, quant: QuantConfig | None, head_fp8: bool) -> QuantConfig | None:
+    """``quant`` with ``modules_to_not_convert`` made true about ``lm_head`` as ``model`` now holds it.
+
+    A float head must be listed (GLM's checkpoints list ``lm_head``); an FP8 head must not be (a listed FP8 tensor is
+    refused at load): entries matching ``lm_head`` are dropped. A model whose only FP8 linear is the head (a float
+    trunk with ``fp8_lm_head=True``) gets a config listing every other linear, so that the list stays true.
+    """
+    tied = model.config.tie_word_embeddings  # type: ignore[union-attr]
+    if quant is None:
+        if not head_fp8:
+            return None
+        L = model.config.num_hidden_layers  # type: ignore[union-attr]
+        everything = QuantConfig.block_fp8(getattr(model.lm_head, "block", 128), [])
+        held = {n for n, mod in model.named_modules() if isinstance(mod, Fp8Linear)}
+        rest = [_to_ckpt_name(_to_hf_name(n, L)) for n in fp8_linear_names(model, everything) if n not in held]
+        return QuantConfig.block_fp8(everything.block, rest)
+    skip = list(quant.modules_to_not_convert)
+    if head_fp8 and quant.skips("lm_head"):
+        skip = [p for p in skip if not QuantConfig(modules_to_not_convert=[p]).skips("lm_head")]
+    elif not head_fp8 and not tied and not quant.skips("lm_head"):
+        skip.append("lm_head")
+    else:
+        return quant
+    return dataclasses.replace(quant, modules_to_not_convert=skip, raw={**quant.raw, "modules_to_not_convert": skip})
 
 
 def fp8_linear_names(model: nn.Module, quant: QuantConfig) -> list[str]:
@@ -584,6 +679,7 @@ class Glm5NextForCausalLM(nn.Module):
         mapping: Mapping | None = None,
         quantization: str | None = None,
         local_init: bool | None = None,
+        fp8_lm_head: str | bool | None = None,
     ) -> Glm5NextForCausalLM:
         """A seeded random model (the tiny preset's weights are this). With a parallel ``mapping``: this
         rank's share of the same weights (the whole model is drawn on the CPU, then cut);
@@ -596,12 +692,23 @@ class Glm5NextForCausalLM(nn.Module):
         whole model, the scales of `reset_parameters`, other values); an FP8 linear is drawn and quantised one
         at a time, so the peak is about the rank's FP8 share plus one linear in fp32. ``None`` (default) takes
         it when the whole model's fp32 draw would not fit in half the host's available memory
-        (`needs_local_init`), so the presets keep the whole-model draw and the full config does not."""
+        (`needs_local_init`), so the presets keep the whole-model draw and the full config does not.
+
+        ``fp8_lm_head`` (`FP8_LM_HEAD_MODES`): the LM head in block FP8 (quantised from the fp32 draw) or not;
+        ``None`` leaves it as ``config.quantization``'s list says (``lm_head`` listed: float)."""
         mode = resolve_quantization(quantization)
+        trunk_fp8 = mode == "fp8" or (mode == "auto" and config.quantization is not None)
+        head = decide_fp8_lm_head(fp8_lm_head, trunk_fp8=trunk_fp8, tied=config.tie_word_embeddings)
+        if head is not None:
+            # The model records its head in ``config.quantization``: a copy, so that the caller's config (reused for
+            # another model) keeps its own list.
+            config = dataclasses.replace(config)
         if local_init is None:
             local_init = needs_local_init(config)
         if local_init:
-            return cls._from_config_local(config, seed=seed, dtype=dtype, device=device, mapping=mapping, mode=mode)
+            return cls._from_config_local(
+                config, seed=seed, dtype=dtype, device=device, mapping=mapping, mode=mode, head=head
+            )
         with torch.device("cpu"):
             m = cls(config)
         m.reset_parameters(seed)
@@ -611,8 +718,10 @@ class Glm5NextForCausalLM(nn.Module):
             with torch.device("meta"):
                 m = cls(config, mapping=mapping)
             m.load_weights(shard_state_dict(full, config, mapping), device="cpu", source="preset")
-        if mode == "fp8" or (mode == "auto" and config.quantization is not None):
+        if trunk_fp8:
             m.quantize_fp8_(config.quantization)
+        if head is not None:
+            m.set_fp8_lm_head_(head)  # before the cast: an FP8 head is quantised from the fp32 draw
         m = m.to(device=device, dtype=resolve_dtype(dtype))
         m.keep_fp32_params_()
         return m.eval()
@@ -627,8 +736,10 @@ class Glm5NextForCausalLM(nn.Module):
         device: str | torch.device,
         mapping: Mapping | None,
         mode: str,
+        head: bool | None = None,
     ) -> Glm5NextForCausalLM:
-        """`from_config(..., local_init=True)`: build on meta, hold on ``device``, fill parameter by parameter."""
+        """`from_config(..., local_init=True)`: build on meta, hold on ``device``, fill parameter by parameter
+        (``head``: `set_fp8_lm_head_` on meta first, unless None)."""
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -636,6 +747,8 @@ class Glm5NextForCausalLM(nn.Module):
             m = cls(config, mapping=mapping)
         if mode == "fp8" or (mode == "auto" and config.quantization is not None):
             m.quantize_fp8_(config.quantization)  # on meta: swaps the modules, quantises nothing yet
+        if head is not None:
+            m.set_fp8_lm_head_(head)  # on meta too: `_fill_local_` draws and quantises an FP8 head
         m = m.to(dtype=resolve_dtype(dtype))
         m.keep_fp32_params_()
         m = m.to_empty(device=dev)
@@ -693,6 +806,33 @@ class Glm5NextForCausalLM(nn.Module):
         return names
 
     @torch.no_grad()
+    def set_fp8_lm_head_(self, fp8: bool) -> bool:
+        """Hold ``lm_head`` in block FP8 (``True``: `Fp8Linear`, quantised from its current weight in the tiles of
+        ``config.quantization``, else 128 x 128) or in the embedding's dtype (``False``: dequantised); on the meta
+        device only the module changes. ``config.quantization``'s ``modules_to_not_convert`` is kept true about the
+        head (`_skip_list_for_head`), so `save_pretrained` writes what is held.
+
+        Returns:
+            Whether the head changed.
+
+        Raises:
+            ValueError: ``fp8`` for a head tied to the embedding.
+        """
+        held = isinstance(self.lm_head, Fp8Linear)
+        if fp8 and self.config.tie_word_embeddings:
+            decide_fp8_lm_head(True, trunk_fp8=True, tied=True)  # raises its one-line refusal
+        if fp8 and not held:
+            quant = self.config.quantization
+            swap_fp8_linears_(self, ["lm_head"], quant.block if quant is not None else 128)
+        elif held and not fp8:
+            if self.lm_head.weight.device.type == "meta":
+                unswap_empty_(self, ["lm_head"])
+            else:
+                dequantize_fp8_linears_(self, self.model.embed_tokens.weight.dtype, ["lm_head"])
+        self.config.quantization = _skip_list_for_head(self, self.config.quantization, fp8)
+        return held != fp8
+
+    @torch.no_grad()
     def fuse_weights(self) -> None:
         """Give every submodule that can fuse its weights one storage per group of weights read by one GEMM
         (each submodule's ``fuse_weights``, e.g. `KimiDeltaAttention.fuse_weights`); idempotent. Executors call
@@ -719,6 +859,7 @@ class Glm5NextForCausalLM(nn.Module):
         mapping: Mapping | None = None,
         load_stats: dict[str, int] | None = None,
         quantization: str | None = None,
+        fp8_lm_head: str | bool | None = None,
     ) -> Glm5NextForCausalLM:
         """A preset name (seeded random weights, or the shipped checkpoint of a trained preset such as
         ``"small"``) or a checkpoint directory (real VL layout or flat).
@@ -735,8 +876,11 @@ class Glm5NextForCausalLM(nn.Module):
             device: parameter device.
             seed: seed for presets.
             quantization: ``"auto"`` (default), ``"fp8"`` or ``"none"`` (`QUANTIZATION_MODES`).
+            fp8_lm_head: ``None`` (default: as stored), ``"auto"`` (FP8 when the rest is block FP8), ``True`` or
+                ``False`` (`FP8_LM_HEAD_MODES`).
 
         Raises:
+            ValueError: a bad ``fp8_lm_head``, or ``True`` for a head tied to the embedding.
             ConfigError: unknown preset, bad or unknown config keys.
             CheckpointError: missing / unexpected / misshapen / non-finite tensors or scales, an FP8 tensor
                 listed in ``modules_to_not_convert``, unreadable files, not enough memory.
@@ -753,10 +897,16 @@ class Glm5NextForCausalLM(nn.Module):
         if quant is None and mode == "fp8":
             quant = QuantConfig.block_fp8()
         sub.quantization = quant
+        # What the head will be (None: as the source holds it); decided, and refused, before anything is read.
+        head = decide_fp8_lm_head(fp8_lm_head, trunk_fp8=quant is not None, tied=sub.tie_word_embeddings)
         with torch.device("meta"):
             m = cls(sub, mapping=mapping)
         if quant is not None:
             swap_fp8_linears_(m, fp8_linear_names(m, quant), quant.block)
+        if head is not None:
+            # The estimate below counts the head as it will be held (and ``m.config.quantization`` says so);
+            # ``quant`` stays what the rest of the model is read as.
+            m.set_fp8_lm_head_(head)
         where = f" ({m.mapping.describe()})" if m.mapping.is_parallel else ""
         need = m.param_bytes(dt) + m.derived_weight_bytes(dt)
         free = free_bytes(device)
@@ -767,14 +917,18 @@ class Glm5NextForCausalLM(nn.Module):
                     alt = cls(dataclasses.replace(sub, quantization=None), mapping=mapping)
                 q = stored_quant or QuantConfig.block_fp8()
                 swap_fp8_linears_(alt, fp8_linear_names(alt, q), q.block)
+                alt_head = decide_fp8_lm_head(fp8_lm_head, trunk_fp8=True, tied=sub.tie_word_embeddings)
+                if alt_head is not None:
+                    alt.set_fp8_lm_head_(alt_head)
                 fp8_bytes = alt.param_bytes(dt) + alt.derived_weight_bytes(dt)
             check_memory(
                 need, device, what=f"the parameters of {model!s}{where}", hint=_memory_hint(need, fp8_bytes, device)
             )
         if not os.path.isdir(str(model)):
             return cls.from_config(
-                sub, seed=seed, dtype=dt, device=device, mapping=mapping, quantization="fp8" if quant else "none"
-            )
+                sub, seed=seed, dtype=dt, device=device, mapping=mapping, quantization="fp8" if quant else "none",
+                fp8_lm_head=head,
+            )  # fmt: skip
         from .checkpoint import load_state_dict
 
         # The full config's layer indices: the cut is decided before `layers` renumbers them.
@@ -787,6 +941,8 @@ class Glm5NextForCausalLM(nn.Module):
             names = set(_fp8_plan(m, sd, quant, quantize_plain=stored_quant is None))
             unswap_empty_(m, [n for n, mod in m.named_modules() if isinstance(mod, Fp8Linear) and n not in names])
             swap_fp8_linears_(m, sorted(names), quant.block)
+        if head is not None:
+            _head_to_plan(m, sd, head)
         m.load_weights(sd, device=device, dtype=dt, source=str(model))
         m.checkpoint_dir = os.fspath(model)
         return m.eval()
@@ -956,6 +1112,24 @@ def _fp8_plan(
             sd[k], sd[k + SCALE_SUFFIX] = quantize_block_fp8(sd[k], quant.block)
             names.append(name)
     return names
+
+
+def _head_to_plan(model: Glm5NextForCausalLM, sd: dict[str, torch.Tensor], fp8: bool) -> None:
+    """Make the loaded checkpoint ``sd`` and the (meta) ``model`` agree on an ``lm_head`` held in FP8 (``fp8``:
+    a float-stored head quantised in ``sd``) or in float (an FP8-stored head dequantised in ``sd``)."""
+    from .checkpoint import canonical_name, dequantize_block_fp8, quantize_block_fp8
+
+    key = next((k for k in sd if canonical_name(k) == "lm_head.weight"), None)
+    if key is None:  # tied: the embedding's weight serves (``fp8`` is refused for it before)
+        return
+    quant = model.config.quantization
+    block = quant.block if quant is not None else 128
+    t = sd[key]
+    if fp8 and t.dtype != torch.float8_e4m3fn:
+        sd[key], sd[key + SCALE_SUFFIX] = quantize_block_fp8(t, block)
+    elif not fp8 and t.dtype == torch.float8_e4m3fn:
+        sd[key] = dequantize_block_fp8(t, sd.pop(key + SCALE_SUFFIX), block)
+    model.set_fp8_lm_head_(fp8)
 
 
 def _to_ckpt_name(name: str) -> str:

@@ -192,16 +192,18 @@ def _forget_replaced(root: nn.Module, replaced: set[int]) -> None:
             mark()
 
 
-def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype) -> list[str]:
-    """Replace every `Fp8Linear` under ``root`` by an ``nn.Linear`` holding its dequantised weight in ``dtype``
-    (the same module names; benchmarks compare the two paths on one set of weights).
+def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype, names: Iterable[str] | None = None) -> list[str]:
+    """Replace every `Fp8Linear` under ``root`` (or those of ``names``; others are left alone) by an ``nn.Linear``
+    holding its dequantised weight in ``dtype`` (the same module names; benchmarks compare the two paths on one set
+    of weights, and the model dequantises an FP8-stored LM head with ``fp8_lm_head=False``).
 
     Returns:
         The names replaced.
     """
-    names = [n for n, m in root.named_modules() if isinstance(m, Fp8Linear)]
-    replaced = {id(root.get_submodule(n)) for n in names}
-    for name in names:
+    only = None if names is None else set(names)
+    picked = [n for n, m in root.named_modules() if isinstance(m, Fp8Linear) and (only is None or n in only)]
+    replaced = {id(root.get_submodule(n)) for n in picked}
+    for name in picked:
         mod = root.get_submodule(name)
         parent_name, _, attr = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
@@ -210,7 +212,7 @@ def dequantize_fp8_linears_(root: nn.Module, dtype: torch.dtype) -> list[str]:
             lin.weight = nn.Parameter(mod.dequantized(dtype), requires_grad=False)
         setattr(parent, attr, lin)
     _forget_replaced(root, replaced)
-    return names
+    return picked
 
 
 def unswap_empty_(root: nn.Module, names: Iterable[str]) -> list[str]:

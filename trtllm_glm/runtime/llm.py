@@ -20,7 +20,7 @@ from ..config import Glm5NextConfig, resolve_preset_dir
 from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping, ParallelConfigError
 from ..distributed.sharding import check_shardable
-from ..models.glm5_next import Glm5NextForCausalLM
+from ..models.glm5_next import Glm5NextForCausalLM, resolve_fp8_lm_head
 from ..numerics import set_batch_invariant
 from .cuda_graph import CudaGraphConfig
 from .executor import Executor, ExecutorConfig
@@ -228,6 +228,11 @@ class LLM:
             quantized weights stay float8_e4m3fn with their fp32 tile scales; ``"fp8"``, also quantise a bf16
             checkpoint or a preset's weights to block FP8 at load; ``"none"``, dequantise everything at load
             (debugging). See docs/fp8.md.
+        fp8_lm_head: the LM head in block FP8: ``None`` (default), as the checkpoint stores it (GLM's FP8
+            checkpoints: bf16; quantising at load keeps it in ``dtype``); ``"auto"``, FP8 when the rest of the model
+            holds block-FP8 weights (an FP8 checkpoint or ``quantization="fp8"``); ``True`` / ``False``, FP8 / the
+            model dtype whatever the rest holds. A head tied to the embedding stays float (``True`` is refused). Not
+            for a model object (use its ``set_fp8_lm_head_``). docs/fp8.md, "The LM head".
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
         seed: seed of preset weights and of sampling without a per-request seed.
         prefill_chunk_size: cap on a prefill chunk.
@@ -285,6 +290,7 @@ class LLM:
         max_seq_len: int = 2048,
         dtype: str | torch.dtype | None = None,
         quantization: str | None = None,
+        fp8_lm_head: str | bool | None = None,
         device: str | None = None,
         seed: int = 0,
         prefill_chunk_size: int | None = None,
@@ -308,6 +314,12 @@ class LLM:
             raise TypeError(f"warmup must be a bool, got {warmup!r}")
         if device is not None:
             _check_device_name(device)
+        resolve_fp8_lm_head(fp8_lm_head)  # a bad value is refused before anything is built
+        if fp8_lm_head is not None and isinstance(model, Glm5NextForCausalLM):
+            raise ValueError(
+                "fp8_lm_head applies to a model the LLM loads; a model object is used as it is (call its "
+                "set_fp8_lm_head_ first)"
+            )
         self.batch_invariant = resolve_batch_invariant(batch_invariant)
         # What the workers of a spawned world build with (they load their own tokenizer: they never decode).
         init_kwargs = {k: v for k, v in locals().items() if k not in ("self", "_spawned_rank", "tokenizer")}
@@ -338,8 +350,9 @@ class LLM:
             self.device, model = self._join_world(model, device, init_kwargs, _spawned_rank)
             try:
                 self.model = Glm5NextForCausalLM.from_pretrained(
-                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping, quantization=quantization
-                )
+                    model, dtype=dtype, device=self.device, seed=seed, mapping=self.mapping, quantization=quantization,
+                    fp8_lm_head=fp8_lm_head,
+                )  # fmt: skip
                 self.model.set_comm(self.comm)
             except BaseException:
                 self.shutdown()
@@ -353,7 +366,7 @@ class LLM:
             if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
                 raise RuntimeError(f"device {self.device!r} asked for but CUDA is not available on this machine")
             self.model = Glm5NextForCausalLM.from_pretrained(
-                model, dtype=dtype, device=self.device, seed=seed, quantization=quantization
+                model, dtype=dtype, device=self.device, seed=seed, quantization=quantization, fp8_lm_head=fp8_lm_head
             )
         weights_s = time.perf_counter() - t0  # start-up breakdown (the debug line below; issue 30's timing)
         configure_cpu_threads(num_threads, self.model if torch.device(self.device).type == "cpu" else None)

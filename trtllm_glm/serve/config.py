@@ -157,6 +157,11 @@ def llm_options_from_dict(d: Any, source: str = "config") -> dict[str, Any]:
                 also = " or null" if k in _OPTIONAL_BOOL_KEYS else ""
                 raise ConfigError(f"{where}: expected true or false{also}, got {v!r}")
             out[k] = v
+        elif k == "fp8_lm_head":
+            # YAML's true / false / auto / null (as stored); "on" and the like are refused, not guessed.
+            if not (v is None or isinstance(v, bool) or v == "auto"):
+                raise ConfigError(f"{where}: expected auto, true, false or null, got {v!r}")
+            out[k] = v
         elif k in _OPTIONAL_STR_KEYS:
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"{where}: expected a string, got {v!r}")

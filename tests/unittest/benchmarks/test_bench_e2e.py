@@ -77,6 +77,33 @@ def test_fp8_goal_lines_compare_with_the_bf16_step_and_report_quality() -> None:
                for x in lines)  # fmt: skip
 
 
+@pytest.mark.parametrize("skip", [["lm_head"], []], ids=["head-bf16", "head-fp8"])
+def test_quality_reports_the_fp8_lm_head_beside_the_floor(skip: list[str]) -> None:
+    """``--quality``'s row carries the FP8 LM head (issue 44): KL(bf16 || bf16 + FP8 head) beside the floor, the FP8
+    trunk with the FP8 head, the head alone; the model's own head is put back after each head swap."""
+    import torch
+
+    from benchmarks.bench_e2e import quality
+    from trtllm_glm.config import QuantConfig
+    from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
+    from trtllm_glm.modules.linear import Fp8Linear
+
+    m = Glm5NextForCausalLM.from_pretrained("tiny", dtype="bfloat16")
+    m.quantize_fp8_(QuantConfig.block_fp8(128, skip))
+    head = m.lm_head
+    q = quality(m, 24)
+    # Each FP8-head swap put the model's own head back (a float head is the same module; an FP8 one was dequantised
+    # with the rest of the model).
+    assert (m.lm_head is head) == bool(skip) and not isinstance(m.lm_head, Fp8Linear)
+    assert q["positions"] == 24 and q["kl_head_fp8"] > 0 and q["kl_head_fp8_fp32"] > 0
+    assert q["kl_fp8_head_fp8"] > 0 and isinstance(q["head_within_floor"], bool)
+    if not skip:  # the head was FP8 already: the FP8 path as held is the FP8-head row
+        assert q["kl_fp8_head_fp8"] == q["kl_fp8"]
+    assert m.lm_head.weight.dtype == torch.float32  # quality's last step: the model in fp32, head float
+    (line,) = [x for x in goal_lines([dict(q, layers=4, mode="quality", weights="fp8")]) if "lm_head" in x]
+    assert "fp8 lm_head (24 positions): KL(bf16 || bf16 + fp8 head)" in line and "the floor" in line
+
+
 def test_torchrun_two_ranks_build_their_shares_and_rank0_reports(tmp_path: Path) -> None:
     """The multi-GPU path on the CPU: 2 gloo ranks (TP=2, EP=2), each drawing its own FP8 share; rank 0's rows
     carry the world and the busiest rank's floor, and the speculative row is lossless against plain."""
