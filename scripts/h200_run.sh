@@ -16,7 +16,8 @@
 #   fp8_pdl_late  issue 44: bench_e2e FP8 decode, the PDL chain's trigger at the start / after the main loop
 #                 (TRTLLM_GLM_PDL=1, TRTLLM_GLM_PDL_TRIGGER=start,end), then PDL off / on with the late trigger
 #                 (GPU tests: GPU_TESTS="tests/unittest/quant/test_pdl.py tests/unittest/quant/test_fp8_gpu.py")
-#   fp8_head      bench_e2e FP8 decode with lm_head in FP8 too (--fp8-skip none), batch 1 (the bf16 rows: stage fp8)
+#   fp8_head      bench_e2e decode with lm_head in FP8 too (--fp8-skip none), batch 1 / 16, bf16 and FP8 weights, and
+#                 --quality's FP8-head row beside the bf16 floor (issue 44: the head's default, fp8_lm_head)
 #   fp8_sweep     bench_fp8_linear --sweep --quick (then --apply here)
 #   decode_fuse   issue 44: bench_e2e FP8 decode, batch 1 / 16, plain and overlap, with the decode fusions off and on
 #                 (TRTLLM_GLM_DECODE_FUSE=0,1: the fused mHC sites, the LM head's cast in the greedy kernel and the fused
@@ -141,8 +142,8 @@ for stage in "$@"; do
         --modes plain overlap --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 \
         --env-ab TRTLLM_GLM_PDL=0,1 --json "$O/fp8_pdl_late.json" 2>&1 | tee "$O/fp8_pdl_late.log" ;;
     fp8_head)
-      timeout "${T_FP8_HEAD:-120}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 --modes plain overlap \
-        --cuda-graphs on --prompt-len 256 --gen 32 --weights fp8 --fp8-skip none \
+      timeout "${T_FP8_HEAD:-180}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
+        --cuda-graphs on --prompt-len 256 --gen 32 --weights bf16 fp8 --fp8-skip none --quality \
         --json "$O/fp8_head.json" 2>&1 | tee "$O/fp8_head.log" ;;
     decode_fuse)
       timeout "${T_DECODE_FUSE:-220}" "$PY" -m benchmarks.bench_e2e --layers 4 --batch 1 16 --modes plain overlap \
