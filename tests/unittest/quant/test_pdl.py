@@ -226,19 +226,35 @@ def _record_pdl_launches() -> list:
         mhc.mhc_post_mean_norm(streams, *prev, w, rms_eps=1e-6)
         kda.kda_gate_beta(r(2, 2 * 16), r(2, 2), r(2), r(2 * 16), -5.0)
         kda.conv_decode(r(2, 3 * 2 * 16), r(4, 3 * 2 * 16, 3), r(3 * 2 * 16, 4), torch.tensor([1, 3]), 2, 16, 16, 1e-6)
+        _fused_kda_decode(r)
         topk = kpool.kernel_module("topk", cpu).select_topk_pools
         topk(r(2, 256), torch.tensor([1000, 300]), 16, method="chunked", chunk=64, num_warps=1, merge_warps=1)
     assert not rec.unsupported, rec.unsupported
     names = sorted({sp.kernel for sp in rec.specs.values() if "PDL" in sp.constexprs})
     assert names == sorted(["_row_norm_kernel", "_swiglu_kernel", "_mix_partial_kernel", "_pre_finish_kernel",
                             "_post_kernel", "_post_mix_kernel", "_post_mean_norm_kernel", "_gate_beta_kernel",
-                            "_conv_decode_kernel", "_chunk_kernel", "_merge_kernel"]), names  # fmt: skip
+                            "_conv_decode_kernel", "_decode_fused_kernel", "_chunk_kernel",
+                            "_merge_kernel"]), names  # fmt: skip
     specs = [sp for sp in rec.specs.values() if "PDL" in sp.constexprs]
     for sp in specs:
         assert sp.constexprs["PDL"] is False  # the CPU never launches with PDL
         # Every kernel that triggers takes the trigger's place as a constexpr (the merge pass never triggers).
         assert sp.constexprs.get("PDL_LATE", "none") == ("none" if sp.kernel == "_merge_kernel" else False), sp.kernel
     return specs
+
+
+def _fused_kda_decode(r: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The fused KDA decode step (`kda.kernels.kda_decode_fused`) on two rows of a 2-head layer (K = V = R = 16, a
+    4-tap conv) in a 4-slot pool; returns the ``o_proj`` input, the recurrent output and both pools."""
+    from trtllm_glm.kda import kernels as kda
+
+    H, K, V, R, W = 2, 16, 16, 16, 4
+    C = H * (2 * K + V)
+    conv, state = r(4, C, W - 1), r(4, H, K, V) * 0.5
+    y, o = kda.kda_decode_fused(r(2, C), r(2, R), r(2, H), r(2, R), conv, r(C, W) * 0.5, torch.tensor([3, 1]),
+                                r(H * K, R) * 0.4, r(H).abs(), r(H * K) * 0.1, -5.0, state, r(H * V, R) * 0.4,
+                                1.0 + 0.2 * r(V), 1e-5, K**-0.5, torch.float32)  # fmt: skip
+    return y, o, conv, state
 
 
 def _linear_specs() -> list:
@@ -368,6 +384,7 @@ def _interpreted_cases() -> dict[str, Callable[[], torch.Tensor | tuple[torch.Te
         # Two programs per row: only the first stores beta (a branch every program must leave with its trigger).
         "kda_gate": lambda: kda.kda_gate_beta(*(lambda r: (r(2, 32), r(2, 2), r(2), r(32)))(gen(6)), -5.0, block=16),
         "kda_conv": conv,
+        "kda_decode_fused": lambda: _fused_kda_decode(gen(8)),
         "fp8_split": linear(k_chunk=96, x_as_a=True),
         "fp8_split_x_as_b": linear(k_chunk=96, x_as_a=False),
         "fp8_one_chunk": linear(k_chunk=400),
@@ -449,8 +466,8 @@ def test_pdl_kernels_interpreted_with_their_trigger_give_the_plain_bits(trigger:
     launched = {k for k, _, _ in grids if k}
     assert launched == {"_row_norm_kernel", "_swiglu_kernel", "_mix_partial_kernel", "_pre_finish_kernel",
                         "_post_kernel", "_post_mix_kernel", "_post_mean_norm_kernel", "_gate_beta_kernel",
-                        "_conv_decode_kernel", "_fp8_linear_kernel", "_fp8_linear_sk_kernel", "_chunk_kernel",
-                        "_merge_kernel"}, launched  # fmt: skip
+                        "_conv_decode_kernel", "_decode_fused_kernel", "_fp8_linear_kernel", "_fp8_linear_sk_kernel",
+                        "_chunk_kernel", "_merge_kernel"}, launched  # fmt: skip
     for launch, (kernel, dims, triggers) in enumerate(grids):
         if not kernel:
             continue

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from trtllm_glm.kda.contract import L2NORM_EPS
-from trtllm_glm.pdl import launch_kwargs, pdl_enter, use_pdl
+from trtllm_glm.pdl import late_trigger, launch_kwargs, pdl_enter, pdl_leave, use_pdl
 
 from .conv import _conv_channels
 from .verify import _kda_step
@@ -141,8 +141,9 @@ def _decode_fused_kernel(
     QBLOCK_F: tl.constexpr,
     QBLOCK_G: tl.constexpr,
     PDL: tl.constexpr,
+    PDL_LATE: tl.constexpr,
 ):
-    pdl_enter(PDL)  # `trtllm_glm.pdl`: launched early, it waits here for the input projection
+    pdl_enter(PDL, PDL_LATE)  # `trtllm_glm.pdl`: launched early, it waits here for the input projection
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + row).to(tl.int64)
@@ -201,6 +202,7 @@ def _decode_fused_kernel(
         o = tl.load(p_o + vv, mask=vm, other=0.0)
         z = tl.load(p_z + vv, mask=vm, other=0.0)
         tl.store(y_ptr + row * stride_yn + h * V + vv, ((o * rstd) * z).to(y_ptr.dtype.element_ty), mask=vm)
+    pdl_leave(PDL, PDL_LATE)  # (`TRTLLM_GLM_PDL_TRIGGER=end`: the next kernel may launch now)
 
 
 def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, block: int, R: int, what: str) -> tuple:
@@ -321,6 +323,6 @@ def kda_decode_fused(
         R, triton.cdiv(V, bv),
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=bv,
         BR=min(block_r, triton.next_power_of_2(R)), FB_SCALE=fbs[3], GB_SCALE=gbs[3], QBLOCK_F=fbs[4],
-        QBLOCK_G=gbs[4], PDL=pdl, num_warps=num_warps, **launch_kwargs(pdl),
+        QBLOCK_G=gbs[4], PDL=pdl, PDL_LATE=late_trigger(pdl), num_warps=num_warps, **launch_kwargs(pdl),
     )  # fmt: skip
     return y, o
