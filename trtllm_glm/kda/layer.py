@@ -46,6 +46,7 @@ __all__ = [
     "ShortConvWeight",
     "ragged_destinations",
     "short_prefill_rows",
+    "decode_ride_rows",
 ]
 
 # Prefill chunks of at most this many rows take the verify kernels' recurrence (verify every row from the slot,
@@ -67,6 +68,18 @@ def short_prefill_rows(device: torch.device) -> int:
     if v is None:
         return SHORT_PREFILL_CUDA if device.type == "cuda" else 0
     return v
+
+
+def decode_ride_rows() -> int:
+    """The most padding rows decode rows may add to a step's short-prefill verify grid by riding it
+    (``TRTLLM_GLM_KDA_DECODE_RIDE``; 0: they never ride).
+
+    A riding decode row is one more sequence of the grid ``[n, Wm]``: ``Wm - 1`` padding rows that the conv and
+    gather kernels fill and the verify kernel steps through (in parallel with the other sequences' programs, so
+    a longer kernel only when the grid outgrows a wave), in exchange for the decode path's own launches and host
+    work (`KimiDeltaAttention._decode`). The bound keeps that padding traffic small next to the host time saved.
+    """
+    return envs.KDA_DECODE_RIDE.get()
 
 
 class ShortConvWeight(nn.Module):
@@ -230,11 +243,15 @@ def _step_host(batch: KdaBatchLike, key: tuple, build: Callable[[], Any]) -> Any
 class _StepPlan:
     """How a step's sequences split between the KDA paths (host lists; the same for every KDA layer of a step).
 
+    Decode rows ride the short prefills' verify grid (`decode_ride_rows`): a step with short prefills then runs one
+    recurrent path instead of two (no decode conv / recurrence launches, index copy or host plan of its own).
+
     Attributes:
         seqs: sequences with rows (``q_len >= 1``), slots checked distinct.
-        dec: width-one rows of sequences with a past (the recurrent step).
+        dec: width-one rows of sequences with a past that take the recurrent step (none when they ride).
         pre: chunks over the short-prefill limit (the chunked path).
-        short: chunks up to it (the verify recurrence, `short_prefill_rows`).
+        short: chunks up to it (the verify recurrence, `short_prefill_rows`), with the riding decode rows, in
+            batch order.
         decode_only: every row of the step is one decode row, in order.
         tiled: the sequences' rows cover all ``N`` rows (no padding rows to zero).
         sink: padding rows of the short prefills' verify grid (`_ragged_padding`).
@@ -261,6 +278,10 @@ class _StepPlan:
         if limit:
             short = [b for b in pre if q[b] <= limit]
             pre = [b for b in pre if q[b] > limit]
+        if short and dec and len(dec) * (max(q[b] for b in short) - 1) <= decode_ride_rows():
+            # A decode row is a width-one verify + commit (the same step: bit for bit in the batch-invariant mode),
+            # padded to the grid's widest row: bounded padding buys dropping the decode path's launches.
+            short, dec = sorted(short + dec), []
         decode_only = (
             not pre and not short and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec))
         )
