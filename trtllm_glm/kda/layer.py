@@ -800,13 +800,18 @@ class KimiDeltaAttention(nn.Module):
             batch, ("ragged-host", tuple(seqs), o.shape[0]), lambda: _ragged_host(batch, seqs, o.shape[0])
         )
         Wm = max(widths, default=0)
-        ridx, fresh, row0, widths_t, dst_t, valid, slots = _step_cached(
+        ridx, fresh, row0, widths_t, dst_t, slots = _step_cached(
             batch, key, lambda: self._ragged_index(batch, seqs, widths, firsts, fresh_h, sink, dev)
         )
         # index_select, not advanced indexing: the same gather for less host work per launch.
         gr = g.index_select(0, ridx).view(n, Wm, *g.shape[1:])
         br = beta.index_select(0, ridx).view(n, Wm, *beta.shape[1:])
-        if mask_padding and valid is not None:
+        if mask_padding and any(w < Wm for w in widths):
+            # Built only where it is read (two launches, once per step): a short prefill, whose grid has padding
+            # rows whenever decode rows ride it, never masks.
+            valid = _step_cached(
+                batch, (*key, "valid"), lambda: torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+            )
             gr = torch.where(valid.view(n, Wm, 1, 1), gr, 0.0)
             br = torch.where(valid.view(n, Wm, 1), br, 0.0)
         q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
@@ -837,7 +842,7 @@ class KimiDeltaAttention(nn.Module):
         """`_ragged_verify`'s indices, in one host-to-device copy: ``ridx [n * Wm]`` the row grid (padding entries
         repeat a sequence's last row), ``fresh [n]`` bool, ``row0 [n]`` first rows, ``widths [n]``, ``dst [n * Wm]``
         where each grid row's output goes (a real row to its own row, the ``k``-th padding row to the sink row
-        ``sink + k``), ``valid [n, Wm]`` bool (``None`` without padding rows) and the ``[n]`` slots."""
+        ``sink + k``) and the ``[n]`` slots."""
         n, Wm = len(seqs), max(widths, default=0)
         grid: list[int] = []
         for f, w in zip(firsts, widths):  # each sequence's rows, then its last row repeated to Wm
@@ -846,12 +851,8 @@ class KimiDeltaAttention(nn.Module):
         dst = ragged_destinations(firsts, widths, sink)
         meta = to_device(grid + fresh_h + firsts + widths + dst, dev, torch.int64)
         cut = list(itertools.accumulate([n * Wm, n, n, n]))
-        widths_t = meta[cut[2] : cut[3]]
-        valid = None
-        if any(w < Wm for w in widths):
-            valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
-        return (meta[: cut[0]], meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], widths_t, meta[cut[3] :], valid,
-                self._slots(batch, seqs, dev))  # fmt: skip
+        return (meta[: cut[0]], meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], meta[cut[2] : cut[3]],
+                meta[cut[3] :], self._slots(batch, seqs, dev))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit

@@ -15,8 +15,11 @@ chunked path beside the ride), rows past the sequences (a piecewise bucket's pad
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trtllm_glm.config import Glm5NextConfig
 from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
@@ -156,3 +159,39 @@ def test_ride_bounded_by_the_padding_it_adds(monkeypatch, paths: list[str], ride
     hidden = torch.randn(13, 32, generator=torch.Generator().manual_seed(3))
     _, ran = _step([layer], hidden, long, [_state(layer, 6)], "512", monkeypatch, paths)
     assert ran == ["_prefill", "_decode"]
+
+
+class _Ops(TorchDispatchMode):
+    """Aten ops issued inside ``with`` by the layer's own code (``kda/layer.py``, not the ops it calls), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
+        if frames and frames[-1].filename.endswith("kda/layer.py"):
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_riding_step_issues_fewer_ops_and_no_padding_mask(monkeypatch) -> None:
+    """The layer's own ops in a riding step: fewer than with the decode path beside the verify (no decode output copy,
+    no decode index) and no padding mask for the grid's padding rows (a short prefill never masks: the mask is
+    built only where it is read)."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
+    for var in ("TRTLLM_GLM_KDA_VERIFY", "TRTLLM_GLM_KDA_CONV_BACKEND"):
+        monkeypatch.setenv(var, "torch")
+    layer = _layer(7)
+    specs = [(6, 1, 3), (0, 5, 1), (2, 1, 0)]
+    batch_args = ([n for _, n, _ in specs], [p for p, _, _ in specs], [s for _, _, s in specs])
+    hidden = torch.randn(7, 32, generator=torch.Generator().manual_seed(2))
+    counts = {}
+    for ride in ("0", "512"):
+        monkeypatch.setenv("TRTLLM_GLM_KDA_DECODE_RIDE", ride)
+        mode = _Ops()
+        with mode, torch.no_grad():
+            layer(hidden, KdaBatch.build(*batch_args), _state(layer, 4))
+        counts[ride] = mode.ops
+    assert len(counts["512"]) < len(counts["0"])
+    assert "lt" not in counts["512"] and "arange" not in counts["512"]
