@@ -814,9 +814,11 @@ class KimiDeltaAttention(nn.Module):
             )
             gr = torch.where(valid.view(n, Wm, 1, 1), gr, 0.0)
             br = torch.where(valid.view(n, Wm, 1), br, 0.0)
-        q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
-        # Unmasked (every row committed), the kernel runs each sequence's own rows only: a decode row riding a wider
-        # prompt's grid steps once, not Wm times (its padding rows' outputs go to sink rows, records are not read).
+        # Unmasked (every row committed), the kernels touch each sequence's own rows only: the conv leaves the padding
+        # rows unwritten and the verify never reads them, so a decode row riding a wider prompt's grid costs one row
+        # there, not Wm (its padding rows' outputs go to sink rows, their records are never read).
+        q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh,
+                                  zero_padding=mask_padding)  # fmt: skip
         ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh,
                              widths=None if mask_padding else widths_t)  # fmt: skip
         o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V))
