@@ -251,6 +251,10 @@ KDA_SHORT_PREFILL: Int[int | None] = Int(
     "TRTLLM_GLM_KDA_SHORT_PREFILL", None, "prefill chunks of at most this many rows take the KDA verify recurrence "
     "instead of the chunked path (0: off; unset: 64 on CUDA, off elsewhere)", minimum=0, blank=True,
 )  # fmt: skip
+KDA_DECODE_RIDE: Int[int] = Int(
+    "TRTLLM_GLM_KDA_DECODE_RIDE", 512, "in a step with short KDA prefills, its decode rows join their verify grid "
+    "(one path instead of two) while the padding rows that adds stay at most this many (0: off)", minimum=0,
+)  # fmt: skip
 KDA_VERIFY: Choice[str | None] = Choice(
     "TRTLLM_GLM_KDA_VERIFY", Backend.CHOICES, None, "KDA verify + commit (unset: torch when "
     "`TRTLLM_GLM_KDA_BACKEND=torch`, else auto)", fold=True, blank=True,

@@ -46,6 +46,7 @@ __all__ = [
     "ShortConvWeight",
     "ragged_destinations",
     "short_prefill_rows",
+    "decode_ride_rows",
 ]
 
 # Prefill chunks of at most this many rows take the verify kernels' recurrence (verify every row from the slot,
@@ -67,6 +68,18 @@ def short_prefill_rows(device: torch.device) -> int:
     if v is None:
         return SHORT_PREFILL_CUDA if device.type == "cuda" else 0
     return v
+
+
+def decode_ride_rows() -> int:
+    """The most padding rows decode rows may add to a step's short-prefill verify grid by riding it
+    (``TRTLLM_GLM_KDA_DECODE_RIDE``; 0: they never ride).
+
+    A riding decode row is one more sequence of the grid ``[n, Wm]``: ``Wm - 1`` padding rows that the conv and
+    gather kernels fill and the verify kernel steps through (in parallel with the other sequences' programs, so
+    a longer kernel only when the grid outgrows a wave), in exchange for the decode path's own launches and host
+    work (`KimiDeltaAttention._decode`). The bound keeps that padding traffic small next to the host time saved.
+    """
+    return envs.KDA_DECODE_RIDE.get()
 
 
 class ShortConvWeight(nn.Module):
@@ -230,11 +243,15 @@ def _step_host(batch: KdaBatchLike, key: tuple, build: Callable[[], Any]) -> Any
 class _StepPlan:
     """How a step's sequences split between the KDA paths (host lists; the same for every KDA layer of a step).
 
+    Decode rows ride the short prefills' verify grid (`decode_ride_rows`): a step with short prefills then runs one
+    recurrent path instead of two (no decode conv / recurrence launches, index copy or host plan of its own).
+
     Attributes:
         seqs: sequences with rows (``q_len >= 1``), slots checked distinct.
-        dec: width-one rows of sequences with a past (the recurrent step).
+        dec: width-one rows of sequences with a past that take the recurrent step (none when they ride).
         pre: chunks over the short-prefill limit (the chunked path).
-        short: chunks up to it (the verify recurrence, `short_prefill_rows`).
+        short: chunks up to it (the verify recurrence, `short_prefill_rows`), with the riding decode rows, in
+            batch order.
         decode_only: every row of the step is one decode row, in order.
         tiled: the sequences' rows cover all ``N`` rows (no padding rows to zero).
         sink: padding rows of the short prefills' verify grid (`_ragged_padding`).
@@ -261,6 +278,10 @@ class _StepPlan:
         if limit:
             short = [b for b in pre if q[b] <= limit]
             pre = [b for b in pre if q[b] > limit]
+        if short and dec and len(dec) * (max(q[b] for b in short) - 1) <= decode_ride_rows():
+            # A decode row is a width-one verify + commit (the same step: bit for bit in the batch-invariant mode),
+            # padded to the grid's widest row: bounded padding buys dropping the decode path's launches.
+            short, dec = sorted(short + dec), []
         decode_only = (
             not pre and not short and len(dec) == N and all(batch.cu_seqlens[b] == j for j, b in enumerate(dec))
         )
@@ -779,17 +800,27 @@ class KimiDeltaAttention(nn.Module):
             batch, ("ragged-host", tuple(seqs), o.shape[0]), lambda: _ragged_host(batch, seqs, o.shape[0])
         )
         Wm = max(widths, default=0)
-        ridx, fresh, row0, widths_t, dst_t, valid, slots = _step_cached(
+        ridx, fresh, row0, widths_t, dst_t, slots = _step_cached(
             batch, key, lambda: self._ragged_index(batch, seqs, widths, firsts, fresh_h, sink, dev)
         )
         # index_select, not advanced indexing: the same gather for less host work per launch.
         gr = g.index_select(0, ridx).view(n, Wm, *g.shape[1:])
         br = beta.index_select(0, ridx).view(n, Wm, *beta.shape[1:])
-        if mask_padding and valid is not None:
+        if mask_padding and any(w < Wm for w in widths):
+            # Built only where it is read (two launches, once per step): a short prefill, whose grid has padding
+            # rows whenever decode rows ride it, never masks.
+            valid = _step_cached(
+                batch, (*key, "valid"), lambda: torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
+            )
             gr = torch.where(valid.view(n, Wm, 1, 1), gr, 0.0)
             br = torch.where(valid.view(n, Wm, 1), br, 0.0)
-        q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh)
-        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh)
+        # Unmasked (every row committed), the kernels touch each sequence's own rows only: the conv leaves the padding
+        # rows unwritten and the verify never reads them, so a decode row riding a wider prompt's grid costs one row
+        # there, not Wm (its padding rows' outputs go to sink rows, their records are never read).
+        q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=row0, widths=widths_t, fresh=fresh,
+                                  zero_padding=mask_padding)  # fmt: skip
+        ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh,
+                             widths=None if mask_padding else widths_t)  # fmt: skip
         o.index_copy_(0, dst_t, ov.reshape(n * Wm, H, V))
         return KdaLayerRecords(
             seq_ids=seqs,
@@ -816,7 +847,7 @@ class KimiDeltaAttention(nn.Module):
         """`_ragged_verify`'s indices, in one host-to-device copy: ``ridx [n * Wm]`` the row grid (padding entries
         repeat a sequence's last row), ``fresh [n]`` bool, ``row0 [n]`` first rows, ``widths [n]``, ``dst [n * Wm]``
         where each grid row's output goes (a real row to its own row, the ``k``-th padding row to the sink row
-        ``sink + k``), ``valid [n, Wm]`` bool (``None`` without padding rows) and the ``[n]`` slots."""
+        ``sink + k``) and the ``[n]`` slots."""
         n, Wm = len(seqs), max(widths, default=0)
         grid: list[int] = []
         for f, w in zip(firsts, widths):  # each sequence's rows, then its last row repeated to Wm
@@ -825,12 +856,8 @@ class KimiDeltaAttention(nn.Module):
         dst = ragged_destinations(firsts, widths, sink)
         meta = to_device(grid + fresh_h + firsts + widths + dst, dev, torch.int64)
         cut = list(itertools.accumulate([n * Wm, n, n, n]))
-        widths_t = meta[cut[2] : cut[3]]
-        valid = None
-        if any(w < Wm for w in widths):
-            valid = torch.arange(Wm, device=dev).view(1, Wm) < widths_t.view(n, 1)
-        return (meta[: cut[0]], meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], widths_t, meta[cut[3] :], valid,
-                self._slots(batch, seqs, dev))  # fmt: skip
+        return (meta[: cut[0]], meta[cut[0] : cut[1]] != 0, meta[cut[1] : cut[2]], meta[cut[2] : cut[3]],
+                meta[cut[3] :], self._slots(batch, seqs, dev))  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------
     # Speculative verify / commit

@@ -258,6 +258,29 @@ def test_kernel_decode_prefill_and_chunked_prefill_agree() -> None:
     _assert_planes_equal(one, run([1, 2, 3, 4, 4, 3, 2, 1, 4, 3], decode=True), "verify widths")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_mixed_step_decode_rows_through_the_prefill_writes(impl: str) -> None:
+    """A mixed step's decode rows (first, one row each, one of them completing a pool from three ring members) written
+    with its prefill chunks by the prefill writes alone (`GlmKpoolIndexer.forward` without verify backups) leave the
+    pools, scales and rings the decode pass plus the prefill writes leave, bit for bit."""
+    ops = R if impl == "torch" else K
+    g = _gen(77)
+    page_size, num_pages, num_slots = 8, 48, 8
+    past, qlen = [7, 12, 5, 0, 9, 2], [1, 1, 1, 11, 6, 1]  # decode rows first (pos 7 completes pool 1), then chunks
+    split = _cache(num_pages, page_size, num_slots, g)
+    merged = _clone(split)
+    ape = torch.randn(4, D, generator=g)
+    positions, row_seq, table, slots = _batch(past, qlen, page_size, num_pages, num_slots, g)
+    nd = 3
+    key, gate = _rows(positions.numel(), g)
+    ops.update_decode_pools(split, key[:nd], gate[:nd], ape, positions[:nd], row_seq[:nd], table, slots)
+    ops.update_prefill_pools(split, key[nd:], gate[nd:], ape, positions[nd:], row_seq[nd:], table, slots)
+    ops.write_prefill_tail(split.tail_ring, key[nd:], gate[nd:], positions[nd:], row_seq[nd:], slots)
+    ops.update_prefill_pools(merged, key, gate, ape, positions, row_seq, table, slots)
+    ops.write_prefill_tail(merged.tail_ring, key, gate, positions, row_seq, slots)
+    _assert_planes_equal(split, merged, f"{impl}: decode rows through the prefill writes")
+
+
 @pytest.mark.parametrize(
     ("rows_dtype", "latent_dtype"),
     [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)],

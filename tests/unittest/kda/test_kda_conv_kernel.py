@@ -190,6 +190,24 @@ def test_conv_verify_kernel_matches_reference(widths, H, K, V, W, ragged, fresh,
         assert torch.allclose(q[j, :w].norm(dim=-1), torch.ones(w, H), atol=1e-4)
 
 
+def test_conv_verify_kernel_without_zero_padding_leaves_padding_rows(monkeypatch) -> None:
+    """``zero_padding=False``: the real rows have the zeroing run's bits and the padding rows keep whatever the
+    allocation held (here a NaN poison: `torch.empty` replaced by a NaN fill), so nothing is stored there."""
+    widths, H, K, V, W = [3, 1, 4, 1], 2, 8, 12, 4
+    n, Wm = len(widths), max(widths)
+    x, state, weight, slots, kw = _verify_case(
+        77, widths, H, K, V, W, S=n + 5, ragged=True, fresh=[False, True, False, False]
+    )
+    want = KK.conv_verify_qkv(x, state, weight, slots, H, K, V, Wm, **kw)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    got = KK.conv_verify_qkv(x, state, weight, slots, H, K, V, Wm, zero_padding=False, **kw)
+    monkeypatch.setattr(torch, "empty", empty)
+    for a, b in zip(got, want):
+        for j, w in enumerate(widths):
+            assert torch.equal(a[j, :w], b[j, :w]) and a[j, w:].isnan().all()
+
+
 def _commit_check(x, state, slots, kw, accepted, Wm) -> None:
     from trtllm_glm.kda.ops import conv_commit_slots_reference
 

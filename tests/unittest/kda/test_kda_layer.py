@@ -339,12 +339,15 @@ def test_fuse_weights_is_idempotent() -> None:
     assert (layer._in_fused.weight.data_ptr(), layer._conv_fused.weight.data_ptr()) == ptrs
 
 
+@pytest.mark.parametrize("ride", ["0", "512"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_short_prefill_through_the_verify_kernels(monkeypatch, backend: str) -> None:
+def test_short_prefill_through_the_verify_kernels(monkeypatch, backend: str, ride: str) -> None:
     """``TRTLLM_GLM_KDA_SHORT_PREFILL``: prefill chunks up to the limit run the verify recurrence then commit every
     row (the admission step's cheap path); the outputs and the states equal the chunked path's, in a batch mixing
     decode rows, a fresh prompt over a NaN-poisoned slot, a continuation, a one-token prompt and a chunk over the
-    limit (which stays on the chunked path); other slots are untouched. ``triton``: the kernels, interpreted."""
+    limit (which stays on the chunked path); other slots are untouched. ``triton``: the kernels, interpreted.
+    ``ride``: ``TRTLLM_GLM_KDA_DECODE_RIDE``, the decode rows on their own path (0) or in the verify grid."""
+    monkeypatch.setenv("TRTLLM_GLM_KDA_DECODE_RIDE", ride)
     monkeypatch.setenv("TRTLLM_GLM_KDA_VERIFY", backend)
     monkeypatch.setenv("TRTLLM_GLM_KDA_CONV_BACKEND", backend)
     layer = _layer(4)
@@ -374,7 +377,8 @@ def test_short_prefill_through_the_verify_kernels(monkeypatch, backend: str) -> 
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "10")
     prior = _clone(st)
     out = _run(layer, st, hidden, *args)
-    assert calls == [[1, 2, 3]]  # the fresh prompt, the continuation, the one-token prompt; not the 12-row chunk
+    # The fresh prompt, the continuation, the one-token prompt (and, riding, the decode rows); not the 12-row chunk.
+    assert calls == ([[1, 2, 3]] if ride == "0" else [[0, 1, 2, 3, 5]])
     _close(out, ref)
     for s in range(NUM_SLOTS):
         if s in args[2]:
@@ -391,8 +395,9 @@ def test_step_indices_built_once_for_every_layer_of_a_step(monkeypatch) -> None:
     """A mixed step's row indices, slots and commit counts (decode rows out of order, short prefills) are built by
     its first KDA layer and reused by the others when the batch carries a per-step scratch (``kda_scratch``, as
     ``AttentionMetadata`` does): outputs and states bit for bit those of layers that build their own; a batch whose
-    slots changed does not reuse them."""
+    slots changed does not reuse them. (Decode rows on their own path: ``TRTLLM_GLM_KDA_DECODE_RIDE=0``.)"""
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "10")
+    monkeypatch.setenv("TRTLLM_GLM_KDA_DECODE_RIDE", "0")
     layers = [_layer(11 + i) for i in range(3)]
     specs = [(6, 1, 5), (0, 9, 2), (4, 5, 0), (3, 12, 4), (3, 1, 1)]  # decode, prompts (one over the limit), decode
     hidden = torch.cat([_hidden(n, 50 + i) for i, (_, n, _) in enumerate(specs)])

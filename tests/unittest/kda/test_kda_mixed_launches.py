@@ -134,11 +134,15 @@ def test_mixed_step_matches_masked_padding_and_each_sequence_alone(monkeypatch) 
     assert torch.equal(out[T:], zero_rows)
 
 
-def test_step_plan_built_once_per_step_and_anew_for_new_lists(monkeypatch) -> None:
+@pytest.mark.parametrize("ride", ["0", "512"])
+def test_step_plan_built_once_per_step_and_anew_for_new_lists(monkeypatch, ride: str) -> None:
     """The host split of a step's sequences (`_StepPlan`) and the paths' host descriptions are built by the first KDA
     layer and reused by the others while the batch holds the same lists (``AttentionMetadata.prepare`` assigns new
-    ones); outputs and states bit for bit those of layers that derive everything themselves."""
+    ones); outputs and states bit for bit those of layers that derive everything themselves. ``ride``:
+    ``TRTLLM_GLM_KDA_DECODE_RIDE`` (riding decode rows have no decode path, so no decode host description)."""
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
+    monkeypatch.setenv("TRTLLM_GLM_KDA_DECODE_RIDE", ride)
+    paths = ["_decode_host", "_ragged_host", "plan"] if ride == "0" else ["_ragged_host", "plan"]
     builds: list[str] = []
     for name, owner in (("_decode_host", layer_mod), ("_ragged_host", layer_mod)):
         orig = getattr(owner, name)
@@ -164,11 +168,11 @@ def test_step_plan_built_once_per_step_and_anew_for_new_lists(monkeypatch) -> No
     shared = KdaBatch.build(q, p, s)
     shared.kda_scratch = {}
     got = run(lambda i: shared)
-    assert sorted(builds) == ["_decode_host", "_ragged_host", "plan"]
+    assert sorted(builds) == paths
     for (a, sa), (b, sb) in zip(got, ref):
         assert torch.equal(a, b) and torch.equal(sa.recurrent, sb.recurrent) and torch.equal(sa.conv, sb.conv)
     # The same values in new lists (a new step described under the same scratch): built anew.
     builds.clear()
     shared.q_lens, shared.past_lens = list(q), list(p)
     run(lambda i: shared)
-    assert sorted(builds) == ["_decode_host", "_ragged_host", "plan"]
+    assert sorted(builds) == paths

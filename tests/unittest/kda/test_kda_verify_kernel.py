@@ -145,6 +145,37 @@ def test_verify_slots_and_fresh() -> None:
     assert torch.equal(o_ref2, o_ref)
 
 
+def test_verify_widths_run_each_sequence_own_rows_only() -> None:
+    """``widths``: each sequence's rows below its width have the bits of the unbounded run (the same steps), the rows
+    past it are not written (the NaN poison stays), on a slot pool with a fresh sequence; a commit of the widths
+    leaves the states the unbounded run's commit leaves (the padding rows' records are never read)."""
+    N, W, H, K, V = 4, 5, 2, 12, 20
+    q, k, v, g, beta, state = _inputs(21, N, W, H, K, V, strided=True)
+    pool = torch.full((9, H, K, V), float("nan"))
+    slots, fresh = torch.tensor([6, 1, 8, 3]), torch.tensor([False, False, True, False])
+    for j, s in enumerate(slots.tolist()):
+        if not fresh[j]:
+            pool[s] = state[j]
+    widths = torch.tensor([1, 5, 3, 1])
+    full = _poisoned_out(N, W, H, V)
+    o_all, rec_all = KK.kda_verify(q, k, v, g, beta, K**-0.5, pool, state_slots=slots, fresh=fresh, out=full, block_v=8)
+    part = _poisoned_out(N, W, H, V)
+    o, rec = KK.kda_verify(
+        q, k, v, g, beta, K**-0.5, pool, state_slots=slots, fresh=fresh, widths=widths, out=part, block_v=8
+    )
+    for j, w in enumerate(widths.tolist()):
+        assert torch.equal(_bits(o[j, :w]), _bits(o_all[j, :w])) and torch.equal(
+            _bits(rec.u[j, :w]), _bits(rec_all.u[j, :w])
+        )
+        assert torch.isnan(o[j, w:]).all() and torch.isnan(rec.u[j, w:]).all()
+    pool_all, pool_part = pool.clone(), pool.clone()
+    KK.kda_commit(pool_all, rec_all, widths, state_slots=slots, fresh=fresh)
+    KK.kda_commit(pool_part, rec, widths, state_slots=slots, fresh=fresh)
+    assert torch.equal(_bits(pool_part), _bits(pool_all))
+    with pytest.raises(ValueError, match="widths"):
+        KK.kda_verify(q, k, v, g, beta, K**-0.5, pool, state_slots=slots, widths=widths[:2])
+
+
 # ------------------------------------------------------------------------------------------------
 # Commit
 @pytest.mark.parametrize("W", [1, 4])

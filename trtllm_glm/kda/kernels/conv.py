@@ -230,6 +230,7 @@ def _conv_verify_kernel(
     BV: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    ZERO_PADDING: tl.constexpr,
 ):
     s = tl.program_id(0)
     h = tl.program_id(1)
@@ -270,7 +271,7 @@ def _conv_verify_kernel(
         v = _verify_channels(x_ptr, state_ptr, w_ptr, row0, slot, j, use_state, v_ch, vm, stride_xn, stride_ss,
                              stride_sc, stride_wc, W)  # fmt: skip
         tl.store(v_ptr + out * V + vv, v, mask=vm)
-    else:
+    elif ZERO_PADDING:
         # Padding rows: zeros (the wrapper allocates the outputs uninitialised).
         tl.store(q_ptr + out * K + kk, tl.zeros([BK], dtype=tl.float32), mask=km)
         tl.store(k_ptr + out * K + kk, tl.zeros([BK], dtype=tl.float32), mask=km)
@@ -368,9 +369,12 @@ def conv_verify_qkv(
     widths: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     eps: float = L2NORM_EPS,
+    zero_padding: bool = True,
     num_warps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton `conv_verify_qkv_reference` (same arguments and results; the state pool is only read).
+    """Triton `conv_verify_qkv_reference` (same arguments and results; the state pool is only read). With
+    ``zero_padding=False`` the rows past a sequence's width are left unwritten (uninitialised) instead of zeroed:
+    for a caller that never reads them (a short prefill: its verify runs each sequence's own rows only).
 
     Args:
         x: ``[N, C]`` the step's conv inputs (any float dtype, unit last stride), ``C = H * (2K + V)``.
@@ -411,7 +415,8 @@ def conv_verify_qkv(
         _index_arg(fresh, n, "fresh", slots), q, k, v,
         Wm, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
         H=H, K=K, V=V, W=Wm1 + 1, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V),
-        HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None, num_warps=num_warps, **_fusion_opts(),
+        HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None, ZERO_PADDING=zero_padding, num_warps=num_warps,
+        **_fusion_opts(),
     )  # fmt: skip
     return q, k, v
 

@@ -67,6 +67,7 @@ def _kda_verify_kernel(
     state_ptr,
     slot_ptr,
     fresh_ptr,
+    widths_ptr,
     o_ptr,
     u_ptr,
     scale,
@@ -107,6 +108,7 @@ def _kda_verify_kernel(
     BV: tl.constexpr,
     HAS_SLOTS: tl.constexpr,
     HAS_FRESH: tl.constexpr,
+    HAS_WIDTHS: tl.constexpr,
     STAGES: tl.constexpr,
     STORE_U: tl.constexpr,
     STORE_STATE: tl.constexpr,
@@ -137,8 +139,14 @@ def _kda_verify_kernel(
     p_b = beta_ptr + n * sb_n + h * sb_h
     p_o = o_ptr + n * so_n + h * so_h + ov
     p_u = u_ptr + n * su_n + h * su_h + ov
+    if HAS_WIDTHS:
+        # Only the sequence's own rows: a short sequence in a grid padded to a wider one (a decode row riding a
+        # short prefill's grid) costs its own rows, not the widest's.
+        rows = tl.minimum(tl.load(widths_ptr + n).to(tl.int32), W)
+    else:
+        rows = W
     # STAGES = 2: the pipeliner prefetches row t + 1's inputs (cp.async) while row t computes, as fla does.
-    for t in tl.range(0, W, num_stages=STAGES):
+    for t in tl.range(0, rows, num_stages=STAGES):
         b_q = tl.load(p_q + t * sq_w, mask=mk, other=0.0).to(tl.float32)
         b_k = tl.load(p_k + t * sk_w, mask=mk, other=0.0).to(tl.float32)
         b_g = tl.load(p_g + t * sg_w, mask=mk, other=0.0).to(tl.float32)
@@ -270,6 +278,14 @@ def _check_state(state: torch.Tensor, N: int, H: int, K: int, V: int, slots: tor
         raise ValueError(f"state_slots must be [{N}] integers on {state.device}, got {tuple(slots.shape)}")
 
 
+def _widths_arg(widths: torch.Tensor | None, N: int, state: torch.Tensor) -> torch.Tensor:
+    if widths is None:
+        return state  # never read (HAS_WIDTHS is off); any pointer will do
+    if widths.shape != (N,) or widths.dtype.is_floating_point or widths.device != state.device:
+        raise ValueError(f"widths must be [{N}] integers on {state.device}, got {tuple(widths.shape)}")
+    return widths.contiguous()  # (the kernel reads a unit stride)
+
+
 def _fresh_arg(fresh: torch.Tensor | None, N: int, state: torch.Tensor) -> torch.Tensor:
     if fresh is None:
         return state  # never read (HAS_FRESH is off); any pointer will do
@@ -290,6 +306,7 @@ def kda_verify(
     *,
     state_slots: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
@@ -312,8 +329,12 @@ def kda_verify(
             ``[S, H, K, V]``; any float dtype, read as FP32; not modified.
         state_slots: optional ``[N]`` integer slot of each sequence in ``state``.
         fresh: optional ``[N]`` bool: start those sequences from zeros (their state is not read).
+        widths: optional ``[N]`` integer rows of each sequence (``<= W``): only those are run; ``o`` and ``u``
+            rows at or past a sequence's width are then not written (a caller that never reads them: every row of
+            a short prefill is committed, the padding rows' outputs are dropped).
         out: optional ``(o, u)`` FP32 buffers of shape ``[N, W, H, V]`` to write instead of allocating (any
-            strides with a unit last one; fixed addresses for graph capture); every element is written.
+            strides with a unit last one; fixed addresses for graph capture); every element is written (without
+            ``widths``).
         block_v: value channels per program (default: `choose_block_v`).
         num_warps: warps per program.
         num_stages: software-pipeline depth of the row loop (1: no prefetch).
@@ -358,6 +379,7 @@ def kda_verify(
             state,
             state if state_slots is None else state_slots,
             _fresh_arg(fresh, N, state),
+            _widths_arg(widths, N, state),
             o,
             u,
             float(scale),
@@ -377,6 +399,7 @@ def kda_verify(
             BV=bv,
             HAS_SLOTS=state_slots is not None,
             HAS_FRESH=fresh is not None,
+            HAS_WIDTHS=widths is not None,
             STAGES=num_stages,
             STORE_U=True,
             STORE_STATE=False,
@@ -531,6 +554,7 @@ def kda_decode_inplace(
         state,
         slots,
         state,  # fresh: never read (HAS_FRESH is off)
+        state,  # widths: never read (HAS_WIDTHS is off)
         o1,
         o1,  # u: never stored (STORE_U is off)
         float(scale),
@@ -550,6 +574,7 @@ def kda_decode_inplace(
         BV=bv,
         HAS_SLOTS=True,
         HAS_FRESH=False,
+        HAS_WIDTHS=False,
         STAGES=1,
         STORE_U=False,
         STORE_STATE=True,

@@ -420,15 +420,18 @@ def conv_verify_qkv(
     widths: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     eps: float = L2NORM_EPS,
+    zero_padding: bool = True,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`conv_verify_qkv_reference`, in one Triton launch (`trtllm_glm.kda.kernels.conv_verify_qkv`) for CUDA
-    tensors; ``backend`` as in `conv_decode`. Same arguments and results as the reference."""
+    tensors; ``backend`` as in `conv_decode`. Same arguments and results as the reference, except that with
+    ``zero_padding=False`` the rows past a sequence's width are unspecified (the kernel leaves them unwritten, the
+    reference zeroes them): for a caller that never reads them."""
     if _use_kernel(x, backend):
         from ..kernels import conv_verify_qkv as kernel
 
         return kernel(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, width_max,
-                      row0=row0, widths=widths, fresh=fresh, eps=eps)  # fmt: skip
+                      row0=row0, widths=widths, fresh=fresh, eps=eps, zero_padding=zero_padding)  # fmt: skip
     return conv_verify_qkv_reference(x, conv_state, weight, slots, num_heads, head_k_dim, head_v_dim, width_max,
                                      row0=row0, widths=widths, fresh=fresh, eps=eps)  # fmt: skip
 

@@ -73,6 +73,7 @@ def kda_verify(
     *,
     state_slots: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
+    widths: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, KdaRecords]:
     """Outputs of ``W`` verify rows from the committed state, plus the records commit needs.
@@ -91,6 +92,9 @@ def kda_verify(
             modified.
         state_slots: optional ``[N]`` int64 slot of each sequence in ``state`` (on its device).
         fresh: optional ``[N]`` bool: those sequences start from zeros (their state is not read).
+        widths: optional ``[N]`` integer rows of each sequence (``<= W``), for a caller that reads neither outputs
+            nor records of the rows past them (they are then unspecified: the kernel skips them, the reference
+            computes them).
         backend: see `resolve_verify_backend`.
 
     Returns:
@@ -99,7 +103,7 @@ def kda_verify(
     if resolve_verify_backend(q.device, backend) == "triton":
         from trtllm_glm.kda import kernels
 
-        return kernels.kda_verify(q, k, v, g, beta, scale, state, state_slots=state_slots, fresh=fresh)
+        return kernels.kda_verify(q, k, v, g, beta, scale, state, state_slots=state_slots, fresh=fresh, widths=widths)
     state = _gather(state, state_slots, fresh)
     single = state.dim() == 3
     if single:

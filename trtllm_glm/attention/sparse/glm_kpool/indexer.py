@@ -124,6 +124,11 @@ class GlmKpoolIndexer(nn.Module):
         table, slots = meta.slot_table_t, meta.state_slots_t
         nd = meta.num_decode_tokens
         ring = cache.decode_tail_ring
+        if ring is None and 0 < nd < N:
+            # A mixed step without verify backups: each decode sequence's rows are a chunk continuing it (pool
+            # members before them from the ring, as the decode pass reads them), so the prefill writes take every
+            # row, the same bits (`pool4` / `rotate_quant_rows` either way) in two launches instead of three.
+            nd = 0
         if nd:
             # Verify rounds roll the ring back to the accepted prefix of the previous step first (§6.2).
             kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.spec.num_accepted_t}
