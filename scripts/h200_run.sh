@@ -41,6 +41,8 @@
 #   mixed_short   issue 42: the same admission steps (15 decoding admit 1 / 16 prompts of 30 tokens) with KDA's short
 #                 prefill off and on (TRTLLM_GLM_KDA_SHORT_PREFILL=0, then =64: chunks up to 64 rows through the
 #                 verify kernels), back to back
+#   mixed_ride    issue 42: the mixed-step stage's admissions with KDA decode rows riding the short prefills' verify
+#                 grid off and on (TRTLLM_GLM_KDA_DECODE_RIDE=0, then 512), back to back
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -196,6 +198,11 @@ for stage in "$@"; do
       for sp in 0 64; do
         TRTLLM_GLM_KDA_SHORT_PREFILL=$sp timeout "${T_MIXED_SHORT:-90}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
           --decode 15 --new 1 16 --prompt-len 30 --json "$O/mixed_short_$sp.json" 2>&1 | tee "$O/mixed_short_$sp.log"
+      done ;;
+    mixed_ride)
+      for ride in 0 512; do
+        TRTLLM_GLM_KDA_DECODE_RIDE=$ride timeout "${T_MIXED_RIDE:-150}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
+          --decode 15 63 --new 1 16 --prompt-len 30 --json "$O/mixed_ride_$ride.json" 2>&1 | tee "$O/mixed_ride_$ride.log"
       done ;;
     structured)
       timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \

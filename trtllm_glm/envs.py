@@ -252,7 +252,7 @@ KDA_SHORT_PREFILL: Int[int | None] = Int(
     "instead of the chunked path (0: off; unset: 64 on CUDA, off elsewhere)", minimum=0, blank=True,
 )  # fmt: skip
 KDA_DECODE_RIDE: Int[int] = Int(
-    "TRTLLM_GLM_KDA_DECODE_RIDE", 512, "in a step with short KDA prefills, its decode rows join their verify grid "
+    "TRTLLM_GLM_KDA_DECODE_RIDE", 0, "in a step with short KDA prefills, its decode rows join their verify grid "
     "(one path instead of two) while the padding rows that adds stay at most this many (0: off)", minimum=0,
 )  # fmt: skip
 KDA_VERIFY: Choice[str | None] = Choice(
