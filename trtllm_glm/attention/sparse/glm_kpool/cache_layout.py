@@ -31,6 +31,31 @@ def latent_scale_blocks(kv_lora_rank: int) -> int:
     return -(-kv_lora_rank // LATENT_SCALE_BLOCK)
 
 
+def check_latent_planes(
+    latent_cache: torch.Tensor, latent_scale: torch.Tensor | None, page_size: int | None = None
+) -> bool:
+    """Check a latent plane ``[num_pages, P, R]`` and its scale plane agree on the format (``latent_dtype``);
+    returns whether the rows are FP8. Every writer and reader of the plane (torch ops and kernels) calls this.
+
+    Raises:
+        ValueError: a plane not ``[num_pages, page_size, R]`` (when ``page_size`` is given), an FP8 plane without
+            contiguous ``[num_pages, P, ceil(R / 128)]`` fp32 scales, or scales beside a model-dtype plane.
+    """
+    if latent_cache.dim() != 3 or (page_size is not None and latent_cache.shape[1] != page_size):
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size or 'P'}, R]")
+    if latent_cache.dtype != torch.float8_e4m3fn:
+        if latent_scale is not None:
+            raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
+        return False
+    want = (*latent_cache.shape[:2], latent_scale_blocks(latent_cache.shape[2]))
+    if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
+        got = None if latent_scale is None else (tuple(latent_scale.shape), latent_scale.dtype)
+        raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32, got {got}")
+    if latent_scale.stride(-1) != 1:
+        raise ValueError("latent_scale rows must be contiguous")
+    return True
+
+
 def kpool_paged_planes(
     config: Glm5NextConfig,
     *,

@@ -13,7 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from trtllm_glm.attention.sparse.glm_kpool.cache_layout import LATENT_SCALE_BLOCK, latent_scale_blocks
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import (
+    LATENT_SCALE_BLOCK,
+    check_latent_planes,
+)
 
 from ._common import e4m3_codes, pow2_scale
 
@@ -98,18 +101,10 @@ def write_latent_rows(
         latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales of an FP8 plane (required with one,
             refused without).
     """
-    if latent_cache.dim() != 3 or latent_cache.shape[1] != page_size or latent_cache.stride(-1) != 1:
-        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, R]")
-    fp8 = latent_cache.dtype == torch.float8_e4m3fn
+    fp8 = check_latent_planes(latent_cache, latent_scale, page_size)
+    if latent_cache.stride(-1) != 1:
+        raise ValueError(f"latent cache {tuple(latent_cache.shape)} rows must be contiguous")
     r = latent_cache.shape[2]
-    if fp8:
-        want = (*latent_cache.shape[:2], latent_scale_blocks(r))
-        if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
-            raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32")
-        if latent_scale.stride(-1) != 1:
-            raise ValueError("latent_scale rows must be contiguous")
-    elif latent_scale is not None:
-        raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
     n = positions.shape[0]
     if rows.dim() != 2 or rows.shape != (n, r):
         raise ValueError(f"rows {tuple(rows.shape)} do not match [N={n}, {r}]")

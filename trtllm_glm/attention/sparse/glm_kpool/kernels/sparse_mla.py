@@ -15,7 +15,11 @@ import triton
 import triton.language as tl
 
 from trtllm_glm import envs
-from trtllm_glm.attention.sparse.glm_kpool.cache_layout import LATENT_SCALE_BLOCK, latent_scale_blocks
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import (
+    LATENT_SCALE_BLOCK,
+    check_latent_planes,
+    latent_scale_blocks,
+)
 from trtllm_glm.numerics import batch_invariant
 
 from ._common import INTERPRETED, e4m3_to_f16_scaled
@@ -651,15 +655,7 @@ def sparse_mla_attention(
         )
     if latent_cache.stride(-1) != 1:
         raise ValueError("latent cache rows must be contiguous")
-    lat_fp8 = latent_cache.dtype == torch.float8_e4m3fn
-    if lat_fp8:
-        want = (*latent_cache.shape[:2], latent_scale_blocks(rank))
-        if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
-            raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32")
-        if latent_scale.stride(-1) != 1:
-            raise ValueError("latent_scale rows must be contiguous")
-    elif latent_scale is not None:
-        raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
+    lat_fp8 = check_latent_planes(latent_cache, latent_scale)
     if q_abs.stride(-1) != 1:
         q_abs = q_abs.contiguous()
     if sel.stride(-1) != 1:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache, latent_scale_blocks
+from trtllm_glm.attention.sparse.glm_kpool.cache_layout import KpoolLayerCache, check_latent_planes
 
 from .fp8 import quant_latent, rotate_quant
 from .pooling import KPOOL, pool_keys
@@ -157,25 +157,6 @@ def _write_pools(
     q, scale = rotate_quant(pooled)
     cache.index_k[pages, pool_in_page] = q
     cache.index_scale[pages, pool_in_page] = scale
-
-
-def check_latent_planes(latent_cache: torch.Tensor, latent_scale: torch.Tensor | None, page_size: int) -> None:
-    """Check a latent plane and its scale plane agree on the format (``latent_dtype``).
-
-    Raises:
-        ValueError: an FP8 plane without ``[num_pages, P, ceil(R / 128)]`` fp32 scales, or scales beside a
-            model-dtype plane.
-    """
-    if latent_cache.dim() != 3 or latent_cache.shape[1] != page_size:
-        raise ValueError(f"latent cache {tuple(latent_cache.shape)} is not [num_pages, {page_size}, R]")
-    if latent_cache.dtype != torch.float8_e4m3fn:
-        if latent_scale is not None:
-            raise ValueError(f"a {latent_cache.dtype} latent plane takes no latent_scale (only FP8 latent rows do)")
-        return
-    want = (*latent_cache.shape[:2], latent_scale_blocks(latent_cache.shape[2]))
-    if latent_scale is None or tuple(latent_scale.shape) != want or latent_scale.dtype != torch.float32:
-        got = None if latent_scale is None else (tuple(latent_scale.shape), latent_scale.dtype)
-        raise ValueError(f"an FP8 latent plane needs latent_scale {want} float32, got {got}")
 
 
 def write_latent_rows(
