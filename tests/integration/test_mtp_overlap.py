@@ -145,6 +145,54 @@ def test_lag_flushes_stay_aligned_when_requests_join_apart(emulated, model, over
     assert 1 <= ex.drafter.num_lag_flushes <= 4, (ex.drafter.num_lag_flushes, steps)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lag_flush_through_the_graphs_is_one_group_when_its_slices_fit(emulated, model, overlap: bool) -> None:
+    """Four requests hold 8 rows each (32 rows) and the metadata takes 16 rows a forward: through the catch-up
+    graphs a flush replays slices of at most W = 3 rows per request (12 rows), so the whole batch is one group (3
+    slices), not the eager forward's groups of at most 16 held rows (2 groups, 6 slices). Output plain greedy's and
+    drafting resumes from a caught-up history (what a flush writes: `test_adaptive_draft.py`'s
+    `test_held_rows_fill_the_mtp_cache_as_per_step_catch_ups`)."""
+    from trtllm_glm.speculative.mtp.drafter import MTPDrafter
+
+    prompts = PROMPTS + [[2, 7, 1, 8, 2, 8]]
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=16, max_seq_len=96,
+                         cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                         overlap_scheduler=overlap)  # fmt: skip
+    ref_ex = Executor(model, ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64,
+                                            max_seq_len=96))  # fmt: skip
+    ref = [ref_ex.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+    ref_ex.run_until_done()
+    slices: list[int] = []
+    flushes: list[int] = []
+
+    def run(lag: int):
+        spec = MTPDecodingConfig(num_nextn_predict_layers=2, draft_kv_mode="shared", catchup_lag=lag)
+        ex = SpeculativeExecutor(model, cfg, spec, draft_policy=Scripted(2, lambda i: 0 if i < 12 else 2))
+        through = ex.drafter._flush_through_graphs
+
+        def counted(group, slots, starts, lags, flat, capture):  # noqa: ANN001
+            ok = through(group, slots, starts, lags, flat, capture)
+            slices.append(-(-max(lags) // ex.drafter.chain_graphs.width) if ok else 0)
+            return ok
+
+        ex.drafter._flush_through_graphs = counted
+        flush = ex.drafter._flush_lag
+        ex.drafter._flush_lag = lambda seqs, capture=True: (flushes.append(len(seqs)), flush(seqs, capture))[1]
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+        ex.run_until_done()
+        assert not any(st.mtp_disabled for st in ex.state.values())
+        return ex, reqs
+
+    ex, got = run(8)
+    assert isinstance(ex.drafter, MTPDrafter) and ex.drafter.chain_graphs.width == 3
+    assert_lossless(ref, got)
+    # Every flush of the whole batch is one group through the graphs (8 held rows a request in slices of 3; the last
+    # flush, when drafting resumes, may hold fewer).
+    assert 4 in flushes and ex.drafter.num_lag_flushes == len(slices) == len(flushes), (flushes, slices)
+    assert all(0 < n <= 3 for n in slices), slices
+    assert sum(r.num_verify_rounds for r in got) > 0  # drafting resumed from a caught-up history
+
+
 def test_idle_rounds_launched_ahead_hold_rows_and_flush_a_full_lag(emulated, model) -> None:
     """K = 0 every round with a lag of 3 rows: the steps launched ahead hold their rows on the device, and a full
     lag is caught up before the next row is held (its tokens are on the host by then). The MTP history never has

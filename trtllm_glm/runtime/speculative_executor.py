@@ -139,7 +139,8 @@ class SpeculativeExecutor(Executor):
         runner.capture_all({W: verify_max} if verify_max is not None else None)
         chain = getattr(self.drafter, "chain_graphs", None)
         if chain is not None:
-            chain.capture_all(None if mc is None else padded_batch_size(mc, chain.catch_sizes, True))
+            flushes = bool(getattr(self.drafter, "catchup_lag", 0))
+            chain.capture_all(None if mc is None else padded_batch_size(mc, chain.catch_sizes, True), flushes)
 
     @property
     def share_mtp_selection(self) -> bool:

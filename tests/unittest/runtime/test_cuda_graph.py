@@ -600,8 +600,8 @@ def test_pending_drafts_become_device_rows_or_resolve(emulated) -> None:
 @pytest.mark.parametrize("mc", [None, 3])
 def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, mc) -> None:
     """With ``max_concurrency``, start-up captures no verify graph, wide MTP catch-up or fused draft above the
-    cap's padded size (those rounds never hold more sequences); width-one steps, chained steps and one-row
-    catch-ups keep every size. Without a cap every graph is captured."""
+    cap's padded size (those rounds never hold more sequences); width-one steps, chained steps, one-row catch-ups
+    and the full-width head-free catch-up of lag flushes keep every size. Without a cap every graph is captured."""
     emulated(False)
     graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8, 16], enable_padding=True)
     cfg = ExecutorConfig(**{**EX_CFG, "max_batch_size": 16, "max_num_tokens": 128}, cuda_graph_config=graphs)
@@ -611,13 +611,16 @@ def test_startup_capture_skips_sizes_a_speculation_cap_never_reaches(emulated, m
     runner, chain = ex.graph_runner, ex.drafter.chain_graphs
     seen: dict[str, list] = {}
     runner.capture_all = lambda limits=None: seen.setdefault("target", runner.startup_keys(limits))
-    chain.capture_all = lambda limit=None: seen.setdefault("mtp", chain.startup_keys(limit))
+    chain.capture_all = lambda limit=None, flushes=False: seen.setdefault("mtp", chain.startup_keys(limit, flushes))
     ex.capture_cuda_graphs()
     every, wide = [1, 2, 4, 8, 16], ([1, 2, 4] if mc == 3 else [1, 2, 4, 8, 16])
     assert sorted(seen["target"]) == sorted([(p, 1) for p in every] + [(p, 4) for p in wide])
     want = [("chain", p, 1) for p in every] + [(k, p, 1) for p in every for k in ("catchup", "catchup_only")]
     want += [(k, p, w) for p in wide for w in (2, 3, 4) for k in ("catchup", "catchup_only")]
     want += [("draft", p, w) for p in wide for w in (1, 2, 3, 4)]
+    # The default catch-up lag holds rows: its flushes replay the full-width head-free catch-up over the whole
+    # batch, so that one is captured at every size (a flush behind a step in flight cannot capture).
+    want += [("catchup_only", p, 4) for p in every if p not in wide]
     assert sorted(seen["mtp"]) == sorted(want)
 
 

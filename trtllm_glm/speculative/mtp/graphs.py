@@ -182,10 +182,13 @@ class MtpChainGraphs:
             return None
         return self._ready(key)
 
-    def startup_keys(self, max_wide_size: int | None = None) -> list[GraphKey]:
+    def startup_keys(self, max_wide_size: int | None = None, flushes: bool = False) -> list[GraphKey]:
         """The keys `capture_all` captures: every chained size, every catch-up (size, width) and every fused
         draft, except catch-ups wider than one row and fused drafts of more than ``max_wide_size`` sequences
-        (the rounds after verify rounds, which a speculation cap keeps below it; captured on first use)."""
+        (the rounds after verify rounds, which a speculation cap keeps below it; captured on first use).
+        ``flushes``: the drafter holds rows (a catch-up lag), whose flushes replay the head-free catch-up at the
+        full width over the whole batch: that one is captured at every size (a flush behind a step in flight may
+        not capture, and would run eagerly)."""
         keys: list[GraphKey] = [(CHAIN, size, 1) for size in self.sizes]
         for size in self.catch_sizes:
             small = max_wide_size is None or size <= max_wide_size
@@ -193,17 +196,19 @@ class MtpChainGraphs:
                 if w == 1 or small:
                     keys.append((CATCHUP, size, w))
                     keys.append((CATCHUP_ONLY, size, w))
+                elif flushes and w == self.width:
+                    keys.append((CATCHUP_ONLY, size, w))
                 if self.fused and small:
                     keys.append((DRAFT, size, w))
         return keys
 
-    def capture_all(self, max_wide_size: int | None = None) -> None:
+    def capture_all(self, max_wide_size: int | None = None, flushes: bool = False) -> None:
         """Capture `startup_keys` now rather than on first use (a capture inside a serving loop stalls it:
         ~0.1-0.5 s each at real geometry)."""
         if not self.runner.enabled or self.runner.emulate:
             return
         with capture_session():
-            for key in self.startup_keys(max_wide_size):
+            for key in self.startup_keys(max_wide_size, flushes):
                 self._ready(key)
 
     def _ready(self, key: GraphKey) -> GraphKey | None:
