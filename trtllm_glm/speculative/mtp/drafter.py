@@ -287,9 +287,8 @@ class MTPDrafter(Drafter):
         graphs = self.chain_graphs
         W = graphs.width if envs.MTP_FLUSH.get() != "eager" and graphs is not None and graphs.width else 0
         # Through the graphs a group's forward holds at most W rows per sequence (a slice), so the group is as wide as
-        # the graphs' batch allows; a group of every held row (the eager forward) as the metadata's rows allow. At
-        # batch 64 with a lag of 64 rows that is 1 group of 16 slices instead of ~13 groups of 16 (the H100's
-        # 2026-12-06 runs: 81 group flushes in 384 steps, ~8-36 ms each).
+        # the graphs' batch allows; a group of every held row (the eager forward) as the metadata's rows allow (batch
+        # 64, a 64-row lag, 2,048 rows a forward: 1 group of 16 slices instead of 2 groups of 16).
         for group in self._flush_groups(todo, W):
             if not W or not self._flush_group_through_graphs(group, flat, capture):
                 # No graph for so wide a group: the eager rule's groups, each through the graphs where it can.
