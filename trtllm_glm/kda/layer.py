@@ -278,7 +278,8 @@ class _StepPlan:
         if limit:
             short = [b for b in pre if q[b] <= limit]
             pre = [b for b in pre if q[b] > limit]
-        if short and dec and len(dec) * (max(q[b] for b in short) - 1) <= decode_ride_rows():
+        ride = decode_ride_rows() if short and dec else 0
+        if ride and len(dec) * (max(q[b] for b in short) - 1) <= ride:
             # A decode row is a width-one verify + commit (the same step: bit for bit in the batch-invariant mode),
             # padded to the grid's widest row: bounded padding buys dropping the decode path's launches.
             short, dec = sorted(short + dec), []
@@ -597,8 +598,10 @@ class KimiDeltaAttention(nn.Module):
         Same slots, no host sync and no index tensor from a host list (graph-capturable)."""
         N, dev = hidden.shape[0], hidden.device
         plan = _step_host(batch, ("plan", N, dev), lambda: _StepPlan.build(batch, N, dev))
+        if not plan.decode_only or N == 0:
+            return None
         low_rank = [_low_rank_weight(self.f_b_proj), _low_rank_weight(self.g_b_proj)]
-        if not plan.decode_only or N == 0 or low_rank[0] is None or low_rank[1] is None:
+        if low_rank[0] is None or low_rank[1] is None:
             return None
         (f_b, f_s, f_blk), (g_b, g_s, g_blk) = low_rank  # type: ignore[misc]
         if f_s is not None and g_s is not None and f_blk != g_blk:

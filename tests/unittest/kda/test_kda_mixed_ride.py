@@ -159,6 +159,11 @@ def test_ride_bounded_by_the_padding_it_adds(monkeypatch, paths: list[str], ride
     hidden = torch.randn(13, 32, generator=torch.Generator().manual_seed(3))
     _, ran = _step([layer], hidden, long, [_state(layer, 6)], "512", monkeypatch, paths)
     assert ran == ["_prefill", "_decode"]
+    # A one-token prompt adds no padding rows: the decode rows ride it unless riding is off ("0" is off).
+    one = [(6, 1, 3), (0, 1, 1)]
+    hidden = torch.randn(2, 32, generator=torch.Generator().manual_seed(4))
+    _, ran = _step([layer], hidden, one, [_state(layer, 6)], ride, monkeypatch, paths)
+    assert ran == (["_decode", "_short_prefill"] if ride == "0" else ["_short_prefill"])
 
 
 class _Ops(TorchDispatchMode):
