@@ -5,13 +5,11 @@ plain code path's results (CPU)."""
 from __future__ import annotations
 
 import random
-import traceback
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from trtllm_glm.config import Glm5NextConfig
+from tests.kda_helpers import LayerOps, random_kda_state, tiny_kda_layer
 from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
 from trtllm_glm.kda import layer as layer_mod
 from trtllm_glm.kda.layer import ragged_destinations
@@ -22,20 +20,8 @@ pytestmark = pytest.mark.cpu_only
 NUM_SLOTS = 8
 
 
-def _layer(seed: int) -> KimiDeltaAttention:
-    cfg = Glm5NextConfig(hidden_size=32, kda_num_heads=2, kda_head_dim=16, kda_gate_low_rank=8)
-    layer = KimiDeltaAttention(cfg, kda_idx=0)
-    layer.reset_parameters(torch.Generator().manual_seed(seed), std=0.2)
-    return layer
-
-
 def _state(layer: KimiDeltaAttention, seed: int) -> KdaLayerState:
-    gen = torch.Generator().manual_seed(seed)
-    H, K, V, W = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
-    return KdaLayerState(
-        recurrent=torch.randn(NUM_SLOTS, H, K, V, generator=gen) * 0.1,
-        conv=torch.randn(NUM_SLOTS, layer.conv_dim, W - 1, generator=gen),
-    )
+    return random_kda_state(layer, NUM_SLOTS, seed, scale=0.1)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -66,21 +52,6 @@ def test_ragged_destinations_place_outputs_as_gather_then_scatter(seed: int) -> 
     assert torch.equal(got[:N], plain)
 
 
-class _OpsBy(TorchDispatchMode):
-    """Aten ops by the function that called torch (``None`` unless it is one of ``kda/layer.py``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple[str, str | None]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-        caller = frames[-1] if frames else None  # the innermost frame outside torch: who issued the op
-        where = caller.name if caller is not None and caller.filename.endswith("kda/layer.py") else None
-        self.ops.append((func.overloadpacket.__name__, where))
-        return func(*args, **(kwargs or {}))
-
-
 def _mixed_batch() -> tuple[list[int], list[int], list[int]]:
     # decode, fresh prompt, continuation (ragged widths: padding rows), decode, one-token prompt
     return [1, 5, 3, 1, 1], [6, 0, 4, 9, 0], [3, 0, 5, 1, 6]
@@ -91,10 +62,10 @@ def test_mixed_step_issues_no_fill_no_padding_mask_and_one_scatter(monkeypatch) 
     decay and beta with two ``index_select`` (no ``where`` masks, no advanced indexing) and places their outputs with
     one ``index_copy_``."""
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
-    layer = _layer(1)
+    layer = tiny_kda_layer(1)
     q, p, s = _mixed_batch()
     hidden = torch.randn(sum(q), 32, generator=torch.Generator().manual_seed(2))
-    mode = _OpsBy()
+    mode = LayerOps()
     with mode:
         layer(hidden, KdaBatch.build(q, p, s), _state(layer, 3))
     by = {f: sorted(op for op, g in mode.ops if g == f) for f in ("_forward_o", "_ragged_verify")}
@@ -108,7 +79,7 @@ def test_mixed_step_matches_masked_padding_and_each_sequence_alone(monkeypatch) 
     path (zero decay and beta on padding rows, as before), and close to each sequence stepped alone (other GEMM
     shapes); rows no sequence covers (a graph bucket's padding) stay o_proj(0)."""
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
-    layer = _layer(4)
+    layer = tiny_kda_layer(4)
     q, p, s = _mixed_batch()
     T = sum(q)
     hidden = torch.randn(T + 2, 32, generator=torch.Generator().manual_seed(5))  # two padding rows at the end
@@ -151,7 +122,7 @@ def test_step_plan_built_once_per_step_and_anew_for_new_lists(monkeypatch, ride:
     monkeypatch.setattr(
         layer_mod._StepPlan, "build", classmethod(lambda cls, *a: (builds.append("plan"), plan_build(cls, *a))[1])
     )
-    layers = [_layer(20 + i) for i in range(3)]
+    layers = [tiny_kda_layer(20 + i) for i in range(3)]
     q, p, s = _mixed_batch()
     hidden = torch.randn(sum(q), 32, generator=torch.Generator().manual_seed(7))
 

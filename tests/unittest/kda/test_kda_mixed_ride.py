@@ -15,13 +15,10 @@ chunked path beside the ride), rows past the sequences (a piecewise bucket's pad
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from trtllm_glm.config import Glm5NextConfig
+from tests.kda_helpers import LayerOps, random_kda_state, tiny_kda_layer
 from trtllm_glm.kda import KdaBatch, KimiDeltaAttention
 from trtllm_glm.numerics import batch_invariant_mode
 from trtllm_glm.state import KdaLayerState
@@ -38,20 +35,8 @@ SPECS = [(6, 1, 9), (0, 5, 2), (9, 1, 0), (0, 1, 7), (4, 3, 11), (3, 12, 4), (2,
 PAD_ROWS = 3  # rows no sequence covers (a piecewise bucket)
 
 
-def _layer(seed: int) -> KimiDeltaAttention:
-    cfg = Glm5NextConfig(hidden_size=32, kda_num_heads=2, kda_head_dim=16, kda_gate_low_rank=8)
-    layer = KimiDeltaAttention(cfg, kda_idx=0)
-    layer.reset_parameters(torch.Generator().manual_seed(seed), std=0.2)
-    return layer
-
-
 def _state(layer: KimiDeltaAttention, seed: int) -> KdaLayerState:
-    gen = torch.Generator().manual_seed(seed)
-    H, K, V, W = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_size
-    st = KdaLayerState(
-        recurrent=torch.randn(NUM_SLOTS, H, K, V, generator=gen) * 0.3,
-        conv=torch.randn(NUM_SLOTS, layer.conv_dim, W - 1, generator=gen),
-    )
+    st = random_kda_state(layer, NUM_SLOTS, seed, scale=0.3)
     for p, _, s in SPECS:
         if p == 0:  # a fresh sequence's slot is never read
             st.recurrent[s], st.conv[s] = float("nan"), float("inf")
@@ -93,7 +78,7 @@ def _step(layers, hidden, specs, states, ride: str, monkeypatch, paths: list[str
 
 
 def _compare(monkeypatch, paths: list[str], exact: bool) -> None:
-    layers = [_layer(3 + i) for i in range(2)]
+    layers = [tiny_kda_layer(3 + i) for i in range(2)]
     T = sum(n for _, n, _ in SPECS)
     hidden = torch.randn(T + PAD_ROWS, 32, generator=torch.Generator().manual_seed(8))
     base = [_state(layer, 40 + i) for i, layer in enumerate(layers)]
@@ -150,7 +135,7 @@ def test_ride_bounded_by_the_padding_it_adds(monkeypatch, paths: list[str], ride
     """Two decode rows beside a 5-row prompt add 2 * 4 = 8 padding rows to the verify grid: they ride only within
     the budget; a step without short prefills (decode rows and a long chunk) keeps the decode path whatever it is."""
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
-    layer = _layer(5)
+    layer = tiny_kda_layer(5)
     specs = [(6, 1, 3), (0, 5, 1), (2, 1, 0)]
     hidden = torch.randn(7, 32, generator=torch.Generator().manual_seed(2))
     _, ran = _step([layer], hidden, specs, [_state(layer, 6)], ride, monkeypatch, paths)
@@ -166,20 +151,6 @@ def test_ride_bounded_by_the_padding_it_adds(monkeypatch, paths: list[str], ride
     assert ran == (["_decode", "_short_prefill"] if ride == "0" else ["_short_prefill"])
 
 
-class _Ops(TorchDispatchMode):
-    """Aten ops issued inside ``with`` by the layer's own code (``kda/layer.py``, not the ops it calls), by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename]
-        if frames and frames[-1].filename.endswith("kda/layer.py"):
-            self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_riding_step_issues_fewer_ops_and_no_padding_mask(monkeypatch) -> None:
     """The layer's own ops in a riding step: fewer than with the decode path beside the verify (no decode output copy,
     no decode index) and no padding mask for the grid's padding rows (a short prefill never masks: the mask is
@@ -187,16 +158,16 @@ def test_riding_step_issues_fewer_ops_and_no_padding_mask(monkeypatch) -> None:
     monkeypatch.setenv("TRTLLM_GLM_KDA_SHORT_PREFILL", "8")
     for var in ("TRTLLM_GLM_KDA_VERIFY", "TRTLLM_GLM_KDA_CONV_BACKEND"):
         monkeypatch.setenv(var, "torch")
-    layer = _layer(7)
+    layer = tiny_kda_layer(7)
     specs = [(6, 1, 3), (0, 5, 1), (2, 1, 0)]
     batch_args = ([n for _, n, _ in specs], [p for p, _, _ in specs], [s for _, _, s in specs])
     hidden = torch.randn(7, 32, generator=torch.Generator().manual_seed(2))
     counts = {}
     for ride in ("0", "512"):
         monkeypatch.setenv("TRTLLM_GLM_KDA_DECODE_RIDE", ride)
-        mode = _Ops()
+        mode = LayerOps()
         with mode, torch.no_grad():
             layer(hidden, KdaBatch.build(*batch_args), _state(layer, 4))
-        counts[ride] = mode.ops
+        counts[ride] = mode.own()
     assert len(counts["512"]) < len(counts["0"])
     assert "lt" not in counts["512"] and "arange" not in counts["512"]
