@@ -229,7 +229,7 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
               ("sampling", phase_sampling), ("greedy rows", phase_greedy_rows)]  # fmt: skip
     if ex.piecewise is not None:
         # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
-        ex.piecewise.capture_all()
+        ex.piecewise.capture_all(manager=ex.manager)
     try:
         # No inference_mode here: buffers the executor allocates lazily in its first steps (pinned read-back
         # buffers) would become inference tensors that later steps, outside the mode, cannot write.
