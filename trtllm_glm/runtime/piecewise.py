@@ -103,6 +103,8 @@ class PiecewiseStats:
         kda_steps: piecewise steps whose KDA cores ran inside the segments (cut at the sparse-MLA cores only).
         eager_cores: attention cores run eagerly between segments (per step: the sparse layers in a ``kda_steps``
             step, every layer in another).
+        warm_runs: segments with KDA cores inside captured at first use: the capture's warm-up was the step's run
+            (no replay that step).
         failed: segment key (``(segment, bucket)``, or ``("kda", first piece, bucket, width class)`` for a segment
             with KDA cores inside) whose capture raised, with the error; that segment runs eagerly.
     """
@@ -117,6 +119,7 @@ class PiecewiseStats:
     carry_bytes: int = 0
     kda_steps: int = 0
     eager_cores: int = 0
+    warm_runs: int = 0
     failed: dict[tuple[Any, ...], str] = field(default_factory=dict)
 
 
@@ -355,6 +358,7 @@ class PiecewiseRunner:
             self.stats.eager_segments += 1
         else:
             self._try_capture(key, run, warm_is_run=True)
+            self.stats.warm_runs += 1
 
     # --------------------------------------------------------------------------------------------
     def forward(self, input_ids: Sequence[int] | torch.Tensor, meta: Any, manager: Any) -> torch.Tensor:
