@@ -5,7 +5,12 @@ FFN block plus layer ``k``'s attention input side, captured per (segment, padded
 between the replays. A segment never writes a carry buffer it reads (read-back values alternate between two buffers
 by layer parity), so it may run twice in the step that first needs it. Not covered: steps with verify sequences (the
 KDA verify records keep views of the conv inputs until the commit), steps above the largest bucket, the LM head.
-Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
+
+A step of KDA decode rows and short prefills only (`trtllm_glm.kda.static_step`) also runs its KDA cores inside the
+graphs, from a device-side description refreshed by the step's one host-to-device copy: the forward is then cut at
+the sparse-MLA cores only, consecutive KDA layers (cores included) making one segment per (segment, bucket, width
+class). Those segments step the KDA state, so each runs once a step (a first-use capture's warm-up is the step's
+run). Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
 """
 
 from __future__ import annotations
