@@ -32,6 +32,8 @@ Step = tuple[list[tuple[int, int]], int, list[int]]  # ([(request, rows)], decod
 @pytest.fixture(autouse=True)
 def _short_prefill(monkeypatch) -> None:
     monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, str(SHORT))
+    # (Decode rows riding the short prefills' grid are more grid sequences: the counts below assume the default.)
+    monkeypatch.setenv(envs.KDA_DECODE_RIDE.name, "0")
 
 
 def _model() -> Glm5NextForCausalLM:
