@@ -104,7 +104,7 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
     runner = ex.graph_runner
     eager0 = runner.stats.eager_steps if runner is not None else 0
     replays0 = runner.stats.replays if runner is not None else 0
-    pw_fields = ("steps", "eager_steps", "replays", "eager_segments")
+    pw_fields = ("steps", "eager_steps", "replays", "eager_segments", "kda_steps", "eager_cores", "warm_runs")
     pw0 = {k: getattr(ex.piecewise.stats, k) for k in pw_fields} if ex.piecewise is not None else {}
 
     def prompt(n: int) -> list[int]:
