@@ -23,6 +23,10 @@ dense / MoE FFNs, mHC streams, Sinkhorn iterations, MTP layer) and shrinks every
 eager step's time is Python and per-op dispatch, as a GPU step's host time is; it also takes the CUDA defaults'
 code paths where they depend on a setting or the device (KDA short prefill: `TRTLLM_GLM_KDA_SHORT_PREFILL` 64
 unless set; the fused KDA input weights, `Glm5NextForCausalLM.fuse_weights`).
+``--emulate-graphs`` (CPU): the executor's CUDA graphs emulated as in the tests (full decode graphs and the
+piecewise segments run eagerly on their buffers), each piecewise segment counted by ``--ops`` as one op (its replay)
+and its body left out of ``func_host_ms_outside_fused`` (its replay's host time is a launch): with ``--llm-args
+'{"cuda_graph_config": {"piecewise": true}}'`` the CPU proxy of a piecewise admission.
 ``--ops`` adds ``ops_by_part`` / ``ops_by_function``: torch ops (about one launch each on the GPU) per model part
 and function of one admission (`benchmarks.harness.profiling.op_counts`), each call of an op that CUDA runs as a
 fused kernel (`_FUSED`, a torch reference on the CPU) counted as one; and ``func_host_ms_outside_fused``: the host
@@ -202,6 +206,11 @@ _FUSED = (
     "trtllm_glm.modules.ffn:swiglu", "trtllm_glm.modules.ffn:clamped_swiglu",
     "trtllm_glm.modules.ffn:MoE._routed_loop", "trtllm_glm.moe.router:route",
 )  # fmt: skip
+# `--emulate-graphs`: the piecewise runner's segment bodies, each call one graph replay (one launch equivalent).
+_SEGMENTS = (
+    "trtllm_glm.runtime.piecewise:PiecewiseRunner._segment",
+    "trtllm_glm.runtime.piecewise:PiecewiseRunner._fused",
+)
 _LISTS = (
     "module_host_ms",
     "func_host_ms",
@@ -233,6 +242,25 @@ def proxy_config(full: Glm5NextConfig) -> Glm5NextConfig:
     return cfg
 
 
+def _emulate_graphs(llm: LLM, cuda_graph_config: object) -> None:
+    """`--emulate-graphs`: ``llm``'s executor rebuilt with its CUDA graphs emulated (the tests' way: the LLM keeps
+    graphs off off CUDA), and the piecewise segments counted as replays (`_SEGMENTS`)."""
+    global _FUSED
+    from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+    from trtllm_glm.runtime.executor import Executor
+    from trtllm_glm.runtime.piecewise import PiecewiseRunner
+
+    Executor._graphs_supported = lambda self: True  # type: ignore[method-assign]
+    cgc = CudaGraphConfig.from_value(cuda_graph_config if cuda_graph_config is not None else {})
+    # Full decode graphs of one sequence only: the CPU's torch k-pool ops refuse a graph's padding sequences (larger
+    # decode steps run piecewise, as uncovered ones do).
+    cgc = dataclasses.replace(cgc, batch_sizes=[1])
+    llm.executor_config = dataclasses.replace(llm.executor_config, cuda_graph_config=cgc)
+    llm.executor = llm._make_executor()
+    # (`_fused`: the segments with KDA cores inside, where the runner has them)
+    _FUSED = (*_FUSED, *(f for f in _SEGMENTS if f.rsplit(".", 1)[1] in vars(PiecewiseRunner)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="glm-5.3-flash")
@@ -253,6 +281,9 @@ def main() -> None:
     )
     ap.add_argument("--ops", action="store_true", help="also torch ops per model part / function of one admission")
     ap.add_argument("--func-reps", type=int, default=3, help="admissions averaged by the host-by-function breakdown")
+    ap.add_argument(
+        "--emulate-graphs", action="store_true", help="CPU: emulate the CUDA graphs (segments count as replays)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--llm-args", default="{}", help="extra LLM keyword arguments as JSON (kv_cache_config: a dict)")
     args = ap.parse_args()
@@ -271,6 +302,8 @@ def main() -> None:
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
     t0 = time.perf_counter()
     llm = LLM(model, device=args.device, **kw)
+    if args.emulate_graphs:
+        _emulate_graphs(llm, kw.get("cuda_graph_config"))
     print(f"# LLM built (defaults{' + ' + args.llm_args if kw else ''}) in {time.perf_counter() - t0:.1f} s; "
           f"max_batch_size {llm.executor.cfg.max_batch_size}, max_num_tokens {llm.executor.cfg.max_num_tokens}",
           flush=True)  # fmt: skip

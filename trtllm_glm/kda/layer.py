@@ -12,7 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -38,6 +38,9 @@ from .ops import (
 )
 from .ops.conv import verify_rows
 from .ops.decode_fused import fused_decode_enabled, kda_decode_fused
+
+if TYPE_CHECKING:
+    from .static_step import StaticKdaStep
 
 __all__ = [
     "KimiDeltaAttention",
@@ -554,6 +557,49 @@ class KimiDeltaAttention(nn.Module):
         """The sequence-dependent core of `forward` on `project`'s ``inputs``: ``o [N, H, V]`` FP32 (slots updated
         in place; ``hidden`` gives only the row count and device)."""
         return self._forward_o(hidden, batch, state, inputs)
+
+    @torch.no_grad()
+    def mix_static(self, inputs: tuple, step: StaticKdaStep, state: KdaLayerState) -> torch.Tensor:
+        """`mix` of a decode / short-prefill step described on the device (`trtllm_glm.kda.static_step`), graph-safe:
+        no host list, no host sync, every shape from ``step.caps`` (the bucket). The same kernels on the same rows
+        as `_forward_o` for that step's plan, so the real rows' outputs and the slots are its bits.
+
+        Args:
+            inputs: `project`'s ``(x [T, C], g [T, H, K], beta [T, H], ga)`` on the bucket's ``T`` rows.
+            step: the bucket's step description (refreshed for this step).
+            state: this layer's state planes, updated in place at the real entries' slots (and the padding slot).
+
+        Returns:
+            ``o [T, H, V]`` FP32: the real rows' mixer outputs; rows no entry names are zero.
+        """
+        x, g, beta, _ = inputs
+        c = step.caps
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        weight = self._conv_weight()
+        # Sink rows past T take the padding entries' outputs (distinct rows: deterministic index copies).
+        o = torch.zeros(c.out_rows, H, V, dtype=torch.float32, device=x.device)
+        if c.dec:
+            # `_decode` on Dc entries: a padding entry steps the padding slot from row 0 into its sink row.
+            rows, slots = step.dec_rows, step.dec_slots
+            q, k, v = conv_decode(x.index_select(0, rows), state.conv, weight, slots, H, K, V)
+            od = kda_decode_inplace(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), self.scale,
+                                    state.recurrent, slots, backend=self.backend)  # fmt: skip
+            o.index_copy_(0, step.dec_dst, od)
+        if c.seqs:
+            # `_short_prefill` on an Ns x Wc grid: a padding sequence has width 0 (nothing verified, stored or
+            # committed), a real one its own rows (the kernels skip the rest, as in the eager grid's padding).
+            n, Wm, widths, fresh, slots = c.seqs, c.width, step.widths, step.fresh, step.slots
+            gr = g.index_select(0, step.grid).view(n, Wm, *g.shape[1:])
+            br = beta.index_select(0, step.grid).view(n, Wm, *beta.shape[1:])
+            q, k, v = conv_verify_qkv(x, state.conv, weight, slots, H, K, V, Wm, row0=step.row0, widths=widths,
+                                      fresh=fresh, zero_padding=False)  # fmt: skip
+            ov, rec = kda_verify(q, k, v, gr, br, self.scale, state.recurrent, state_slots=slots, fresh=fresh,
+                                 widths=widths)  # fmt: skip
+            o.index_copy_(0, step.dst, ov.reshape(n * Wm, H, V))
+            # Every row committed: the counts are the widths (`KdaLayerRecords.commit` with ``accepted_t``).
+            conv_commit_slots(state.conv, x, slots, widths, Wm, row0=step.row0, fresh=fresh)
+            kda_commit(state.recurrent, rec, widths, state_slots=slots, fresh=fresh)
+        return o[: c.rows]
 
     def project_out(self, hidden: torch.Tensor, o: torch.Tensor, ga: torch.Tensor | None) -> torch.Tensor:
         """Token-wise output side: ``o [N, H, V]`` -> ``[N, D]`` in ``hidden``'s dtype (see `_output`)."""

@@ -29,6 +29,7 @@ from ..distributed.mapping import Mapping
 from ..distributed.sharding import local_config, shard_fn, shard_state_dict
 from ..errors import CheckpointError
 from ..kda.backend import DEFAULT_KDA_BACKEND
+from ..kda.static_step import StaticKdaStep
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import (
@@ -427,6 +428,15 @@ class Glm5NextDecoderLayer(nn.Module):
         if self.is_sparse:
             return self.self_attn(x, meta, manager.layer_cache(self.cache_idx))
         return self.self_attn.mix(x, meta, manager.kda_layer_state(self.cache_idx), inputs)
+
+    def attn_core_static(
+        self, inputs: tuple[torch.Tensor | None, ...], step: StaticKdaStep, manager: Glm5NextCacheManager
+    ) -> torch.Tensor:
+        """A KDA layer's `attn_core` on the bucket's rows from a device-side step description (graph-safe:
+        `KimiDeltaAttention.mix_static`) -> ``o [T, H, V]`` fp32."""
+        if self.is_sparse:
+            raise ValueError("attn_core_static is for KDA layers")
+        return self.self_attn.mix_static(inputs, step, manager.kda_layer_state(self.cache_idx))
 
     def attn_out(self, x: torch.Tensor, core: torch.Tensor, ga: torch.Tensor | None) -> torch.Tensor:
         """The attention's output ``[N, D]`` (all-reduced) from `attn_core`'s: KDA's gated norm and ``o_proj``

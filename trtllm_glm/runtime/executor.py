@@ -201,6 +201,9 @@ class Executor:
                 max_num_tokens=cfg.max_num_tokens,
                 max_tokens=cfg.cuda_graph_config.piecewise_max_num_tokens,
                 emulate=self.device.type != "cuda",
+                # KDA cores of decode / short-prefill steps inside the segments (padding entries step this slot).
+                padding_slot=self._padding_slot,
+                max_num_seqs=cfg.max_batch_size,
             )
         self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
         self.sampler = Sampler()
@@ -669,7 +672,7 @@ class Executor:
         if self.graph_runner is not None:
             self.graph_runner.capture_all()
         if self.piecewise is not None:
-            self.piecewise.capture_all()
+            self.piecewise.capture_all(manager=self.manager)
 
     def _prepare_graph_step(self, plan: list[ScheduledSeq], P: int, W: int) -> None:
         """Describe ``plan`` (uniform width ``W``) padded to ``P`` sequences on the padding slot."""

@@ -5,15 +5,21 @@ FFN block plus layer ``k``'s attention input side, captured per (segment, padded
 between the replays. A segment never writes a carry buffer it reads (read-back values alternate between two buffers
 by layer parity), so it may run twice in the step that first needs it. Not covered: steps with verify sequences (the
 KDA verify records keep views of the conv inputs until the commit), steps above the largest bucket, the LM head.
-Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
+
+A step of KDA decode rows and short prefills only (`trtllm_glm.kda.static_step`) also runs its KDA cores inside the
+graphs, from a device-side description refreshed by the step's one host-to-device copy: the forward is then cut at
+the sparse-MLA cores only, consecutive KDA layers (cores included) making one segment per (segment, bucket, width
+class). Those segments step the KDA state, so each runs once a step (a first-use capture's warm-up is the step's
+run). Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,14 @@ import torch
 from .. import envs
 from ..attention.metadata import HostStaging
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
+from ..kda.layer import short_prefill_rows
+from ..kda.static_step import (
+    StaticKdaCaps,
+    StaticKdaStep,
+    describe_padding_step,
+    describe_static_step,
+    width_classes,
+)
 from ..numerics import batch_invariant
 
 logger = logging.getLogger(__name__)
@@ -89,8 +103,15 @@ class PiecewiseStats:
         capture_s: wall seconds spent warming up and capturing them.
         pool_bytes: growth of the device memory reserved while capturing (the graphs' shared pool and the
             warm-ups' cached blocks: an upper bound of what the graphs hold).
-        carry_bytes: bytes of the carry buffers (input ids, row flags, what crosses segment boundaries).
-        failed: (segment, bucket) whose capture raised, with the error; that segment runs eagerly.
+        carry_bytes: bytes of the carry buffers (input ids, row flags, what crosses segment boundaries, the KDA
+            step descriptions).
+        kda_steps: piecewise steps whose KDA cores ran inside the segments (cut at the sparse-MLA cores only).
+        eager_cores: attention cores run eagerly between segments (per step: the sparse layers in a ``kda_steps``
+            step, every layer in another).
+        warm_runs: segments with KDA cores inside captured at first use: the capture's warm-up was the step's run
+            (no replay that step).
+        failed: segment key (``(segment, bucket)``, or ``("kda", first piece, bucket, width class)`` for a segment
+            with KDA cores inside) whose capture raised, with the error; that segment runs eagerly.
     """
 
     steps: int = 0
@@ -101,7 +122,10 @@ class PiecewiseStats:
     capture_s: float = 0.0
     pool_bytes: int = 0
     carry_bytes: int = 0
-    failed: dict[tuple[int, int], str] = field(default_factory=dict)
+    kda_steps: int = 0
+    eager_cores: int = 0
+    warm_runs: int = 0
+    failed: dict[tuple[Any, ...], str] = field(default_factory=dict)
 
 
 class PiecewiseRunner:
@@ -117,6 +141,13 @@ class PiecewiseRunner:
             twice the first time (a capture's warm-up runs it once before, in the middle of the step); everything
             else is as on the GPU.
         allow_batch_invariant: run piecewise in the batch-invariant mode too (module docstring).
+        padding_slot: the target manager's reserved padding state slot; ``None``: KDA cores always run eagerly.
+            With it, a step of decode rows and short prefills only runs its KDA cores inside the segments
+            (`trtllm_glm.kda.static_step`; the padding decode entries step this slot).
+        max_num_seqs: sequences a step may hold (the executor's ``max_batch_size``; 0: the bucket), a cap of the
+            KDA step descriptions.
+        kda_max_tokens: largest bucket whose segments take the KDA cores inside (the captured verify grid's memory
+            grows with the bucket); larger steps run them eagerly.
     """
 
     def __init__(
@@ -128,6 +159,9 @@ class PiecewiseRunner:
         buckets: Sequence[int] | None = None,
         emulate: bool = False,
         allow_batch_invariant: bool = False,
+        padding_slot: int | None = None,
+        max_num_seqs: int = 0,
+        kda_max_tokens: int = 512,
     ) -> None:
         self.model = model
         self.layers = list(model.model.layers)  # type: ignore[union-attr]
@@ -152,11 +186,33 @@ class PiecewiseRunner:
         self._capturing = False
         self._emulated: set[tuple[int, int]] = set()
         cuda = self.device.type == "cuda"
+        # KDA cores inside the segments: the caps of each bucket's step description (`StaticKdaCaps`). The segments
+        # are then cut at the sparse-MLA cores only: pieces ``p .. q`` with layers ``p .. q-1`` all KDA.
+        self.padding_slot = padding_slot
+        caps: list[StaticKdaCaps] = []
+        if padding_slot is not None and any(not lay.is_sparse for lay in self.layers):
+            limit = short_prefill_rows(self.device)
+            for rows in sizes:
+                if rows <= kda_max_tokens:
+                    caps += [
+                        StaticKdaCaps.for_bucket(rows, max_num_seqs or rows, w) for w in width_classes(rows, limit)
+                    ]
+        cuts = [k for k, lay in enumerate(self.layers) if lay.is_sparse] + [len(self.layers)]
+        self._fused_segments = [(p, q) for p, q in zip([0] + [c + 1 for c in cuts[:-1]], cuts)]
+        # One int64 buffer: the input ids (rows ``:max_tokens``), then the KDA step description (every class's views
+        # start there: one a step), so a step is one host-to-device copy.
+        self._kda_off = off = self.max_tokens
+        desc = max((c.size for c in caps), default=0)
         with torch.inference_mode(False):
-            self._ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
+            self._step_buf = torch.zeros(self.max_tokens + desc, dtype=torch.int64, device=self.device)
             self._live = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
-        self.stats.carry_bytes = 2 * self.max_tokens * 8
-        self._staging = HostStaging({"ids": ((self.max_tokens,), torch.int64)}, pin_memory=cuda)
+        self._ids = self._step_buf[: self.max_tokens]
+        # Each bucket's descriptions, narrowest width class first.
+        self._kda_steps: dict[int, list[StaticKdaStep]] = {}
+        for c in caps:
+            self._kda_steps.setdefault(c.rows, []).append(StaticKdaStep(c, self._step_buf[off : off + c.size]))
+        self.stats.carry_bytes = (2 * self.max_tokens + desc) * 8
+        self._staging = HostStaging({"step": ((self.max_tokens + desc,), torch.int64)}, pin_memory=cuda)
 
     # --------------------------------------------------------------------------------------------
     @property
@@ -260,6 +316,20 @@ class PiecewiseRunner:
         if not lay.is_sparse:
             inputs = tuple(self._take(k, name, n) for name in ("kx", "kg", "kbeta", "ga"))
         self._put(k, "core", lay.attn_core(x, inputs, meta, manager))
+        self.stats.eager_cores += 1
+
+    def _kda_core(self, k: int, T: int, step: StaticKdaStep, manager: Any) -> None:
+        """KDA layer ``k``'s core on the bucket's ``T`` rows from the device-side step description (graph-safe)."""
+        inputs = tuple(self._take(k, name, T) for name in ("kx", "kg", "kbeta", "ga"))
+        self._put(k, "core", self.layers[k].attn_core_static(inputs, step, manager))
+
+    def _fused(self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any) -> None:
+        """Pieces ``p .. q`` with the KDA cores of layers ``p .. q-1`` between them, on ``T`` rows. Not pure (the
+        cores step their slots): it must run once a step (`_run_fused`)."""
+        for k in range(p, q + 1):
+            self._segment(k, T)
+            if k < q:
+                self._kda_core(k, T, step, manager)
 
     def _run_segment(self, k: int, T: int) -> None:
         key = (k, T)
@@ -277,9 +347,31 @@ class PiecewiseRunner:
             g.replay()
             self.stats.replays += 1
 
+    def _run_fused(self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any) -> None:
+        """The segment of pieces ``p .. q`` with KDA cores inside, once: a replay, or (first use) its capture, whose
+        warm-up is this step's run (a capture records without running; a warm-up then a replay would step the
+        slots twice), or eagerly (emulation, a failed capture)."""
+        key = ("kda", p, T, step.caps.width)
+        g = self.graphs.get(key)
+        if g is not None:
+            g.replay()
+            self.stats.replays += 1
+            return
+        run = functools.partial(self._fused, p, q, T, step, manager)
+        if self.emulate or key in self.stats.failed:
+            run()
+            self.stats.eager_segments += 1
+        else:
+            self._try_capture(key, run, warm_is_run=True)
+            self.stats.warm_runs += 1
+
     # --------------------------------------------------------------------------------------------
     def forward(self, input_ids: Sequence[int] | torch.Tensor, meta: Any, manager: Any) -> torch.Tensor:
         """The trunk forward of the prepared step ``meta`` (as ``model(input_ids, meta, manager)``), piecewise.
+
+        A step of decode rows and short prefills only (`describe_static_step`) runs its KDA cores inside the
+        segments, which are then cut at the sparse-MLA cores only; any other step runs every core eagerly between
+        the token-wise segments. Either way the same kernels compute the same rows (bit for bit).
 
         Args:
             input_ids: ``[n]`` token ids (a host list: copied with the padding in one transfer; or a tensor).
@@ -295,33 +387,59 @@ class PiecewiseRunner:
             raise ValueError(f"piecewise step of {len(input_ids)} ids for {n} rows (buckets up to {self.max_tokens})")
         manager.state.discard_pending()  # as the model's forward: a step that raised must not be committed
         self.model._check_comm()  # type: ignore[union-attr]
-        self._fill(input_ids, n, T, meta)
+        step = self._fill(input_ids, n, T, meta)
         L = len(self.layers)
-        missing = not self.emulate and any((k, T) not in self.graphs for k in range(L + 1))
+        if step is not None:
+            keys: list[tuple[Any, ...]] = [("kda", p, T, step.caps.width) for p, _ in self._fused_segments]
+        else:
+            keys = [(k, T) for k in range(L + 1)]
+        missing = not self.emulate and any(key not in self.graphs for key in keys)
         with capture_session() if missing else contextlib.nullcontext():
-            for k in range(L + 1):
-                self._run_segment(k, T)
-                if k < L:
-                    self._core(k, n, meta, manager)
+            if step is not None:
+                for p, q in self._fused_segments:
+                    self._run_fused(p, q, T, step, manager)
+                    if q < L:
+                        self._core(q, n, meta, manager)
+                self.stats.kda_steps += 1
+            else:
+                for k in range(L + 1):
+                    self._run_segment(k, T)
+                    if k < L:
+                        self._core(k, n, meta, manager)
         self.stats.steps += 1
         out = self._take(L, "out", n)
         assert out is not None
         return out
 
-    def _fill(self, input_ids: Sequence[int] | torch.Tensor, n: int, T: int, meta: Any) -> None:
-        """Input ids (padding 0) and row flags (padding 0: dead for the MoE) into rows ``:T``."""
+    def _fill(self, input_ids: Sequence[int] | torch.Tensor, n: int, T: int, meta: Any) -> StaticKdaStep | None:
+        """Input ids (padding 0), the KDA step description when the step qualifies (one host-to-device copy for
+        both) and row flags (padding 0: dead for the MoE) into rows ``:T``. Returns the description, or None (KDA
+        cores eager)."""
+        host = self._staging.acquire()["step"]
+        arr = self._staging.arrays()["step"]
+        o = self._kda_off
+        step = None
+        for cand in self._kda_steps.get(T, ()):  # the narrowest class the step fits
+            assert self.padding_slot is not None  # (descriptions exist only with one)
+            if describe_static_step(meta, n, cand.caps, self.padding_slot, arr[o : o + cand.caps.size], self.device):
+                step = cand
+                break
+        end = o + step.caps.size if step is not None else T
         if isinstance(input_ids, torch.Tensor):
             self._ids[:n].copy_(input_ids)
             self._ids[n:T].zero_()
+            if step is not None:
+                self._step_buf[o:end].copy_(host[o:end], non_blocking=True)
         else:
-            host = self._staging.acquire()["ids"]
-            arr = self._staging.arrays()["ids"]
             arr[:n] = input_ids
             arr[n:T] = 0
-            self._ids[:T].copy_(host[:T], non_blocking=True)
-            self._staging.release()
+            self._step_buf[:end].copy_(host[:end], non_blocking=True)
+        self._staging.release()
+        if step is not None:
+            step.refresh()
         self._live[:n].copy_(meta.row_live_t)
         self._live[n:T].zero_()
+        return step
 
     # --------------------------------------------------------------------------------------------
     # Capture
@@ -331,45 +449,60 @@ class PiecewiseRunner:
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
 
-    def _try_capture(self, key: tuple[int, int]) -> bool:
+    def _try_capture(
+        self, key: tuple[Any, ...], fn: Callable[[], None] | None = None, *, warm_is_run: bool = False
+    ) -> bool:
+        """Capture ``fn`` (default: plain segment ``key``) as ``key``'s graph; False (recorded in ``failed``, the
+        segment then runs eagerly) if the capture raised. ``warm_is_run``: the warm-up is the step's own run of a
+        segment that is not pure (KDA cores inside): an error there propagates (as from an eager step), and the
+        caller does not replay the graph this step."""
+        if fn is None:
+            fn = functools.partial(self._segment, *key)
+        t0 = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        if warm_is_run:
+            self._warm_up(fn)
         try:
-            self._capture(key)
+            if not warm_is_run:
+                self._warm_up(fn)
+            self._record(key, fn)
         except Exception as e:  # noqa: BLE001 - a failed capture must leave the segment runnable eagerly
             self.stats.failed[key] = f"{type(e).__name__}: {e}"
             if isinstance(e, GraphCaptureError):
                 self.pool = None
-            logger.warning("piecewise CUDA graph of (segment %d, %d tokens) failed, running it eagerly: %s", *key, e)
+            logger.warning("piecewise CUDA graph of segment %s failed, running it eagerly: %s", key, e)
             return False
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
+        self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - before)
         return True
 
-    def _capture(self, key: tuple[int, int]) -> None:
-        """Warm up segment ``key[0]`` at ``key[1]`` rows on the carry buffers as they are (a side stream: Triton
-        compiles, cuBLAS set-up, first-sight buffers), then capture it. Pure in its inputs: safe mid-step."""
-        k, T = key
-        dev = self.device
-        t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(dev)
-        cur = torch.cuda.current_stream(dev)
-        side = torch.cuda.Stream(dev)
+    def _warm_up(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on a side stream (Triton compiles, cuBLAS set-up, first-sight buffers) before its capture."""
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            self._segment(k, T)
+            fn()
         cur.wait_stream(side)
+
+    def _record(self, key: tuple[Any, ...], fn: Callable[[], None]) -> None:
+        """Capture ``fn`` into ``key``'s graph (recorded, not run) in the shared pool."""
         graph = torch.cuda.CUDAGraph()
         self._capturing = True
         try:
             with capture_graph(graph, pool=self.capture_pool()):
-                self._segment(k, T)
+                fn()
         finally:
             self._capturing = False
         self.graphs[key] = graph
-        self.stats.captures += 1
-        self.stats.capture_s += time.perf_counter() - t0
-        self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(dev) - before)
 
-    def capture_all(self, buckets: Sequence[int] | None = None) -> None:
+    def capture_all(self, buckets: Sequence[int] | None = None, manager: Any = None) -> None:
         """Capture every segment of ``buckets`` (default all) now, at start-up, rather than on first use. The carry
-        buffers hold whatever they hold (zeros at first): segments are pure, and no cache or state is touched."""
+        buffers hold whatever they hold (zeros at first): segments are pure, and no cache or state is touched.
+        With ``manager`` (the target cache manager) also the segments with KDA cores inside, their warm-ups run on a
+        step of padding entries only (`describe_padding_step`: the padding slot is the only state they write);
+        without it those are captured at first use."""
         if self.emulate or not self.enabled:
             return
         L = len(self.layers)
@@ -382,4 +515,25 @@ class PiecewiseRunner:
                         self._expect_core(k - 1)
                     if (k, T) not in self.graphs and (k, T) not in self.stats.failed:
                         self._try_capture((k, T))
+                for step in self._kda_steps.get(T, []) if manager is not None else []:
+                    self._capture_kda(step, manager)
         torch.cuda.synchronize(self.device)
+
+    def _capture_kda(self, step: StaticKdaStep, manager: Any) -> None:
+        """Capture the segments with KDA cores inside of ``step``'s bucket and width class (`capture_all`), their
+        warm-ups on a step of padding entries only (the padding slot is the only state they write)."""
+        T, o, end = step.caps.rows, self._kda_off, self._kda_off + step.caps.size
+        host = self._staging.acquire()["step"]
+        assert self.padding_slot is not None
+        describe_padding_step(step.caps, self.padding_slot, self._staging.arrays()["step"][o:end])
+        self._step_buf[o:end].copy_(host[o:end], non_blocking=True)
+        self._staging.release()
+        step.refresh()
+        for p, q in self._fused_segments:
+            if p > 0:
+                if (p - 1, "x") not in self._where:
+                    break  # the segment before never ran (its capture failed): first use tries again
+                self._expect_core(p - 1)
+            key = ("kda", p, T, step.caps.width)
+            if key not in self.graphs and key not in self.stats.failed:
+                self._try_capture(key, functools.partial(self._fused, p, q, T, step, manager))

@@ -1,7 +1,9 @@
 """Piecewise CUDA graphs of eager steps on the GPU (`trtllm_glm.runtime.piecewise`): every segment captures (no
 host sync, no allocation outside the pool, no data-dependent shape), replays give the eager steps' greedy tokens
 (plain and n-gram executors; prefill steps and mixed steps of a prompt joining decoding requests), a step
-without padding rows equals the eager step bit for bit, and in the batch-invariant mode every step does.
+without padding rows equals the eager step bit for bit, and in the batch-invariant mode every step does. Admission
+steps with the KDA cores captured inside the segments (`trtllm_glm.kda.static_step`) equal the eager step bit for
+bit, padded or not, at first use (capture) and on replays.
 
 Needs CUDA (tests/conftest.py skips ``gpu`` tests without it). Run with ``-s`` to see capture times and memory.
 """
@@ -12,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
+from trtllm_glm import envs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.numerics import batch_invariant_mode
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
@@ -79,7 +82,10 @@ def test_piecewise_executor_matches_eager(model, mode: str, monkeypatch) -> None
     assert st.failed == {}, st.failed  # every segment captured: sync-free, allocation-free, static shapes
     # Steps with verify rows stay eager (n-gram drafts from the first decode step on): the prefill step at least.
     assert st.steps >= (2 if mode == "plain" else 1) and st.eager_segments == 0
-    assert st.replays == st.steps * pw.num_segments
+    # Each step replays its segments (all pieces, or with KDA cores inside the segments cut at the sparse cores), but
+    # the ones captured at first use with KDA inside: their warm-up was the step's run.
+    per_step = (st.steps - st.kda_steps) * pw.num_segments + st.kda_steps * len(pw._fused_segments)
+    assert st.replays + st.warm_runs == per_step
 
 
 def _piecewise_step(h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_seqs: int) -> torch.Tensor:
@@ -167,4 +173,74 @@ def test_capture_all_memory(model) -> None:
     print(f"\n[{next(model.parameters()).dtype}] {len(ex.piecewise.buckets)} buckets x {ex.piecewise.num_segments} "
           f"segments: {st.captures} captures in {st.capture_s:.2f} s, pool +{st.pool_bytes / 2**20:.0f} MiB, "
           f"carry {st.carry_bytes / 2**20:.1f} MiB")  # fmt: skip
-    assert st.failed == {} and st.captures == len(ex.piecewise.buckets) * ex.piecewise.num_segments
+    pw = ex.piecewise
+    # The pure segments of every bucket, and the segments with KDA cores inside of every (bucket, width class).
+    classes = sum(len(v) for v in pw._kda_steps.values())
+    assert st.failed == {} and st.captures == len(pw.buckets) * pw.num_segments + classes * len(pw._fused_segments)
+    # Their warm-ups stepped the padding slot only: every other slot is still zero.
+    real = [s for s in range(ex.manager.state.kda_recurrent.shape[1]) if s != ex._padding_slot]
+    assert not ex.manager.state.kda_recurrent[:, real].any() and not ex.manager.state.kda_conv[:, real].any()
+
+
+def _admission(seed: int) -> list:
+    """Admission steps on fixed request ids (rows as token lists; decode rows first): short prompts of uneven lengths
+    joining decoding requests, a finished request's slot reused, a chunk over the short-prefill limit (falls back),
+    a continuing short chunk and a one-token prompt. Row counts: 32 / 16 / 48 (edges) and padded ones."""
+    g = torch.Generator().manual_seed(seed)
+    t = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    d = lambda *rids: [(r, t(1)) for r in rids]  # noqa: E731
+    return [
+        ([(0, t(10)), (1, t(13)), (2, t(9))], 0, []),  # 32: a pure short prefill
+        (d(0, 1, 2) + [(3, t(6)), (4, t(7))], 3, []),  # 16: an admission
+        (d(0, 1, 2, 3, 4) + [(5, t(11))], 5, []),  # 16 again: replays
+        (d(0, 2, 3, 4, 5) + [(9, t(4)), (6, t(2))], 5, [1]),  # 11 -> 16, request 9 in request 1's slot
+        (d(0, 2, 3, 4, 5, 9, 6), 7, []),  # 7 -> 8: decode rows only
+        (d(0, 2) + [(7, t(44))], 2, []),  # 46 -> 48: a 44-row chunk with the limit at 40 falls back
+        (d(0, 2, 3) + [(7, t(5)), (8, t(1))], 3, []),  # 9 -> 16: a continuing chunk and a one-token prompt
+        (d(0, 2, 3, 4, 5) + [(10, t(5)), (11, t(6))], 5, []),  # 16: replays
+    ]
+
+
+def _admit(h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed) -> torch.Tensor:
+    for rid in freed:
+        h.manager.free_request(rid)
+        del h.lengths[rid]
+    if runner is None:
+        with torch.inference_mode():
+            return h.step(rows, num_decode_seqs=nd).clone()
+    return _piecewise_step(h, runner, rows, nd)
+
+
+@pytest.mark.parametrize("against", ["eager_forward", "kda_eager_runner"])
+def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
+    """Real graphs with the KDA cores inside: every admission step's hidden, logits and real slots are the reference's
+    bit for bit: the plain eager forward on buckets equal to the row counts (no padding), or the same runner with
+    every core eager (padded buckets); the fallback step runs its cores eagerly between the segments."""
+    monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, "40")
+    monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")  # (the eager forward's pure decode step: `_decode` too)
+    model.fuse_weights()
+    steps = _admission(4)
+    ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    pad = hb.manager.add_request(-1, 0)
+    ha.manager.add_request(-1, 0)
+    sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if against == "eager_forward" else None
+    ref = None if against == "eager_forward" else PiecewiseRunner(model, max_num_tokens=48)
+    runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14)
+    for i, (rows, nd, freed) in enumerate(steps):
+        for r in (x for x in (ref, runner) if x is not None):  # the same padding rows in both (eager cores: stale)
+            for buf in r._carry.values():
+                buf.zero_()
+        want = _admit(ha, ref, rows, nd, freed)
+        have = _admit(hb, runner, rows, nd, freed)
+        assert torch.equal(have, want), f"step {i} ({have.shape[0]} rows): {(have - want).abs().max().item()}"
+        with torch.inference_mode():
+            assert torch.equal(model.compute_logits(have), model.compute_logits(want)), f"step {i}: logits"
+    real = [s for s in range(hb.manager.state.kda_recurrent.shape[1]) if s != pad]
+    assert torch.equal(ha.manager.state.kda_recurrent[:, real], hb.manager.state.kda_recurrent[:, real])
+    assert torch.equal(ha.manager.state.kda_conv[:, real], hb.manager.state.kda_conv[:, real])
+    st = runner.stats
+    print(f"\n[{next(model.parameters()).dtype}, {against}] {st.kda_steps} of {st.steps} steps with KDA inside, "
+          f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB")  # fmt: skip
+    assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
+    assert st.eager_segments == 0 and st.kda_steps == len(steps) - 1 and st.replays > 0
