@@ -43,6 +43,9 @@
 #                 verify kernels), back to back
 #   mixed_ride    issue 42: the mixed-step stage's admissions with KDA decode rows riding the short prefills' verify
 #                 grid off and on (TRTLLM_GLM_KDA_DECODE_RIDE=0, then 512), back to back
+#   mixed_pw      issue 42: the same admissions eager and as piecewise graphs with the KDA cores inside the segments
+#                 (TRTLLM_GLM_PIECEWISE=0, then 1), back to back; then the server with TRTLLM_GLM_PIECEWISE=1 at concurrency 16
+#                 and 64 (GPU test: GPU_TESTS=tests/unittest/runtime/test_piecewise_gpu.py)
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -204,6 +207,14 @@ for stage in "$@"; do
         TRTLLM_GLM_KDA_DECODE_RIDE=$ride timeout "${T_MIXED_RIDE:-150}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
           --decode 15 63 --new 1 16 --prompt-len 30 --json "$O/mixed_ride_$ride.json" 2>&1 | tee "$O/mixed_ride_$ride.log"
       done ;;
+    mixed_pw)
+      for pw in 0 1; do
+        TRTLLM_GLM_PIECEWISE=$pw timeout "${T_MIXED_PW:-150}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
+          --decode 15 63 --new 1 16 --prompt-len 30 --json "$O/mixed_pw_$pw.json" 2>&1 | tee "$O/mixed_pw_$pw.log"
+      done
+      TRTLLM_GLM_PIECEWISE=1 timeout "${T_SERVE_PW:-200}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash \
+        --layers 4 --dtype bfloat16 --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 \
+        --json "$O/serve_pw.json" 2>&1 | tee "$O/serve_pw.log" ;;
     structured)
       timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \
         --modes free json ngram ngram-json --json "$O/structured.json" 2>&1 | tee "$O/structured.log" ;;
