@@ -82,9 +82,10 @@ def test_piecewise_executor_matches_eager(model, mode: str, monkeypatch) -> None
     assert st.failed == {}, st.failed  # every segment captured: sync-free, allocation-free, static shapes
     # Steps with verify rows stay eager (n-gram drafts from the first decode step on): the prefill step at least.
     assert st.steps >= (2 if mode == "plain" else 1) and st.eager_segments == 0
-    # Each step replays its segments (all pieces, or with KDA cores inside the segments cut at the sparse cores), but
-    # the ones captured at first use with KDA inside: their warm-up was the step's run.
-    per_step = (st.steps - st.kda_steps) * pw.num_segments + st.kda_steps * len(pw._fused_segments)
+    # Each step replays its segments (all pieces, with KDA cores inside the segments cut at the sparse cores, or the
+    # whole trunk as one), but the ones captured at first use with cores inside: their warm-up was the step's run.
+    kda_only = st.kda_steps - st.trunk_steps
+    per_step = (st.steps - st.kda_steps) * pw.num_segments + kda_only * len(pw._fused_segments) + st.trunk_steps
     assert st.replays + st.warm_runs == per_step
 
 
@@ -174,12 +175,16 @@ def test_capture_all_memory(model) -> None:
           f"segments: {st.captures} captures in {st.capture_s:.2f} s, pool +{st.pool_bytes / 2**20:.0f} MiB, "
           f"carry {st.carry_bytes / 2**20:.1f} MiB")  # fmt: skip
     pw = ex.piecewise
-    # The pure segments of every bucket, and the segments with KDA cores inside of every (bucket, width class).
+    # The pure segments of every bucket, and the segments with KDA cores inside and the whole trunk of every (bucket,
+    # width class).
     classes = sum(len(v) for v in pw._kda_steps.values())
-    assert st.failed == {} and st.captures == len(pw.buckets) * pw.num_segments + classes * len(pw._fused_segments)
-    # Their warm-ups stepped the padding slot only: every other slot is still zero.
+    want = len(pw.buckets) * pw.num_segments + classes * (len(pw._fused_segments) + 1)
+    assert st.failed == {} and st.captures == want
+    # Their warm-ups stepped the padding slot only: every other slot is still zero, and no page or ring was written
+    # (the whole trunk's warm-ups: padding rows only).
     real = [s for s in range(ex.manager.state.kda_recurrent.shape[1]) if s != ex._padding_slot]
     assert not ex.manager.state.kda_recurrent[:, real].any() and not ex.manager.state.kda_conv[:, real].any()
+    assert not ex.manager.latent.view(torch.uint8).any() and not ex.manager.state.tail_ring.any()
 
 
 def _admission(seed: int) -> list:
@@ -220,13 +225,16 @@ def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
     monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")  # (the eager forward's pure decode step: `_decode` too)
     model.fuse_weights()
     steps = _admission(4)
+    # (The sparse cores eager: the merged path. The whole trunk as one graph: `test_trunk_graph_bits`.)
     ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     pad = hb.manager.add_request(-1, 0)
     ha.manager.add_request(-1, 0)
     sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if against == "eager_forward" else None
     ref = None if against == "eager_forward" else PiecewiseRunner(model, max_num_tokens=48)
-    runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14)
+    runner = PiecewiseRunner(
+        model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14, sparse_inside=False
+    )
     for i, (rows, nd, freed) in enumerate(steps):
         for r in (x for x in (ref, runner) if x is not None):  # the same padding rows in both (eager cores: stale)
             for buf in r._carry.values():
@@ -244,3 +252,58 @@ def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
           f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB")  # fmt: skip
     assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
     assert st.eager_segments == 0 and st.kda_steps == len(steps) - 1 and st.replays > 0
+
+
+# Which `_admission` steps run the whole trunk as one graph: not the decode-only one (4) nor the 44-row chunk (5).
+_TRUNK = [True, True, True, True, False, False, True, True]
+
+
+@pytest.mark.parametrize("against", ["eager_forward", "merged_runner"])
+def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
+    """Real graphs with every core inside (the whole trunk one graph per (bucket, width class)): against the plain
+    eager forward on buckets equal to the row counts (no padding) every step's hidden, logits, caches and real slots
+    are its bits, at first use (capture) and on replays. Against the runner as merged (sparse cores eager) on padded
+    buckets: the same greedy tokens and caches of the same tokens; bits where the sparse core's GEMMs give a row
+    the same bits in ``n`` and ``T`` rows (cuBLAS picks by the row count: reported, not asserted)."""
+    monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, "40")
+    monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")
+    model.fuse_weights()
+    steps = _admission(5)
+    ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    pad_a, pad = ha.manager.add_request(-1, 0), hb.manager.add_request(-1, 0)
+    exact = against == "eager_forward"
+    sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if exact else None
+    ref = None if exact else PiecewiseRunner(model, max_num_tokens=48, padding_slot=pad_a, max_num_seqs=14,
+                                             sparse_inside=False)  # fmt: skip
+    runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14)
+    worst = 0.0
+    for i, (rows, nd, freed) in enumerate(steps):
+        for r in (x for x in (ref, runner) if x is not None):
+            for buf in r._carry.values():
+                buf.zero_()
+        t0 = runner.stats.trunk_steps, runner.stats.eager_cores
+        want = _admit(ha, ref, rows, nd, freed)
+        have = _admit(hb, runner, rows, nd, freed)
+        assert (runner.stats.trunk_steps - t0[0] == 1) == _TRUNK[i], f"step {i}: trunk steps"
+        if _TRUNK[i]:
+            assert runner.stats.eager_cores == t0[1], f"step {i}: an eager core in a whole-trunk step"
+        with torch.inference_mode():
+            lw, lh = model.compute_logits(want), model.compute_logits(have)
+        assert torch.equal(lh.argmax(-1), lw.argmax(-1)), f"step {i}: greedy tokens differ"
+        if exact:
+            assert torch.equal(have, want), f"step {i} ({have.shape[0]} rows): {(have - want).abs().max().item()}"
+            assert torch.equal(lh, lw), f"step {i}: logits"
+        worst = max(worst, (have.float() - want.float()).abs().max().item())
+    if exact:
+        assert torch.equal(ha.manager.latent, hb.manager.latent)
+        assert torch.equal(ha.manager.index_k.view(torch.uint8), hb.manager.index_k.view(torch.uint8))
+        assert torch.equal(ha.manager.state.tail_ring, hb.manager.state.tail_ring)
+        real = [s for s in range(hb.manager.state.kda_recurrent.shape[1]) if s != pad]
+        assert torch.equal(ha.manager.state.kda_recurrent[:, real], hb.manager.state.kda_recurrent[:, real])
+    st = runner.stats
+    print(f"\n[{next(model.parameters()).dtype}, {against}] {st.trunk_steps} of {st.steps} steps as one graph, "
+          f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB, "
+          f"max |diff| {worst:.3g}")  # fmt: skip
+    assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
+    assert st.eager_segments == 0 and st.trunk_steps == sum(_TRUNK) and st.replays > 0
