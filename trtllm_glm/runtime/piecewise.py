@@ -515,6 +515,7 @@ class PiecewiseRunner:
             and isinstance(meta, GlmKpoolMetadata)
             and not meta.draft_binding_active
             and meta.spec.shared_pool_ids is None
+            and meta.valid_q_lens is None  # (its padding rows inside sequences: row_seq = -1 in the eager rows)
         )
 
     def _sparse_step(self, T: int, meta: GlmKpoolMetadata) -> StaticSparseStep | None:
