@@ -32,7 +32,7 @@ from .. import envs
 from ..attention.metadata import HostStaging
 from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
 from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
-from ..attention.sparse.glm_kpool.static_step import StaticSparseStep, describe_sparse_rows
+from ..attention.sparse.glm_kpool.static_step import StaticSparseStep, describe_sparse_rows, sparse_rows_size
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
 from ..kda.layer import short_prefill_rows
 from ..kda.static_step import (
@@ -222,7 +222,7 @@ class PiecewiseRunner:
         self._kda_off = off = self.max_tokens
         desc = max((c.size for c in caps), default=0)
         self._sparse_off = off + desc
-        rows_desc = 2 * max((c.rows for c in caps), default=0) if self._sparse_inside else 0
+        rows_desc = sparse_rows_size(max((c.rows for c in caps), default=0), True) if self._sparse_inside else 0
         desc += rows_desc
         with torch.inference_mode(False):
             self._step_buf = torch.zeros(self.max_tokens + desc, dtype=torch.int64, device=self.device)
@@ -234,7 +234,7 @@ class PiecewiseRunner:
             self._kda_steps.setdefault(c.rows, []).append(StaticKdaStep(c, self._step_buf[off : off + c.size]))
         # Each bucket's sparse rows, made at first use on the metadata's persistent buffers (`_sparse_step`), and
         # those buffers' addresses: a captured graph reads the first metadata's.
-        self._sparse_steps: dict[int, StaticSparseStep] = {}
+        self._sparse_steps: dict[tuple[int, bool], StaticSparseStep] = {}
         self._sparse_bound: tuple[int, ...] | None = None
         self.stats.carry_bytes = (2 * self.max_tokens + desc) * 8
         self._staging = HostStaging({"step": ((self.max_tokens + desc,), torch.int64)}, pin_memory=cuda)
@@ -480,12 +480,13 @@ class PiecewiseRunner:
                 step = cand
                 break
         end = o + step.caps.size if step is not None else T
-        sparse = (
-            self._sparse_step(T, meta) if step is not None and self._sparse_qualifies(meta, n, T, manager) else None
-        )
+        ring = self._has_ring(manager)
+        sparse = None
+        if step is not None and self._sparse_qualifies(meta, n, T, manager):
+            sparse = self._sparse_step(T, meta, ring)
         if sparse is not None:
-            end = self._sparse_off + 2 * T
-            describe_sparse_rows(meta, n, arr[self._sparse_off : end])
+            end = self._sparse_off + sparse_rows_size(T, ring)
+            describe_sparse_rows(meta, n, arr[self._sparse_off : end], ring)
         if isinstance(input_ids, torch.Tensor):
             self._ids[:n].copy_(input_ids)
             self._ids[n:T].zero_()
@@ -502,46 +503,60 @@ class PiecewiseRunner:
         self._live[n:T].zero_()
         return step, sparse
 
+    @staticmethod
+    def _has_ring(manager: Any) -> bool:
+        """Whether the sparse layers have MTP tail rings (a speculative executor's manager)."""
+        return bool(getattr(manager, "decode_tail_rings", None))
+
     def _sparse_qualifies(self, meta: Any, n: int, T: int, manager: Any) -> bool:
         """Whether a KDA-inside step of ``n`` rows in bucket ``T`` also runs its sparse-MLA cores inside (the whole
-        trunk one graph): a prefill row at least (the eager indexer then writes every row as a prefill chunk, what
-        `StaticSparseStep` does; with decode rows only it takes the decode pass), no MTP tail ring (decode rows then
-        take the decode pass, with its rollback), and the target binding of a `GlmKpoolMetadata` without selection
-        sharing. (Padding rows: ``row_seq = -1``, skipped by the kernels and the torch references alike.)"""
-        return (
+        trunk one graph): the target binding of a `GlmKpoolMetadata` without selection sharing or rows of a captured
+        width, and, without an MTP tail ring, a prefill row at least (the eager indexer then writes every row as a
+        prefill chunk, what `StaticSparseStep` does; with decode rows only it takes the decode pass); with a ring,
+        the step's accepted counts in the metadata's persistent buffer (the ring's cross-check reads it). (Padding
+        rows: ``row_seq = -1``, skipped by the kernels and the torch references alike.)"""
+        if not (
             self._sparse_inside
-            and meta.num_decode_tokens < n
-            and not getattr(manager, "decode_tail_rings", None)
             and isinstance(meta, GlmKpoolMetadata)
             and not meta.draft_binding_active
             and meta.spec.shared_pool_ids is None
             and meta.valid_q_lens is None  # (its padding rows inside sequences: row_seq = -1 in the eager rows)
-        )
+        ):
+            return False
+        if not self._has_ring(manager):
+            return meta.num_decode_tokens < n
+        acc = meta.spec.num_accepted_t
+        return acc is not None and acc.data_ptr() == meta._acc_buf.data_ptr()
 
-    def _sparse_step(self, T: int, meta: GlmKpoolMetadata) -> StaticSparseStep | None:
+    def _sparse_step(self, T: int, meta: GlmKpoolMetadata, ring: bool) -> StaticSparseStep | None:
         """Bucket ``T``'s sparse rows on ``meta``'s persistent buffers (made at first use), or None when ``meta`` is
         not the metadata whose buffers the graphs already read (those cores then run eagerly)."""
         bound = (
             meta.target_slot_table.data_ptr(),
             meta.target_state_slots.data_ptr(),
             meta.selection_buf.data_ptr(),
+            meta._acc_buf.data_ptr(),
             meta.graph_pool_capacity,
         )
         if self._sparse_bound is None:
             self._sparse_bound = bound
         elif bound != self._sparse_bound:
             return None
-        got = self._sparse_steps.get(T)
+        got = self._sparse_steps.get((T, ring))
         if got is None:
             o = self._sparse_off
+            S = meta.max_num_seqs
             got = StaticSparseStep(
-                self._step_buf[o : o + 2 * T],
+                self._step_buf[o : o + sparse_rows_size(T, ring)],
                 meta.target_slot_table,
-                meta.target_state_slots,
+                # (``[S]``: the ring's rollback takes one accepted count per state-slot entry)
+                meta.target_state_slots[:S],
                 meta.selection_buf,
                 meta.graph_pool_capacity,
+                ring=ring,
+                num_accepted=meta._acc_buf if ring else None,
             )
-            self._sparse_steps[T] = got
+            self._sparse_steps[(T, ring)] = got
         return got
 
     # --------------------------------------------------------------------------------------------
@@ -633,13 +648,14 @@ class PiecewiseRunner:
         assert self.padding_slot is not None
         describe_padding_step(step.caps, self.padding_slot, arr[o:end])
         sparse = None
+        ring = self._has_ring(manager)
         if meta is not None and self._sparse_inside and isinstance(meta, GlmKpoolMetadata):
-            sparse = self._sparse_step(T, meta)
+            sparse = self._sparse_step(T, meta, ring)
         if sparse is not None:
             o2 = self._sparse_off
-            arr[o2 : o2 + T] = 0  # padding rows: position 0, no sequence
-            arr[o2 + T : o2 + 2 * T] = -1
-            end = o2 + 2 * T
+            end = o2 + sparse_rows_size(T, ring)
+            arr[o2 : o2 + T] = 0  # padding rows: position 0, no sequence (every pass), no prefill slot
+            arr[o2 + T : end] = -1
         self._step_buf[o:end].copy_(host[o:end], non_blocking=True)
         self._staging.release()
         step.refresh()

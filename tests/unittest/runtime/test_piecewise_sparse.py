@@ -159,6 +159,72 @@ def test_trunk_graph_matches_merged_runner(backend) -> None:
     assert trunk.stats.trunk_steps == sum(TRUNK) and merged.stats.trunk_steps == 0
 
 
+# With MTP tail rings the decode-only step runs as one graph too (the eager indexer's two passes, fixed-shape).
+TRUNK_RING = [True, True, False, True, True, True, True]
+
+
+def _ring_step(h: ModelHarness, runner: PiecewiseRunner, rows, nd: int, toks, poke: int) -> torch.Tensor:
+    """`_step` as a speculative executor runs it: the accepted counts set after ``prepare``, and the rings' backups of
+    the step's sequences poked first (seed ``poke``: a snapshot, saved rows, their first position and count), so that
+    the decode pass restores a snapshot and replays accepted rows, and the prefill sequences' backups are dropped."""
+    g = torch.Generator().manual_seed(poke)
+    m, st = h.manager, h.manager.state
+    for rid, n in rows:
+        if rid not in h.lengths:
+            m.add_request(rid)
+            h.lengths[rid] = 0
+        m.ensure_capacity(rid, h.lengths[rid] + n)
+    rids = [r for r, _ in rows]
+    slots = m.get_batch_state_slots(rids)
+    for tr in st.decode_tail_rings:
+        for s, rid in zip(slots, rids):
+            tr.snapshot[s] = torch.randn(tr.snapshot[s].shape, generator=g)
+            tr.saved_rows[s] = torch.randn(tr.saved_rows[s].shape, generator=g)
+            tr.saved_count[s] = tr.max_rows
+            tr.saved_pos[s] = max(h.lengths[rid] - 2, 0)  # two of them accepted
+    h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
+    h.meta.set_num_accepted([2 if i % 2 else 1 for i in range(len(rows))])  # (some disagree: the counter moves)
+    assert runner.applies(h.meta)
+    with torch.no_grad():
+        out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()
+    for rid, n in rows:
+        h.lengths[rid] += n
+    return out
+
+
+def test_trunk_graph_with_tail_rings(backend) -> None:
+    """A speculative executor's manager (MTP tail rings) on twin caches: the whole trunk as one graph, the decode
+    pass's rollback and backup and the prefill pass fixed-shape, against the runner as merged: hidden, logits, every
+    cache plane and the rings' backups and disagreement counters bit for bit after each step."""
+    model = _model()
+    steps = _admission_steps()
+    toks = _tokens(steps, 3)
+    (ha, pad_a), (hb, pad_b) = _harness(model), _harness(model)
+    for h in (ha, hb):
+        h.manager.enable_decode_tail_rings(4)
+    merged = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_a, sparse_inside=False)
+    trunk = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b)
+    for i, (rows, nd, freed) in enumerate(steps):
+        _free(ha, freed)
+        _free(hb, freed)
+        for r in (merged, trunk):
+            for buf in r._carry.values():
+                buf.zero_()
+        before = trunk.stats.trunk_steps, trunk.stats.eager_cores
+        want = _ring_step(ha, merged, rows, nd, toks, poke=i)
+        have = _ring_step(hb, trunk, rows, nd, toks, poke=i)
+        assert torch.equal(_bits(have), _bits(want)), f"step {i}: hidden bits differ"
+        assert torch.equal(_bits(model.compute_logits(have)), _bits(model.compute_logits(want))), f"step {i}: logits"
+        for a, b in zip(_caches(ha), _caches(hb)):
+            assert torch.equal(_bits(a), _bits(b)), f"step {i}: a cache plane differs"
+        for ta, tb in zip(ha.manager.state.decode_tail_rings, hb.manager.state.decode_tail_rings):
+            for name in ("snapshot", "saved_rows", "saved_pos", "_saved_count", "num_disagreements_t"):
+                assert torch.equal(getattr(ta, name), getattr(tb, name)), f"step {i}: the ring's {name} differs"
+        expect = (1, 0) if TRUNK_RING[i] else (0, 4)
+        assert _counts(trunk, before) == expect, f"step {i}: (trunk steps, eager cores) {_counts(trunk, before)}"
+    assert ha.manager.state.decode_tail_rings[0].num_disagreements > 0  # (the cross-check ran)
+
+
 def test_trunk_graph_bits_without_padding() -> None:
     """Buckets on every step's row count (no padding row), the torch references throughout (no padding row needs
     skipping): every step is the plain eager forward's bit for bit, the qualifying ones as one graph."""

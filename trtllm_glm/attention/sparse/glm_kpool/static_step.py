@@ -18,19 +18,32 @@ indexer read from the metadata is, here, of the bucket's fixed shape:
   A row's columns past its complete pools score ``-inf`` and are never selected (`select_topk_pools`: the chosen
   pools are the top ``min(topk, n_c)`` of the valid columns, ties to the lower id), so the selection of a real row
   does not depend on the column count.
-- no decode pass: the indexer writes every row as a prefill chunk (``num_decode_tokens = 0``), exactly what the
-  eager indexer does for a mixed step without an MTP tail ring (`GlmKpoolIndexer.forward`). Steps whose eager
-  indexer takes the decode pass (decode rows only, or a tail ring) do not qualify.
+- the pool and tail writes: without an MTP tail ring every row is written as a prefill chunk
+  (``num_decode_tokens = 0``), exactly what the eager indexer does for a mixed step without one
+  (`GlmKpoolIndexer.forward`; a step of decode rows only takes its decode pass there: it does not qualify). With a
+  tail ring (``pool_rows``) the eager indexer's two passes, each on all ``T`` rows with the other pass's rows
+  masked as padding: the decode pass (`update_decode_pools` with the ring's rollback and backup) on the decode rows'
+  owners (``-1`` elsewhere), the backups of the prefill sequences' slots dropped (`DecodeTailRing.on_prefill`, a
+  fixed ``[T]`` list padded with ``-1``, which it ignores), then the prefill pass on the prefill rows' owners. The
+  kernels select a sequence's rows by owner, so each pass sees exactly the rows the eager slice gives it.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
 from ....state.spec_metadata import SpecMetadata
 
-__all__ = ["StaticSparseStep", "describe_sparse_rows"]
+__all__ = ["StaticSparseStep", "describe_sparse_rows", "sparse_rows_size"]
+
+
+def sparse_rows_size(rows: int, ring: bool) -> int:
+    """int64 entries of a ``rows``-row bucket's description: positions and owners, with a tail ring also the decode
+    and prefill passes' owners and the prefill sequences' slots."""
+    return (5 if ring else 2) * rows
 
 
 class StaticSparseStep:
@@ -39,14 +52,19 @@ class StaticSparseStep:
     Quacks like the `GlmKpoolMetadata` attributes `GlmKpoolSparseMLA.forward` and `GlmKpoolIndexer.forward` read:
     ``positions_t``, ``row_seq_t``, ``slot_table_t``, ``state_slots_t``, ``num_decode_tokens`` (0),
     ``num_decode_seqs`` (0), ``selection_buf`` / ``selection``, ``score_columns`` and ``spec`` (an empty
-    `SpecMetadata`; the indexer leaves its ``last_pool_ids`` there).
+    `SpecMetadata` but for ``num_accepted_t``; the indexer leaves its ``last_pool_ids`` there), and ``pool_rows``:
+    None, or with a tail ring ``(decode owners [T], prefill owners [T], prefill slots [T])`` (the module doc).
 
     Args:
-        buf: ``[2 * T]`` int64 device view of the runner's step buffer: positions, then row owners.
+        buf: ``[sparse_rows_size(T, ring)]`` int64 device view of the runner's step buffer: positions, row owners
+            and, with ``ring``, the decode pass's owners, the prefill pass's owners, the prefill sequences' slots.
         slot_table: ``[S, W]`` int32, the metadata's persistent target slot table (whole).
         state_slots: ``[S']`` int64, the metadata's persistent target state slots (whole).
         selection_buf: ``[max_num_tokens, width]`` int32, the metadata's persistent selection buffer (whole).
         score_columns: the score matrix's columns (``graph_pool_capacity``).
+        ring: the layers have MTP tail rings (the eager indexer's two passes).
+        num_accepted: ``[S]`` int64, the metadata's persistent accepted counts (whole; the ring's cross-check), or
+            None.
     """
 
     num_decode_tokens = 0
@@ -59,17 +77,23 @@ class StaticSparseStep:
         state_slots: torch.Tensor,
         selection_buf: torch.Tensor,
         score_columns: int,
+        *,
+        ring: bool = False,
+        num_accepted: torch.Tensor | None = None,
     ) -> None:
-        T = buf.shape[0] // 2
-        if buf.shape != (2 * T,) or buf.dtype != torch.int64 or selection_buf.shape[0] < T:
-            raise ValueError(f"static sparse step needs [2 T] int64 with T <= {selection_buf.shape[0]}")
+        k = 5 if ring else 2
+        T = buf.shape[0] // k
+        if buf.shape != (k * T,) or buf.dtype != torch.int64 or selection_buf.shape[0] < T:
+            raise ValueError(f"static sparse step needs [{k} T] int64 with T <= {selection_buf.shape[0]}")
         self.num_tokens = T
-        self.positions_t, self.row_seq_t = buf[:T], buf[T:]
+        self.buf = buf
+        self.positions_t, self.row_seq_t = buf[:T], buf[T : 2 * T]
+        self.pool_rows = (buf[2 * T : 3 * T], buf[3 * T : 4 * T], buf[4 * T :]) if ring else None
         self.slot_table_t = slot_table
         self.state_slots_t = state_slots
         self.selection_buf = selection_buf
         self.score_columns = score_columns
-        self.spec = SpecMetadata()
+        self.spec = SpecMetadata(num_accepted_t=num_accepted)
 
     def selection(self, num_rows: int) -> torch.Tensor:
         """The selection buffer's first ``num_rows`` rows filled with -1 (`GlmKpoolMetadata.selection`)."""
@@ -78,21 +102,35 @@ class StaticSparseStep:
         return sel
 
 
-def describe_sparse_rows(meta: object, num_rows: int, out: np.ndarray) -> None:
-    """Fill ``out [2 T]`` (the host side of `StaticSparseStep`'s buffer) with the step's positions and row owners
-    (``meta``'s ``num_rows`` real rows, as `AttentionMetadata.prepare` writes them), the padding rows position 0
-    and owner -1.
+def describe_sparse_rows(meta: Any, num_rows: int, out: np.ndarray, ring: bool = False) -> None:
+    """Fill ``out`` (the host side of `StaticSparseStep`'s buffer, ``sparse_rows_size(T, ring)`` entries) with the
+    step's positions and row owners (``meta``'s ``num_rows`` real rows, as `AttentionMetadata.prepare` writes them),
+    the padding rows position 0 and owner -1; with ``ring`` also the decode pass's owners (the leading
+    ``num_decode_tokens`` rows'), the prefill pass's (the others'), -1 elsewhere, and the prefill sequences' state
+    slots, -1 after them.
 
     Args:
-        meta: the prepared step (`GlmKpoolMetadata`: host ``past_lens``, ``q_lens``, ``cu_seqlens``).
+        meta: the prepared step (`GlmKpoolMetadata`: host ``past_lens``, ``q_lens``, ``cu_seqlens``,
+            ``num_decode_tokens``, ``num_decode_seqs``, ``state_slots``).
         num_rows: ``n``, the step's real rows (``<= T``).
-        out: int64 host array of ``2 T`` entries.
+        out: int64 host array.
+        ring: the layers have MTP tail rings.
     """
-    T = out.shape[0] // 2
-    q = np.asarray(meta.q_lens, dtype=np.int64)  # type: ignore[attr-defined]
+    T = out.shape[0] // (5 if ring else 2)
+    n, m = num_rows, meta
+    q = np.asarray(m.q_lens, dtype=np.int64)
     seq = np.repeat(np.arange(q.shape[0], dtype=np.int64), q)
-    starts = np.asarray(meta.past_lens, dtype=np.int64) - np.asarray(meta.cu_seqlens[:-1], dtype=np.int64)  # type: ignore[attr-defined]
-    out[:num_rows] = starts[seq] + np.arange(num_rows, dtype=np.int64)
-    out[num_rows:T] = 0
-    out[T : T + num_rows] = seq
-    out[T + num_rows :] = -1
+    starts = np.asarray(m.past_lens, dtype=np.int64) - np.asarray(m.cu_seqlens[:-1], dtype=np.int64)
+    out[:n] = starts[seq] + np.arange(n, dtype=np.int64)
+    out[n:T] = 0
+    out[T : T + n] = seq
+    out[T + n : 2 * T] = -1
+    if not ring:
+        return
+    nd = m.num_decode_tokens
+    out[2 * T : 4 * T] = -1
+    out[2 * T : 2 * T + nd] = seq[:nd]
+    out[3 * T + nd : 3 * T + n] = seq[nd:]
+    pre = m.state_slots[m.num_decode_seqs :]
+    out[4 * T : 4 * T + len(pre)] = pre
+    out[4 * T + len(pre) : 5 * T] = -1

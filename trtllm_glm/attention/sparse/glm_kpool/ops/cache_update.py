@@ -1,8 +1,8 @@
 """Cache writes of the sparse layers (torch reference): latent rows, completed pools and tail rings.
 
 Flat batch (docs/architecture.md, "Batch layout"); the rows of one sequence must be contiguous in the batch, with
-consecutive positions. Rows with ``row_seq < 0`` (CUDA-graph padding) are skipped by the latent and prefill writes,
-as by the kernels (outside a capture: they are dropped before anything is validated). Every page a row needs is
+consecutive positions. Rows with ``row_seq < 0`` (CUDA-graph padding) are skipped by the latent, decode and prefill
+writes, as by the kernels (outside a capture: they are dropped before anything is validated). Every page a row needs is
 looked up and validated before anything is written, so a bad table raises `ValueError` and leaves the cache
 untouched. Decode and prefill produce bit-identical pools and rings for the
 same rows: both complete a pool from the same ``[4, 128]`` member tensors with the same `pool_keys` and
@@ -251,6 +251,7 @@ def update_decode_pools(
     """
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    row_seq, key, gate, positions = drop_padding_rows(row_seq, key, gate, positions)
     _seq_bounds(positions, row_seq)
     pages = lookup_pages(positions, row_seq, slot_table, cache.tokens_per_block, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
