@@ -89,7 +89,9 @@ def test_piecewise_executor_matches_eager(model, mode: str, monkeypatch) -> None
     assert st.replays + st.warm_runs == per_step
 
 
-def _piecewise_step(h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_seqs: int) -> torch.Tensor:
+def _piecewise_step(
+    h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_seqs: int, accepted: bool = False
+) -> torch.Tensor:
     for rid, toks in rows:
         if rid not in h.lengths:
             h.manager.add_request(rid)
@@ -100,6 +102,8 @@ def _piecewise_step(h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_s
         rids, past_lens=[h.lengths[r] for r in rids], q_lens=[len(t) for _, t in rows],
         num_decode_seqs=num_decode_seqs,
     )  # fmt: skip
+    if accepted:  # as a speculative executor does (its rings' cross-check reads them)
+        h.meta.set_num_accepted([1] * len(rows))
     assert runner.applies(h.meta)
     with torch.inference_mode():
         hidden = runner.forward([t for _, toks in rows for t in toks], h.meta, h.manager)
@@ -206,14 +210,16 @@ def _admission(seed: int) -> list:
     ]
 
 
-def _admit(h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed) -> torch.Tensor:
+def _admit(
+    h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed, accepted: bool = False
+) -> torch.Tensor:
     for rid in freed:
         h.manager.free_request(rid)
         del h.lengths[rid]
     if runner is None:
         with torch.inference_mode():
             return h.step(rows, num_decode_seqs=nd).clone()
-    return _piecewise_step(h, runner, rows, nd)
+    return _piecewise_step(h, runner, rows, nd, accepted)
 
 
 @pytest.mark.parametrize("against", ["eager_forward", "kda_eager_runner"])
@@ -254,17 +260,19 @@ def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
     assert st.eager_segments == 0 and st.kda_steps == len(steps) - 1 and st.replays > 0
 
 
-# Which `_admission` steps run the whole trunk as one graph: not the decode-only one (4) nor the 44-row chunk (5).
+# Which `_admission` steps run the whole trunk as one graph: not the decode-only one (4; with MTP tail rings it does)
+# nor the 44-row chunk (5).
 _TRUNK = [True, True, True, True, False, False, True, True]
 
 
-@pytest.mark.parametrize("against", ["eager_forward", "merged_runner"])
+@pytest.mark.parametrize("against", ["eager_forward", "merged_runner", "merged_runner_rings"])
 def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
     """Real graphs with every core inside (the whole trunk one graph per (bucket, width class)): against the plain
     eager forward on buckets equal to the row counts (no padding) every step's hidden, logits, caches and real slots
     are its bits, at first use (capture) and on replays. Against the runner as merged (sparse cores eager) on padded
-    buckets: the same greedy tokens and caches of the same tokens; bits where the sparse core's GEMMs give a row
-    the same bits in ``n`` and ``T`` rows (cuBLAS picks by the row count: reported, not asserted)."""
+    buckets, also with MTP tail rings (a speculative executor's manager: the indexer's two passes inside): the same
+    greedy tokens; bits where the sparse core's GEMMs give a row the same bits in ``n`` and ``T`` rows (cuBLAS picks
+    by the row count: reported, not asserted)."""
     monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, "40")
     monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")
     model.fuse_weights()
@@ -272,6 +280,11 @@ def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
     ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     pad_a, pad = ha.manager.add_request(-1, 0), hb.manager.add_request(-1, 0)
+    rings = against == "merged_runner_rings"
+    if rings:
+        for h in (ha, hb):
+            h.manager.enable_decode_tail_rings(4)
+    trunk_steps = [t or (rings and i == 4) for i, t in enumerate(_TRUNK)]
     exact = against == "eager_forward"
     sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if exact else None
     ref = None if exact else PiecewiseRunner(model, max_num_tokens=48, padding_slot=pad_a, max_num_seqs=14,
@@ -283,10 +296,10 @@ def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
             for buf in r._carry.values():
                 buf.zero_()
         t0 = runner.stats.trunk_steps, runner.stats.eager_cores
-        want = _admit(ha, ref, rows, nd, freed)
-        have = _admit(hb, runner, rows, nd, freed)
-        assert (runner.stats.trunk_steps - t0[0] == 1) == _TRUNK[i], f"step {i}: trunk steps"
-        if _TRUNK[i]:
+        want = _admit(ha, ref, rows, nd, freed, accepted=rings)
+        have = _admit(hb, runner, rows, nd, freed, accepted=rings)
+        assert (runner.stats.trunk_steps - t0[0] == 1) == trunk_steps[i], f"step {i}: trunk steps"
+        if trunk_steps[i]:
             assert runner.stats.eager_cores == t0[1], f"step {i}: an eager core in a whole-trunk step"
         with torch.inference_mode():
             lw, lh = model.compute_logits(want), model.compute_logits(have)
@@ -306,4 +319,4 @@ def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
           f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB, "
           f"max |diff| {worst:.3g}")  # fmt: skip
     assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
-    assert st.eager_segments == 0 and st.trunk_steps == sum(_TRUNK) and st.replays > 0
+    assert st.eager_segments == 0 and st.trunk_steps == sum(trunk_steps) and st.replays > 0
