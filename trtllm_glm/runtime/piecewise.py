@@ -10,10 +10,11 @@ A step of KDA decode rows and short prefills only (`trtllm_glm.kda.static_step`)
 graphs, from a device-side description refreshed by the step's one host-to-device copy: the forward is then cut at
 the sparse-MLA cores only, consecutive KDA layers (cores included) making one segment per (segment, bucket, width
 class). Those segments step the KDA state, so each runs once a step (a first-use capture's warm-up is the step's
-run). When such a step also has a prefill row and no MTP tail ring, its sparse-MLA cores run inside too, from a
-fixed-shape description of their rows (`trtllm_glm.attention.sparse.glm_kpool.static_step`) refreshed by the same
-copy: the whole trunk is then one graph per (bucket, width class), with no eager core. Design, buckets, memory and
-numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
+run). When such a step also has a prefill row, or the sparse layers have MTP tail rings, its sparse-MLA cores run
+inside too (`PiecewiseRunner._sparse_qualifies`), from a fixed-shape description of their rows
+(`trtllm_glm.attention.sparse.glm_kpool.static_step`) refreshed by the same copy: the whole trunk is then one graph
+per (bucket, width class), with no eager core. Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA
+graphs of eager steps".
 """
 
 from __future__ import annotations
