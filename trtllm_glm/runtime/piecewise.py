@@ -119,8 +119,8 @@ class PiecewiseStats:
         warm_runs: segments with KDA cores inside captured at first use: the capture's warm-up was the step's run
             (no replay that step).
         failed: segment key (``(segment, bucket)``, ``("kda", first piece, bucket, width class)`` for a segment
-            with KDA cores inside, ``("trunk", bucket, width class)`` for the whole trunk) whose capture raised, with
-            the error; that segment runs eagerly.
+            with KDA cores inside, ``("trunk", bucket, width class, tail rings)`` for the whole trunk) whose capture
+            raised, with the error; that segment runs eagerly.
     """
 
     steps: int = 0
@@ -408,7 +408,9 @@ class PiecewiseRunner:
 
     @staticmethod
     def _fused_key(p: int, T: int, step: StaticKdaStep, sparse: StaticSparseStep | None) -> tuple[Any, ...]:
-        return ("trunk", T, step.caps.width) if sparse is not None else ("kda", p, T, step.caps.width)
+        if sparse is not None:  # (with or without tail rings: other kernels inside)
+            return ("trunk", T, step.caps.width, sparse.pool_rows is not None)
+        return ("kda", p, T, step.caps.width)
 
     # --------------------------------------------------------------------------------------------
     def forward(self, input_ids: Sequence[int] | torch.Tensor, meta: Any, manager: Any) -> torch.Tensor:
@@ -668,7 +670,7 @@ class PiecewiseRunner:
             key = ("kda", p, T, step.caps.width)
             if key not in self.graphs and key not in self.stats.failed:
                 self._try_capture(key, functools.partial(self._fused, p, q, T, step, manager))
-        key = ("trunk", T, step.caps.width)
-        if sparse is not None and key not in self.graphs and key not in self.stats.failed:
+        key = self._fused_key(0, T, step, sparse) if sparse is not None else None
+        if key is not None and key not in self.graphs and key not in self.stats.failed:
             # (Its warm-up runs every piece and core first: every carry buffer exists before the recording.)
             self._try_capture(key, functools.partial(self._fused, 0, len(self.layers), T, step, manager, sparse))
