@@ -213,13 +213,17 @@ class PiecewiseRunner:
         cuts = [k for k, lay in enumerate(self.layers) if lay.is_sparse] + [len(self.layers)]
         self._fused_segments = [(p, q) for p, q in zip([0] + [c + 1 for c in cuts[:-1]], cuts)]
         # Sparse-MLA cores inside too (the whole trunk one graph): only k-pool layers have a fixed-shape description.
+        # (Without sparse layers the one segment with KDA cores inside is the whole trunk already.)
         sparse = [lay for lay in self.layers if lay.is_sparse]
         self._sparse_inside = (
-            sparse_inside and bool(caps) and all(isinstance(lay.self_attn, GlmKpoolSparseMLA) for lay in sparse)
+            sparse_inside
+            and bool(caps)
+            and bool(sparse)
+            and all(isinstance(lay.self_attn, GlmKpoolSparseMLA) for lay in sparse)
         )
         # One int64 buffer: the input ids (rows ``:max_tokens``), then the KDA step description (every class's views
-        # start there: one a step), then the sparse cores' rows (positions, owners: ``2 T`` for bucket ``T``), so a
-        # step is one host-to-device copy.
+        # start there: one a step), then the sparse cores' rows (`sparse_rows_size`: positions and owners, with tail
+        # rings also the two passes' owners and the prefill slots), so a step is one host-to-device copy.
         self._kda_off = off = self.max_tokens
         desc = max((c.size for c in caps), default=0)
         self._sparse_off = off + desc

@@ -11,9 +11,11 @@ indexer read from the metadata is, here, of the bucket's fixed shape:
   a slot table; the attention outputs zeros for it), as for the decode graphs' padding sequences, and so do the
   torch references the CPU runs. So padding rows write no page, pool, ring or state slot at all, the padding
   request's included, and add only zero rows to the layer's output.
-- slot table, state slots and selection buffer: the metadata's persistent buffers whole (``[max_num_seqs,
-  max_pages_per_seq]``, ``[max_num_seqs + 1]``, ``[max_num_tokens, width]``): a real row reads entry ``row_seq``
-  of them, which `prepare` refreshed in place; the rows past the batch are never read (padding rows name none).
+- slot table, state slots and selection buffer: the metadata's persistent buffers (``[max_num_seqs,
+  max_pages_per_seq]``, the first ``max_num_seqs`` state slots, ``[max_num_tokens, width]``): a real row reads
+  entry ``row_seq`` of them, which `prepare` refreshed in place; the entries past the batch are never read through
+  a row (padding rows name none; the tail ring's rollback visits every state-slot entry, and rewrites the slot of
+  an entry without rows in the step unchanged, as it does for the eager step's duplicate slots).
 - score columns: ``graph_pool_capacity``, the pools of the widest slot-table row (the decode graphs' choice).
   A row's columns past its complete pools score ``-inf`` and are never selected (`select_topk_pools`: the chosen
   pools are the top ``min(topk, n_c)`` of the valid columns, ties to the lower id), so the selection of a real row
@@ -59,7 +61,7 @@ class StaticSparseStep:
         buf: ``[sparse_rows_size(T, ring)]`` int64 device view of the runner's step buffer: positions, row owners
             and, with ``ring``, the decode pass's owners, the prefill pass's owners, the prefill sequences' slots.
         slot_table: ``[S, W]`` int32, the metadata's persistent target slot table (whole).
-        state_slots: ``[S']`` int64, the metadata's persistent target state slots (whole).
+        state_slots: ``[S]`` int64, the metadata's persistent target state slots (its first ``max_num_seqs``).
         selection_buf: ``[max_num_tokens, width]`` int32, the metadata's persistent selection buffer (whole).
         score_columns: the score matrix's columns (``graph_pool_capacity``).
         ring: the layers have MTP tail rings (the eager indexer's two passes).
