@@ -493,7 +493,8 @@ class PiecewiseRunner:
             sparse = self._sparse_step(T, meta, ring)
         if sparse is not None:
             end = self._sparse_off + sparse_rows_size(T, ring)
-            describe_sparse_rows(meta, n, arr[self._sparse_off : end], ring)
+            assert self.padding_slot is not None  # (KDA descriptions exist only with one)
+            describe_sparse_rows(meta, n, arr[self._sparse_off : end], self.padding_slot, ring)
         if isinstance(input_ids, torch.Tensor):
             self._ids[:n].copy_(input_ids)
             self._ids[n:T].zero_()
@@ -540,7 +541,6 @@ class PiecewiseRunner:
         not the metadata whose buffers the graphs already read (those cores then run eagerly)."""
         bound = (
             meta.target_slot_table.data_ptr(),
-            meta.target_state_slots.data_ptr(),
             meta.selection_buf.data_ptr(),
             meta._acc_buf.data_ptr(),
             meta.graph_pool_capacity,
@@ -552,14 +552,12 @@ class PiecewiseRunner:
         got = self._sparse_steps.get((T, ring))
         if got is None:
             o = self._sparse_off
-            S = meta.max_num_seqs
             got = StaticSparseStep(
                 self._step_buf[o : o + sparse_rows_size(T, ring)],
                 meta.target_slot_table,
-                # (``[S]``: the ring's rollback takes one accepted count per state-slot entry)
-                meta.target_state_slots[:S],
                 meta.selection_buf,
                 meta.graph_pool_capacity,
+                meta.max_num_seqs,
                 ring=ring,
                 num_accepted=meta._acc_buf if ring else None,
             )
@@ -661,8 +659,7 @@ class PiecewiseRunner:
         if sparse is not None:
             o2 = self._sparse_off
             end = o2 + sparse_rows_size(T, ring)
-            arr[o2 : o2 + T] = 0  # padding rows: position 0, no sequence (every pass), no prefill slot
-            arr[o2 + T : end] = -1
+            describe_sparse_rows(None, 0, arr[o2:end], self.padding_slot, ring)  # padding rows only
         self._step_buf[o:end].copy_(host[o:end], non_blocking=True)
         self._staging.release()
         step.refresh()

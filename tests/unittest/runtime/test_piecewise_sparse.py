@@ -113,7 +113,11 @@ def _tokens(steps: list[Step], seed: int) -> dict[int, list[int]]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+    return (
+        t.view(torch.uint8)
+        if t.element_size() == 1
+        else t.view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
+    )
 
 
 def _caches(h: ModelHarness) -> list[torch.Tensor]:
@@ -254,17 +258,22 @@ def test_trunk_graph_bits_without_padding() -> None:
     assert got == [(0, 4), (1, 0), (0, 4), (1, 0), (0, 1), (1, 0), (1, 0)]
 
 
-def test_padding_rows_write_nothing(backend) -> None:
+@pytest.mark.parametrize("rings", [False, True], ids=["plain", "tail_rings"])
+def test_padding_rows_write_nothing(backend, rings: bool) -> None:
     """Before each step every page no live request holds, every free slot's and the padding slot's tail ring are
     poisoned with NaN, and the idle requests' pages and rings and the stepping requests' cached tokens and complete
     pools saved: after it, all of them hold the same bits (the padding rows wrote no latent row, pool or ring entry),
-    and the real rows are finite."""
+    and the real rows are finite. With MTP tail rings also the backups of every slot outside the step, the padding
+    slot's included (the rollback visits the state-slot entries past the batch: they name the padding slot)."""
     model = _model()
     steps = _admission_steps()
     toks = _tokens(steps, 2)
     h, pad = _harness(model)
+    if rings:
+        h.manager.enable_decode_tail_rings(4)
     runner = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad)
     m, ring = h.manager, h.manager.state.tail_ring
+    backups = [getattr(tr, n) for tr in m.state.decode_tail_rings for n in ("snapshot", "saved_rows", "saved_pos")]
     planes = [m.latent, m.index_k] + ([m.index_scale] if m.index_scale is not None else [])
     S = ring.shape[1]
     for i, (rows, nd, freed) in enumerate(steps):
@@ -302,12 +311,17 @@ def test_padding_rows_write_nothing(backend) -> None:
                 out += [_bits(t)[:, p_pg, p_in].clone() for t in planes[1:]]
             return out
 
+        for t in backups:  # (slot-major)
+            if t.is_floating_point():
+                t[free_slots] = float("nan")
         saved = [_bits(t)[:, others].clone() for t in planes] + [_bits(ring)[:, idle].clone()] + own()
+        saved += [_bits(t)[idle].clone() for t in backups]
         before = runner.stats.trunk_steps
-        out = _step(h, runner, rows, nd, toks)
+        out = _ring_step(h, runner, rows, nd, toks, poke=i) if rings else _step(h, runner, rows, nd, toks)
         assert torch.isfinite(out).all(), f"step {i}: a real row read padding"
-        assert runner.stats.trunk_steps - before == int(TRUNK[i])
+        assert runner.stats.trunk_steps - before == int((TRUNK_RING if rings else TRUNK)[i])
         now = [_bits(t)[:, others] for t in planes] + [_bits(ring)[:, idle]] + own()
+        now += [_bits(t)[idle] for t in backups]
         assert len(now) == len(saved)
         for j, (a, b) in enumerate(zip(now, saved)):
             assert torch.equal(a, b), f"step {i}: plane {j} changed outside the step's new tokens / slots"
