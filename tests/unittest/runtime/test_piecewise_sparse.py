@@ -5,7 +5,9 @@ merged (KDA cores inside, sparse cores eager) on the same padded buckets and of 
 is padded: tokens, logits, hidden, pages, pools, tail rings and KDA slots; steps that do not qualify (a chunk over the
 short-prefill limit, decode rows only) take the merged path in between; the padding rows write nothing (free pages,
 free slots and the padding slot's tail ring poisoned with NaN first stay bit for bit, and so do idle requests' pages
-and the stepping requests' cached tokens and pools).
+and the stepping requests' cached tokens and pools). With a speculative executor's MTP tail rings (the indexer's
+decode pass with its rollback and backup, and the prefill pass, both inside) also the rings' backups and
+disagreement counters are the merged runner's, and a decode-only step runs as one graph too.
 
 Request ids run past the pools (12 state slots, ids from 40), a finished request's slot and pages are reused by the
 next one. The k-pool ops are the torch references, or the cache writes go through the Triton kernels (interpreted;
