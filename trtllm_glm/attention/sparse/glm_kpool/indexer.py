@@ -109,7 +109,8 @@ class GlmKpoolIndexer(nn.Module):
         Args:
             h: ``[N, hidden]`` layer input rows (decode rows first, then prefill chunks).
             q_lora: ``[N, q_lora]`` normalised MLA query low-rank rows.
-            meta: the step's metadata (positions, slot table, state slots).
+            meta: the step's metadata (positions, slot table, state slots), or a `StaticSparseStep` (a captured
+                piecewise step: its ``pool_rows`` give the two passes' rows with a tail ring).
             cache: this layer's cache planes.
             projected: the raw key and pooling-gate projections of ``h`` (`keys`), when already computed.
 
