@@ -144,6 +144,8 @@ def test_trunk_graph_matches_merged_runner(backend) -> None:
     merged = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_a, sparse_inside=False)
     trunk = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b)
     for i, (rows, nd, freed) in enumerate(steps):
+        if i == 3:  # request 41's slot and pages, which request 50 takes right after it finished
+            gone = hb.manager.get_batch_state_slots([41]), set(hb.manager.page_lists([41])[0])
         _free(ha, freed)
         _free(hb, freed)
         # The same padding rows in both (the CPU MoE computes dead rows too: their values move the real rows'
@@ -161,6 +163,9 @@ def test_trunk_graph_matches_merged_runner(backend) -> None:
             assert torch.equal(_bits(a), _bits(b)), f"step {i}: a cache plane differs"
         expect = (1, 0) if TRUNK[i] else (0, 4 if i == FALLBACK else 1)
         assert _counts(trunk, before) == expect, f"step {i}: (trunk steps, eager cores) {_counts(trunk, before)}"
+        if i == 3:
+            assert hb.manager.get_batch_state_slots([50]) == gone[0] != [50]
+            assert set(hb.manager.page_lists([50])[0]) & gone[1]
     assert hb.manager.get_batch_state_slots([50]) == ha.manager.get_batch_state_slots([50])
     assert trunk.stats.trunk_steps == sum(TRUNK) and merged.stats.trunk_steps == 0
 
