@@ -16,7 +16,8 @@ requests decoding, then adds ``N`` prompts of ``L`` tokens and steps until each 
 Usage (GPU): ``python -m benchmarks.bench_mixed_step --layers 4 --decode 15 63 --new 1 16 --prompt-len 30 1024
 --json out.json``; ``--preset tiny --device cpu`` runs the same code on the CPU (a smoke test). Piecewise CUDA
 graphs of the mixed steps (docs/gpu.md): ``TRTLLM_GLM_PIECEWISE=1`` (or ``--llm-args '{"cuda_graph_config":
-{"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` of one admission.
+{"piecewise": true}}'``) against ``=0``; rows then also show ``pw_steps`` / ``pw_replays`` / ``pw_trunk_steps``
+(steps run as one whole-trunk graph) of one admission.
 
 CPU proxy of the host cost (no GPU needed): ``--widths tiny`` keeps the preset's layer pattern (KDA / sparse MLA,
 dense / MoE FFNs, mHC streams, Sinkhorn iterations, MTP layer) and shrinks every width (`TINY_WIDTHS`), so an
@@ -139,7 +140,7 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
     row = {"decode": decode, "new": new, "prompt_len": length, "admit_ms": round(admit_ms, 2), "steps": steps,
            "decode_ms": round(decode_ms, 3)}  # fmt: skip
     pw = b.ex.piecewise
-    pw0 = (pw.stats.steps, pw.stats.replays) if pw is not None else None
+    pw0 = (pw.stats.steps, pw.stats.replays, pw.stats.trunk_steps) if pw is not None else None
     launches, syncs = count_launches_and_syncs(lambda: b.admit(new, length))
     row.update(launches=launches, syncs=syncs)
     # The host's time issuing each part of one admission (no profiler, no sync): which part keeps it host-bound.
@@ -155,7 +156,8 @@ def run_case(llm: LLM, decode: int, new: int, length: int, args: argparse.Namesp
         row["ops_by_part"] = {k: v for k, v in ops.items() if k == "(step)" or k in _PARTS}
         row["ops_by_function"] = {k: v for k, v in ops.items() if k != "(step)" and k not in _PARTS}
     if pw is not None and pw0 is not None:  # piecewise steps / segment replays of that one admission
-        row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1])
+        row.update(pw_steps=pw.stats.steps - pw0[0], pw_replays=pw.stats.replays - pw0[1],
+                   pw_trunk_steps=pw.stats.trunk_steps - pw0[2])  # fmt: skip
     if dev == "cuda":
         row["gpu_busy_ms"] = round(top_kernels(lambda: b.admit(new, length), 0)[0][1] / 1e3, 2)
         if args.profile:

@@ -672,7 +672,7 @@ class Executor:
         if self.graph_runner is not None:
             self.graph_runner.capture_all()
         if self.piecewise is not None:
-            self.piecewise.capture_all(manager=self.manager)
+            self.piecewise.capture_all(manager=self.manager, meta=self.meta)
 
     def _prepare_graph_step(self, plan: list[ScheduledSeq], P: int, W: int) -> None:
         """Describe ``plan`` (uniform width ``W``) padded to ``P`` sequences on the padding slot."""

@@ -10,7 +10,11 @@ A step of KDA decode rows and short prefills only (`trtllm_glm.kda.static_step`)
 graphs, from a device-side description refreshed by the step's one host-to-device copy: the forward is then cut at
 the sparse-MLA cores only, consecutive KDA layers (cores included) making one segment per (segment, bucket, width
 class). Those segments step the KDA state, so each runs once a step (a first-use capture's warm-up is the step's
-run). Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA graphs of eager steps".
+run). When such a step also has a prefill row, or the sparse layers have MTP tail rings, its sparse-MLA cores run
+inside too (`PiecewiseRunner._sparse_qualifies`), from a fixed-shape description of their rows
+(`trtllm_glm.attention.sparse.glm_kpool.static_step`) refreshed by the same copy: the whole trunk is then one graph
+per (bucket, width class), with no eager core. Design, buckets, memory and numerics: docs/gpu.md, "Piecewise CUDA
+graphs of eager steps".
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ import torch
 
 from .. import envs
 from ..attention.metadata import HostStaging
+from ..attention.sparse.glm_kpool.layer import GlmKpoolSparseMLA
+from ..attention.sparse.glm_kpool.metadata import GlmKpoolMetadata
+from ..attention.sparse.glm_kpool.static_step import StaticSparseStep, describe_sparse_rows, sparse_rows_size
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
 from ..kda.layer import short_prefill_rows
 from ..kda.static_step import (
@@ -106,12 +113,14 @@ class PiecewiseStats:
         carry_bytes: bytes of the carry buffers (input ids, row flags, what crosses segment boundaries, the KDA
             step descriptions).
         kda_steps: piecewise steps whose KDA cores ran inside the segments (cut at the sparse-MLA cores only).
-        eager_cores: attention cores run eagerly between segments (per step: the sparse layers in a ``kda_steps``
-            step, every layer in another).
+        trunk_steps: ``kda_steps`` whose sparse-MLA cores ran inside too: the whole trunk as one graph, no eager core.
+        eager_cores: attention cores run eagerly between segments (per step: none in a ``trunk_steps`` step, the
+            sparse layers in another ``kda_steps`` step, every layer in another).
         warm_runs: segments with KDA cores inside captured at first use: the capture's warm-up was the step's run
             (no replay that step).
-        failed: segment key (``(segment, bucket)``, or ``("kda", first piece, bucket, width class)`` for a segment
-            with KDA cores inside) whose capture raised, with the error; that segment runs eagerly.
+        failed: segment key (``(segment, bucket)``, ``("kda", first piece, bucket, width class)`` for a segment
+            with KDA cores inside, ``("trunk", bucket, width class, tail rings)`` for the whole trunk) whose capture
+            raised, with the error; that segment runs eagerly.
     """
 
     steps: int = 0
@@ -123,6 +132,7 @@ class PiecewiseStats:
     pool_bytes: int = 0
     carry_bytes: int = 0
     kda_steps: int = 0
+    trunk_steps: int = 0
     eager_cores: int = 0
     warm_runs: int = 0
     failed: dict[tuple[Any, ...], str] = field(default_factory=dict)
@@ -148,6 +158,8 @@ class PiecewiseRunner:
             KDA step descriptions.
         kda_max_tokens: largest bucket whose segments take the KDA cores inside (the captured verify grid's memory
             grows with the bucket); larger steps run them eagerly.
+        sparse_inside: let the sparse-MLA cores of a qualifying KDA-inside step run inside too (`_sparse_qualifies`:
+            the whole trunk one graph); False: they always run eagerly between the segments.
     """
 
     def __init__(
@@ -162,6 +174,7 @@ class PiecewiseRunner:
         padding_slot: int | None = None,
         max_num_seqs: int = 0,
         kda_max_tokens: int = 512,
+        sparse_inside: bool = True,
     ) -> None:
         self.model = model
         self.layers = list(model.model.layers)  # type: ignore[union-attr]
@@ -199,10 +212,23 @@ class PiecewiseRunner:
                     ]
         cuts = [k for k, lay in enumerate(self.layers) if lay.is_sparse] + [len(self.layers)]
         self._fused_segments = [(p, q) for p, q in zip([0] + [c + 1 for c in cuts[:-1]], cuts)]
+        # Sparse-MLA cores inside too (the whole trunk one graph): only k-pool layers have a fixed-shape description.
+        # (Without sparse layers the one segment with KDA cores inside is the whole trunk already.)
+        sparse = [lay for lay in self.layers if lay.is_sparse]
+        self._sparse_inside = (
+            sparse_inside
+            and bool(caps)
+            and bool(sparse)
+            and all(isinstance(lay.self_attn, GlmKpoolSparseMLA) for lay in sparse)
+        )
         # One int64 buffer: the input ids (rows ``:max_tokens``), then the KDA step description (every class's views
-        # start there: one a step), so a step is one host-to-device copy.
+        # start there: one a step), then the sparse cores' rows (`sparse_rows_size`: positions and owners, with tail
+        # rings also the two passes' owners and the prefill slots), so a step is one host-to-device copy.
         self._kda_off = off = self.max_tokens
         desc = max((c.size for c in caps), default=0)
+        self._sparse_off = off + desc
+        rows_desc = sparse_rows_size(max((c.rows for c in caps), default=0), True) if self._sparse_inside else 0
+        desc += rows_desc
         with torch.inference_mode(False):
             self._step_buf = torch.zeros(self.max_tokens + desc, dtype=torch.int64, device=self.device)
             self._live = torch.zeros(self.max_tokens, dtype=torch.int64, device=self.device)
@@ -211,6 +237,10 @@ class PiecewiseRunner:
         self._kda_steps: dict[int, list[StaticKdaStep]] = {}
         for c in caps:
             self._kda_steps.setdefault(c.rows, []).append(StaticKdaStep(c, self._step_buf[off : off + c.size]))
+        # Each bucket's sparse rows, made at first use on the metadata's persistent buffers (`_sparse_step`), and
+        # those buffers' addresses: a captured graph reads the first metadata's.
+        self._sparse_steps: dict[tuple[int, bool], StaticSparseStep] = {}
+        self._sparse_bound: tuple[int, ...] | None = None
         self.stats.carry_bytes = (2 * self.max_tokens + desc) * 8
         self._staging = HostStaging({"step": ((self.max_tokens + desc,), torch.int64)}, pin_memory=cuda)
 
@@ -323,13 +353,26 @@ class PiecewiseRunner:
         inputs = tuple(self._take(k, name, T) for name in ("kx", "kg", "kbeta", "ga"))
         self._put(k, "core", self.layers[k].attn_core_static(inputs, step, manager))
 
-    def _fused(self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any) -> None:
-        """Pieces ``p .. q`` with the KDA cores of layers ``p .. q-1`` between them, on ``T`` rows. Not pure (the
-        cores step their slots): it must run once a step (`_run_fused`)."""
+    def _sparse_core(self, k: int, T: int, sparse: StaticSparseStep, manager: Any) -> None:
+        """Sparse-MLA layer ``k``'s core on the bucket's ``T`` rows from their fixed-shape description (graph-safe:
+        the padding rows have ``row_seq = -1``, which every k-pool kernel skips; their output rows are zeros)."""
+        x = self._take(k, "x", T)
+        self._put(k, "core", self.layers[k].attn_core(x, (), sparse, manager))
+
+    def _fused(
+        self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any, sparse: StaticSparseStep | None = None
+    ) -> None:
+        """Pieces ``p .. q`` with the cores of layers ``p .. q-1`` between them, on ``T`` rows: KDA ones from
+        ``step``, sparse-MLA ones from ``sparse`` (the whole trunk). Not pure (the cores step their slots, write
+        their caches): it must run once a step (`_run_fused`)."""
         for k in range(p, q + 1):
             self._segment(k, T)
             if k < q:
-                self._kda_core(k, T, step, manager)
+                if self.layers[k].is_sparse:
+                    assert sparse is not None  # (segments with KDA cores only end at a sparse layer)
+                    self._sparse_core(k, T, sparse, manager)
+                else:
+                    self._kda_core(k, T, step, manager)
 
     def _run_segment(self, k: int, T: int) -> None:
         key = (k, T)
@@ -347,17 +390,19 @@ class PiecewiseRunner:
             g.replay()
             self.stats.replays += 1
 
-    def _run_fused(self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any) -> None:
-        """The segment of pieces ``p .. q`` with KDA cores inside, once: a replay, or (first use) its capture, whose
-        warm-up is this step's run (a capture records without running; a warm-up then a replay would step the
-        slots twice), or eagerly (emulation, a failed capture)."""
-        key = ("kda", p, T, step.caps.width)
+    def _run_fused(
+        self, p: int, q: int, T: int, step: StaticKdaStep, manager: Any, sparse: StaticSparseStep | None = None
+    ) -> None:
+        """The segment of pieces ``p .. q`` with cores inside (``sparse``: the whole trunk, every core), once: a
+        replay, or (first use) its capture, whose warm-up is this step's run (a capture records without running; a
+        warm-up then a replay would step the slots twice), or eagerly (emulation, a failed capture)."""
+        key = self._fused_key(p, T, step, sparse)
         g = self.graphs.get(key)
         if g is not None:
             g.replay()
             self.stats.replays += 1
             return
-        run = functools.partial(self._fused, p, q, T, step, manager)
+        run = functools.partial(self._fused, p, q, T, step, manager, sparse)
         if self.emulate or key in self.stats.failed:
             run()
             self.stats.eager_segments += 1
@@ -365,13 +410,20 @@ class PiecewiseRunner:
             self._try_capture(key, run, warm_is_run=True)
             self.stats.warm_runs += 1
 
+    @staticmethod
+    def _fused_key(p: int, T: int, step: StaticKdaStep, sparse: StaticSparseStep | None) -> tuple[Any, ...]:
+        if sparse is not None:  # (with or without tail rings: other kernels inside)
+            return ("trunk", T, step.caps.width, sparse.pool_rows is not None)
+        return ("kda", p, T, step.caps.width)
+
     # --------------------------------------------------------------------------------------------
     def forward(self, input_ids: Sequence[int] | torch.Tensor, meta: Any, manager: Any) -> torch.Tensor:
         """The trunk forward of the prepared step ``meta`` (as ``model(input_ids, meta, manager)``), piecewise.
 
         A step of decode rows and short prefills only (`describe_static_step`) runs its KDA cores inside the
-        segments, which are then cut at the sparse-MLA cores only; any other step runs every core eagerly between
-        the token-wise segments. Either way the same kernels compute the same rows (bit for bit).
+        segments, which are then cut at the sparse-MLA cores only, or, when its sparse cores qualify too
+        (`_sparse_qualifies`), runs the whole trunk as one graph; any other step runs every core eagerly between
+        the token-wise segments. Either way the same kernels compute the same rows.
 
         Args:
             input_ids: ``[n]`` token ids (a host list: copied with the padding in one transfer; or a tensor).
@@ -387,15 +439,23 @@ class PiecewiseRunner:
             raise ValueError(f"piecewise step of {len(input_ids)} ids for {n} rows (buckets up to {self.max_tokens})")
         manager.state.discard_pending()  # as the model's forward: a step that raised must not be committed
         self.model._check_comm()  # type: ignore[union-attr]
-        step = self._fill(input_ids, n, T, meta)
+        step, sparse = self._fill(input_ids, n, T, meta, manager)
         L = len(self.layers)
         if step is not None:
-            keys: list[tuple[Any, ...]] = [("kda", p, T, step.caps.width) for p, _ in self._fused_segments]
+            segs = [(0, L)] if sparse is not None else self._fused_segments
+            keys: list[tuple[Any, ...]] = [self._fused_key(p, T, step, sparse) for p, _ in segs]
         else:
             keys = [(k, T) for k in range(L + 1)]
         missing = not self.emulate and any(key not in self.graphs for key in keys)
         with capture_session() if missing else contextlib.nullcontext():
-            if step is not None:
+            if sparse is not None:
+                self._run_fused(0, L, T, step, manager, sparse)  # type: ignore[arg-type]
+                self.stats.kda_steps += 1
+                self.stats.trunk_steps += 1
+                # What an eager step leaves there (the latest full indexer's pools), its real rows.
+                if sparse.spec.last_pool_ids is not None:
+                    meta.spec.last_pool_ids = sparse.spec.last_pool_ids[:n]
+            elif step is not None:
                 for p, q in self._fused_segments:
                     self._run_fused(p, q, T, step, manager)
                     if q < L:
@@ -411,10 +471,12 @@ class PiecewiseRunner:
         assert out is not None
         return out
 
-    def _fill(self, input_ids: Sequence[int] | torch.Tensor, n: int, T: int, meta: Any) -> StaticKdaStep | None:
-        """Input ids (padding 0), the KDA step description when the step qualifies (one host-to-device copy for
-        both) and row flags (padding 0: dead for the MoE) into rows ``:T``. Returns the description, or None (KDA
-        cores eager)."""
+    def _fill(
+        self, input_ids: Sequence[int] | torch.Tensor, n: int, T: int, meta: Any, manager: Any
+    ) -> tuple[StaticKdaStep | None, StaticSparseStep | None]:
+        """Input ids (padding 0), the KDA step description when the step qualifies, the sparse cores' rows when they
+        qualify too (one host-to-device copy for all) and row flags (padding 0: dead for the MoE) into rows ``:T``.
+        Returns the KDA description, or None (KDA cores eager), and the sparse one, or None (sparse cores eager)."""
         host = self._staging.acquire()["step"]
         arr = self._staging.arrays()["step"]
         o = self._kda_off
@@ -425,6 +487,14 @@ class PiecewiseRunner:
                 step = cand
                 break
         end = o + step.caps.size if step is not None else T
+        ring = self._has_ring(manager)
+        sparse = None
+        if step is not None and self._sparse_qualifies(meta, n, T, manager):
+            sparse = self._sparse_step(T, meta, ring)
+        if sparse is not None:
+            end = self._sparse_off + sparse_rows_size(T, ring)
+            assert self.padding_slot is not None  # (KDA descriptions exist only with one)
+            describe_sparse_rows(meta, n, arr[self._sparse_off : end], self.padding_slot, ring)
         if isinstance(input_ids, torch.Tensor):
             self._ids[:n].copy_(input_ids)
             self._ids[n:T].zero_()
@@ -439,7 +509,60 @@ class PiecewiseRunner:
             step.refresh()
         self._live[:n].copy_(meta.row_live_t)
         self._live[n:T].zero_()
-        return step
+        return step, sparse
+
+    @staticmethod
+    def _has_ring(manager: Any) -> bool:
+        """Whether the sparse layers have MTP tail rings (a speculative executor's manager)."""
+        return bool(getattr(manager, "decode_tail_rings", None))
+
+    def _sparse_qualifies(self, meta: Any, n: int, T: int, manager: Any) -> bool:
+        """Whether a KDA-inside step of ``n`` rows in bucket ``T`` also runs its sparse-MLA cores inside (the whole
+        trunk one graph): the target binding of a `GlmKpoolMetadata` without selection sharing or rows of a captured
+        width, and, without an MTP tail ring, a prefill row at least (the eager indexer then writes every row as a
+        prefill chunk, what `StaticSparseStep` does; with decode rows only it takes the decode pass); with a ring,
+        the step's accepted counts in the metadata's persistent buffer (the ring's cross-check reads it). (Padding
+        rows: ``row_seq = -1``, skipped by the kernels and the torch references alike.)"""
+        if not (
+            self._sparse_inside
+            and isinstance(meta, GlmKpoolMetadata)
+            and not meta.draft_binding_active
+            and meta.spec.shared_pool_ids is None
+            and meta.valid_q_lens is None  # (its padding rows inside sequences: row_seq = -1 in the eager rows)
+        ):
+            return False
+        if not self._has_ring(manager):
+            return meta.num_decode_tokens < n
+        acc = meta.spec.num_accepted_t
+        return acc is not None and acc.data_ptr() == meta._acc_buf.data_ptr()
+
+    def _sparse_step(self, T: int, meta: GlmKpoolMetadata, ring: bool) -> StaticSparseStep | None:
+        """Bucket ``T``'s sparse rows on ``meta``'s persistent buffers (made at first use), or None when ``meta`` is
+        not the metadata whose buffers the graphs already read (those cores then run eagerly)."""
+        bound = (
+            meta.target_slot_table.data_ptr(),
+            meta.selection_buf.data_ptr(),
+            meta._acc_buf.data_ptr(),
+            meta.graph_pool_capacity,
+        )
+        if self._sparse_bound is None:
+            self._sparse_bound = bound
+        elif bound != self._sparse_bound:
+            return None
+        got = self._sparse_steps.get((T, ring))
+        if got is None:
+            o = self._sparse_off
+            got = StaticSparseStep(
+                self._step_buf[o : o + sparse_rows_size(T, ring)],
+                meta.target_slot_table,
+                meta.selection_buf,
+                meta.graph_pool_capacity,
+                meta.max_num_seqs,
+                ring=ring,
+                num_accepted=meta._acc_buf if ring else None,
+            )
+            self._sparse_steps[(T, ring)] = got
+        return got
 
     # --------------------------------------------------------------------------------------------
     # Capture
@@ -497,12 +620,13 @@ class PiecewiseRunner:
             self._capturing = False
         self.graphs[key] = graph
 
-    def capture_all(self, buckets: Sequence[int] | None = None, manager: Any = None) -> None:
+    def capture_all(self, buckets: Sequence[int] | None = None, manager: Any = None, meta: Any = None) -> None:
         """Capture every segment of ``buckets`` (default all) now, at start-up, rather than on first use. The carry
         buffers hold whatever they hold (zeros at first): segments are pure, and no cache or state is touched.
         With ``manager`` (the target cache manager) also the segments with KDA cores inside, their warm-ups run on a
         step of padding entries only (`describe_padding_step`: the padding slot is the only state they write);
-        without it those are captured at first use."""
+        without it those are captured at first use. With ``meta`` too (the executor's metadata) the whole-trunk
+        graphs as well, their sparse rows all padding (``row_seq = -1``: no cache written)."""
         if self.emulate or not self.enabled:
             return
         L = len(self.layers)
@@ -516,16 +640,26 @@ class PiecewiseRunner:
                     if (k, T) not in self.graphs and (k, T) not in self.stats.failed:
                         self._try_capture((k, T))
                 for step in self._kda_steps.get(T, []) if manager is not None else []:
-                    self._capture_kda(step, manager)
+                    self._capture_kda(step, manager, meta)
         torch.cuda.synchronize(self.device)
 
-    def _capture_kda(self, step: StaticKdaStep, manager: Any) -> None:
+    def _capture_kda(self, step: StaticKdaStep, manager: Any, meta: Any = None) -> None:
         """Capture the segments with KDA cores inside of ``step``'s bucket and width class (`capture_all`), their
-        warm-ups on a step of padding entries only (the padding slot is the only state they write)."""
+        warm-ups on a step of padding entries only (the padding slot is the only state they write), and with
+        ``meta`` the whole trunk's graph on padding rows only (they write no cache)."""
         T, o, end = step.caps.rows, self._kda_off, self._kda_off + step.caps.size
         host = self._staging.acquire()["step"]
+        arr = self._staging.arrays()["step"]
         assert self.padding_slot is not None
-        describe_padding_step(step.caps, self.padding_slot, self._staging.arrays()["step"][o:end])
+        describe_padding_step(step.caps, self.padding_slot, arr[o:end])
+        sparse = None
+        ring = self._has_ring(manager)
+        if meta is not None and self._sparse_inside and isinstance(meta, GlmKpoolMetadata):
+            sparse = self._sparse_step(T, meta, ring)
+        if sparse is not None:
+            o2 = self._sparse_off
+            end = o2 + sparse_rows_size(T, ring)
+            describe_sparse_rows(None, 0, arr[o2:end], self.padding_slot, ring)  # padding rows only
         self._step_buf[o:end].copy_(host[o:end], non_blocking=True)
         self._staging.release()
         step.refresh()
@@ -537,3 +671,7 @@ class PiecewiseRunner:
             key = ("kda", p, T, step.caps.width)
             if key not in self.graphs and key not in self.stats.failed:
                 self._try_capture(key, functools.partial(self._fused, p, q, T, step, manager))
+        key = self._fused_key(0, T, step, sparse) if sparse is not None else None
+        if key is not None and key not in self.graphs and key not in self.stats.failed:
+            # (Its warm-up runs every piece and core first: every carry buffer exists before the recording.)
+            self._try_capture(key, functools.partial(self._fused, 0, len(self.layers), T, step, manager, sparse))

@@ -104,7 +104,9 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
     runner = ex.graph_runner
     eager0 = runner.stats.eager_steps if runner is not None else 0
     replays0 = runner.stats.replays if runner is not None else 0
-    pw_fields = ("steps", "eager_steps", "replays", "eager_segments", "kda_steps", "eager_cores", "warm_runs")
+    pw_fields = (
+        "steps", "eager_steps", "replays", "eager_segments", "kda_steps", "trunk_steps", "eager_cores", "warm_runs"
+    )  # fmt: skip
     pw0 = {k: getattr(ex.piecewise.stats, k) for k in pw_fields} if ex.piecewise is not None else {}
 
     def prompt(n: int) -> list[int]:
@@ -229,7 +231,7 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
               ("sampling", phase_sampling), ("greedy rows", phase_greedy_rows)]  # fmt: skip
     if ex.piecewise is not None:
         # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
-        ex.piecewise.capture_all(manager=ex.manager)
+        ex.piecewise.capture_all(manager=ex.manager, meta=ex.meta)
     try:
         # No inference_mode here: buffers the executor allocates lazily in its first steps (pinned read-back
         # buffers) would become inference tensors that later steps, outside the mode, cannot write.

@@ -82,13 +82,16 @@ def test_piecewise_executor_matches_eager(model, mode: str, monkeypatch) -> None
     assert st.failed == {}, st.failed  # every segment captured: sync-free, allocation-free, static shapes
     # Steps with verify rows stay eager (n-gram drafts from the first decode step on): the prefill step at least.
     assert st.steps >= (2 if mode == "plain" else 1) and st.eager_segments == 0
-    # Each step replays its segments (all pieces, or with KDA cores inside the segments cut at the sparse cores), but
-    # the ones captured at first use with KDA inside: their warm-up was the step's run.
-    per_step = (st.steps - st.kda_steps) * pw.num_segments + st.kda_steps * len(pw._fused_segments)
+    # Each step replays its segments (all pieces, with KDA cores inside the segments cut at the sparse cores, or the
+    # whole trunk as one), but the ones captured at first use with cores inside: their warm-up was the step's run.
+    kda_only = st.kda_steps - st.trunk_steps
+    per_step = (st.steps - st.kda_steps) * pw.num_segments + kda_only * len(pw._fused_segments) + st.trunk_steps
     assert st.replays + st.warm_runs == per_step
 
 
-def _piecewise_step(h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_seqs: int) -> torch.Tensor:
+def _piecewise_step(
+    h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_seqs: int, accepted: bool = False
+) -> torch.Tensor:
     for rid, toks in rows:
         if rid not in h.lengths:
             h.manager.add_request(rid)
@@ -99,6 +102,8 @@ def _piecewise_step(h: ModelHarness, runner: PiecewiseRunner, rows, num_decode_s
         rids, past_lens=[h.lengths[r] for r in rids], q_lens=[len(t) for _, t in rows],
         num_decode_seqs=num_decode_seqs,
     )  # fmt: skip
+    if accepted:  # as a speculative executor does (its rings' cross-check reads them)
+        h.meta.set_num_accepted([1] * len(rows))
     assert runner.applies(h.meta)
     with torch.inference_mode():
         hidden = runner.forward([t for _, toks in rows for t in toks], h.meta, h.manager)
@@ -174,12 +179,16 @@ def test_capture_all_memory(model) -> None:
           f"segments: {st.captures} captures in {st.capture_s:.2f} s, pool +{st.pool_bytes / 2**20:.0f} MiB, "
           f"carry {st.carry_bytes / 2**20:.1f} MiB")  # fmt: skip
     pw = ex.piecewise
-    # The pure segments of every bucket, and the segments with KDA cores inside of every (bucket, width class).
+    # The pure segments of every bucket, and the segments with KDA cores inside and the whole trunk of every (bucket,
+    # width class).
     classes = sum(len(v) for v in pw._kda_steps.values())
-    assert st.failed == {} and st.captures == len(pw.buckets) * pw.num_segments + classes * len(pw._fused_segments)
-    # Their warm-ups stepped the padding slot only: every other slot is still zero.
+    want = len(pw.buckets) * pw.num_segments + classes * (len(pw._fused_segments) + 1)
+    assert st.failed == {} and st.captures == want
+    # Their warm-ups stepped the padding slot only: every other slot is still zero, and no page or ring was written
+    # (the whole trunk's warm-ups: padding rows only).
     real = [s for s in range(ex.manager.state.kda_recurrent.shape[1]) if s != ex._padding_slot]
     assert not ex.manager.state.kda_recurrent[:, real].any() and not ex.manager.state.kda_conv[:, real].any()
+    assert not ex.manager.latent.view(torch.uint8).any() and not ex.manager.state.tail_ring.any()
 
 
 def _admission(seed: int) -> list:
@@ -201,14 +210,16 @@ def _admission(seed: int) -> list:
     ]
 
 
-def _admit(h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed) -> torch.Tensor:
+def _admit(
+    h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed, accepted: bool = False
+) -> torch.Tensor:
     for rid in freed:
         h.manager.free_request(rid)
         del h.lengths[rid]
     if runner is None:
         with torch.inference_mode():
             return h.step(rows, num_decode_seqs=nd).clone()
-    return _piecewise_step(h, runner, rows, nd)
+    return _piecewise_step(h, runner, rows, nd, accepted)
 
 
 @pytest.mark.parametrize("against", ["eager_forward", "kda_eager_runner"])
@@ -220,13 +231,16 @@ def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
     monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")  # (the eager forward's pure decode step: `_decode` too)
     model.fuse_weights()
     steps = _admission(4)
+    # (The sparse cores eager: the merged path. The whole trunk as one graph: `test_trunk_graph_bits`.)
     ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
     pad = hb.manager.add_request(-1, 0)
     ha.manager.add_request(-1, 0)
     sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if against == "eager_forward" else None
     ref = None if against == "eager_forward" else PiecewiseRunner(model, max_num_tokens=48)
-    runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14)
+    runner = PiecewiseRunner(
+        model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14, sparse_inside=False
+    )
     for i, (rows, nd, freed) in enumerate(steps):
         for r in (x for x in (ref, runner) if x is not None):  # the same padding rows in both (eager cores: stale)
             for buf in r._carry.values():
@@ -244,3 +258,65 @@ def test_kda_inside_segments_bits(model, against: str, monkeypatch) -> None:
           f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB")  # fmt: skip
     assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
     assert st.eager_segments == 0 and st.kda_steps == len(steps) - 1 and st.replays > 0
+
+
+# Which `_admission` steps run the whole trunk as one graph: not the decode-only one (4; with MTP tail rings it does)
+# nor the 44-row chunk (5).
+_TRUNK = [True, True, True, True, False, False, True, True]
+
+
+@pytest.mark.parametrize("against", ["eager_forward", "merged_runner", "merged_runner_rings"])
+def test_trunk_graph_bits(model, against: str, monkeypatch) -> None:
+    """Real graphs with every core inside (the whole trunk one graph per (bucket, width class)): against the plain
+    eager forward on buckets equal to the row counts (no padding) every step's hidden, logits, caches and real slots
+    are its bits, at first use (capture) and on replays. Against the runner as merged (sparse cores eager) on padded
+    buckets, also with MTP tail rings (a speculative executor's manager: the indexer's two passes inside): the same
+    greedy tokens; bits where the sparse core's GEMMs give a row the same bits in ``n`` and ``T`` rows (cuBLAS picks
+    by the row count: reported, not asserted)."""
+    monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, "40")
+    monkeypatch.setenv(envs.KDA_FUSED_DECODE.name, "0")
+    model.fuse_weights()
+    steps = _admission(5)
+    ha = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    hb = ModelHarness(model, max_seq_len=96, max_num_requests=14)
+    pad_a, pad = ha.manager.add_request(-1, 0), hb.manager.add_request(-1, 0)
+    rings = against == "merged_runner_rings"
+    if rings:
+        for h in (ha, hb):
+            h.manager.enable_decode_tail_rings(4)
+    trunk_steps = [t or (rings and i == 4) for i, t in enumerate(_TRUNK)]
+    exact = against == "eager_forward"
+    sizes = sorted({sum(len(x) for _, x in rows) for rows, _, _ in steps}) if exact else None
+    ref = None if exact else PiecewiseRunner(model, max_num_tokens=48, padding_slot=pad_a, max_num_seqs=14,
+                                             sparse_inside=False)  # fmt: skip
+    runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, padding_slot=pad, max_num_seqs=14)
+    worst = 0.0
+    for i, (rows, nd, freed) in enumerate(steps):
+        for r in (x for x in (ref, runner) if x is not None):
+            for buf in r._carry.values():
+                buf.zero_()
+        t0 = runner.stats.trunk_steps, runner.stats.eager_cores
+        want = _admit(ha, ref, rows, nd, freed, accepted=rings)
+        have = _admit(hb, runner, rows, nd, freed, accepted=rings)
+        assert (runner.stats.trunk_steps - t0[0] == 1) == trunk_steps[i], f"step {i}: trunk steps"
+        if trunk_steps[i]:
+            assert runner.stats.eager_cores == t0[1], f"step {i}: an eager core in a whole-trunk step"
+        with torch.inference_mode():
+            lw, lh = model.compute_logits(want), model.compute_logits(have)
+        assert torch.equal(lh.argmax(-1), lw.argmax(-1)), f"step {i}: greedy tokens differ"
+        if exact:
+            assert torch.equal(have, want), f"step {i} ({have.shape[0]} rows): {(have - want).abs().max().item()}"
+            assert torch.equal(lh, lw), f"step {i}: logits"
+        worst = max(worst, (have.float() - want.float()).abs().max().item())
+    if exact:
+        assert torch.equal(ha.manager.latent, hb.manager.latent)
+        assert torch.equal(ha.manager.index_k.view(torch.uint8), hb.manager.index_k.view(torch.uint8))
+        assert torch.equal(ha.manager.state.tail_ring, hb.manager.state.tail_ring)
+        real = [s for s in range(hb.manager.state.kda_recurrent.shape[1]) if s != pad]
+        assert torch.equal(ha.manager.state.kda_recurrent[:, real], hb.manager.state.kda_recurrent[:, real])
+    st = runner.stats
+    print(f"\n[{next(model.parameters()).dtype}, {against}] {st.trunk_steps} of {st.steps} steps as one graph, "
+          f"{st.replays} replays, {st.warm_runs} first captures, pool +{st.pool_bytes / 2**20:.0f} MiB, "
+          f"max |diff| {worst:.3g}")  # fmt: skip
+    assert st.failed == {}, st.failed  # captured: sync-free, allocation-free, static shapes
+    assert st.eager_segments == 0 and st.trunk_steps == sum(trunk_steps) and st.replays > 0

@@ -124,7 +124,8 @@ def test_kda_inside_segments_matches_kda_eager() -> None:
     toks = _tokens(steps)
     (ha, pad_a), (hb, pad_b) = _harness(model), _harness(model)
     eager_cores = PiecewiseRunner(model, max_num_tokens=48, emulate=True)
-    inside = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b)
+    # The sparse cores eager (the path of steps whose sparse cores do not qualify: `test_piecewise_sparse.py`).
+    inside = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b, sparse_inside=False)
     assert inside._fused_segments == [(0, 3), (4, 4)]
     n_sparse = sum(lay.is_sparse for lay in model.model.layers)
     for i, (rows, nd, freed) in enumerate(steps):

@@ -109,7 +109,8 @@ class GlmKpoolIndexer(nn.Module):
         Args:
             h: ``[N, hidden]`` layer input rows (decode rows first, then prefill chunks).
             q_lora: ``[N, q_lora]`` normalised MLA query low-rank rows.
-            meta: the step's metadata (positions, slot table, state slots).
+            meta: the step's metadata (positions, slot table, state slots), or a `StaticSparseStep` (a captured
+                piecewise step: its ``pool_rows`` give the two passes' rows with a tail ring).
             cache: this layer's cache planes.
             projected: the raw key and pooling-gate projections of ``h`` (`keys`), when already computed.
 
@@ -124,21 +125,35 @@ class GlmKpoolIndexer(nn.Module):
         table, slots = meta.slot_table_t, meta.state_slots_t
         nd = meta.num_decode_tokens
         ring = cache.decode_tail_ring
-        if ring is None and 0 < nd < N:
-            # A mixed step without verify backups: each decode sequence's rows are a chunk continuing it (pool
-            # members before them from the ring, as the decode pass reads them), so the prefill writes take every
-            # row, the same bits (`pool4` / `rotate_quant_rows` either way) in two launches instead of three.
-            nd = 0
-        if nd:
-            # Verify rounds roll the ring back to the accepted prefix of the previous step first (§6.2).
-            kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.spec.num_accepted_t}
-            ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots, **kw)
-        if nd < N:
-            if ring is not None:
-                # A prefill chunk rewrites the tail: a later decode must never restore a stale ring.
-                ring.on_prefill(slots[meta.num_decode_seqs :])
-            ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
-            ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
+        pool_rows = getattr(meta, "pool_rows", None)
+        if pool_rows is not None:
+            # A captured piecewise step's fixed-shape rows (`StaticSparseStep`, which has them only with a tail ring):
+            # the two passes below on every row, each with the other pass's rows as padding (the kernels select a
+            # sequence's rows by owner: each pass sees the rows the slices below give it).
+            assert ring is not None
+            dec_rs, pre_rs, pre_slots = pool_rows
+            kw = {"tail_ring": ring, "num_accepted_tokens": meta.spec.num_accepted_t}
+            ops.update_decode_pools(cache, key, gate, ape, pos, dec_rs, table, slots, **kw)
+            ring.on_prefill(pre_slots)
+            ops.update_prefill_pools(cache, key, gate, ape, pos, pre_rs, table, slots)
+            ops.write_prefill_tail(cache.tail_ring, key, gate, pos, pre_rs, slots)
+        else:
+            if ring is None and 0 < nd < N:
+                # A mixed step without verify backups: each decode sequence's rows are a chunk continuing it (pool
+                # members before them from the ring, as the decode pass reads them), so the prefill writes take
+                # every row, the same bits (`pool4` / `rotate_quant_rows` either way) in two launches instead of
+                # three.
+                nd = 0
+            if nd:
+                # Verify rounds roll the ring back to the accepted prefix of the previous step first (§6.2).
+                kw = {} if ring is None else {"tail_ring": ring, "num_accepted_tokens": meta.spec.num_accepted_t}
+                ops.update_decode_pools(cache, key[:nd], gate[:nd], ape, pos[:nd], rs[:nd], table, slots, **kw)
+            if nd < N:
+                if ring is not None:
+                    # A prefill chunk rewrites the tail: a later decode must never restore a stale ring.
+                    ring.on_prefill(slots[meta.num_decode_seqs :])
+                ops.update_prefill_pools(cache, key[nd:], gate[nd:], ape, pos[nd:], rs[nd:], table, slots)
+                ops.write_prefill_tail(cache.tail_ring, key[nd:], gate[nd:], pos[nd:], rs[nd:], slots)
 
         # The selection buffer's rows are written whole below (no -1 fill first: two launches less per sparse layer
         # and step, captured graphs included) unless the buffer is wider than this layer's selection.

@@ -147,7 +147,8 @@ class GlmKpoolSparseMLA(nn.Module):
 
         Args:
             h: ``[N, hidden]`` normalised layer input (decode rows first, then prefill chunks).
-            meta: the step's metadata.
+            meta: the step's metadata, or inside a piecewise CUDA graph the bucket's fixed-shape `StaticSparseStep`
+                (``N = T`` rows, padding rows with ``row_seq = -1``).
             cache: this layer's cache planes; this step's latent rows and pools are written first.
 
         Returns:

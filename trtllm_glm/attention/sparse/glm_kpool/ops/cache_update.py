@@ -1,8 +1,10 @@
 """Cache writes of the sparse layers (torch reference): latent rows, completed pools and tail rings.
 
 Flat batch (docs/architecture.md, "Batch layout"); the rows of one sequence must be contiguous in the batch, with
-consecutive positions. Every page a row needs is looked up and validated before anything is written, so a bad table
-raises `ValueError` and leaves the cache untouched. Decode and prefill produce bit-identical pools and rings for the
+consecutive positions. Rows with ``row_seq < 0`` (CUDA-graph padding) are skipped by the latent, decode and prefill
+writes, as by the kernels (outside a capture: they are dropped before anything is validated). Every page a row needs is
+looked up and validated before anything is written, so a bad table raises `ValueError` and leaves the cache
+untouched. Decode and prefill produce bit-identical pools and rings for the
 same rows: both complete a pool from the same ``[4, 128]`` member tensors with the same `pool_keys` and
 `rotate_quant` (FP8 keys) or bf16 rounding (BF16 keys, docs/indexer_keys.md). docs/architecture.md, "Cache writes".
 """
@@ -36,6 +38,18 @@ def host_checks_allowed(t: torch.Tensor) -> bool:
     """Whether validation that syncs with the host may run: not while a CUDA graph is being captured
     (a sync would invalidate the capture; captured replays rely on the eager run's checks)."""
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def drop_padding_rows(row_seq: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(row_seq, *rows)`` without the padding rows (``row_seq < 0``, which the kernels skip): their first dimension
+    indexed by ``row_seq >= 0``. Unchanged when there is none, and under a capture (no sync; the clamped lookups
+    apply there)."""
+    if not host_checks_allowed(row_seq) or row_seq.numel() == 0:
+        return (row_seq, *rows)
+    keep = row_seq >= 0
+    if bool(keep.all()):
+        return (row_seq, *rows)
+    return tuple(t[keep] for t in (row_seq, *rows))
 
 
 def lookup_pages(
@@ -176,7 +190,7 @@ def write_latent_rows(
             rows' `quant_latent` codes).
         rows: ``[N, R]`` latent rows (the model dtype; quantised from their fp32 values for an FP8 plane).
         positions: ``[N]`` int64 token positions.
-        row_seq: ``[N]`` int64 sequence index of each row.
+        row_seq: ``[N]`` int64 sequence index of each row (``< 0``: padding, skipped).
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
         page_size: tokens per page ``P``.
         latent_scale: ``[num_pages, P, ceil(R / 128)]`` fp32 block scales, written beside the codes; required
@@ -188,6 +202,7 @@ def write_latent_rows(
     check_latent_planes(latent_cache, latent_scale, page_size)
     if rows.dim() != 2 or rows.shape[0] != positions.shape[0] or rows.shape[1] != latent_cache.shape[2]:
         raise ValueError(f"rows {tuple(rows.shape)} do not match [N={positions.shape[0]}, {latent_cache.shape[2]}]")
+    row_seq, rows, positions = drop_padding_rows(row_seq, rows, positions)
     pages = lookup_pages(positions, row_seq, slot_table, page_size, latent_cache.shape[0])
     tok = positions.to(torch.int64) % page_size
     if latent_scale is None:
@@ -236,6 +251,7 @@ def update_decode_pools(
     """
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    row_seq, key, gate, positions = drop_padding_rows(row_seq, key, gate, positions)
     _seq_bounds(positions, row_seq)
     pages = lookup_pages(positions, row_seq, slot_table, cache.tokens_per_block, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
@@ -275,7 +291,7 @@ def update_prefill_pools(
         gate: ``[N, 128]`` fp32 gate logits.
         ape: ``[4, 128]`` pooling position bias.
         positions: ``[N]`` int64 token positions.
-        row_seq: ``[N]`` int64 sequence index of each row.
+        row_seq: ``[N]`` int64 sequence index of each row (``< 0``: padding, skipped).
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
         state_slots: ``[B]`` int state slot of each sequence.
 
@@ -285,6 +301,7 @@ def update_prefill_pools(
     """
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    row_seq, key, gate, positions = drop_padding_rows(row_seq, key, gate, positions)
     first_pos, _ = _seq_bounds(positions, row_seq)
     pages = lookup_pages(positions, row_seq, slot_table, cache.tokens_per_block, cache.index_k.shape[0])
     slots = _row_slots(state_slots, row_seq, cache.tail_ring.shape[0])
@@ -321,11 +338,12 @@ def write_prefill_tail(
         key: ``[N, 128]`` fp32 keys.
         gate: ``[N, 128]`` fp32 gate logits.
         positions: ``[N]`` int64 token positions.
-        row_seq: ``[N]`` int64 sequence index of each row.
+        row_seq: ``[N]`` int64 sequence index of each row (``< 0``: padding, skipped).
         state_slots: ``[B]`` int state slot of each sequence.
     """
     _check_rows(key, gate, positions, row_seq)
     positions, row_seq = positions.to(torch.int64), row_seq.to(torch.int64)
+    row_seq, key, gate, positions = drop_padding_rows(row_seq, key, gate, positions)
     _, last_pos = _seq_bounds(positions, row_seq)
     slots = _row_slots(state_slots, row_seq, tail_ring.shape[0])
     keep = (positions > last_pos - KPOOL).nonzero().squeeze(1)

@@ -27,13 +27,14 @@ def sparse_mla_attention(
     ``j`` (``sel[n, :] >= 0``), ``p = softmax(s)``, ``o_lat[n, h] = sum_j p_j c_j``, all in fp32; ``c_j``
     is the latent row of token ``j`` of the row's sequence, read from its page (an FP8 row dequantised with its
     block scales, `dequant_latent`). The order of ``sel``
-    does not matter; a row with no selected token outputs zeros.
+    does not matter; a row with no selected token outputs zeros, and so does a padding row (``row_seq < 0``, as the
+    kernel: a captured graph's padding rows then add nothing but zeros downstream).
 
     Args:
         q_abs: ``[N, H, R]`` absorbed queries.
         latent_cache: ``[num_pages, P, R]`` latent plane (model dtype, or float8_e4m3fn codes).
         sel: ``[N, W]`` int token positions to attend to, ``-1`` = skip.
-        row_seq: ``[N]`` int64 sequence index of each row.
+        row_seq: ``[N]`` int64 sequence index of each row (``< 0``: padding, outputs zeros).
         slot_table: ``[B, max_pages]`` int32/int64 raw page ids.
         page_size: tokens per page ``P``.
         softmax_scale: logit scale (``qk_nope_head_dim ** -0.5``).
@@ -55,8 +56,9 @@ def sparse_mla_attention(
             f"expected sel [N={n_rows}, W] and row_seq [N], got {tuple(sel.shape)}, {tuple(row_seq.shape)}"
         )
     tok = sel.to(torch.int64)
-    valid = tok >= 0
-    seq = row_seq.to(torch.int64)[:, None].expand_as(tok)
+    valid = (tok >= 0) & (row_seq >= 0)[:, None]
+    # (A padding row's entries are looked up as sequence 0's: in range, and masked out below.)
+    seq = row_seq.to(torch.int64).clamp(min=0)[:, None].expand_as(tok)
     # Every entry is looked up (skipped ones at position 0, which every live sequence has): no
     # data-dependent shapes, so the op can be captured in a CUDA graph.
     pages = torch.where(valid, lookup_pages(tok.clamp(min=0), seq, slot_table, page_size, latent_cache.shape[0]), 0)
