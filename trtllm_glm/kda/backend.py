@@ -18,8 +18,9 @@ from ..config import Glm5NextConfig
 from ..state import KdaLayerState, SlotPlane
 from . import ops as _ops
 from .layer import KimiDeltaAttention
+from .static_layout import StaticKdaStep
 
-__all__ = ["DEFAULT_KDA_BACKEND", "KdaBackend", "resolve_kda_backend"]
+__all__ = ["DEFAULT_KDA_BACKEND", "KdaBackend", "StaticKdaStep", "resolve_kda_backend"]
 
 
 class KdaBackend:

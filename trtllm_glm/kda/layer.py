@@ -40,7 +40,7 @@ from .ops.conv import verify_rows
 from .ops.decode_fused import fused_decode_enabled, kda_decode_fused
 
 if TYPE_CHECKING:
-    from .static_step import StaticKdaStep
+    from .static_layout import StaticKdaStep
 
 __all__ = [
     "KimiDeltaAttention",

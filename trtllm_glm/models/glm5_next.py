@@ -28,8 +28,7 @@ from ..distributed.comm import NULL_COMM, Comm
 from ..distributed.mapping import Mapping
 from ..distributed.sharding import local_config, shard_fn, shard_state_dict
 from ..errors import CheckpointError
-from ..kda.backend import DEFAULT_KDA_BACKEND
-from ..kda.static_step import StaticKdaStep
+from ..kda.backend import DEFAULT_KDA_BACKEND, StaticKdaStep
 from ..modules.ffn import MoE, make_ffn
 from ..modules.init import init_linear_
 from ..modules.linear import (
