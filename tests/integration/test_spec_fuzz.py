@@ -2,10 +2,11 @@
 
 Each case is drawn from one seed (printed in every failure, with the command that reruns it) and mixes what the
 focused tests cover one at a time: MTP (K = 1..4, shared / separate draft caches, a small draft pool, rounds
-launched ahead, early drafts, a scripted adaptive policy, catch-up lags, ``max_concurrency``, ``draft_len_fn``,
-selection sharing, a restricted draft vocabulary), FP8 or bf16 indexer keys, FP8 or model-dtype latent rows, the
-n-gram drafter and oracle drafters, emulated CUDA graphs (padded or not, piecewise or not) with or without the
-overlap scheduler, page pools small enough to preempt,
+launched ahead, early drafts, a scripted adaptive policy or the real one on an injected clock, catch-up lags,
+``max_concurrency``, ``draft_len_fn``, selection sharing, a restricted draft vocabulary), FP8 or bf16 indexer keys, FP8
+or model-dtype latent rows, an FP8 LM head, the n-gram drafter and oracle drafters, emulated CUDA graphs (padded or
+not, piecewise or not, captured at start-up or on first use) with or without the overlap scheduler, batch waiting,
+KDA short prefills with decode rows riding them, the fused KDA decode step, page pools small enough to preempt,
 prefix caching over shared prompt prefixes, repeated prompts and a conversation's next turn, chunked prefill,
 requests arriving between steps, stop tokens, ``end_id``, ``max_tokens`` and the context limit inside accepted
 drafts, ``ignore_eos``, logprobs and returned logits, sampled requests and aborts. A third of the cases are steady
@@ -35,7 +36,12 @@ the reference with corruptions, either as the drafter itself or replacing the MT
 
 Emulated graphs are made to behave like captured ones (`_graph_like`): every replay of a graph writes its outputs
 into the same buffers, and results and fused drafts reach the host through reused landing buffers, so a read of a
-previous replay's outputs after the next one sees the new values.
+previous replay's outputs after the next one sees the new values. The MTP graphs a device would hold are tracked
+(captured at start-up or at first use): a lag flush behind a step in flight, which may not capture, runs eagerly
+where a device would.
+
+Environment switches a case draws (`KDA_ENV`) are set per case and restored after it; the package reads them at
+each use. The fused KDA decode step runs in the speculative runs only (`_fused_decode`).
 
 ``TRTLLM_GLM_SPEC_FUZZ_CASES`` (default 20) and ``TRTLLM_GLM_SPEC_FUZZ_SEED`` (default 0) choose the seeds; a
 single seed reruns with ``TRTLLM_GLM_SPEC_FUZZ_SEED=<seed> TRTLLM_GLM_SPEC_FUZZ_CASES=1``; a sweep, e.g.
@@ -115,6 +121,7 @@ class Case:
     # Environment switches set for the whole case, references included (`_case_env`); read per use by the package.
     env: dict[str, str] = field(default_factory=dict)
     fp8_head: bool = False  # the LM head in block FP8 (``fp8_lm_head=True``), for the references too
+    capture: bool = False  # with graphs: the executor captures them at start-up (`capture_cuda_graphs`)
 
     def describe(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -127,7 +134,7 @@ class Case:
         return (
             f"seed={self.seed} profile={self.profile} model={self.model} drafter={self.drafter} graphs={self.graphs} "
             f"policy={self.policy} timed={self.timed} corrupt_mod={self.corrupt_mod} env={self.env} "
-            f"fp8_head={self.fp8_head}\n  spec={type(self.spec).__name__}{spec}\n"
+            f"fp8_head={self.fp8_head} capture={self.capture}\n  spec={type(self.spec).__name__}{spec}\n"
             f"  cfg={cfg}, graphs {self.cfg.cuda_graph_config}\n  reqs={reqs}"
         )
 
@@ -319,6 +326,7 @@ def _draw_more(case: Case, rng: random.Random) -> None:
         # `_fused_decode`).
         case.env[FUSED] = "1"
     case.fp8_head = rng.random() < 0.15
+    case.capture = rng.random() < 0.5
 
 
 def _stops(case: Case, rng: random.Random, free: list[list[int]]) -> None:
@@ -400,6 +408,7 @@ def _graph_like() -> Iterator[None]:
     asks for them (as the pinned buffers of a CUDA device; on the CPU they are copies at once), and a request's
     generation logits are copied when emitted (``.cpu()``: a view on the CPU)."""
     launch, run, emit = CudaGraphRunner._launch, MtpChainGraphs._replay_or_run, Executor._emit
+    chain_key = MtpChainGraphs._catch_or_draft_key
     chain_init, drafts_init = MtpChainGraphs.__init__, DeviceDrafts.__init__
 
     def keep(owner: Any, key: Any, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -456,6 +465,21 @@ def _graph_like() -> Iterator[None]:
     def emit_copied(self: Executor, req: Request, tokens: list[int], gaps: list[float], logits: Any = None) -> bool:
         return emit(self, req, tokens, gaps, None if logits is None else logits.clone())
 
+    # The MTP graphs a device would hold: those `capture_all` captures at start-up (when the executor's
+    # `capture_cuda_graphs` ran) and every one used since. A key asked for without capture (a lag flush behind a
+    # step in flight) is None when no such graph exists, as on a device (the emulation has every graph at once):
+    # that flush then runs eagerly there too.
+    def chain_capture_all(self: MtpChainGraphs, max_wide_size: int | None = None, flushes: bool = False) -> None:
+        self.__dict__.setdefault("_fuzz_captured", set()).update(self.startup_keys(max_wide_size, flushes))
+
+    def chain_key_captured(self: MtpChainGraphs, kind: str, committed: Any, capture: bool = True) -> Any:
+        key = chain_key(self, kind, committed, True)
+        captured = self.__dict__.setdefault("_fuzz_captured", set())
+        if key is None or (not capture and key not in captured):
+            return None
+        captured.add(key)
+        return key
+
     patches = [
         (CudaGraphRunner, "_launch", launch_kept),
         (CudaGraphRunner, "results_to_host", results_to_host),
@@ -463,6 +487,8 @@ def _graph_like() -> Iterator[None]:
         (MtpChainGraphs, "__init__", chain_init_landing),
         (DeviceDrafts, "__init__", drafts_init_landing),
         (Executor, "_emit", emit_copied),
+        (MtpChainGraphs, "capture_all", chain_capture_all),
+        (MtpChainGraphs, "_catch_or_draft_key", chain_key_captured),
     ]
     # The patches go on the base classes: a subclass's own copy (another test that put an inherited method back by
     # assignment) would silently bypass them (logits not copied: "generation logits differ" with nothing wrong).
@@ -520,6 +546,8 @@ def build(case: Case, refs: list[Request]) -> SpeculativeExecutor:
     if case.drafter == "oracle_mtp":
         assert oracle is not None
         ex.drafter = OracleAcceptanceDrafter(ex.drafter, oracle, model.config.vocab_size)
+    if case.graphs and case.capture:
+        ex.capture_cuda_graphs()  # as `LLM` does (emulated: the MTP graphs it would hold, `_graph_like`)
     return ex
 
 
@@ -695,7 +723,8 @@ def run_case(
 
 def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -> bool:
     """Whether plain greedy decoding itself emits ``prefix`` (a speculative run's output up to where it diverged)
-    for case request ``i`` in some other batch: alone, or alone in the case's pages and chunks. At a small top-2
+    for case request ``i`` in some other batch: alone, alone in the case's pages and chunks or in chunks of 7, or
+    prefilled with the requests that arrive with it. At a small top-2
     gap a rounding difference between batch shapes can flip the indexer's pool selection (the random ``tiny``
     model selects 4 of its pools once a context passes 16 tokens), which moves the logits by far more than the
     near-tie rule's tolerance; a divergence that plain decoding reproduces is not speculation's."""
@@ -703,13 +732,21 @@ def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -
     c = case.cfg
     params = dataclasses.replace(r.params, ignore_eos=True, stop_token_ids=None, end_id=None, max_tokens=len(prefix))
     model = case_model(case)
-    for cfg in (
-        plain_config(c),
-        plain_config(c, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
-                     max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size),
+    # (the requests that arrive with it: prefilled in one batch with it, as in the case's first step)
+    along = [q for j, q in enumerate(case.reqs) if j != i and q.arrive == r.arrive]
+    for cfg, others in (
+        (plain_config(c), []),
+        (plain_config(c, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
+                      max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size), []),
+        (plain_config(c, prefill_chunk_size=7), []),
+        (plain_config(c), along),
     ):  # fmt: skip
+        if others is along and not along:
+            continue  # (alone: the first configuration)
         ex = Executor(model, cfg)
         q = ex.add_request(r.prompt, params)
+        for o in others:
+            ex.add_request(o.prompt, dataclasses.replace(o.params, max_tokens=len(prefix)))
         ex.run_until_done()
         if q.output_ids == prefix and q.logit_gaps[-1] <= max_gap:
             return True
