@@ -724,11 +724,21 @@ def run_case(
 
 
 def _poison_pages(mgr: Any) -> None:
-    """Fill every paged plane with NaN (all bits set in integer planes): a row read before it was written (a
-    catch-up that never ran, a page copy that left a plane out) then shows in the output or the drafts instead
-    of reading as the zeros of a fresh pool."""
+    """Fill every paged plane with NaN (all bits set in integer planes), and each page again whenever the manager
+    hands it to a request (a freed or evicted page keeps its last owner's rows): a row read before it was written
+    (a catch-up that never ran, a page copy that left a plane out) then shows in the output or the drafts instead
+    of reading as a fresh pool's zeros or as another request's rows."""
     for t in mgr.planes.values():
         t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3 alike
+    take = mgr._take_page
+
+    def take_poisoned() -> int:
+        page = take()
+        for t in mgr.planes.values():
+            t[:, page].view(torch.uint8).fill_(0xFF)
+        return page
+
+    mgr._take_page = take_poisoned
 
 
 def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -> bool:
