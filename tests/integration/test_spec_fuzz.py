@@ -2,10 +2,11 @@
 
 Each case is drawn from one seed (printed in every failure, with the command that reruns it) and mixes what the
 focused tests cover one at a time: MTP (K = 1..4, shared / separate draft caches, a small draft pool, rounds
-launched ahead, early drafts, a scripted adaptive policy, catch-up lags, ``max_concurrency``, ``draft_len_fn``,
-selection sharing, a restricted draft vocabulary), FP8 or bf16 indexer keys, FP8 or model-dtype latent rows, the
-n-gram drafter and oracle drafters, emulated CUDA graphs (padded or not, piecewise or not) with or without the
-overlap scheduler, page pools small enough to preempt,
+launched ahead, early drafts, a scripted adaptive policy or the real one on an injected clock, catch-up lags,
+``max_concurrency``, ``draft_len_fn``, selection sharing, a restricted draft vocabulary), FP8 or bf16 indexer keys, FP8
+or model-dtype latent rows, an FP8 LM head, the n-gram drafter and oracle drafters, emulated CUDA graphs (padded or
+not, piecewise or not, captured at start-up or on first use) with or without the overlap scheduler, batch waiting,
+KDA short prefills with decode rows riding them, the fused KDA decode step, page pools small enough to preempt,
 prefix caching over shared prompt prefixes, repeated prompts and a conversation's next turn, chunked prefill,
 requests arriving between steps, stop tokens, ``end_id``, ``max_tokens`` and the context limit inside accepted
 drafts, ``ignore_eos``, logprobs and returned logits, sampled requests and aborts. A third of the cases are steady
@@ -35,7 +36,12 @@ the reference with corruptions, either as the drafter itself or replacing the MT
 
 Emulated graphs are made to behave like captured ones (`_graph_like`): every replay of a graph writes its outputs
 into the same buffers, and results and fused drafts reach the host through reused landing buffers, so a read of a
-previous replay's outputs after the next one sees the new values.
+previous replay's outputs after the next one sees the new values. The MTP graphs a device would hold are tracked
+(captured at start-up or at first use): a lag flush behind a step in flight, which may not capture, runs eagerly
+where a device would.
+
+Environment switches a case draws (`KDA_ENV`) are set per case and restored after it; the package reads them at
+each use. The fused KDA decode step runs in the speculative runs only (`_fused_decode`).
 
 ``TRTLLM_GLM_SPEC_FUZZ_CASES`` (default 20) and ``TRTLLM_GLM_SPEC_FUZZ_SEED`` (default 0) choose the seeds; a
 single seed reruns with ``TRTLLM_GLM_SPEC_FUZZ_SEED=<seed> TRTLLM_GLM_SPEC_FUZZ_CASES=1``; a sweep, e.g.
@@ -56,6 +62,7 @@ import pytest
 import torch
 
 from tests.spec_helpers import SNIPPETS, Scripted, emulate_graphs
+from trtllm_glm.kda.ops import decode_fused as kda_decode_fused_ops
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig, CudaGraphRunner, GraphOutputs, HostResults
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -63,6 +70,7 @@ from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.runtime.request import FinishReason, Request
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 from trtllm_glm.speculative.drafters import DeviceDrafts, NGramDrafter, OracleAcceptanceDrafter, OracleDrafter
 from trtllm_glm.speculative.mtp.graphs import MtpChainGraphs
@@ -108,6 +116,12 @@ class Case:
     policy: list[int] | None  # a scripted adaptive policy's choices, cycled
     corrupt_mod: int  # oracle drafters: a draft at output position j is corrupted when (7 i + j) % corrupt_mod == 0
     reqs: list[Req] = field(default_factory=list)
+    # The real adaptive policy on a `_RoundClock` (its arguments; None: none or the scripted one).
+    timed: dict[str, Any] | None = None
+    # Environment switches set for the whole case, references included (`_case_env`); read per use by the package.
+    env: dict[str, str] = field(default_factory=dict)
+    fp8_head: bool = False  # the LM head in block FP8 (``fp8_lm_head=True``), for the references too
+    capture: bool = False  # with graphs: the executor captures them at start-up (`capture_cuda_graphs`)
 
     def describe(self) -> str:
         spec = dataclasses.asdict(self.spec)
@@ -119,7 +133,8 @@ class Case:
         ]  # fmt: skip
         return (
             f"seed={self.seed} profile={self.profile} model={self.model} drafter={self.drafter} graphs={self.graphs} "
-            f"policy={self.policy} corrupt_mod={self.corrupt_mod}\n  spec={type(self.spec).__name__}{spec}\n"
+            f"policy={self.policy} timed={self.timed} corrupt_mod={self.corrupt_mod} env={self.env} "
+            f"fp8_head={self.fp8_head} capture={self.capture}\n  spec={type(self.spec).__name__}{spec}\n"
             f"  cfg={cfg}, graphs {self.cfg.cuda_graph_config}\n  reqs={reqs}"
         )
 
@@ -262,7 +277,56 @@ def make_case(seed: int) -> Case:
         indexer_key_dtype=rng.choice(["fp8", "fp8", "fp8", "bf16"]),
         latent_dtype=rng.choice(["auto", "auto", "fp8"]),
     )
-    return Case(seed, profile, model, drafter, spec, cfg, graphs, policy, rng.choice([2, 3, 5, 1000]), reqs)
+    case = Case(seed, profile, model, drafter, spec, cfg, graphs, policy, rng.choice([2, 3, 5, 1000]), reqs)
+    _draw_more(case, random.Random(seed * 1_000_003 + 17))
+    return case
+
+
+# The KDA switches a case may set (`_draw_more`), and the ones `_case_env` clears so that a run's own environment does
+# not leak into a case that did not draw them.
+FUSED = "TRTLLM_GLM_KDA_FUSED_DECODE"
+KDA_ENV = ("TRTLLM_GLM_KDA_SHORT_PREFILL", "TRTLLM_GLM_KDA_DECODE_RIDE", "TRTLLM_GLM_KDA_FUSED_DECODE",
+           "TRTLLM_GLM_DECODE_FUSE", "TRTLLM_GLM_KDA_CONV_BACKEND", "TRTLLM_GLM_KDA_BACKEND")  # fmt: skip
+
+
+def _draw_more(case: Case, rng: random.Random) -> None:
+    """The dimensions added after the first ones, drawn from a generator of their own so that every earlier
+    dimension of a seed stays as it was: the real adaptive policy on an injected clock, batch waiting, the KDA
+    short-prefill path with decode rows riding it, the fused KDA decode step, the FP8 LM head."""
+    steady = case.profile == "steady"
+    K = case.spec.max_draft_len
+    if rng.random() < (0.12 if steady else 0.2) or (case.policy is not None and rng.random() < 0.5):
+        # The real policy: small exploration periods and probes so that a short case changes K, re-measures and
+        # (with a catch-up lag) charges flushes to K = 0. With MTP and graphs the executor's own default is (0, K).
+        case.policy = None
+        case.spec = dataclasses.replace(case.spec, adaptive=True)
+        case.timed = dict(
+            candidates=rng.choice([None, (0, K)]),
+            explore_every=rng.choice([2, 4, 8]),
+            probe_rounds=1,
+            min_samples=rng.choice([1, 2]),
+            slope=rng.choice([-0.2, 0.1, 0.4, 1.5]),  # seconds a draft adds to a round (its sign: which K wins)
+            seed=rng.randrange(1 << 30),
+        )
+        case.timed["probe_rounds"] = rng.randint(1, case.timed["explore_every"] - 1)
+    if rng.random() < (0.15 if steady else 0.35):
+        # Arrivals held while the batch decodes (steps launched ahead while held); a ratio ends holds early.
+        # A hold needs free batch slots beyond the waiting requests: usually room for every request and one more.
+        batch = max(case.cfg.max_batch_size, len(case.reqs) + 1) if rng.random() < 0.7 else case.cfg.max_batch_size
+        case.cfg = dataclasses.replace(case.cfg, max_batch_size=batch,
+                                       batch_wait_timeout_iters=rng.choice([1, 2, 4, 8]),
+                                       batch_wait_max_tokens_ratio=rng.choice([0.0, 0.0, 0.1, 0.5]))  # fmt: skip
+    if rng.random() < 0.3:
+        # Short prefills through the KDA verify recurrence (the CUDA default; off on the CPU), and decode rows riding
+        # their grid within a padding bound (0: never).
+        case.env["TRTLLM_GLM_KDA_SHORT_PREFILL"] = rng.choice(["4", "16", "64"])
+        case.env["TRTLLM_GLM_KDA_DECODE_RIDE"] = rng.choice(["0", "3", "16", "512"])
+    if case.model == "tiny" and rng.random() < 0.2:
+        # The fused KDA decode step, interpreted on the CPU (~0.2 s a call: one KDA layer, the speculative runs only,
+        # `_fused_decode`).
+        case.env[FUSED] = "1"
+    case.fp8_head = rng.random() < 0.15
+    case.capture = rng.random() < 0.5
 
 
 def _stops(case: Case, rng: random.Random, free: list[list[int]]) -> None:
@@ -280,15 +344,21 @@ def _stops(case: Case, rng: random.Random, free: list[list[int]]) -> None:
 
 # --------------------------------------------------------------------------------------------------
 # Models and references
-_MODELS: dict[str, Glm5NextForCausalLM] = {}
+_MODELS: dict[tuple[str, bool], Glm5NextForCausalLM] = {}
 
 
-def get_model(name: str) -> Glm5NextForCausalLM:
-    """The preset ``name`` in fp32, loaded once per process (``tiny``: its first KDA and sparse layers)."""
-    if name not in _MODELS:
+def get_model(name: str, fp8_head: bool = False) -> Glm5NextForCausalLM:
+    """The preset ``name`` in fp32, loaded once per process (``tiny``: its first KDA and sparse layers; ``fp8_head``:
+    its LM head in block FP8)."""
+    if (name, fp8_head) not in _MODELS:
         kw: dict[str, Any] = {"layers": [0, 3]} if name == "tiny" else {}
-        _MODELS[name] = Glm5NextForCausalLM.from_pretrained(name, dtype="float32", **kw).eval()
-    return _MODELS[name]
+        model = Glm5NextForCausalLM.from_pretrained(name, dtype="float32", fp8_lm_head=fp8_head or None, **kw)
+        _MODELS[name, fp8_head] = model.eval()
+    return _MODELS[name, fp8_head]
+
+
+def case_model(case: Case) -> Glm5NextForCausalLM:
+    return get_model(case.model, case.fp8_head)
 
 
 def plain_config(fmt: ExecutorConfig, **kw: Any) -> ExecutorConfig:
@@ -338,6 +408,7 @@ def _graph_like() -> Iterator[None]:
     asks for them (as the pinned buffers of a CUDA device; on the CPU they are copies at once), and a request's
     generation logits are copied when emitted (``.cpu()``: a view on the CPU)."""
     launch, run, emit = CudaGraphRunner._launch, MtpChainGraphs._replay_or_run, Executor._emit
+    chain_key = MtpChainGraphs._catch_or_draft_key
     chain_init, drafts_init = MtpChainGraphs.__init__, DeviceDrafts.__init__
 
     def keep(owner: Any, key: Any, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -394,6 +465,21 @@ def _graph_like() -> Iterator[None]:
     def emit_copied(self: Executor, req: Request, tokens: list[int], gaps: list[float], logits: Any = None) -> bool:
         return emit(self, req, tokens, gaps, None if logits is None else logits.clone())
 
+    # The MTP graphs a device would hold: those `capture_all` captures at start-up (when the executor's
+    # `capture_cuda_graphs` ran) and every one used since. A key asked for without capture (a lag flush behind a
+    # step in flight) is None when no such graph exists, as on a device (the emulation has every graph at once):
+    # that flush then runs eagerly there too.
+    def chain_capture_all(self: MtpChainGraphs, max_wide_size: int | None = None, flushes: bool = False) -> None:
+        self.__dict__.setdefault("_fuzz_captured", set()).update(self.startup_keys(max_wide_size, flushes))
+
+    def chain_key_captured(self: MtpChainGraphs, kind: str, committed: Any, capture: bool = True) -> Any:
+        key = chain_key(self, kind, committed, True)
+        captured = self.__dict__.setdefault("_fuzz_captured", set())
+        if key is None or (not capture and key not in captured):
+            return None
+        captured.add(key)
+        return key
+
     patches = [
         (CudaGraphRunner, "_launch", launch_kept),
         (CudaGraphRunner, "results_to_host", results_to_host),
@@ -401,6 +487,8 @@ def _graph_like() -> Iterator[None]:
         (MtpChainGraphs, "__init__", chain_init_landing),
         (DeviceDrafts, "__init__", drafts_init_landing),
         (Executor, "_emit", emit_copied),
+        (MtpChainGraphs, "capture_all", chain_capture_all),
+        (MtpChainGraphs, "_catch_or_draft_key", chain_key_captured),
     ]
     # The patches go on the base classes: a subclass's own copy (another test that put an inherited method back by
     # assignment) would silently bypass them (logits not copied: "generation logits differ" with nothing wrong).
@@ -416,12 +504,38 @@ def _graph_like() -> Iterator[None]:
 
 # --------------------------------------------------------------------------------------------------
 # One case
+class _RoundClock:
+    """The real adaptive policy's clock in a case: each stamp (one per round) advances it by a round's made-up cost,
+    ``1 + slope * K`` of the interval it closes, a catch-up of held rows in it adding 2, and a little noise from
+    its own seed: deterministic for the rounds the policy is fed, with costs that make it change K."""
+
+    def __init__(self, slope: float, seed: int) -> None:
+        self.t, self.slope, self.rng = 0.0, slope, random.Random(seed)
+        self.policy: AdaptiveDraftPolicy | None = None
+
+    def __call__(self) -> float:
+        pol = self.policy
+        if pol is not None and pol._open is not None:
+            self.t += max(0.05, 1.0 + self.slope * pol._open[2] + 2.0 * pol._open_flush + self.rng.uniform(0, 0.3))
+        return self.t
+
+
+def timed_policy(case: Case) -> AdaptiveDraftPolicy:
+    t = dict(case.timed or {})
+    clock = _RoundClock(t.pop("slope"), t.pop("seed"))
+    pol = AdaptiveDraftPolicy(case.spec.max_draft_len, clock=clock, **t)
+    clock.policy = pol
+    return pol
+
+
 def build(case: Case, refs: list[Request]) -> SpeculativeExecutor:
-    model = get_model(case.model)
-    policy = None
+    model = case_model(case)
+    policy: AdaptiveDraftPolicy | None = None
     if case.policy is not None:
         script = case.policy
         policy = Scripted(case.spec.max_draft_len, lambda i: script[i % len(script)])
+    elif case.timed is not None:
+        policy = timed_policy(case)
     oracle = None
     if case.drafter in ("oracle", "oracle_mtp"):
         m = case.corrupt_mod
@@ -432,6 +546,8 @@ def build(case: Case, refs: list[Request]) -> SpeculativeExecutor:
     if case.drafter == "oracle_mtp":
         assert oracle is not None
         ex.drafter = OracleAcceptanceDrafter(ex.drafter, oracle, model.config.vocab_size)
+    if case.graphs and case.capture:
+        ex.capture_cuda_graphs()  # as `LLM` does (emulated: the MTP graphs it would hold, `_graph_like`)
     return ex
 
 
@@ -463,7 +579,7 @@ def canonical_drafts(case: Case) -> dict[tuple[int, tuple[int, ...]], list[int]]
                        max_seq_len=c.max_seq_len)  # fmt: skip
     spec = dataclasses.replace(case.spec, overlap_rounds=False, early_draft=False, catchup_lag=0, adaptive=False,
                                max_concurrency=None, draft_max_tokens=None, draft_len_fn=None)  # fmt: skip
-    ex = SpeculativeExecutor(get_model(case.model), cfg, spec)
+    ex = SpeculativeExecutor(case_model(case), cfg, spec)
     index: dict[int, int] = {}
     drafts = record_drafts(ex, index)
     for i, r in enumerate(case.reqs):
@@ -477,7 +593,7 @@ def references(case: Case) -> list[Request]:
     """The case's `free_reference`; then stop tokens drawn from it (`_stops`). A conversation's next turn gets the
     answer its previous turn will give (the reference's, cut by that request's budget and stop tokens) written into its
     prompt, and its own reference run."""
-    model = get_model(case.model)
+    model = case_model(case)
     refs = free_reference(model, case.reqs, case.cfg)
     _stops(case, random.Random(case.seed + 1), [r.output_ids for r in refs])
     turns = [i for i, r in enumerate(case.reqs) if r.turn_of is not None]
@@ -500,8 +616,10 @@ def run_case(
 ) -> list[str]:
     """Run ``case`` (``refs``: its `references`; ``canon``: its `canonical_drafts`, to compare the drafts with);
     returns what went wrong (empty: nothing)."""
-    model = get_model(case.model)
+    model = case_model(case)
     ex = build(case, refs)
+    for mgr in {id(m): m for m in (ex.manager, ex.separate_draft_manager) if m is not None}.values():
+        _poison_pages(mgr)
     index: dict[int, int] = {}
     drafts = record_drafts(ex, index)
     slots0 = ex.manager.num_free_slots
@@ -605,23 +723,50 @@ def run_case(
     return problems
 
 
+def _poison_pages(mgr: Any) -> None:
+    """Fill every paged plane with NaN (all bits set in integer planes), and each page again whenever the manager
+    hands it to a request (a freed or evicted page keeps its last owner's rows): a row read before it was written
+    (a catch-up that never ran, a page copy that left a plane out) then shows in the output or the drafts instead
+    of reading as a fresh pool's zeros or as another request's rows."""
+    for t in mgr.planes.values():
+        t.view(torch.uint8).fill_(0xFF)  # NaN in fp32, bf16 and e4m3 alike
+    take = mgr._take_page
+
+    def take_poisoned() -> int:
+        page = take()
+        for t in mgr.planes.values():
+            t[:, page].view(torch.uint8).fill_(0xFF)
+        return page
+
+    mgr._take_page = take_poisoned
+
+
 def _plain_flips(case: Case, i: int, prefix: list[int], max_gap: float = 0.05) -> bool:
     """Whether plain greedy decoding itself emits ``prefix`` (a speculative run's output up to where it diverged)
-    for case request ``i`` in some other batch: alone, or alone in the case's pages and chunks. At a small top-2
+    for case request ``i`` in some other batch: alone, alone in the case's pages and chunks or in chunks of 7, or
+    prefilled with the requests that arrive with it. At a small top-2
     gap a rounding difference between batch shapes can flip the indexer's pool selection (the random ``tiny``
     model selects 4 of its pools once a context passes 16 tokens), which moves the logits by far more than the
     near-tie rule's tolerance; a divergence that plain decoding reproduces is not speculation's."""
     r = case.reqs[i]
     c = case.cfg
     params = dataclasses.replace(r.params, ignore_eos=True, stop_token_ids=None, end_id=None, max_tokens=len(prefix))
-    model = get_model(case.model)
-    for cfg in (
-        plain_config(c),
-        plain_config(c, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
-                     max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size),
+    model = case_model(case)
+    # (the requests that arrive with it: prefilled in one batch with it, as in the case's first step)
+    along = [q for j, q in enumerate(case.reqs) if j != i and q.arrive == r.arrive]
+    for cfg, others in (
+        (plain_config(c), []),
+        (plain_config(c, tokens_per_block=c.tokens_per_block, max_batch_size=c.max_batch_size,
+                      max_num_tokens=c.max_num_tokens, prefill_chunk_size=c.prefill_chunk_size), []),
+        (plain_config(c, prefill_chunk_size=7), []),
+        (plain_config(c), along),
     ):  # fmt: skip
+        if others is along and not along:
+            continue  # (alone: the first configuration)
         ex = Executor(model, cfg)
         q = ex.add_request(r.prompt, params)
+        for o in others:
+            ex.add_request(o.prompt, dataclasses.replace(o.params, max_tokens=len(prefix)))
         ex.run_until_done()
         if q.output_ids == prefix and q.logit_gaps[-1] <= max_gap:
             return True
@@ -698,16 +843,46 @@ def seeds() -> list[int]:
 @pytest.mark.parametrize("seed", seeds())
 def test_speculative_runtime_matches_plain_greedy(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
     """One random case (see the module docstring): speculative output is plain greedy's, and nothing leaks."""
-    case = make_case(seed)
-    rerun = f"TRTLLM_GLM_SPEC_FUZZ_SEED={seed} TRTLLM_GLM_SPEC_FUZZ_CASES=1 pytest {__file__}"
+    check_case(
+        monkeypatch, make_case(seed), f"TRTLLM_GLM_SPEC_FUZZ_SEED={seed} TRTLLM_GLM_SPEC_FUZZ_CASES=1 pytest {__file__}"
+    )
+
+
+def check_case(monkeypatch: pytest.MonkeyPatch, case: Case, rerun: str) -> None:
+    """Run ``case`` against its references and assert every property of the module docstring (``rerun``: how to
+    run it again, for the failure message)."""
+    _case_env(monkeypatch, case)
     try:
         refs = references(case)  # before any patching
+        _fused_decode(monkeypatch, case)
         canon = canonical_drafts(case) if case.drafter == "mtp" else None
         with _maybe_graphs(monkeypatch, case.graphs):
             problems = run_case(case, refs, canon)
     except Exception as e:  # an exception is a finding too: report it with the case
         raise AssertionError(f"{type(e).__name__}: {e}\n{case.describe()}\nrerun: {rerun}") from e
     assert not problems, "\n".join(problems) + f"\n{case.describe()}\nrerun: {rerun}"
+
+
+def _case_env(monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
+    """Set the case's switches but the fused KDA decode step's (`_fused_decode`), clearing the others of `KDA_ENV`
+    (monkeypatch restores them after the test)."""
+    for var in KDA_ENV:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in case.env.items():
+        if var != FUSED:
+            monkeypatch.setenv(var, value)
+
+
+def _fused_decode(monkeypatch: pytest.MonkeyPatch, case: Case) -> None:
+    """The case's fused KDA decode switch, for its speculative runs (canonical drafts, the run itself) only: plain
+    decoding, every step of the references one, would interpret the kernel at every step (the fused and unfused
+    steps agree to fp32 rounding, which the comparison allows at near ties)."""
+    if case.env.get(FUSED) == "1":
+        monkeypatch.setenv(FUSED, "1")
+        # The fused step runs where the KDA conv kernels do (CUDA, or TRTLLM_GLM_KDA_CONV_BACKEND=triton): on the CPU
+        # that switch would interpret every conv op of the case (~40x its time); this lets the fused kernel alone run
+        # interpreted, still behind its own switch and the batch-invariant check.
+        monkeypatch.setattr(kda_decode_fused_ops, "_use_kernel", lambda x, backend: True)
 
 
 @contextmanager
