@@ -541,6 +541,21 @@ def save_slice(args: argparse.Namespace) -> None:
     random_model(cfg, dev, args.dtype, seed=0).save_pretrained(args.save_slice)
 
 
+def release_llm(llm: Any) -> None:
+    """Shut ``llm`` down and hand its device memory back (the caller drops its last reference right after): the
+    next `LLM` sizes its cache from the memory free then."""
+    import gc
+
+    import torch
+
+    llm.shutdown()
+    llm.model = None
+    llm.executor = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="a running server (loopback only); default: start one as a child")
@@ -633,11 +648,15 @@ def main() -> int:
         if args.generate_check:
             n, il_g, ol_g = (int(x) for x in args.generate_check.split("x"))
             rates = {"defaults": generate_rate(llm, n, il_g, ol_g, args.seed + 11)}
-            llm.shutdown()
+            # One LLM on the card at a time: each sizes its KV cache from the memory it finds free (the second one
+            # ran out of memory on an H200 while the first still held the card).
+            release_llm(llm)
+            del llm
             for mnt in (4096, 16384):
                 other = LLM(args.model_path, **{**opts, "warmup": False, "max_num_tokens": mnt})
                 rates[f"max_num_tokens={mnt}"] = generate_rate(other, n, il_g, ol_g, args.seed + 11)
-                other.shutdown()
+                release_llm(other)
+                del other
             best = max(rates.values())
             for k, v in rates.items():
                 print(f"# LLM.generate {n} x {il_g} tokens, {ol_g} out, {k}: {v:.1f} tok/s = {v / best:.2f}x the best")
