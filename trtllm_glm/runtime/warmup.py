@@ -241,6 +241,20 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
                     rep.skipped.append(name)
                     continue
                 fn()
+            if ex.piecewise is not None:
+                # With piecewise graphs, the phases' admissions replay trunk graphs, but a served step that does not
+                # qualify (a chunk over the short-prefill limit, a bucket over the KDA cap) runs its cores eagerly,
+                # at kernel variants those graphs never compiled (H200: the sparse top-k compiled at concurrency 64
+                # while serving). The step shapes again with the eager cores.
+                pw, ex.piecewise = ex.piecewise, None
+                try:
+                    for name, fn in phases[:4]:
+                        if time.perf_counter() - t0 > time_limit_s:
+                            rep.skipped.append(f"{name} (eager cores)")
+                            continue
+                        fn()
+                finally:
+                    ex.piecewise = pw
         rep.compiles, rep.kernels = cc.count, list(cc.names)
     finally:
         # Whatever happened, hand the executor back idle and as it was built.

@@ -252,6 +252,32 @@ def _run(ex: Executor, join_after: int = 2):
     return reqs
 
 
+def test_warm_up_also_runs_the_step_shapes_with_eager_cores(monkeypatch) -> None:
+    """With piecewise graphs the warm-up's admissions replay graphs; a served step that does not qualify runs its cores
+    eagerly at kernel variants no graph compiled (H200: the sparse top-k compiled while serving). So the warm-up runs
+    its step shapes a second time without the runner, and hands the runner back."""
+    from trtllm_glm.runtime.warmup import warm_up
+
+    monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
+    monkeypatch.delenv(PIECEWISE_ENV, raising=False)
+    cgc = CudaGraphConfig(batch_sizes=[1, 2, 3, 4], piecewise=True)
+    ex = Executor(_model(), ExecutorConfig(**EX_CFG, cuda_graph_config=cgc))
+    runner = ex.piecewise
+    assert runner is not None
+    seen: list[tuple[bool, bool]] = []  # (runner present, the step has prefill rows)
+    forward = ex._forward
+
+    def spy(plan):  # noqa: ANN001, ANN202
+        seen.append((ex.piecewise is not None, any(not s.is_decode for s in plan)))
+        return forward(plan)
+
+    ex._forward = spy
+    warm_up(ex)
+    del ex._forward
+    assert ex.piecewise is runner
+    assert (True, True) in seen and (False, True) in seen, sorted(set(seen))
+
+
 @pytest.mark.parametrize("mode", ["plain", "ngram"])
 def test_executor_piecewise_matches_eager(monkeypatch, mode: str) -> None:
     """Prefill steps and a mixed step (a prompt joining three decoding requests) run piecewise; decode steps
