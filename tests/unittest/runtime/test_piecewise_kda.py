@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
+from tests.piecewise_helpers import run_admissions
 from trtllm_glm import envs
 from trtllm_glm.kda.static_step import StaticKdaCaps, width_classes
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.runtime.cuda_graph import PADDING_REQUEST_ID, CudaGraphConfig
-from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.cuda_graph import PADDING_REQUEST_ID
+from trtllm_glm.runtime.executor import Executor
 from trtllm_glm.runtime.piecewise import PIECEWISE_ENV, PiecewiseRunner
-from trtllm_glm.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.cpu_only
 
@@ -216,28 +216,8 @@ def test_executor_runs_admissions_with_kda_inside(monkeypatch) -> None:
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
     monkeypatch.delenv(PIECEWISE_ENV, raising=False)
     model = _model()
-    prompts = [[5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5, 9, 2, 6, 5], [8, 8, 1, 2, 3, 8, 8, 1], [7, 1, 7]]
-
-    def run(piecewise: bool) -> tuple[Executor, list]:
-        cgc = CudaGraphConfig(batch_sizes=[1, 2, 3, 4], piecewise=piecewise)
-        cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=48, max_seq_len=96,
-                             cuda_graph_config=cgc)  # fmt: skip
-        ex = Executor(model, cfg)
-        reqs = [ex.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, [5, 7, 4, 5])]
-        late = reqs[2:]
-        for r in late:
-            ex.waiting.remove(r)
-        steps = 0
-        while ex.has_work or late:
-            if late and steps == 2:  # two prompts join two decoding requests: an admission step
-                ex.waiting.extend(late)
-                late = []
-            ex.step()
-            steps += 1
-        return ex, reqs
-
-    _, ref = run(False)
-    ex, got = run(True)
+    _, ref = run_admissions(model, False)
+    ex, got = run_admissions(model, True)
     assert ex.piecewise is not None and ex.piecewise.padding_slot is not None
     for a, b in zip(ref, got):
         assert a.output_ids == b.output_ids, f"request {a.request_id}"
