@@ -1,15 +1,19 @@
-"""A small executor run shared by the piecewise tests: two prompts prefill, then two more join them while they decode
-(an admission step)."""
+"""Shared by the piecewise tests: a step of a `ModelHarness` through a runner (or eagerly), and a small executor run
+where two prompts prefill, then two more join them while they decode (an admission step)."""
 
 from __future__ import annotations
 
+import torch
+
+from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
+from trtllm_glm.runtime.piecewise import PiecewiseRunner
 from trtllm_glm.runtime.request import Request
 from trtllm_glm.runtime.sampling import SamplingParams
 
-__all__ = ["ADMISSION_PROMPTS", "run_admissions"]
+__all__ = ["ADMISSION_PROMPTS", "free_requests", "harness_step", "run_admissions"]
 
 ADMISSION_PROMPTS = [
     [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2],
@@ -42,3 +46,34 @@ def run_admissions(model: Glm5NextForCausalLM, piecewise: bool) -> tuple[Executo
         ex.step()
         steps += 1
     return ex, reqs
+
+
+def free_requests(h: ModelHarness, freed: list[int]) -> None:
+    """Free ``freed``'s requests on ``h`` (those it holds)."""
+    for rid in freed:
+        if rid in h.lengths:
+            h.manager.free_request(rid)
+            del h.lengths[rid]
+
+
+def harness_step(
+    h: ModelHarness, runner: PiecewiseRunner | None, rows: list[tuple[int, int]], nd: int, toks: dict[int, list[int]]
+) -> torch.Tensor:
+    """One step of ``rows`` (request id, rows this step; the first ``nd`` decode) on ``h`` through ``runner``
+    (``None``: the plain eager forward), tokens from ``toks``; returns a copy of the final hidden ``[n, D]``."""
+    if runner is None:
+        with torch.no_grad():
+            return h.step([(r, toks[r][:n]) for r, n in rows], num_decode_seqs=nd).clone()
+    for rid, n in rows:
+        if rid not in h.lengths:
+            h.manager.add_request(rid)
+            h.lengths[rid] = 0
+        h.manager.ensure_capacity(rid, h.lengths[rid] + n)
+    rids = [r for r, _ in rows]
+    h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
+    assert runner.applies(h.meta)
+    with torch.no_grad():
+        out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()
+    for rid, n in rows:
+        h.lengths[rid] += n
+    return out

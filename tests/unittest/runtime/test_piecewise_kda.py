@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
-from tests.piecewise_helpers import run_admissions
+from tests.piecewise_helpers import free_requests, harness_step, run_admissions
 from trtllm_glm import envs
 from trtllm_glm.kda.static_step import StaticKdaCaps, width_classes
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -64,27 +64,9 @@ def _admission_steps() -> list[Step]:
 
 
 def _step(h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, freed, toks) -> torch.Tensor:
-    """One step on ``h`` (``runner`` None: the plain eager forward); returns a copy of the final hidden."""
-    for rid in freed:
-        if rid in h.lengths:
-            h.manager.free_request(rid)
-            del h.lengths[rid]
-    if runner is None:
-        with torch.no_grad():
-            return h.step([(r, toks[r][:n]) for r, n in rows], num_decode_seqs=nd).clone()
-    for rid, n in rows:
-        if rid not in h.lengths:
-            h.manager.add_request(rid)
-            h.lengths[rid] = 0
-        h.manager.ensure_capacity(rid, h.lengths[rid] + n)
-    rids = [r for r, _ in rows]
-    h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
-    assert runner.applies(h.meta)
-    with torch.no_grad():
-        out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()
-    for rid, n in rows:
-        h.lengths[rid] += n
-    return out
+    """One step on ``h`` after freeing ``freed`` (``runner`` None: the plain eager forward)."""
+    free_requests(h, freed)
+    return harness_step(h, runner, rows, nd, toks)
 
 
 def _tokens(steps: list[Step], seed: int = 0) -> dict[int, list[int]]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
-from tests.piecewise_helpers import run_admissions
+from tests.piecewise_helpers import free_requests, harness_step, run_admissions
 from tests.spec_helpers import kpool_writes_through_kernels
 from trtllm_glm import envs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -82,33 +82,6 @@ TRUNK = [True, True, False, True, False, True, True]  # which steps run the whol
 FALLBACK = 2  # every core eager
 
 
-def _free(h: ModelHarness, freed) -> None:
-    for rid in freed:
-        if rid in h.lengths:
-            h.manager.free_request(rid)
-            del h.lengths[rid]
-
-
-def _step(h: ModelHarness, runner: PiecewiseRunner | None, rows, nd: int, toks) -> torch.Tensor:
-    """One step on ``h`` (``runner`` None: the plain eager forward); a copy of the final hidden."""
-    if runner is None:
-        with torch.no_grad():
-            return h.step([(r, toks[r][:n]) for r, n in rows], num_decode_seqs=nd).clone()
-    for rid, n in rows:
-        if rid not in h.lengths:
-            h.manager.add_request(rid)
-            h.lengths[rid] = 0
-        h.manager.ensure_capacity(rid, h.lengths[rid] + n)
-    rids = [r for r, _ in rows]
-    h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
-    assert runner.applies(h.meta)
-    with torch.no_grad():
-        out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()
-    for rid, n in rows:
-        h.lengths[rid] += n
-    return out
-
-
 def _tokens(steps: list[Step], seed: int) -> dict[int, list[int]]:
     g = torch.Generator().manual_seed(seed)
     return {r: torch.randint(0, 264, (64,), generator=g).tolist() for rows, _, _ in steps for r, _ in rows}
@@ -146,16 +119,16 @@ def test_trunk_graph_matches_merged_runner(backend) -> None:
     for i, (rows, nd, freed) in enumerate(steps):
         if i == 3:  # request 41's slot and pages, which request 50 takes right after it finished
             gone = hb.manager.get_batch_state_slots([41]), set(hb.manager.page_lists([41])[0])
-        _free(ha, freed)
-        _free(hb, freed)
+        free_requests(ha, freed)
+        free_requests(hb, freed)
         # The same padding rows in both (the CPU MoE computes dead rows too: their values move the real rows'
         # rounding); the trunk's sparse core writes zeros there, as the merged runner's zeroed carry holds.
         for r in (merged, trunk):
             for buf in r._carry.values():
                 buf.zero_()
         before = trunk.stats.trunk_steps, trunk.stats.eager_cores
-        want = _step(ha, merged, rows, nd, toks)
-        have = _step(hb, trunk, rows, nd, toks)
+        want = harness_step(ha, merged, rows, nd, toks)
+        have = harness_step(hb, trunk, rows, nd, toks)
         assert torch.equal(_bits(have), _bits(want)), f"step {i}: hidden bits differ"
         lw, lh = model.compute_logits(want), model.compute_logits(have)
         assert torch.equal(_bits(lh), _bits(lw)) and torch.equal(lh.argmax(-1), lw.argmax(-1)), f"step {i}: logits"
@@ -216,8 +189,8 @@ def test_trunk_graph_with_tail_rings(backend) -> None:
     merged = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_a, sparse_inside=False)
     trunk = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b)
     for i, (rows, nd, freed) in enumerate(steps):
-        _free(ha, freed)
-        _free(hb, freed)
+        free_requests(ha, freed)
+        free_requests(hb, freed)
         for r in (merged, trunk):
             for buf in r._carry.values():
                 buf.zero_()
@@ -248,11 +221,11 @@ def test_trunk_graph_bits_without_padding() -> None:
     runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, emulate=True, padding_slot=pad)
     got = []
     for i, (rows, nd, freed) in enumerate(steps):
-        _free(ha, freed)
-        _free(hb, freed)
+        free_requests(ha, freed)
+        free_requests(hb, freed)
         before = runner.stats.trunk_steps, runner.stats.eager_cores
-        want = _step(ha, None, rows, nd, toks)
-        have = _step(hb, runner, rows, nd, toks)
+        want = harness_step(ha, None, rows, nd, toks)
+        have = harness_step(hb, runner, rows, nd, toks)
         assert torch.equal(_bits(model.compute_logits(have)), _bits(model.compute_logits(want))), f"step {i}: logits"
         assert torch.equal(_bits(have), _bits(want)), f"step {i}: hidden bits differ"
         got.append(_counts(runner, before))
@@ -284,7 +257,7 @@ def test_padding_rows_write_nothing(backend, rings: bool) -> None:
     planes = [m.latent, m.index_k] + ([m.index_scale] if m.index_scale is not None else [])
     S = ring.shape[1]
     for i, (rows, nd, freed) in enumerate(steps):
-        _free(h, freed)
+        free_requests(h, freed)
         stepping = [r for r, _ in rows]
         for rid, n in rows:  # (allocated first, so that only pages nobody holds are poisoned)
             if rid not in h.lengths:
@@ -324,7 +297,7 @@ def test_padding_rows_write_nothing(backend, rings: bool) -> None:
         saved = [_bits(t)[:, others].clone() for t in planes] + [_bits(ring)[:, idle].clone()] + own()
         saved += [_bits(t)[idle].clone() for t in backups]
         before = runner.stats.trunk_steps
-        out = _ring_step(h, runner, rows, nd, toks, poke=i) if rings else _step(h, runner, rows, nd, toks)
+        out = _ring_step(h, runner, rows, nd, toks, poke=i) if rings else harness_step(h, runner, rows, nd, toks)
         assert torch.isfinite(out).all(), f"step {i}: a real row read padding"
         assert runner.stats.trunk_steps - before == int((TRUNK_RING if rings else TRUNK)[i])
         now = [_bits(t)[:, others] for t in planes] + [_bits(ring)[:, idle]] + own()
