@@ -3,17 +3,19 @@ where two prompts prefill, then two more join them while they decode (an admissi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
+from trtllm_glm.runtime.cuda_graph import PADDING_REQUEST_ID, CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.piecewise import PiecewiseRunner
 from trtllm_glm.runtime.request import Request
 from trtllm_glm.runtime.sampling import SamplingParams
 
-__all__ = ["ADMISSION_PROMPTS", "free_requests", "harness_step", "run_admissions"]
+__all__ = ["ADMISSION_PROMPTS", "free_requests", "harness_step", "run_admissions", "slice_harness", "slice_model"]
 
 ADMISSION_PROMPTS = [
     [5, 9, 2, 7, 5, 9, 2, 7, 5, 9, 2],
@@ -56,11 +58,30 @@ def free_requests(h: ModelHarness, freed: list[int]) -> None:
             del h.lengths[rid]
 
 
+def slice_model() -> Glm5NextForCausalLM:
+    """``tiny`` cut to the real slice's schedule in fp32: three KDA layers (dense FFN, MoE, MoE), then sparse MLA +
+    MoE (piecewise: one segment with three KDA cores inside, then the sparse core)."""
+    return Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 1, 2, 3], dtype="float32").eval()
+
+
+def slice_harness(model: Glm5NextForCausalLM) -> tuple[ModelHarness, int]:
+    """A harness of 12 requests with the padding request added first (every later request's slot then differs from
+    its id); returns it and the padding slot."""
+    h = ModelHarness(model, max_seq_len=64, max_num_requests=12)
+    return h, h.manager.add_request(PADDING_REQUEST_ID, 0)
+
+
 def harness_step(
-    h: ModelHarness, runner: PiecewiseRunner | None, rows: list[tuple[int, int]], nd: int, toks: dict[int, list[int]]
+    h: ModelHarness,
+    runner: PiecewiseRunner | None,
+    rows: list[tuple[int, int]],
+    nd: int,
+    toks: dict[int, list[int]],
+    after_prepare: Callable[[list[int]], None] | None = None,
 ) -> torch.Tensor:
     """One step of ``rows`` (request id, rows this step; the first ``nd`` decode) on ``h`` through ``runner``
-    (``None``: the plain eager forward), tokens from ``toks``; returns a copy of the final hidden ``[n, D]``."""
+    (``None``: the plain eager forward), tokens from ``toks``; ``after_prepare(request ids)`` runs once the step's
+    pages and metadata are ready (a runner only). Returns a copy of the final hidden ``[n, D]``."""
     if runner is None:
         with torch.no_grad():
             return h.step([(r, toks[r][:n]) for r, n in rows], num_decode_seqs=nd).clone()
@@ -71,6 +92,8 @@ def harness_step(
         h.manager.ensure_capacity(rid, h.lengths[rid] + n)
     rids = [r for r, _ in rows]
     h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
+    if after_prepare is not None:
+        after_prepare(rids)
     assert runner.applies(h.meta)
     with torch.no_grad():
         out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()

@@ -576,8 +576,11 @@ class KimiDeltaAttention(nn.Module):
         c = step.caps
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         weight = self._conv_weight()
-        # Sink rows past T take the padding entries' outputs (distinct rows: deterministic index copies).
-        o = torch.zeros(c.out_rows, H, V, dtype=torch.float32, device=x.device)
+        # Sink rows past T take the padding entries' outputs (distinct rows: deterministic index copies) and are
+        # never read: only the T rows are zeroed (the bucket's padding rows, which no entry names, read 0), not the
+        # sinks (up to twice T more rows of H x V fp32 a layer and step, inside the graph).
+        o = torch.empty(c.out_rows, H, V, dtype=torch.float32, device=x.device)
+        o[: c.rows].zero_()
         if c.dec:
             # `_decode` on Dc entries: a padding entry steps the padding slot from row 0 into its sink row.
             rows, slots = step.dec_rows, step.dec_slots

@@ -15,11 +15,9 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
-from tests.piecewise_helpers import free_requests, harness_step, run_admissions
+from tests.piecewise_helpers import free_requests, harness_step, run_admissions, slice_harness, slice_model
 from trtllm_glm import envs
 from trtllm_glm.kda.static_step import StaticKdaCaps, width_classes
-from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.runtime.cuda_graph import PADDING_REQUEST_ID
 from trtllm_glm.runtime.executor import Executor
 from trtllm_glm.runtime.piecewise import PIECEWISE_ENV, PiecewiseRunner
 
@@ -34,17 +32,6 @@ def _short_prefill(monkeypatch) -> None:
     monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, str(SHORT))
     # (Decode rows riding the short prefills' grid are more grid sequences: the counts below assume the default.)
     monkeypatch.setenv(envs.KDA_DECODE_RIDE.name, "0")
-
-
-def _model() -> Glm5NextForCausalLM:
-    # KDA + dense FFN, KDA + MoE, KDA + MoE, sparse MLA + MoE: one segment with three KDA cores inside, one sparse core.
-    return Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 1, 2, 3], dtype="float32").eval()
-
-
-def _harness(model: Glm5NextForCausalLM) -> tuple[ModelHarness, int]:
-    h = ModelHarness(model, max_seq_len=64, max_num_requests=12)
-    # The padding slot first: every request's slot then differs from its id.
-    return h, h.manager.add_request(PADDING_REQUEST_ID, 0)
 
 
 def _admission_steps() -> list[Step]:
@@ -101,10 +88,10 @@ def test_kda_inside_segments_matches_kda_eager() -> None:
     """Every step on twin caches: the runner with KDA inside the segments against the same runner with every core
     eager (the same padded buckets): tokens, logits, hidden and every real slot bit for bit; the KDA cores ran inside
     the segments in each qualifying step (one eager core a step: the sparse layer) and eagerly in the fallback."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps)
-    (ha, pad_a), (hb, pad_b) = _harness(model), _harness(model)
+    (ha, pad_a), (hb, pad_b) = slice_harness(model), slice_harness(model)
     eager_cores = PiecewiseRunner(model, max_num_tokens=48, emulate=True)
     # The sparse cores eager (the path of steps whose sparse cores do not qualify: `test_piecewise_sparse.py`).
     inside = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b, sparse_inside=False)
@@ -139,10 +126,10 @@ def test_kda_inside_segments_matches_kda_eager() -> None:
 def test_kda_inside_segments_bits_without_padding() -> None:
     """Buckets on every step's row count (no padding row): the step is the plain eager forward's bit for bit, the
     KDA cores computed on grids padded to the caps inside the segments."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, seed=1)
-    (ha, _), (hb, pad) = _harness(model), _harness(model)
+    (ha, _), (hb, pad) = slice_harness(model), slice_harness(model)
     sizes = sorted({sum(n for _, n in rows) for rows, _, _ in steps})
     runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, emulate=True, padding_slot=pad)
     inside = []
@@ -164,10 +151,10 @@ def test_padding_rows_and_entries_touch_no_slot() -> None:
     """Before each step the free slots and the carry buffers are poisoned with NaN and the idle requests' slots
     saved: after it, the free and idle slots hold the same bits (only the step's own slots and the padding slot
     change) and the real rows are finite."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, seed=2)
-    h, pad = _harness(model)
+    h, pad = slice_harness(model)
     runner = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad)
     S = h.manager.state.kda_recurrent.shape[1]
     for i, (rows, nd, freed) in enumerate(steps):
@@ -197,7 +184,7 @@ def test_executor_runs_admissions_with_kda_inside(monkeypatch) -> None:
     above: padded buckets move the CPU's rounding of the token-wise parts, with or without KDA inside)."""
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
     monkeypatch.delenv(PIECEWISE_ENV, raising=False)
-    model = _model()
+    model = slice_model()
     _, ref = run_admissions(model, False)
     ex, got = run_admissions(model, True)
     assert ex.piecewise is not None and ex.piecewise.padding_slot is not None

@@ -21,11 +21,9 @@ import pytest
 import torch
 
 from benchmarks.harness.model_harness import ModelHarness
-from tests.piecewise_helpers import free_requests, harness_step, run_admissions
+from tests.piecewise_helpers import free_requests, harness_step, run_admissions, slice_harness, slice_model
 from tests.spec_helpers import kpool_writes_through_kernels
 from trtllm_glm import envs
-from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
-from trtllm_glm.runtime.cuda_graph import PADDING_REQUEST_ID
 from trtllm_glm.runtime.executor import Executor
 from trtllm_glm.runtime.piecewise import PIECEWISE_ENV, PiecewiseRunner
 
@@ -50,16 +48,6 @@ def backend(request, monkeypatch) -> str:
     else:
         monkeypatch.setenv("TRTLLM_GLM_KPOOL_BACKEND", "torch")
     return request.param
-
-
-def _model() -> Glm5NextForCausalLM:
-    # Three KDA layers then a sparse MLA one: merged, a segment with three KDA cores inside and one eager sparse core.
-    return Glm5NextForCausalLM.from_pretrained("tiny", layers=[0, 1, 2, 3], dtype="float32").eval()
-
-
-def _harness(model: Glm5NextForCausalLM) -> tuple[ModelHarness, int]:
-    h = ModelHarness(model, max_seq_len=64, max_num_requests=12)
-    return h, h.manager.add_request(PADDING_REQUEST_ID, 0)
 
 
 def _admission_steps() -> list[Step]:
@@ -110,10 +98,10 @@ def test_trunk_graph_matches_merged_runner(backend) -> None:
     """Twin caches, the same padded buckets: the whole trunk as one graph against the runner as merged (sparse cores
     eager): hidden, logits, greedy tokens and every cache plane bit for bit after each step; zero eager cores in the
     qualifying steps, the merged path's counts in the others."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, 0)
-    (ha, pad_a), (hb, pad_b) = _harness(model), _harness(model)
+    (ha, pad_a), (hb, pad_b) = slice_harness(model), slice_harness(model)
     merged = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_a, sparse_inside=False)
     trunk = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_b)
     for i, (rows, nd, freed) in enumerate(steps):
@@ -148,42 +136,32 @@ TRUNK_RING = [True, True, False, True, True, True, True]
 
 
 def _ring_step(h: ModelHarness, runner: PiecewiseRunner, rows, nd: int, toks, poke: int) -> torch.Tensor:
-    """`_step` as a speculative executor runs it: the accepted counts set after ``prepare``, and the rings' backups of
-    the step's sequences poked first (seed ``poke``: a snapshot, saved rows, their first position and count), so that
-    the decode pass restores a snapshot and replays accepted rows, and the prefill sequences' backups are dropped."""
+    """`harness_step` as a speculative executor runs it: the accepted counts set after ``prepare``, and the rings'
+    backups of the step's sequences poked (seed ``poke``: a snapshot, saved rows, their first position and count), so
+    that the decode pass restores a snapshot and replays accepted rows, and the prefill sequences' backups are
+    dropped."""
     g = torch.Generator().manual_seed(poke)
-    m, st = h.manager, h.manager.state
-    for rid, n in rows:
-        if rid not in h.lengths:
-            m.add_request(rid)
-            h.lengths[rid] = 0
-        m.ensure_capacity(rid, h.lengths[rid] + n)
-    rids = [r for r, _ in rows]
-    slots = m.get_batch_state_slots(rids)
-    for tr in st.decode_tail_rings:
-        for s, rid in zip(slots, rids):
-            tr.snapshot[s] = torch.randn(tr.snapshot[s].shape, generator=g)
-            tr.saved_rows[s] = torch.randn(tr.saved_rows[s].shape, generator=g)
-            tr.saved_count[s] = tr.max_rows
-            tr.saved_pos[s] = max(h.lengths[rid] - 2, 0)  # two of them accepted
-    h.meta.prepare(rids, past_lens=[h.lengths[r] for r in rids], q_lens=[n for _, n in rows], num_decode_seqs=nd)
-    h.meta.set_num_accepted([2 if i % 2 else 1 for i in range(len(rows))])  # (some disagree: the counter moves)
-    assert runner.applies(h.meta)
-    with torch.no_grad():
-        out = runner.forward([t for r, n in rows for t in toks[r][:n]], h.meta, h.manager).clone()
-    for rid, n in rows:
-        h.lengths[rid] += n
-    return out
+
+    def poke_rings(rids: list[int]) -> None:
+        for tr in h.manager.state.decode_tail_rings:
+            for s, rid in zip(h.manager.get_batch_state_slots(rids), rids):
+                tr.snapshot[s] = torch.randn(tr.snapshot[s].shape, generator=g)
+                tr.saved_rows[s] = torch.randn(tr.saved_rows[s].shape, generator=g)
+                tr.saved_count[s] = tr.max_rows
+                tr.saved_pos[s] = max(h.lengths[rid] - 2, 0)  # two of them accepted
+        h.meta.set_num_accepted([2 if i % 2 else 1 for i in range(len(rids))])  # (some disagree: the counter moves)
+
+    return harness_step(h, runner, rows, nd, toks, after_prepare=poke_rings)
 
 
 def test_trunk_graph_with_tail_rings(backend) -> None:
     """A speculative executor's manager (MTP tail rings) on twin caches: the whole trunk as one graph, the decode
     pass's rollback and backup and the prefill pass fixed-shape, against the runner as merged: hidden, logits, every
     cache plane and the rings' backups and disagreement counters bit for bit after each step."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, 3)
-    (ha, pad_a), (hb, pad_b) = _harness(model), _harness(model)
+    (ha, pad_a), (hb, pad_b) = slice_harness(model), slice_harness(model)
     for h in (ha, hb):
         h.manager.enable_decode_tail_rings(4)
     merged = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad_a, sparse_inside=False)
@@ -212,10 +190,10 @@ def test_trunk_graph_with_tail_rings(backend) -> None:
 def test_trunk_graph_bits_without_padding() -> None:
     """Buckets on every step's row count (no padding row), the torch references throughout (no padding row needs
     skipping): every step is the plain eager forward's bit for bit, the qualifying ones as one graph."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, 1)
-    (ha, _), (hb, pad) = _harness(model), _harness(model)
+    (ha, _), (hb, pad) = slice_harness(model), slice_harness(model)
     assert pad == 0
     sizes = sorted({sum(n for _, n in rows) for rows, _, _ in steps})
     runner = PiecewiseRunner(model, max_num_tokens=48, buckets=sizes, emulate=True, padding_slot=pad)
@@ -245,10 +223,10 @@ def test_padding_rows_write_nothing(backend, rings: bool) -> None:
     pools saved: after it, all of them hold the same bits (the padding rows wrote no latent row, pool or ring entry),
     and the real rows are finite. With MTP tail rings also the backups of every slot outside the step, the padding
     slot's included (the rollback visits the state-slot entries past the batch: they name the padding slot)."""
-    model = _model()
+    model = slice_model()
     steps = _admission_steps()
     toks = _tokens(steps, 2)
-    h, pad = _harness(model)
+    h, pad = slice_harness(model)
     if rings:
         h.manager.enable_decode_tail_rings(4)
     runner = PiecewiseRunner(model, max_num_tokens=48, emulate=True, padding_slot=pad)
@@ -312,7 +290,7 @@ def test_executor_admissions_as_one_graph(monkeypatch) -> None:
     request's greedy tokens are the eager executor's."""
     monkeypatch.setattr(Executor, "_graphs_supported", lambda self: True)
     monkeypatch.delenv(PIECEWISE_ENV, raising=False)
-    model = _model()
+    model = slice_model()
     _, ref = run_admissions(model, False)
     ex, got = run_admissions(model, True)
     for a, b in zip(ref, got):
