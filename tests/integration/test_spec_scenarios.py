@@ -8,12 +8,14 @@ equals plain greedy's, drafts equal the plainest speculative run's, nothing leak
 - MTP catch-up lag flushes grouped by the catch-up graphs' slices while requests finish mid-round and their slots
   are reused by the next arrivals at once;
 - KDA decode rows riding the short prefills' verify grid with state slots that no longer follow request ids and
-  requests that finish in the step a prompt is admitted in.
+  requests that finish in the step a prompt is admitted in;
+- a full batch with a queue behind it (no batch waiting): rounds drafted early while requests stop, are aborted and
+  are replaced from the queue.
 
 Each scenario's checks (`check_case`) are the fuzz's; the scenario also asserts that the hazard happened (a
-preemption, a prefix hit, a held admission, a lag flush, a riding decode row), so that a change of schedule cannot
-turn it into a test of nothing. ``TRTLLM_GLM_SPEC_SCENARIO_SEEDS`` (default 1) seeds per scenario from
-``TRTLLM_GLM_SPEC_SCENARIO_SEED`` (default 0).
+preemption, a prefix hit, a held admission, a lag flush, a riding decode row, an early draft behind a queue), so
+that a change of schedule cannot turn it into a test of nothing. ``TRTLLM_GLM_SPEC_SCENARIO_SEEDS`` (default 1) seeds
+per scenario from ``TRTLLM_GLM_SPEC_SCENARIO_SEED`` (default 0).
 """
 
 from __future__ import annotations
@@ -208,3 +210,43 @@ def test_decode_rows_ride_with_reused_slots_and_finishes(
     rides = _count_rides(monkeypatch)
     _run(monkeypatch, ride_case(seed, drafter), f"ride and {seed} and {drafter}")
     assert rides[0] > 0
+
+
+# --------------------------------------------------------------------------------------------------
+def full_batch_queue_case(seed: int) -> Case:
+    """A full batch with a queue behind it and no batch waiting: requests stop mid-round (drawn stop tokens) or are
+    aborted, each freeing a slot that the next step fills from the queue, while the batch's MTP rounds are drafted
+    early (the queue cannot be admitted while the batch is full, so it must not keep the rounds synchronous)."""
+    rng = random.Random(seed)
+    K = rng.choice([2, 3])
+    B = rng.choice([2, 3])
+    reqs = [Req(_prompt(rng, "small", None)[:32], _greedy(rng.randint(24, 40))) for _ in range(B + 4)]
+    for r in rng.sample(reqs[1:], 2):
+        r.abort_at = rng.randint(3, 12)
+    cfg = ExecutorConfig(
+        tokens_per_block=8, max_tokens=2048, max_batch_size=B, max_num_tokens=64, max_seq_len=fuzz.REF_MAX_SEQ_LEN,
+        cuda_graph_config=_graphs(B), overlap_scheduler=rng.random() < 0.75,
+    )  # fmt: skip
+    # (rounds launched ahead, `overlap_rounds`, already ran behind a queue: the early drafts are the hazard here)
+    spec = MTPDecodingConfig(max_draft_len=K, early_draft=True, catchup_lag=rng.choice([0, 5]))
+    case = Case(seed, "harsh", "small", "mtp", spec, cfg, True, None, 1000, reqs)
+    case.capture = seed % 2 == 0
+    return case
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_early_drafts_on_a_full_batch_with_a_queue(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
+
+    queued = [0]
+    early = SpeculativeExecutor._early_draft
+
+    def counted(self: Any, plan: Any) -> Any:
+        drafts = early(self, plan)
+        if drafts is not None and self.waiting:
+            queued[0] += 1
+        return drafts
+
+    monkeypatch.setattr(SpeculativeExecutor, "_early_draft", counted)
+    _run(monkeypatch, full_batch_queue_case(seed), f"full_batch and {seed}")
+    assert queued[0] > 0  # rounds drafted early while requests queued behind the full batch

@@ -663,9 +663,10 @@ class SpeculativeExecutor(Executor):
         if self.draft_policy is not None and (self._next_k != K or self._carry_k is not None):
             return None
         mc = self.spec.max_concurrency
-        # Anybody waiting (admitted at this read-back, or by a finish seen there) keeps the round synchronous, unless
-        # admissions are held (`ExecutorConfig.batch_wait_timeout_iters`).
-        waits = bool(self.waiting) and (self.cfg.batch_wait_timeout_iters <= 0 or self.admission_pending())
+        # A request the next step could admit keeps the round synchronous; one queued behind a full batch or held
+        # (`ExecutorConfig.batch_wait_timeout_iters`) does not: a finish seen at this read-back that frees a slot is
+        # admitted beside the booked drafts, as under batch waiting.
+        waits = self.admission_pending()
         if (mc is not None and len(self.running) > mc) or waits or not self._steady_verify_round(plan):
             return None
         reqs = [s.request for s in plan]
