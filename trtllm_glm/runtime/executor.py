@@ -20,6 +20,7 @@ from ..cache.prefix import Checkpoint
 from ..errors import CapacityError
 from ..logits import greedy_pack
 from ..models.glm5_next import Glm5NextForCausalLM, check_memory
+from ..numerics import batch_invariant
 from ..transfer import to_device
 from .cuda_graph import (
     PADDING_PAST_LEN,
@@ -192,15 +193,18 @@ class Executor:
                 self._prepare_graph_step,
                 emulate=self.device.type != "cuda",
             )
-        # Eager steps (prefill chunks, mixed steps) as token-wise graph segments around eager attention cores.
+        # Eager steps (prefill chunks, mixed steps) as token-wise graph segments around eager attention cores. Not in
+        # the batch-invariant mode, where no step would replay them (`PiecewiseRunner.allow_batch_invariant`): their
+        # start-up captures and pool would buy nothing.
         self.piecewise: PiecewiseRunner | None = None
-        if self._use_graphs and piecewise_enabled(cfg.cuda_graph_config):
+        real = self.device.type == "cuda"
+        if self._use_graphs and piecewise_enabled(cfg.cuda_graph_config, real) and not batch_invariant():
             assert cfg.cuda_graph_config is not None
             self.piecewise = PiecewiseRunner(
                 model,
                 max_num_tokens=cfg.max_num_tokens,
                 max_tokens=cfg.cuda_graph_config.piecewise_max_num_tokens,
-                emulate=self.device.type != "cuda",
+                emulate=not real,
                 # KDA cores of decode / short-prefill steps inside the segments (padding entries step this slot).
                 padding_slot=self._padding_slot,
                 max_num_seqs=cfg.max_batch_size,

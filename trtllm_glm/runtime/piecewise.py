@@ -71,13 +71,16 @@ def piecewise_from_env() -> bool | None:
     return envs.PIECEWISE.get()
 
 
-def piecewise_enabled(config: Any) -> bool:
+def piecewise_enabled(config: Any, real_graphs: bool = True) -> bool:
     """Whether an executor with CUDA-graph config ``config`` (None: graphs off) runs eager steps piecewise:
-    `piecewise_from_env` when set, else ``config.piecewise``."""
+    `piecewise_from_env` when set, else ``config.piecewise``, whose ``None`` (auto) is ``real_graphs`` (the
+    executor's device is CUDA, not a CPU emulating graphs in tests)."""
     if config is None:
         return False
     env = piecewise_from_env()
-    return bool(config.piecewise) if env is None else env
+    if env is not None:
+        return env
+    return real_graphs if config.piecewise is None else bool(config.piecewise)
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:

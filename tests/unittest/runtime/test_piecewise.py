@@ -48,17 +48,21 @@ def test_buckets() -> None:
 def test_env_override_and_config(monkeypatch) -> None:
     monkeypatch.delenv(PIECEWISE_ENV, raising=False)
     assert piecewise_from_env() is None
-    assert CudaGraphConfig().piecewise is False and CudaGraphConfig().piecewise_max_num_tokens == 2048
-    assert not piecewise_enabled(None) and not piecewise_enabled(CudaGraphConfig())
-    assert piecewise_enabled(CudaGraphConfig(piecewise=True))
+    assert CudaGraphConfig().piecewise is None and CudaGraphConfig().piecewise_max_num_tokens == 2048
+    # Auto: on with real graphs (CUDA), off where tests emulate them on the CPU.
+    assert piecewise_enabled(CudaGraphConfig()) and not piecewise_enabled(CudaGraphConfig(), real_graphs=False)
+    assert not piecewise_enabled(None) and not piecewise_enabled(CudaGraphConfig(piecewise=False))
+    assert piecewise_enabled(CudaGraphConfig(piecewise=True), real_graphs=False)
     monkeypatch.setenv(PIECEWISE_ENV, "1")
-    assert piecewise_enabled(CudaGraphConfig()) and not piecewise_enabled(None)
+    assert piecewise_enabled(CudaGraphConfig(piecewise=False), real_graphs=False) and not piecewise_enabled(None)
     monkeypatch.setenv(PIECEWISE_ENV, "off")
     assert not piecewise_enabled(CudaGraphConfig(piecewise=True))
     monkeypatch.setenv(PIECEWISE_ENV, "maybe")
     with pytest.raises(ValueError, match=PIECEWISE_ENV):
         piecewise_enabled(CudaGraphConfig())
-    for bad in ({"piecewise": 1}, {"piecewise_max_num_tokens": -1}, {"piecewise_max_num_tokens": True}):
+    bad_values = ({"piecewise": 1}, {"piecewise": "auto"}, {"piecewise_max_num_tokens": -1},
+                  {"piecewise_max_num_tokens": True})  # fmt: skip
+    for bad in bad_values:
         with pytest.raises(ValueError):
             CudaGraphConfig(**bad)
     assert CudaGraphConfig.from_value({"piecewise": True, "piecewise_max_num_tokens": 0}).piecewise
@@ -306,3 +310,10 @@ def test_executor_piecewise_matches_eager(monkeypatch, mode: str) -> None:
     assert make(True).piecewise is None
     monkeypatch.setenv(PIECEWISE_ENV, "1")
     assert make(False).piecewise is not None
+    monkeypatch.delenv(PIECEWISE_ENV, raising=False)
+    # The default (auto) leaves emulated graphs without piecewise; the batch-invariant mode, where no step would
+    # replay a segment, builds no runner even when asked for (no captures, no pool for nothing).
+    cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 3, 4]))
+    assert Executor(model, cfg).piecewise is None
+    with batch_invariant_mode(True):
+        assert make(True).piecewise is None
