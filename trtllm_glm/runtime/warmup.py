@@ -2,8 +2,9 @@
 
 Triton compiles on each new specialisation; CUDA graphs cover the captured decode / verify steps and `warm_up` the
 rest through the executor itself: prefill widths on a length ladder (`length_ladder`), the same beside a decoding
-request, sequence counts up to ``max_batch_size``, contexts up to ``max_seq_len``, sampling and logprobs, the greedy
-kernels with and without a grammar mask (`warm_up_greedy`); piecewise segment graphs first. Prefix caching stays on
+request, sequence counts up to ``max_batch_size``, prompts the step budget cuts beside decoding requests, contexts up
+to ``max_seq_len``, sampling and logprobs, the greedy kernels with and without a grammar mask (`warm_up_greedy`);
+piecewise segment graphs first. Prefix caching stays on
 (its chunk cuts and restores are served steps: on an H100 the KDA conv's continued-chunk kernels compiled while
 serving without them); afterwards the prefix cache starts empty and the step counters are restored.
 `WarmupReport.compiles` counts compilations (0 on the CPU). docs/serving.md, "Defaults that fit serving".
@@ -206,6 +207,34 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
                 ex.abort_request(r.request_id)
             run()
 
+    def phase_budget_cuts() -> None:
+        # Long prompts arriving beside decoding requests overflow the step's budget: it cuts the last one, whose
+        # continued chunk runs in the next step beside the decoders and the next fresh prompts. Kernels specialise
+        # on fresh and continued sequences together with the decode and prefill counts (H100: 1K-token prompts at
+        # concurrency 16 compiled the KDA conv's prefill and the MoE's kernels while serving after the phases above).
+        for d in length_ladder(B - 1):
+            room = min(B - d, N - d)
+            counts = sorted({p for p in (1, 2, room) if 1 <= p <= room})
+            if not counts:
+                continue
+            decoders = [ex.add_request(prompt(2), greedy(max(1, S - 4))) for _ in range(d)]
+            rep.requests += d
+            while any(r.num_output == 0 for r in decoders):
+                ex.step()
+                rep.steps += 1
+            for p in counts:
+                per = min(S - 2, -(-3 * (N - d) // (2 * p)))  # 1.5 budgets over p prompts: one is always cut
+                new = [ex.add_request(prompt(per), greedy(2)) for _ in range(p)]
+                rep.requests += p
+                while any(r.num_output == 0 for r in new):
+                    ex.step()
+                    rep.steps += 1
+                for r in new:
+                    ex.abort_request(r.request_id)
+            for r in decoders:
+                ex.abort_request(r.request_id)
+            run()
+
     def phase_contexts() -> None:
         p = 1 << max(N, 1).bit_length()
         while p + 1 <= S - 2:
@@ -227,7 +256,8 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
         warm_up_greedy(ex.model.config.vocab_size, ex.cfg.max_num_tokens, ex.device)
 
     phases = [("prefill widths", phase_alone), ("mixed steps", phase_mixed), ("full batch", phase_batch),
-              ("decoding batch admits", phase_mixed_counts), ("contexts", phase_contexts),
+              ("decoding batch admits", phase_mixed_counts), ("budget cuts", phase_budget_cuts),
+              ("contexts", phase_contexts),
               ("sampling", phase_sampling), ("greedy rows", phase_greedy_rows)]  # fmt: skip
     if ex.piecewise is not None:
         # Every bucket a served eager step can take (a lazy capture would stall the step that first needs it).
@@ -248,7 +278,7 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
                 # while serving). The step shapes again with the eager cores.
                 pw, ex.piecewise = ex.piecewise, None
                 try:
-                    for name, fn in phases[:4]:
+                    for name, fn in phases[:5]:
                         if time.perf_counter() - t0 > time_limit_s:
                             rep.skipped.append(f"{name} (eager cores)")
                             continue

@@ -108,10 +108,13 @@ def test_warm_up_leaves_the_executor_as_built() -> None:
     ex = llm.executor
     free_pages, free_slots = ex.manager.num_free_pages, ex.manager.num_free_slots
     mixes = set()  # (decode sequences, prefill sequences) of each step
+    cut = set()  # decode sequences of the steps that continue a prompt the budget cut (a chunk starting past 0)
     forward = ex._forward
 
     def spy(plan):  # noqa: ANN001, ANN202
         mixes.add((sum(s.is_decode for s in plan), sum(not s.is_decode for s in plan)))
+        if any(not s.is_decode and s.start > 0 for s in plan):
+            cut.add(sum(s.is_decode for s in plan))
         return forward(plan)
 
     ex._forward = spy
@@ -120,6 +123,8 @@ def test_warm_up_leaves_the_executor_as_built() -> None:
     assert rep.requests > 20 and rep.steps > rep.requests and not rep.skipped and rep.compiles == 0
     # Several decoding requests admitting several prompts at once (a served batch taking arrivals), not only one.
     assert any(d >= 2 and p >= 2 for d, p in mixes), sorted(mixes)
+    # ... and long prompts the step budget cut, continued beside several decoding requests.
+    assert max(cut, default=0) >= 2, sorted(cut)
     assert not ex.has_work and ex.num_steps == 0 and ex.num_preemptions == 0
     assert (ex.manager.num_free_pages, ex.manager.num_free_slots) == (free_pages, free_slots)
     assert ex.prefix is not None and ex.prefix.stats.queries == 0 and len(ex.prefix.store) == 0
