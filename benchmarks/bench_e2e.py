@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -674,6 +675,12 @@ def main() -> None:
         cfg = subset_config(full_cfg, keep)
         if cfg.num_nextn_predict_layers == 0:
             cfg.num_nextn_predict_layers = 1
+        # The previous arm's model and runs go before the next model is built: the bf16 4-layer slice twice (bf16,
+        # then the copy quantised to FP8) with its executors' pools does not fit an H100 (OOM, 2026-12-07).
+        model = plain = None
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         t_build = time.perf_counter()
         if mapping is not None or args.local_init:
             model = local_model(cfg, args, weights, mapping)
