@@ -183,29 +183,32 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
                     rep.steps += 1
             run()
 
+    def beside_decoders(d: int, waves: list[list[int]]) -> None:
+        """``d`` decoding requests; each wave's prompts (their lengths) admitted beside them until every one of
+        them has its first token, then aborted; then the decoders."""
+        decoders = [ex.add_request(prompt(2), greedy(max(1, S - 4))) for _ in range(d)]
+        rep.requests += d
+        while any(r.num_output == 0 for r in decoders):
+            ex.step()
+            rep.steps += 1
+        for lens in waves:
+            new = [ex.add_request(prompt(m), greedy(2)) for m in lens]
+            rep.requests += len(lens)
+            while any(r.num_output == 0 for r in new):
+                ex.step()
+                rep.steps += 1
+            for r in new:
+                ex.abort_request(r.request_id)
+        for r in decoders:
+            ex.abort_request(r.request_id)
+        run()
+
     def phase_mixed_counts() -> None:
         # A served batch admits arrivals beside many decoding requests: kernels specialise on the decode and the
         # prefill sequence counts (and the row total) together, which the phases above meet beside one decoding
         # request only (H100: a kernel compiled at concurrency 64 after the phases above, a 7 s stall).
         for d in length_ladder(B - 1):
-            decoders = [ex.add_request(prompt(2), greedy(max(1, S - 4))) for _ in range(d)]
-            rep.requests += d
-            while any(r.num_output == 0 for r in decoders):
-                ex.step()
-                rep.steps += 1
-            for p in (1, 2, 15, 16):
-                if d + p > B:
-                    continue
-                new = [ex.add_request(prompt(m), greedy(2)) for m in counts_prompts(p, aligned=p % 2 == 0)]
-                rep.requests += p
-                while any(r.num_output == 0 for r in new):
-                    ex.step()
-                    rep.steps += 1
-                for r in new:
-                    ex.abort_request(r.request_id)
-            for r in decoders:
-                ex.abort_request(r.request_id)
-            run()
+            beside_decoders(d, [counts_prompts(p, aligned=p % 2 == 0) for p in (1, 2, 15, 16) if d + p <= B])
 
     def phase_budget_cuts() -> None:
         # Long prompts arriving beside decoding requests overflow the step's budget: it cuts the last one, whose
@@ -214,26 +217,10 @@ def warm_up(ex: Executor, *, time_limit_s: float = 600.0, seed: int = 0) -> Warm
         # concurrency 16 compiled the KDA conv's prefill and the MoE's kernels while serving after the phases above).
         for d in length_ladder(B - 1):
             room = min(B - d, N - d)
-            counts = sorted({p for p in (1, 2, room) if 1 <= p <= room})
-            if not counts:
-                continue
-            decoders = [ex.add_request(prompt(2), greedy(max(1, S - 4))) for _ in range(d)]
-            rep.requests += d
-            while any(r.num_output == 0 for r in decoders):
-                ex.step()
-                rep.steps += 1
-            for p in counts:
-                per = min(S - 2, -(-3 * (N - d) // (2 * p)))  # 1.5 budgets over p prompts: one is always cut
-                new = [ex.add_request(prompt(per), greedy(2)) for _ in range(p)]
-                rep.requests += p
-                while any(r.num_output == 0 for r in new):
-                    ex.step()
-                    rep.steps += 1
-                for r in new:
-                    ex.abort_request(r.request_id)
-            for r in decoders:
-                ex.abort_request(r.request_id)
-            run()
+            # 1.5 budgets over p prompts: one is always cut.
+            waves = [[min(S - 2, -(-3 * (N - d) // (2 * p)))] * p for p in sorted({1, 2, room}) if 1 <= p <= room]
+            if waves:
+                beside_decoders(d, waves)
 
     def phase_contexts() -> None:
         p = 1 << max(N, 1).bit_length()
