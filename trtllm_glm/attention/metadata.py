@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .. import traffic
 from ..errors import TableWidthError
 from ..state.spec_metadata import SpecMetadata
 
@@ -230,6 +231,7 @@ class AttentionMetadata:
         sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
+        traffic.put(n=2)
         self._staging.release()
 
     def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
@@ -381,6 +383,7 @@ class AttentionMetadata:
         arr[:] = 0
         arr[: len(counts)] = counts
         self._acc_buf.copy_(host, non_blocking=True)
+        traffic.put()
         self._acc_staging.release()
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 

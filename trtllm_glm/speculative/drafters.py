@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import traffic
 from ..transfer import to_device
 
 __all__ = [
@@ -66,6 +67,7 @@ class DeviceDrafts:
     def rows(self) -> list[list[int]]:
         """``[n][K]`` the drafts as host ints (waits for the copy the first time)."""
         if self._rows is None:
+            traffic.read("speculative/drafters.py DeviceDrafts.rows")
             if self.event is not None:
                 self.event.synchronize()
             self._rows = self._host.tolist()
@@ -351,3 +353,7 @@ class OracleAcceptanceDrafter(Drafter):
         pend = DeviceDrafts(t, host)
         for j, (s, _) in enumerate(on_device):
             s.state.pending = (pend, j)
+
+
+# Counted by their own site (`traffic`): their tensor read is of a host buffer.
+traffic.HOST_BUFFER_READERS.add(DeviceDrafts.rows.__code__)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .... import traffic
 from ....errors import StateError, TableWidthError
 from ...interface import PagedCacheManager
 from ...metadata import AttentionMetadata, HostStaging
@@ -211,6 +212,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         host = self._table_staging.acquire()["table"]
         self._table_rows.write(tables)
         dst.copy_(host, non_blocking=True)
+        traffic.put()
         self._table_staging.release()
 
     @property
@@ -378,6 +380,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         arr["slots"][: len(slots)] = slots
         self.draft_slot_table.copy_(ht, non_blocking=True)
         self.draft_state_slots.copy_(hs, non_blocking=True)
+        traffic.put(n=2)
         self._draft_staging.release()
 
     def draft_swap_addresses(self) -> dict[str, set[int]]:
