@@ -12,6 +12,7 @@ reaches through the draft slot table (`draft_replay`, docs/design.md §6.1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,8 @@ class MTPDrafter(Drafter):
         # Leave a fused draft's tokens on the device (`DraftState.pending`) for the next verify to take as
         # its input rows; set by an executor that resolves them (the speculative executor with graphs).
         self.defer = False
+        # The drafts that landed last in each of the two host landing buffers (`_device_drafts`).
+        self._landed: list[weakref.ref[DeviceDrafts] | None] = [None, None]
         # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
         draft_manager.state.enable_speculative_rows(mtp_plane)
         draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
@@ -187,7 +190,7 @@ class MTPDrafter(Drafter):
             self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
             if self.defer:
                 # No read-back here: the next verify takes the drafts on the device (`DeviceDrafts`).
-                pend = DeviceDrafts(drafts, graphs.host_drafts)
+                pend = self._device_drafts(drafts)
                 for j, s in enumerate(cat):
                     s.state.drafts, s.state.pending = [PENDING_DRAFT] * K, (pend, j)
                 return
@@ -501,7 +504,20 @@ class MTPDrafter(Drafter):
         dm = self.draft_manager
         dm.state.record_draft_hidden(to_device(dm.get_batch_state_slots(list(rids)), self.device),
                                      hidden.index_select(0, last))  # fmt: skip
-        return DeviceDrafts(drafts, graphs.host_drafts)
+        return self._device_drafts(drafts)
+
+    def _device_drafts(self, drafts: torch.Tensor) -> DeviceDrafts:
+        """``drafts`` (the fused draft graph's output) on their way to the host, in the landing buffer whose turn it
+        is (`MtpChainGraphs.host_landing`). The drafts that landed there two drafts ago are read first if somebody
+        still holds them unread (never in the executor's rounds, which read each round's drafts with its results):
+        their host copy is about to be overwritten."""
+        turn, host = self.chain_graphs.host_landing()
+        prev = self._landed[turn]() if self._landed[turn] is not None else None
+        if prev is not None:
+            prev.rows()
+        out = DeviceDrafts(drafts, host)
+        self._landed[turn] = weakref.ref(out)
+        return out
 
     def book_ahead(self, seqs: Sequence[DraftSeq], drafts: DeviceDrafts, rows: Sequence[int]) -> None:
         """The host's share of a `draft_ahead`, once its verify round was read back: each sequence's MTP history

@@ -144,12 +144,27 @@ class MtpChainGraphs:
         self.catchup_replays = 0
         self.fused = (fused_draft_default() if fused is None else fused) and max_draft_len >= 2
         self.draft_replays = 0
-        # Pinned landing buffer of the fused draft's tokens (`speculative.drafters.DeviceDrafts`).
+        # Pinned landing buffer of the fused draft's tokens (`speculative.drafters.DeviceDrafts`), and a second one:
+        # consecutive drafts land in turn in each (`host_landing`), so that a draft launched before the previous
+        # one's tokens were read on the host (an early draft, a round launched ahead) does not overwrite them.
         self.host_drafts = (
             torch.zeros(B, max_draft_len, dtype=torch.int64, pin_memory=True)
             if self.fused and dev.type == "cuda"
             else None
         )
+        self._host_drafts_alt: torch.Tensor | None = None
+        self._landing = 1
+
+    def host_landing(self) -> tuple[int, torch.Tensor | None]:
+        """``(turn, buffer)``: the pinned buffer the next fused draft's tokens land in (None without one), the two
+        buffers in turn (``turn`` 0 or 1)."""
+        self._landing ^= 1
+        h = self.host_drafts
+        if h is None or self._landing == 0:
+            return self._landing, h
+        if self._host_drafts_alt is None or self._host_drafts_alt.shape != h.shape:
+            self._host_drafts_alt = torch.zeros(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+        return 1, self._host_drafts_alt
 
     # --------------------------------------------------------------------------------------------
     # Keys
