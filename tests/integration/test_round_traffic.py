@@ -75,7 +75,8 @@ def test_tensor_reads_are_counted_inside_the_hooks_only() -> None:
 def test_steady_mtp_round_waits_for_the_device_once(model, monkeypatch, ahead) -> None:  # noqa: ANN001
     """After warm-up every step is one steady K = 3 round (an early draft, or a round launched ahead), each with
     exactly one blocking read: its results (``HostResults.wait``). The drafts it verified are read with them,
-    not by a wait of their own after the verify's launch (``DeviceDrafts.rows``, the second read before)."""
+    not by a wait of their own after the verify's launch (``DeviceDrafts.rows``, the second read before). With early
+    drafts the draft's catch-up description is the verify's: copied once (9 puts a round before, 4 or 5 now)."""
     params = SamplingParams(max_tokens=GEN, ignore_eos=True)
     ref = Executor(model, config(graphs=False, overlap=False))
     refs = [ref.add_request(p, params) for p in prompts()]
@@ -88,13 +89,21 @@ def test_steady_mtp_round_waits_for_the_device_once(model, monkeypatch, ahead) -
     for _ in range(WARMUP):
         ex.step()
     steady0 = ex.num_early_drafts + ex.num_overlapped_rounds
-    per_round = []
+    per_round, puts = [], []
     for _ in range(ROUNDS):
         with recorded() as rec:
             ex.step()
         per_round.append(dict(rec.reads))
+        puts.append(rec.puts)
     assert ex.num_early_drafts + ex.num_overlapped_rounds - steady0 == ROUNDS, "the rounds were not steady"
     assert per_round == [{"runtime/cuda_graph.py HostResults.wait": 1}] * ROUNDS
+    if not ahead:
+        # Puts: the verify's description (lengths, rows; its slot table only when a page was added), its accepted
+        # counts and its inputs. The draft's catch-up is the verify's rows again: nothing copied for it, nor for its
+        # slots (the same every round).
+        for p in puts:
+            assert sum(n for site, n in p.items() if "metadata.py" in site and "prepare" in site) == 2, p
+            assert p.total() - sum(n for site, n in p.items() if "_fill_table" in site) == 4, p
     ex.run_until_done()
     for a, b in zip(refs, reqs):
         assert b.output_ids == a.output_ids

@@ -117,6 +117,11 @@ class AttentionMetadata:
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
+        # ``(B, N)`` of the description last copied to the device buffers while they still hold it as copied; None
+        # once something rewrote them on the device (`device_rewritten`). `prepare` skips the copy of a description
+        # equal to it (an MTP catch-up described right after the verify it follows: the same rows).
+        self._on_device: tuple[int, int] | None = None
+        self.num_copies_skipped = 0
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
         # captured verify graph reads the same address every replay.
         self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
@@ -228,11 +233,26 @@ class AttentionMetadata:
                 for b, (v, q) in enumerate(zip(live_q_lens, q_lens)):
                     if v < q:
                         th[2, cu[b] + v : cu[b + 1]] = 0
+        if self._on_device == (B, N):
+            # The other staging set is the one last copied: the device buffers hold it.
+            last = self._staging.all_arrays()[self._staging.index ^ 1]
+            if np.array_equal(arr["seq"][:, : B + 1], last["seq"][:, : B + 1]) and np.array_equal(
+                arr["tok"][:, :N], last["tok"][:, :N]
+            ):
+                self.num_copies_skipped += 1
+                return  # the current set stays current: nothing was copied from it
         sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
         traffic.put(n=2)
         self._staging.release()
+        self._on_device = (B, N)
+
+    def device_rewritten(self) -> None:
+        """The per-sequence and per-token buffers were (or will be, on the stream) rewritten on the device: the
+        next `prepare` copies its description whatever it is (`set_decode_rows`, `set_verify_rows`,
+        `set_valid_rows`, and the replay of a captured graph that calls them)."""
+        self._on_device = None
 
     def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
         """Make the current batch one decode row per sequence at device-held lengths, by device ops only.
@@ -253,6 +273,7 @@ class AttentionMetadata:
         B = self.num_seqs
         if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
             raise ValueError(f"set_decode_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
+        self._on_device = None
         seq, tok, ar = self._seq_buf, self._tok_buf, self._arange
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(1)
@@ -305,6 +326,7 @@ class AttentionMetadata:
             raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
         if live_lens is not None and live_lens.shape != (B,):
             raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
+        self._on_device = None
         seq, tok = self._seq_buf, self._tok_buf
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(width)
@@ -347,6 +369,7 @@ class AttentionMetadata:
             raise ValueError(f"set_valid_rows needs {B} lengths, got {tuple(valid_lens.shape)}")
         W = self.q_lens[0]
         N = B * W
+        self._on_device = None
         tok = self._tok_buf
         rows = self._tok_arange[:N]
         owner = torch.div(rows, W, rounding_mode="floor")

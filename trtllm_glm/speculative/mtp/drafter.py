@@ -96,6 +96,7 @@ class MTPDrafter(Drafter):
         self.defer = False
         # The drafts that landed last in each of the two host landing buffers (`_device_drafts`).
         self._landed: list[weakref.ref[DeviceDrafts] | None] = [None, None]
+        self._slots_cache: tuple[tuple[int, ...], torch.Tensor] | None = None  # `_slots_t`
         # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
         draft_manager.state.enable_speculative_rows(mtp_plane)
         draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
@@ -502,9 +503,17 @@ class MTPDrafter(Drafter):
         # The draft hidden a restore needs: the target hidden of each sequence's last accepted row.
         last = torch.arange(n, device=self.device) * W + accepted - 1
         dm = self.draft_manager
-        dm.state.record_draft_hidden(to_device(dm.get_batch_state_slots(list(rids)), self.device),
-                                     hidden.index_select(0, last))  # fmt: skip
+        dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), hidden.index_select(0, last))
         return self._device_drafts(drafts)
+
+    def _slots_t(self, slots: list[int]) -> torch.Tensor:
+        """``slots`` on the device: the tensor of the last call when they are the same (a steady batch drafts the
+        same slots every round), else a new one. Only ever read (an index)."""
+        key = tuple(slots)
+        if self._slots_cache is None or self._slots_cache[0] != key:
+            with torch.inference_mode(False):  # read in and outside inference mode
+                self._slots_cache = (key, to_device(slots, self.device, torch.int64))
+        return self._slots_cache[1]
 
     def _device_drafts(self, drafts: torch.Tensor) -> DeviceDrafts:
         """``drafts`` (the fused draft graph's output) on their way to the host, in the landing buffer whose turn it
@@ -585,7 +594,7 @@ class MTPDrafter(Drafter):
         if self.separate:
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
             dm.state.commit_verified(draft_ids, committed)
-        dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
+        dm.state.record_draft_hidden(self._slots_t(draft_ids), prev_last)
 
     def _chain(
         self,

@@ -425,6 +425,9 @@ class MtpChainGraphs:
             if g is None:  # emulation: the padded step, eagerly
                 return self._body(key, host_committed_lens)
             g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
+            # The fused draft rewrites the step description on the device (`set_decode_rows`, `set_valid_rows`):
+            # captured, the host does not see it; the next `prepare` must copy (any MTP graph, to be safe).
+            self.meta.device_rewritten()
             g.graph.replay()
             return g.outputs
 
