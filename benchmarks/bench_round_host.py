@@ -4,12 +4,16 @@ Issue 43: a steady MTP K = 3 round (greedy batch, CUDA graphs, early drafts, the
 the host and its syncs, not by the GPU. Per mode this runs a greedy batch to a steady state, then times ``--rounds``
 calls of ``Executor.step`` (one decode step, or one speculative round) and counts, per round, every blocking
 device-to-host read and every host-to-device put the package makes (`trtllm_glm.traffic`, with
-`benchmarks.harness.host_traffic.watch_tensor_reads` for reads hidden in tensor methods), by source site.
+`benchmarks.harness.host_traffic.watch_tensor_reads` for reads hidden in tensor methods), by source site, and the
+tensor ops it runs outside the graphs (``launches``: each one a kernel launch on a GPU; ``allocs``: those that make a
+new device tensor; `benchmarks.harness.host_traffic.count_ops`).
 
 Runs anywhere. On the CPU the graphs are emulated (the padded step runs eagerly, as in the speculative tests), so
 the read and put counts are the GPU's, and ``host_ms`` is the round's wall time minus the time inside the emulated
 graph bodies (what a replay would run on the device): the host's own work. ``step_ms`` is the whole round. On a GPU
-the graphs are captured and ``host_ms`` is the time ``step`` takes on the host (it includes the waits).
+the graphs are captured and ``host_ms`` is the time ``step`` takes on the host (it includes the waits). On the CPU the
+results' and the drafts' host copies are clones: one device tensor made a round each that a GPU, copying into pinned
+buffers, does not make (``allocs`` at ``results_to_host`` and ``DeviceDrafts.__init__``).
 
 Modes: ``overlap`` (plain decoding, overlap scheduler), ``mtp3`` (MTP K = 3, early drafts, the overlap scheduler:
 bench_e2e's ``mtp3+os``), ``mtp3+ov`` (also drafting rounds launched ahead, ``overlap_rounds``); any ``mtpK``.
@@ -28,7 +32,7 @@ from collections import Counter
 
 import torch
 
-from benchmarks.harness.host_traffic import GraphBodies, emulated_graphs, recorded
+from benchmarks.harness.host_traffic import GraphBodies, count_ops, emulated_graphs, recorded
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
@@ -90,7 +94,7 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
     steady = getattr(ex, "num_early_drafts", 0) + getattr(ex, "num_overlapped_rounds", 0) - early0
     overlapped = ex.num_overlapped_steps - overlapped0
     # The counts: the same number of rounds again, recorded (the tensor-method hooks cost host time).
-    with recorded() as rec:
+    with recorded() as rec, count_ops() as ops:
         for _ in range(args.rounds):
             ex.step()
     n = args.rounds
@@ -104,7 +108,9 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
         "tokens_per_round": round(tokens / n / B, 3),
         "steady_rounds": steady if ex.__class__ is not Executor else overlapped,
         "reads_per_round": round(rec.num_reads / n, 3), "puts_per_round": round(rec.num_puts / n, 3),
+        "launches_per_round": round(ops.launches.total() / n, 3), "allocs_per_round": round(ops.allocs.total() / n, 3),
         "reads": per_round(rec.reads), "puts": per_round(rec.puts),
+        "launches": per_round(ops.launches), "allocs": per_round(ops.allocs),
     }  # fmt: skip
 
 
@@ -132,10 +138,11 @@ def main() -> None:
             print(f"== {mode} ({args.preset}, batch {row['batch']}, {row['device']}): host {row['host_ms']:.3f} ms"
                   f" (step {row['step_ms']:.3f} ms), {row['tokens_per_round']:.2f} tokens/seq/round, "
                   f"{row['steady_rounds']}/{row['rounds']} steady; per round: {row['reads_per_round']:g} reads, "
-                  f"{row['puts_per_round']:g} puts")  # fmt: skip
-            for kind in ("reads", "puts"):
+                  f"{row['puts_per_round']:g} puts, {row['launches_per_round']:g} launches outside graphs, "
+                  f"{row['allocs_per_round']:g} device tensors made")  # fmt: skip
+            for kind in ("reads", "puts", "launches", "allocs"):
                 for site, v in row[kind].items():
-                    print(f"   {kind[:-1]:4s} {v:6.2f}  {site}")
+                    print(f"   {kind:8s} {v:6.2f}  {site}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ are reads of pinned tensors (host buffers on a GPU machine). For benchmarks and 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,19 +21,22 @@ import torch
 
 from trtllm_glm import traffic
 
-__all__ = ["GraphBodies", "emulated_graphs", "recorded", "watch_tensor_reads"]
+__all__ = ["GraphBodies", "OpCounts", "count_ops", "emulated_graphs", "recorded", "watch_tensor_reads"]
 
 _METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
 
-def _package_caller() -> tuple[bool, str | None]:
-    """(called directly from a self-counting read-back site, the package site of the call or None)."""
+def _package_caller(ops: bool = False) -> tuple[bool, str | None]:
+    """(called directly from a self-counting read-back site, the package site of the call or None); ``ops``: the
+    caller is a dispatch mode (the read-back site is the first package frame, not the direct caller)."""
     f = sys._getframe(2)
     if f.f_code in traffic.HOST_BUFFER_READERS:
         return True, None
     while f is not None:
         name = f.f_code.co_filename
         if "trtllm_glm" in name and name not in traffic._SKIPPED:
+            if ops and f.f_code in traffic.HOST_BUFFER_READERS:
+                return True, None
             path = name.rsplit("trtllm_glm", 1)[1].lstrip("/")
             return False, f"{path}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
@@ -174,3 +178,46 @@ def emulated_graphs() -> Iterator[None]:
             os.environ.pop("TRTLLM_GLM_KPOOL_BACKEND", None)
         else:
             os.environ["TRTLLM_GLM_KPOOL_BACKEND"] = env
+
+
+class OpCounts:
+    """Tensor ops the package runs on the host's side of a step, outside the graph bodies (`count_ops`): ``launches``
+    (each a kernel launch on a GPU: every op but views and host-only ones) and ``allocs`` (ops that make a new device
+    tensor rather than write into one), by site."""
+
+    def __init__(self) -> None:
+        self.launches: Counter = Counter()
+        self.allocs: Counter = Counter()
+
+
+@contextmanager
+def count_ops() -> Iterator[OpCounts]:
+    """Count the package's tensor ops inside the block while a `traffic.recording` is active and outside graph bodies
+    (`GraphBodies` pauses the recording there). For benchmarks and tests: a ``TorchDispatchMode``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    host_only = {aten.lift_fresh, aten.detach_, aten.detach, aten.alias}
+    alloc_only = {aten.empty, aten.empty_strided, aten.empty_like}
+    counts = OpCounts()
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            out = func(*args, **(kwargs or {}))
+            packet = func.overloadpacket
+            if traffic.current() is None or packet in host_only:
+                return out
+            cast = packet is aten.to and not (args and out is args[0])  # `to` reaches the mode whole: a copy or not
+            if func.is_view and not cast:
+                return out
+            own, site = _package_caller(ops=True)
+            if site is None or own:
+                return out
+            if packet not in alloc_only:
+                counts.launches[site] += 1
+            if cast or packet in alloc_only or not func._schema.is_mutable:
+                counts.allocs[site] += 1
+            return out
+
+    with Mode():
+        yield counts

@@ -472,8 +472,9 @@ class SpeculativeExecutor(Executor):
         rids = [r.request_id for r in reqs]
         out = cur.out
         with torch.inference_mode():
-            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
-            drafts = drafter.draft_ahead(rids, starts, out.packed[:, 0].to(torch.int64), out.hidden, acc)
+            # Float64 ids and counts, cast as the draft copies them into its own buffers.
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2]
+            drafts = drafter.draft_ahead(rids, starts, out.packed[:, 0], out.hidden, acc)
             if drafts is None:
                 return None
             # Round n + 1 is described at round n's start on the host; the device adds round n's accepted counts.
@@ -679,9 +680,9 @@ class SpeculativeExecutor(Executor):
         assert self.graph_runner is not None
         out.start_host_copy(self.graph_runner)
         with torch.inference_mode():
-            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
-            tokens = out.packed[:, 0].to(torch.int64)
-            drafts = drafter.draft_ahead([r.request_id for r in reqs], starts, tokens, out.hidden, acc)
+            # Float64 ids and counts, cast as the draft copies them into its own buffers.
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2]
+            drafts = drafter.draft_ahead([r.request_id for r in reqs], starts, out.packed[:, 0], out.hidden, acc)
         if drafts is not None:
             self.num_early_drafts += 1
         return drafts

@@ -180,9 +180,16 @@ def test_an_unchanged_description_is_not_copied_again() -> None:
 
     assert prepare(num_decode_seqs=2).num_puts == 3  # lengths, rows, table
     want = device()
-    # Described again as a catch-up (prefill rows, every row valid): the same buffers, nothing copied.
+    # Described again as a catch-up (prefill rows, every row valid): the same buffers, nothing copied; the host
+    # fields are a full description's.
     assert prepare(num_decode_seqs=0, valid_q_lens=[4, 4]).num_puts == 0
     assert device() == want and meta.num_decode_seqs == 0 and meta.valid_q_lens == [4, 4]
+    _, fresh = setup()
+    fresh.kv_cache_manager = mgr
+    fresh.prepare([5, 6], past_lens=[8, 16], q_lens=[4, 4], state_slots=[0, 1], num_decode_seqs=0, valid_q_lens=[4, 4])
+    host = ("request_ids", "q_lens", "past_lens", "cu_seqlens", "state_slots", "num_seqs", "num_decode_seqs",
+            "num_decode_tokens", "num_tokens", "max_kv_len", "num_padding_seqs", "valid_q_lens")  # fmt: skip
+    assert {k: getattr(meta, k) for k in host} == {k: getattr(fresh, k) for k in host}
     # A rewrite on the device: the same description is copied again (the table is not: nothing rewrites it).
     meta.set_valid_rows(torch.tensor([2, 4]))
     assert meta.row_seq_t.tolist() != want[1]

@@ -485,9 +485,10 @@ class MTPDrafter(Drafter):
         Args:
             rids: ``[n]`` request ids, in the verify round's order.
             starts: ``[n]`` each sequence's first verify position.
-            tokens: ``[n * W]`` int64 the target's argmax of every verify row (device).
+            tokens: ``[n * W]`` the target's argmax of every verify row (device; int64, or the float64 ids of the
+                verify's packed results).
             hidden: ``[n * W, D]`` the verify round's final hidden rows (device).
-            accepted: ``[n]`` int64 accepted rows per sequence (device).
+            accepted: ``[n]`` accepted rows per sequence (device; int64, or float64 counts).
 
         Returns:
             The drafts (``[n, K]`` on the device, on their way to the host), or None when no fused graph serves
@@ -500,8 +501,9 @@ class MTPDrafter(Drafter):
         if key is None:
             return None
         drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted)
-        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row.
-        last = torch.arange(n, device=self.device) * W + accepted - 1
+        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row (``j * W + a - 1``;
+        # the counts as int64 in the graphs' `valid` buffer now).
+        last = torch.add(graphs.row_before[:n], graphs.valid[:n])
         dm = self.draft_manager
         dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), hidden.index_select(0, last))
         return self._device_drafts(drafts)
