@@ -167,7 +167,9 @@ class MtpChainGraphs:
         if h is None or self._landing == 0:
             return self._landing, h
         if self._host_drafts_alt is None or self._host_drafts_alt.shape != h.shape:
-            self._host_drafts_alt = torch.zeros(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+            # A normal tensor even when first asked for under inference mode: drafts land in it in and outside it.
+            with torch.inference_mode(False):
+                self._host_drafts_alt = torch.zeros(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
         return 1, self._host_drafts_alt
 
     # --------------------------------------------------------------------------------------------
