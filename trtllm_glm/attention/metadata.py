@@ -115,6 +115,9 @@ class AttentionMetadata:
         # 0 .. N - 1: row indices of verify steps described on the device (`set_verify_rows`).
         self._tok_arange = torch.arange(N, dtype=i64, device=self.device)
         self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_row_owners`
+        # `set_valid_rows`'s per-row scratch (each row's valid count, and whether the row is dropped).
+        self._row_valid = torch.empty(N, dtype=i64, device=self.device)
+        self._row_drop = torch.empty(N, dtype=torch.bool, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
@@ -405,7 +408,8 @@ class AttentionMetadata:
         self._on_device = None
         tok = self._tok_buf
         owner, offset = self._row_owners(W)
-        drop = offset[:N] >= valid_lens.index_select(0, owner[:N])
+        valid = torch.index_select(valid_lens, 0, owner[:N], out=self._row_valid[:N])
+        drop = torch.ge(offset[:N], valid, out=self._row_drop[:N])
         tok[1, :N].masked_fill_(drop, -1)
         tok[2, :N].masked_fill_(drop, 0)
 

@@ -503,9 +503,11 @@ class MTPDrafter(Drafter):
         drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted)
         # The draft hidden a restore needs: the target hidden of each sequence's last accepted row (``j * W + a - 1``;
         # the counts as int64 in the graphs' `valid` buffer now).
-        last = torch.add(graphs.row_before[:n], graphs.valid[:n])
+        last = torch.add(graphs.row_before[:n], graphs.valid[:n], out=graphs.last_rows[:n])
         dm = self.draft_manager
-        dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), hidden.index_select(0, last))
+        buf = graphs.last_hidden
+        h = torch.index_select(hidden, 0, last, out=buf[:n]) if buf.dtype == hidden.dtype else hidden[last]
+        dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), h)
         return self._device_drafts(drafts)
 
     def _slots_t(self, slots: list[int]) -> torch.Tensor:

@@ -145,6 +145,9 @@ class MtpChainGraphs:
         # the flat row before each sequence's first row (``j * W - 1``), persistent rather than made each round.
         self.valid = torch.zeros(B, dtype=torch.int64, device=dev)
         self.row_before = torch.arange(B, dtype=torch.int64, device=dev) * W - 1
+        # Each sequence's last accepted row and its target hidden (`MTPDrafter.draft_ahead`).
+        self.last_rows = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.last_hidden = torch.zeros(B, D, dtype=dtype, device=dev)
         self.catchup_replays = 0
         self.fused = (fused_draft_default() if fused is None else fused) and max_draft_len >= 2
         self.draft_replays = 0
