@@ -122,11 +122,10 @@ class AttentionMetadata:
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
         # ``(B, N)`` of the description last copied to the device buffers while they still hold it as copied; None
-        # once something rewrote them on the device (`device_rewritten`). `prepare` skips the copy of a description
-        # equal to it (an MTP catch-up described right after the verify it follows: the same rows).
+        # once something rewrote them on the device (`device_rewritten`). What it was made of: (num_padding_seqs, rows
+        # cut on real sequences (`_row_cuts`), q_lens, past_lens, state_slots, cu_seqlens). `prepare` neither stages
+        # nor copies a description with the same rows (an MTP catch-up described right after the verify it follows).
         self._on_device: tuple[int, int] | None = None
-        # What that description was made of: (num_padding_seqs, rows cut on real sequences (`_row_cuts`), q_lens,
-        # past_lens, state_slots, cu_seqlens). The same again needs no staging either (`prepare`'s first test).
         self._described: tuple | None = None
         self.num_copies_skipped = 0
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
@@ -247,15 +246,6 @@ class AttentionMetadata:
                 for b, (v, q) in enumerate(zip(live_q_lens, q_lens)):
                     if v < q:
                         th[2, cu[b] + v : cu[b + 1]] = 0
-        if self._on_device == (B, N):
-            # The other staging set is the one last copied: the device buffers hold it.
-            last = self._staging.all_arrays()[self._staging.index ^ 1]
-            if np.array_equal(arr["seq"][:, : B + 1], last["seq"][:, : B + 1]) and np.array_equal(
-                arr["tok"][:, :N], last["tok"][:, :N]
-            ):
-                self.num_copies_skipped += 1
-                self._described = described
-                return  # the current set stays current: nothing was copied from it
         sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
@@ -529,8 +519,9 @@ def _row_cuts(
     None when it cuts none (all ``q_lens``), or None when neither does (padding sequences' rows are never valid or
     live whatever the counts say)."""
     v = l_ = None
-    if valid_q_lens is not None and any(a < q for a, q in zip(valid_q_lens[:real], q_lens)):
+    # (Counts are at most ``q_lens``: any difference is a cut.)
+    if valid_q_lens is not None and list(valid_q_lens[:real]) != q_lens[:real]:
         v = tuple(valid_q_lens[:real])
-    if live_q_lens is not None and any(a < q for a, q in zip(live_q_lens[:real], q_lens)):
+    if live_q_lens is not None and list(live_q_lens[:real]) != q_lens[:real]:
         l_ = tuple(live_q_lens[:real])
     return None if v is None and l_ is None else (v, l_)
