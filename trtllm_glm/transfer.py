@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from . import traffic
+
 __all__ = ["to_device"]
 
 
@@ -88,6 +90,7 @@ def to_device(
     Returns:
         ``[len(values)]`` tensor on ``device``.
     """
+    traffic.put()
     dev = torch.device(device)
     if dev.type == "cpu":
         return torch.tensor(values, dtype=dtype)

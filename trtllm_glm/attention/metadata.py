@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .. import traffic
 from ..errors import TableWidthError
 from ..state.spec_metadata import SpecMetadata
 
@@ -113,9 +114,20 @@ class AttentionMetadata:
         self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
         # 0 .. N - 1: row indices of verify steps described on the device (`set_verify_rows`).
         self._tok_arange = torch.arange(N, dtype=i64, device=self.device)
+        self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_row_owners`
+        # `set_valid_rows`'s per-row scratch (each row's valid count, and whether the row is dropped).
+        self._row_valid = torch.empty(N, dtype=i64, device=self.device)
+        self._row_drop = torch.empty(N, dtype=torch.bool, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
+        # ``(B, N)`` of the description last copied to the device buffers while they still hold it as copied; None
+        # once something rewrote them on the device (`device_rewritten`). What it was made of: (num_padding_seqs, rows
+        # cut on real sequences (`_row_cuts`), q_lens, past_lens, state_slots, cu_seqlens). `prepare` neither stages
+        # nor copies a description with the same rows (an MTP catch-up described right after the verify it follows).
+        self._on_device: tuple[int, int] | None = None
+        self._described: tuple | None = None
+        self.num_copies_skipped = 0
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
         # captured verify graph reads the same address every replay.
         self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
@@ -190,19 +202,26 @@ class AttentionMetadata:
         self.q_lens = list(q_lens)
         self.past_lens = list(past_lens)
         self.state_slots = list(state_slots)
+        cuts = _row_cuts(valid_q_lens, live_q_lens, self.q_lens, B - num_padding_seqs)
+        same = self._described
+        if (
+            self._on_device is not None
+            and same is not None
+            and same[:2] == (num_padding_seqs, cuts)
+            and same[2] == self.q_lens
+            and same[3] == self.past_lens
+            and same[4] == self.state_slots
+        ):
+            # The device buffers hold these very rows (an MTP catch-up described right after the verify it follows):
+            # the host fields only, no staging, no copy.
+            self._describe_host(same[5], N, num_decode_seqs, num_padding_seqs, valid_q_lens)
+            self.num_copies_skipped += 1
+            return
         cu = [0]
         for q in q_lens:
             cu.append(cu[-1] + q)
-        self.cu_seqlens = cu
-        self.num_seqs = B
-        self.num_decode_seqs = num_decode_seqs
-        self.num_decode_tokens = cu[num_decode_seqs]
-        self.num_tokens = N
-        self.max_kv_len = max((p + q for p, q in zip(past_lens, q_lens)), default=0)
-        self.num_padding_seqs = num_padding_seqs
-        self.valid_q_lens = list(valid_q_lens) if valid_q_lens is not None else None
-        self.spec = SpecMetadata()
-        self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
+        self._describe_host(cu, N, num_decode_seqs, num_padding_seqs, valid_q_lens)
+        described = (num_padding_seqs, cuts, self.q_lens, self.past_lens, self.state_slots, cu)
 
         host = self._staging.acquire()
         arr = self._staging.arrays()
@@ -230,7 +249,36 @@ class AttentionMetadata:
         sh, th = host["seq"], host["tok"]
         self._seq_buf.copy_(sh, non_blocking=True)
         self._tok_buf.copy_(th, non_blocking=True)
+        traffic.put(n=2)
         self._staging.release()
+        self._on_device = (B, N)
+        self._described = described
+
+    def _describe_host(
+        self,
+        cu: list[int],
+        N: int,
+        num_decode_seqs: int,
+        num_padding_seqs: int,
+        valid_q_lens: Sequence[int] | None,
+    ) -> None:
+        """`prepare`'s host fields other than the four per-sequence lists (set already)."""
+        self.cu_seqlens = cu
+        self.num_seqs = len(self.q_lens)
+        self.num_decode_seqs = num_decode_seqs
+        self.num_decode_tokens = cu[num_decode_seqs]
+        self.num_tokens = N
+        self.max_kv_len = max((p + q for p, q in zip(self.past_lens, self.q_lens)), default=0)
+        self.num_padding_seqs = num_padding_seqs
+        self.valid_q_lens = list(valid_q_lens) if valid_q_lens is not None else None
+        self.spec = SpecMetadata()
+        self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
+
+    def device_rewritten(self) -> None:
+        """The per-sequence and per-token buffers were (or will be, on the stream) rewritten on the device: the
+        next `prepare` copies its description whatever it is (`set_decode_rows`, `set_verify_rows`,
+        `set_valid_rows`, and the replay of a captured graph that calls them)."""
+        self._on_device = None
 
     def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
         """Make the current batch one decode row per sequence at device-held lengths, by device ops only.
@@ -251,6 +299,7 @@ class AttentionMetadata:
         B = self.num_seqs
         if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
             raise ValueError(f"set_decode_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
+        self._on_device = None
         seq, tok, ar = self._seq_buf, self._tok_buf, self._arange
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(1)
@@ -303,6 +352,7 @@ class AttentionMetadata:
             raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
         if live_lens is not None and live_lens.shape != (B,):
             raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
+        self._on_device = None
         seq, tok = self._seq_buf, self._tok_buf
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(width)
@@ -345,12 +395,23 @@ class AttentionMetadata:
             raise ValueError(f"set_valid_rows needs {B} lengths, got {tuple(valid_lens.shape)}")
         W = self.q_lens[0]
         N = B * W
+        self._on_device = None
         tok = self._tok_buf
-        rows = self._tok_arange[:N]
-        owner = torch.div(rows, W, rounding_mode="floor")
-        keep = (rows - owner * W) < valid_lens.index_select(0, owner)
-        tok[1, :N].copy_(torch.where(keep, tok[1, :N], -1))
-        tok[2, :N].mul_(keep)
+        owner, offset = self._row_owners(W)
+        valid = torch.index_select(valid_lens, 0, owner[:N], out=self._row_valid[:N])
+        drop = torch.ge(offset[:N], valid, out=self._row_drop[:N])
+        tok[1, :N].masked_fill_(drop, -1)
+        tok[2, :N].masked_fill_(drop, 0)
+
+    def _row_owners(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row // width, row % width)`` of every row ``0 .. max_num_tokens - 1`` on the device, made once per width
+        (`set_valid_rows` runs every MTP round launched from the device)."""
+        got = self._owners.get(width)
+        if got is None:
+            with torch.inference_mode(False):  # read in and outside inference mode
+                rows = self._tok_arange
+                got = self._owners[width] = (torch.div(rows, width, rounding_mode="floor"), rows % width)
+        return got
 
     def set_num_accepted_t(self, counts: torch.Tensor) -> None:
         """`set_num_accepted` from counts on the device (a round launched before the previous one was read back).
@@ -381,6 +442,7 @@ class AttentionMetadata:
         arr[:] = 0
         arr[: len(counts)] = counts
         self._acc_buf.copy_(host, non_blocking=True)
+        traffic.put()
         self._acc_staging.release()
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 
@@ -448,3 +510,18 @@ class AttentionMetadata:
     def graph_buffers(self) -> dict[str, torch.Tensor]:
         """Persistent tensors a captured graph may read, by name (for address checks)."""
         return {"seq_buf": self._seq_buf, "tok_buf": self._tok_buf, "acc_buf": self._acc_buf}
+
+
+def _row_cuts(
+    valid_q_lens: Sequence[int] | None, live_q_lens: Sequence[int] | None, q_lens: list[int], real: int
+) -> tuple | None:
+    """The rows a description cuts from its ``real`` leading (non-padding) sequences: ``(valid, live)`` with each
+    None when it cuts none (all ``q_lens``), or None when neither does (padding sequences' rows are never valid or
+    live whatever the counts say)."""
+    v = l_ = None
+    # (Counts are at most ``q_lens``: any difference is a cut.)
+    if valid_q_lens is not None and list(valid_q_lens[:real]) != q_lens[:real]:
+        v = tuple(valid_q_lens[:real])
+    if live_q_lens is not None and list(live_q_lens[:real]) != q_lens[:real]:
+        l_ = tuple(live_q_lens[:real])
+    return None if v is None and l_ is None else (v, l_)

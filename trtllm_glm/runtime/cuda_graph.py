@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import traffic
 from ..attention.graph_check import GraphAddressGuard
 from ..attention.metadata import HostStaging
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
@@ -198,7 +199,11 @@ class GraphOutputs:
     def host_rows(self) -> list[list[float]]:
         """``packed`` on the host (the step's one device-to-host copy; cached)."""
         if self._host is None:
-            self._host = self._copy.wait() if self._copy is not None else self.packed.tolist()
+            if self._copy is not None:
+                self._host = self._copy.wait()
+            else:
+                traffic.read()
+                self._host = self.packed.tolist()
             self._copy = None
         return self._host
 
@@ -511,6 +516,7 @@ class CudaGraphRunner:
         arr[S + n : S + N] = 0
         # One copy: the counts and ids sit at both ends of it (the rows between are not read).
         self._inputs[: S + N].copy_(host[: S + N], non_blocking=True)
+        traffic.put()
         self._staging.release()
         if device_rows is not None:
             self._take_device_rows(device_rows, P, W)
@@ -629,6 +635,7 @@ class CudaGraphRunner:
         arr[:B] = W - 1
         arr[S : S + P * W] = 0
         self._inputs[: S + P * W].copy_(host[: S + P * W], non_blocking=True)
+        traffic.put()
         self._staging.release()
         # Round n's results, on the device: accepted counts and the bonus token of each sequence.
         rows = prev.packed.view(B, W, -1)
@@ -676,6 +683,11 @@ class HostResults:
 
     def wait(self) -> list[list[float]]:
         """Block until the copy is done; the rows as lists (greedy id, gap, accepted)."""
+        traffic.read("runtime/cuda_graph.py HostResults.wait")
         if self.event is not None:
             self.event.synchronize()
         return self.buf.tolist()
+
+
+# The step's one read-back: counted by its own site, its tensor read is of a host buffer (`traffic`).
+traffic.HOST_BUFFER_READERS.update({HostResults.wait.__code__, GraphOutputs.host_rows.__code__})

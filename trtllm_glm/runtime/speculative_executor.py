@@ -268,19 +268,17 @@ class SpeculativeExecutor(Executor):
                 ids.extend(self._rows_for(s))
         return ids, (DeviceRows(src.tensor, seqs, rows) if src is not None else None)
 
-    def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
-        try:
-            return super()._forward(plan)
-        finally:
-            # After the launch: the host waits for the drafts' copy while the GPU runs the step. Every state
-            # leaves with host drafts, so the drafter's next call (in this step's `_advance`, which always
-            # follows a forward) may reuse its output buffers.
-            self._resolve_drafts()
-
-    def _resolve_drafts(self) -> None:
+    # Drafts left on the device (`DraftState.pending`) are read on the host with the results of the verify step that
+    # took them (`_advance`, `_step_overlapped`: `_resolve_drafts(ready=True)`): their copy was queued before that
+    # step, so the results' wait covers it and the round waits for the device once. The drafter's next call may
+    # reuse its output buffers then: the verify took the drafts on the device, and consecutive drafts land in
+    # alternate host buffers (`MTPDrafter._device_drafts`).
+    def _resolve_drafts(self, ready: bool = False) -> None:
+        """Read every pending draft on the host (``ready``: the host waited already for a step queued after their
+        copy, `DeviceDrafts.rows`)."""
         for st in self.state.values():
             if st.pending is not None:
-                st.resolve()
+                st.resolve(ready)
 
     def _graph_widths(self) -> tuple[int, ...]:
         # Width-one rounds and full verify rounds (short rounds are padded to full width: `_pad_drafts`).
@@ -438,11 +436,12 @@ class SpeculativeExecutor(Executor):
         assert cur is not None
         if cur.out.width == 1:
             return super()._step_overlapped()
-        # The in-flight round's drafts to the host first: the draft launched now lands in the same pinned buffer.
-        self._resolve_drafts()
         ahead = self._launch_round_ahead(cur) if self._round_may_launch_ahead(cur.plan) else None
         self._inflight = ahead[0] if ahead is not None else None
         cur.out._host = cur.results.wait()
+        # The in-flight round's drafts: their copy preceded the round (the draft launched now lands in the other
+        # host buffer).
+        self._resolve_drafts(ready=True)
         self._step_out = cur.out
         finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots, drafted=ahead[1] if ahead else None)
         self._after_step(cur.plan)
@@ -473,8 +472,9 @@ class SpeculativeExecutor(Executor):
         rids = [r.request_id for r in reqs]
         out = cur.out
         with torch.inference_mode():
-            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
-            drafts = drafter.draft_ahead(rids, starts, out.packed[:, 0].to(torch.int64), out.hidden, acc)
+            # Float64 ids and counts, cast as the draft copies them into its own buffers.
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2]
+            drafts = drafter.draft_ahead(rids, starts, out.packed[:, 0], out.hidden, acc)
             if drafts is None:
                 return None
             # Round n + 1 is described at round n's start on the host; the device adds round n's accepted counts.
@@ -550,6 +550,8 @@ class SpeculativeExecutor(Executor):
         )
         if need:
             logits, packed = self._sample_rows(hidden, need)
+            # The round's results are on the host: so are the drafts it verified (their copy came before it).
+            self._resolve_drafts(ready=True)
             greedy = [int(p[0]) for p in packed]
             gaps = [p[1] for p in packed]
             choose = logits
@@ -674,16 +676,14 @@ class SpeculativeExecutor(Executor):
         # Pages for the draft's rows (its catch-up and chained steps reach start + W + K - 1), or no early draft.
         if not self._reserve_next_round(reqs, starts, W + K - 1):
             return None
-        # This round's drafts to the host first: the draft launched now lands in the same pinned buffer.
-        self._resolve_drafts()
         # The verify's read-back is queued before the draft: the host books the round as soon as the verify is done,
         # while the GPU runs the draft (else it would wait for both).
         assert self.graph_runner is not None
         out.start_host_copy(self.graph_runner)
         with torch.inference_mode():
-            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2].to(torch.int64)
-            tokens = out.packed[:, 0].to(torch.int64)
-            drafts = drafter.draft_ahead([r.request_id for r in reqs], starts, tokens, out.hidden, acc)
+            # Float64 ids and counts, cast as the draft copies them into its own buffers.
+            acc = out.packed.view(len(reqs), W, -1)[:, 0, 2]
+            drafts = drafter.draft_ahead([r.request_id for r in reqs], starts, out.packed[:, 0], out.hidden, acc)
         if drafts is not None:
             self.num_early_drafts += 1
         return drafts
@@ -764,6 +764,9 @@ class SpeculativeExecutor(Executor):
         else:
             cap = self._policy_draft_len(live, plan)
             want = {s.request.request_id: self._draft_len(s.request, cap) for _, s in live}
+        # Drafts still pending here (a step that verified nothing read no results: rare) are read now, before the
+        # drafter's call reuses the buffers they lie in.
+        self._resolve_drafts()
         seqs, row = [], 0
         for i, s in enumerate(plan):
             r = s.request

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import traffic
 from ..transfer import to_device
 
 __all__ = [
@@ -63,11 +64,18 @@ class DeviceDrafts:
             self._host = tensor.clone()
         self._rows: list[list[int]] | None = None
 
-    def rows(self) -> list[list[int]]:
-        """``[n][K]`` the drafts as host ints (waits for the copy the first time)."""
+    def rows(self, ready: bool = False) -> list[list[int]]:
+        """``[n][K]`` the drafts as host ints (waits for the copy the first time).
+
+        ``ready``: the host has already waited for work queued behind the copy on its stream (the results of the
+        verify step that took these drafts): the copy is done and nothing waits (a blocking read is counted only
+        when the event is not complete after all, `trtllm_glm.traffic`)."""
         if self._rows is None:
-            if self.event is not None:
-                self.event.synchronize()
+            ev = self.event
+            if not ready or (ev is not None and not ev.query()):
+                traffic.read("speculative/drafters.py DeviceDrafts.rows")
+                if ev is not None:
+                    ev.synchronize()
             self._rows = self._host.tolist()
         return self._rows
 
@@ -90,12 +98,13 @@ class DraftState:
     # Committed rows after ``mtp_len`` whose target hidden is held for a later MTP catch-up (`MTPDrafter`'s lag).
     lag: int = 0
 
-    def resolve(self) -> list[int]:
-        """``drafts`` with any pending values fetched from the device (waits for their copy)."""
+    def resolve(self, ready: bool = False) -> list[int]:
+        """``drafts`` with any pending values fetched from the device (waits for their copy unless ``ready``:
+        `DeviceDrafts.rows`)."""
         if self.pending is not None:
             src, j = self.pending
             self.pending = None
-            self.drafts = src.rows()[j][: len(self.drafts)]
+            self.drafts = src.rows(ready)[j][: len(self.drafts)]
         return self.drafts
 
     def clear(self) -> None:
@@ -351,3 +360,7 @@ class OracleAcceptanceDrafter(Drafter):
         pend = DeviceDrafts(t, host)
         for j, (s, _) in enumerate(on_device):
             s.state.pending = (pend, j)
+
+
+# Counted by their own site (`traffic`): their tensor read is of a host buffer.
+traffic.HOST_BUFFER_READERS.add(DeviceDrafts.rows.__code__)

@@ -156,3 +156,48 @@ def test_score_columns_are_powers_of_two_covering_the_pools() -> None:
     meta.round_score_columns = False
     meta.max_kv_len = 4 * 37 + 2
     assert meta.score_columns == 37
+
+
+def test_an_unchanged_description_is_not_copied_again() -> None:
+    """A description equal to the one the device buffers hold (the MTP catch-up described right after the verify it
+    follows) is not copied again; one that differs, or any after a device-side rewrite, is."""
+    import torch
+
+    from trtllm_glm import traffic
+
+    mgr, meta = setup()
+    mgr.add_request(5, 12)
+    mgr.add_request(6, 20)
+
+    def prepare(**kw) -> traffic.Traffic:  # noqa: ANN003
+        with traffic.recording() as rec:
+            meta.prepare([5, 6], past_lens=[8, 16], q_lens=[4, 4], state_slots=[0, 1], **kw)
+        return rec
+
+    def device() -> list:
+        return [meta.positions_t.tolist(), meta.row_seq_t.tolist(), meta.row_live_t.tolist(),
+                meta.kv_lens_t.tolist(), meta.slot_table_t.tolist(), meta.state_slots_t.tolist()]  # fmt: skip
+
+    assert prepare(num_decode_seqs=2).num_puts == 3  # lengths, rows, table
+    want = device()
+    # Described again as a catch-up (prefill rows, every row valid): the same buffers, nothing copied; the host
+    # fields are a full description's.
+    assert prepare(num_decode_seqs=0, valid_q_lens=[4, 4]).num_puts == 0
+    assert device() == want and meta.num_decode_seqs == 0 and meta.valid_q_lens == [4, 4]
+    _, fresh = setup()
+    fresh.kv_cache_manager = mgr
+    fresh.prepare([5, 6], past_lens=[8, 16], q_lens=[4, 4], state_slots=[0, 1], num_decode_seqs=0, valid_q_lens=[4, 4])
+    host = ("request_ids", "q_lens", "past_lens", "cu_seqlens", "state_slots", "num_seqs", "num_decode_seqs",
+            "num_decode_tokens", "num_tokens", "max_kv_len", "num_padding_seqs", "valid_q_lens")  # fmt: skip
+    assert {k: getattr(meta, k) for k in host} == {k: getattr(fresh, k) for k in host}
+    # A rewrite on the device: the same description is copied again (the table is not: nothing rewrites it).
+    meta.set_valid_rows(torch.tensor([2, 4]))
+    assert meta.row_seq_t.tolist() != want[1]
+    assert prepare(num_decode_seqs=2).num_puts == 2 and device() == want
+    # Other rows (fewer valid ones): copied.
+    rec = prepare(num_decode_seqs=0, valid_q_lens=[4, 3])
+    assert rec.num_puts == 2 and meta.row_seq_t.tolist() == [0] * 4 + [1, 1, 1, -1]
+    # A page more for one request: the table is copied, the same lengths and rows are not.
+    mgr.ensure_capacity(6, 25)
+    assert prepare(num_decode_seqs=0, valid_q_lens=[4, 3]).puts.total() == 1
+    assert meta.slot_table_t[1, :4].tolist() == mgr.get_batch_slot_tables([6])[0][:4]

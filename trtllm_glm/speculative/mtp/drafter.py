@@ -12,6 +12,7 @@ reaches through the draft slot table (`draft_replay`, docs/design.md §6.1).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +94,9 @@ class MTPDrafter(Drafter):
         # Leave a fused draft's tokens on the device (`DraftState.pending`) for the next verify to take as
         # its input rows; set by an executor that resolves them (the speculative executor with graphs).
         self.defer = False
+        # The drafts that landed last in each of the two host landing buffers (`_device_drafts`).
+        self._landed: list[weakref.ref[DeviceDrafts] | None] = [None, None]
+        self._slots_cache: tuple[tuple[int, ...], torch.Tensor] | None = None  # `_slots_t`
         # The MTP plane's rollback and snapshot planes live with the draft manager's state owner.
         draft_manager.state.enable_speculative_rows(mtp_plane)
         draft_manager.state.enable_draft_hidden(model.config.hidden_size, next(model.parameters()).dtype)
@@ -187,7 +191,7 @@ class MTPDrafter(Drafter):
             self._caught_up(cat, committed, hidden[to_device(last_src, self.device)])
             if self.defer:
                 # No read-back here: the next verify takes the drafts on the device (`DeviceDrafts`).
-                pend = DeviceDrafts(drafts, graphs.host_drafts)
+                pend = self._device_drafts(drafts)
                 for j, s in enumerate(cat):
                     s.state.drafts, s.state.pending = [PENDING_DRAFT] * K, (pend, j)
                 return
@@ -481,9 +485,10 @@ class MTPDrafter(Drafter):
         Args:
             rids: ``[n]`` request ids, in the verify round's order.
             starts: ``[n]`` each sequence's first verify position.
-            tokens: ``[n * W]`` int64 the target's argmax of every verify row (device).
+            tokens: ``[n * W]`` the target's argmax of every verify row (device; int64, or the float64 ids of the
+                verify's packed results).
             hidden: ``[n * W, D]`` the verify round's final hidden rows (device).
-            accepted: ``[n]`` int64 accepted rows per sequence (device).
+            accepted: ``[n]`` accepted rows per sequence (device; int64, or float64 counts).
 
         Returns:
             The drafts (``[n, K]`` on the device, on their way to the host), or None when no fused graph serves
@@ -496,12 +501,36 @@ class MTPDrafter(Drafter):
         if key is None:
             return None
         drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted)
-        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row.
-        last = torch.arange(n, device=self.device) * W + accepted - 1
+        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row (``j * W + a - 1``;
+        # the counts as int64 in the graphs' `valid` buffer now).
+        last = torch.add(graphs.row_before[:n], graphs.valid[:n], out=graphs.last_rows[:n])
         dm = self.draft_manager
-        dm.state.record_draft_hidden(to_device(dm.get_batch_state_slots(list(rids)), self.device),
-                                     hidden.index_select(0, last))  # fmt: skip
-        return DeviceDrafts(drafts, graphs.host_drafts)
+        buf = graphs.last_hidden
+        h = torch.index_select(hidden, 0, last, out=buf[:n]) if buf.dtype == hidden.dtype else hidden[last]
+        dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), h)
+        return self._device_drafts(drafts)
+
+    def _slots_t(self, slots: list[int]) -> torch.Tensor:
+        """``slots`` on the device: the tensor of the last call when they are the same (a steady batch drafts the
+        same slots every round), else a new one. Only ever read (an index)."""
+        key = tuple(slots)
+        if self._slots_cache is None or self._slots_cache[0] != key:
+            with torch.inference_mode(False):  # read in and outside inference mode
+                self._slots_cache = (key, to_device(slots, self.device, torch.int64))
+        return self._slots_cache[1]
+
+    def _device_drafts(self, drafts: torch.Tensor) -> DeviceDrafts:
+        """``drafts`` (the fused draft graph's output) on their way to the host, in the landing buffer whose turn it
+        is (`MtpChainGraphs.host_landing`). The drafts that landed there two drafts ago are read first if somebody
+        still holds them unread (never in the executor's rounds, which read each round's drafts with its results):
+        their host copy is about to be overwritten."""
+        turn, host = self.chain_graphs.host_landing()
+        prev = self._landed[turn]() if self._landed[turn] is not None else None
+        if prev is not None:
+            prev.rows()
+        out = DeviceDrafts(drafts, host)
+        self._landed[turn] = weakref.ref(out)
+        return out
 
     def book_ahead(self, seqs: Sequence[DraftSeq], drafts: DeviceDrafts, rows: Sequence[int]) -> None:
         """The host's share of a `draft_ahead`, once its verify round was read back: each sequence's MTP history
@@ -569,7 +598,7 @@ class MTPDrafter(Drafter):
         if self.separate:
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
             dm.state.commit_verified(draft_ids, committed)
-        dm.state.record_draft_hidden(to_device(draft_ids, self.device), prev_last)
+        dm.state.record_draft_hidden(self._slots_t(draft_ids), prev_last)
 
     def _chain(
         self,

@@ -141,15 +141,39 @@ class MtpChainGraphs:
         self.catch_sizes = runner.config.capture_sizes(meta.max_num_seqs, meta.max_num_tokens, W) if self.width else []
         self.c_tokens = torch.zeros(B * W, dtype=torch.int64, device=dev)
         self.c_hidden = torch.zeros(B * W, D, dtype=dtype, device=dev)
+        # A draft launched ahead (`run_draft_ahead`): each sequence's valid (accepted) rows, padding entries 0, and
+        # the flat row before each sequence's first row (``j * W - 1``), persistent rather than made each round.
+        self.valid = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.row_before = torch.arange(B, dtype=torch.int64, device=dev) * W - 1
+        # Each sequence's last accepted row and its target hidden (`MTPDrafter.draft_ahead`).
+        self.last_rows = torch.zeros(B, dtype=torch.int64, device=dev)
+        self.last_hidden = torch.zeros(B, D, dtype=dtype, device=dev)
         self.catchup_replays = 0
         self.fused = (fused_draft_default() if fused is None else fused) and max_draft_len >= 2
         self.draft_replays = 0
-        # Pinned landing buffer of the fused draft's tokens (`speculative.drafters.DeviceDrafts`).
+        # Pinned landing buffer of the fused draft's tokens (`speculative.drafters.DeviceDrafts`), and a second one:
+        # consecutive drafts land in turn in each (`host_landing`), so that a draft launched before the previous
+        # one's tokens were read on the host (an early draft, a round launched ahead) does not overwrite them.
         self.host_drafts = (
             torch.zeros(B, max_draft_len, dtype=torch.int64, pin_memory=True)
             if self.fused and dev.type == "cuda"
             else None
         )
+        self._host_drafts_alt: torch.Tensor | None = None
+        self._landing = 1
+
+    def host_landing(self) -> tuple[int, torch.Tensor | None]:
+        """``(turn, buffer)``: the pinned buffer the next fused draft's tokens land in (None without one), the two
+        buffers in turn (``turn`` 0 or 1)."""
+        self._landing ^= 1
+        h = self.host_drafts
+        if h is None or self._landing == 0:
+            return self._landing, h
+        if self._host_drafts_alt is None or self._host_drafts_alt.shape != h.shape:
+            # A normal tensor even when first asked for under inference mode: drafts land in it in and outside it.
+            with torch.inference_mode(False):
+                self._host_drafts_alt = torch.zeros(h.shape, dtype=h.dtype, pin_memory=h.is_pinned())
+        return 1, self._host_drafts_alt
 
     # --------------------------------------------------------------------------------------------
     # Keys
@@ -410,6 +434,9 @@ class MtpChainGraphs:
             if g is None:  # emulation: the padded step, eagerly
                 return self._body(key, host_committed_lens)
             g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
+            # The fused draft rewrites the step description on the device (`set_decode_rows`, `set_valid_rows`):
+            # captured, the host does not see it; the next `prepare` must copy (any MTP graph, to be safe).
+            self.meta.device_rewritten()
             g.graph.replay()
             return g.outputs
 
@@ -576,10 +603,12 @@ class MtpChainGraphs:
             key: ``draft_key([W] * n)``.
             rids: ``[n]`` request ids.
             starts: ``[n]`` first position of each sequence's verify rows (host-known: the round's start).
-            tokens: ``[n * W]`` int64 token ``i + 1`` of each verify row on the device: the target's argmax after it
-                (equal to the next input token on every accepted row, and the bonus token on the last one).
+            tokens: ``[n * W]`` token ``i + 1`` of each verify row on the device: the target's argmax after it
+                (equal to the next input token on every accepted row, and the bonus token on the last one); int64, or
+                the float64 ids of the verify's packed results (exact), cast as they are copied.
             hidden: ``[n * W, D]`` the verify round's final hidden rows.
-            valid: ``[n]`` int64 accepted rows per sequence (``1 .. W``), on the device.
+            valid: ``[n]`` accepted rows per sequence (``1 .. W``), on the device (int64, or float64 counts); kept
+                in `valid` (int64) until the next call.
 
         Returns:
             ``[n, K]`` int64 greedy drafts on the device (a view of the graph's output: consumed before the next
@@ -592,11 +621,15 @@ class MtpChainGraphs:
                 f"a draft launched ahead needs {n} sequences of {W} rows, got {tuple(tokens.shape)} tokens"
             )
         self._prepare_catchup(rids, starts, [W] * n, P, W)
-        self.meta.set_valid_rows(torch.cat([valid, valid.new_zeros(P - n)]))
+        # Persistent buffers, cast as copied: no tensor made per round.
+        self.valid[:n].copy_(valid)
         self.c_tokens[: n * W].copy_(tokens)
-        self.c_tokens[n * W : P * W].zero_()
         self.c_hidden[: n * W].copy_(hidden)
-        self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))  # padding rows: finite, never read
+        if n < P:  # padding sequences (their rows: finite, never read)
+            self.valid[n:P].zero_()
+            self.c_tokens[n * W : P * W].zero_()
+            self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))
+        self.meta.set_valid_rows(self.valid[:P])
         # The host lengths only size the eager (emulated) description of the chained steps: an upper bound.
         (drafts,) = self._replay_or_run(key, [s + W for s in starts])
         self.meta.trim_padding()

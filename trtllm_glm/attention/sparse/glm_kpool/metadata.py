@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .... import traffic
 from ....errors import StateError, TableWidthError
 from ...interface import PagedCacheManager
 from ...metadata import AttentionMetadata, HostStaging
@@ -107,6 +108,9 @@ class GlmKpoolMetadata(AttentionMetadata):
             {"table": (self.target_slot_table.shape, torch.int32)}, pin_memory=self.device.type == "cuda"
         )
         self._table_rows = _TableRows(self._table_staging, "table")
+        # Rows of the table last copied to ``target_slot_table`` (None: none yet); nothing rewrites that buffer on the
+        # device, so an equal table is not copied again (`_fill_table`).
+        self._table_on_device: int | None = None
         self.selection_buf = torch.full((max_num_tokens, select_width), -1, dtype=torch.int32, device=self.device)
         # Power-of-two score widths where the indexer's kernels are compiled (`score_columns`).
         self.round_score_columns = self.device.type == "cuda"
@@ -208,10 +212,20 @@ class GlmKpoolMetadata(AttentionMetadata):
         for i, row in enumerate(tables):
             if len(row) > width:
                 raise TableWidthError(f"slot table row {i} holds {len(row)} pages but the buffer is {width} wide")
-        host = self._table_staging.acquire()["table"]
+        st = self._table_staging
+        host = st.acquire()["table"]
         self._table_rows.write(tables)
+        B = len(tables)
+        if self._table_on_device == B:
+            # Nothing rewrites the target table on the device: it holds the set copied last (the other one).
+            last = st.all_arrays()[st.index ^ 1]["table"]
+            if np.array_equal(st.arrays()["table"][:B], last[:B]):
+                self.num_copies_skipped += 1
+                return  # the current set stays current: nothing was copied from it
         dst.copy_(host, non_blocking=True)
-        self._table_staging.release()
+        traffic.put()
+        st.release()
+        self._table_on_device = B
 
     @property
     def slot_table_t(self) -> torch.Tensor:
@@ -378,6 +392,7 @@ class GlmKpoolMetadata(AttentionMetadata):
         arr["slots"][: len(slots)] = slots
         self.draft_slot_table.copy_(ht, non_blocking=True)
         self.draft_state_slots.copy_(hs, non_blocking=True)
+        traffic.put(n=2)
         self._draft_staging.release()
 
     def draft_swap_addresses(self) -> dict[str, set[int]]:
