@@ -33,23 +33,13 @@ from collections import Counter
 import torch
 
 from benchmarks.harness.host_traffic import GraphBodies, count_ops, emulated_graphs, recorded
+from benchmarks.harness.prompts import CODE_OPENINGS
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig
 from trtllm_glm.runtime.executor import Executor, ExecutorConfig
 from trtllm_glm.runtime.sampling import SamplingParams
 from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig
-
-PROMPTS = [
-    "    def __init__(self",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, name",
-    "for i in range(len(",
-    "        return self.",
-    "def test_",
-    "from collections import ",
-    "        self._data = {}\n        self._",
-]
 
 
 def make_executor(model: Glm5NextForCausalLM, mode: str, batch: int, max_seq_len: int) -> Executor:
@@ -72,7 +62,7 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
     if ex.device.type == "cuda":
         ex.capture_cuda_graphs()
     for i in range(B):
-        ids = list(PROMPTS[i % len(PROMPTS)].encode())
+        ids = list(CODE_OPENINGS[i % len(CODE_OPENINGS)].encode())
         ex.add_request(ids, SamplingParams(max_tokens=args.max_seq_len - 64, ignore_eos=True))
     for _ in range(args.warmup):
         ex.step()

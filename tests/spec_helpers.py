@@ -8,23 +8,13 @@ from collections.abc import Callable
 
 import pytest
 
+from benchmarks.harness.prompts import CODE_OPENINGS
 from trtllm_glm.runtime.executor import Executor
 from trtllm_glm.runtime.lossless import compare_greedy
 from trtllm_glm.speculative.adaptive import AdaptiveDraftPolicy
 
-# Prompt openings the trained small preset continues well (its drafts are accepted): the speculative tests' prompts.
-SNIPPETS = [
-    "    def __init__(self",
-    "import os\nimport sys\n\n\ndef main(",
-    "class Config:\n    def __init__(self, name",
-    "for i in range(len(",
-    "        return self.",
-    "def test_",
-    "    if not isinstance(value, str):\n        raise TypeError(",
-    "from collections import ",
-    "        self._data = {}\n        self._",
-    "    @property\n    def ",
-]
+# The speculative tests' prompts (the trained small preset continues them well: its drafts are accepted).
+SNIPPETS = CODE_OPENINGS
 
 
 class Scripted(AdaptiveDraftPolicy):
