@@ -16,7 +16,9 @@ results' and the drafts' host copies are clones: one device tensor made a round 
 buffers, does not make (``allocs`` at ``results_to_host`` and ``DeviceDrafts.__init__``).
 
 Modes: ``overlap`` (plain decoding, overlap scheduler), ``mtp3`` (MTP K = 3, early drafts, the overlap scheduler:
-bench_e2e's ``mtp3+os``), ``mtp3+ov`` (also drafting rounds launched ahead, ``overlap_rounds``); any ``mtpK``.
+bench_e2e's ``mtp3+os``), ``mtp3+ov`` (also drafting rounds launched ahead, ``overlap_rounds``), ``mtp3+k0`` (the
+speculative executor with speculation off for the batch, ``max_concurrency`` 1: width-one rounds, as an adaptive
+choice of K = 0 runs, the MTP catch-up rows held); any ``mtpK``.
 
 Usage: ``python -m benchmarks.bench_round_host --preset tiny --modes overlap mtp3 --batch 4 --json``
 """
@@ -50,9 +52,13 @@ def make_executor(model: Glm5NextForCausalLM, mode: str, batch: int, max_seq_len
     if mode == "overlap":
         return Executor(model, cfg)
     name, *flags = mode.split("+")
-    if not name.startswith("mtp") or not name[3:].isdigit() or set(flags) - {"ov"}:
-        raise SystemExit(f"unknown mode {mode!r} (overlap, mtpK, mtpK+ov)")
-    spec = MTPDecodingConfig(num_nextn_predict_layers=int(name[3:]), adaptive=False, overlap_rounds="ov" in flags)
+    if not name.startswith("mtp") or not name[3:].isdigit() or set(flags) - {"ov", "k0"}:
+        raise SystemExit(f"unknown mode {mode!r} (overlap, mtpK, mtpK+ov, mtpK+k0)")
+    if "k0" in flags and batch < 2:
+        raise SystemExit(f"{mode}: k0 needs --batch >= 2 (speculation off above max_concurrency = 1)")
+    # k0: the batch above max_concurrency, so every round is width one (what an adaptive choice of K = 0 runs).
+    spec = MTPDecodingConfig(num_nextn_predict_layers=int(name[3:]), adaptive=False, overlap_rounds="ov" in flags,
+                             max_concurrency=1 if "k0" in flags else None)  # fmt: skip
     return SpeculativeExecutor(model, cfg, spec)
 
 

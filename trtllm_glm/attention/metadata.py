@@ -131,6 +131,9 @@ class AttentionMetadata:
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
         # captured verify graph reads the same address every replay.
         self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
+        # The counts last copied into ``_acc_buf`` while it still holds them (None once `set_num_accepted_t` wrote it
+        # on the device): width-one rounds set all zeros every step, which need no copy after the first.
+        self._acc_on_device: tuple[int, ...] | None = None
         self._acc_staging = HostStaging({"acc": (self._acc_buf.shape, i64)}, pin_memory=pin)
         self.num_padding_seqs = 0
         self.valid_q_lens: list[int] | None = None
@@ -424,6 +427,7 @@ class AttentionMetadata:
             raise ValueError(f"{tuple(counts.shape)} accepted counts for {self.num_seqs} sequences")
         self._acc_buf[:n].copy_(counts)
         self._acc_buf[n : self.num_seqs].zero_()
+        self._acc_on_device = None
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 
     def set_num_accepted(self, counts: Sequence[int]) -> None:
@@ -437,13 +441,17 @@ class AttentionMetadata:
         """
         if len(counts) > self.num_seqs:
             raise ValueError(f"{len(counts)} accepted counts for {self.num_seqs} sequences")
-        host = self._acc_staging.acquire()["acc"]
-        arr = self._acc_staging.arrays()["acc"]
-        arr[:] = 0
-        arr[: len(counts)] = counts
-        self._acc_buf.copy_(host, non_blocking=True)
-        traffic.put()
-        self._acc_staging.release()
+        key = tuple(counts)
+        if key != self._acc_on_device:
+            host = self._acc_staging.acquire()["acc"]
+            arr = self._acc_staging.arrays()["acc"]
+            arr[:] = 0
+            arr[: len(counts)] = counts
+            self._acc_buf.copy_(host, non_blocking=True)
+            traffic.put()
+            self._acc_staging.release()
+            # (The whole buffer was written: counts past ``len(counts)`` are 0, as the same key writes them.)
+            self._acc_on_device = key
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 
     def trim_padding(self) -> None:

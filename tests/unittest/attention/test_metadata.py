@@ -201,3 +201,30 @@ def test_an_unchanged_description_is_not_copied_again() -> None:
     mgr.ensure_capacity(6, 25)
     assert prepare(num_decode_seqs=0, valid_q_lens=[4, 3]).puts.total() == 1
     assert meta.slot_table_t[1, :4].tolist() == mgr.get_batch_slot_tables([6])[0][:4]
+
+
+def test_unchanged_accepted_counts_are_not_copied_again() -> None:
+    """Width-one rounds set the same (zero) accepted counts every step: copied once; new counts, or any after the
+    device wrote the buffer (`set_num_accepted_t`), are copied, and the buffer always holds the counts last set."""
+    import torch
+
+    from trtllm_glm import traffic
+
+    mgr, meta = setup()
+    mgr.add_request(5, 12)
+    mgr.add_request(6, 20)
+    meta.prepare([5, 6], past_lens=[11, 19], q_lens=[1, 1], num_decode_seqs=2)
+
+    def accept(counts: list[int]) -> int:
+        with traffic.recording() as rec:
+            meta.set_num_accepted(counts)
+        assert meta.spec.num_accepted_t.tolist() == counts + [0] * (2 - len(counts))
+        return rec.num_puts
+
+    assert accept([0, 0]) == 1
+    assert accept([0, 0]) == 0 and accept([0, 0]) == 0
+    assert accept([2, 0]) == 1 and accept([2, 0]) == 0
+    meta.set_num_accepted_t(torch.tensor([3, 1]))
+    assert meta.spec.num_accepted_t.tolist() == [3, 1]
+    assert accept([2, 0]) == 1  # the device rewrote the buffer: the same counts are copied again
+    assert accept([2]) == 1  # a shorter list is other counts (its padding entry is written 0)
