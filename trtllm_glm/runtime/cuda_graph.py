@@ -68,10 +68,11 @@ class CudaGraphConfig:
         piecewise: run the eager steps (prefill chunks, mixed prefill + decode steps, decode steps no graph above
             covers) as piecewise CUDA graphs: token-wise segments replayed around eager attention cores, an
             admission of short prompts as one graph (`trtllm_glm.runtime.piecewise`, docs/gpu.md). ``None``
-            (default, "auto"): on where the graphs are real (a CUDA device), off where tests emulate them on the
-            CPU; True / False force it. On a GPU it took the server's TTFT p50 at concurrency 16 from 39.9 to
-            17.3 ms (H200); start-up captures ~170 graphs (~8 s warm) into ~2.7 GiB more pool at the real
-            geometry. Off in the batch-invariant mode. ``TRTLLM_GLM_PIECEWISE=1`` / ``0`` overrides it.
+            (default, "auto"): on where the graphs are real (a CUDA device, one rank), off where tests emulate
+            them on the CPU and for ranks of a parallel model (not yet run there); True / False force it. On a
+            GPU it took the server's TTFT p50 at concurrency 16 from 39.9 to 17.3 ms (H200); start-up captures
+            ~170 graphs (~8 s warm) into ~2.7 GiB more pool at the real geometry. Off in the batch-invariant
+            mode. ``TRTLLM_GLM_PIECEWISE=1`` / ``0`` overrides it.
         piecewise_max_num_tokens: largest padded token count captured piecewise (0: the executor's
             ``max_num_tokens``); larger steps run eagerly. The carry buffers take about this many rows times
             ~200 KB at the real geometry (`PiecewiseStats.carry_bytes`).

@@ -198,7 +198,9 @@ class Executor:
         # start-up captures and pool would buy nothing.
         self.piecewise: PiecewiseRunner | None = None
         real = self.device.type == "cuda"
-        if self._use_graphs and piecewise_enabled(cfg.cuda_graph_config, real) and not batch_invariant():
+        # Auto (``CudaGraphConfig.piecewise = None``): with real graphs on one GPU (not yet run with ranks: opt in).
+        auto = real and not model.mapping.is_parallel
+        if self._use_graphs and piecewise_enabled(cfg.cuda_graph_config, auto) and not batch_invariant():
             assert cfg.cuda_graph_config is not None
             self.piecewise = PiecewiseRunner(
                 model,

@@ -71,16 +71,16 @@ def piecewise_from_env() -> bool | None:
     return envs.PIECEWISE.get()
 
 
-def piecewise_enabled(config: Any, real_graphs: bool = True) -> bool:
+def piecewise_enabled(config: Any, auto: bool = True) -> bool:
     """Whether an executor with CUDA-graph config ``config`` (None: graphs off) runs eager steps piecewise:
-    `piecewise_from_env` when set, else ``config.piecewise``, whose ``None`` (auto) is ``real_graphs`` (the
-    executor's device is CUDA, not a CPU emulating graphs in tests)."""
+    `piecewise_from_env` when set, else ``config.piecewise``, whose ``None`` (auto) is ``auto`` (the executor's:
+    real CUDA graphs on one GPU; not a CPU emulating graphs in tests, not ranks of a parallel model)."""
     if config is None:
         return False
     env = piecewise_from_env()
     if env is not None:
         return env
-    return real_graphs if config.piecewise is None else bool(config.piecewise)
+    return auto if config.piecewise is None else bool(config.piecewise)
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:

@@ -50,11 +50,11 @@ def test_env_override_and_config(monkeypatch) -> None:
     assert piecewise_from_env() is None
     assert CudaGraphConfig().piecewise is None and CudaGraphConfig().piecewise_max_num_tokens == 2048
     # Auto: on with real graphs (CUDA), off where tests emulate them on the CPU.
-    assert piecewise_enabled(CudaGraphConfig()) and not piecewise_enabled(CudaGraphConfig(), real_graphs=False)
+    assert piecewise_enabled(CudaGraphConfig()) and not piecewise_enabled(CudaGraphConfig(), auto=False)
     assert not piecewise_enabled(None) and not piecewise_enabled(CudaGraphConfig(piecewise=False))
-    assert piecewise_enabled(CudaGraphConfig(piecewise=True), real_graphs=False)
+    assert piecewise_enabled(CudaGraphConfig(piecewise=True), auto=False)
     monkeypatch.setenv(PIECEWISE_ENV, "1")
-    assert piecewise_enabled(CudaGraphConfig(piecewise=False), real_graphs=False) and not piecewise_enabled(None)
+    assert piecewise_enabled(CudaGraphConfig(piecewise=False), auto=False) and not piecewise_enabled(None)
     monkeypatch.setenv(PIECEWISE_ENV, "off")
     assert not piecewise_enabled(CudaGraphConfig(piecewise=True))
     monkeypatch.setenv(PIECEWISE_ENV, "maybe")
