@@ -164,18 +164,22 @@ def test_policy_picks_zero_when_drafts_cannot_pay() -> None:
 
 
 def test_policy_backs_off_re_measurements_while_they_change_nothing() -> None:
-    """A settled bucket re-measures after 64, 128, 256, ... rounds (at most every 1024): each re-measurement runs a
-    length that is not the best. When the costs move so that the choice changes, it looks around every 64 again."""
+    """A settled bucket re-measures a length after a wait that grows with the margin between it and the best (at most
+    `probe_budget` of the time lost to re-measurements, `probe_wait`), at least 64, 128, 256, ... rounds apart while
+    they change nothing (at most every 1024). When the costs move so that the choice changes, it looks around every
+    64 again. (Before the margin-scaled waits: 63, 191, 447, 959, 1983, alternating K = 1 and K = 3.)"""
     clock = FakeClock()
     pol = AdaptiveDraftPolicy(3, clock=clock)
     cost = {"draft": 1.0}
     ks = feed(pol, clock, 3000, 1, lambda k: 1.0 + cost["draft"] * k, lambda k: k // 2)
     probes = [i for i, k in enumerate(ks) if i >= 6 and k != 0]
-    # 64, 128, 256, 512, 1024 apart, then 1024: 63, 191, 447, 959, 1983, each a run of `probe_rounds` = 3 rounds of
-    # one length (the first pays the change and is not measured).
+    # Each a run of `probe_rounds` = 3 rounds of one length (the first pays the change and is not measured). K = 1
+    # (1.4 tokens a 2.0 round at a ~0.4 against 1 a 1.0) waits 177 rounds, then 285; K = 3 (~1.6 tokens a 4.0
+    # round) the most, 1024.
     starts = [i for i in probes if i - 1 not in probes]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert len(starts) == 5 and gaps == [128, 256, 512, 1024], probes
+    assert starts == [177, 1201, 1486, 2510] and [ks[i] for i in starts] == [1, 3, 1, 3], probes
+    assert gaps == [1024, 285, 1024]
     assert probes == [i + j for i in starts for j in range(3)] and all(len(set(ks[i : i + 3])) == 1 for i in starts)
     # Drafts become cheap and always right: the next re-measurement (at most 1024 rounds on) finds a draft length
     # cheaper than it was, and the bucket looks around every 64 rounds again until drafting settles.
@@ -348,7 +352,10 @@ def test_lossless_while_k_changes_every_round(model, kind) -> None:
     refs = plain(model, ps, mt)
     rng = random.Random(5)
     clock = FakeClock()
-    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, probe_rounds=1, min_samples=1, prior_acceptance=0.6)
+    # (cost_window=1: each interval is the cost, so that the random costs switch K, where a median would settle;
+    # probe_budget=1: re-measurements as often as explore_every, whatever the margin)
+    pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, probe_rounds=1, min_samples=1, prior_acceptance=0.6,
+                              cost_window=1, probe_budget=1.0)  # fmt: skip
     if kind != "oracle":
         # The random tiny model's MTP drafts are never accepted: with its measured acceptance (0) K = 0 would win
         # every round. The prior is kept instead, so that the random costs alone switch K.

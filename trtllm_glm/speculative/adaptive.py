@@ -1,15 +1,18 @@
 """`AdaptiveDraftPolicy`: the draft length of each round, down to 0, from measured round costs and acceptance.
 
 Picks the ``K`` that maximises ``E(K) / T(b, K)`` with ``E(K) = 1 + a + ... + a^K``; ``T`` is measured online per
-batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits (the first interval of
-each run of one ``K`` discarded: a round after a change of length pays the change; MTP catch-ups of held rows
-charged to ``K = 0``, whose rounds caused them), ``a`` is accepted over reached drafts, exponentially averaged.
-Deterministic given the intervals it is fed (tests inject a clock). The model, exploration and measurements:
-docs/speculation.md, "Adaptive draft length (opt-in)".
+batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits, as the median of the
+latest intervals (the first interval of each run of one ``K`` discarded: a round after a change of length pays the
+change; MTP catch-ups of held rows charged to ``K = 0``, whose rounds caused them, as an amortised lag cost), ``a`` is
+accepted over reached drafts, exponentially averaged. Re-measurements of a length wait in proportion to its margin
+below the best (`probe_wait`) and come back soon only while the acceptance is uncertain. Deterministic given the
+intervals it is fed (tests inject a clock); memory bounded per (bucket, ``K``). The model, exploration, the simulator
+(`benchmarks/sim_adaptive.py`) and measurements: docs/speculation.md, "Adaptive draft length (opt-in)".
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -32,12 +35,29 @@ def best_draft_len(costs: dict[int, float], a: float) -> int:
     return max(sorted(costs), key=lambda k: (e[k] / costs[k], -k))
 
 
+def _median(xs: deque) -> float:
+    """The median of ``xs``; the smaller of two (an interval only ever runs long: one that waited on something would
+    be half the mean of two)."""
+    v = sorted(xs)
+    n = len(v)
+    if n <= 2:
+        return v[0]
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
 @dataclass
 class _Cost:
-    seconds: float = 0.0
-    samples: int = 0  # intervals averaged (the discarded first one not counted)
+    """The recent steady intervals of one (bucket, ``K``): their median is the cost (a window, not an exponential
+    average: one long interval, a step that waited on something, moves a median not at all; see `observe_cost`)."""
+
+    window: deque = field(default_factory=deque)  # the latest intervals (at most the policy's `cost_window`)
+    seconds: float = 0.0  # their median
+    samples: int = 0  # intervals taken (the discarded first of each run not counted)
     seen: int = 0  # intervals received
     last_round: int = -1  # the bucket round it was last measured in
+    run: list = field(default_factory=list)  # the samples of the current run of this K (at most `min_samples`)
+    base: float | None = None  # the cost when the current run began (None: nothing to compare the run with)
+    switch: deque = field(default_factory=deque)  # the latest first intervals' excess over the cost (at most 8)
 
 
 @dataclass
@@ -47,7 +67,12 @@ class AdaptiveDraftPolicy:
     Args:
         max_draft_len: the largest ``K``.
         candidates: the ``K`` values it may pick (default every ``0 .. max_draft_len``).
-        cost_weight: weight of a new interval in a cost's exponential average.
+        cost_window: intervals a (bucket, ``K``) keeps; its cost is their median. The H200 rows of 2026-12-07 (batch
+            16) had k = 0 rounds of 0.70 ms (median) but steps up to 9.7 ms: an exponential average (weight 0.25)
+            put k = 0 at 1.50 ms, K = 3 looked competitive, and 26 % of the rounds drafted where K = 3 lost.
+        change_tolerance: a new run of a length whose first ``min_samples`` intervals all lie beyond this fraction
+            of its cost, on the same side, replaces the window with them (a re-measurement sees a changed cost at
+            once; one long interval in it does not).
         acceptance_weight: weight of a new round in the acceptance averages once they have seen ``1 /
             acceptance_weight`` rounds (before that: plain means, so that a batch of one request, one round per
             choice, does not keep the prior for tens of rounds).
@@ -60,6 +85,10 @@ class AdaptiveDraftPolicy:
         probe_rounds: rounds a re-measurement runs its length for. The first round of a run pays the change of
             length (a verify round after width-one steps runs synchronously, no draft launched early) and is not
             measured, so a probe of one round would only ever see that; the rest are its steady cost.
+        probe_budget: the share of time re-measurements may lose: a re-measurement of a length whose rate is far
+            below the best's waits longer than ``explore_every`` (`probe_wait`, at most ``max_explore_every``).
+            At ``a = 0.71`` a K = 3 round of 2.65 ms against a 0.70 ms k = 0 round (H200, batch 16) loses 0.85 ms,
+            three of them every 64 rounds 5.7 % of the time (every 729 rounds: 0.5 %).
         prior_acceptance: ``a`` before any draft was verified.
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
@@ -71,12 +100,14 @@ class AdaptiveDraftPolicy:
 
     max_draft_len: int
     candidates: Sequence[int] | None = None
-    cost_weight: float = 0.25
+    cost_window: int = 16
+    change_tolerance: float = 0.1
     acceptance_weight: float = 0.05
     min_samples: int = 2
     explore_every: int = 64
     max_explore_every: int = 1024
     probe_rounds: int = 3
+    probe_budget: float = 0.005
     prior_acceptance: float = 0.5
     clock: Callable[[], float] | None = None
     history: int = 4096
@@ -90,10 +121,14 @@ class AdaptiveDraftPolicy:
         if not cands or cands[0] < 0 or cands[-1] > self.max_draft_len or 0 not in cands:
             raise ValueError(f"candidates must include 0 and lie in [0, {self.max_draft_len}], got {self.candidates}")
         self.candidates = cands
-        if not 0 < self.cost_weight <= 1 or not 0 < self.acceptance_weight <= 1:
-            raise ValueError("cost_weight and acceptance_weight must be in (0, 1]")
+        if not 0 < self.acceptance_weight <= 1:
+            raise ValueError("acceptance_weight must be in (0, 1]")
+        if self.cost_window < self.min_samples or not 0 < self.change_tolerance < 1:
+            raise ValueError("cost_window must be >= min_samples and change_tolerance in (0, 1)")
         if self.min_samples < 1 or self.explore_every < 2 or self.max_explore_every < self.explore_every:
             raise ValueError("min_samples must be >= 1, explore_every >= 2 and max_explore_every >= explore_every")
+        if not 0 < self.probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         if not 1 <= self.probe_rounds < self.explore_every:
             raise ValueError(f"probe_rounds must be in [1, explore_every), got {self.probe_rounds}")
         if self.clock is None:
@@ -111,13 +146,15 @@ class AdaptiveDraftPolicy:
         self._explore: dict[int, list] = {}
         self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (K re-measured, rounds of it still to run)
         self._prev_k: dict[int, int] = {}  # bucket -> K of the last round that ran (measured or not)
-        # MTP catch-ups of held rows: bucket -> [seconds they added, K = 0 rounds run] (their cost per K = 0 round).
+        # MTP catch-ups of held rows: bucket -> [the latest catch-ups' seconds beyond their round's cost per K = 0
+        # round that held the rows, K = 0 rounds since the last catch-up].
         self._lag: dict[int, list] = {}
         # The open interval: (stamp, bucket, K) of the round now running; whether it holds a catch-up of held rows
         # (`note_flush`), and whether the interval opened next will.
         self._open: tuple[float, int, int] | None = None
         self._open_flush = False
         self._next_flush = False
+        self._pending: int | None = None  # the length whose last missing sample is running now (`begin_round`)
 
     # --------------------------------------------------------------------------------------------
     @staticmethod
@@ -129,6 +166,19 @@ class AdaptiveDraftPolicy:
     def acceptance(self) -> float:
         """The running estimate of ``a`` (per-draft acceptance given the drafts before it were accepted)."""
         return self._accepted / self._reached if self._reached > 0 else self.prior_acceptance
+
+    @property
+    def acceptance_spread(self) -> float:
+        """One standard deviation of `acceptance`: ``sqrt(a (1 - a) / n)`` over the reached drafts ``n`` it averages
+        (its request-rounds, at most the exponential average's ``(2 - w) / w``, times the drafts reached a round); 1
+        before any draft was verified. After the first three rounds of a batch of one it is ~0.2: a policy that
+        trusted ``a`` there settled on k = 0 for hundreds of rounds where K = 3 paid (benchmarks/sim_adaptive.py)."""
+        if self._observed == 0:
+            return 1.0
+        w = self.acceptance_weight
+        n = min(self._observed, (2.0 - w) / w) * self._reached
+        a = self.acceptance
+        return (max(a * (1.0 - a), 1e-4) / max(n, 1e-9)) ** 0.5
 
     def costs(self, batch_size: int) -> dict[int, float]:
         """``K -> seconds per round`` trusted so far in ``batch_size``'s bucket."""
@@ -156,10 +206,13 @@ class AdaptiveDraftPolicy:
         return out
 
     def lag_cost(self, batch_size: int) -> float:
-        """Seconds per ``K = 0`` round that the MTP catch-ups of held rows added in ``batch_size``'s bucket (0 before
-        one was measured; always 0 for drafters that hold nothing)."""
-        s, n = self._lag.get(self.bucket(batch_size), (0.0, 0))
-        return s / n if n else 0.0
+        """Seconds per ``K = 0`` round that the MTP catch-ups of held rows added in ``batch_size``'s bucket: the median
+        over the latest catch-ups (`cost_window`) of what each took beyond its round's cost per ``K = 0`` round since
+        the one before (0 before one was measured; always 0 for drafters that hold nothing). A running mean took a
+        catch-up interval that also waited on something else (2.3 ms beyond its round) as 0.76 ms a round where three
+        K = 0 rounds had held the rows, and kept it."""
+        lag = self._lag.get(self.bucket(batch_size))
+        return _median(lag[0]) if lag is not None and lag[0] else 0.0
 
     def choose(self, batch_size: int) -> int:
         """The draft length of the next round of a ``batch_size``-request decode batch.
@@ -180,8 +233,19 @@ class AdaptiveDraftPolicy:
         got = self.costs(batch_size)
         for k in (cands[-1], 0):
             if k not in got:
-                return self._pick(k)
-        best = best_draft_len(self.estimated_costs(batch_size, got), self.acceptance)
+                # The round already running (launched ahead) is the last sample this length needs: choose now what
+                # comes after it (else one more round of it runs behind the choice).
+                c = self._costs.get((b, k))
+                if k != self._pending or c is None or c.samples != self.min_samples - 1 or not c.samples:
+                    return self._pick(k)
+                got[k] = c.seconds
+        est = self.estimated_costs(batch_size, got)
+        # Optimistic by one spread while the acceptance rests on fewer request-rounds than its average spans (a batch
+        # of one after its first rounds): drafting measures the acceptance, k = 0 does not (it would keep a low early
+        # estimate for good).
+        w = self.acceptance_weight
+        young = 0 < self._observed < (2.0 - w) / w  # (before any verify round: the prior as it is)
+        best = best_draft_len(est, min(1.0, self.acceptance + (self.acceptance_spread if young else 0.0)))
         ex = self._explore.setdefault(b, [self.explore_every - 1, self.explore_every, best, None, None])
         if ex[3] is not None and n > ex[0]:
             # The re-measurement is in (its interval was stamped before this call): back off while it changes
@@ -189,22 +253,59 @@ class AdaptiveDraftPolicy:
             was, now = ex[4], got.get(ex[3], ex[4])
             # (a K measured for the first time moved nothing it could be compared with)
             same = best == ex[2] and (was is None or now is None or abs(now - was) <= 0.1 * was)
+            # ... and while a longer re-measured K may still be as good within two spreads of the acceptance (a batch
+            # of one learns its acceptance from these rounds): no back-off on an uncertain margin.
+            if same and ex[3] in est and best in est and ex[3] > best:
+                same = self.probe_wait(est, best, ex[3], spreads=2.0) > 0
             ex[1] = min(2 * ex[1], self.max_explore_every) if same else self.explore_every
             ex[0], ex[3] = ex[0] + ex[1], None
         elif best != ex[2] and ex[3] is None:
             ex[0] = min(ex[0], n + self.explore_every)  # the choice moved by itself: look around again soon
             ex[1] = self.explore_every
-        if best in got and n >= ex[0] and ex[3] is None:
+        if best in got and ex[3] is None:
             i = cands.index(best)
             near = {cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)} | {cands[-1]}
             near.discard(best)
             if near:
                 k = min(sorted(near), key=lambda k: self._last_round(b, k))
-                ex[0], ex[2], ex[3], ex[4] = n, best, k, got.get(k)
-                self._probe[b] = (k, self.probe_rounds - 1)
-                return self._pick(k)
+                last = ex[0] - ex[1]  # the round of the last re-measurement (or of the start)
+                if k > best and self.probe_wait(est, best, k, spreads=2.0) == 0:
+                    # Uncertain: within two spreads of the acceptance the longer ``k`` may be as good, and only its
+                    # rounds measure the acceptance: look again soon.
+                    due = last + max(self.probe_rounds + 1, self.explore_every // 4)
+                else:
+                    # A wide margin waits longer: at most `probe_budget` of the time lost to re-measurements.
+                    due = last + max(ex[1], min(self.probe_wait(est, best, k, bucket=b), self.max_explore_every))
+                if n >= due:
+                    ex[0], ex[2], ex[3], ex[4] = n, best, k, got.get(k)
+                    self._probe[b] = (k, self.probe_rounds - 1)
+                    return self._pick(k)
         ex[2] = best
         return self._pick(best)
+
+    def probe_wait(
+        self, est: dict[int, float], best: int, k: int, spreads: float = 1.0, bucket: int | None = None
+    ) -> float:
+        """Rounds of ``best`` to run before re-measuring ``k`` (costs ``est``) so that the re-measurements lose at most
+        `probe_budget` of the time. Its `probe_rounds` of ``k`` lose ``T(k) (1 - rate(k) / rate(best))`` each
+        against ``best``'s rate, the rates taken at the acceptance most favourable to ``k`` within ``spreads``
+        `acceptance_spread` (an uncertain estimate re-measures sooner), plus the measured costs of the two changes of
+        length in ``bucket`` (`switch_cost`). 0 when ``k`` may be as good."""
+        d = spreads * self.acceptance_spread
+        a = min(1.0, max(0.0, self.acceptance + (d if k > best else -d)))
+        rate_best, rate_k = expected_tokens(best, a) / est[best], expected_tokens(k, a) / est[k]
+        loss = self.probe_rounds * est[k] * max(0.0, 1.0 - rate_k / rate_best)
+        if loss <= 0:
+            return 0.0
+        # the two changes of length (into k and back), as measured
+        loss += sum(self.switch_cost(bucket, j) for j in (k, best)) if bucket is not None else 0.0
+        return loss / (self.probe_budget * est[best])
+
+    def switch_cost(self, bucket: int, k: int) -> float:
+        """Seconds the first round of a run of ``k`` took beyond ``k``'s cost in ``bucket`` (median of the latest
+        eight; 0 before one was measured)."""
+        c = self._costs.get((bucket, k))
+        return _median(c.switch) if c is not None and c.switch else 0.0
 
     def _last_round(self, b: int, k: int) -> int:
         c = self._costs.get((b, k))
@@ -242,10 +343,25 @@ class AdaptiveDraftPolicy:
         c.seen += 1
         c.last_round = self._rounds.get(b, 0)
         if c.seen == 1 or after != k:
+            # A new run: its samples are compared with the cost as it stands now; what this first interval took
+            # beyond that is the change of length's cost (`probe_wait` counts it).
+            c.run, c.base = [], (c.seconds if c.samples >= self.min_samples else None)
+            if c.base is not None:
+                c.switch.append(max(0.0, seconds - c.base))
+                if len(c.switch) > 8:
+                    c.switch.popleft()
             return
-        w = self.cost_weight if c.samples else 1.0
-        c.seconds = (1 - w) * c.seconds + w * seconds
         c.samples += 1
+        c.window.append(seconds)
+        if len(c.window) > self.cost_window:
+            c.window.popleft()
+        if c.base is not None and len(c.run) < self.min_samples:
+            c.run.append(seconds)
+            tol = self.change_tolerance
+            if len(c.run) == self.min_samples and (min(c.run) > (1 + tol) * c.base or max(c.run) < (1 - tol) * c.base):
+                # The cost moved (every interval of the run beyond the tolerance, on one side): the old ones go.
+                c.window = deque(c.run)
+        c.seconds = _median(c.window)
 
     def begin_round(self, steady: bool, batch_size: int, *, k: int | None = None, running: int | None = None) -> int:
         """Stamp the clock and choose the draft length of the round that starts now (once per round, after the
@@ -269,7 +385,13 @@ class AdaptiveDraftPolicy:
         now = self.clock()  # type: ignore[misc]
         self._close(now, steady)
         if k is None:
+            # A round of ``running`` (launched ahead) of the same length as the last one, steady and holding no
+            # catch-up, is a sample of its length when it closes.
+            b = self.bucket(batch_size)
+            same = running is not None and steady and self._prev_k.get(b) == running
+            self._pending = running if same and self._open is not None and not self._next_flush else None
             k = self.choose(batch_size)
+            self._pending = None
         self._open = (now, batch_size, k if running is None else running)
         self._open_flush, self._next_flush = self._next_flush, False
         return k
@@ -277,22 +399,26 @@ class AdaptiveDraftPolicy:
     def _close(self, now: float | None, steady: bool) -> None:
         """End the open interval at ``now`` (``None``: dropped unmeasured): a cost sample when ``steady``, else only
         the record of which ``K`` ran. An interval holding a catch-up of held rows books, instead of a sample, what
-        it took beyond its ``K``'s cost as the catch-up's cost, spread over the bucket's ``K = 0`` rounds."""
+        it took beyond its ``K``'s cost as the catch-up's cost, per ``K = 0`` round that held the rows (`lag_cost`)."""
         if self._open is None:
             return
         t0, ob, ok = self._open
         b = self.bucket(ob)
         prev = self._prev_k.get(b)
         self._prev_k[b] = ok
-        lag = self._lag.setdefault(b, [0.0, 0])
+        lag = self._lag.setdefault(b, [deque(), 0])
         if ok == 0:
             lag[1] += 1
-        if now is None or not steady:
-            return
         if self._open_flush:
+            # The catch-up of the rows held since the last one: its cost per K = 0 round that held them.
+            held, lag[1] = lag[1], 0
             c = self._costs.get((b, ok))
-            if c is not None and c.samples >= self.min_samples:
-                lag[0] += max(0.0, now - t0 - c.seconds)
+            if now is not None and steady and held and c is not None and c.samples >= self.min_samples:
+                lag[0].append(max(0.0, now - t0 - c.seconds) / held)
+                if len(lag[0]) > self.cost_window:
+                    lag[0].popleft()
+            return
+        if now is None or not steady:
             return
         self.observe_cost(ob, ok, now - t0, after=prev)
 
