@@ -66,6 +66,7 @@ class Result:
     error: str = ""
     sent: float = 0.0
     ttft: float = 0.0
+    headers: float = 0.0  # seconds from sending to the response's headers (connection, the API's receipt)
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -179,6 +180,7 @@ async def one_request(c: httpx.AsyncClient, url: str, model: str, prompt: list[i
     seen = 0
     try:
         async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            res.headers = time.perf_counter() - t0
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
@@ -264,6 +266,10 @@ async def run_level(
         "req_per_s": len(ok) / wall, "out_tok_per_s": toks / wall,
         "in_tokens": sum(r.input_len for r in ok), "out_tokens": toks,
         "ttft_ms": [x * 1e3 for x in percentiles([r.ttft for r in ok])],
+        # The client's TTFT in two parts: to the response headers (connection set-up, the request's way into the
+        # API process), and from them to the first token (the engine and the token's way back).
+        "headers_ms": [x * 1e3 for x in percentiles([r.headers for r in ok])],
+        "after_headers_ms": [x * 1e3 for x in percentiles([r.ttft - r.headers for r in ok])],
         "itl_ms": [x * 1e3 for x in percentiles(itl)],
         "tpot_ms": [x * 1e3 for x in percentiles(list(tpot.values()))],
         "e2e_ms": [x * 1e3 for x in percentiles([r.e2e for r in ok])],
@@ -442,7 +448,12 @@ def fmt_row(s: dict[str, Any]) -> str:
             f"(inbox {s['server_inbox_ms'][0]:.1f}, schedule {s['server_schedule_ms'][0]:.1f}) + prefill "
             f"{s['server_prefill_ms'][0]:.1f} ({s['server_prefill_steps_p50']:.0f} steps) + delivery "
             f"{s['server_delivery_ms'][0]:.1f}; client TTFT p50 {s['ttft_ms'][0]:.1f}"
-            f"\n       steps {s['steps']} {s['steps_by_kind']}, eager {s['eager_steps']}, overlapped "
+            + (
+                f" (headers p50/p99 {trio(s['headers_ms'][::2])}, then first token {trio(s['after_headers_ms'][::2])})"
+                if "headers_ms" in s
+                else ""
+            )
+            + f"\n       steps {s['steps']} {s['steps_by_kind']}, eager {s['eager_steps']}, overlapped "
             f"{s['overlapped_steps']}, rows/step {s['rows_per_step_mean']:.1f}, host {s['step_host_ms_mean']:.2f} ms"
             f" + gap {s['step_gap_ms_mean']:.2f} ms (idle {s.get('step_idle_ms_mean', 0.0):.2f})"
             + (f", GPU {s['step_gpu_ms_mean']:.2f} ms" if s.get("step_gpu_ms_mean") is not None else "")
