@@ -357,7 +357,7 @@ def server_split(step_log: Path, t0: float, t1: float) -> dict[str, Any]:
         elif "step" in obj and t0 <= obj["step"]["t_start"] <= t1:
             steps.append(obj["step"])
     out: dict[str, Any] = {"server_requests": len(reqs)}
-    for part in ("ttft_s", "inbox_s", "schedule_s", "queue_s", "prefill_s", "delivery_s"):
+    for part in ("ttft_s", "inbox_s", "transport_s", "loop_wait_s", "schedule_s", "queue_s", "prefill_s", "delivery_s"):
         xs = [r[part] for r in reqs if r.get(part) is not None]
         out[f"server_{part[:-2]}_ms"] = [x * 1e3 for x in percentiles(xs)]
     out["server_prefill_steps_p50"] = percentiles([r["prefill_steps"] for r in reqs], (50,))[0]
@@ -445,7 +445,13 @@ def fmt_row(s: dict[str, Any]) -> str:
     if "server_ttft_ms" in s:
         line += (
             f"\n       server TTFT p50 {s['server_ttft_ms'][0]:.1f} ms = queue {s['server_queue_ms'][0]:.1f} "
-            f"(inbox {s['server_inbox_ms'][0]:.1f}, schedule {s['server_schedule_ms'][0]:.1f}) + prefill "
+            f"(inbox {s['server_inbox_ms'][0]:.1f}"
+            + (
+                f" = to the engine {s['server_transport_ms'][0]:.1f} + its loop {s['server_loop_wait_ms'][0]:.1f}"
+                if s.get("server_transport_ms") and s["server_transport_ms"][0] == s["server_transport_ms"][0]
+                else ""  # (a server without the split: its percentiles are NaN)
+            )
+            + f", schedule {s['server_schedule_ms'][0]:.1f}) + prefill "
             f"{s['server_prefill_ms'][0]:.1f} ({s['server_prefill_steps_p50']:.0f} steps) + delivery "
             f"{s['server_delivery_ms'][0]:.1f}; client TTFT p50 {s['ttft_ms'][0]:.1f}"
             + (

@@ -181,6 +181,7 @@ class _Track:
     index: int
     proc: OutputProcessor | None  # None: the caller detokenizes (``detokenize=False``)
     arrival: float
+    posted: float | None = None  # entered the inbox (`RequestTiming.posted`)
     consumed: int = 0  # output tokens already processed
     first_token_t: float | None = None
     delivered_t: float | None = None  # the first token's flush
@@ -353,7 +354,8 @@ class AsyncEngine:
                     f"(max_batch_size {self.executor.cfg.max_batch_size} + max_queue_size {self.max_queue_size})"
                 )
             self._live += n
-            self._inbox.append(("add", stream, list(requests), fut, now() if arrival is None else arrival))
+            t = now()
+            self._inbox.append(("add", stream, list(requests), fut, t if arrival is None else arrival, t))
             self._cv.notify_all()
         try:
             await fut
@@ -415,15 +417,17 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, stream, reqs, fut, arrival = cmd
-            self._add(stream, reqs, fut, arrival)
+            _, stream, reqs, fut, arrival, posted = cmd
+            self._add(stream, reqs, fut, arrival, posted)
         elif kind == "abort":
             _, stream, reason = cmd
             for t in self._streams.get(id(stream), []):
                 if not t.done:
                     self._abort_track(t, reason)
 
-    def _add(self, stream: ResultStream, reqs: list[GenerationRequest], fut: asyncio.Future, arrival: float) -> None:
+    def _add(
+        self, stream: ResultStream, reqs: list[GenerationRequest], fut: asyncio.Future, arrival: float, posted: float
+    ) -> None:
         ex = self.executor
         added: list[Request] = []
         try:
@@ -440,7 +444,7 @@ class AsyncEngine:
             return
         tracks = []
         for i, (r, p) in enumerate(zip(added, procs)):
-            t = _Track(req=r, stream=stream, index=i, proc=p, arrival=arrival)
+            t = _Track(req=r, stream=stream, index=i, proc=p, arrival=arrival, posted=posted)
             self._tracks[r.request_id] = t
             tracks.append(t)
             self.metrics.prompt_tokens.inc(len(r.prompt_ids))
@@ -649,7 +653,9 @@ class AsyncEngine:
         if self._retired:
             assert self.step_log is not None
             for t in self._retired:
-                self.step_log.add_request(RequestTiming.of(t.req, arrival=t.arrival, delivered=t.delivered_t))
+                self.step_log.add_request(
+                    RequestTiming.of(t.req, arrival=t.arrival, delivered=t.delivered_t, posted=t.posted)
+                )
             self._retired = []
 
     def _hand_over(self, batch: list[tuple[ResultStream, list[Delta]]]) -> None:

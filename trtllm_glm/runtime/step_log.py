@@ -75,6 +75,8 @@ class RequestTiming:
         prompt_tokens: prompt length.
         arrival: submitted by the caller (the front end's clock; the executor's ``add_request`` without one).
         queued: the executor took the request (``add_request``: the engine thread handled its inbox entry).
+        posted: the request entered the engine's inbox (in the engine process: its command thread received it);
+            None where no front end posted it (`Executor` callers).
         admitted: first admitted into the running batch (state slot and pages given).
         first_token: the step that produced the first output token was read back.
         delivered: the first token was handed to the caller's stream (the engine's flush; the read-back
@@ -96,6 +98,7 @@ class RequestTiming:
     cached_tokens: int = 0
     finished: float | None = None
     output_tokens: int = 0
+    posted: float | None = None
 
     @staticmethod
     def _d(a: float | None, b: float | None) -> float | None:
@@ -105,6 +108,18 @@ class RequestTiming:
     def inbox_s(self) -> float | None:
         """Arrival to the executor taking it (the engine thread was busy with a step)."""
         return self._d(self.arrival, self.queued)
+
+    @property
+    def transport_s(self) -> float | None:
+        """Arrival to the engine's inbox (the front end's work, the message to the engine process, and that
+        process's command thread getting the interpreter): the part of `inbox_s` before the engine thread's wait."""
+        return self._d(self.arrival, self.posted)
+
+    @property
+    def loop_wait_s(self) -> float | None:
+        """In the engine's inbox until its thread took the request (it was busy with a step): the rest of
+        `inbox_s`."""
+        return self._d(self.posted, self.queued)
 
     @property
     def schedule_s(self) -> float | None:
@@ -134,20 +149,23 @@ class RequestTiming:
     def parts(self) -> dict[str, float | None]:
         """TTFT and its parts (seconds), as the log's JSON lines and `bench_serve` carry them."""
         return {
-            "ttft_s": self.ttft_s, "inbox_s": self.inbox_s, "schedule_s": self.schedule_s,
-            "queue_s": self.queue_s, "prefill_s": self.prefill_s, "delivery_s": self.delivery_s,
+            "ttft_s": self.ttft_s, "inbox_s": self.inbox_s, "transport_s": self.transport_s,
+            "loop_wait_s": self.loop_wait_s, "schedule_s": self.schedule_s, "queue_s": self.queue_s,
+            "prefill_s": self.prefill_s, "delivery_s": self.delivery_s,
         }  # fmt: skip
 
     @classmethod
-    def of(cls, req: Any, arrival: float | None = None, delivered: float | None = None) -> RequestTiming:
-        """The timing of an executor `Request` (its ``t_*`` fields), with the front end's arrival and
+    def of(
+        cls, req: Any, arrival: float | None = None, delivered: float | None = None, posted: float | None = None
+    ) -> RequestTiming:
+        """The timing of an executor `Request` (its ``t_*`` fields), with the front end's arrival, inbox and
         delivery times where it has them (else the executor's own)."""
         return cls(
             request_id=req.request_id, prompt_tokens=len(req.prompt_ids),
             arrival=req.t_queued if arrival is None else arrival, queued=req.t_queued, admitted=req.t_admitted,
             first_token=req.t_first_token, delivered=req.t_first_token if delivered is None else delivered,
             prefill_steps=req.num_prefill_steps, cached_tokens=req.num_cached_tokens, finished=now(),
-            output_tokens=req.num_output,
+            output_tokens=req.num_output, posted=posted,
         )  # fmt: skip
 
 

@@ -138,7 +138,7 @@ class CoreEngine(AsyncEngine):
         gens = [_generation(g.prompt_ids, g.params) for g in msg.gens]
         with self._cv:
             self._live += len(gens)
-            self._inbox.append(("add", _RemoteStream(msg.key), gens, msg.key, msg.arrival))
+            self._inbox.append(("add", _RemoteStream(msg.key), gens, msg.key, msg.arrival, time.perf_counter()))
             self._cv.notify_all()
 
     def post_abort(self, key: int, reason: str, index: int = -1) -> None:

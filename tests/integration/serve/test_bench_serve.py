@@ -47,6 +47,9 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     ttft, queue, prefill, delivery = (lvl[f"server_{k}_ms"][0] for k in ("ttft", "queue", "prefill", "delivery"))
     assert 0 < ttft <= lvl["ttft_ms"][2] and min(queue, prefill, delivery) >= 0
     assert "server TTFT p50" in r.stdout
+    # The inbox wait split at the engine's inbox (the engine runs in its own process here).
+    tr, loop = lvl["server_transport_ms"][0], lvl["server_loop_wait_ms"][0]
+    assert tr >= 0 and loop >= 0 and "to the engine" in r.stdout
     # The client's TTFT split at the response headers (connection and the API's receipt / the first token after).
     h, after = lvl["headers_ms"][0], lvl["after_headers_ms"][0]
     assert h > 0 and after >= 0 and h <= lvl["ttft_ms"][2] and "headers p50/p99" in r.stdout

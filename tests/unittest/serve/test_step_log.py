@@ -54,6 +54,8 @@ def test_served_requests_ttft_parts_add_up(tmp_path) -> None:
         assert None not in parts.values(), parts
         assert parts["queue_s"] + parts["prefill_s"] + parts["delivery_s"] == pytest.approx(parts["ttft_s"], abs=1e-9)
         assert parts["inbox_s"] + parts["schedule_s"] == pytest.approx(parts["queue_s"], abs=1e-9)
+        # The inbox wait: to the engine's inbox (here: submit itself), then until the engine thread took it.
+        assert parts["transport_s"] + parts["loop_wait_s"] == pytest.approx(parts["inbox_s"], abs=1e-9)
         assert min(parts.values()) >= 0.0
         assert t.prefill_steps >= -(-t.prompt_tokens // 24)  # at least one step per budget-sized chunk
         assert t.output_tokens == 5 and t.cached_tokens == 0
