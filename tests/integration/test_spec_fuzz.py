@@ -100,6 +100,8 @@ class Req:
     # writes the answer in; until then ``prompt`` holds the longest it can be).
     turn_of: int | None = None
     extra: int = 0
+    # Never given a stop token by `_stops` (a scenario's request that must outlive the arrivals).
+    no_stop: bool = False
 
 
 @dataclass
@@ -336,6 +338,9 @@ def _stops(case: Case, rng: random.Random, free: list[list[int]]) -> None:
         if not r.params.greedy or len(out) < 2 or rng.random() > 0.45:
             continue
         tok = out[rng.randrange(1, len(out))]
+        if r.no_stop:  # (after the draws: the other requests get the stops they always got)
+            rng.random()
+            continue
         if rng.random() < 0.2:
             r.params = dataclasses.replace(r.params, end_id=tok, ignore_eos=False)
         else:

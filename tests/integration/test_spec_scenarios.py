@@ -104,8 +104,10 @@ def batch_wait_aborts_case(seed: int) -> Case:
     (``batch_wait_timeout_iters``); some are aborted while held, a running one is aborted while others are held."""
     rng = random.Random(seed)
     K = rng.choice([2, 3])
-    # (the first request outlives the arrivals: 40+ tokens at up to K + 1 a round)
+    # (the first request outlives the arrivals: 40+ tokens at up to K + 1 a round, and no stop token drawn for it,
+    # which ended both first requests before any arrival in case seed 101: nothing decoded, nothing held)
     reqs = [Req(_prompt(rng, "small", None), _greedy(rng.randint(40, 50))) for _ in range(2)]
+    reqs[0].no_stop = True
     for arrive in sorted(rng.sample(range(2, 9), 4)):
         # (short prompts: two waiting stay under the token ratio, which would end the hold at once)
         r = Req(_prompt(rng, "small", None)[:24], _greedy(rng.randint(6, 20)), arrive=arrive)
