@@ -34,7 +34,8 @@ from collections import Counter
 
 import torch
 
-from benchmarks.harness.host_traffic import GraphBodies, count_ops, emulated_graphs, recorded
+from benchmarks.harness.graph_emulation import emulated_graphs
+from benchmarks.harness.host_traffic import GraphBodies, count_ops, recorded
 from benchmarks.harness.prompts import CODE_OPENINGS
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
 from trtllm_glm.runtime.cuda_graph import CudaGraphConfig

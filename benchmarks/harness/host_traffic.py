@@ -21,7 +21,7 @@ import torch
 
 from trtllm_glm import traffic
 
-__all__ = ["GraphBodies", "OpCounts", "count_ops", "emulated_graphs", "recorded", "watch_tensor_reads"]
+__all__ = ["GraphBodies", "OpCounts", "count_ops", "recorded", "watch_tensor_reads"]
 
 _METHODS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
@@ -137,47 +137,6 @@ def recorded() -> Iterator[traffic.Traffic]:
     package makes on the host inside the block."""
     with traffic.recording() as rec, watch_tensor_reads(), GraphBodies():
         yield rec
-
-
-@contextmanager
-def emulated_graphs() -> Iterator[None]:
-    """CUDA graphs emulated on the CPU inside the block, as the speculative tests emulate them
-    (``tests/spec_helpers.emulate_graphs``): executors replay padded graph steps eagerly, the k-pool writes its
-    cache through its (interpreted) Triton kernels, which skip padding rows, and reads through the references."""
-    import dataclasses
-    import os
-    import types
-
-    from triton.runtime.interpreter import interpreter_builder
-
-    from trtllm_glm.attention.sparse.glm_kpool import dispatch, ops
-    from trtllm_glm.attention.sparse.glm_kpool.ops import cache_update
-    from trtllm_glm.runtime.executor import Executor
-
-    writes = ("write_latent_rows", "update_decode_pools", "update_prefill_pools", "write_prefill_tail")
-    saved = [
-        (Executor, "_graphs_supported", Executor.__dict__["_graphs_supported"]),
-        (interpreter_builder, "options", interpreter_builder.options),
-        (dispatch, "_triton_kernels", dispatch._triton_kernels),
-        (cache_update, "host_checks_allowed", cache_update.host_checks_allowed),
-    ]
-    env = os.environ.get("TRTLLM_GLM_KPOOL_BACKEND")
-    try:
-        Executor._graphs_supported = lambda self: True  # type: ignore[method-assign]
-        interpreter_builder.options = dataclasses.replace(interpreter_builder.options, sanitize_overflow=False)
-        os.environ["TRTLLM_GLM_KPOOL_BACKEND"] = "triton"
-        kernels = dispatch._triton_kernels()
-        hybrid = types.SimpleNamespace(**{n: getattr(kernels if n in writes else ops, n) for n in dispatch._OP_NAMES})
-        dispatch._triton_kernels = lambda: hybrid
-        cache_update.host_checks_allowed = lambda t: False
-        yield
-    finally:
-        for obj, name, value in saved:
-            setattr(obj, name, value)
-        if env is None:
-            os.environ.pop("TRTLLM_GLM_KPOOL_BACKEND", None)
-        else:
-            os.environ["TRTLLM_GLM_KPOOL_BACKEND"] = env
 
 
 class OpCounts:

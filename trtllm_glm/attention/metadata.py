@@ -121,12 +121,11 @@ class AttentionMetadata:
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
-        # ``(B, N)`` of the description last copied to the device buffers while they still hold it as copied; None
-        # once something rewrote them on the device (`device_rewritten`). What it was made of: (num_padding_seqs, rows
-        # cut on real sequences (`_row_cuts`), q_lens, past_lens, state_slots, cu_seqlens). `prepare` neither stages
-        # nor copies a description with the same rows (an MTP catch-up described right after the verify it follows).
-        self._on_device: tuple[int, int] | None = None
-        self._described: tuple | None = None
+        # The description the device buffers hold as `prepare` copied it: ``(key, cu_seqlens)`` with ``key`` =
+        # (num_padding_seqs, rows cut on real sequences (`_row_cuts`), q_lens, past_lens, state_slots); None once
+        # something rewrote them on the device (`device_rewritten`). `prepare` neither stages nor copies a
+        # description with the same key (an MTP catch-up described right after the verify it follows).
+        self._described: tuple[tuple, list[int]] | None = None
         self.num_copies_skipped = 0
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
         # captured verify graph reads the same address every replay.
@@ -205,26 +204,18 @@ class AttentionMetadata:
         self.q_lens = list(q_lens)
         self.past_lens = list(past_lens)
         self.state_slots = list(state_slots)
-        cuts = _row_cuts(valid_q_lens, live_q_lens, self.q_lens, B - num_padding_seqs)
-        same = self._described
-        if (
-            self._on_device is not None
-            and same is not None
-            and same[:2] == (num_padding_seqs, cuts)
-            and same[2] == self.q_lens
-            and same[3] == self.past_lens
-            and same[4] == self.state_slots
-        ):
+        key = (num_padding_seqs, _row_cuts(valid_q_lens, live_q_lens, self.q_lens, B - num_padding_seqs),
+               tuple(self.q_lens), tuple(self.past_lens), tuple(self.state_slots))  # fmt: skip
+        if self._described is not None and self._described[0] == key:
             # The device buffers hold these very rows (an MTP catch-up described right after the verify it follows):
             # the host fields only, no staging, no copy.
-            self._describe_host(same[5], N, num_decode_seqs, num_padding_seqs, valid_q_lens)
+            self._describe_host(self._described[1], N, num_decode_seqs, num_padding_seqs, valid_q_lens)
             self.num_copies_skipped += 1
             return
         cu = [0]
         for q in q_lens:
             cu.append(cu[-1] + q)
         self._describe_host(cu, N, num_decode_seqs, num_padding_seqs, valid_q_lens)
-        described = (num_padding_seqs, cuts, self.q_lens, self.past_lens, self.state_slots, cu)
 
         host = self._staging.acquire()
         arr = self._staging.arrays()
@@ -254,8 +245,7 @@ class AttentionMetadata:
         self._tok_buf.copy_(th, non_blocking=True)
         traffic.put(n=2)
         self._staging.release()
-        self._on_device = (B, N)
-        self._described = described
+        self._described = (key, cu)
 
     def _describe_host(
         self,
@@ -281,7 +271,7 @@ class AttentionMetadata:
         """The per-sequence and per-token buffers were (or will be, on the stream) rewritten on the device: the
         next `prepare` copies its description whatever it is (`set_decode_rows`, `set_verify_rows`,
         `set_valid_rows`, and the replay of a captured graph that calls them)."""
-        self._on_device = None
+        self._described = None
 
     def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
         """Make the current batch one decode row per sequence at device-held lengths, by device ops only.
@@ -302,7 +292,7 @@ class AttentionMetadata:
         B = self.num_seqs
         if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
             raise ValueError(f"set_decode_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
-        self._on_device = None
+        self.device_rewritten()
         seq, tok, ar = self._seq_buf, self._tok_buf, self._arange
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(1)
@@ -355,7 +345,7 @@ class AttentionMetadata:
             raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
         if live_lens is not None and live_lens.shape != (B,):
             raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
-        self._on_device = None
+        self.device_rewritten()
         seq, tok = self._seq_buf, self._tok_buf
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(width)
@@ -398,7 +388,7 @@ class AttentionMetadata:
             raise ValueError(f"set_valid_rows needs {B} lengths, got {tuple(valid_lens.shape)}")
         W = self.q_lens[0]
         N = B * W
-        self._on_device = None
+        self.device_rewritten()
         tok = self._tok_buf
         owner, offset = self._row_owners(W)
         valid = torch.index_select(valid_lens, 0, owner[:N], out=self._row_valid[:N])
