@@ -65,12 +65,17 @@ def make_executor(model: Glm5NextForCausalLM, mode: str, batch: int, max_seq_len
 
 def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) -> dict:
     B = args.batch
-    ex = make_executor(model, mode, B, args.max_seq_len)
+    prompts = [list(CODE_OPENINGS[i % len(CODE_OPENINGS)].encode()) for i in range(B)]
+    # Every request must outlive the warm-up and both passes of rounds, each round emitting up to K + 1 tokens (a
+    # finished batch leaves nothing to schedule: an H100 run of mtp3 at batch 16 stopped there).
+    k = int(mode.split("+")[0][3:]) if mode.startswith("mtp") else 0
+    max_tokens = (args.warmup + 2 * args.rounds + 2) * (k + 1)
+    max_seq_len = max(args.max_seq_len, max(map(len, prompts)) + max_tokens + 64)
+    ex = make_executor(model, mode, B, max_seq_len)
     if ex.device.type == "cuda":
         ex.capture_cuda_graphs()
-    for i in range(B):
-        ids = list(CODE_OPENINGS[i % len(CODE_OPENINGS)].encode())
-        ex.add_request(ids, SamplingParams(max_tokens=args.max_seq_len - 64, ignore_eos=True))
+    for ids in prompts:
+        ex.add_request(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     for _ in range(args.warmup):
         ex.step()
     emitted0 = sum(r.num_output for r in ex.running)
@@ -95,6 +100,8 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
         for _ in range(args.rounds):
             ex.step()
     n = args.rounds
+    if len(ex.running) != B:
+        raise SystemExit(f"{mode}: {B - len(ex.running)} of {B} requests finished inside the measured rounds")
 
     def per_round(c: Counter) -> dict[str, float]:
         return {k: round(v / n, 3) for k, v in sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))}
@@ -118,7 +125,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--max-seq-len", type=int, default=256, help="at least what the rounds need (raised to fit)")
     ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on a GPU")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", action="store_true", help="one JSON row per mode instead of the table")

@@ -50,8 +50,9 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     # The inbox wait split at the engine's inbox (the engine runs in its own process here).
     tr, loop = lvl["server_transport_ms"][0], lvl["server_loop_wait_ms"][0]
     assert tr >= 0 and loop >= 0 and "to the engine" in r.stdout
-    # The client's share of TTFT: writing the request out (new connections included), counted per request.
-    assert 0 < lvl["written_ms"][0] <= lvl["ttft_ms"][2] and 1 <= lvl["new_connections"] <= 6
+    # The client's share of TTFT: writing the request out, on connections opened before the level (a keep-alive
+    # pool's), so that no measured request opened one.
+    assert 0 < lvl["written_ms"][0] <= lvl["ttft_ms"][2] and lvl["new_connections"] == 0
     assert "request written p50/p99" in r.stdout
     # The server's processes' CPU over the level: the API process (its event loop busy serving) and the engine. Six
     # requests can cost the API process less than a clock tick (10 ms) under httptools and uvloop: /proc then says 0

@@ -89,6 +89,9 @@ _CASES = [
     ([7, 0, 3, 11], 3, 6, 4, 4, True, [True, False, False, False], 8),  # an empty sequence; x reordered
     ([2, 20, 1], 2, 8, 8, 5, True, None, 8),  # W = 5: the window is wider than the first sequence
     ([6, 6], 1, 16, 12, 2, False, [False, False], 32),  # W = 2, both sequences in one block
+    # 300 sequences: beyond the 256 the fixed search depth covers (one more level); lengths 0-3 so that many
+    # sequences share a block and some are empty.
+    ([(7 * i) % 4 for i in range(300)], 1, 4, 3, 3, True, None, 16),
 ]
 
 

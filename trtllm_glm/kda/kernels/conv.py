@@ -468,8 +468,20 @@ def conv_commit_slots(
 # ------------------------------------------------------------------------------------------------------------------
 # Prefill (chunked path)
 
+# Depth of the prefill kernel's binary search over cu_seqlens: one compiled variant for every batch up to 256
+# sequences (a deeper search than needed only repeats guarded loads). The exact depth made a variant per power of
+# two, and a served step whose prompt count the warm-up had not used compiled one while serving (H100, 1K-token
+# prompts at concurrency 16: a 1.5 s TTFT tail).
+_SEARCH_DEPTH = 8
 
-@triton.jit
+
+def _search_depth(n: int) -> int:
+    return max(_SEARCH_DEPTH, (n - 1).bit_length())
+
+
+# T and n vary with every step: Triton's specialisation of integer arguments (== 1, % 16 == 0) would make more
+# variants for the warm-up to cover.
+@triton.jit(do_not_specialize=["T", "n"])
 def _conv_prefill_kernel(
     x_ptr,
     state_ptr,
@@ -621,7 +633,7 @@ def conv_prefill(
             x, conv_state, weight, slots, cu, _index_arg(row0, n, "row0", slots), _index_arg(fresh, n, "fresh", slots),
             q, k, v, T, n, x.stride(0), conv_state.stride(0), conv_state.stride(1), weight.stride(0), eps,
             H=H, K=K, V=V, W=Wm1 + 1, BT=block_t, BD=triton.next_power_of_2(max(K, V)),
-            LOG_N=max(1, (n - 1).bit_length()), HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None,
+            LOG_N=_search_depth(n), HAS_ROWS=row0 is not None, HAS_FRESH=fresh is not None,
             num_warps=num_warps, **_fusion_opts(),
         )  # fmt: skip
     # The new windows after every row was read (stream order): the commit of all `len` rows of each sequence
