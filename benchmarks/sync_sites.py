@@ -29,7 +29,7 @@ from trtllm_glm.speculative.config import MTPDecodingConfig, NGramDecodingConfig
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--modes", nargs="+", default=["plain", "mtp3", "ngram7"])
+    ap.add_argument("--modes", nargs="+", default=["plain", "mtp3", "ngram7"], help="plain, mtpK, mtpK+k0, ngramK")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--dtype", default="float32")
@@ -48,9 +48,11 @@ def main() -> None:
         if mode == "plain":
             ex = Executor(model, cfg)
         elif mode.startswith("mtp"):
-            ex = SpeculativeExecutor(
-                model, cfg, MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=int(mode[3:]))
-            )
+            # mtpK+k0: the batch above max_concurrency, every round width one (an adaptive choice of K = 0).
+            name, *flags = mode.split("+")
+            mc = 1 if flags == ["k0"] else None
+            spec = MTPDecodingConfig(adaptive=False, num_nextn_predict_layers=int(name[3:]), max_concurrency=mc)
+            ex = SpeculativeExecutor(model, cfg, spec)
         else:
             ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=int(mode[5:])))
         ex.capture_cuda_graphs()

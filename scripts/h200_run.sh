@@ -77,7 +77,8 @@
 #                 caught up by one eager forward (TRTLLM_GLM_MTP_FLUSH=eager) instead of catch-up graph slices
 #   round_host    issue 43: bench_round_host on the GPU (trained small bf16, batch 16 / 64): a plain overlapped step, a
 #                 width-one round of the speculative executor (mtp3+k0) and an MTP K=3 round: host ms and reads / puts
-#                 per round, then sync_sites for plain and mtp3 with graphs (bench_e2e counted 9 syncs a round before)
+#                 per round, then sync_sites for plain, mtp3+k0 and mtp3 with graphs at the last batch (ROUND_BATCHES,
+#                 default "16 64")
 #   spec_prof64   issue 43, trained small bf16, batch 64: overlap and mtp3+os with the costliest kernels and GPU-idle sites
 #                 (where a verify round's time goes against a plain step)
 #   spec_fp8h     issue 43 item 3, 4-layer slice, batch 1: MTP K=3 rounds at oracle acceptance 0.7 with the draft head in
@@ -278,12 +279,13 @@ for stage in "$@"; do
         --dtype bfloat16 --batch 16 64 --gen 384 --modes overlap mtp3+adaptive+os mtp3+mc8+os --cuda-graphs on \
         --json "$O/spec_flush.json" 2>&1 | tee "$O/spec_flush.log" ;;
     round_host)
-      for b in 16 64; do
+      rb=${ROUND_BATCHES:-16 64}
+      for b in $rb; do
         timeout "${T_ROUND_HOST:-120}" "$PY" -m benchmarks.bench_round_host --preset small --modes overlap mtp3+k0 mtp3 \
           --batch $b --rounds 48 --warmup 16 2>&1 | tee "$O/round_host_b$b.log"
       done
       timeout "${T_ROUND_HOST:-120}" "$PY" -m benchmarks.sync_sites --preset small --dtype bfloat16 --cuda-graphs \
-        --batch 16 --modes plain mtp3 2>&1 | tee "$O/sync_sites_round.log" ;;
+        --batch ${rb##* } --modes plain mtp3+k0 mtp3 2>&1 | tee "$O/sync_sites_round.log" ;;
     spec_prof64)
       timeout "${T_SPEC_PROF64:-150}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 128 --modes overlap mtp3+os --cuda-graphs on --profile-kernels 30 --profile-idle 20 --profile-steps 12 \
