@@ -192,6 +192,9 @@ class GraphOutputs:
     width: int = 1
     chosen: bool = False
     masked: bool = False
+    # The step rows ``packed`` holds (one per sequence: an eager step's last rows, `Executor._chain_eager_step`);
+    # None: every row of the step.
+    rows: list[int] | None = None
     _host: list[list[float]] | None = None
     # A copy of ``packed`` started already (`start_host_copy`): the read-back waits for it alone, not for work
     # queued on the stream after it.

@@ -227,6 +227,8 @@ class Executor:
         # The overlap scheduler's launched-but-unread step (`_InFlight`) and how many steps it launched ahead.
         self._inflight: _InFlight | None = None
         self.num_overlapped_steps = 0
+        # Eager steps (admissions) left in flight with the next decode step launched from their tokens.
+        self.num_chained_eager_steps = 0
         # Opt-in record of every step and request (runtime/step_log.py); None: nothing is recorded.
         self.step_log: StepLog | None = None
         # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
@@ -362,6 +364,9 @@ class Executor:
                 s.request.num_prefill_steps += 1
         rows = self._forward(plan)
         self._launched = (plan, self._step_out is not None, False)
+        if self._step_out is None and self._may_chain_eager_step(plan):
+            self._step_out = self._eager_outputs(plan, rows)
+            self.num_chained_eager_steps += 1
         if self._step_out is not None and self._may_launch_ahead(plan):
             assert self.graph_runner is not None
             out = self._choose_tokens(plan, self._step_out)
@@ -394,7 +399,9 @@ class Executor:
         # full none could be admitted anyway, so a steady batch keeps overlapping (a served batch at capacity).
         if self.admission_pending():
             return False
-        if len(plan) != len(self.running) or any(not s.is_decode or s.num_rows != 1 for s in plan):
+        # Decode rows, or (after an eager step, `_may_chain_eager_step`) prompts whose last rows ran: every sequence
+        # one row further next.
+        if len(plan) != len(self.running) or any(not self._ends_pending_rows(s) for s in plan):
             return False
         for s in plan:
             r, p = s.request, s.request.params
@@ -403,6 +410,55 @@ class Executor:
             if r.num_output + 1 >= p.max_tokens or len(r.tokens) + 1 >= self.max_seq_len:
                 return False
         return True
+
+    @staticmethod
+    def _ends_pending_rows(s: ScheduledSeq) -> bool:
+        """Whether ``s`` is one decode row, or a prompt's last chunk (its first token is sampled after it)."""
+        if s.is_decode:
+            return s.num_rows == 1
+        return s.start + s.num_rows == len(s.request.tokens)
+
+    @property
+    def chains_eager_steps(self) -> bool:
+        """Whether an eager step (an admission: prompts beside decode rows) may be left in flight with the next decode
+        step launched from its tokens on the device (`_may_chain_eager_step`). The speculative executor's rounds
+        after an admission keep their own rules (False there)."""
+        return True
+
+    def _may_chain_eager_step(self, plan: list[ScheduledSeq]) -> bool:
+        """Whether the eager step ``plan`` (just launched) stays in flight: the next step, every sequence's next decode
+        row, replays a graph before ``plan`` is read back (`_step_overlapped`), as after a replayed decode step.
+
+        Without it an admission cost the running requests two host round trips: the decode step before it was read
+        back with nothing launched (a request was waiting), then the admission step itself. Every sequence must end
+        its pending rows here (decode rows, prompts' last chunks: `_ends_pending_rows`), greedy or sampled without a
+        grammar; with prefix caching no prompt of the step may take a prompt-end checkpoint (taken at the read-back,
+        it would copy the state after the step launched ahead). `_may_launch_ahead` then asks the rest (lengths,
+        logits readers, requests waiting)."""
+        if not self.chains_eager_steps or self.graph_runner is None:
+            return False
+        if not (self.cfg.overlap_scheduler and self.supports_overlap):
+            return False
+        if any(s.request.has_grammar or not self._ends_pending_rows(s) for s in plan):
+            return False
+        if self.prefix is not None and any(
+            not s.is_decode and self.prefix.prompt_end_at(len(s.request.prompt_ids)) for s in plan
+        ):
+            return False
+        return self._may_launch_ahead(plan)
+
+    def _eager_outputs(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> GraphOutputs:
+        """An eager step's outputs as a replay's (`GraphOutputs`): each sequence's last row, its logits and packed
+        ``(greedy id, gap, 1)`` on the device, nothing read back."""
+        last, row = [], 0
+        for s in plan:
+            row += s.num_rows
+            last.append(row - 1)
+        with torch.inference_mode():
+            h = hidden[to_device(last, self.device)]
+            logits = self.model.compute_logits(h)
+            packed = greedy_and_gap(logits)
+        return GraphOutputs(hidden=h, logits=logits, packed=packed, width=1, rows=last)
 
     def _step_overlapped(self) -> list[Request]:
         """Launch the step after the one in flight (when it may), then read the one in flight back."""
@@ -414,7 +470,7 @@ class Executor:
         nxt: _InFlight | None = None
         if self._may_launch_ahead(cur.plan):  # (false once a request of the plan has finished)
             # Each request one row further: its length after the step in flight, and room for one more row.
-            plan = [ScheduledSeq(s.request, 1, True, past_len=s.start + 1) for s in cur.plan]
+            plan = [ScheduledSeq(s.request, 1, True, past_len=s.start + s.num_rows) for s in cur.plan]
             key = self.graph_runner.key([1] * len(plan))
             try:
                 for s in plan:
@@ -457,7 +513,7 @@ class Executor:
             greedy = out.packed[:, 0].long()
             toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs], greedy)
             packed = torch.cat([toks.to(out.packed.dtype)[:, None], out.packed[:, 1:]], dim=1)
-        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True)
+        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True, rows=out.rows)
 
     def _results_to_host(self, plan: list[ScheduledSeq], out: GraphOutputs) -> HostResults | None:
         """Start ``out``'s copy to the host, or None while a grammar request's token is still to be chosen."""
@@ -487,7 +543,7 @@ class Executor:
                 toks = self.sampler.sample(choose, [r.params for r in reqs], [r.generator for r in reqs],
                                            packed[:, 0].long())  # fmt: skip
                 packed[:, 0] = toks.to(packed.dtype)
-        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True, masked=True)
+        return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True, masked=True, rows=out.rows)
 
     def _decode_widths(self) -> dict[int, int] | None:
         """Rows per running decode request this step (``None``: one each; speculation verifies more)."""
@@ -707,6 +763,9 @@ class Executor:
         out = self._step_out
         if out is not None:
             host = out.host_rows()
+            if out.rows is not None:  # one packed row per sequence, at these step rows (`_eager_outputs`)
+                where = {r: j for j, r in enumerate(out.rows)}
+                rows = [where[i] for i in rows]
             if rows == list(range(len(rows))):
                 return out.logits[: len(rows)], host[: len(rows)]
             return out.logits[to_device(rows, self.device)], [host[i] for i in rows]

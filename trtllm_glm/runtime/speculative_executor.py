@@ -301,6 +301,11 @@ class SpeculativeExecutor(Executor):
         # A persistent buffer (a captured verify graph reads its address), padding entries 0.
         self.meta.set_num_accepted([self.state[s.request.request_id].last_accepted for s in plan])
 
+    @property
+    def chains_eager_steps(self) -> bool:
+        # An admission's first tokens start the MTP history and drafts on the host (`_advance`): read back first.
+        return False
+
     def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
         """The overlap scheduler's test, for the rounds where speculation is off: the batch exceeds
         ``max_concurrency``, or the adaptive policy's last choice was K = 0. Width-one rounds with no drafts

@@ -833,6 +833,76 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
     assert spec.num_overlapped_steps == 0 and spec.graph_runner.stats.replays > 0
 
 
+@pytest.mark.parametrize("prompt_end", [None, 4])
+def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) -> None:
+    """An admission step (prompts beside decode rows, eager) is left in flight and the next decode step replays from
+    its tokens on the device (`Executor._may_chain_eager_step`): tokens and finish reasons equal ordinary steps', with
+    prompts admitted while others decode, a sampled request, a prompt whose first token is its stop token (the step
+    launched after it is dropped), ``max_tokens`` of 1 and 2, and every slot and page free afterwards. With prefix
+    caching's prompt-end checkpoints (``prompt_end``: prompts of a page and more take one, at the read-back) an
+    admission of such a prompt does not chain (the checkpoint would copy the state after the step launched after
+    it); a repeat of that prompt restores the checkpoint and must continue as the original did."""
+    model = _model()
+    long = [9, 4, 9, 4, 9, 1, 3, 3, 5, 2]  # a page and more: a prompt-end checkpoint with ``prompt_end``
+    prompts = [[5, 9, 2, 7, 5, 9, 2], [3, 1, 4, 1, 5], [8, 8, 1, 2, 3, 8, 8, 1, 2], [7, 1, 7, 1, 7], [2, 6, 2, 6],
+               long, long + [1, 1, 1, 4]]  # fmt: skip
+    params = [SamplingParams(max_tokens=24, ignore_eos=True),
+              SamplingParams(max_tokens=22, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True),
+              SamplingParams(max_tokens=1, ignore_eos=True),
+              SamplingParams(max_tokens=2, ignore_eos=True),
+              SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=5, ignore_eos=True)]  # fmt: skip
+    # The step at which each request arrives.
+    arrive = [0, 0, 3, 5, 6, 9, 18]
+
+    def run(overlap: bool, stop: dict[int, int] | None = None):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap, enable_block_reuse=prompt_end is not None,
+                             checkpoint_prompt_end=prompt_end or False)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs: list = [None] * len(prompts)
+        steps = 0
+        while steps <= max(arrive) or ex.has_work:
+            for i, t in enumerate(arrive):
+                if t == steps:
+                    sp = params[i]
+                    if stop and i in stop:
+                        sp = dataclasses.replace(sp, stop_token_ids=[stop[i]])
+                    reqs[i] = ex.add_request(prompts[i], sp)
+            if ex.has_work:
+                ex.step()
+            steps += 1
+        return ex, reqs
+
+    emulated(True)
+    _, ref = run(False)
+    stop = {2: ref[2].output_ids[0]}  # request 2's first token stops it (sampled right after its admission)
+    # The last request is the next turn of the one before (it arrives after that one ended): its prompt and answer,
+    # then a new token: it resumes from the prompt-end checkpoint (keyed with the first answer token).
+    prompts[6] = long + ref[5].output_ids[:3] + [4]
+    ref_ex, ref = run(False, stop)
+    ex, got = run(True, stop)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    assert len(ref[2].output_ids) == 1 and ref[2].finish_reason.value == "stop" and len(ref[3].output_ids) == 1
+    assert ex.manager.num_free_pages == ex.manager.num_pages
+    assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
+    if prompt_end is None:
+        assert ex.num_chained_eager_steps >= 2, ex.num_chained_eager_steps
+    else:
+        assert ex.num_chained_eager_steps >= 1 and got[6].num_cached_tokens >= len(long)
+        # Every checkpoint holds the state ordinary steps left at its endpoint, byte for byte (one taken after a
+        # chained admission held the state of the step launched after it).
+        keys = list(ref_ex.prefix.store)
+        assert keys and sorted(map(repr, ex.prefix.store)) == sorted(map(repr, keys))
+        for key in keys:
+            a, b = ref_ex.prefix.store.get(key), ex.prefix.store.get(key)
+            assert a.endpoint == b.endpoint and a.target.planes.keys() == b.target.planes.keys()
+            for name, t in a.target.planes.items():
+                assert torch.equal(t, b.target.planes[name]), (a.endpoint, name)
+
+
 def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
     """Sampled requests under the overlap scheduler: each step's draws are made on the device right after
     its replay (the launched-ahead step takes them as input ids), in the order an ordinary step's read-back
