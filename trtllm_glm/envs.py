@@ -310,6 +310,10 @@ PIECEWISE: Flag[bool | None] = Flag(
     "TRTLLM_GLM_PIECEWISE", None, "prefill / mixed steps as piecewise CUDA graphs; overrides "
     "`CudaGraphConfig.piecewise` (unset: the config decides)",
 )  # fmt: skip
+CHAIN_ADMISSIONS = OffAtZero(
+    "TRTLLM_GLM_CHAIN_ADMISSIONS", "the overlap scheduler launches the decode step after an admission step from its "
+    "tokens on the device (`Executor._may_chain_eager_step`)"
+)  # fmt: skip
 MTP_FUSED_DRAFT = OffAtZero("TRTLLM_GLM_MTP_FUSED_DRAFT", "the whole MTP draft as one CUDA graph where it can")
 MTP_DEFER_DRAFTS = OffAtZero(
     "TRTLLM_GLM_MTP_DEFER_DRAFTS", "a fused draft's tokens stay on the device for the next verify"

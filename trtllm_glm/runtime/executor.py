@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import envs
 from ..cache.latent_format import check_latent_dtype
 from ..cache.manager import Glm5NextCacheManager
 from ..cache.prefix import Checkpoint
@@ -435,7 +436,7 @@ class Executor:
         grammar; with prefix caching no prompt of the step may take a prompt-end checkpoint (taken at the read-back,
         it would copy the state after the step launched ahead). `_may_launch_ahead` then asks the rest (lengths,
         logits readers, requests waiting)."""
-        if not self.chains_eager_steps or self.graph_runner is None:
+        if not self.chains_eager_steps or self.graph_runner is None or not envs.CHAIN_ADMISSIONS.get():
             return False
         if not (self.cfg.overlap_scheduler and self.supports_overlap):
             return False
