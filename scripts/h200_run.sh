@@ -46,6 +46,9 @@
 #   mixed_pw      issue 42: the same admissions eager and as piecewise graphs with the KDA cores inside the segments
 #                 (TRTLLM_GLM_PIECEWISE=0, then 1), back to back; then the server with TRTLLM_GLM_PIECEWISE=1 at concurrency 16
 #                 and 64 (GPU test: GPU_TESTS=tests/unittest/runtime/test_piecewise_gpu.py)
+#   serve_chain   issue 42: the serve stage's 30-token runs (concurrency 16, 64) with admission steps chained
+#                 (the default) and not (TRTLLM_GLM_CHAIN_ADMISSIONS=0), back to back; then 1K-token prompts at
+#                 concurrency 16 (no kernel may compile while serving)
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -219,6 +222,16 @@ for stage in "$@"; do
       TRTLLM_GLM_PIECEWISE=1 timeout "${T_SERVE_PW:-200}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash \
         --layers 4 --dtype bfloat16 --concurrency 16,64 --input-len 30 --output-len 128 --num-requests 128 \
         --json "$O/serve_pw.json" 2>&1 | tee "$O/serve_pw.log" ;;
+    serve_chain)
+      for ch in 1 0; do
+        TRTLLM_GLM_CHAIN_ADMISSIONS=$ch timeout "${T_SERVE_CHAIN:-240}" "$PY" -m benchmarks.bench_serve \
+          --model glm-5.3-flash --layers 4 --dtype bfloat16 --concurrency 16,64 --input-len 30 --output-len 128 \
+          --num-requests 128 $([ "$ch" = 1 ] && echo --engine-baseline) --json "$O/serve_chain_$ch.json" 2>&1 \
+          | tee "$O/serve_chain_$ch.log"
+      done
+      timeout "${T_SERVE_1K:-200}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 --dtype bfloat16 \
+        --concurrency 16 --input-len 1024 --output-len 128 --num-requests 48 --json "$O/serve_1k.json" 2>&1 \
+        | tee "$O/serve_1k.log" ;;
     structured)
       timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \
         --modes free json ngram ngram-json --json "$O/structured.json" 2>&1 | tee "$O/structured.log" ;;
