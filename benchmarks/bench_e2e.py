@@ -289,6 +289,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     runner = ex.graph_runner
     if runner is not None and device == "cuda":
         runner.timing = []  # two events per replay: the GPU time of the timed steps
+    ahead0 = ex.num_overlapped_steps
     steps, t0 = 0, time.perf_counter()
     per_step = []  # host clock per step (each step ends with its one device-to-host copy of the tokens)
     # Rows whose outputs are read: one per running request and step, plus the drafts proposed (verify filler
@@ -319,6 +320,10 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "overlap": bool(ex.cfg.overlap_scheduler and ex.supports_overlap),
         # Drafting rounds launched before the previous one was read back (MTP under the overlap scheduler).
         "rounds_ahead": getattr(ex, "num_overlapped_rounds", 0),
+        # Width-one steps of the timed ones launched before the step before them was read back (a k = 0 or
+        # above-max_concurrency round that is not launched ahead pays a host round trip).
+        "steps_ahead": ex.num_overlapped_steps - ahead0,
+        "timed_steps": steps,
         "adaptive": pol is not None,
         "draft_vocab_size": dv.size
         if (dv := getattr(ex, "draft_vocab", None)) is not None and dv.ids is not None
@@ -529,7 +534,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
-                   "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"],
+                   "overlap": r["overlap"], "rounds_ahead": r["rounds_ahead"], "steps_ahead": r["steps_ahead"],
+                   "timed_steps": r["timed_steps"], "adaptive": r["adaptive"],
                    "adaptive_k": r["adaptive_k"], "adaptive_state": r["adaptive_state"],
                    "draft_vocab_size": r["draft_vocab_size"], "draft_head_fp8": r["draft_head_fp8"],
                    "lag_flushes": r["lag_flushes"], "step_ms_median": r["step_ms_median"],
@@ -790,7 +796,8 @@ def main() -> None:
                            # What the row measured: the drafter, K, the oracle's acceptance, the overlap scheduler
                            # and the adaptive draft length (its choices: K -> rounds).
                            "K": k, "acceptance": oracle_rate(mode), "overlap": r["overlap"],
-                           "rounds_ahead": r["rounds_ahead"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
+                           "rounds_ahead": r["rounds_ahead"], "steps_ahead": r["steps_ahead"],
+                           "timed_steps": r["timed_steps"], "adaptive": r["adaptive"], "adaptive_k": r["adaptive_k"],
                            "adaptive_state": r["adaptive_state"], "draft_vocab_size": r["draft_vocab_size"],
                            "draft_head_fp8": r["draft_head_fp8"],
                            "lag_flushes": r["lag_flushes"],
