@@ -230,6 +230,8 @@ class Executor:
         self.num_overlapped_steps = 0
         # Eager steps (admissions) left in flight with the next decode step launched from their tokens.
         self.num_chained_eager_steps = 0
+        # Admission steps planned and launched before the decode step in flight was read back (`_admit_ahead`).
+        self.num_admissions_ahead = 0
         # Opt-in record of every step and request (runtime/step_log.py); None: nothing is recorded.
         self.step_log: StepLog | None = None
         # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
@@ -379,7 +381,7 @@ class Executor:
 
     # --------------------------------------------------------------------------------------------
     # Overlap scheduler
-    def _may_launch_ahead(self, plan: list[ScheduledSeq]) -> bool:
+    def _may_launch_ahead(self, plan: list[ScheduledSeq], admitting: bool = False) -> bool:
         """Whether the step after ``plan`` can be launched before ``plan``'s tokens are read back.
 
         It must be the same requests one row further: plain decoding of every running request, nobody
@@ -396,9 +398,10 @@ class Executor:
         """
         if not (self.cfg.overlap_scheduler and self.supports_overlap):
             return False
-        # Requests waiting are admitted only by a step that was read back (the plan changes); while the batch is
-        # full none could be admitted anyway, so a steady batch keeps overlapping (a served batch at capacity).
-        if self.admission_pending():
+        # Requests waiting are admitted by a step planned with them (`_admit_ahead`, or after a read-back); while the
+        # batch is full none could be admitted anyway, so a steady batch keeps overlapping (a served batch at
+        # capacity).
+        if not admitting and self.admission_pending():
             return False
         # Decode rows, or (after an eager step, `_may_chain_eager_step`) prompts whose last rows ran: every sequence
         # one row further next.
@@ -486,12 +489,79 @@ class Executor:
                 nxt = _InFlight(plan, list(self.meta.state_slots), out, self._results_to_host(plan, out))
                 self.num_overlapped_steps += 1
                 self._launched = (plan, True, True)
+        admission = self._admit_ahead(cur) if nxt is None else None
         self._inflight = nxt
         cur.out._host = cur.results.wait()
         self._step_out = cur.out
         finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
         self._after_step(cur.plan)
+        if admission is not None:
+            plan, rows, slots = admission
+            if self._may_chain_eager_step(plan):
+                self._step_out = self._eager_outputs(plan, rows)
+                self.num_chained_eager_steps += 1
+                out = self._choose_tokens(plan, self._step_out)
+                self._inflight = _InFlight(plan, slots, out, self._results_to_host(plan, out))
+            else:
+                self._step_out = None
+                finished += self._advance(plan, rows, slots=slots)
+                self._after_step(plan)
         return finished
+
+    def _admit_ahead(self, cur: _InFlight) -> tuple[list[ScheduledSeq], torch.Tensor, list[int]] | None:
+        """Plan and launch the step that admits waiting requests before the in-flight decode step ``cur`` is read
+        back: its decode rows are every running request's next row, their ids taken from ``cur``'s tokens on the
+        device, beside the admitted prompts' chunks; the GPU then runs it right after ``cur`` instead of idling
+        through ``cur``'s read-back and the planning (issue 42: the running requests' inter-token time around an
+        admission, and the admitted requests' TTFT).
+
+        Only when ``cur`` could have had a plain step launched after it but for the waiting requests
+        (`_may_launch_ahead`), with room for every running request's next row (the planner then preempts nobody).
+        While planning, each running request holds a placeholder for ``cur``'s token (``-1``, never read: its row's
+        id comes from the device) and counts it computed, as after the read-back; both are undone before ``cur`` is
+        read back. Returns the step's plan, hidden rows and state slots (read back by the caller), or None.
+        """
+        if not (self.chains_eager_steps and envs.CHAIN_ADMISSIONS.get() and self.admission_pending()):
+            return None
+        if cur.results is None or not cur.out.chosen and not all(s.request.params.greedy for s in cur.plan):
+            return None
+        if not self._may_launch_ahead(cur.plan, admitting=True):
+            return None
+        try:
+            for s in cur.plan:
+                self.manager.ensure_capacity(s.request.request_id, s.start + 2)
+        except CapacityError:
+            return None
+        reqs = [s.request for s in cur.plan]
+        for r in reqs:
+            r.tokens.append(-1)
+            r.num_computed += 1
+        try:
+            plan = self._plan()
+            row_of = {s.request.request_id: i for i, s in enumerate(cur.plan)}
+            # Decode rows at their positions after ``cur`` (fixed: the lengths are undone below).
+            plan = [ScheduledSeq(s.request, 1, True, past_len=s.start) if s.request.request_id in row_of else s
+                    for s in plan]  # fmt: skip
+            pos, src, row = [], [], 0
+            for s in plan:
+                i = row_of.get(s.request.request_id)
+                if i is not None:
+                    pos.append(row)
+                    src.append(i)
+                row += s.num_rows
+            self.num_steps += 1
+            for s in plan:
+                if not s.is_decode and s.request.t_first_token is None:
+                    s.request.num_prefill_steps += 1
+            values = cur.out.packed[to_device(src, self.device), 0]
+            rows = self._forward(plan, device_ids=(pos, values))
+        finally:
+            for r in reqs:
+                r.tokens.pop()
+                r.num_computed -= 1
+        self.num_admissions_ahead += 1
+        self._launched = (plan, False, True)
+        return plan, rows, list(self.meta.state_slots)
 
     def _before_chained_launch(self, cur: _InFlight) -> None:
         """Work that needs the in-flight step's outputs on the device before the step launched after it replays
@@ -774,11 +844,18 @@ class Executor:
             logits = self.model.compute_logits(hidden[to_device(rows, self.device)])
             return logits, greedy_and_gap(logits).tolist()
 
-    def _forward(self, plan: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the model on the plan; returns the final hidden of every row ``[N, D]``."""
+    def _forward(
+        self, plan: list[ScheduledSeq], device_ids: tuple[list[int], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Run the model on the plan; returns the final hidden of every row ``[N, D]``.
+
+        ``device_ids``: ``(positions, values [m])``: the step's rows at those positions take their ids from ``values``
+        on the device (tokens the host has not read back: `_admit_ahead`); such a step runs eagerly or piecewise.
+        """
         self._step_out = None
         runner = self.graph_runner
-        if runner is not None and all(s.is_decode for s in plan) and self._graph_step_allowed(plan):
+        graph_ok = device_ids is None and runner is not None
+        if graph_ok and all(s.is_decode for s in plan) and self._graph_step_allowed(plan):
             key = runner.key([s.num_rows for s in plan])
             if key is not None:
                 ids, device_rows = self._graph_inputs(plan)
@@ -788,9 +865,13 @@ class Executor:
                 self._record_prompt(plan, self._step_out.hidden)
                 return self._step_out.hidden
             runner.stats.eager_steps += 1
-        ids: list[int] = []
+        ids: list[int] | torch.Tensor = []
         for s in plan:
             ids.extend(self._rows_for(s))
+        if device_ids is not None:
+            pos, values = device_ids
+            ids = to_device(ids, self.device, torch.int64)
+            ids[to_device(pos, self.device)] = values.to(torch.int64)  # stream-ordered after the step that made them
         n_dec = sum(1 for s in plan if s.is_decode)
         self.meta.prepare(
             [s.request.request_id for s in plan],
@@ -804,7 +885,7 @@ class Executor:
             with torch.inference_mode():
                 hidden = pw.forward(ids, self.meta, self.manager)
         else:
-            input_ids = to_device(ids, self.device, torch.int64)
+            input_ids = ids if isinstance(ids, torch.Tensor) else to_device(ids, self.device, torch.int64)
             with torch.inference_mode():
                 hidden = self.model(input_ids, self.meta, self.manager)
         self._record_prompt(plan, hidden)

@@ -888,6 +888,8 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
     assert len(ref[2].output_ids) == 1 and ref[2].finish_reason.value == "stop" and len(ref[3].output_ids) == 1
     assert ex.manager.num_free_pages == ex.manager.num_pages
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
+    print("admissions ahead", ex.num_admissions_ahead, "chained", ex.num_chained_eager_steps, "of", ex.num_steps)
+    assert ex.num_admissions_ahead >= 2, ex.num_admissions_ahead
     if prompt_end is None:
         assert ex.num_chained_eager_steps >= 2, ex.num_chained_eager_steps
     else:
@@ -901,6 +903,51 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
             assert a.endpoint == b.endpoint and a.target.planes.keys() == b.target.planes.keys()
             for name, t in a.target.planes.items():
                 assert torch.equal(t, b.target.planes[name]), (a.endpoint, name)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
+    """Random arrivals into a decoding batch (admission steps planned while a decode step is in flight,
+    `Executor._admit_ahead`), stop tokens drawn from the ordinary run's outputs (a request stops in the step read back
+    while the admission step holds its next row), sampled requests, a batch cap that keeps some waiting: tokens and
+    finish reasons equal ordinary steps', every slot and page free afterwards."""
+    import random
+
+    rng = random.Random(seed)
+    model = _model()
+    n = 7
+    prompts = [[rng.randrange(1, 60) for _ in range(rng.randint(2, 13))] for _ in range(n)]
+    params = [SamplingParams(max_tokens=rng.randint(2, 14), ignore_eos=True,
+                             **({"temperature": 0.8, "seed": 100 + i} if rng.random() < 0.3 else {}))
+              for i in range(n)]  # fmt: skip
+    arrive = sorted(rng.randint(0, 16) for _ in range(n))
+
+    def run(overlap: bool, stop: dict[int, int]):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs: list = [None] * n
+        steps = 0
+        while steps <= max(arrive) or ex.has_work:
+            for i, t in enumerate(arrive):
+                if t == steps:
+                    sp = dataclasses.replace(params[i], stop_token_ids=[stop[i]]) if i in stop else params[i]
+                    reqs[i] = ex.add_request(prompts[i], sp)
+            if ex.has_work:
+                ex.step()
+            steps += 1
+        return ex, reqs
+
+    emulated(True)  # padded steps through the kernels (the torch ops do not skip padding rows)
+    _, ref = run(False, {})
+    stop = {i: r.output_ids[rng.randrange(len(r.output_ids))] for i, r in enumerate(ref) if rng.random() < 0.5}
+    _, ref = run(False, stop)
+    ex, got = run(True, stop)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+    assert ex.num_admissions_ahead >= 1, (ex.num_admissions_ahead, arrive)
+    assert ex.manager.num_free_pages == ex.manager.num_pages
+    assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
 
 
 def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
