@@ -393,8 +393,10 @@ class Executor:
         read-back would, so seeded outputs are the same; a batch with a grammar request chooses its tokens one
         step later, once the host knows the tokens before them (`_choose_under_grammar`). Prefix caching may stay
         on: after a decode step it only seals pages that became full, and the step launched ahead writes the next
-        position, which is never on such a page (checkpoints are taken after prefill chunks only, and admissions
-        wait for a step that was read back).
+        position, which is never on such a page (checkpoints are taken after prefill chunks only, and an admission
+        planned ahead shares only pages sealed before it).
+
+        ``admitting``: the step after ``plan`` admits the waiting requests too (`_admit_ahead`): they do not count.
         """
         if not (self.cfg.overlap_scheduler and self.supports_overlap):
             return False
