@@ -222,14 +222,19 @@ def test_overlap_scheduler_matches_graph_steps(model) -> None:
     """The overlap scheduler on the GPU (each steady step launched before the previous one's tokens are
     read back, its inputs taken from that step's output on the device): the tokens of ordinary graph steps,
     exactly (the same graphs run on the same data), with a request joining mid-run and budgets ending at
-    different steps."""
+    different steps. The joining request is admitted by a step planned before the decode step in flight was read
+    back (`Executor._admit_ahead`), which is itself left in flight (`_may_chain_eager_step`)."""
     graphs = CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)
     ref = _run(_make(model, "plain", graphs), join_after=3)
     ex = _make(model, "plain", graphs)
     ex.cfg.overlap_scheduler = True
     got = _run(ex, join_after=3)
-    print(f"\noverlap: {ex.num_overlapped_steps} of {ex.num_steps} steps launched ahead")
-    assert ex.num_overlapped_steps > 0
+    ahead, chained = ex.num_admissions_ahead, ex.num_chained_eager_steps
+    print(
+        f"\noverlap: {ex.num_overlapped_steps} of {ex.num_steps} steps launched ahead, {ahead} admissions planned "
+        f"ahead, {chained} left in flight"
+    )
+    assert ex.num_overlapped_steps > 0 and ahead > 0
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert ex.manager.num_free_pages == ex.manager.num_pages
 
