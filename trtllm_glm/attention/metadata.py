@@ -420,6 +420,12 @@ class AttentionMetadata:
         self._acc_on_device = None
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 
+    @property
+    def accepted_buffer(self) -> torch.Tensor:
+        """``[B]`` int64 persistent accepted counts of the previous step (`set_num_accepted`): a captured graph reads
+        this address every replay."""
+        return self._acc_buf
+
     def set_num_accepted(self, counts: Sequence[int]) -> None:
         """Set ``spec.num_accepted_t`` ``[num_seqs]`` from per-sequence counts (padding entries get 0).
 

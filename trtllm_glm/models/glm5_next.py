@@ -611,7 +611,8 @@ class Glm5NextForCausalLM(nn.Module):
             if isinstance(m, Glm5NextDecoderLayer):
                 m.comm = comm
 
-    def _check_comm(self) -> None:
+    def check_comm(self) -> None:
+        """Raise unless a sharded model has its collectives (`set_comm`): a forward without them would be wrong."""
         if self.mapping.is_parallel and self.comm is NULL_COMM:
             raise RuntimeError(f"model sharded as {self.mapping.describe()} has no collectives: call set_comm first")
 
@@ -624,7 +625,7 @@ class Glm5NextForCausalLM(nn.Module):
         """Final hidden ``[N, D]`` of every row (logits via `compute_logits` on the rows needed)."""
         # Records of a step that was never committed (it raised) must not be folded by a later commit.
         manager.state.discard_pending()
-        self._check_comm()
+        self.check_comm()
         return self.model(input_ids, meta, manager)
 
     def compute_logits(self, hidden: torch.Tensor, *, cast: bool = True) -> torch.Tensor:
@@ -654,7 +655,7 @@ class Glm5NextForCausalLM(nn.Module):
         """One MTP step: ``next_tokens [N]``, ``prev_hidden [N, D]`` -> draft hidden ``[N, D]``."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP layer (num_nextn_predict_layers == 0)")
-        self._check_comm()
+        self.check_comm()
         return self.mtp(self.model.embed_tokens(next_tokens), prev_hidden, meta, manager, sparse_cache_idx)
 
     # --------------------------------------------------------------------------------------------

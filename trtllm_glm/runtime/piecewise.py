@@ -441,7 +441,7 @@ class PiecewiseRunner:
         if T is None or len(input_ids) != n:
             raise ValueError(f"piecewise step of {len(input_ids)} ids for {n} rows (buckets up to {self.max_tokens})")
         manager.state.discard_pending()  # as the model's forward: a step that raised must not be committed
-        self.model._check_comm()  # type: ignore[union-attr]
+        self.model.check_comm()  # type: ignore[union-attr]
         step, sparse = self._fill(input_ids, n, T, meta, manager)
         L = len(self.layers)
         if step is not None:
@@ -537,7 +537,7 @@ class PiecewiseRunner:
         if not self._has_ring(manager):
             return meta.num_decode_tokens < n
         acc = meta.spec.num_accepted_t
-        return acc is not None and acc.data_ptr() == meta._acc_buf.data_ptr()
+        return acc is not None and acc.data_ptr() == meta.accepted_buffer.data_ptr()
 
     def _sparse_step(self, T: int, meta: GlmKpoolMetadata, ring: bool) -> StaticSparseStep | None:
         """Bucket ``T``'s sparse rows on ``meta``'s persistent buffers (made at first use), or None when ``meta`` is
@@ -545,7 +545,7 @@ class PiecewiseRunner:
         bound = (
             meta.target_slot_table.data_ptr(),
             meta.selection_buf.data_ptr(),
-            meta._acc_buf.data_ptr(),
+            meta.accepted_buffer.data_ptr(),
             meta.graph_pool_capacity,
         )
         if self._sparse_bound is None:
@@ -562,7 +562,7 @@ class PiecewiseRunner:
                 meta.graph_pool_capacity,
                 meta.max_num_seqs,
                 ring=ring,
-                num_accepted=meta._acc_buf if ring else None,
+                num_accepted=meta.accepted_buffer if ring else None,
             )
             self._sparse_steps[(T, ring)] = got
         return got

@@ -116,7 +116,7 @@ def test_sharded_model_loads_and_refuses_to_run_without_collectives() -> None:
     assert (moe.expert_start, len(moe.experts)) == (4, 4)
     assert m.comm is NULL_COMM
     with pytest.raises(RuntimeError, match="no collectives"):
-        m._check_comm()
+        m.check_comm()
     with pytest.raises(RuntimeError, match="cannot export"):
         m.hf_state_dict()
 
