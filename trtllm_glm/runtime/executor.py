@@ -522,6 +522,10 @@ class Executor:
         While planning, each running request holds a placeholder for ``cur``'s token (``-1``, never read: its row's
         id comes from the device) and counts it computed, as after the read-back; both are undone before ``cur`` is
         read back. Returns the step's plan, hidden rows and state slots (read back by the caller), or None.
+
+        A plan that admits nobody (the cache cannot hold the first waiting prompt yet) runs its decode rows eagerly
+        once; the steps after it stay synchronous while the request waits (nothing is launched ahead then), so this
+        is tried again only after a step left in flight.
         """
         if not (self.chains_eager_steps and envs.CHAIN_ADMISSIONS.get() and self.admission_pending()):
             return None

@@ -950,6 +950,34 @@ def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
 
 
+def test_emulated_admission_ahead_without_pages_tries_once(emulated) -> None:
+    """A waiting prompt the cache cannot hold yet (its pages are held by the running requests): the admission planned
+    ahead admits nobody, runs that step's decode rows eagerly once, and is not tried again while the request waits
+    (the steps stay synchronous: every one would otherwise run eagerly what a graph replays); an ordinary step admits
+    it once a request finished, with the tokens of ordinary steps."""
+    model = _model()
+    cfg_kw = dict(EX_CFG, max_tokens=96)  # 12 pages of 8
+
+    def run(overlap: bool):
+        cfg = ExecutorConfig(**cfg_kw, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs = [ex.add_request([3 + i, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], SamplingParams(max_tokens=m,
+                               ignore_eos=True)) for i, m in enumerate((14, 22))]  # fmt: skip
+        for _ in range(4):
+            ex.step()
+        reqs.append(ex.add_request(list(range(1, 57)), SamplingParams(max_tokens=4, ignore_eos=True)))  # 7 pages
+        ex.run_until_done()
+        return ex, reqs
+
+    emulated(True)
+    _, ref = run(False)
+    ex, got = run(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert ex.num_admissions_ahead == 1, ex.num_admissions_ahead
+    assert got[2].t_admitted is not None and ex.manager.num_free_pages == ex.manager.num_pages
+
+
 def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
     """Sampled requests under the overlap scheduler: each step's draws are made on the device right after
     its replay (the launched-ahead step takes them as input ids), in the order an ordinary step's read-back
