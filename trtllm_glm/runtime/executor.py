@@ -232,6 +232,7 @@ class Executor:
         self.num_chained_eager_steps = 0
         # Admission steps planned and launched before the decode step in flight was read back (`_admit_ahead`).
         self.num_admissions_ahead = 0
+        self._admission_launched: list[ScheduledSeq] | None = None  # its plan while the step before it is read back
         # Opt-in record of every step and request (runtime/step_log.py); None: nothing is recorded.
         self.step_log: StepLog | None = None
         # What the current `step` call launched: (plan, graph replay, launched ahead), for the step log.
@@ -495,7 +496,12 @@ class Executor:
         self._inflight = nxt
         cur.out._host = cur.results.wait()
         self._step_out = cur.out
-        finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
+        # A request that ends in ``cur`` has its next row in the admission step already launched (`_finish`).
+        self._admission_launched = admission[0] if admission is not None else None
+        try:
+            finished = self._advance(cur.plan, cur.out.hidden, slots=cur.slots)
+        finally:
+            self._admission_launched = None
         self._after_step(cur.plan)
         if admission is not None:
             plan, rows, slots = admission
@@ -1098,8 +1104,12 @@ class Executor:
         """Hook for subclasses that keep per-request state (drafters)."""
 
     def _finish(self, req: Request) -> None:
-        # Not when a step launched ahead (overlap scheduler) already wrote the slot past the request's end.
-        ahead = self._inflight is not None and any(s.request is req for s in self._inflight.plan)
+        # Not when a step launched ahead (overlap scheduler, an admission planned ahead) already wrote the slot past
+        # the request's end.
+        ahead = any(
+            plan is not None and any(s.request is req for s in plan)
+            for plan in (self._inflight.plan if self._inflight is not None else None, self._admission_launched)
+        )
         if self.prefix is not None and req.finish_reason is not FinishReason.ABORT and not ahead:
             self.prefix.at_finish(req, self.draft_history_len)
         req.state = RequestState.FINISHED

@@ -833,6 +833,18 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
     assert spec.num_overlapped_steps == 0 and spec.graph_runner.stats.replays > 0
 
 
+def _assert_same_checkpoints(ref_ex: Executor, ex: Executor) -> None:
+    """Every prefix checkpoint of ``ex`` is one of ``ref_ex``'s (ordinary steps), its state planes byte for byte
+    (``ex`` may hold fewer: a request-end checkpoint is skipped when a step launched ahead wrote the slot)."""
+    keys = list(ex.prefix.store)
+    assert set(map(repr, keys)) <= set(map(repr, ref_ex.prefix.store))
+    for key in keys:
+        a, b = ref_ex.prefix.store.get(key), ex.prefix.store.get(key)
+        assert a.endpoint == b.endpoint and a.target.planes.keys() == b.target.planes.keys()
+        for name, t in a.target.planes.items():
+            assert torch.equal(t, b.target.planes[name]), (a.endpoint, name)
+
+
 @pytest.mark.parametrize("prompt_end", [None, 4])
 def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) -> None:
     """An admission step (prompts beside decode rows, eager) is left in flight and the next decode step replays from
@@ -896,13 +908,8 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
         assert ex.num_chained_eager_steps >= 1 and got[6].num_cached_tokens >= len(long)
         # Every checkpoint holds the state ordinary steps left at its endpoint, byte for byte (one taken after a
         # chained admission held the state of the step launched after it).
-        keys = list(ref_ex.prefix.store)
-        assert keys and sorted(map(repr, ex.prefix.store)) == sorted(map(repr, keys))
-        for key in keys:
-            a, b = ref_ex.prefix.store.get(key), ex.prefix.store.get(key)
-            assert a.endpoint == b.endpoint and a.target.planes.keys() == b.target.planes.keys()
-            for name, t in a.target.planes.items():
-                assert torch.equal(t, b.target.planes[name]), (a.endpoint, name)
+        assert len(ref_ex.prefix.store) > 0
+        _assert_same_checkpoints(ref_ex, ex)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
