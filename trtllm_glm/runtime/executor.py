@@ -448,6 +448,9 @@ class Executor:
             return False
         if any(s.request.has_grammar or not self._ends_pending_rows(s) for s in plan):
             return False
+        # The next step must replay a graph (its batch captured); the results' pinned buffers hold that many rows.
+        if self.graph_runner.key([1] * len(plan)) is None:
+            return False
         if self.prefix is not None and any(
             not s.is_decode and self.prefix.prompt_end_at(len(s.request.prompt_ids)) for s in plan
         ):

@@ -957,6 +957,38 @@ def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
 
 
+def test_emulated_admission_chains_only_into_a_captured_batch(emulated, monkeypatch) -> None:
+    """An admission step is left in flight only when the decode step after it has a captured graph (its results'
+    pinned buffers hold that many rows): with graphs of 1 and 2 sequences, admissions into 3 or 4 are read back."""
+    model = _model()
+    sizes: list[int] = []
+    real = Executor._eager_outputs
+
+    def record(self, plan, hidden):  # noqa: ANN001
+        sizes.append(len(plan))
+        return real(self, plan, hidden)
+
+    monkeypatch.setattr(Executor, "_eager_outputs", record)
+
+    def run(overlap: bool):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs = []
+        for step in range(14):
+            if step in (0, 3, 6, 9):
+                reqs.append(ex.add_request([5, 9, 2, 7, step + 1], SamplingParams(max_tokens=12, ignore_eos=True)))
+            ex.step()
+        ex.run_until_done()
+        return reqs
+
+    emulated(True)
+    ref = run(False)
+    got = run(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert sizes and max(sizes) <= 2, sizes
+
+
 def test_emulated_admission_ahead_without_pages_tries_once(emulated) -> None:
     """A waiting prompt the cache cannot hold yet (its pages are held by the running requests): the admission planned
     ahead admits nobody, runs that step's decode rows eagerly once, and is not tried again while the request waits
