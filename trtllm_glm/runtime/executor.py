@@ -529,8 +529,9 @@ class Executor:
         Only when ``cur`` could have had a plain step launched after it but for the waiting requests
         (`_may_launch_ahead`), with room for every running request's next row (the planner then preempts nobody).
         While planning, each running request holds a placeholder for ``cur``'s token (``-1``, never read: its row's
-        id comes from the device) and counts it computed, as after the read-back; both are undone before ``cur`` is
-        read back. Returns the step's plan, hidden rows and state slots (read back by the caller), or None.
+        id comes from the device) and counts ``cur``'s rows computed (a prompt's last chunk, when ``cur`` is an
+        admission left in flight: all of them), as after the read-back; both are undone before ``cur`` is read
+        back. Returns the step's plan, hidden rows and state slots (read back by the caller), or None.
 
         A plan that admits nobody (the cache cannot hold the first waiting prompt yet) runs its decode rows eagerly
         once; the steps after it stay synchronous while the request waits (nothing is launched ahead then), so this
@@ -544,13 +545,14 @@ class Executor:
             return None
         try:
             for s in cur.plan:
-                self.manager.ensure_capacity(s.request.request_id, s.start + 2)
+                self.manager.ensure_capacity(s.request.request_id, s.start + s.num_rows + 1)
         except CapacityError:
             return None
-        reqs = [s.request for s in cur.plan]
-        for r in reqs:
+        # ``cur``'s rows as computed (a prompt's last chunk in an admission left in flight: all of its rows).
+        bumps = [(s.request, s.num_rows) for s in cur.plan]
+        for r, n in bumps:
             r.tokens.append(-1)
-            r.num_computed += 1
+            r.num_computed += n
         try:
             plan = self._plan()
             row_of = {s.request.request_id: i for i, s in enumerate(cur.plan)}
@@ -571,9 +573,9 @@ class Executor:
             values = cur.out.packed[to_device(src, self.device), 0]
             rows = self._forward(plan, device_ids=(pos, values))
         finally:
-            for r in reqs:
+            for r, n in bumps:
                 r.tokens.pop()
-                r.num_computed -= 1
+                r.num_computed -= n
         self.num_admissions_ahead += 1
         self._launched = (plan, False, True)
         return plan, rows, list(self.meta.state_slots)

@@ -912,7 +912,7 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
         _assert_same_checkpoints(ref_ex, ex)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     """Random arrivals into a decoding batch (admission steps planned while a decode step is in flight,
     `Executor._admit_ahead`), stop tokens drawn from the ordinary run's outputs (a request stops in the step read back
@@ -927,7 +927,7 @@ def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     params = [SamplingParams(max_tokens=rng.randint(2, 14), ignore_eos=True,
                              **({"temperature": 0.8, "seed": 100 + i} if rng.random() < 0.3 else {}))
               for i in range(n)]  # fmt: skip
-    arrive = sorted(rng.randint(0, 16) for _ in range(n))
+    arrive = sorted(rng.randint(0, 10) for _ in range(n))  # dense: admissions on consecutive steps too
 
     def run(overlap: bool, stop: dict[int, int]):
         cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
@@ -955,6 +955,32 @@ def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     assert ex.num_admissions_ahead >= 1, (ex.num_admissions_ahead, arrive)
     assert ex.manager.num_free_pages == ex.manager.num_pages
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
+
+
+def test_emulated_admissions_on_consecutive_steps(emulated) -> None:
+    """A request arriving at every step: each admission is planned while the previous admission (left in flight, its
+    prompts' first tokens still on the device) runs, so those prompts' rows are decode rows one past their prompt."""
+    model = _model()
+
+    def run(overlap: bool):
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
+                             overlap_scheduler=overlap)  # fmt: skip
+        ex = Executor(model, cfg)
+        reqs = [ex.add_request([7, 1, 7, 1, 7, 2], SamplingParams(max_tokens=16, ignore_eos=True))]
+        for step in range(1, 5):
+            ex.step()
+            prompt = [3 + step, 1, 4, 1, 5, 9, 2, 6][: 3 + step]
+            reqs.append(ex.add_request(prompt, SamplingParams(max_tokens=10, ignore_eos=True)))
+        ex.run_until_done()
+        return ex, reqs
+
+    emulated(True)
+    _, ref = run(False)
+    ex, got = run(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert ex.num_admissions_ahead >= 2 and ex.num_chained_eager_steps >= 2, (
+        ex.num_admissions_ahead, ex.num_chained_eager_steps)  # fmt: skip
+    assert ex.manager.num_free_pages == ex.manager.num_pages
 
 
 def test_emulated_admission_chains_only_into_a_captured_batch(emulated, monkeypatch) -> None:
