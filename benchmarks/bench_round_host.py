@@ -45,6 +45,16 @@ from trtllm_glm.runtime.speculative_executor import SpeculativeExecutor
 from trtllm_glm.speculative.config import MTPDecodingConfig
 
 
+def parse_mode(mode: str) -> tuple[int, set[str]]:
+    """``(K, flags)`` of a mode: ``overlap`` is ``(0, set())``, ``mtp3+k0`` ``(3, {"k0"})``."""
+    if mode == "overlap":
+        return 0, set()
+    name, *flags = mode.split("+")
+    if not name.startswith("mtp") or not name[3:].isdigit() or set(flags) - {"ov", "k0"}:
+        raise SystemExit(f"unknown mode {mode!r} (overlap, mtpK, mtpK+ov, mtpK+k0)")
+    return int(name[3:]), set(flags)
+
+
 def make_executor(model: Glm5NextForCausalLM, mode: str, batch: int, max_seq_len: int) -> Executor:
     gcfg = CudaGraphConfig(batch_sizes=sorted({1, 2, batch}), enable_padding=True)
     cfg = ExecutorConfig(tokens_per_block=16, max_tokens=batch * (max_seq_len + 64), max_batch_size=batch,
@@ -52,13 +62,11 @@ def make_executor(model: Glm5NextForCausalLM, mode: str, batch: int, max_seq_len
                          overlap_scheduler=True)  # fmt: skip
     if mode == "overlap":
         return Executor(model, cfg)
-    name, *flags = mode.split("+")
-    if not name.startswith("mtp") or not name[3:].isdigit() or set(flags) - {"ov", "k0"}:
-        raise SystemExit(f"unknown mode {mode!r} (overlap, mtpK, mtpK+ov, mtpK+k0)")
+    k, flags = parse_mode(mode)
     if "k0" in flags and batch < 2:
         raise SystemExit(f"{mode}: k0 needs --batch >= 2 (speculation off above max_concurrency = 1)")
     # k0: the batch above max_concurrency, so every round is width one (what an adaptive choice of K = 0 runs).
-    spec = MTPDecodingConfig(num_nextn_predict_layers=int(name[3:]), adaptive=False, overlap_rounds="ov" in flags,
+    spec = MTPDecodingConfig(num_nextn_predict_layers=k, adaptive=False, overlap_rounds="ov" in flags,
                              max_concurrency=1 if "k0" in flags else None)  # fmt: skip
     return SpeculativeExecutor(model, cfg, spec)
 
@@ -68,7 +76,7 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
     prompts = [list(CODE_OPENINGS[i % len(CODE_OPENINGS)].encode()) for i in range(B)]
     # Every request must outlive the warm-up and both passes of rounds, each round emitting up to K + 1 tokens (a
     # finished batch leaves nothing to schedule: an H100 run of mtp3 at batch 16 stopped there).
-    k = int(mode.split("+")[0][3:]) if mode.startswith("mtp") else 0
+    k, flags = parse_mode(mode)
     max_tokens = (args.warmup + 2 * args.rounds + 2) * (k + 1)
     max_seq_len = max(args.max_seq_len, max(map(len, prompts)) + max_tokens + 64)
     ex = make_executor(model, mode, B, max_seq_len)
@@ -111,7 +119,7 @@ def run_mode(model: Glm5NextForCausalLM, mode: str, args: argparse.Namespace) ->
         "host_ms": round(statistics.median(host), 3), "step_ms": round(statistics.median(step), 3),
         "tokens_per_round": round(tokens / n / B, 3),
         # Drafting rounds launched early or ahead; width-one steps (plain, k0) launched ahead.
-        "steady_rounds": steady + overlapped if mode == "overlap" or "k0" in mode.split("+") else steady,
+        "steady_rounds": steady + overlapped if k == 0 or "k0" in flags else steady,
         "reads_per_round": round(rec.num_reads / n, 3), "puts_per_round": round(rec.num_puts / n, 3),
         "launches_per_round": round(ops.launches.total() / n, 3), "allocs_per_round": round(ops.allocs.total() / n, 3),
         "reads": per_round(rec.reads), "puts": per_round(rec.puts),

@@ -362,23 +362,39 @@ class Executor:
         plan = self._plan(self._decode_widths())
         if not plan:
             raise CapacityError("no request can be scheduled: the cache cannot hold even one sequence's next rows")
+        self._count_step(plan)
+        rows = self._forward(plan)
+        self._launched = (plan, self._step_out is not None, False)
+        return self._leave_or_read_back(plan, rows)
+
+    def _count_step(self, plan: list[ScheduledSeq]) -> None:
+        """Count a planned step, and a prefill step for each prompt in it before its first token."""
         self.num_steps += 1
         for s in plan:
             if not s.is_decode and s.request.t_first_token is None:
                 s.request.num_prefill_steps += 1
-        rows = self._forward(plan)
-        self._launched = (plan, self._step_out is not None, False)
+
+    def _leave_or_read_back(
+        self, plan: list[ScheduledSeq], rows: torch.Tensor, slots: list[int] | None = None
+    ) -> list[Request]:
+        """The step ``plan`` just launched (hidden ``rows``): left in flight when the next step may be launched from its
+        tokens on the device (a replay, or an eager step: `_may_chain_eager_step`), else read back and committed;
+        returns the requests it finished. ``slots``: its state slots when another step ran since (`_advance`;
+        default the metadata's, a step read back at once)."""
         if self._step_out is None and self._may_chain_eager_step(plan):
             self._step_out = self._eager_outputs(plan, rows)
             self.num_chained_eager_steps += 1
-        if self._step_out is not None and self._may_launch_ahead(plan):
-            assert self.graph_runner is not None
-            out = self._choose_tokens(plan, self._step_out)
-            self._inflight = _InFlight(plan, list(self.meta.state_slots), out, self._results_to_host(plan, out))
-            return []
-        finished = self._advance(plan, rows)
-        self._after_step(plan)
-        return finished
+        elif self._step_out is None or not self._may_launch_ahead(plan):
+            finished = self._advance(plan, rows, slots=slots)
+            self._after_step(plan)
+            return finished
+        self._inflight = self._in_flight(plan, list(self.meta.state_slots) if slots is None else slots, self._step_out)
+        return []
+
+    def _in_flight(self, plan: list[ScheduledSeq], slots: list[int], out: GraphOutputs) -> _InFlight:
+        """``plan``'s step left in flight: its tokens chosen on the device, their copy to the host started."""
+        out = self._choose_tokens(plan, out)
+        return _InFlight(plan, slots, out, self._results_to_host(plan, out))
 
     # --------------------------------------------------------------------------------------------
     # Overlap scheduler
@@ -442,20 +458,17 @@ class Executor:
         grammar; with prefix caching no prompt of the step may take a prompt-end checkpoint (taken at the read-back,
         it would copy the state after the step launched ahead). `_may_launch_ahead` then asks the rest (lengths,
         logits readers, requests waiting)."""
-        if not self.chains_eager_steps or self.graph_runner is None or not envs.CHAIN_ADMISSIONS.get():
+        runner = self.graph_runner
+        if not self.chains_eager_steps or runner is None or not envs.CHAIN_ADMISSIONS.get():
             return False
-        if not (self.cfg.overlap_scheduler and self.supports_overlap):
-            return False
-        if any(s.request.has_grammar or not self._ends_pending_rows(s) for s in plan):
-            return False
-        # The next step must replay a graph (its batch captured); the results' pinned buffers hold that many rows.
-        if self.graph_runner.key([1] * len(plan)) is None:
+        if any(s.request.has_grammar for s in plan):
             return False
         if self.prefix is not None and any(
             not s.is_decode and self.prefix.prompt_end_at(len(s.request.prompt_ids)) for s in plan
         ):
             return False
-        return self._may_launch_ahead(plan)
+        # The next step must replay a graph (its batch captured): the results' pinned buffers hold that many rows.
+        return self._may_launch_ahead(plan) and runner.key([1] * len(plan)) is not None
 
     def _eager_outputs(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> GraphOutputs:
         """An eager step's outputs as a replay's (`GraphOutputs`): each sequence's last row, its logits and packed
@@ -491,8 +504,8 @@ class Executor:
                 self.num_steps += 1
                 self._before_chained_launch(cur)
                 with torch.inference_mode():
-                    out = self._choose_tokens(plan, self.graph_runner.replay_chained(key, plan, cur.out))
-                nxt = _InFlight(plan, list(self.meta.state_slots), out, self._results_to_host(plan, out))
+                    out = self.graph_runner.replay_chained(key, plan, cur.out)
+                nxt = self._in_flight(plan, list(self.meta.state_slots), out)
                 self.num_overlapped_steps += 1
                 self._launched = (plan, True, True)
         admission = self._admit_ahead(cur) if nxt is None else None
@@ -507,16 +520,8 @@ class Executor:
             self._admission_launched = None
         self._after_step(cur.plan)
         if admission is not None:
-            plan, rows, slots = admission
-            if self._may_chain_eager_step(plan):
-                self._step_out = self._eager_outputs(plan, rows)
-                self.num_chained_eager_steps += 1
-                out = self._choose_tokens(plan, self._step_out)
-                self._inflight = _InFlight(plan, slots, out, self._results_to_host(plan, out))
-            else:
-                self._step_out = None
-                finished += self._advance(plan, rows, slots=slots)
-                self._after_step(plan)
+            self._step_out = None  # (the admission step ran eagerly)
+            finished += self._leave_or_read_back(*admission)
         return finished
 
     def _admit_ahead(self, cur: _InFlight) -> tuple[list[ScheduledSeq], torch.Tensor, list[int]] | None:
@@ -539,7 +544,7 @@ class Executor:
         """
         if not (self.chains_eager_steps and envs.CHAIN_ADMISSIONS.get() and self.admission_pending()):
             return None
-        if cur.results is None or not cur.out.chosen and not all(s.request.params.greedy for s in cur.plan):
+        if cur.results is None:  # grammar rows: their tokens are chosen after the read-back
             return None
         if not self._may_launch_ahead(cur.plan, admitting=True):
             return None
@@ -566,10 +571,7 @@ class Executor:
                     pos.append(row)
                     src.append(i)
                 row += s.num_rows
-            self.num_steps += 1
-            for s in plan:
-                if not s.is_decode and s.request.t_first_token is None:
-                    s.request.num_prefill_steps += 1
+            self._count_step(plan)
             values = cur.out.packed[to_device(src, self.device), 0]
             rows = self._forward(plan, device_ids=(pos, values))
         finally:

@@ -756,6 +756,12 @@ def test_emulated_verify_graph_commit_disagreement_raises(emulated, monkeypatch)
             ex.step()
 
 
+def _overlap_cfg(overlap: bool, sizes: tuple[int, ...] = (1, 2, 4), base: dict | None = None, **kw) -> ExecutorConfig:
+    """`EX_CFG` (or ``base``) with padded graphs of ``sizes`` and the overlap scheduler on or off."""
+    graphs = CudaGraphConfig(batch_sizes=list(sizes), enable_padding=True)
+    return ExecutorConfig(**(base or EX_CFG), cuda_graph_config=graphs, overlap_scheduler=overlap, **kw)
+
+
 @pytest.mark.parametrize("reuse", [False, True])
 def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -> None:
     """The overlap scheduler (each steady decode step launched before the previous one is read back)
@@ -770,8 +776,7 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
     max_tokens = [12, 9, 14, 10]
 
     def make(overlap: bool) -> Executor:
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap, enable_block_reuse=reuse, checkpoint_interval=8)  # fmt: skip
+        cfg = _overlap_cfg(overlap, enable_block_reuse=reuse, checkpoint_interval=8)
         return Executor(model, cfg)
 
     emulated(True)  # every run pads through the kernels (the torch ops do not skip padding rows)
@@ -822,8 +827,7 @@ def test_emulated_overlap_scheduler_matches_plain_steps(emulated, reuse: bool) -
     # and would otherwise qualify).
     from trtllm_glm.speculative.drafters import OracleDrafter
 
-    cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                         overlap_scheduler=True)  # fmt: skip
+    cfg = _overlap_cfg(True)
     silent = OracleDrafter({}, lambda i, j: False, vocab_size=model.config.vocab_size)
     spec = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=2), drafter=silent)
     spec._padded_len = lambda r, k: 0  # type: ignore[method-assign]
@@ -869,9 +873,9 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
     arrive = [0, 0, 3, 5, 6, 9, 18]
 
     def run(overlap: bool, stop: dict[int, int] | None = None):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap, enable_block_reuse=prompt_end is not None,
-                             checkpoint_prompt_end=prompt_end or False)  # fmt: skip
+        cfg = _overlap_cfg(
+            overlap, enable_block_reuse=prompt_end is not None, checkpoint_prompt_end=prompt_end or False
+        )
         ex = Executor(model, cfg)
         reqs: list = [None] * len(prompts)
         steps = 0
@@ -930,8 +934,7 @@ def test_emulated_admissions_ahead_random_arrivals(emulated, seed: int) -> None:
     arrive = sorted(rng.randint(0, 10) for _ in range(n))  # dense: admissions on consecutive steps too
 
     def run(overlap: bool, stop: dict[int, int]):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap)
         ex = Executor(model, cfg)
         reqs: list = [None] * n
         steps = 0
@@ -963,8 +966,7 @@ def test_emulated_admissions_on_consecutive_steps(emulated) -> None:
     model = _model()
 
     def run(overlap: bool):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap)
         ex = Executor(model, cfg)
         reqs = [ex.add_request([7, 1, 7, 1, 7, 2], SamplingParams(max_tokens=16, ignore_eos=True))]
         for step in range(1, 5):
@@ -997,8 +999,7 @@ def test_emulated_admission_chains_only_into_a_captured_batch(emulated, monkeypa
     monkeypatch.setattr(Executor, "_eager_outputs", record)
 
     def run(overlap: bool):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap, sizes=(1, 2))
         ex = Executor(model, cfg)
         reqs = []
         for step in range(14):
@@ -1024,8 +1025,7 @@ def test_emulated_admission_ahead_without_pages_tries_once(emulated) -> None:
     cfg_kw = dict(EX_CFG, max_tokens=96)  # 12 pages of 8
 
     def run(overlap: bool):
-        cfg = ExecutorConfig(**cfg_kw, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap, base=cfg_kw)
         ex = Executor(model, cfg)
         reqs = [ex.add_request([3 + i, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], SamplingParams(max_tokens=m,
                                ignore_eos=True)) for i, m in enumerate((14, 22))]  # fmt: skip
@@ -1057,8 +1057,7 @@ def test_emulated_overlap_scheduler_with_sampled_requests(emulated) -> None:
               SamplingParams(max_tokens=9, temperature=0.7, top_k=6, seed=9, ignore_eos=True)]  # fmt: skip
 
     def run(overlap: bool, stop: dict[int, int] | None = None):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap)
         ex = Executor(model, cfg)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -1103,8 +1102,7 @@ def test_emulated_overlap_while_max_concurrency_keeps_speculation_off(emulated) 
     cont = {i: r.output_ids for i, r in enumerate(ref)}
 
     def run(overlap: bool, spec_cfg=None):
-        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True),
-                             overlap_scheduler=overlap)  # fmt: skip
+        cfg = _overlap_cfg(overlap)
         oracle = spec_cfg is None
         if oracle:
             spec_cfg = NGramDecodingConfig(max_draft_len=2, max_concurrency=2)
