@@ -82,6 +82,9 @@
 #                 width-one round of the speculative executor (mtp3+k0) and an MTP K=3 round: host ms and reads / puts
 #                 per round, then sync_sites for plain, mtp3+k0 and mtp3 with graphs at the last batch (ROUND_BATCHES,
 #                 default "16 64")
+#   spec_order    issue 43, trained small bf16, batch 1: overlap, then MTP K=3 modes in an order that repeats one
+#                 (mtp3+mc8+os, mtp3+os, mtp3+adaptive+os, mtp3+os): whether the first speculative mode of a process
+#                 runs slower rounds than the same mode later (the 2026-12-07 H100 rows: mtp3+os 1.59 ms, then mc8 1.14)
 #   spec_prof64   issue 43, trained small bf16, batch 64: overlap and mtp3+os with the costliest kernels and GPU-idle sites
 #                 (where a verify round's time goes against a plain step)
 #   spec_fp8h     issue 43 item 3, 4-layer slice, batch 1: MTP K=3 rounds at oracle acceptance 0.7 with the draft head in
@@ -299,6 +302,10 @@ for stage in "$@"; do
       done
       timeout "${T_ROUND_HOST:-120}" "$PY" -m benchmarks.sync_sites --preset small --dtype bfloat16 --cuda-graphs \
         --batch ${rb##* } --modes plain mtp3+k0 mtp3 2>&1 | tee "$O/sync_sites_round.log" ;;
+    spec_order)
+      timeout "${T_SPEC_ORDER:-150}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 1 \
+        --gen 384 --modes overlap mtp3+mc8+os mtp3+os mtp3+adaptive+os mtp3+os --cuda-graphs on \
+        --json "$O/spec_order.json" 2>&1 | tee "$O/spec_order.log" ;;
     spec_prof64)
       timeout "${T_SPEC_PROF64:-150}" "$PY" -m benchmarks.bench_e2e --trained --preset small --dtype bfloat16 --batch 64 \
         --gen 128 --modes overlap mtp3+os --cuda-graphs on --profile-kernels 30 --profile-idle 20 --profile-steps 12 \
