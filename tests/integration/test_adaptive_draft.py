@@ -234,7 +234,7 @@ def plain(model, ps, max_tokens):
 def timed(ex, clock: FakeClock, step_cost, draft_cost) -> None:
     """Charge ``step_cost(rows)`` per forward and ``draft_cost(max drafts wanted)`` per drafting call to the clock
     (the drafter's cost is its sleep: a drafter made slow on purpose)."""
-    fwd, draft = ex._forward, ex.drafter.draft
+    fwd, draft, idle = ex._forward, ex.drafter.draft, ex.drafter.needs_idle_call
     ex.wants = []  # the largest draft count asked for in each drafting call
     # (the policy's choice, the largest want) of the calls where the policy just chose and no greedy request
     # was near its budget (which cuts a round short) or prefilling
@@ -246,18 +246,29 @@ def timed(ex, clock: FakeClock, step_cost, draft_cost) -> None:
         clock.sleep(step_cost(sum(s.num_rows for s in plan)))
         return _f(plan)
 
-    def drafting(seqs, hidden, _d=draft):
-        ex.wants.append(max((s.want for s in seqs if s.live), default=0))
-        clock.sleep(draft_cost(ex.wants[-1]))
+    def note(want: int, rids: list[int]) -> None:
+        ex.wants.append(want)
+        clock.sleep(draft_cost(want))
         if pol is not None and len(pol.chosen) > seen[0]:
             seen[0] = len(pol.chosen)
             reqs = {r.request_id: r for r in ex.running}
-            live = [reqs.get(s.request_id) for s in seqs if s.live and s.greedy]
+            live = [reqs.get(rid) for rid in rids]
             if live and all(r is not None and r.is_decode and r.params.max_tokens - r.num_output > 8 for r in live):
-                ex.agree.append((pol.chosen[-1], ex.wants[-1]))
+                ex.agree.append((pol.chosen[-1], want))
+
+    def drafting(seqs, hidden, _d=draft):
+        note(max((s.want for s in seqs if s.live), default=0), [s.request_id for s in seqs if s.live and s.greedy])
         return _d(seqs, hidden)
 
-    ex._forward, ex.drafter.draft = forward, drafting
+    def needs_idle_call(states, num_computed, _i=idle):
+        # A round where nobody drafts and the drafter has nothing to do skips `draft`: still a call of want 0.
+        if not _i(states, num_computed):
+            ids = {id(st) for st in states}
+            note(0, [r.request_id for r in ex.running if id(ex.state.get(r.request_id)) in ids])
+            return False
+        return True
+
+    ex._forward, ex.drafter.draft, ex.drafter.needs_idle_call = forward, drafting, needs_idle_call
 
 
 def spec_run(model, ps, max_tokens, spec, clock, step_cost, draft_cost, *, drafter=None, sampled=(), policy=None,

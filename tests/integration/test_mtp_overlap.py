@@ -202,6 +202,8 @@ def test_idle_rounds_launched_ahead_hold_rows_and_flush_a_full_lag(emulated, mod
     assert_lossless(ref, got)
     assert ex.num_overlapped_steps > 5 and ex.num_catchups_ahead > 5 and disabled == 0
     assert ex.drafter.num_lag_flushes >= 3
+    # The rows a step launched ahead held leave the drafter nothing to do at its read-back: no `DraftSeq` list.
+    assert ex.num_idle_draft_calls_skipped > 5
 
 
 def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:
@@ -212,6 +214,7 @@ def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:
     assert_lossless(ref, got)
     assert ex.draft_policy is None and ex.num_overlapped_steps > 0 and ex.num_catchups_ahead > 0 and disabled == 0
     assert ex.num_unspeculated_rounds > 0 and sum(r.num_verify_rounds for r in got) > 0
+    assert ex.num_idle_draft_calls_skipped > 0
 
 
 @pytest.mark.parametrize("mode", ["shared", "separate"])

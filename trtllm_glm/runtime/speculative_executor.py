@@ -114,6 +114,8 @@ class SpeculativeExecutor(Executor):
         self._carry_k: int | None = None
         # MTP catch-ups made on the device before a step launched ahead (`_before_chained_launch`).
         self.num_catchups_ahead = 0
+        # Width-one rounds whose drafter had nothing to do: no `DraftSeq` list built (`_draft`).
+        self.num_idle_draft_calls_skipped = 0
         self.num_early_drafts = 0  # drafts launched before their verify round was read back (`_early_draft`)
         # Drafting rounds (MTP draft + verify) launched before the previous round was read back
         # (`_launch_round_ahead`); a test asserts it grows, so a silent fall-back to synchronous rounds shows.
@@ -769,6 +771,16 @@ class SpeculativeExecutor(Executor):
         else:
             cap = self._policy_draft_len(live, plan)
             want = {s.request.request_id: self._draft_len(s.request, cap) for _, s in live}
+        if not any(want.values()):
+            # A width-one round after a step whose rows the drafter took already (the usual step launched ahead):
+            # no `DraftSeq` per request when the drafter would do nothing with them.
+            greedy = [s.request for _, s in live if s.request.params.greedy]
+            if not self.drafter.needs_idle_call([self.state[r.request_id] for r in greedy],
+                                                [r.num_computed for r in greedy]):  # fmt: skip
+                self._resolve_drafts()
+                self._after_lag_flush(drafting=False)
+                self.num_idle_draft_calls_skipped += 1
+                return
         # Drafts still pending here (a step that verified nothing read no results: rare) are read now, before the
         # drafter's call reuses the buffers they lie in.
         self._resolve_drafts()

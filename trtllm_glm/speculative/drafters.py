@@ -161,6 +161,13 @@ class Drafter(ABC):
     def release(self, request_id: int) -> None:  # noqa: B027 - an optional hook, no-op by default
         """Forget ``request_id``'s drafter-side state (finish, abort or preemption)."""
 
+    def needs_idle_call(self, states: Sequence[DraftState], num_computed: Sequence[int]) -> bool:
+        """Whether a round where nobody drafts (every ``want`` 0) must still call `draft` for the step's live greedy
+        sequences (their states and committed lengths after the step); False lets the caller skip building the
+        `DraftSeq` list, which at large batch costs more host time than the rest of a width-one round's drafting
+        work. True (always call) unless the drafter knows the call would do nothing."""
+        return True
+
 
 class ParallelDrafter(Drafter):
     """A drafter that proposes per request from its tokens alone (no model state)."""
@@ -168,6 +175,9 @@ class ParallelDrafter(Drafter):
     @abstractmethod
     def propose_seq(self, seq: DraftSeq) -> list[int]:
         """Up to ``seq.want`` drafts for ``seq``."""
+
+    def needs_idle_call(self, states: Sequence[DraftState], num_computed: Sequence[int]) -> bool:
+        return False  # `draft` proposes only where ``want > 0``
 
     def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
         for seq in seqs:

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ... import envs
@@ -124,6 +125,11 @@ class MTPDrafter(Drafter):
             self.release(request_id)
             return False
         return True
+
+    def needs_idle_call(self, states: Sequence[DraftState], num_computed: Sequence[int]) -> bool:
+        # With nobody drafting, `draft` skips a sequence caught up (or held) ahead already (`catch_up_ahead`) or
+        # without speculation; any other needs its catch-up or hold.
+        return any(not st.mtp_disabled and st.mtp_len + st.lag != n for st, n in zip(states, num_computed))
 
     def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
         drafting = any(s.live and s.greedy and s.want > 0 for s in seqs)
@@ -261,17 +267,24 @@ class MTPDrafter(Drafter):
         ``counts[i]`` of them (a width-one step held ahead builds no `DraftSeq` per request: `catch_up_ahead`)."""
         ring = self._lag_buffer()
         R = self.catchup_lag
-        slots = self.draft_manager.get_batch_state_slots(list(rids))
-        dst, src = [], []
-        for st, slot, off, n in zip(states, slots, offsets, counts):
-            lag = st.lag
-            dst.extend(range(slot * R + lag, slot * R + lag + n))
-            src.extend(range(off, off + n))
-            st.lag = lag + n
+        n_seq = len(states)
+        # Index arithmetic on arrays, not per-row Python lists: this runs every width-one step of a large batch.
+        slots = np.fromiter(self.draft_manager.get_batch_state_slots(rids), np.int64, n_seq)
+        lags = np.fromiter((st.lag for st in states), np.int64, n_seq)
+        off = np.asarray(offsets, dtype=np.int64)
+        cnt = np.asarray(counts, dtype=np.int64)
+        if (cnt == 1).all():  # the usual width-one step: one row each
+            idx = np.concatenate((slots * R + lags, off))
+        else:
+            within = np.arange(int(cnt.sum()), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+            idx = np.concatenate((np.repeat(slots * R + lags, cnt) + within, np.repeat(off, cnt) + within))
+        for st, n in zip(states, counts):
+            st.lag += n
             st.drafts = []
-        both = to_device(dst + src, self.device)  # one host-to-device copy
+        both = to_device(idx, self.device, torch.int64)  # one host-to-device copy
+        n_rows = len(idx) // 2
         flat = ring.view(-1, ring.shape[-1])
-        flat.index_copy_(0, both[: len(dst)], hidden.index_select(0, both[len(dst) :]))
+        flat.index_copy_(0, both[:n_rows], hidden.index_select(0, both[n_rows:]))
 
     def _flush_lag(self, seqs: Sequence[DraftSeq], capture: bool = True) -> None:
         """Catch the MTP layer up on the held rows of ``seqs`` (each ``state.lag > 0``; their next tokens are on
