@@ -361,8 +361,12 @@ class CudaGraphRunner:
         return padded_batch_size(batch, sizes, self.config.enable_padding)
 
     # --------------------------------------------------------------------------------------------
-    def key(self, widths: Sequence[int]) -> tuple[int, int] | None:
-        """The (padded size, width) a step of decode sequences with these row counts replays, or None."""
+    def key(self, widths: Sequence[int], capture: bool = True) -> tuple[int, int] | None:
+        """The (padded size, width) a step of decode sequences with these row counts replays, or None.
+
+        A key not captured yet is captured now, unless ``capture`` is False (then None): a capture describes its
+        padded batch in the shared metadata, so a caller holding a step that is still to be read back from the
+        metadata's description must not capture."""
         if not self.enabled or not widths:
             return None
         W = widths[0]
@@ -371,7 +375,7 @@ class CudaGraphRunner:
         P = padded_batch_size(len(widths), self.sizes[W], self.config.enable_padding)
         if P is None or (P, W) in self.stats.failed:
             return None
-        if (P, W) not in self.graphs and not self.emulate and not self._try_capture((P, W)):
+        if (P, W) not in self.graphs and not self.emulate and not (capture and self._try_capture((P, W))):
             return None
         return (P, W)
 

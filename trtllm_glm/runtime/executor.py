@@ -467,8 +467,10 @@ class Executor:
             not s.is_decode and self.prefix.prompt_end_at(len(s.request.prompt_ids)) for s in plan
         ):
             return False
-        # The next step must replay a graph (its batch captured): the results' pinned buffers hold that many rows.
-        return self._may_launch_ahead(plan) and runner.key([1] * len(plan)) is not None
+        # The next step must replay a graph (its batch captured): the results' pinned buffers hold that many rows. One
+        # captured already: a capture now would describe its padded batch in the metadata, whose host description of
+        # ``plan`` (its state slots) is still to be read (a GPU test's lazily captured graphs: 4 slots of 0 for 3).
+        return self._may_launch_ahead(plan) and runner.key([1] * len(plan), capture=False) is not None
 
     def _eager_outputs(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> GraphOutputs:
         """An eager step's outputs as a replay's (`GraphOutputs`): each sequence's last row, its logits and packed

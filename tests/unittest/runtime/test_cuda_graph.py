@@ -21,6 +21,7 @@ from trtllm_glm.modules.ffn import MoE
 from trtllm_glm.runtime.cuda_graph import (
     PADDING_REQUEST_ID,
     CudaGraphConfig,
+    CudaGraphRunner,
     accepted_counts,
     default_batch_sizes,
     greedy_and_gap,
@@ -914,6 +915,51 @@ def test_emulated_admissions_stay_in_flight(emulated, prompt_end: int | None) ->
         # chained admission held the state of the step launched after it).
         assert len(ref_ex.prefix.store) > 0
         _assert_same_checkpoints(ref_ex, ex)
+
+
+def _captures_on_first_use(monkeypatch) -> None:
+    """Emulated graphs captured on first use, as a GPU runner without start-up captures does: the first `key` of a
+    batch describes the capture's padded batch in the shared metadata (`CudaGraphRunner.capture`'s ``_prepare``), and
+    ``key(..., capture=False)`` finds no graph until then."""
+    real = CudaGraphRunner.key
+
+    def key(self, widths, capture: bool = True):  # noqa: ANN001, ANN202
+        k = real(self, widths, capture)
+        done = self.__dict__.setdefault("_emulated_captures", set())
+        if k is not None and k not in done:
+            if not capture:
+                return None
+            self._prepare([], *k)
+            done.add(k)
+        return k
+
+    monkeypatch.setattr(CudaGraphRunner, "key", key)
+
+
+def test_emulated_admission_chains_only_into_a_graph_captured_already(emulated, monkeypatch) -> None:
+    """Graphs captured on first use (`_captures_on_first_use`): the first step, three prompts, asks whether it may stay
+    in flight before any decode graph exists; asking must not capture one, whose padded description (4 sequences)
+    would replace the step's own before it is read back (an H100 run committed the 3 prompts' rows to 4 padding
+    slots and failed). Tokens equal ordinary steps', and later admissions still chain into captured graphs."""
+    _captures_on_first_use(monkeypatch)
+    model = _model()
+    prompts = [[5, 9, 2, 7, 5], [3, 1, 4], [8, 8, 1, 2, 3, 8], [7, 1, 7]]
+
+    def run(overlap: bool):
+        ex = Executor(model, _overlap_cfg(overlap))
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in prompts[:3]]
+        for _ in range(4):
+            ex.step()
+        reqs.append(ex.add_request(prompts[3], SamplingParams(max_tokens=8, ignore_eos=True)))
+        ex.run_until_done()
+        return ex, reqs
+
+    emulated(True)
+    _, ref = run(False)
+    ex, got = run(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    assert ex.num_chained_eager_steps >= 1 and ex.num_overlapped_steps >= 5
+    assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
