@@ -936,6 +936,16 @@ def _captures_on_first_use(monkeypatch) -> None:
     monkeypatch.setattr(CudaGraphRunner, "key", key)
 
 
+def _overlapped_matches_ordinary(emulated, run) -> Executor:
+    """``run(overlap)`` -> ``(executor, requests)``, ordinary steps then the overlap scheduler, padded steps through the
+    kernels: the overlapped run's tokens are the ordinary run's. Returns the overlapped run's executor."""
+    emulated(True)
+    _, ref = run(False)
+    ex, got = run(True)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    return ex
+
+
 def test_emulated_admission_chains_only_into_a_graph_captured_already(emulated, monkeypatch) -> None:
     """Graphs captured on first use (`_captures_on_first_use`): the first step, three prompts, asks whether it may stay
     in flight before any decode graph exists; asking must not capture one, whose padded description (4 sequences)
@@ -954,10 +964,7 @@ def test_emulated_admission_chains_only_into_a_graph_captured_already(emulated, 
         ex.run_until_done()
         return ex, reqs
 
-    emulated(True)
-    _, ref = run(False)
-    ex, got = run(True)
-    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    ex = _overlapped_matches_ordinary(emulated, run)
     assert ex.num_chained_eager_steps >= 1 and ex.num_overlapped_steps >= 5
     assert ex.manager.num_free_slots == ex.manager.max_num_requests - 1
 
@@ -1022,10 +1029,7 @@ def test_emulated_admissions_on_consecutive_steps(emulated) -> None:
         ex.run_until_done()
         return ex, reqs
 
-    emulated(True)
-    _, ref = run(False)
-    ex, got = run(True)
-    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    ex = _overlapped_matches_ordinary(emulated, run)
     assert ex.num_admissions_ahead >= 2 and ex.num_chained_eager_steps >= 2, (
         ex.num_admissions_ahead, ex.num_chained_eager_steps)  # fmt: skip
     assert ex.manager.num_free_pages == ex.manager.num_pages
