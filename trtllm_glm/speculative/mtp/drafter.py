@@ -274,17 +274,21 @@ class MTPDrafter(Drafter):
         off = np.asarray(offsets, dtype=np.int64)
         cnt = np.asarray(counts, dtype=np.int64)
         if (cnt == 1).all():  # the usual width-one step: one row each
-            idx = np.concatenate((slots * R + lags, off))
+            dst, src = slots * R + lags, off
         else:
             within = np.arange(int(cnt.sum()), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-            idx = np.concatenate((np.repeat(slots * R + lags, cnt) + within, np.repeat(off, cnt) + within))
+            dst, src = np.repeat(slots * R + lags, cnt) + within, np.repeat(off, cnt) + within
         for st, n in zip(states, counts):
             st.lag += n
             st.drafts = []
-        both = to_device(idx, self.device, torch.int64)  # one host-to-device copy
-        n_rows = len(idx) // 2
         flat = ring.view(-1, ring.shape[-1])
-        flat.index_copy_(0, both[:n_rows], hidden.index_select(0, both[n_rows:]))
+        n_rows = len(dst)
+        if (src == np.arange(n_rows)).all():
+            # The rows in order from the first (a whole width-one batch): a slice, no gather.
+            flat.index_copy_(0, to_device(dst, self.device, torch.int64), hidden[:n_rows])
+        else:
+            both = to_device(np.concatenate((dst, src)), self.device, torch.int64)  # one host-to-device copy
+            flat.index_copy_(0, both[:n_rows], hidden.index_select(0, both[n_rows:]))
 
     def _flush_lag(self, seqs: Sequence[DraftSeq], capture: bool = True) -> None:
         """Catch the MTP layer up on the held rows of ``seqs`` (each ``state.lag > 0``; their next tokens are on
