@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -136,20 +137,31 @@ def start_child_server(args: argparse.Namespace, step_log: str) -> tuple[str, su
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + args.start_timeout
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"bench_serve: the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return url, proc, log_path
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(
-                f"bench_serve: no /health after {args.start_timeout:.0f} s:\n{log_path.read_text()[-3000:]}"
-            )
-        time.sleep(0.2)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"bench_serve: the server exited ({proc.returncode}):\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                    return url, proc, log_path
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"bench_serve: no /health after {args.start_timeout:.0f} s:\n{log_path.read_text()[-3000:]}"
+                )
+            time.sleep(0.2)
+    except BaseException:
+        # The child is in its own session: nothing else stops it (a server left behind holds the GPU's memory).
+        proc.kill()
+        proc.wait(timeout=30)
+        raise
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (``timeout``, a job runner) as an exit that runs the ``finally`` blocks: the child server, in its own
+    session, is stopped rather than left running (an H100 run under ``timeout`` left one holding 50 GiB)."""
+    raise SystemExit(128 + signum)
 
 
 def stop_child_server(proc: subprocess.Popen) -> None:
@@ -588,6 +600,7 @@ def release_llm(llm: Any) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=None, help="a running server (loopback only); default: start one as a child")
     ap.add_argument("--model", default="tiny", help="preset or checkpoint (also the model name sent)")

@@ -4,8 +4,11 @@ Poisson rate and a closed-loop level, goodput, the server's TTFT split and the e
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,51 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     engine = [row for row in cpu.values() if "spawn_main" in row["name"]]  # the engine process, busiest
     assert len(engine) == 1 and engine[0]["cpu"] > api[0]["cpu"] and engine[0]["threads"]
     assert "server CPU (1 core = 100%): engine " in r.stdout
+
+
+def _child_server(parent: int) -> int | None:
+    """The pid of ``trtllm-glm serve`` started by ``parent`` (from /proc), or None."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"trtllm_glm.cli" in cmd:
+            return int(d.name)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the child server through /proc")
+def test_sigterm_stops_the_child_server() -> None:
+    """SIGTERM to bench_serve (``timeout`` around it) while its child server starts: the child, in its own session,
+    is stopped with it. Before, the default handler ended bench_serve at once and the server kept running (on an
+    H100 it held the GPU's memory, and the next run could not load its model)."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_serve", "--model", "tiny", "--concurrency", "1",
+           "--num-requests", "2", "--time-limit", "30"]  # fmt: skip
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = None
+    try:
+        deadline = time.monotonic() + 120
+        while child is None and p.poll() is None and time.monotonic() < deadline:
+            child = _child_server(p.pid)
+            time.sleep(0.05)
+        assert child is not None, "no child server appeared"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not _alive(child), "the child server outlived bench_serve"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
