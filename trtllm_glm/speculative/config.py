@@ -145,7 +145,9 @@ class MTPDecodingConfig(DecodingBaseConfig):
             may fall behind the committed tokens by up to this many rows per request: their target hidden rows
             are kept on the device and the MTP layer catches up on them in one forward when drafting resumes or
             the lag is full, instead of one MTP forward (a launch and its host work) per step. Such rounds then
-            cost a plain decode step. 0 catches up every step. Drafts only: output is unchanged either way.
+            cost about a plain decode step where the GPU bounds it (the real4 slice, batch 1 / 16, H100); at batch 64 of
+            ``small``, host-bound, 1.35x (2026-12-07, docs/speculation.md). 0 catches up every step. Drafts only: output
+            is unchanged either way.
     """
 
     max_draft_len: int = 1
