@@ -235,6 +235,11 @@ FP8_LINEAR_BACKEND = Backend("TRTLLM_GLM_FP8_LINEAR_BACKEND", "FP8 linear", "blo
 TAIL_RING_BACKEND = Backend("TRTLLM_GLM_TAIL_RING_BACKEND", "tail ring", "the indexer tail ring's verify rollback")
 KDA_GATE_BACKEND = Backend("TRTLLM_GLM_KDA_GATE_BACKEND", "KDA gate", "KDA decay and beta gates in one launch")
 KDA_CONV_BACKEND = Backend("TRTLLM_GLM_KDA_CONV_BACKEND", "KDA conv", "the KDA short conv + SiLU + q/k norms")
+MTP_STAGE_BACKEND = Backend(
+    "TRTLLM_GLM_MTP_STAGE_BACKEND",
+    "MTP staging",
+    "a draft launched from a verify on the device: its inputs in one launch",
+)
 KPOOL_BACKEND: Choice[str] = Choice(
     "TRTLLM_GLM_KPOOL_BACKEND", Backend.CHOICES, "auto", "the sparse-MLA indexer and attention ops (auto: Triton on "
     "CUDA when it imports)", fold=True,

@@ -217,14 +217,18 @@ def test_rounds_above_max_concurrency_overlap_too(emulated, model) -> None:
     assert ex.num_idle_draft_calls_skipped > 0
 
 
-@pytest.mark.parametrize("mode", ["shared", "separate"])
-def test_early_draft_launched_before_the_read_back_drafts_as_after_it(emulated, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "stage"), [("shared", "torch"), ("separate", "torch"), ("shared", "triton")])
+def test_early_draft_launched_before_the_read_back_drafts_as_after_it(
+    emulated, mode: str, stage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``early_draft``: each round's MTP draft is launched from its verify's outputs on the device before the host
     reads the round back, and booked after. The trained model accepts drafts, so a draft made from the wrong rows
     (or caught up on the wrong count) would change what is accepted: the drafts accepted at every position, the
     MTP cache and the output equal the synchronous rounds', including a request that stops on a token mid-run
     (its early draft is dropped) and one that joins late. Emulated graphs (the verify's outputs stay in their
-    buffers, as a replay's do)."""
+    buffers, as a replay's do). ``stage``: the draft's inputs staged by the torch ops or by the one-launch kernel
+    (`speculative.mtp.staging`, interpreted here; what CUDA runs)."""
+    monkeypatch.setenv("TRTLLM_GLM_MTP_STAGE_BACKEND", stage)
     m = Glm5NextForCausalLM.from_pretrained("small", dtype="float32").eval()
     prompts = [list(t.encode()) for t in ("import os\nimport sys\n", "class A:\n    def f(self", "for i in range(")]
 

@@ -107,6 +107,11 @@ class DraftState:
             self.drafts = src.rows(ready)[j][: len(self.drafts)]
         return self.drafts
 
+    def mtp_history_at(self, num_computed: int) -> bool:
+        """Whether the MTP history (caught up ``mtp_len`` plus ``lag`` held rows) ends at ``num_computed``: the
+        step's rows were caught up or held ahead already (`MTPDrafter.catch_up_ahead`)."""
+        return self.mtp_len + self.lag == num_computed
+
     def clear(self) -> None:
         """Drop this round's drafts (pending ones included)."""
         self.drafts, self.num_proposed, self.pending = [], None, None

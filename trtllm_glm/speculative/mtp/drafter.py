@@ -129,7 +129,7 @@ class MTPDrafter(Drafter):
     def needs_idle_call(self, states: Sequence[DraftState], num_computed: Sequence[int]) -> bool:
         # With nobody drafting, `draft` skips a sequence caught up (or held) ahead already (`catch_up_ahead`) or
         # without speculation; any other needs its catch-up or hold.
-        return any(not st.mtp_disabled and st.mtp_len + st.lag != n for st, n in zip(states, num_computed))
+        return any(not st.mtp_disabled and not st.mtp_history_at(n) for st, n in zip(states, num_computed))
 
     def draft(self, seqs: Sequence[DraftSeq], hidden: torch.Tensor) -> None:
         drafting = any(s.live and s.greedy and s.want > 0 for s in seqs)
@@ -144,7 +144,7 @@ class MTPDrafter(Drafter):
             st = s.state
             if st.mtp_disabled:
                 continue
-            if st.mtp_len + st.lag == s.num_computed:
+            if st.mtp_history_at(s.num_computed):
                 # Caught up (or its rows held) already, on the device, before the step after it launched
                 # (`catch_up_ahead`): nothing to draft from (drafts would be a token stale).
                 if st.lag and drafting:
@@ -430,7 +430,7 @@ class MTPDrafter(Drafter):
         for b, (rid, st, pos, greedy, _) in enumerate(seqs):
             if not greedy or st.mtp_disabled:
                 continue
-            if st.mtp_len + st.lag != pos:
+            if not st.mtp_history_at(pos):
                 st.mtp_disabled = True  # a gap in the MTP history (as in `draft`): no speculation from here
                 continue
             if self.separate and not self._draft_pages(st, rid, pos + 1):
@@ -517,14 +517,12 @@ class MTPDrafter(Drafter):
         key = graphs.draft_key([W] * n) if graphs is not None else None
         if key is None:
             return None
-        drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted)
-        # The draft hidden a restore needs: the target hidden of each sequence's last accepted row (``j * W + a - 1``;
-        # the counts as int64 in the graphs' `valid` buffer now).
-        last = torch.add(graphs.row_before[:n], graphs.valid[:n], out=graphs.last_rows[:n])
+        # The draft hidden a restore needs (the target hidden of each sequence's last accepted row) is recorded as the
+        # draft's inputs are staged.
         dm = self.draft_manager
-        buf = graphs.last_hidden
-        h = torch.index_select(hidden, 0, last, out=buf[:n]) if buf.dtype == hidden.dtype else hidden[last]
-        dm.state.record_draft_hidden(self._slots_t(dm.get_batch_state_slots(list(rids))), h)
+        dh = dm.state.draft_hidden
+        slots = self._slots_t(dm.get_batch_state_slots(list(rids))) if dh is not None else None
+        drafts = graphs.run_draft_ahead(key, rids, starts, tokens, hidden, accepted, draft_hidden=dh, slots=slots)
         return self._device_drafts(drafts)
 
     def _slots_t(self, slots: list[int]) -> torch.Tensor:

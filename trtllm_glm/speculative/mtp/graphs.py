@@ -20,6 +20,7 @@ from ...attention.graph_check import GraphAddressGuard
 from ...graph_capture import capture_graph, capture_session
 from ...transfer import to_device
 from ..context import TargetGraphRunner
+from .staging import stage_backend, stage_draft_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -591,6 +592,8 @@ class MtpChainGraphs:
         tokens: torch.Tensor,
         hidden: torch.Tensor,
         valid: torch.Tensor,
+        draft_hidden: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The fused draft of a verify round whose accepted counts are still on the device (the overlap scheduler).
 
@@ -609,6 +612,10 @@ class MtpChainGraphs:
             hidden: ``[n * W, D]`` the verify round's final hidden rows.
             valid: ``[n]`` accepted rows per sequence (``1 .. W``), on the device (int64, or float64 counts); kept
                 in `valid` (int64) until the next call.
+            draft_hidden: ``[S, D]`` the draft manager's draft hidden, with ``slots [n]`` (int64, on the device)
+                each sequence's state slot: the target hidden of each sequence's last accepted row is recorded
+                there (the hidden a restore needs); None records nothing. Each sequence's last accepted row is
+                in `last_rows` (``j * W + valid[j] - 1``) afterwards either way.
 
         Returns:
             ``[n, K]`` int64 greedy drafts on the device (a view of the graph's output: consumed before the next
@@ -621,15 +628,29 @@ class MtpChainGraphs:
                 f"a draft launched ahead needs {n} sequences of {W} rows, got {tuple(tokens.shape)} tokens"
             )
         self._prepare_catchup(rids, starts, [W] * n, P, W)
-        # Persistent buffers, cast as copied: no tensor made per round.
-        self.valid[:n].copy_(valid)
-        self.c_tokens[: n * W].copy_(tokens)
-        self.c_hidden[: n * W].copy_(hidden)
-        if n < P:  # padding sequences (their rows: finite, never read)
-            self.valid[n:P].zero_()
-            self.c_tokens[n * W : P * W].zero_()
-            self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))
-        self.meta.set_valid_rows(self.valid[:P])
+        meta = self.meta
+        if stage_backend(hidden) == "triton":
+            # One launch for what follows in the other branch (`speculative.mtp.staging`).
+            meta.device_rewritten()
+            stage_draft_ahead(tokens, hidden, valid, W, P, valid=self.valid[:P], c_tokens=self.c_tokens[: P * W],
+                              c_hidden=self.c_hidden[: P * W], row_seq=meta.row_seq_t, row_live=meta.row_live_t,
+                              last_rows=self.last_rows[:n], draft_hidden=draft_hidden, slots=slots,
+                              backend="triton")  # fmt: skip
+        else:
+            # Persistent buffers, cast as copied: no tensor made per round.
+            self.valid[:n].copy_(valid)
+            self.c_tokens[: n * W].copy_(tokens)
+            self.c_hidden[: n * W].copy_(hidden)
+            if n < P:  # padding sequences (their rows: finite, never read)
+                self.valid[n:P].zero_()
+                self.c_tokens[n * W : P * W].zero_()
+                self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))
+            meta.set_valid_rows(self.valid[:P])
+            last = torch.add(self.row_before[:n], self.valid[:n], out=self.last_rows[:n])
+            if draft_hidden is not None and slots is not None:
+                buf = self.last_hidden
+                h = torch.index_select(hidden, 0, last, out=buf[:n]) if buf.dtype == hidden.dtype else hidden[last]
+                draft_hidden.index_copy_(0, slots, h.to(draft_hidden.dtype))
         # The host lengths only size the eager (emulated) description of the chained steps: an upper bound.
         (drafts,) = self._replay_or_run(key, [s + W for s in starts])
         self.meta.trim_padding()
