@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trtllm_glm.speculative.mtp.staging import stage_draft_ahead, stage_draft_ahead_reference
+from trtllm_glm.speculative.mtp.staging import StageBuffers, stage_draft_ahead, stage_draft_ahead_reference
 
 pytest.importorskip("triton")
 
@@ -49,9 +49,14 @@ def _run(fn, packed, hidden, slots, tok, outs, W: int, P: int, **kw) -> dict[str
     o = {k: v.clone() for k, v in outs.items()}
     t = tok.clone()
     n = slots.numel()
-    fn(packed[:, 0], hidden, packed.view(n, W, 3)[:, 0, 2], W, P, row_seq=t[1], row_live=t[2], slots=slots, **o, **kw)
+    fn(packed[:, 0], hidden, packed.view(n, W, 3)[:, 0, 2], W, P, _buffers(o, t, slots), **kw)
     o["tok"] = t
     return o
+
+
+def _buffers(o: dict[str, torch.Tensor], tok: torch.Tensor, slots: torch.Tensor | None) -> StageBuffers:
+    return StageBuffers(o["valid"], o["c_tokens"], o["c_hidden"], tok[1], tok[2], o["last_rows"],
+                        o.get("draft_hidden"), slots)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -82,18 +87,18 @@ def test_kernel_matches_reference(n: int, P: int, W: int, D: int, dtype: torch.d
 
 def test_without_draft_hidden_and_bad_shapes() -> None:
     packed, hidden, slots, tok, outs = _case(7, 2, 2, 3, 40, S=6, dtype=torch.float32)
+    acc = packed.view(2, 3, 3)[:, 0, 2]
     outs = {k: v for k, v in outs.items() if k != "draft_hidden"}
     for fn, kw in ((stage_draft_ahead_reference, {}), (stage_draft_ahead, {"backend": "triton"})):
         o = {k: v.clone() for k, v in outs.items()}
-        t = tok.clone()
-        fn(packed[:, 0], hidden, packed.view(2, 3, 3)[:, 0, 2], 3, 2, row_seq=t[1], row_live=t[2], **o, **kw)
-        assert o["valid"].tolist() == packed.view(2, 3, 3)[:, 0, 2].long().tolist()
+        fn(packed[:, 0], hidden, acc, 3, 2, _buffers(o, tok.clone(), None), **kw)
+        assert o["valid"].tolist() == acc.long().tolist()
     with pytest.raises(ValueError, match="tokens"):
-        stage_draft_ahead(packed[:-1, 0], hidden[:-1], packed.view(2, 3, 3)[:, 0, 2], 3, 2, row_seq=tok[1],
-                          row_live=tok[2], **outs)  # fmt: skip
+        stage_draft_ahead(packed[:-1, 0], hidden[:-1], acc, 3, 2, _buffers(outs, tok, None))
     with pytest.raises(ValueError, match="go together"):
-        stage_draft_ahead(packed[:, 0], hidden, packed.view(2, 3, 3)[:, 0, 2], 3, 2, row_seq=tok[1],
-                          row_live=tok[2], slots=slots, **outs)  # fmt: skip
-    with pytest.raises(ValueError, match="P"):
-        stage_draft_ahead(packed[:, 0], hidden, packed.view(2, 3, 3)[:, 0, 2], 3, 1, row_seq=tok[1],
-                          row_live=tok[2], **outs)  # fmt: skip
+        stage_draft_ahead(packed[:, 0], hidden, acc, 3, 2, _buffers(outs, tok, slots))
+    with pytest.raises(ValueError, match="n <= P"):
+        stage_draft_ahead(packed[:, 0], hidden, acc, 3, 1, _buffers(outs, tok, None))
+    with pytest.raises(ValueError, match="last_rows"):
+        short = {**outs, "last_rows": outs["valid"][:1]}
+        stage_draft_ahead(packed[:, 0], hidden, acc, 3, 2, _buffers(short, tok, None))

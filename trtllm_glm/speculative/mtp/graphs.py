@@ -20,7 +20,7 @@ from ...attention.graph_check import GraphAddressGuard
 from ...graph_capture import capture_graph, capture_session
 from ...transfer import to_device
 from ..context import TargetGraphRunner
-from .staging import stage_backend, stage_draft_ahead
+from .staging import StageBuffers, stage_backend, stage_draft_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -632,10 +632,9 @@ class MtpChainGraphs:
         if stage_backend(hidden) == "triton":
             # One launch for what follows in the other branch (`speculative.mtp.staging`).
             meta.device_rewritten()
-            stage_draft_ahead(tokens, hidden, valid, W, P, valid=self.valid[:P], c_tokens=self.c_tokens[: P * W],
-                              c_hidden=self.c_hidden[: P * W], row_seq=meta.row_seq_t, row_live=meta.row_live_t,
-                              last_rows=self.last_rows[:n], draft_hidden=draft_hidden, slots=slots,
-                              backend="triton")  # fmt: skip
+            out = StageBuffers(self.valid[:P], self.c_tokens[: P * W], self.c_hidden[: P * W], meta.row_seq_t,
+                               meta.row_live_t, self.last_rows[:n], draft_hidden, slots)  # fmt: skip
+            stage_draft_ahead(tokens, hidden, valid, W, P, out, backend="triton")
         else:
             # Persistent buffers, cast as copied: no tensor made per round.
             self.valid[:n].copy_(valid)

@@ -22,6 +22,7 @@ What it writes, for ``n`` real sequences of ``W`` verify rows padded to ``P`` se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from trtllm_glm.triton_interp import KernelPackage, kernel_backend
 
 __all__ = [
     "MTP_STAGE_BACKEND_ENV",
+    "StageBuffers",
     "kernel_module",
     "stage_backend",
     "stage_draft_ahead",
@@ -53,100 +55,86 @@ def stage_backend(hidden: torch.Tensor, backend: str | None = None) -> str:
     return kernel_backend(envs.MTP_STAGE_BACKEND, [hidden], backend)
 
 
-def _check(
-    tokens: torch.Tensor,
-    hidden: torch.Tensor,
-    accepted: torch.Tensor,
-    W: int,
-    P: int,
-    valid: torch.Tensor,
-    c_tokens: torch.Tensor,
-    c_hidden: torch.Tensor,
-    row_seq: torch.Tensor,
-    row_live: torch.Tensor,
-    last_rows: torch.Tensor,
-    draft_hidden: torch.Tensor | None,
-    slots: torch.Tensor | None,
-) -> int:
-    n = accepted.shape[0] if accepted.dim() == 1 else -1
-    if n < 1 or W < 1 or n > P:
-        raise ValueError(f"stage_draft_ahead needs 1 <= n <= P sequences of W >= 1 rows, got n={n} P={P} W={W}")
-    N = P * W
-    if tokens.shape != (n * W,) or hidden.dim() != 2 or hidden.shape[0] != n * W:
-        raise ValueError(
-            f"{n} sequences of {W} rows need tokens [{n * W}] and hidden [{n * W}, D], got "
-            f"{tuple(tokens.shape)} and {tuple(hidden.shape)}"
-        )
-    D = hidden.shape[1]
-    if hidden.stride(1) != 1:
-        raise ValueError("hidden rows must be contiguous")
-    for name, t, shape in (
-        ("valid", valid, (P,)),
-        ("c_tokens", c_tokens, (N,)),
-        ("c_hidden", c_hidden, (N, D)),
-        ("row_seq", row_seq, (N,)),
-        ("row_live", row_live, (N,)),
-        ("last_rows", last_rows, (n,)),
-    ):
-        if tuple(t.shape[: len(shape)]) != shape or t.dim() != len(shape):
-            raise ValueError(f"{name} must be {list(shape)}, got {tuple(t.shape)}")
-    if not c_hidden.is_contiguous():
-        raise ValueError("c_hidden must be contiguous")
-    if (draft_hidden is None) != (slots is None):
-        raise ValueError("draft_hidden and slots go together")
-    if draft_hidden is not None and slots is not None:
-        if draft_hidden.dim() != 2 or draft_hidden.shape[1] != D or not draft_hidden.is_contiguous():
-            raise ValueError(f"draft_hidden must be a contiguous [S, {D}], got {tuple(draft_hidden.shape)}")
-        if slots.shape != (n,):
-            raise ValueError(f"slots must be [{n}], got {tuple(slots.shape)}")
-    return n
+@dataclass
+class StageBuffers:
+    """Where `stage_draft_ahead` writes (shapes as in the module docstring; integer buffers int64, contiguous).
+
+    ``draft_hidden [S, D]`` (the state owner's draft hidden) and ``slots [n]`` (int64, each sequence's state slot) go
+    together; None: nothing recorded.
+    """
+
+    valid: torch.Tensor
+    c_tokens: torch.Tensor
+    c_hidden: torch.Tensor
+    row_seq: torch.Tensor
+    row_live: torch.Tensor
+    last_rows: torch.Tensor
+    draft_hidden: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
+
+    def check(self, tokens: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor, W: int, P: int) -> int:
+        """Validate a call's shapes; returns ``n``, the real sequences.
+
+        Raises:
+            ValueError: naming the argument or buffer whose shape does not fit.
+        """
+        n = accepted.shape[0] if accepted.dim() == 1 else -1
+        if n < 1 or W < 1 or n > P:
+            raise ValueError(f"stage_draft_ahead needs 1 <= n <= P sequences of W >= 1 rows, got n={n} P={P} W={W}")
+        N = P * W
+        if tokens.shape != (n * W,) or hidden.dim() != 2 or hidden.shape[0] != n * W:
+            raise ValueError(
+                f"{n} sequences of {W} rows need tokens [{n * W}] and hidden [{n * W}, D], got "
+                f"{tuple(tokens.shape)} and {tuple(hidden.shape)}"
+            )
+        D = hidden.shape[1]
+        if hidden.stride(1) != 1:
+            raise ValueError("hidden rows must be contiguous")
+        shapes = {"valid": (P,), "c_tokens": (N,), "c_hidden": (N, D), "row_seq": (N,), "row_live": (N,),
+                  "last_rows": (n,)}  # fmt: skip
+        for name, shape in shapes.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{name} must be a contiguous {list(shape)}, got {tuple(t.shape)}")
+        dh, slots = self.draft_hidden, self.slots
+        if (dh is None) != (slots is None):
+            raise ValueError("draft_hidden and slots go together")
+        if dh is not None and slots is not None:
+            if dh.dim() != 2 or dh.shape[1] != D or not dh.is_contiguous():
+                raise ValueError(f"draft_hidden must be a contiguous [S, {D}], got {tuple(dh.shape)}")
+            if slots.shape != (n,):
+                raise ValueError(f"slots must be [{n}], got {tuple(slots.shape)}")
+        return n
 
 
 def stage_draft_ahead_reference(
-    tokens: torch.Tensor,
-    hidden: torch.Tensor,
-    accepted: torch.Tensor,
-    W: int,
-    P: int,
-    *,
-    valid: torch.Tensor,
-    c_tokens: torch.Tensor,
-    c_hidden: torch.Tensor,
-    row_seq: torch.Tensor,
-    row_live: torch.Tensor,
-    last_rows: torch.Tensor,
-    draft_hidden: torch.Tensor | None = None,
-    slots: torch.Tensor | None = None,
+    tokens: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor, W: int, P: int, out: StageBuffers
 ) -> None:
-    """The torch definition (the module docstring says what is written).
+    """The torch definition (the module docstring says what is written into ``out``).
 
     Args:
         tokens: ``[n * W]`` the target's token after each verify row (int64, or the float64 ids of packed results).
         hidden: ``[n * W, D]`` the verify's final hidden rows (rows contiguous).
         accepted: ``[n]`` accepted rows per sequence, each in ``1 .. W`` (int64, or float64 counts).
         W, P: the verify width and the padded sequence count (``P >= n``).
-        valid, c_tokens, c_hidden, row_seq, row_live, last_rows: outputs, shapes as in the module docstring
-            (``valid``, ``c_tokens``, ``row_seq``, ``row_live``, ``last_rows`` int64).
-        draft_hidden: ``[S, D]`` the state owner's draft hidden, with ``slots [n]`` int64 each sequence's state slot;
-            None: not recorded.
+        out: the buffers written.
     """
-    n = _check(tokens, hidden, accepted, W, P, valid, c_tokens, c_hidden, row_seq, row_live, last_rows,
-               draft_hidden, slots)  # fmt: skip
+    n = out.check(tokens, hidden, accepted, W, P)
     N = P * W
-    valid[:n].copy_(accepted)
-    c_tokens[: n * W].copy_(tokens)
-    c_hidden[: n * W].copy_(hidden)
+    out.valid[:n].copy_(accepted)
+    out.c_tokens[: n * W].copy_(tokens)
+    out.c_hidden[: n * W].copy_(hidden)
     if n < P:
-        valid[n:P].zero_()
-        c_tokens[n * W : N].zero_()
-        c_hidden[n * W : N].copy_(hidden[:1].expand(N - n * W, -1))
-    rows = torch.arange(N, device=hidden.device)
-    drop = rows % W >= valid[:P].repeat_interleave(W)
-    row_seq.masked_fill_(drop, -1)
-    row_live.masked_fill_(drop, 0)
-    torch.add(torch.arange(n, device=hidden.device) * W - 1, valid[:n], out=last_rows)
-    if draft_hidden is not None and slots is not None:
-        draft_hidden.index_copy_(0, slots, hidden.index_select(0, last_rows).to(draft_hidden.dtype))
+        out.valid[n:P].zero_()
+        out.c_tokens[n * W : N].zero_()
+        out.c_hidden[n * W : N].copy_(hidden[:1].expand(N - n * W, -1))
+    drop = torch.arange(N, device=hidden.device) % W >= out.valid.repeat_interleave(W)
+    out.row_seq.masked_fill_(drop, -1)
+    out.row_live.masked_fill_(drop, 0)
+    torch.add(torch.arange(n, device=hidden.device) * W - 1, out.valid[:n], out=out.last_rows)
+    if out.draft_hidden is not None and out.slots is not None:
+        rows = hidden.index_select(0, out.last_rows).to(out.draft_hidden.dtype)
+        out.draft_hidden.index_copy_(0, out.slots, rows)
 
 
 def stage_draft_ahead(
@@ -155,24 +143,13 @@ def stage_draft_ahead(
     accepted: torch.Tensor,
     W: int,
     P: int,
-    *,
-    valid: torch.Tensor,
-    c_tokens: torch.Tensor,
-    c_hidden: torch.Tensor,
-    row_seq: torch.Tensor,
-    row_live: torch.Tensor,
-    last_rows: torch.Tensor,
-    draft_hidden: torch.Tensor | None = None,
-    slots: torch.Tensor | None = None,
+    out: StageBuffers,
     backend: str | None = None,
 ) -> None:
     """`stage_draft_ahead_reference`, in one launch where the backend is ``triton`` (`stage_backend`); the same
     values either way (integer copies, and hidden rows copied exactly)."""
-    outs = dict(valid=valid, c_tokens=c_tokens, c_hidden=c_hidden, row_seq=row_seq, row_live=row_live,
-                last_rows=last_rows, draft_hidden=draft_hidden, slots=slots)  # fmt: skip
     if stage_backend(hidden, backend) == "torch":
-        stage_draft_ahead_reference(tokens, hidden, accepted, W, P, **outs)
+        stage_draft_ahead_reference(tokens, hidden, accepted, W, P, out)
         return
-    n = _check(tokens, hidden, accepted, W, P, valid, c_tokens, c_hidden, row_seq, row_live, last_rows,
-               draft_hidden, slots)  # fmt: skip
-    kernel_module(hidden.device).stage_draft_ahead(tokens, hidden, accepted, n, W, P, **outs)
+    n = out.check(tokens, hidden, accepted, W, P)
+    kernel_module(hidden.device).stage_draft_ahead(tokens, hidden, accepted, n, W, P, out)

@@ -8,6 +8,8 @@ for 16- and 32-bit floats). CPU: an interpreted copy (`trtllm_glm.triton_interp`
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -69,31 +71,17 @@ def _stage_kernel(
 
 
 def stage_draft_ahead(
-    tokens: torch.Tensor,
-    hidden: torch.Tensor,
-    accepted: torch.Tensor,
-    n: int,
-    W: int,
-    P: int,
-    *,
-    valid: torch.Tensor,
-    c_tokens: torch.Tensor,
-    c_hidden: torch.Tensor,
-    row_seq: torch.Tensor,
-    row_live: torch.Tensor,
-    last_rows: torch.Tensor,
-    draft_hidden: torch.Tensor | None,
-    slots: torch.Tensor | None,
+    tokens: torch.Tensor, hidden: torch.Tensor, accepted: torch.Tensor, n: int, W: int, P: int, out: Any
 ) -> None:
-    """`staging.stage_draft_ahead_reference` in one launch (arguments checked by `staging.stage_draft_ahead`).
+    """`staging.stage_draft_ahead_reference` in one launch (shapes checked by `staging.StageBuffers.check`).
 
     Args:
         tokens: ``[n * W]`` (strided), hidden ``[n * W, D]`` (rows contiguous), accepted ``[n]`` (strided).
         n, W, P: real sequences, verify width, padded sequences.
-        valid .. last_rows: outputs (contiguous); draft_hidden ``[S, D]`` with slots ``[n]``, or both None.
+        out: the `staging.StageBuffers` written.
     """
     D = hidden.shape[1]
-    record = draft_hidden is not None and slots is not None
+    record = out.draft_hidden is not None and out.slots is not None
     block = min(1024, triton.next_power_of_2(D))
     _stage_kernel[(P * W,)](
         tokens,
@@ -102,14 +90,14 @@ def stage_draft_ahead(
         accepted.stride(0),
         hidden,
         hidden.stride(0),
-        valid,
-        c_tokens,
-        c_hidden,
-        row_seq,
-        row_live,
-        last_rows,
-        draft_hidden if record else c_hidden,
-        slots if record else valid,
+        out.valid,
+        out.c_tokens,
+        out.c_hidden,
+        out.row_seq,
+        out.row_live,
+        out.last_rows,
+        out.draft_hidden if record else out.c_hidden,
+        out.slots if record else out.valid,
         n,
         P,
         D,
