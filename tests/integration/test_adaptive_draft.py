@@ -210,8 +210,15 @@ def test_policy_config_errors() -> None:
         AdaptiveDraftPolicy(3, candidates=[0, 4])
     with pytest.raises(ValueError, match="adaptive"):
         MTPDecodingConfig(adaptive="yes")
-    # Both off by default (MTP's since its first GPU measurement: docs/speculation.md).
-    assert not MTPDecodingConfig().adaptive and not NGramDecodingConfig().adaptive
+    # MTP's is on by default where rounds replay CUDA graphs on a GPU (docs/speculation.md), the n-gram drafter's off;
+    # neither in a parallel world (lockstep ranks), and an explicit choice holds everywhere else.
+    mtp, ngram = MTPDecodingConfig(), NGramDecodingConfig()
+    assert mtp.adaptive is None and ngram.adaptive is None
+    assert mtp.adaptive_for(cuda_graphs=True) and not mtp.adaptive_for(cuda_graphs=False)
+    assert not mtp.adaptive_for(cuda_graphs=True, parallel=True)
+    assert not ngram.adaptive_for(cuda_graphs=True)
+    assert NGramDecodingConfig(adaptive=True).adaptive_for(cuda_graphs=False)
+    assert not MTPDecodingConfig(adaptive=False).adaptive_for(cuda_graphs=True)
     with pytest.raises(ValueError, match="overlap_rounds"):
         MTPDecodingConfig(overlap_rounds="yes")
     for bad in (-1, 257, 2.0, True):

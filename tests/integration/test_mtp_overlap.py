@@ -267,3 +267,14 @@ def test_early_draft_launched_before_the_read_back_drafts_as_after_it(
     assert [r.accepted_per_position for r in early] == [r.accepted_per_position for r in sync]
     assert sum(r.num_accepted_total - r.num_verify_rounds for r in sync) > 10  # drafts were accepted
     assert early[1].output_ids[-1] == 10 and len(early[1].output_ids) < 48  # stopped on its token
+
+
+def test_adaptive_default_is_off_on_emulated_graphs(emulated, model) -> None:
+    """``adaptive=None`` (the default) runs the policy only where rounds replay CUDA graphs on a GPU: graphs emulated
+    on the CPU keep fixed K (their timings are not the GPU's), and an explicit choice holds (the GPU side:
+    test_cuda_graph_gpu.py's `test_adaptive_policy_on_by_default_on_cuda_graphs`)."""
+    cfg = ExecutorConfig(tokens_per_block=8, max_tokens=1024, max_batch_size=4, max_num_tokens=64, max_seq_len=96,
+                         cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True))  # fmt: skip
+    assert SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2)).draft_policy is None
+    on = SpeculativeExecutor(model, cfg, MTPDecodingConfig(num_nextn_predict_layers=2, adaptive=True))
+    assert on.draft_policy is not None and list(on.draft_policy.candidates) == [0, 2]

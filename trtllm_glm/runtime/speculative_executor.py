@@ -46,7 +46,7 @@ class SpeculativeExecutor(Executor):
         seed: base sampling seed.
         drafter: a drafter overriding the configured one (tests and benchmarks pass an `OracleDrafter`).
         draft_policy: the adaptive draft-length policy (default: a fresh `AdaptiveDraftPolicy` when
-            ``spec.adaptive``, else none; tests pass one with an injected clock).
+            ``spec.adaptive_for``, else none; tests pass one with an injected clock).
     """
 
     # Under the overlap scheduler: width-one rounds (speculation off: `max_concurrency`, adaptive K = 0) launch ahead
@@ -98,7 +98,10 @@ class SpeculativeExecutor(Executor):
         self.num_drafts_cut_by_grammar = 0
         # Each rank of a parallel world runs its own scheduler in lockstep (runtime/ranks.py): a choice made
         # from each rank's own clock would differ between ranks, so the world drafts a fixed K.
-        if draft_policy is None and spec.adaptive and not model.mapping.is_parallel:
+        # Graphs emulated on the CPU (tests) are not the GPU's costs: the default stays off there.
+        real_graphs = self._use_graphs and self.device.type == "cuda"
+        adaptive = spec.adaptive_for(cuda_graphs=real_graphs, parallel=model.mapping.is_parallel)
+        if draft_policy is None and adaptive:
             # With CUDA graphs an MTP round drafts K tokens through one fused graph (and a round of fewer drafts
             # verifies K + 1 padded rows anyway): a length between 0 and K would run its draft chain eagerly (an H100,
             # trained small, batch 1: 4.7 ms a round against 2.0 ms for K = 3), so the policy picks 0 or K there.

@@ -28,7 +28,8 @@ class DecodingBaseConfig:
 
     Attributes:
         max_draft_len: drafts per round, ``1 .. MAX_DRAFT_LEN``.
-        adaptive: choose each round's draft length with an `AdaptiveDraftPolicy`.
+        adaptive: choose each round's draft length with an `AdaptiveDraftPolicy`; None (default): as
+            `adaptive_for` decides for the executor (the drafter's own default, `ADAPTIVE_AUTO`).
     """
 
     # Per-request adaptive width: called with the request each round, returns the drafts to propose
@@ -38,8 +39,11 @@ class DecodingBaseConfig:
     # than this run width one (no drafts); None speculates at every batch size.
     max_concurrency: int | None = None
     max_draft_len: int = 1
-    adaptive: bool = False
+    adaptive: bool | None = None
 
+    # What ``adaptive=None`` means where a round's cost is measured on a GPU's CUDA graphs (`adaptive_for`); off for
+    # drafters whose policy has not been measured there.
+    ADAPTIVE_AUTO: ClassVar[bool] = False
     # The most drafts per round the config accepts (and the CLI's ``--draft-len`` range).
     MAX_DRAFT_LEN: ClassVar[int] = MAX_PARALLEL_DRAFTS
     # Deprecated keyword -> field names the constructor (and the YAML) still take (`_renamed`).
@@ -53,11 +57,22 @@ class DecodingBaseConfig:
         k, top = self.max_draft_len, self.MAX_DRAFT_LEN
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= top:
             raise ValueError(f"max_draft_len must be in [1, {top}], got {k!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool or None (the drafter's default), got {self.adaptive!r}")
         mc = self.max_concurrency
         if mc is not None and (not isinstance(mc, int) or isinstance(mc, bool) or mc <= 0):
             raise ValueError(f"max_concurrency must be None or a positive int, got {mc!r}")
+
+    def adaptive_for(self, *, cuda_graphs: bool, parallel: bool = False) -> bool:
+        """Whether an executor runs the adaptive draft-length policy: ``adaptive`` when set; by default
+        (``None``) `ADAPTIVE_AUTO` where the steps replay CUDA graphs on a GPU (the policy's costs are measured
+        wall times; emulated graphs on the CPU are not), never in a parallel world (each rank's clock would choose
+        differently; the ranks must draft in lockstep)."""
+        if parallel:
+            return False
+        if self.adaptive is not None:
+            return self.adaptive
+        return self.ADAPTIVE_AUTO and cuda_graphs
 
 
 _C = TypeVar("_C", bound=type)
@@ -118,14 +133,14 @@ class MTPDecodingConfig(DecodingBaseConfig):
             model's own head, so the output is unchanged; only which drafts are proposed may change (near ties of
             the draft head). Costs ``N x D`` bytes of GPU memory for the copy (the full vocabulary: half a bf16
             head). Off by default (not yet measured on a GPU).
-        adaptive: each round's draft length (``0 .. max_draft_len``) is chosen by an
-            `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running
-            acceptance, down to 0 where speculation cannot pay. Off by default: on an H100 (trained ``small``,
-            bf16) it chose K = 0 for ~97 % of the rounds at batch 1 and 16, where K = 3 paid, and lost 3.2x at
-            batch 1 (508 against 1,632 tokens/s; `benchmarks/results/spec/spec_overlap_small_h100_2026-12-06.log`),
-            its k = 0 rounds then costing a per-step MTP catch-up; ``catchup_lag`` has since made them plain
-            steps. With the lag it chose lengths 1 and 2, whose drafts ran eagerly (583 against 1,718 tokens/s for
-            fixed K = 3 at batch 1); under CUDA graphs it now picks 0 or K, not yet measured (docs/speculation.md).
+        adaptive: each round's draft length (``0 .. max_draft_len``; under CUDA graphs 0 or ``K``) is chosen by an
+            `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running acceptance,
+            down to 0 where speculation cannot pay. Default (None): on where the steps replay CUDA graphs on a GPU
+            (`DecodingBaseConfig.adaptive_for`; not in a parallel world), off elsewhere; True / False force it. On an
+            H100 (trained ``small``, bf16, overlap scheduler, 384 tokens, 2026-12-07) it ran at batch 1 0.95x fixed
+            K = 3 (1.58x plain decoding), at batch 16 1.01x plain (fixed K = 3: 0.64x), at batch 64 0.74x plain
+            (fixed K = 3: 0.61x): its K = 0 rounds there still cost more than plain steps (docs/speculation.md,
+            "Adaptive draft length").
         overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its
             verify) from the previous round's outputs on the device before that round is read back (issue 43
             item 1). Off by default: on an H100 (trained ``small``, bf16, batch 1) a round launched ahead costs
@@ -162,6 +177,7 @@ class MTPDecodingConfig(DecodingBaseConfig):
     catchup_lag: int = 64
 
     MAX_DRAFT_LEN: ClassVar[int] = MAX_MTP_DRAFTS
+    ADAPTIVE_AUTO: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self._check_common()

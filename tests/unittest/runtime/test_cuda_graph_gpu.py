@@ -259,6 +259,23 @@ def test_llm_api_overlaps_by_default(model) -> None:
     assert outs[False] == outs[True]
 
 
+def test_adaptive_policy_on_by_default_on_cuda_graphs(model) -> None:
+    """``MTPDecodingConfig.adaptive`` unset: the policy runs with CUDA graphs on the GPU (0 or K a round), not eagerly,
+    and ``adaptive=False`` keeps fixed K (the CPU side: test_mtp_overlap.py's emulated-graph test)."""
+    spec = MTPDecodingConfig(num_nextn_predict_layers=3)
+    on = _make_spec(model, spec, CudaGraphConfig(batch_sizes=[1, 2, 4]))
+    assert on.draft_policy is not None and list(on.draft_policy.candidates) == [0, 3]
+    assert _make_spec(model, spec, None).draft_policy is None
+    fixed = MTPDecodingConfig(num_nextn_predict_layers=3, adaptive=False)
+    assert _make_spec(model, fixed, CudaGraphConfig(batch_sizes=[1, 2, 4])).draft_policy is None
+
+
+def _make_spec(model, spec: MTPDecodingConfig, graphs: CudaGraphConfig | None) -> SpeculativeExecutor:
+    cfg = ExecutorConfig(tokens_per_block=16, max_tokens=4096, max_batch_size=4, max_num_tokens=256,
+                         max_seq_len=256, cuda_graph_config=graphs)  # fmt: skip
+    return SpeculativeExecutor(model, cfg, spec)
+
+
 @pytest.mark.parametrize("kv_mode", ["shared", "separate"])
 def test_idle_mtp_rounds_launch_ahead(model, kv_mode: str) -> None:
     """Issue 43: width-one MTP rounds (the adaptive policy's K = 0) under the overlap scheduler, the MTP catch-up

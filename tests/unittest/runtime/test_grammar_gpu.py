@@ -30,7 +30,7 @@ def test_gpu_graphs_overlap_and_speculation_under_grammars() -> None:
     params = [SamplingParams(max_tokens=180, guided_decoding=(think if i % 4 == 3 else plain)) if i % 2
               else SamplingParams(max_tokens=160) for i in range(8)]  # fmt: skip
     got = {}
-    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3)),
+    for name, spec in (("plain", None), ("mtp", MTPDecodingConfig(num_nextn_predict_layers=3, adaptive=False)),
                        ("ngram", NGramDecodingConfig(max_draft_len=4))):  # fmt: skip
         llm = LLM("small", device="cuda", max_batch_size=8, max_seq_len=512, batch_invariant=True,
                   speculative_config=spec)  # fmt: skip

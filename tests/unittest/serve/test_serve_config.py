@@ -79,7 +79,9 @@ def test_mtp_draft_vocab_and_adaptive_keys() -> None:
     d = {"decoding_type": "MTP", "num_nextn_predict_layers": 3, "draft_vocab_size": 32, "adaptive": False}
     spec = llm_options_from_dict({"speculative_config": d})["speculative_config"]
     assert spec == MTPDecodingConfig(num_nextn_predict_layers=3, draft_vocab_size=32, adaptive=False)
-    assert not llm_options_from_dict({"speculative_config": {"decoding_type": "MTP"}})["speculative_config"].adaptive
+    # Unset: the drafter's default (MTP: on where rounds replay CUDA graphs on a GPU).
+    unset = llm_options_from_dict({"speculative_config": {"decoding_type": "MTP"}})["speculative_config"]
+    assert unset.adaptive is None
     for bad, msg in (({"draft_vocab_size": "32"}, "draft_vocab_size: expected an int"),
                      ({"draft_vocab_size": 0}, "draft_vocab_size must be None"),
                      ({"adaptive": "no"}, "adaptive must be a bool"),
