@@ -219,6 +219,7 @@ def test_policy_config_errors() -> None:
     assert not ngram.adaptive_for(cuda_graphs=True)
     assert NGramDecodingConfig(adaptive=True).adaptive_for(cuda_graphs=False)
     assert not MTPDecodingConfig(adaptive=False).adaptive_for(cuda_graphs=True)
+    assert not MTPDecodingConfig(draft_len_fn=lambda r: 1).adaptive_for(cuda_graphs=True)  # the caller's own lengths
     with pytest.raises(ValueError, match="overlap_rounds"):
         MTPDecodingConfig(overlap_rounds="yes")
     for bad in (-1, 257, 2.0, True):

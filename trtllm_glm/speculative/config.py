@@ -66,13 +66,13 @@ class DecodingBaseConfig:
     def adaptive_for(self, *, cuda_graphs: bool, parallel: bool = False) -> bool:
         """Whether an executor runs the adaptive draft-length policy: ``adaptive`` when set; by default
         (``None``) `ADAPTIVE_AUTO` where the steps replay CUDA graphs on a GPU (the policy's costs are measured
-        wall times; emulated graphs on the CPU are not), never in a parallel world (each rank's clock would choose
-        differently; the ranks must draft in lockstep)."""
+        wall times; emulated graphs on the CPU are not) and no ``draft_len_fn`` chooses the lengths itself, never in
+        a parallel world (each rank's clock would choose differently; the ranks must draft in lockstep)."""
         if parallel:
             return False
         if self.adaptive is not None:
             return self.adaptive
-        return self.ADAPTIVE_AUTO and cuda_graphs
+        return self.ADAPTIVE_AUTO and cuda_graphs and self.draft_len_fn is None
 
 
 _C = TypeVar("_C", bound=type)
