@@ -397,11 +397,10 @@ class MTPDrafter(Drafter):
             src = [slots[i] * R + j0 + k for i, c in zip(sub, committed) for k in range(c)]
             graphs.run_catchup_only(key, [group[i].request_id for i in sub], at, committed, toks, flat, src)
             # Booked slice by slice, as per-step catch-ups are (a separate draft manager commits each).
-            done = [
-                dataclasses.replace(group[i], num_computed=p + c, committed=c) for i, p, c in zip(sub, at, committed)
-            ]
             last = to_device([slots[i] * R + j0 + c - 1 for i, c in zip(sub, committed)], self.device)
-            self._caught_up(done, committed, flat.index_select(0, last))
+            rids, states = [group[i].request_id for i in sub], [group[i].state for i in sub]
+            ends = [p + c for p, c in zip(at, committed)]
+            self._book_caught_up(rids, states, ends, committed, flat.index_select(0, last))
         return True
 
     def take_flushed(self) -> bool:
@@ -603,13 +602,26 @@ class MTPDrafter(Drafter):
                 return self.draft_vocab.greedy(h)
             return self.model.compute_logits(h).argmax(-1)
 
-    def _caught_up(self, cat: list[DraftSeq], committed: list[int], prev_last: torch.Tensor) -> None:
+    def _caught_up(self, cat: Sequence[DraftSeq], committed: Sequence[int], prev_last: torch.Tensor) -> None:
         """Book the catch-up: MTP history lengths, a separate draft manager's committed lengths, and each
         sequence's last target hidden ``prev_last [len(cat), D]`` (the draft hidden a restore needs)."""
+        self._book_caught_up([s.request_id for s in cat], [s.state for s in cat], [s.num_computed for s in cat],
+                             committed, prev_last)  # fmt: skip
+
+    def _book_caught_up(
+        self,
+        rids: Sequence[int],
+        states: Sequence[DraftState],
+        lengths: Sequence[int],
+        committed: Sequence[int],
+        prev_last: torch.Tensor,
+    ) -> None:
+        """`_caught_up` on columns: request ``rids[i]``'s MTP history now ends at ``lengths[i]``, ``committed[i]``
+        rows later (a flush books its slices so, without a `DraftSeq` per sequence and slice)."""
         dm = self.draft_manager
-        for s in cat:
-            s.state.mtp_len = s.num_computed
-        draft_ids = dm.get_batch_state_slots([s.request_id for s in cat])
+        for st, n in zip(states, lengths):
+            st.mtp_len = n
+        draft_ids = dm.get_batch_state_slots(list(rids))
         if self.separate:
             # A separate draft manager's committed length is the MTP history (shared: the target's slot).
             dm.state.commit_verified(draft_ids, committed)
