@@ -114,10 +114,6 @@ class AttentionMetadata:
         self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
         # 0 .. N - 1: row indices of verify steps described on the device (`set_verify_rows`).
         self._tok_arange = torch.arange(N, dtype=i64, device=self.device)
-        self._owners: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `_row_owners`
-        # `set_valid_rows`'s per-row scratch (each row's valid count, and whether the row is dropped).
-        self._row_valid = torch.empty(N, dtype=i64, device=self.device)
-        self._row_drop = torch.empty(N, dtype=torch.bool, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
@@ -270,7 +266,7 @@ class AttentionMetadata:
     def device_rewritten(self) -> None:
         """The per-sequence and per-token buffers were (or will be, on the stream) rewritten on the device: the
         next `prepare` copies its description whatever it is (`set_decode_rows`, `set_verify_rows`,
-        `set_valid_rows`, and the replay of a captured graph that calls them)."""
+        `speculative.mtp.staging`, and the replay of a captured graph that calls them)."""
         self._described = None
 
     def set_decode_rows(self, past_lens: torch.Tensor, real: torch.Tensor, host_past_lens: Sequence[int]) -> None:
@@ -368,43 +364,6 @@ class AttentionMetadata:
         self.num_tokens = N
         self.max_kv_len = max((p + width for p in self.past_lens), default=0)
         self.valid_q_lens = None
-
-    def set_valid_rows(self, valid_lens: torch.Tensor) -> None:
-        """Make each sequence's rows past ``valid_lens[b]`` padding rows, by device ops only.
-
-        The device-side counterpart of `prepare`'s ``valid_q_lens`` for a batch of uniform width ``W`` (the MTP
-        catch-up of a verify round whose accepted counts have not reached the host: its valid rows per sequence
-        are those counts). Rows at offset ``>= valid_lens[b]`` get ``row_seq = -1`` and ``row_live = 0``; every
-        other field keeps what `prepare` wrote (``q_lens = W``, positions, lengths), as with ``valid_q_lens``.
-        The host ``valid_q_lens`` stay as prepared (an upper bound: page checks only).
-
-        Args:
-            valid_lens: ``[num_seqs]`` int64 on the device, each in ``[0, W]``.
-        """
-        B = self.num_seqs
-        if not B or any(q != self.q_lens[0] for q in self.q_lens):
-            raise ValueError(f"set_valid_rows needs a batch of uniform width, got q_lens {self.q_lens}")
-        if valid_lens.shape != (B,):
-            raise ValueError(f"set_valid_rows needs {B} lengths, got {tuple(valid_lens.shape)}")
-        W = self.q_lens[0]
-        N = B * W
-        self.device_rewritten()
-        tok = self._tok_buf
-        owner, offset = self._row_owners(W)
-        valid = torch.index_select(valid_lens, 0, owner[:N], out=self._row_valid[:N])
-        drop = torch.ge(offset[:N], valid, out=self._row_drop[:N])
-        tok[1, :N].masked_fill_(drop, -1)
-        tok[2, :N].masked_fill_(drop, 0)
-
-    def _row_owners(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(row // width, row % width)`` of every row ``0 .. max_num_tokens - 1`` on the device, made once per width
-        (`set_valid_rows` runs every MTP round launched from the device)."""
-        got = self._owners.get(width)
-        if got is None:
-            with torch.inference_mode(False):  # read in and outside inference mode
-                rows = self._tok_arange
-                got = self._owners[width] = (torch.div(rows, width, rounding_mode="floor"), rows % width)
-        return got
 
     def set_num_accepted_t(self, counts: torch.Tensor) -> None:
         """`set_num_accepted` from counts on the device (a round launched before the previous one was read back).

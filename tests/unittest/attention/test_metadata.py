@@ -161,7 +161,6 @@ def test_score_columns_are_powers_of_two_covering_the_pools() -> None:
 def test_an_unchanged_description_is_not_copied_again() -> None:
     """A description equal to the one the device buffers hold (the MTP catch-up described right after the verify it
     follows) is not copied again; one that differs, or any after a device-side rewrite, is."""
-    import torch
 
     from trtllm_glm import traffic
 
@@ -190,8 +189,10 @@ def test_an_unchanged_description_is_not_copied_again() -> None:
     host = ("request_ids", "q_lens", "past_lens", "cu_seqlens", "state_slots", "num_seqs", "num_decode_seqs",
             "num_decode_tokens", "num_tokens", "max_kv_len", "num_padding_seqs", "valid_q_lens")  # fmt: skip
     assert {k: getattr(meta, k) for k in host} == {k: getattr(fresh, k) for k in host}
-    # A rewrite on the device: the same description is copied again (the table is not: nothing rewrites it).
-    meta.set_valid_rows(torch.tensor([2, 4]))
+    # A rewrite on the device (as a draft's staging marks rows past an accepted count): the same description is copied
+    # again (the table is not: nothing rewrites it).
+    meta.row_seq_t[2:4] = -1
+    meta.device_rewritten()
     assert meta.row_seq_t.tolist() != want[1]
     assert prepare(num_decode_seqs=2).num_puts == 2 and device() == want
     # Other rows (fewer valid ones): copied.

@@ -676,31 +676,34 @@ def test_set_verify_rows_matches_prepare(live) -> None:
         a.set_verify_rows(torch.tensor(past), torch.ones(4, dtype=torch.bool), 9, past)
 
 
-def test_set_valid_rows_matches_prepare() -> None:
-    """`AttentionMetadata.set_valid_rows` (the MTP catch-up of a round launched ahead: valid rows = the accepted counts,
-    on the device) writes what `prepare`'s host ``valid_q_lens`` writes; `set_num_accepted_t` what `set_num_accepted`
-    writes, in the same persistent buffer."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_staged_valid_rows_match_prepare(backend: str) -> None:
+    """A draft's staging from a verify on the device (`speculative.mtp.staging`: valid rows = the accepted counts) makes
+    the rows past each count what `prepare`'s host ``valid_q_lens`` makes them, in the same persistent buffers, and
+    leaves the rest of the description alone; `set_num_accepted_t` writes what `set_num_accepted` writes."""
     from trtllm_glm.attention.metadata import AttentionMetadata
+    from trtllm_glm.speculative.mtp.staging import StageBuffers, stage_draft_ahead
 
     a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
     b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
     kw = dict(past_lens=[5, 9, 4, 4], q_lens=[4] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=0, num_padding_seqs=1)
     a.prepare([1, 2, 3, 4], **kw, valid_q_lens=[4] * 4)  # type: ignore[arg-type]
     ptr = a.row_seq_t.data_ptr()
-    a.set_valid_rows(torch.tensor([2, 4, 1, 0]))
+    n, P, W, D = 3, 4, 4, 8
+    out = StageBuffers(torch.zeros(P, dtype=torch.int64), torch.zeros(P * W, dtype=torch.int64),
+                       torch.zeros(P * W, D), a.row_seq_t, a.row_live_t, torch.zeros(n, dtype=torch.int64))  # fmt: skip
+    a.device_rewritten()
+    stage_draft_ahead(torch.arange(n * W).double(), torch.randn(n * W, D), torch.tensor([2.0, 4.0, 1.0]), W, P, out,
+                      backend=backend)  # fmt: skip
     b.prepare([1, 2, 3, 4], **kw, valid_q_lens=[2, 4, 1, 0])  # type: ignore[arg-type]
     for name in ("positions_t", "row_seq_t", "row_live_t", "past_lens_t", "q_lens_t", "kv_lens_t", "cu_seqlens_t"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.row_seq_t.data_ptr() == ptr
+    assert out.valid.tolist() == [2, 4, 1, 0] and out.last_rows.tolist() == [1, 7, 8]
     a.set_num_accepted([3, 1, 2, 4])
     a.set_num_accepted_t(torch.tensor([2, 4, 1]))
     b.set_num_accepted([2, 4, 1])
     assert torch.equal(a.spec.num_accepted_t, b.spec.num_accepted_t) and a.spec.num_accepted_t.tolist() == [2, 4, 1, 0]
-    with pytest.raises(ValueError, match="4 lengths"):
-        a.set_valid_rows(torch.tensor([1, 1]))
-    a.prepare([1, 2], past_lens=[5, 9], q_lens=[2, 3], state_slots=[7, 1], num_decode_seqs=0)
-    with pytest.raises(ValueError, match="uniform width"):
-        a.set_valid_rows(torch.tensor([1, 1]))
 
 
 def test_row_live_marks_padding_and_filler() -> None:

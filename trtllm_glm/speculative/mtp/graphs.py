@@ -20,7 +20,7 @@ from ...attention.graph_check import GraphAddressGuard
 from ...graph_capture import capture_graph, capture_session
 from ...transfer import to_device
 from ..context import TargetGraphRunner
-from .staging import StageBuffers, stage_backend, stage_draft_ahead
+from .staging import StageBuffers, stage_draft_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +143,9 @@ class MtpChainGraphs:
         self.c_tokens = torch.zeros(B * W, dtype=torch.int64, device=dev)
         self.c_hidden = torch.zeros(B * W, D, dtype=dtype, device=dev)
         # A draft launched ahead (`run_draft_ahead`): each sequence's valid (accepted) rows, padding entries 0, and
-        # the flat row before each sequence's first row (``j * W - 1``), persistent rather than made each round.
+        # its last accepted row, persistent rather than made each round.
         self.valid = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.row_before = torch.arange(B, dtype=torch.int64, device=dev) * W - 1
-        # Each sequence's last accepted row and its target hidden (`MTPDrafter.draft_ahead`).
         self.last_rows = torch.zeros(B, dtype=torch.int64, device=dev)
-        self.last_hidden = torch.zeros(B, D, dtype=dtype, device=dev)
         self.catchup_replays = 0
         self.fused = (fused_draft_default() if fused is None else fused) and max_draft_len >= 2
         self.draft_replays = 0
@@ -435,7 +432,7 @@ class MtpChainGraphs:
             if g is None:  # emulation: the padded step, eagerly
                 return self._body(key, host_committed_lens)
             g.guard.check(self.meta, declared_swaps=self.meta.draft_swap_addresses())
-            # The fused draft rewrites the step description on the device (`set_decode_rows`, `set_valid_rows`):
+            # The fused draft rewrites the step description on the device (`set_decode_rows`, the staging):
             # captured, the host does not see it; the next `prepare` must copy (any MTP graph, to be safe).
             self.meta.device_rewritten()
             g.graph.replay()
@@ -598,7 +595,7 @@ class MtpChainGraphs:
         """The fused draft of a verify round whose accepted counts are still on the device (the overlap scheduler).
 
         The same graph as `run_draft` at width ``W`` (every sequence's ``W`` verify rows): the rows past each
-        sequence's accepted count become padding rows on the device (`AttentionMetadata.set_valid_rows`), so the
+        sequence's accepted count become padding rows on the device (`speculative.mtp.staging`), so the
         catch-up covers exactly the committed rows and the chain starts from the last of them, as `run_draft` with
         ``committed = valid`` would.
 
@@ -629,27 +626,12 @@ class MtpChainGraphs:
             )
         self._prepare_catchup(rids, starts, [W] * n, P, W)
         meta = self.meta
-        if stage_backend(hidden) == "triton":
-            # One launch for what follows in the other branch (`speculative.mtp.staging`).
-            meta.device_rewritten()
-            out = StageBuffers(self.valid[:P], self.c_tokens[: P * W], self.c_hidden[: P * W], meta.row_seq_t,
-                               meta.row_live_t, self.last_rows[:n], draft_hidden, slots)  # fmt: skip
-            stage_draft_ahead(tokens, hidden, valid, W, P, out, backend="triton")
-        else:
-            # Persistent buffers, cast as copied: no tensor made per round.
-            self.valid[:n].copy_(valid)
-            self.c_tokens[: n * W].copy_(tokens)
-            self.c_hidden[: n * W].copy_(hidden)
-            if n < P:  # padding sequences (their rows: finite, never read)
-                self.valid[n:P].zero_()
-                self.c_tokens[n * W : P * W].zero_()
-                self.c_hidden[n * W : P * W].copy_(hidden[:1].expand(P * W - n * W, -1))
-            meta.set_valid_rows(self.valid[:P])
-            last = torch.add(self.row_before[:n], self.valid[:n], out=self.last_rows[:n])
-            if draft_hidden is not None and slots is not None:
-                buf = self.last_hidden
-                h = torch.index_select(hidden, 0, last, out=buf[:n]) if buf.dtype == hidden.dtype else hidden[last]
-                draft_hidden.index_copy_(0, slots, h.to(draft_hidden.dtype))
+        # Counts, tokens and hidden rows into the draft graph's persistent buffers, the rows past each count made
+        # padding rows, the draft hidden recorded: one launch on CUDA (`speculative.mtp.staging`), else the reference.
+        meta.device_rewritten()
+        out = StageBuffers(self.valid[:P], self.c_tokens[: P * W], self.c_hidden[: P * W], meta.row_seq_t,
+                           meta.row_live_t, self.last_rows[:n], draft_hidden, slots)  # fmt: skip
+        stage_draft_ahead(tokens, hidden, valid, W, P, out)
         # The host lengths only size the eager (emulated) description of the chained steps: an upper bound.
         (drafts,) = self._replay_or_run(key, [s + W for s in starts])
         self.meta.trim_padding()

@@ -14,8 +14,8 @@ What it writes, for ``n`` real sequences of ``W`` verify rows padded to ``P`` se
 * ``c_tokens [P * W]`` / ``c_hidden [P * W, D]``: the catch-up's input rows, the verify's rows in order (padding
   rows: token 0 and the hidden of row 0, finite and never read);
 * ``row_seq [P * W]`` / ``row_live [P * W]``: rows at offset ``>= valid[j]`` inside their sequence become padding
-  rows (``-1`` / ``0``; the other rows keep what `AttentionMetadata.prepare` wrote), as
-  `AttentionMetadata.set_valid_rows`;
+  rows (``-1`` / ``0``; the other rows keep what `AttentionMetadata.prepare` wrote), as `prepare`'s host
+  ``valid_q_lens`` would make them;
 * ``last_rows [n]``: each sequence's last accepted row ``j W + valid[j] - 1``;
 * ``draft_hidden[slots[j]]``: that row's hidden (the draft hidden a restore reads), when given.
 """
