@@ -65,6 +65,7 @@ class Scenario:
         outlier_ms: (low, high) of such an outlier's extra milliseconds, uniform.
         catchup_lag: held rows (one a ``K = 0`` round) that force a catch-up flush (`MTPDecodingConfig.catchup_lag`).
         flush_ms: a flush's extra milliseconds for ``catchup_lag`` held rows (proportional to the rows held).
+        flush_fixed_ms: what every flush costs besides (its replay and host work, however few rows it holds).
         plain_ms: plain decoding's step (default ``cost_ms[0]``): the baseline's steady cost.
         gen: tokens a request generates (the run's length).
     """
@@ -78,6 +79,7 @@ class Scenario:
     outlier_ms: tuple[float, float] = (2.0, 10.0)
     catchup_lag: int = 64
     flush_ms: float = 0.0
+    flush_fixed_ms: float = 0.0
     plain_ms: float | None = None
     gen: int = 256
     note: str = ""
@@ -113,6 +115,20 @@ SCENARIOS: dict[str, Scenario] = {
         outlier_ms=(5.0, 20.0),
         flush_ms=4.0,
         note="H200 small bf16 graphs+overlap, batch 64: K = 3 loses (32,498 against 82,258 tok/s)",
+    ),
+    # H100 rows of 2026-12-07 (trained small, bf16, graphs, overlap; spec_adapt_small_h100_2026-12-07_adaptive_default):
+    # plain 1.105 ms a step at batch 64, the adaptive run's K = 0 rounds 1.03 ms and K = 3 rounds 4.80 ms, catch-ups
+    # after two or three K = 0 rounds ~1.1 ms beyond their round (lag_cost 0.46 ms a held round): mostly a fixed cost.
+    "b64_h100": Scenario(
+        batch=64,
+        cost_ms={0: 1.03, 3: 4.80},
+        first_ms={0: 1.4, 3: 5.8},
+        acceptance=0.8,
+        outlier_p=0.01,
+        outlier_ms=(2.0, 8.0),
+        flush_ms=3.0,
+        flush_fixed_ms=1.0,
+        note="H100 small bf16 graphs+overlap, batch 64: K = 3 loses; catch-ups mostly fixed cost",
     ),
     "b1": Scenario(
         batch=1,
@@ -247,7 +263,7 @@ def simulate(
         flush_next = 0.0
         if run_k > 0 and held:
             # The MTP drafter catches the held rows up before drafting: inside this round.
-            t += sc.flush_ms * held / sc.catchup_lag
+            t += sc.flush_fixed_ms + sc.flush_ms * held / sc.catchup_lag
             held = 0
             flushes += 1
             pol.note_flush()
@@ -257,7 +273,7 @@ def simulate(
             held += 1
             if held >= sc.catchup_lag:
                 # The lag is full: the catch-up is launched behind the step in flight; the next round waits for it.
-                flush_next = sc.flush_ms
+                flush_next = sc.flush_fixed_ms + sc.flush_ms
                 held = 0
                 flushes += 1
                 pol.note_flush(ahead=True)
@@ -324,6 +340,7 @@ def main() -> None:
     ap.add_argument("--outlier-p", type=float, default=0.0)
     ap.add_argument("--outlier-ms", type=float, nargs=2, default=(2.0, 10.0))
     ap.add_argument("--flush-ms", type=float, default=0.0)
+    ap.add_argument("--flush-fixed-ms", type=float, default=0.0)
     ap.add_argument("--catchup-lag", type=int, default=64)
     ap.add_argument("--json", action="store_true", help="one JSON row a scenario")
     args = ap.parse_args()
@@ -335,6 +352,7 @@ def main() -> None:
             batch=args.batch, cost_ms={int(k): float(v) for k, v in args.cost}, acceptance=args.acceptance,
             first_ms={int(k): float(v) for k, v in (args.first or [])}, jitter=args.jitter, outlier_p=args.outlier_p,
             outlier_ms=tuple(args.outlier_ms), catchup_lag=args.catchup_lag, flush_ms=args.flush_ms,
+            flush_fixed_ms=args.flush_fixed_ms,
         )  # fmt: skip
     else:
         for name in args.scenario or list(SCENARIOS):
