@@ -240,6 +240,11 @@ MTP_STAGE_BACKEND = Backend(
     "MTP staging",
     "a draft launched from a verify on the device: its inputs in one launch",
 )
+VERIFY_STAGE_BACKEND = Backend(
+    "TRTLLM_GLM_VERIFY_STAGE_BACKEND",
+    "verify staging",
+    "a verify round launched ahead: its rows' description and inputs in one launch",
+)
 KPOOL_BACKEND: Choice[str] = Choice(
     "TRTLLM_GLM_KPOOL_BACKEND", Backend.CHOICES, "auto", "the sparse-MLA indexer and attention ops (auto: Triton on "
     "CUDA when it imports)", fold=True,

@@ -117,12 +117,14 @@ def steady_ref(model):
 
 
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode", ["shared", "separate"])
-def test_rounds_launched_ahead_are_lossless(emulated, model, steady_ref, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "stage"), [("shared", "torch"), ("separate", "torch"), ("shared", "triton")])
+def test_rounds_launched_ahead_are_lossless(emulated, model, steady_ref, mode: str, stage: str, monkeypatch) -> None:
     """A steady batch: most rounds are launched ahead, drafts are accepted several at a time, and the output is
     plain greedy's; ``max_tokens`` (21, 23, 25) ends every request inside a round, after the launches stop. With a
     separate draft manager the same rounds run synchronously too: the acceptance per position and the number of
-    rounds are identical (the drafts made on the device from the in-flight round are the drafts the host makes)."""
+    rounds are identical (the drafts made on the device from the in-flight round are the drafts the host makes).
+    ``stage``: the verify launched ahead described by the torch reference or the one-launch kernel (interpreted)."""
+    monkeypatch.setenv("TRTLLM_GLM_VERIFY_STAGE_BACKEND", stage)
     prompts, params, ref = steady_ref
     ex, got = run(model, prompts, params, mode=mode)
     assert_same(ref, got)

@@ -334,14 +334,12 @@ class AttentionMetadata:
                 the proposed drafts; `prepare`'s ``live_q_lens``); default every row.
         """
         B = self.num_seqs
-        N = B * width
-        if width < 1 or self.max_num_tokens < N:
-            raise ValueError(f"{B} sequences of {width} rows do not fit max_num_tokens={self.max_num_tokens}")
-        if past_lens.shape != (B,) or real.shape != (B,) or len(host_past_lens) != B:
+        if past_lens.shape != (B,) or real.shape != (B,):
             raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
         if live_lens is not None and live_lens.shape != (B,):
             raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
-        self.device_rewritten()
+        self.describe_verify_rows(width, host_past_lens)
+        N = B * width
         seq, tok = self._seq_buf, self._tok_buf
         seq[1, :B].copy_(past_lens)
         seq[2, :B].fill_(width)
@@ -356,12 +354,23 @@ class AttentionMetadata:
         if live_lens is not None:
             live = live & (offset < live_lens.index_select(0, owner))
         tok[2, :N].copy_(live)
+
+    def describe_verify_rows(self, width: int, host_past_lens: Sequence[int]) -> None:
+        """The host's side of `set_verify_rows`: the description's lists for ``width`` rows per sequence at lengths
+        bounded by ``host_past_lens``; the device buffers are left to the caller (`set_verify_rows`, or a staging
+        kernel writing `row_buffers`), and the next `prepare` copies its description whatever they hold."""
+        B = self.num_seqs
+        if width < 1 or self.max_num_tokens < B * width:
+            raise ValueError(f"{B} sequences of {width} rows do not fit max_num_tokens={self.max_num_tokens}")
+        if len(host_past_lens) != B:
+            raise ValueError(f"set_verify_rows needs {B} host lengths, got {len(host_past_lens)}")
+        self.device_rewritten()
         self.q_lens = [width] * B
         self.past_lens = list(host_past_lens)
         self.cu_seqlens = [width * b for b in range(B + 1)]
         self.num_decode_seqs = B
-        self.num_decode_tokens = N
-        self.num_tokens = N
+        self.num_decode_tokens = B * width
+        self.num_tokens = B * width
         self.max_kv_len = max((p + width for p in self.past_lens), default=0)
         self.valid_q_lens = None
 
@@ -376,8 +385,20 @@ class AttentionMetadata:
             raise ValueError(f"{tuple(counts.shape)} accepted counts for {self.num_seqs} sequences")
         self._acc_buf[:n].copy_(counts)
         self._acc_buf[n : self.num_seqs].zero_()
+        self.accepted_written_on_device()
+
+    def accepted_written_on_device(self) -> None:
+        """The host's side of `set_num_accepted_t`: the device wrote ``accepted_buffer[:num_seqs]`` (a staging kernel);
+        the next `set_num_accepted` copies its counts whatever they were."""
         self._acc_on_device = None
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
+
+    @property
+    def row_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(seq [5, max_num_seqs + 1], tok [3, max_num_tokens])`` int64: the persistent per-sequence rows (0 slot,
+        past, q lens, kv lens, cumulative rows) and per-row rows (position, owner or -1, live) the graphs read; a
+        device-side writer calls `describe_verify_rows` (or the like) for the host's side."""
+        return self._seq_buf, self._tok_buf
 
     @property
     def accepted_buffer(self) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..attention.metadata import HostStaging
 from ..graph_capture import GraphCaptureError, capture_graph, capture_session
 from ..logits import greedy_fuse_cast, greedy_pack
 from ..transfer import to_device
+from .verify_staging import VerifyBuffers, stage_verify_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -645,20 +646,13 @@ class CudaGraphRunner:
         self._inputs[: S + P * W].copy_(host[: S + P * W], non_blocking=True)
         traffic.put()
         self._staging.release()
-        # Round n's results, on the device: accepted counts and the bonus token of each sequence.
-        rows = prev.packed.view(B, W, -1)
-        acc = rows[:, 0, 2].to(torch.int64)
-        bonus = rows[:, :, 0].gather(1, (acc - 1).view(B, 1)).view(B).to(torch.int64)
-        grid = self.input_ids[: P * W].view(P, W)
-        grid[:B, 0].copy_(bonus)
-        grid[:B, 1:].copy_(drafts)
+        # Round n's results, on the device: each sequence's rows move past its accepted count, its root token is the
+        # bonus token, and the counts go where the tail ring's cross-check reads them (one launch on CUDA).
         meta = self.meta
-        # A new tensor: set_verify_rows rewrites the buffer `past_lens_t` views.
-        past = meta.past_lens_t.clone()
-        past[:B] += acc
-        real = torch.arange(P, device=self.device) < B
-        meta.set_verify_rows(past, real, W, list(host_past_bound) + list(meta.past_lens[B:]))
-        meta.set_num_accepted_t(acc)
+        meta.describe_verify_rows(W, list(host_past_bound) + list(meta.past_lens[B:]))
+        seq, tok = meta.row_buffers
+        stage_verify_ahead(prev.packed, drafts, W, P, VerifyBuffers(seq, tok, self.input_ids, meta.accepted_buffer))
+        meta.accepted_written_on_device()
         self.stats.device_row_replays += 1
         hidden, logits, packed = self._launch(key)
         return GraphOutputs(hidden=hidden[: B * W], logits=logits[: B * W], packed=packed[: B * W], width=W)
