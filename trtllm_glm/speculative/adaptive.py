@@ -405,8 +405,8 @@ class AdaptiveDraftPolicy:
         # A round launched ahead whose length is not the one chosen now ends its run: nothing is launched behind it,
         # so the next read-back comes as soon as it finishes, not a round's period later. Its interval is cut short
         # (0.2-0.8 ms against 24-78 ms for the other K = 0 intervals on the CPU; taken as a sample it made K = 0 look
-        # nearly free, and the choice flipped every few rounds: H100, batch 1, 21 of 103 rounds K = 0 where K = 3 ran
-        # 2.1x faster). It is no sample.
+        # nearly free, and the choice flipped every few rounds: H100, batch 1, 21 of 103 rounds K = 0, 0.71x fixed
+        # K = 3). It is no sample.
         self._open_tail = running is not None and k != running
         self._open_flush, self._next_flush = self._next_flush, False
         return k
