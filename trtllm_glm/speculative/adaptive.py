@@ -35,13 +35,6 @@ def best_draft_len(costs: dict[int, float], a: float) -> int:
     return max(sorted(costs), key=lambda k: (e[k] / costs[k], -k))
 
 
-def _push(xs: deque, x: float, most: int) -> None:
-    """Append ``x`` to ``xs``, keeping the latest ``most``."""
-    xs.append(x)
-    if len(xs) > most:
-        xs.popleft()
-
-
 def _median(xs: deque) -> float:
     """The median of ``xs``; the smaller of two (an interval only ever runs long: one that waited on something would
     be half the mean of two)."""
@@ -97,10 +90,6 @@ class AdaptiveDraftPolicy:
             At ``a = 0.71`` a K = 3 round of 2.65 ms against a 0.70 ms k = 0 round (H200, batch 16) loses 0.85 ms,
             three of them every 64 rounds 5.7 % of the time (every 729 rounds: 0.5 %).
         prior_acceptance: ``a`` before any draft was verified.
-        lag_min_held: ``K = 0`` rounds a catch-up of held rows must cover to be a sample of `lag_cost`. A catch-up of
-            a short run is mostly fixed cost: the H100 rows of 2026-12-07 (batch 64, trained ``small``) charged two
-            or three held rounds 0.46 ms each where a round costs 1.03 ms, K = 0 looked dearer than K = 3 and the
-            policy alternated, 0.74x plain decoding.
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
     Attributes:
@@ -120,7 +109,6 @@ class AdaptiveDraftPolicy:
     probe_rounds: int = 3
     probe_budget: float = 0.005
     prior_acceptance: float = 0.5
-    lag_min_held: int = 8
     clock: Callable[[], float] | None = None
     history: int = 4096
     chosen: list[int] = field(default_factory=list)
@@ -141,8 +129,6 @@ class AdaptiveDraftPolicy:
             raise ValueError("min_samples must be >= 1, explore_every >= 2 and max_explore_every >= explore_every")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if self.lag_min_held < 1:
-            raise ValueError(f"lag_min_held must be >= 1, got {self.lag_min_held}")
         if not 1 <= self.probe_rounds < self.explore_every:
             raise ValueError(f"probe_rounds must be in [1, explore_every), got {self.probe_rounds}")
         if self.clock is None:
@@ -160,15 +146,15 @@ class AdaptiveDraftPolicy:
         self._explore: dict[int, list] = {}
         self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (K re-measured, rounds of it still to run)
         self._prev_k: dict[int, int] = {}  # bucket -> K of the last round that ran (measured or not)
-        # MTP catch-ups of held rows: bucket -> [the latest long catch-ups' seconds beyond their round's cost per K = 0
-        # round that held the rows, K = 0 rounds since the last catch-up, the same of the short ones].
+        # MTP catch-ups of held rows: bucket -> [the latest catch-ups' seconds beyond their round's cost per K = 0
+        # round that held the rows, K = 0 rounds since the last catch-up].
         self._lag: dict[int, list] = {}
         # The open interval: (stamp, bucket, K) of the round now running; whether it holds a catch-up of held rows
         # (`note_flush`), and whether the interval opened next will.
         self._open: tuple[float, int, int] | None = None
         self._open_flush = False
         self._next_flush = False
-        self._open_tail = False  # the open interval ends a run launched ahead (`begin_round`): no sample
+        self._pending: int | None = None  # the length whose last missing sample is running now (`begin_round`)
 
     # --------------------------------------------------------------------------------------------
     @staticmethod
@@ -224,17 +210,9 @@ class AdaptiveDraftPolicy:
         over the latest catch-ups (`cost_window`) of what each took beyond its round's cost per ``K = 0`` round since
         the one before (0 before one was measured; always 0 for drafters that hold nothing). A running mean took a
         catch-up interval that also waited on something else (2.3 ms beyond its round) as 0.76 ms a round where three
-        K = 0 rounds had held the rows, and kept it.
-
-        Only catch-ups of at least `lag_min_held` rounds count: the rate a long run of ``K = 0`` pays. A catch-up
-        after a few rounds is mostly a fixed cost (a replay and its host work, at the change of length) and goes to
-        the next length's `switch_cost` instead."""
+        K = 0 rounds had held the rows, and kept it."""
         lag = self._lag.get(self.bucket(batch_size))
-        if lag is None or not lag[0]:
-            return 0.0
-        # A short run's rate (its fixed cost over few rounds) bounds a long run's: one long catch-up that also waited
-        # on something else is no more than that.
-        return min(_median(lag[0]), _median(lag[2])) if lag[2] else _median(lag[0])
+        return _median(lag[0]) if lag is not None and lag[0] else 0.0
 
     def choose(self, batch_size: int) -> int:
         """The draft length of the next round of a ``batch_size``-request decode batch.
@@ -255,7 +233,12 @@ class AdaptiveDraftPolicy:
         got = self.costs(batch_size)
         for k in (cands[-1], 0):
             if k not in got:
-                return self._pick(k)
+                # The round already running (launched ahead) is the last sample this length needs: choose now what
+                # comes after it (else one more round of it runs behind the choice).
+                c = self._costs.get((b, k))
+                if k != self._pending or c is None or c.samples != self.min_samples - 1 or not c.samples:
+                    return self._pick(k)
+                got[k] = c.seconds
         est = self.estimated_costs(batch_size, got)
         # Optimistic by one spread while the acceptance rests on fewer request-rounds than its average spans (a batch
         # of one after its first rounds): drafting measures the acceptance, k = 0 does not (it would keep a low early
@@ -364,7 +347,9 @@ class AdaptiveDraftPolicy:
             # beyond that is the change of length's cost (`probe_wait` counts it).
             c.run, c.base = [], (c.seconds if c.samples >= self.min_samples else None)
             if c.base is not None:
-                _push(c.switch, max(0.0, seconds - c.base), 8)
+                c.switch.append(max(0.0, seconds - c.base))
+                if len(c.switch) > 8:
+                    c.switch.popleft()
             return
         c.samples += 1
         c.window.append(seconds)
@@ -400,14 +385,14 @@ class AdaptiveDraftPolicy:
         now = self.clock()  # type: ignore[misc]
         self._close(now, steady)
         if k is None:
+            # A round of ``running`` (launched ahead) of the same length as the last one, steady and holding no
+            # catch-up, is a sample of its length when it closes.
+            b = self.bucket(batch_size)
+            same = running is not None and steady and self._prev_k.get(b) == running
+            self._pending = running if same and self._open is not None and not self._next_flush else None
             k = self.choose(batch_size)
+            self._pending = None
         self._open = (now, batch_size, k if running is None else running)
-        # A round launched ahead whose length is not the one chosen now ends its run: nothing is launched behind it,
-        # so the next read-back comes as soon as it finishes, not a round's period later. Its interval is cut short
-        # (0.2-0.8 ms against 24-78 ms for the other K = 0 intervals on the CPU; taken as a sample it made K = 0 look
-        # nearly free, and the choice flipped every few rounds: H100, batch 1, 21 of 103 rounds K = 0, 0.71x fixed
-        # K = 3). It is no sample.
-        self._open_tail = running is not None and k != running
         self._open_flush, self._next_flush = self._next_flush, False
         return k
 
@@ -421,30 +406,19 @@ class AdaptiveDraftPolicy:
         b = self.bucket(ob)
         prev = self._prev_k.get(b)
         self._prev_k[b] = ok
-        lag = self._lag.setdefault(b, [deque(), 0, deque()])
+        lag = self._lag.setdefault(b, [deque(), 0])
         if ok == 0:
             lag[1] += 1
-        tail = self._open_tail
         if self._open_flush:
             # The catch-up of the rows held since the last one: its cost per K = 0 round that held them.
             held, lag[1] = lag[1], 0
             c = self._costs.get((b, ok))
-            if now is not None and steady and not tail and held and c is not None and c.samples >= self.min_samples:
-                excess = max(0.0, now - t0 - c.seconds)
-                if held >= self.lag_min_held:
-                    # A long run's catch-up; at a change of length less what such a change costs without one.
-                    if prev != ok:
-                        excess = max(0.0, excess - self.switch_cost(b, ok))
-                    _push(lag[0], excess / held, self.cost_window)
-                else:
-                    # A short run's catch-up: mostly what any catch-up costs (a replay, its host work) and, where the
-                    # next length began, the change of length itself, paid once per run, not per round. Per round
-                    # it only bounds the long runs' rate (`lag_cost`).
-                    _push(lag[2], excess / held, self.cost_window)
-                    if prev != ok:
-                        _push(c.switch, excess, 8)
+            if now is not None and steady and held and c is not None and c.samples >= self.min_samples:
+                lag[0].append(max(0.0, now - t0 - c.seconds) / held)
+                if len(lag[0]) > self.cost_window:
+                    lag[0].popleft()
             return
-        if now is None or not steady or tail:
+        if now is None or not steady:
             return
         self.observe_cost(ob, ok, now - t0, after=prev)
 
@@ -467,4 +441,3 @@ class AdaptiveDraftPolicy:
         self._close(None, False)
         self._open = None
         self._open_flush = False
-        self._open_tail = False
