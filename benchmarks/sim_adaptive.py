@@ -66,9 +66,6 @@ class Scenario:
         catchup_lag: held rows (one a ``K = 0`` round) that force a catch-up flush (`MTPDecodingConfig.catchup_lag`).
         flush_ms: a flush's extra milliseconds for ``catchup_lag`` held rows (proportional to the rows held).
         flush_fixed_ms: what every flush costs besides (its replay and host work, however few rows it holds).
-        tail_ms: the measured interval of a round launched ahead after which the length changes (nothing is launched
-            behind it, so its read-back comes as soon as it finishes); the rest of its time moves to the next
-            interval. None: intervals are not cut (the GPU's 2026-12-07 H100 batch-1 run: K = 0 at ~0.1 ms).
         plain_ms: plain decoding's step (default ``cost_ms[0]``): the baseline's steady cost.
         gen: tokens a request generates (the run's length).
     """
@@ -83,7 +80,6 @@ class Scenario:
     catchup_lag: int = 64
     flush_ms: float = 0.0
     flush_fixed_ms: float = 0.0
-    tail_ms: float | None = None
     plain_ms: float | None = None
     gen: int = 256
     note: str = ""
@@ -250,7 +246,6 @@ def simulate(
     prev_k: int | None = None  # length of the round that ran last
     held = 0  # rows held by K = 0 rounds, not yet caught up
     flush_next = 0.0  # a flush launched behind the step in flight: the next interval pays it
-    moved = 0.0  # time a cut interval (`Scenario.tail_ms`) left to the next one
     flushes = 0
     while tokens < target:
         # The read-back: stamp the policy, choose (executor call order, see the module docstring).
@@ -264,11 +259,8 @@ def simulate(
             run_k = k_choice
         first = prev_k is not None and run_k != prev_k
         base = sc.first_ms.get(run_k, sc.cost_ms[run_k]) if first else sc.cost_ms[run_k]
-        t = _interval(rng, base, sc) + flush_next + moved
-        flush_next = moved = 0.0
-        if sc.tail_ms is not None and ahead is not None and carry is not None and t > sc.tail_ms:
-            # The last round of a run launched ahead: read back as soon as it finishes (`tail_ms`).
-            t, moved = sc.tail_ms, t - sc.tail_ms
+        t = _interval(rng, base, sc) + flush_next
+        flush_next = 0.0
         if run_k > 0 and held:
             # The MTP drafter catches the held rows up before drafting: inside this round.
             t += sc.flush_fixed_ms + sc.flush_ms * held / sc.catchup_lag
