@@ -395,9 +395,9 @@ class AttentionMetadata:
 
     @property
     def row_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seq [5, max_num_seqs + 1], tok [3, max_num_tokens])`` int64: the persistent per-sequence rows (0 slot,
-        past, q lens, kv lens, cumulative rows) and per-row rows (position, owner or -1, live) the graphs read; a
-        device-side writer calls `describe_verify_rows` (or the like) for the host's side."""
+        """``(seq [5, max_num_seqs + 1], tok [3, max_num_tokens])`` int64: the persistent per-sequence rows (state
+        slots, past, q lens, kv lens, cumulative rows) and per-row rows (position, owner or -1, live) the graphs read;
+        a device-side writer calls `describe_verify_rows` (or the like) for the host's side."""
         return self._seq_buf, self._tok_buf
 
     @property
