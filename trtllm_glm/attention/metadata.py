@@ -112,8 +112,6 @@ class AttentionMetadata:
         self._tok_buf = torch.zeros(3, N, dtype=i64, device=self.device)
         # 0 .. B: cu_seqlens and row owners of one-row-per-sequence steps written on the device (`set_decode_rows`).
         self._arange = torch.arange(B + 1, dtype=i64, device=self.device)
-        # 0 .. N - 1: row indices of verify steps described on the device (`set_verify_rows`).
-        self._tok_arange = torch.arange(N, dtype=i64, device=self.device)
         self._staging = HostStaging(
             {"seq": (self._seq_buf.shape, i64), "tok": (self._tok_buf.shape, i64)}, pin_memory=pin
         )
@@ -126,8 +124,8 @@ class AttentionMetadata:
         # The scheduler's accepted counts of the previous step (`set_num_accepted`), persistent so that a
         # captured verify graph reads the same address every replay.
         self._acc_buf = torch.zeros(B, dtype=i64, device=self.device)
-        # The counts last copied into ``_acc_buf`` while it still holds them (None once `set_num_accepted_t` wrote it
-        # on the device): width-one rounds set all zeros every step, which need no copy after the first.
+        # The counts last copied into ``_acc_buf`` while it still holds them (None once the device wrote it,
+        # `accepted_written_on_device`): width-one rounds set all zeros every step, which need no copy after the first.
         self._acc_on_device: tuple[int, ...] | None = None
         self._acc_staging = HostStaging({"acc": (self._acc_buf.shape, i64)}, pin_memory=pin)
         self.num_padding_seqs = 0
@@ -265,7 +263,7 @@ class AttentionMetadata:
 
     def device_rewritten(self) -> None:
         """The per-sequence and per-token buffers were (or will be, on the stream) rewritten on the device: the
-        next `prepare` copies its description whatever it is (`set_decode_rows`, `set_verify_rows`,
+        next `prepare` copies its description whatever it is (`set_decode_rows`, `describe_verify_rows`,
         `speculative.mtp.staging`, and the replay of a captured graph that calls them)."""
         self._described = None
 
@@ -308,62 +306,17 @@ class AttentionMetadata:
         self.spec = SpecMetadata()
         self.kda_scratch: dict = {}  # per-step index tensors the KDA layers share (`kda.layer._step_cached`)
 
-    def set_verify_rows(
-        self,
-        past_lens: torch.Tensor,
-        real: torch.Tensor,
-        width: int,
-        host_past_lens: Sequence[int],
-        live_lens: torch.Tensor | None = None,
-    ) -> None:
-        """Make the current batch ``width`` verify rows per sequence at device-held lengths, by device ops only.
-
-        The verify sibling of `set_decode_rows` (a step whose lengths are known only on the device: a round
-        launched before the previous round's accepted counts reached the host, docs/speculation.md's design
-        note). The sequences, their state slots and the slot table stay; lengths, positions, row ownership and
-        liveness are rewritten as `prepare` would write them for ``q_lens = [width] * num_seqs`` with every
-        sequence a decode (verify) sequence.
-
-        Args:
-            past_lens: ``[num_seqs]`` int64 on the device: each sequence's cached tokens before its rows.
-            real: ``[num_seqs]`` bool on the device; False makes the sequence's rows padding (``row_seq = -1``).
-            width: rows per sequence ``W`` (root + drafts).
-            host_past_lens: ``[num_seqs]`` lengths for the host description (an upper bound is fine: it only
-                sizes ``max_kv_len``).
-            live_lens: optional ``[num_seqs]`` int64 on the device: leading rows whose outputs are read (one plus
-                the proposed drafts; `prepare`'s ``live_q_lens``); default every row.
-        """
-        B = self.num_seqs
-        if past_lens.shape != (B,) or real.shape != (B,):
-            raise ValueError(f"set_verify_rows needs {B} lengths and flags, got {tuple(past_lens.shape)}")
-        if live_lens is not None and live_lens.shape != (B,):
-            raise ValueError(f"live_lens needs {B} entries, got {tuple(live_lens.shape)}")
-        self.describe_verify_rows(width, host_past_lens)
-        N = B * width
-        seq, tok = self._seq_buf, self._tok_buf
-        seq[1, :B].copy_(past_lens)
-        seq[2, :B].fill_(width)
-        torch.add(past_lens, width, out=seq[3, :B])
-        torch.mul(self._arange[: B + 1], width, out=seq[4, : B + 1])
-        rows = self._tok_arange[:N]
-        owner = torch.div(rows, width, rounding_mode="floor")
-        offset = rows - owner * width
-        tok[0, :N].copy_(past_lens.index_select(0, owner) + offset)
-        tok[1, :N].copy_(torch.where(real.index_select(0, owner), owner, -1))
-        live = tok[1, :N] >= 0
-        if live_lens is not None:
-            live = live & (offset < live_lens.index_select(0, owner))
-        tok[2, :N].copy_(live)
-
     def describe_verify_rows(self, width: int, host_past_lens: Sequence[int]) -> None:
-        """The host's side of `set_verify_rows`: the description's lists for ``width`` rows per sequence at lengths
-        bounded by ``host_past_lens``; the device buffers are left to the caller (`set_verify_rows`, or a staging
-        kernel writing `row_buffers`), and the next `prepare` copies its description whatever they hold."""
+        """Make the current batch ``width`` verify rows per sequence whose lengths are known only on the device (a round
+        launched before the previous round's accepted counts reached the host): the host's description, for
+        lengths bounded by ``host_past_lens`` (an upper bound only sizes ``max_kv_len``). The device buffers
+        (`row_buffers`) are the caller's to write, as `prepare` would for ``q_lens = [width] * num_seqs``
+        (`runtime.verify_staging`); the next `prepare` copies its description whatever they hold."""
         B = self.num_seqs
         if width < 1 or self.max_num_tokens < B * width:
             raise ValueError(f"{B} sequences of {width} rows do not fit max_num_tokens={self.max_num_tokens}")
         if len(host_past_lens) != B:
-            raise ValueError(f"set_verify_rows needs {B} host lengths, got {len(host_past_lens)}")
+            raise ValueError(f"describe_verify_rows needs {B} host lengths, got {len(host_past_lens)}")
         self.device_rewritten()
         self.q_lens = [width] * B
         self.past_lens = list(host_past_lens)
@@ -374,22 +327,10 @@ class AttentionMetadata:
         self.max_kv_len = max((p + width for p in self.past_lens), default=0)
         self.valid_q_lens = None
 
-    def set_num_accepted_t(self, counts: torch.Tensor) -> None:
-        """`set_num_accepted` from counts on the device (a round launched before the previous one was read back).
-
-        Args:
-            counts: ``[n]`` int64 on the device, ``n <= num_seqs``; padding entries get 0.
-        """
-        n = counts.shape[0]
-        if counts.dim() != 1 or n > self.num_seqs:
-            raise ValueError(f"{tuple(counts.shape)} accepted counts for {self.num_seqs} sequences")
-        self._acc_buf[:n].copy_(counts)
-        self._acc_buf[n : self.num_seqs].zero_()
-        self.accepted_written_on_device()
-
     def accepted_written_on_device(self) -> None:
-        """The host's side of `set_num_accepted_t`: the device wrote ``accepted_buffer[:num_seqs]`` (a staging kernel);
-        the next `set_num_accepted` copies its counts whatever they were."""
+        """The device wrote ``accepted_buffer[:num_seqs]`` (a round launched before the previous one was read back:
+        `runtime.verify_staging`): ``spec.num_accepted_t`` views it, and the next `set_num_accepted` copies its counts
+        whatever they were."""
         self._acc_on_device = None
         self.spec.num_accepted_t = self._acc_buf[: self.num_seqs]
 

@@ -614,7 +614,7 @@ class CudaGraphRunner:
         the previous round's accepted counts are taken from ``prev`` on the device (no host sync).
 
         The plan is described at the host-known lengths (each sequence's start of round ``n``, ``ScheduledSeq.start``);
-        then, on the stream, each sequence's rows move to ``start + accepted_n`` (`AttentionMetadata.set_verify_rows`),
+        then, on the stream, each sequence's rows move to ``start + accepted_n`` (`runtime.verify_staging`),
         its root token becomes round ``n``'s bonus token (the target's argmax after its last accepted row) and its
         drafts ``drafts`` (the MTP draft made from round ``n``'s outputs). Every sequence verifies ``W - 1`` real
         drafts; ``spec.num_accepted_t`` (the tail-ring cross-check) gets round ``n``'s counts.

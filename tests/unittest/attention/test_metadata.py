@@ -206,7 +206,8 @@ def test_an_unchanged_description_is_not_copied_again() -> None:
 
 def test_unchanged_accepted_counts_are_not_copied_again() -> None:
     """Width-one rounds set the same (zero) accepted counts every step: copied once; new counts, or any after the
-    device wrote the buffer (`set_num_accepted_t`), are copied, and the buffer always holds the counts last set."""
+    device wrote the buffer (`accepted_written_on_device`), are copied, and the buffer always holds the counts last
+    set."""
     import torch
 
     from trtllm_glm import traffic
@@ -225,7 +226,8 @@ def test_unchanged_accepted_counts_are_not_copied_again() -> None:
     assert accept([0, 0]) == 1
     assert accept([0, 0]) == 0 and accept([0, 0]) == 0
     assert accept([2, 0]) == 1 and accept([2, 0]) == 0
-    meta.set_num_accepted_t(torch.tensor([3, 1]))
+    meta.accepted_buffer[:2].copy_(torch.tensor([3, 1]))  # as `runtime.verify_staging` writes it
+    meta.accepted_written_on_device()
     assert meta.spec.num_accepted_t.tolist() == [3, 1]
     assert accept([2, 0]) == 1  # the device rewrote the buffer: the same counts are copied again
     assert accept([2]) == 1  # a shorter list is other counts (its padding entry is written 0)

@@ -648,39 +648,11 @@ def test_set_decode_rows_matches_prepare() -> None:
         a.set_decode_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), past[:3])
 
 
-@pytest.mark.parametrize("live", [None, [4, 1, 3, 2]])
-def test_set_verify_rows_matches_prepare(live) -> None:
-    """`AttentionMetadata.set_verify_rows` writes what `prepare` writes for ``W`` verify rows per sequence, from a
-    batch another step described (the fused draft's catch-up shape)."""
-    from trtllm_glm.attention.metadata import AttentionMetadata
-
-    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
-    b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
-    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 2, 4, 1], state_slots=[7, 1, 2, 0], num_decode_seqs=0,
-              num_padding_seqs=1, valid_q_lens=[2, 2, 3, 0])  # fmt: skip
-    past, W = [8, 3, 11, 4], 4
-    a.set_verify_rows(torch.tensor(past), torch.tensor([True, True, True, False]), W, past,
-                      None if live is None else torch.tensor(live))  # fmt: skip
-    b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[W] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
-              num_padding_seqs=1, live_q_lens=live)  # fmt: skip
-    for name in ("positions_t", "row_seq_t", "row_live_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t",
-                 "cu_seqlens_t"):  # fmt: skip
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
-    assert a.row_seq_t.tolist()[-W:] == [-1] * W and a.positions_t.tolist()[:W] == [8, 9, 10, 11]
-    for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
-                 "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
-        assert getattr(a, name) == getattr(b, name), name
-    with pytest.raises(ValueError, match="4 lengths"):
-        a.set_verify_rows(torch.tensor(past[:3]), torch.ones(3, dtype=torch.bool), W, past[:3])
-    with pytest.raises(ValueError, match="do not fit"):
-        a.set_verify_rows(torch.tensor(past), torch.ones(4, dtype=torch.bool), 9, past)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_staged_valid_rows_match_prepare(backend: str) -> None:
     """A draft's staging from a verify on the device (`speculative.mtp.staging`: valid rows = the accepted counts) makes
     the rows past each count what `prepare`'s host ``valid_q_lens`` makes them, in the same persistent buffers, and
-    leaves the rest of the description alone; `set_num_accepted_t` writes what `set_num_accepted` writes."""
+    leaves the rest of the description alone."""
     from trtllm_glm.attention.metadata import AttentionMetadata
     from trtllm_glm.speculative.mtp.staging import StageBuffers, stage_draft_ahead
 
@@ -700,10 +672,6 @@ def test_staged_valid_rows_match_prepare(backend: str) -> None:
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     assert a.row_seq_t.data_ptr() == ptr
     assert out.valid.tolist() == [2, 4, 1, 0] and out.last_rows.tolist() == [1, 7, 8]
-    a.set_num_accepted([3, 1, 2, 4])
-    a.set_num_accepted_t(torch.tensor([2, 4, 1]))
-    b.set_num_accepted([2, 4, 1])
-    assert torch.equal(a.spec.num_accepted_t, b.spec.num_accepted_t) and a.spec.num_accepted_t.tolist() == [2, 4, 1, 0]
 
 
 def test_row_live_marks_padding_and_filler() -> None:

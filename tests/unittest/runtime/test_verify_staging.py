@@ -1,5 +1,5 @@
 """The verify-ahead staging kernel (`runtime.verify_staging.kernels`) against its torch reference, on the CPU
-interpreter, and the reference against what `AttentionMetadata.set_verify_rows` and `set_num_accepted_t` write.
+interpreter, and the staged description against what `AttentionMetadata.prepare` describes for the same rows.
 
 Adversarial geometry: packed float64 results with a row stride wider than three columns, drafts read through a
 transposed (strided) view, padding sequences (``P > B``) whose lengths must stay, every accepted count from 1 to
@@ -71,33 +71,42 @@ def test_kernel_matches_reference(B: int, P: int, W: int) -> None:
     assert torch.equal(want["tok"][:, P * W :], bufs["tok"][:, P * W :])
 
 
-def test_reference_is_set_verify_rows_and_set_num_accepted_t() -> None:
-    """The reference writes the metadata's buffers as the metadata's own device-row methods do (the path it replaced
-    in `CudaGraphRunner.replay_verify_ahead`)."""
-    B, P, W = 3, 4, 4
-    packed, drafts, acc, _ = _case(5, B, P, W)
-    metas = []
-    for _ in range(2):
-        m = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
-        m.prepare([10, 11, 12, 13], [40, 7, 300, 12], [1] * P, [5, 0, 2, 1], num_decode_seqs=P)
-        metas.append(m)
-    a, b = metas
-    past = a.past_lens_t.clone()
-    past[:B] += acc
-    a.set_verify_rows(past, torch.arange(P) < B, W, [44, 11, 304, 12])
-    a.set_num_accepted_t(acc)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_staged_description_matches_prepare(backend: str) -> None:
+    """A batch described at round n's starts (3 sequences of other widths, one padding sequence), then staged from
+    round n's packed results: the metadata holds what `prepare` writes for ``W`` verify rows per sequence at
+    ``start + accepted``, in the same persistent buffers; ``spec.num_accepted_t`` is what `set_num_accepted` sets."""
+    W, P = 4, 4
+    packed, drafts, _, _ = _case(9, 3, P, W)
+    packed.view(3, W, 3)[:, 0, 2] = torch.tensor([3.0, 3.0, 2.0])  # starts 5, 0, 9 -> 8, 3, 11
+    a = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    b = AttentionMetadata(max_num_seqs=6, max_num_tokens=32)
+    a.prepare([1, 2, 3, 4], past_lens=[5, 0, 9, 4], q_lens=[3, 2, 4, 1], state_slots=[7, 1, 2, 0], num_decode_seqs=0,
+              num_padding_seqs=1, valid_q_lens=[2, 2, 3, 0])  # fmt: skip
+    ptr = a.row_seq_t.data_ptr()
+    past = [8, 3, 11, 4]
+    a.set_num_accepted([1, 1, 1, 1])
+    a.describe_verify_rows(W, past)
+    seq, tok = a.row_buffers
     ids = torch.full((32,), -7, dtype=torch.int64)
-    b.describe_verify_rows(W, [44, 11, 304, 12])
-    seq, tok = b.row_buffers
-    stage_verify_ahead_reference(packed, drafts, W, P, VerifyBuffers(seq, tok, ids, b.accepted_buffer))
-    b.accepted_written_on_device()
-    sa, ta = a.row_buffers
-    assert torch.equal(sa[1:, : P + 1], seq[1:, : P + 1]) and torch.equal(sa[0], seq[0])  # slots stay
-    assert torch.equal(ta[:, : P * W], tok[:, : P * W])
-    assert torch.equal(a.accepted_buffer, b.accepted_buffer)
-    assert torch.equal(a.spec.num_accepted_t, b.spec.num_accepted_t)
-    for f in ("q_lens", "past_lens", "cu_seqlens", "num_tokens", "num_decode_tokens", "max_kv_len"):
-        assert getattr(a, f) == getattr(b, f), f
+    stage_verify_ahead(packed, drafts, W, P, VerifyBuffers(seq, tok, ids, a.accepted_buffer), backend=backend)
+    a.accepted_written_on_device()
+    b.prepare([1, 2, 3, 4], past_lens=past, q_lens=[W] * 4, state_slots=[7, 1, 2, 0], num_decode_seqs=4,
+              num_padding_seqs=1)  # fmt: skip
+    b.set_num_accepted([3, 3, 2])
+    for name in ("positions_t", "row_seq_t", "row_live_t", "state_slots_t", "past_lens_t", "q_lens_t", "kv_lens_t",
+                 "cu_seqlens_t"):  # fmt: skip
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert a.row_seq_t.data_ptr() == ptr
+    assert a.row_seq_t.tolist()[-W:] == [-1] * W and a.positions_t.tolist()[:W] == [8, 9, 10, 11]
+    for name in ("q_lens", "past_lens", "cu_seqlens", "num_decode_seqs", "num_decode_tokens", "num_tokens",
+                 "max_kv_len", "valid_q_lens", "num_padding_seqs"):  # fmt: skip
+        assert getattr(a, name) == getattr(b, name), name
+    assert torch.equal(a.spec.num_accepted_t, b.spec.num_accepted_t) and a.spec.num_accepted_t.tolist() == [3, 3, 2, 0]
+    with pytest.raises(ValueError, match="4 host lengths"):
+        a.describe_verify_rows(W, past[:3])
+    with pytest.raises(ValueError, match="do not fit"):
+        a.describe_verify_rows(9, past)
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -2,8 +2,8 @@
 
 A drafting round launched before the previous round was read back (`CudaGraphRunner.replay_verify_ahead`, issue 43)
 takes its lengths, root tokens and the previous round's accepted counts from that round's packed results on the
-device. `stage_verify_ahead_reference` is the torch definition (what `AttentionMetadata.set_verify_rows` and
-`set_num_accepted_t` write, and the input grid), some thirty small launches; `stage_verify_ahead` runs it, or
+device. `stage_verify_ahead_reference` is the torch definition (the rows `AttentionMetadata.prepare` would describe,
+the accepted counts, the input grid), some thirty small launches; `stage_verify_ahead` runs it, or
 `kernels.stage_verify_ahead` in one launch on CUDA (``TRTLLM_GLM_VERIFY_STAGE_BACKEND``; the CPU runs an interpreted
 copy when triton is forced: `trtllm_glm.triton_interp`). On an H100 those launches were the host's work of a round
 launched ahead (docs/speculation.md, "MTP drafting rounds under the overlap scheduler").
