@@ -401,7 +401,31 @@ def server_split(step_log: Path, t0: float, t1: float) -> dict[str, Any]:
         step_gpu_ms_mean=(sum(gpu) / len(gpu) * 1e3) if gpu else None,
         rows_per_step_mean=sum(s["rows"] for s in steps) / n,
     )  # fmt: skip
+    out.update(step_cadence(steps))
     return out
+
+
+def step_cadence(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The server's side of inter-token latency, from its step log: the interval from each step's start to the
+    next one's, counted once per sequence decoding in the next step (each of them got a token from the earlier step,
+    a decode row or its prompt's last chunk, and gets its next one from the later). Against the client's ITL this
+    separates the engine's cadence from delivery and the load generator's own lag.
+
+    Returns ``server_itl_ms`` (p50/p90/p99 over those weighted intervals), ``slow_intervals`` (intervals above twice
+    the p50, each counted once, by the earlier step's kind: an admission's mixed step shows as ``mixed``) and
+    ``slow_interval_share`` (their decoding sequences' share of all the weighted intervals: above 1 % puts the p99
+    over twice the p50)."""
+    steps = sorted(steps, key=lambda s: s["index"])
+    pairs = [(b["t_start"] - a["t_start"], b["decode_seqs"], a["kind"])
+             for a, b in zip(steps, steps[1:]) if b["index"] == a["index"] + 1 and b["decode_seqs"] > 0]  # fmt: skip
+    weighted = [dt for dt, w, _ in pairs for _ in range(w)]
+    itl = [x * 1e3 for x in percentiles(weighted)]
+    slow = [(w, kind) for dt, w, kind in pairs if dt * 1e3 > 2 * itl[0]]
+    by_kind: dict[str, int] = {}
+    for _, kind in slow:
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+    share = sum(w for w, _ in slow) / len(weighted) if weighted else float("nan")
+    return {"server_itl_ms": itl, "slow_intervals": by_kind, "slow_interval_share": share}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,6 +514,12 @@ def fmt_row(s: dict[str, Any]) -> str:
             f" + gap {s['step_gap_ms_mean']:.2f} ms (idle {s.get('step_idle_ms_mean', 0.0):.2f})"
             + (f", GPU {s['step_gpu_ms_mean']:.2f} ms" if s.get("step_gpu_ms_mean") is not None else "")
             + f"; kernels compiled {s.get('kernel_compiles', 'n/a')}"
+        )
+    if "server_itl_ms" in s:
+        line += (
+            f"\n       server ITL p50/p90/p99 {trio(s['server_itl_ms'])} ms (step to step, per decoding sequence; "
+            f"client {trio(s['itl_ms'])}); intervals over 2x p50: {s['slow_intervals']} after steps of those kinds, "
+            f"{s['slow_interval_share'] * 100:.1f} % of tokens"
         )
     if s.get("server_cpu"):
         cpu = proc_cpu.format_usage(s["server_cpu"], _labels(s["server_cpu"]))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_serve import metric_value, percentiles
+from benchmarks.bench_serve import metric_value, percentiles, step_cadence
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -25,6 +25,36 @@ def test_percentiles_and_metric_parsing() -> None:
     page = 'trtllm:kernel_compiles_total 3.0\ntrtllm:kernel_compiles_created 1.7e9\nx{a="b"} 2\nx{a="c"} 5\n'
     assert metric_value(page, "trtllm:kernel_compiles_total") == 3.0 and metric_value(page, "x") == 7.0
     assert metric_value(page, "absent") == 0.0
+
+
+def _step(index: int, t: float, kind: str, decode: int) -> dict:
+    return {"index": index, "t_start": t, "kind": kind, "decode_seqs": decode}
+
+
+def test_step_cadence_weights_intervals_by_the_sequences_decoding_next() -> None:
+    # Steps 0-9 every 4 ms with 10 sequences decoding, then an admission (mixed, 10 decoding + 1 prompt) taking
+    # 9 ms, then decode steps with 11. A step whose successor has no decoding sequence (the batch drained and the
+    # engine idled 500 ms) and a hole in the indices (records out of the window) give no interval.
+    steps, t = [], 0.0
+    for i in range(10):
+        steps.append(_step(i, t, "decode", 10))
+        t += 0.004
+    steps.append(_step(10, t, "mixed", 10))
+    t += 0.009
+    for i in range(11, 40):
+        steps.append(_step(i, t, "decode", 11))
+        t += 0.004
+    steps.append(_step(40, t + 0.5, "prefill", 0))  # after an idle half second: nobody's ITL
+    steps.append(_step(42, t + 0.6, "decode", 1))  # step 41 missing from the window: no interval either
+    c = step_cadence(list(reversed(steps)))  # the order of records does not matter
+    assert c["server_itl_ms"][0] == pytest.approx(4.0)
+    # One slow interval (after the mixed step), counted for its 11 decoding sequences out of 10 * 10 + 29 * 11.
+    assert c["slow_intervals"] == {"mixed": 1}
+    assert c["slow_interval_share"] == pytest.approx(11 / (10 * 10 + 29 * 11))
+    # p99 over 419 weighted intervals: the 11 slow ones are above the 99th rank.
+    assert c["server_itl_ms"][2] == pytest.approx(9.0)
+    empty = step_cadence([])
+    assert empty["slow_intervals"] == {} and empty["server_itl_ms"][0] != empty["server_itl_ms"][0]
 
 
 def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
@@ -50,6 +80,8 @@ def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
     ttft, queue, prefill, delivery = (lvl[f"server_{k}_ms"][0] for k in ("ttft", "queue", "prefill", "delivery"))
     assert 0 < ttft <= lvl["ttft_ms"][2] and min(queue, prefill, delivery) >= 0
     assert "server TTFT p50" in r.stdout
+    # The server's cadence, the server side of ITL: measured from its steps, and no larger than the client's tail.
+    assert 0 < lvl["server_itl_ms"][0] <= lvl["server_itl_ms"][2] and "server ITL p50/p90/p99" in r.stdout
     # The inbox wait split at the engine's inbox (the engine runs in its own process here).
     tr, loop = lvl["server_transport_ms"][0], lvl["server_loop_wait_ms"][0]
     assert tr >= 0 and loop >= 0 and "to the engine" in r.stdout
