@@ -50,8 +50,9 @@
 #                 (the default) and not (TRTLLM_GLM_CHAIN_ADMISSIONS=0), back to back; then 1K-token prompts at
 #                 concurrency 16 (no kernel may compile while serving)
 #   serve_chunk   issue 42: the serve stage's 30-token runs (concurrency 16, 64; CHUNK_REQS requests, default 256) at
-#                 defaults (with the engine alone) and with prefill_chunk_size 16 and 8 (CHUNKS): admissions split over
-#                 steps, what that does to ITL p99 / p50 and TTFT; each level prints the server's own ITL
+#                 defaults (with the engine alone) and with each option of CHUNKS (KEY=VALUE, default
+#                 mixed_prefill_budget=16 and =8): admissions spread over steps, what that does to ITL p99 / p50 and
+#                 TTFT; each level prints the server's own ITL
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -239,14 +240,14 @@ for stage in "$@"; do
         --concurrency 16 --input-len 1024 --output-len 128 --num-requests 48 --json "$O/serve_1k.json" 2>&1 \
         | tee "$O/serve_1k.log" ;;
     serve_chunk)
-      for ck in ${CHUNKS:-none 16 8}; do
-        cfg=""
-        if [ "$ck" != none ]; then
-          printf 'prefill_chunk_size: %s\n' "$ck" > "/tmp/serve_chunk_$ck.yaml"; cfg="--config /tmp/serve_chunk_$ck.yaml"; fi
+      for kv in ${CHUNKS:-none mixed_prefill_budget=16 mixed_prefill_budget=8}; do
+        cfg="" name=${kv//=/_}
+        if [ "$kv" != none ]; then
+          printf '%s: %s\n' "${kv%%=*}" "${kv#*=}" > "/tmp/serve_$name.yaml"; cfg="--config /tmp/serve_$name.yaml"; fi
         timeout "${T_SERVE_CHUNK:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 \
           --dtype bfloat16 $cfg --concurrency 16,64 --input-len 30 --output-len 128 \
-          --num-requests "${CHUNK_REQS:-256}" $([ "$ck" = none ] && echo --engine-baseline) \
-          --json "$O/serve_chunk_$ck.json" 2>&1 | tee "$O/serve_chunk_$ck.log"
+          --num-requests "${CHUNK_REQS:-256}" $([ "$kv" = none ] && echo --engine-baseline) \
+          --json "$O/serve_$name.json" 2>&1 | tee "$O/serve_$name.log"
       done ;;
     structured)
       timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \

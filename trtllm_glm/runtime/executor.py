@@ -60,6 +60,8 @@ class ExecutorConfig:
         max_num_tokens: flat rows per step.
         max_seq_len: longest sequence (prompt + output); sets the slot-table width.
         prefill_chunk_size: cap on a prefill chunk (``None``: token budget only).
+        mixed_prefill_budget: cap on the prefill rows of a step that also decodes (``None``: token budget only;
+            `Scheduler`): bounds the inter-token gap an admission makes.
         cuda_graph_config: CUDA graphs of decode / verify steps (``None``: eager; ignored off CUDA).
         enable_block_reuse: prefix caching: shared sealed pages plus recurrent-state checkpoints
             (docs/design.md §6.4).
@@ -106,6 +108,7 @@ class ExecutorConfig:
     max_num_tokens: int = 512
     max_seq_len: int = 2048
     prefill_chunk_size: int | None = None
+    mixed_prefill_budget: int | None = None
     cuda_graph_config: CudaGraphConfig | None = None
     enable_block_reuse: bool = False
     checkpoint_interval: int | None = None
@@ -130,6 +133,9 @@ class ExecutorConfig:
         f = self.batch_wait_max_tokens_ratio
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise ValueError(f"batch_wait_max_tokens_ratio must be a number in [0, 1], got {f!r}")
+        b = self.mixed_prefill_budget
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ValueError(f"mixed_prefill_budget must be a positive int (rows) or None, got {b!r}")
 
 
 @dataclass
@@ -212,7 +218,9 @@ class Executor:
                 padding_slot=self._padding_slot,
                 max_num_seqs=cfg.max_batch_size,
             )
-        self.scheduler = Scheduler(cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size)
+        self.scheduler = Scheduler(
+            cfg.max_batch_size, cfg.max_num_tokens, cfg.prefill_chunk_size, cfg.mixed_prefill_budget
+        )
         self.sampler = Sampler()
         self.seed = seed
         self.waiting: deque[Request] = deque()

@@ -236,6 +236,9 @@ class LLM:
         device: ``"cpu"``, ``"cuda"``...; default CUDA when available.
         seed: seed of preset weights and of sampling without a per-request seed.
         prefill_chunk_size: cap on a prefill chunk.
+        mixed_prefill_budget: cap on all prefill rows of a step that also decodes (``None``: only
+            ``max_num_tokens``): admissions spread over more steps so that no decode step waits for a wide one
+            (docs/serving.md, "Admission steps and inter-token latency").
         tokenizer: a tokenizer object (``encode``/``decode``) overriding the model's.
         speculative_config: a registered decoding config (`MTPDecodingConfig`, `NGramDecodingConfig`:
             `speculative.registry`); None: no speculation.
@@ -294,6 +297,7 @@ class LLM:
         device: str | None = None,
         seed: int = 0,
         prefill_chunk_size: int | None = None,
+        mixed_prefill_budget: int | None = None,
         tokenizer: object | None = None,
         speculative_config: object | None = None,
         num_threads: int | None = None,
@@ -382,6 +386,7 @@ class LLM:
             max_num_tokens=max_num_tokens,
             max_seq_len=max_seq_len,
             prefill_chunk_size=prefill_chunk_size,
+            mixed_prefill_budget=mixed_prefill_budget,
             cuda_graph_config=CudaGraphConfig.from_value(cuda_graph_config)
             if torch.device(self.device).type == "cuda"
             else None,

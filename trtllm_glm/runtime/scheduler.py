@@ -45,16 +45,37 @@ class Scheduler:
         max_num_tokens: flat rows per step (decode rows count one each, or their verify width).
         prefill_chunk_size: cap on one prefill chunk (``None``: only the token budget caps it); in the
             batch-invariant mode the chunk grid (`invariant_chunk`).
+        mixed_prefill_budget: cap on all prefill rows of a step that also decodes (``None``: only the token budget
+            caps them). A step's cost grows with its rows (a MoE touches more experts), and every decoding sequence
+            waits for the whole step: the cap bounds the inter-token gap an admission makes, at the price of
+            prefilling a prompt over more steps (Sarathi-Serve's stall-free batching). A step with nothing to
+            decode is not capped. In the batch-invariant mode a chunk is whole or deferred, so the step's first
+            chunk goes even when larger than the cap (else a chunk wider than the cap would never be scheduled).
     """
 
-    def __init__(self, max_batch_size: int, max_num_tokens: int, prefill_chunk_size: int | None = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_num_tokens: int,
+        prefill_chunk_size: int | None = None,
+        mixed_prefill_budget: int | None = None,
+    ) -> None:
         if max_batch_size <= 0 or max_num_tokens <= 0:
             raise ValueError("max_batch_size and max_num_tokens must be positive")
         if prefill_chunk_size is not None and prefill_chunk_size <= 0:
             raise ValueError("prefill_chunk_size must be positive")
+        if mixed_prefill_budget is not None and (
+            isinstance(mixed_prefill_budget, bool)
+            or not isinstance(mixed_prefill_budget, int)
+            or mixed_prefill_budget <= 0
+        ):
+            raise ValueError(
+                f"mixed_prefill_budget must be a positive int (rows) or None, got {mixed_prefill_budget!r}"
+            )
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefill_chunk_size = prefill_chunk_size
+        self.mixed_prefill_budget = mixed_prefill_budget
 
     @property
     def invariant_chunk(self) -> int:
@@ -100,18 +121,22 @@ class Scheduler:
                     budget -= w
         n_seqs = len(decodes)
         grid = self.invariant_chunk if batch_invariant() else None
+        # Prefill rows this step may still take beside its decode rows (`mixed_prefill_budget`).
+        mixed = self.mixed_prefill_budget if decodes and self.mixed_prefill_budget is not None else None
         for r in [*[r for r in running if not r.is_decode], *waiting]:
-            if n_seqs >= self.max_batch_size or budget <= 0:
+            if n_seqs >= self.max_batch_size or budget <= 0 or (mixed is not None and mixed <= 0):
                 break
             if grid is not None:
                 n = self._invariant_chunk_rows(r, grid)
-                if n > budget:
+                if n > budget or (mixed is not None and n > mixed and prefills):
                     continue
             else:
-                n = min(r.num_pending, budget)
+                n = min(r.num_pending, budget, mixed if mixed is not None else budget)
             if self.prefill_chunk_size is not None:
                 n = min(n, self.prefill_chunk_size)
             prefills.append(ScheduledSeq(r, n, False))
             budget -= n
+            if mixed is not None:
+                mixed -= n
             n_seqs += 1
         return decodes + prefills

@@ -28,8 +28,8 @@ SERVE_KEYS: dict[str, type | tuple[str, ...]] = {"engine_process": bool, "http":
 _NOT_FROM_FILE = {"self", "model", "tokenizer", "_spawned_rank"}
 _INT_KEYS = {"max_seq_len", "seed", "tensor_parallel_size"}
 _OPTIONAL_INT_KEYS = {
-    "max_batch_size", "max_num_tokens", "prefill_chunk_size", "num_threads", "moe_expert_parallel_size",
-    "moe_tensor_parallel_size",
+    "max_batch_size", "max_num_tokens", "prefill_chunk_size", "mixed_prefill_budget", "num_threads",
+    "moe_expert_parallel_size", "moe_tensor_parallel_size",
 }  # fmt: skip
 _OPTIONAL_STR_KEYS = {"dtype", "device", "quantization"}
 _BOOL_KEYS = {"disable_overlap_scheduler", "warmup"}
