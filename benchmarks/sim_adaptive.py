@@ -16,10 +16,6 @@ it in the order `SpeculativeExecutor` does under the overlap scheduler with earl
 - each request's verify round reports ``observe_acceptance(k, accepted)`` (each draft accepted with probability
   ``a`` given the ones before it were).
 
-Not modelled: the unsteady second and third rounds of a run (only the first, ``first_ms``) and the cut last round of
-a run launched ahead (its read-back early, nothing behind it), which the policy drops (`settle`, the cut tail): here
-those rules only cost (the first measurement of K runs five rounds instead of three).
-
 Baselines in the same cost model, through the same calls: plain decoding (every round the steady ``K = 0`` cost, no
 MTP layer, so no flushes), ``K = 0`` (the MTP executor drafting nothing: plain steps plus a catch-up flush every
 ``catchup_lag`` rounds, the best a policy that never drafts can do) and a fixed ``K``. "Best fixed" is the better of

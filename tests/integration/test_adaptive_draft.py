@@ -74,14 +74,13 @@ def test_policy_explores_then_picks_the_best_rate() -> None:
     clock = FakeClock()
     pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=16)
     # Drafts cost 0.3 each on top of a 1.0 step, and every draft is accepted: K = 3 gives 4 tokens per 1.9.
-    ks = feed(pol, clock, 160, 4, lambda k: 1.0 + 0.3 * k, lambda k: k)
+    ks = feed(pol, clock, 80, 4, lambda k: 1.0 + 0.3 * k, lambda k: k)
     # The largest K, then 0, are measured first (each interval reaches the policy at the next round's stamp;
-    # the first `settle` = 2 of a run are discarded, then min_samples = 2).
-    assert ks[:4] == [3] * 4 and ks[4:8] == [0] * 4
-    steady = ks[8:]
-    # K = 3 except the periodic re-measurement of its neighbour K = 2 (`probe_rounds` = 5 rounds, at most once every
-    # 16; the margin makes it wait ~90 here, `probe_wait`).
-    assert steady.count(3) >= len(steady) - pol.probe_rounds * (len(steady) // 16 + 1) and set(steady) == {2, 3}
+    # the first one is discarded, then min_samples = 2).
+    assert ks[:3] == [3, 3, 3] and ks[3:6] == [0, 0, 0]
+    steady = ks[6:]
+    # K = 3 except the periodic re-measurement of its neighbour K = 2 (once every 16 rounds).
+    assert steady.count(3) >= len(steady) - 2 * (len(steady) // 16 + 1) and set(steady) == {2, 3}
     assert pol.acceptance == pytest.approx(1.0, abs=0.01)
     # A batch of another bucket measures afresh; the same bucket (3 -> 4) shares the table.
     assert pol.bucket(3) == pol.bucket(4) == 4 and pol.bucket(5) == 8 and pol.bucket(1) == 1
@@ -101,8 +100,8 @@ def test_batch_of_one_learns_its_acceptance_in_the_first_rounds() -> None:
     # a per-draft acceptance of 0.96: accepted drafts of a K round, up to the first miss
     acc = lambda k: next((i for i in range(k) if rng.random() > 0.96), k)  # noqa: E731
     ks = feed(pol, clock, 200, 1, lambda k: (1.0, 2.2, 2.4, 2.6)[k], acc)
-    assert ks[:8] == [3] * 4 + [0] * 4 and ks[8:14] == [3] * 6
-    assert pol.acceptance > 0.85 and ks[8:].count(3) >= 0.95 * len(ks[8:])
+    assert ks[:6] == [3, 3, 3, 0, 0, 0] and ks[6:12] == [3] * 6
+    assert pol.acceptance > 0.85 and ks[6:].count(3) >= 0.95 * len(ks[6:])
 
 
 def test_a_round_after_a_change_of_length_is_not_its_cost() -> None:
@@ -123,8 +122,8 @@ def test_a_round_after_a_change_of_length_is_not_its_cost() -> None:
         return (0.6 if steady else 1.0) if k == 0 else (1.5 if steady else 4.5)
 
     ks = feed(pol, clock, 400, 1, cost, acc)
-    assert ks[:8] == [3] * 4 + [0] * 4
-    assert ks[8:].count(3) >= 0.9 * len(ks[8:]), ks[:80]
+    assert ks[:6] == [3, 3, 3, 0, 0, 0]
+    assert ks[6:].count(3) >= 0.9 * len(ks[6:]), ks[:80]
     assert pol.costs(1)[3] == pytest.approx(1.5) and pol.costs(1)[0] == pytest.approx(0.6)
 
 
@@ -173,15 +172,15 @@ def test_policy_backs_off_re_measurements_while_they_change_nothing() -> None:
     pol = AdaptiveDraftPolicy(3, clock=clock)
     cost = {"draft": 1.0}
     ks = feed(pol, clock, 3000, 1, lambda k: 1.0 + cost["draft"] * k, lambda k: k // 2)
-    probes = [i for i, k in enumerate(ks) if i >= 8 and k != 0]
-    # Each a run of `probe_rounds` = 5 rounds of one length (the first `settle` = 2 pay the change and are not
-    # measured). K = 1 (1.4 tokens a 2.0 round at a ~0.4 against 1 a 1.0) waits 323 rounds, then 507 (with 3-round
-    # probes: 177, 285); K = 3 (~1.6 tokens a 4.0 round) the most, 1024.
+    probes = [i for i, k in enumerate(ks) if i >= 6 and k != 0]
+    # Each a run of `probe_rounds` = 3 rounds of one length (the first pays the change and is not measured). K = 1
+    # (1.4 tokens a 2.0 round at a ~0.4 against 1 a 1.0) waits 177 rounds, then 285; K = 3 (~1.6 tokens a 4.0
+    # round) the most, 1024.
     starts = [i for i in probes if i - 1 not in probes]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert starts == [323, 1347, 1854, 2878] and [ks[i] for i in starts] == [1, 3, 1, 3], probes
-    assert gaps == [1024, 507, 1024]
-    assert probes == [i + j for i in starts for j in range(5)] and all(len(set(ks[i : i + 5])) == 1 for i in starts)
+    assert starts == [177, 1201, 1486, 2510] and [ks[i] for i in starts] == [1, 3, 1, 3], probes
+    assert gaps == [1024, 285, 1024]
+    assert probes == [i + j for i in starts for j in range(3)] and all(len(set(ks[i : i + 3])) == 1 for i in starts)
     # Drafts become cheap and always right: the next re-measurement (at most 1024 rounds on) finds a draft length
     # cheaper than it was, and the bucket looks around every 64 rounds again until drafting settles.
     cost["draft"] = 0.05
@@ -338,9 +337,8 @@ def test_slow_drafter_falls_back_to_plain(model) -> None:
                          drafter=oracle(refs), policy=pol)  # fmt: skip
     assert_lossless(refs, tests)
     ks = pol.chosen
-    # (a re-measurement runs `probe_rounds` rounds)
-    assert ks[:3] == [3, 3, 3] and set(ks[8:]) <= {0, 1}
-    assert ks[8:].count(1) <= pol.probe_rounds * (len(ks) // 64 + 1)
+    # (a re-measurement runs `probe_rounds` = 3 rounds)
+    assert ks[:3] == [3, 3, 3] and set(ks[6:]) <= {0, 1} and ks[6:].count(1) <= 3 * (len(ks) // 64 + 1)
     t_plain = plain_time(model, ps, mt, step)
     assert clock.t < 1.25 * t_plain
     fixed = FakeClock()
@@ -357,10 +355,10 @@ def test_perfect_cheap_drafter_drafts_the_maximum(model) -> None:
                          lambda k: 0.02 * k, drafter=oracle(refs))  # fmt: skip
     assert_lossless(refs, tests)
     ks = ex.draft_policy.chosen
-    assert ks[:4] == [4] * 4 and ks[4:8] == [0] * 4
-    # Every other length is a periodic re-measurement: a run of `probe_rounds` rounds at most once every 8.
-    others = [i for i, k in enumerate(ks[8:], 8) if k != 4]
-    assert len(ks) > 12 and len(others) <= ex.draft_policy.probe_rounds * (len(ks) // 8 + 1)
+    assert ks[:3] == [4, 4, 4] and ks[3:6] == [0, 0, 0]
+    # Every other length is a periodic re-measurement: a run of `probe_rounds` = 3 rounds at most once every 8.
+    others = [i for i, k in enumerate(ks[6:], 6) if k != 4]
+    assert len(ks) > 12 and len(others) <= 3 * (len(ks) // 8 + 1)
     assert all(ks[i] == ks[i - 1] or ks[i - 1] == 4 for i in others)
     assert ex.draft_policy.acceptance > 0.95
 
@@ -374,10 +372,9 @@ def test_lossless_while_k_changes_every_round(model, kind) -> None:
     rng = random.Random(5)
     clock = FakeClock()
     # (cost_window=1: each interval is the cost, so that the random costs switch K, where a median would settle;
-    # probe_budget=1: re-measurements as often as explore_every, whatever the margin; settle=1: the second interval of
-    # a run a sample, else runs of one or two rounds, most of them here, would measure nothing and K would settle)
+    # probe_budget=1: re-measurements as often as explore_every, whatever the margin)
     pol = AdaptiveDraftPolicy(3, clock=clock, explore_every=2, probe_rounds=1, min_samples=1, prior_acceptance=0.6,
-                              cost_window=1, probe_budget=1.0, settle=1)  # fmt: skip
+                              cost_window=1, probe_budget=1.0)  # fmt: skip
     if kind != "oracle":
         # The random tiny model's MTP drafts are never accepted: with its measured acceptance (0) K = 0 would win
         # every round. The prior is kept instead, so that the random costs alone switch K.

@@ -2,13 +2,12 @@
 
 Picks the ``K`` that maximises ``E(K) / T(b, K)`` with ``E(K) = 1 + a + ... + a^K``; ``T`` is measured online per
 batch-size bucket and ``K`` from host-clock stamps the caller takes where it already waits, as the median of the
-latest intervals (the first `settle` intervals of each run of one ``K`` discarded: the rounds after a change of length
-pay the change; so is the last of a run launched ahead, cut short; MTP catch-ups of held rows after long runs of
-``K = 0`` charged to its rounds, which caused them, as an amortised lag cost, those after short runs to the change of
-length), ``a`` is accepted over reached drafts, exponentially averaged. Re-measurements of a length wait in proportion
-to its margin below the best (`probe_wait`) and come back soon only while the acceptance is uncertain. Deterministic
-given the intervals it is fed (tests inject a clock); memory bounded per (bucket, ``K``). The model, exploration, the
-simulator (`benchmarks/sim_adaptive.py`) and measurements: docs/speculation.md, "Adaptive draft length".
+latest intervals (the first interval of each run of one ``K`` discarded: a round after a change of length pays the
+change; MTP catch-ups of held rows charged to ``K = 0``, whose rounds caused them, as an amortised lag cost), ``a`` is
+accepted over reached drafts, exponentially averaged. Re-measurements of a length wait in proportion to its margin
+below the best (`probe_wait`) and come back soon only while the acceptance is uncertain. Deterministic given the
+intervals it is fed (tests inject a clock); memory bounded per (bucket, ``K``). The model, exploration, the simulator
+(`benchmarks/sim_adaptive.py`) and measurements: docs/speculation.md, "Adaptive draft length (opt-in)".
 """
 
 from __future__ import annotations
@@ -36,13 +35,6 @@ def best_draft_len(costs: dict[int, float], a: float) -> int:
     return max(sorted(costs), key=lambda k: (e[k] / costs[k], -k))
 
 
-def _push(xs: deque, x: float, most: int) -> None:
-    """Append ``x`` to ``xs``, keeping the latest ``most``."""
-    xs.append(x)
-    if len(xs) > most:
-        xs.popleft()
-
-
 def _median(xs: deque) -> float:
     """The median of ``xs``; the smaller of two (an interval only ever runs long: one that waited on something would
     be half the mean of two)."""
@@ -60,15 +52,12 @@ class _Cost:
 
     window: deque = field(default_factory=deque)  # the latest intervals (at most the policy's `cost_window`)
     seconds: float = 0.0  # their median
-    samples: int = 0  # intervals taken (the first `settle` of each run, cut tails and catch-ups not counted)
+    samples: int = 0  # intervals taken (the discarded first of each run not counted)
     seen: int = 0  # intervals received
-    into: int = 0  # intervals of the current run of this K so far, samples or not (`settle` counts from its first)
     last_round: int = -1  # the bucket round it was last measured in
     run: list = field(default_factory=list)  # the samples of the current run of this K (at most `min_samples`)
     base: float | None = None  # the cost when the current run began (None: nothing to compare the run with)
-    # the latest changes of length's excess over the cost (at most 8): first intervals of a run, and the catch-ups of
-    # short K = 0 runs that began a run of this K
-    switch: deque = field(default_factory=deque)
+    switch: deque = field(default_factory=deque)  # the latest first intervals' excess over the cost (at most 8)
 
 
 @dataclass
@@ -87,32 +76,20 @@ class AdaptiveDraftPolicy:
         acceptance_weight: weight of a new round in the acceptance averages once they have seen ``1 /
             acceptance_weight`` rounds (before that: plain means, so that a batch of one request, one round per
             choice, does not keep the prior for tens of rounds).
-        min_samples: intervals a (bucket, ``K``) needs (after the first `settle` of a run) before it is trusted.
+        min_samples: intervals a (bucket, ``K``) needs (after the discarded first) before it is trusted.
         explore_every: a bucket re-measures its least recently tried ``K`` once every this many rounds at first.
         max_explore_every: each re-measurement that leaves the bucket's choice as it was doubles the wait before the
             next, up to this many rounds; a changed choice goes back to ``explore_every``. A re-measurement runs a
             length that is not the best (and, with the MTP catch-up lag, first catches up the held rows), so a
             settled bucket should pay for it rarely.
-        probe_rounds: rounds a re-measurement runs its length for. The first `settle` rounds of a run pay the change
-            of length (a verify round after width-one steps runs synchronously, no draft launched early) and are not
-            measured, nor is the last when it was launched ahead (`begin_round`); the rest are its steady cost. A
-            probe shorter than ``settle + min_samples`` rounds takes few samples or none and cannot replace a moved
-            cost (`change_tolerance`); it is allowed (tests and the fuzzer probe one round to change the choice often).
+        probe_rounds: rounds a re-measurement runs its length for. The first round of a run pays the change of
+            length (a verify round after width-one steps runs synchronously, no draft launched early) and is not
+            measured, so a probe of one round would only ever see that; the rest are its steady cost.
         probe_budget: the share of time re-measurements may lose: a re-measurement of a length whose rate is far
             below the best's waits longer than ``explore_every`` (`probe_wait`, at most ``max_explore_every``).
             At ``a = 0.71`` a K = 3 round of 2.65 ms against a 0.70 ms k = 0 round (H200, batch 16) loses 0.85 ms,
             three of them every 64 rounds 5.7 % of the time (every 729 rounds: 0.5 %).
         prior_acceptance: ``a`` before any draft was verified.
-        settle: intervals at the start of each run of a length that are no samples, the first (the change itself,
-            or the catch-up of held rows that begins a drafting run) included; 1 was the rule before. Under the
-            overlap scheduler the first rounds after a change run synchronously or behind one that did: on an H100
-            (trained ``small``, 2026-12-07) the second and third intervals of the runs put K = 3 at 2.36 ms at batch
-            1 (1.10 steady) and K = 0 at 3.23 ms at batch 64 (~1.0). 2 keeps the third: the median (of two: the
-            smaller) rests on the later ones. Not yet run on a GPU.
-        lag_min_held: ``K = 0`` rounds a catch-up of held rows must cover to be a sample of `lag_cost`. A catch-up of
-            a short run is mostly fixed cost: the H100 rows of 2026-12-07 (batch 64, trained ``small``) charged two
-            or three held rounds 0.46 ms each where a round costs 1.03 ms, K = 0 looked dearer than K = 3 and the
-            policy alternated, 0.74x plain decoding.
         clock: seconds (``time.perf_counter`` by default); the executor stamps it once per round.
 
     Attributes:
@@ -129,11 +106,9 @@ class AdaptiveDraftPolicy:
     min_samples: int = 2
     explore_every: int = 64
     max_explore_every: int = 1024
-    probe_rounds: int = 5
-    settle: int = 2
+    probe_rounds: int = 3
     probe_budget: float = 0.005
     prior_acceptance: float = 0.5
-    lag_min_held: int = 8
     clock: Callable[[], float] | None = None
     history: int = 4096
     chosen: list[int] = field(default_factory=list)
@@ -154,10 +129,6 @@ class AdaptiveDraftPolicy:
             raise ValueError("min_samples must be >= 1, explore_every >= 2 and max_explore_every >= explore_every")
         if not 0 < self.probe_budget <= 1:
             raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
-        if self.settle < 1:
-            raise ValueError(f"settle must be >= 1 (the first interval of a run is never a sample), got {self.settle}")
-        if self.lag_min_held < 1:
-            raise ValueError(f"lag_min_held must be >= 1, got {self.lag_min_held}")
         if not 1 <= self.probe_rounds < self.explore_every:
             raise ValueError(f"probe_rounds must be in [1, explore_every), got {self.probe_rounds}")
         if self.clock is None:
@@ -175,15 +146,15 @@ class AdaptiveDraftPolicy:
         self._explore: dict[int, list] = {}
         self._probe: dict[int, tuple[int, int]] = {}  # bucket -> (K re-measured, rounds of it still to run)
         self._prev_k: dict[int, int] = {}  # bucket -> K of the last round that ran (measured or not)
-        # MTP catch-ups of held rows: bucket -> [the latest long catch-ups' seconds beyond their round's cost per K = 0
-        # round that held the rows, K = 0 rounds since the last catch-up, the same of the short ones].
+        # MTP catch-ups of held rows: bucket -> [the latest catch-ups' seconds beyond their round's cost per K = 0
+        # round that held the rows, K = 0 rounds since the last catch-up].
         self._lag: dict[int, list] = {}
         # The open interval: (stamp, bucket, K) of the round now running; whether it holds a catch-up of held rows
         # (`note_flush`), and whether the interval opened next will.
         self._open: tuple[float, int, int] | None = None
         self._open_flush = False
         self._next_flush = False
-        self._open_tail = False  # the open interval ends a run launched ahead (`begin_round`): no sample
+        self._pending: int | None = None  # the length whose last missing sample is running now (`begin_round`)
 
     # --------------------------------------------------------------------------------------------
     @staticmethod
@@ -239,18 +210,9 @@ class AdaptiveDraftPolicy:
         over the latest catch-ups (`cost_window`) of what each took beyond its round's cost per ``K = 0`` round since
         the one before (0 before one was measured; always 0 for drafters that hold nothing). A running mean took a
         catch-up interval that also waited on something else (2.3 ms beyond its round) as 0.76 ms a round where three
-        K = 0 rounds had held the rows, and kept it.
-
-        Only catch-ups of at least `lag_min_held` rounds count (0 before one was measured): the rate a long run of
-        ``K = 0`` pays. A catch-up after a few rounds is mostly a fixed cost (a replay and its host work, at the
-        change of length) and goes to the next length's `switch_cost` instead; per held round, the median of those
-        bounds this one from above."""
+        K = 0 rounds had held the rows, and kept it."""
         lag = self._lag.get(self.bucket(batch_size))
-        if lag is None or not lag[0]:
-            return 0.0
-        # A short run's rate (its fixed cost over few rounds) bounds a long run's: one long catch-up that also waited
-        # on something else is no more than that.
-        return min(_median(lag[0]), _median(lag[2])) if lag[2] else _median(lag[0])
+        return _median(lag[0]) if lag is not None and lag[0] else 0.0
 
     def choose(self, batch_size: int) -> int:
         """The draft length of the next round of a ``batch_size``-request decode batch.
@@ -271,7 +233,12 @@ class AdaptiveDraftPolicy:
         got = self.costs(batch_size)
         for k in (cands[-1], 0):
             if k not in got:
-                return self._pick(k)
+                # The round already running (launched ahead) is the last sample this length needs: choose now what
+                # comes after it (else one more round of it runs behind the choice).
+                c = self._costs.get((b, k))
+                if k != self._pending or c is None or c.samples != self.min_samples - 1 or not c.samples:
+                    return self._pick(k)
+                got[k] = c.seconds
         est = self.estimated_costs(batch_size, got)
         # Optimistic by one spread while the acceptance rests on fewer request-rounds than its average spans (a batch
         # of one after its first rounds): drafting measures the acceptance, k = 0 does not (it would keep a low early
@@ -335,8 +302,8 @@ class AdaptiveDraftPolicy:
         return loss / (self.probe_budget * est[best])
 
     def switch_cost(self, bucket: int, k: int) -> float:
-        """Seconds the first round of a run of ``k`` took beyond ``k``'s cost in ``bucket``, a catch-up of fewer than
-        `lag_min_held` held rounds in it included (median of the latest eight; 0 before one was measured)."""
+        """Seconds the first round of a run of ``k`` took beyond ``k``'s cost in ``bucket`` (median of the latest
+        eight; 0 before one was measured)."""
         c = self._costs.get((bucket, k))
         return _median(c.switch) if c is not None and c.switch else 0.0
 
@@ -373,13 +340,16 @@ class AdaptiveDraftPolicy:
         2-3x its steady cost, and chose K = 0 in 327 of 334 rounds at batch 1 where K = 3 was 1.7x faster."""
         b = self.bucket(batch_size)
         c = self._costs.setdefault((b, k), _Cost())
+        c.seen += 1
         c.last_round = self._rounds.get(b, 0)
-        if self._count_in_run(c, k, after):
-            # What this first interval took beyond the cost is the change of length's cost (`probe_wait` counts it).
+        if c.seen == 1 or after != k:
+            # A new run: its samples are compared with the cost as it stands now; what this first interval took
+            # beyond that is the change of length's cost (`probe_wait` counts it).
+            c.run, c.base = [], (c.seconds if c.samples >= self.min_samples else None)
             if c.base is not None:
-                _push(c.switch, max(0.0, seconds - c.base), 8)
-            return
-        if c.into <= self.settle:
+                c.switch.append(max(0.0, seconds - c.base))
+                if len(c.switch) > 8:
+                    c.switch.popleft()
             return
         c.samples += 1
         c.window.append(seconds)
@@ -392,19 +362,6 @@ class AdaptiveDraftPolicy:
                 # The cost moved (every interval of the run beyond the tolerance, on one side): the old ones go.
                 c.window = deque(c.run)
         c.seconds = _median(c.window)
-
-    def _count_in_run(self, c: _Cost, k: int, after: int | None) -> bool:
-        """Count one interval of ``k`` (its record ``c``) in its run, whether it is a sample or not; True when it
-        begins a run (after another length, or the first ever): the run's samples are compared with the cost as it
-        stands now (``c.base``). Intervals that are no sample count too, so that `settle` counts from the change of
-        length: a drafting run after ``K = 0`` rounds begins with the held rows' catch-up, which `_close` books
-        without `observe_cost`; counted from the interval after it, the second of the run (not steady) was a sample."""
-        c.seen += 1
-        if c.seen == 1 or after != k:
-            c.run, c.base, c.into = [], (c.seconds if c.samples >= self.min_samples else None), 1
-            return True
-        c.into += 1
-        return False
 
     def begin_round(self, steady: bool, batch_size: int, *, k: int | None = None, running: int | None = None) -> int:
         """Stamp the clock and choose the draft length of the round that starts now (once per round, after the
@@ -428,14 +385,14 @@ class AdaptiveDraftPolicy:
         now = self.clock()  # type: ignore[misc]
         self._close(now, steady)
         if k is None:
+            # A round of ``running`` (launched ahead) of the same length as the last one, steady and holding no
+            # catch-up, is a sample of its length when it closes.
+            b = self.bucket(batch_size)
+            same = running is not None and steady and self._prev_k.get(b) == running
+            self._pending = running if same and self._open is not None and not self._next_flush else None
             k = self.choose(batch_size)
+            self._pending = None
         self._open = (now, batch_size, k if running is None else running)
-        # A round launched ahead whose length is not the one chosen now ends its run: nothing is launched behind it,
-        # so the next read-back comes as soon as it finishes, not a round's period later. Its interval is cut short
-        # (0.2-0.8 ms against 24-78 ms for the other K = 0 intervals on the CPU; taken as a sample it made K = 0 look
-        # nearly free, and the choice flipped every few rounds: H100, batch 1, 21 of 103 rounds K = 0, 0.71x fixed
-        # K = 3). It is no sample.
-        self._open_tail = running is not None and k != running
         self._open_flush, self._next_flush = self._next_flush, False
         return k
 
@@ -449,34 +406,19 @@ class AdaptiveDraftPolicy:
         b = self.bucket(ob)
         prev = self._prev_k.get(b)
         self._prev_k[b] = ok
-        lag = self._lag.setdefault(b, [deque(), 0, deque()])
+        lag = self._lag.setdefault(b, [deque(), 0])
         if ok == 0:
             lag[1] += 1
-        tail = self._open_tail
-        if self._open_flush or now is None or not steady or tail:
-            # No sample of its length, but one interval of its run.
-            self._count_in_run(self._costs.setdefault((b, ok), _Cost()), ok, prev)
         if self._open_flush:
             # The catch-up of the rows held since the last one: its cost per K = 0 round that held them.
             held, lag[1] = lag[1], 0
-            c = self._costs[(b, ok)]
-            if now is not None and steady and not tail and held and c.samples >= self.min_samples:
-                excess = max(0.0, now - t0 - c.seconds)
-                if held >= self.lag_min_held:
-                    # A long run's catch-up. One that begins a run of another length pays, once, that change and
-                    # a catch-up's fixed part too: less what those cost (`switch_cost`, fed by short runs' catch-ups).
-                    if prev != ok:
-                        excess = max(0.0, excess - self.switch_cost(b, ok))
-                    _push(lag[0], excess / held, self.cost_window)
-                else:
-                    # A short run's catch-up: mostly what any catch-up costs (a replay, its host work) and, where the
-                    # next length began, the change of length itself, paid once per run, not per round. Per round
-                    # it only bounds the long runs' rate (`lag_cost`).
-                    _push(lag[2], excess / held, self.cost_window)
-                    if prev != ok:
-                        _push(c.switch, excess, 8)
+            c = self._costs.get((b, ok))
+            if now is not None and steady and held and c is not None and c.samples >= self.min_samples:
+                lag[0].append(max(0.0, now - t0 - c.seconds) / held)
+                if len(lag[0]) > self.cost_window:
+                    lag[0].popleft()
             return
-        if now is None or not steady or tail:
+        if now is None or not steady:
             return
         self.observe_cost(ob, ok, now - t0, after=prev)
 
@@ -499,4 +441,3 @@ class AdaptiveDraftPolicy:
         self._close(None, False)
         self._open = None
         self._open_flush = False
-        self._open_tail = False
