@@ -220,6 +220,7 @@ def run_engine_core(cfg: CoreConfig) -> None:
     cmd.connect(cfg.cmd_addr)
     channel = _Channel(out)
     llm = None
+    started = _watch_parent_while_starting(cfg.parent_pid)
     try:
         from ..runtime.llm import LLM
 
@@ -239,6 +240,7 @@ def run_engine_core(cfg: CoreConfig) -> None:
             os.getpid(), llm.config.to_dict(), engine.vocab_size, engine.max_seq_len,
             engine.executor.cfg.max_batch_size, engine.capacity, lines, dict(engine.stats()),
         ))  # fmt: skip
+        started.set()  # the command loop watches the parent from here (`_orphaned`)
     except BaseException as e:  # noqa: BLE001 - the API process re-raises it as one line
         channel.send(EngineFailed(type(e).__name__, str(e)))
         if llm is not None:
@@ -301,6 +303,30 @@ def _serve_commands(cfg: CoreConfig, engine: CoreEngine, channel: _Channel, cmd:
 
                 stopper = threading.Thread(target=drain, name="trtllm-glm-engine-drain", daemon=True)
                 stopper.start()
+
+
+def _watch_parent_while_starting(parent_pid: int) -> threading.Event:
+    """Exit this process if the API process dies before start-up is over; returns the event that ends the watch.
+
+    Start-up (building the LLM, its warm-up: minutes on a cold Triton cache) runs on the main thread, before the
+    command loop that notices a dead parent (`_serve_commands`). An API process killed meanwhile (a SIGTERM with
+    no handler yet, a SIGKILL) left this one warming up for minutes, holding the GPU's memory: the next server on
+    the card could not load its model (an H100 run of 2026-12-07). Nothing made so far needs saving: the rank
+    processes of a parallel LLM started so far are terminated, then the process exits."""
+    started = threading.Event()
+
+    def watch() -> None:
+        while not started.wait(POLL_S):
+            if os.getppid() != parent_pid:
+                log.warning("the API process is gone during start-up; the engine process exits")
+                import multiprocessing as mp
+
+                for child in mp.active_children():
+                    child.terminate()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="trtllm-glm-engine-start-watch", daemon=True).start()
+    return started
 
 
 def _orphaned(engine: CoreEngine) -> None:

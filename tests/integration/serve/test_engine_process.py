@@ -362,3 +362,50 @@ def test_an_engine_process_outlives_no_api_process(tmp_path) -> None:
     finally:
         if api.poll() is None:
             api.kill()
+
+
+def test_an_engine_process_starting_up_outlives_no_api_process(tmp_path) -> None:
+    """SIGKILL the API process while its engine process is still starting (here: opening its step log, a FIFO nobody
+    reads, so that start-up never ends; on a GPU, minutes of warm-up compiles): the engine process exits instead of
+    starting up for nobody while it holds the GPU's memory."""
+    fifo = tmp_path / "steps.jsonl"
+    os.mkfifo(fifo)
+    script = tmp_path / "api.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        from trtllm_glm.serve.engine_client import EngineClient
+
+        if __name__ == "__main__":
+            EngineClient({MODEL!r}, {dict(OPTIONS)!r}, step_log={str(fifo)!r})
+    """)
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    api = subprocess.Popen([sys.executable, str(script)], env=env)
+    engine: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not engine and time.monotonic() < deadline:
+            engine = [p for p in children(api.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+            time.sleep(0.05)
+        assert engine, "no engine process started"
+
+        # Until the engine process blocks opening the FIFO (the kernel's wait for a reader), once its model is built.
+        def blocked() -> bool:
+            return Path(f"/proc/{engine[0]}/wchan").read_text() == "wait_for_partner"
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not blocked():
+            time.sleep(0.1)
+        assert blocked() and api.poll() is None
+        api.kill()
+        api.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(engine[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(engine[0]), "the engine process outlived its API process during start-up"
+    finally:
+        if api.poll() is None:
+            api.kill()
+        for p in engine:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
