@@ -52,7 +52,7 @@
 #   serve_chunk   issue 42: the serve stage's 30-token runs (concurrency 16, 64; CHUNK_REQS requests, default 256) at
 #                 defaults (with the engine alone) and with each option of CHUNKS (KEY=VALUE, default
 #                 mixed_prefill_budget=16 and =8): admissions spread over steps, what that does to ITL p99 / p50 and
-#                 TTFT; each level prints the server's own ITL
+#                 TTFT; each level prints the server's own ITL (ENGINE_BASELINE=0: no engine-alone run)
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -246,7 +246,7 @@ for stage in "$@"; do
           printf '%s: %s\n' "${kv%%=*}" "${kv#*=}" > "/tmp/serve_$name.yaml"; cfg="--config /tmp/serve_$name.yaml"; fi
         timeout "${T_SERVE_CHUNK:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 \
           --dtype bfloat16 $cfg --concurrency 16,64 --input-len 30 --output-len 128 \
-          --num-requests "${CHUNK_REQS:-256}" $([ "$kv" = none ] && echo --engine-baseline) \
+          --num-requests "${CHUNK_REQS:-256}" $([ "$kv" = none ] && [ "${ENGINE_BASELINE:-1}" = 1 ] && echo --engine-baseline) \
           --json "$O/serve_$name.json" 2>&1 | tee "$O/serve_$name.log"
       done ;;
     structured)
