@@ -240,6 +240,7 @@ class Executor:
         self.num_chained_eager_steps = 0
         # Admission steps planned and launched before the decode step in flight was read back (`_admit_ahead`).
         self.num_admissions_ahead = 0
+        self.num_chunks_ahead = 0  # steps planned ahead that continue a prompt's prefill (`_admit_ahead`)
         self._admission_launched: list[ScheduledSeq] | None = None  # its plan while the step before it is read back
         # Opt-in record of every step and request (runtime/step_log.py); None: nothing is recorded.
         self.step_log: StepLog | None = None
@@ -406,7 +407,7 @@ class Executor:
 
     # --------------------------------------------------------------------------------------------
     # Overlap scheduler
-    def _may_launch_ahead(self, plan: list[ScheduledSeq], admitting: bool = False) -> bool:
+    def _may_launch_ahead(self, plan: list[ScheduledSeq], admitting: bool = False, partial: bool = False) -> bool:
         """Whether the step after ``plan`` can be launched before ``plan``'s tokens are read back.
 
         It must be the same requests one row further: plain decoding of every running request, nobody
@@ -422,6 +423,7 @@ class Executor:
         planned ahead shares only pages sealed before it).
 
         ``admitting``: the step after ``plan`` admits the waiting requests too (`_admit_ahead`): they do not count.
+        ``partial``: prompts of ``plan`` not at their last chunk may go on with their next chunk (`_admit_ahead`).
         """
         if not (self.cfg.overlap_scheduler and self.supports_overlap):
             return False
@@ -432,7 +434,9 @@ class Executor:
             return False
         # Decode rows, or (after an eager step, `_may_chain_eager_step`) prompts whose last rows ran: every sequence
         # one row further next.
-        if len(plan) != len(self.running) or any(not self._ends_pending_rows(s) for s in plan):
+        if len(plan) != len(self.running) or any(
+            not self._ends_pending_rows(s) and not (partial and not s.is_decode) for s in plan
+        ):
             return False
         for s in plan:
             r, p = s.request, s.request.params
@@ -478,7 +482,33 @@ class Executor:
         # The next step must replay a graph (its batch captured): the results' pinned buffers hold that many rows. One
         # captured already: a capture now would describe its padded batch in the metadata, whose host description of
         # ``plan`` (its state slots) is still to be read (a GPU test's lazily captured graphs: 4 slots of 0 for 3).
-        return self._may_launch_ahead(plan) and runner.key([1] * len(plan), capture=False) is not None
+        partial = self._partial_chunks(plan)
+        if partial and not self._chunks_may_go_on_ahead(partial):
+            return False
+        # (the next step of a partial chunk is planned by `_admit_ahead`, which admits the waiting requests too)
+        ahead = self._may_launch_ahead(plan, admitting=bool(partial), partial=bool(partial))
+        return ahead and runner.key([1] * len(plan), capture=False) is not None
+
+    def _partial_chunks(self, plan: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """The prompts of ``plan`` that are not at their last chunk (their next step is their next chunk)."""
+        return [s for s in plan if not s.is_decode and not self._ends_pending_rows(s)]
+
+    def _chunks_may_go_on_ahead(self, partial: list[ScheduledSeq]) -> bool:
+        """Whether the step after these partial prompt chunks may be planned and launched before they are read back
+        (`_admit_ahead`): no checkpoint is due where a chunk ends (prefix caching copies the recurrent state at the
+        read-back, which would then be the next chunk's), and the cache already holds every prompt's remaining rows
+        (planning ahead must never preempt: a request of the step in flight could be the victim). With
+        `mixed_prefill_budget` each admission is several capped steps; without this each of them was read back
+        before the next was planned, so the GPU idled through the read-back and the planning every time."""
+        for s in partial:
+            r = s.request
+            if self.prefix is not None and s.start + s.num_rows in self.prefix.endpoints(r):
+                return False
+            try:
+                self.manager.ensure_capacity(r.request_id, len(r.tokens) + 1)
+            except CapacityError:
+                return False
+        return True
 
     def _eager_outputs(self, plan: list[ScheduledSeq], hidden: torch.Tensor) -> GraphOutputs:
         """An eager step's outputs as a replay's (`GraphOutputs`): each sequence's last row, its logits and packed
@@ -552,25 +582,31 @@ class Executor:
         once; the steps after it stay synchronous while the request waits (nothing is launched ahead then), so this
         is tried again only after a step left in flight.
         """
-        if not (self.chains_eager_steps and envs.CHAIN_ADMISSIONS.get() and self.admission_pending()):
+        partial = self._partial_chunks(cur.plan)
+        if not (self.chains_eager_steps and envs.CHAIN_ADMISSIONS.get() and (partial or self.admission_pending())):
             return None
         if cur.results is None:  # grammar rows: their tokens are chosen after the read-back
             return None
-        if not self._may_launch_ahead(cur.plan, admitting=True):
+        if not self._may_launch_ahead(cur.plan, admitting=True, partial=bool(partial)):
+            return None
+        if partial and not self._chunks_may_go_on_ahead(partial):
             return None
         try:
             for s in cur.plan:
                 self.manager.ensure_capacity(s.request.request_id, s.start + s.num_rows + 1)
         except CapacityError:
             return None
-        # ``cur``'s rows as computed (a prompt's last chunk in an admission left in flight: all of its rows).
-        bumps = [(s.request, s.num_rows) for s in cur.plan]
-        for r, n in bumps:
-            r.tokens.append(-1)
+        # ``cur``'s rows as computed (a prompt's last chunk in an admission left in flight: all of its rows; a partial
+        # chunk makes no token).
+        ends = [self._ends_pending_rows(s) for s in cur.plan]
+        bumps = [(s.request, s.num_rows, e) for s, e in zip(cur.plan, ends)]
+        for r, n, e in bumps:
+            if e:
+                r.tokens.append(-1)
             r.num_computed += n
         try:
             plan = self._plan()
-            row_of = {s.request.request_id: i for i, s in enumerate(cur.plan)}
+            row_of = {s.request.request_id: i for i, (s, e) in enumerate(zip(cur.plan, ends)) if e}
             # Decode rows at their positions after ``cur`` (fixed: the lengths are undone below).
             plan = [ScheduledSeq(s.request, 1, True, past_len=s.start) if s.request.request_id in row_of else s
                     for s in plan]  # fmt: skip
@@ -585,10 +621,12 @@ class Executor:
             values = cur.out.packed[to_device(src, self.device), 0]
             rows = self._forward(plan, device_ids=(pos, values))
         finally:
-            for r, n in bumps:
-                r.tokens.pop()
+            for r, n, e in bumps:
+                if e:
+                    r.tokens.pop()
                 r.num_computed -= n
         self.num_admissions_ahead += 1
+        self.num_chunks_ahead += bool(partial)
         self._launched = (plan, False, True)
         return plan, rows, list(self.meta.state_slots)
 
@@ -608,10 +646,22 @@ class Executor:
         reqs = [s.request for s in plan]
         if all(r.params.greedy for r in reqs) or any(r.has_grammar for r in reqs):
             return out  # (grammar: every row is chosen later, in row order, by `_choose_under_grammar`)
+        # A prompt's partial chunk (`_admit_ahead`) makes no token: it draws nothing from its generator, as at an
+        # ordinary read-back.
+        live = [i for i, s in enumerate(plan) if self._ends_pending_rows(s)]
         with torch.inference_mode():
             # The graph's argmax serves the greedy rows (no second pass over the vocabulary).
             greedy = out.packed[:, 0].long()
-            toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs], greedy)
+            if not live:
+                toks = greedy
+            elif len(live) == len(plan):
+                toks = self.sampler.sample(out.logits, [r.params for r in reqs], [r.generator for r in reqs], greedy)
+            else:
+                idx = to_device(live, self.device)
+                toks = greedy.clone()
+                toks[idx] = self.sampler.sample(
+                    out.logits[idx], [reqs[i].params for i in live], [reqs[i].generator for i in live], greedy[idx]
+                )
             packed = torch.cat([toks.to(out.packed.dtype)[:, None], out.packed[:, 1:]], dim=1)
         return GraphOutputs(out.hidden, out.logits, packed, out.width, chosen=True, rows=out.rows)
 

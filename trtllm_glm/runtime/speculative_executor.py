@@ -311,7 +311,7 @@ class SpeculativeExecutor(Executor):
         # An admission's first tokens start the MTP history and drafts on the host (`_advance`): read back first.
         return False
 
-    def _may_launch_ahead(self, plan: list[ScheduledSeq], admitting: bool = False) -> bool:
+    def _may_launch_ahead(self, plan: list[ScheduledSeq], admitting: bool = False, partial: bool = False) -> bool:
         """The overlap scheduler's test, for the rounds where speculation is off: the batch exceeds
         ``max_concurrency``, or the adaptive policy's last choice was K = 0. Width-one rounds with no drafts
         pending, of a drafter that needs no model state or of the MTP drafter with CUDA graphs, whose catch-up
@@ -339,7 +339,7 @@ class SpeculativeExecutor(Executor):
         # with the next step reads the tokens at launch: such batches stay synchronous here.
         if any(s.request.has_grammar for s in plan):
             return False
-        return super()._may_launch_ahead(plan, admitting)
+        return super()._may_launch_ahead(plan, admitting, partial)
 
     def _before_chained_launch(self, cur) -> None:  # noqa: ANN001 - executor._InFlight
         """The MTP catch-up on the in-flight step's rows, on the device, before the next step overwrites them."""

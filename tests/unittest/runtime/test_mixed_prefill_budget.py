@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from tests.spec_helpers import emulate_graphs
 from trtllm_glm.models.glm5_next import Glm5NextForCausalLM
@@ -119,6 +120,62 @@ def test_output_unchanged_and_mixed_steps_capped(model, monkeypatch, mode: str) 
     # Without the cap a prompt went whole into a step that decoded.
     ref_steps, _ = ref_ex.step_log.snapshot()
     assert max(s.prefill_rows for s in ref_steps if s.decode_seqs) > 6
+    if mode == "overlap":
+        # Each capped step of a prompt was planned and launched before the one before it was read back.
+        assert ex.num_chunks_ahead >= 5 and ex.num_chained_eager_steps > ref_ex.num_chained_eager_steps
+
+
+def _overlap_cfg(monkeypatch, **kw) -> ExecutorConfig:
+    emulate_graphs(monkeypatch)
+    graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8], enable_padding=True)
+    return dataclasses.replace(CFG, overlap_scheduler=True, cuda_graph_config=graphs, **kw)
+
+
+def test_seeded_sampling_unchanged_by_chunks_launched_ahead(model, monkeypatch) -> None:
+    # A partial chunk makes no token and draws nothing from its request's generator, launched ahead or not: seeded
+    # sampled outputs are those of uncapped synchronous steps.
+    def run_sampled(ex: Executor) -> list[list[int]]:
+        sp = [
+            SamplingParams(max_tokens=14, ignore_eos=True, temperature=0.9, top_p=0.95, seed=40 + i) for i in range(4)
+        ]
+        reqs = [ex.add_request(p, sp[i]) for i, p in enumerate(([5, 9, 2, 7], [3, 1]))]
+        step = 0
+        while ex.has_work:
+            if step == 3:
+                reqs += [ex.add_request(list(range(2, 30)), sp[2]), ex.add_request(list(range(40, 57)), sp[3])]
+            ex.step()
+            step += 1
+        return [r.output_ids for r in reqs]
+
+    ref = run_sampled(Executor(model, CFG))
+    ex = Executor(model, _overlap_cfg(monkeypatch, mixed_prefill_budget=5))
+    assert run_sampled(ex) == ref and ex.num_chunks_ahead > 0
+
+
+def test_no_chunk_goes_on_ahead_of_a_checkpoint_it_ends_at(model, monkeypatch) -> None:
+    # Prefix caching checkpoints the recurrent state where a chunk ends at an endpoint (here every 8 prompt tokens),
+    # at the read-back: the next chunk must not have run by then. Every checkpoint equals, bit for bit, the one
+    # synchronous steps take, and a request repeating the prompt resumes from them as a fresh executor answers.
+    prompt = list(range(3, 40))
+    cfg = _overlap_cfg(monkeypatch, mixed_prefill_budget=6, enable_block_reuse=True, checkpoint_interval=8)
+    sync_cfg = dataclasses.replace(cfg, overlap_scheduler=False)
+
+    def serve(ex: Executor) -> list[list[int]]:
+        first = run(ex, {3: [prompt]})
+        again = ex.add_request(prompt + [7, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        ex.run_until_done()
+        return [*first, again.output_ids]
+
+    ex, sync = Executor(model, cfg), Executor(model, sync_cfg)
+    got, want = serve(ex), serve(sync)
+    assert got == want and ex.num_chunks_ahead > 0 and ex.prefix.stats.reused_tokens >= 32
+    keys = list(sync.prefix.store)
+    assert sorted(keys) == sorted(ex.prefix.store) and len(keys) >= 4
+    for k in keys:
+        a, b = ex.prefix.store.get(k).target, sync.prefix.store.get(k).target
+        assert a.endpoint == b.endpoint and a.planes.keys() == b.planes.keys()
+        for name in a.planes:
+            assert torch.equal(a.planes[name], b.planes[name]), (a.endpoint, name)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
