@@ -39,7 +39,7 @@ from .prefill_memory import check_step_rows, prefill_workspace_bytes
 from .prefix_cache import PrefixCache
 from .request import FinishReason, Request, RequestState
 from .sampling import Sampler, SamplingParams, token_logprobs
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import ScheduledSeq, Scheduler, check_mixed_prefill_budget
 from .step_log import RequestTiming, StepLog, StepRecord, now, step_kind
 
 __all__ = ["Executor", "ExecutorConfig"]
@@ -133,9 +133,7 @@ class ExecutorConfig:
         f = self.batch_wait_max_tokens_ratio
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
             raise ValueError(f"batch_wait_max_tokens_ratio must be a number in [0, 1], got {f!r}")
-        b = self.mixed_prefill_budget
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
-            raise ValueError(f"mixed_prefill_budget must be a positive int (rows) or None, got {b!r}")
+        check_mixed_prefill_budget(self.mixed_prefill_budget)
 
 
 @dataclass

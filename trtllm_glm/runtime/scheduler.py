@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from ..numerics import batch_invariant
 from .request import Request
 
-__all__ = ["ScheduledSeq", "Scheduler"]
+__all__ = ["ScheduledSeq", "Scheduler", "check_mixed_prefill_budget"]
+
+
+def check_mixed_prefill_budget(value: object) -> None:
+    """Refuse a `Scheduler.mixed_prefill_budget` that is not a positive int (rows) or None."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"mixed_prefill_budget must be a positive int (rows) or None, got {value!r}")
 
 
 @dataclass
@@ -64,14 +70,7 @@ class Scheduler:
             raise ValueError("max_batch_size and max_num_tokens must be positive")
         if prefill_chunk_size is not None and prefill_chunk_size <= 0:
             raise ValueError("prefill_chunk_size must be positive")
-        if mixed_prefill_budget is not None and (
-            isinstance(mixed_prefill_budget, bool)
-            or not isinstance(mixed_prefill_budget, int)
-            or mixed_prefill_budget <= 0
-        ):
-            raise ValueError(
-                f"mixed_prefill_budget must be a positive int (rows) or None, got {mixed_prefill_budget!r}"
-            )
+        check_mixed_prefill_budget(mixed_prefill_budget)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.prefill_chunk_size = prefill_chunk_size
