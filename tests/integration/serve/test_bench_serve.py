@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_serve import metric_value, percentiles, step_cadence
+from benchmarks.bench_serve import metric_value, percentiles, server_split, step_cadence
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,6 +55,22 @@ def test_step_cadence_weights_intervals_by_the_sequences_decoding_next() -> None
     assert c["server_itl_ms"][2] == pytest.approx(9.0)
     empty = step_cadence([])
     assert empty["slow_intervals"] == {} and empty["server_itl_ms"][0] != empty["server_itl_ms"][0]
+
+
+def test_server_split_counts_only_the_level_s_share_of_a_gap(tmp_path: Path) -> None:
+    # A level starting at t0 = 100 s: its first step began 1 ms in, after 5 s idle since the previous level's last
+    # step; the other nine steps each 4 ms apart with 0.5 ms of loop work between them. Only the 1 ms counts.
+    recs = [{"index": 0, "kind": "decode", "num_seqs": 4, "decode_seqs": 4, "prefill_seqs": 0, "rows": 4,
+             "prefill_rows": 0, "graph": True, "overlapped": True, "t_start": 100.001, "host_s": 0.0035, "gap_s": 5.0,
+             "idle_s": 4.99, "gpu_s": 0.003}]  # fmt: skip
+    for i in range(1, 10):
+        recs.append({**recs[0], "index": i, "t_start": 100.001 + 0.004 * i, "gap_s": 0.0005, "idle_s": 0.0})
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps({"step": r}) + "\n" for r in recs))
+    out = server_split(log, 100.0, 101.0)
+    assert out["steps"] == 10
+    assert out["step_gap_ms_mean"] == pytest.approx((1.0 + 9 * 0.5) / 10)
+    assert out["step_idle_ms_mean"] == pytest.approx(1.0 / 10)
 
 
 def test_bench_serve_runs_a_mixed_workload(tmp_path: Path) -> None:
