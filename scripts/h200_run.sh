@@ -244,7 +244,7 @@ for stage in "$@"; do
         cfg="" name=${kv//=/_}
         if [ "$kv" != none ]; then
           printf '%s: %s\n' "${kv%%=*}" "${kv#*=}" > "/tmp/serve_$name.yaml"; cfg="--config /tmp/serve_$name.yaml"; fi
-        timeout "${T_SERVE_CHUNK:-240}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 \
+        timeout "${T_SERVE_CHUNK:-320}" "$PY" -m benchmarks.bench_serve --model glm-5.3-flash --layers 4 \
           --dtype bfloat16 $cfg --concurrency 16,64 --input-len 30 --output-len 128 \
           --num-requests "${CHUNK_REQS:-256}" $([ "$kv" = none ] && [ "${ENGINE_BASELINE:-1}" = 1 ] && echo --engine-baseline) \
           --json "$O/serve_$name.json" 2>&1 | tee "$O/serve_$name.log"
