@@ -585,9 +585,9 @@ class Executor:
             return None
         if cur.results is None:  # grammar rows: their tokens are chosen after the read-back
             return None
+        # (Partial chunks in ``cur`` passed `_chunks_may_go_on_ahead` when ``cur`` was left in flight, and nothing was
+        # planned since: a leader's endpoint added by this plan lies past its rows computed, so past ``cur``'s end.)
         if not self._may_launch_ahead(cur.plan, admitting=True, partial=bool(partial)):
-            return None
-        if partial and not self._chunks_may_go_on_ahead(partial):
             return None
         try:
             for s in cur.plan:
