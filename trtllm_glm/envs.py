@@ -320,6 +320,10 @@ PIECEWISE: Flag[bool | None] = Flag(
     "TRTLLM_GLM_PIECEWISE", None, "prefill / mixed steps as piecewise CUDA graphs; overrides "
     "`CudaGraphConfig.piecewise` (unset: the config decides)",
 )  # fmt: skip
+GRAPH_UPLOAD = OffAtZero(
+    "TRTLLM_GLM_GRAPH_UPLOAD", "each CUDA graph is uploaded to the device right after its capture (`cudaGraphUpload`), "
+    "so that its first replay, inside a served or timed step, does not pay the upload (0: the first replay does)"
+)  # fmt: skip
 CHAIN_ADMISSIONS = OffAtZero(
     "TRTLLM_GLM_CHAIN_ADMISSIONS", "the overlap scheduler launches the decode step after an admission step from its "
     "tokens on the device (`Executor._may_chain_eager_step`)"

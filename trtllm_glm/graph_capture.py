@@ -3,18 +3,23 @@
 The cyclic garbage collector runs once before a capture and is held off during it (`capture_session`: collect once
 and freeze for many captures in a row); a failed capture ends its pool's recording, restores the caller's stream and
 raises `GraphCaptureError` (capture the next graph into a fresh pool). The two hazards, as seen on an H200 / H100:
-docs/gpu.md, "Capturing in a long-lived process". A leaf module: imports nothing of the package.
+docs/gpu.md, "Capturing in a long-lived process". A captured graph is uploaded to the device at once (`upload_graph`):
+otherwise its first replay pays the upload, inside whichever step first meets that graph. Imports nothing of the package
+but `envs` (a leaf).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["GraphCaptureError", "capture_graph", "capture_session", "end_pool_recording"]
+from . import envs
+
+__all__ = ["GraphCaptureError", "capture_graph", "capture_session", "end_pool_recording", "upload_graph"]
 
 
 class GraphCaptureError(RuntimeError):
@@ -90,3 +95,45 @@ def capture_graph(
     finally:
         if enabled:
             gc.enable()
+    if envs.GRAPH_UPLOAD.get():
+        upload_graph(graph)
+
+
+# The CUDA runtime torch runs on, loaded once (False: none found; `_cudart`).
+_runtime: ctypes.CDLL | bool | None = None
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The ``libcudart`` this process has mapped (torch's own: a graph handle is only valid in the runtime that made
+    it), or None where none is mapped (a static runtime, no CUDA)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = False
+        try:
+            with open("/proc/self/maps") as f:
+                paths = sorted({line.split()[-1] for line in f if "/libcudart.so" in line})
+            if paths:
+                lib = ctypes.CDLL(paths[0])
+                lib.cudaGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+                lib.cudaGraphUpload.restype = ctypes.c_int
+                _runtime = lib
+        except (OSError, AttributeError):  # no /proc, or a runtime without the call
+            pass
+    return _runtime or None
+
+
+def upload_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream | None = None) -> bool:
+    """Upload an instantiated graph to the device now (``cudaGraphUpload`` on ``stream``, default the current one),
+    so that its first replay costs what the later ones do.
+
+    Without it the first ``cudaGraphLaunch`` of each graph uploads it, host-synchronously: a cost paid inside the
+    first step that meets each (batch size, draft width) graph, which a policy timing its rounds then takes for the
+    round's own. Returns False where it could not (no mapped CUDA runtime, a torch without
+    ``raw_cuda_graph_exec``, an error code): the first replay then uploads, as before.
+    """
+    lib = _cudart()
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if lib is None or raw is None:
+        return False
+    s = stream if stream is not None else torch.cuda.current_stream()
+    return lib.cudaGraphUpload(ctypes.c_void_p(raw()), ctypes.c_void_p(s.cuda_stream)) == 0

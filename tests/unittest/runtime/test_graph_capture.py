@@ -98,6 +98,31 @@ def test_a_failed_capture_ends_its_pool_recording_restores_the_stream_and_raises
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_a_captured_graph_is_uploaded_at_once_unless_switched_off(fake_cuda, monkeypatch, setting) -> None:
+    """Its first replay would otherwise upload it, inside the first step that meets it (docs/gpu.md)."""
+    import trtllm_glm.graph_capture as gc_mod
+
+    uploaded: list = []
+    monkeypatch.setattr(gc_mod, "upload_graph", lambda g, stream=None: uploaded.append(g) or True)
+    if setting is not None:
+        monkeypatch.setenv("TRTLLM_GLM_GRAPH_UPLOAD", setting)
+    ok, bad = _Graph(), _Graph()
+    bad.fail_at_end = True
+    with capture_graph(ok, pool=(0, 7)):
+        assert uploaded == []  # not before the capture ends
+    with pytest.raises(GraphCaptureError), capture_graph(bad, pool=(0, 8)):
+        pass
+    assert uploaded == ([ok] if setting is None else [])  # never a graph whose capture failed
+
+
+def test_upload_is_refused_without_a_cuda_runtime() -> None:
+    """A CPU build maps no libcudart: nothing to call, False (the first replay uploads, as before)."""
+    from trtllm_glm.graph_capture import upload_graph
+
+    assert upload_graph(_Graph()) is False
+
+
 def _runner(pool) -> CudaGraphRunner:
     """A runner with just what `_try_capture` touches (no model, no device)."""
     r = CudaGraphRunner.__new__(CudaGraphRunner)

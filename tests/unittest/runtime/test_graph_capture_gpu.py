@@ -16,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from trtllm_glm.graph_capture import GraphCaptureError, capture_graph
+from trtllm_glm.graph_capture import GraphCaptureError, capture_graph, upload_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -114,3 +114,17 @@ def test_an_executor_captures_every_other_size_after_one_capture_fails() -> None
 
     assert tokens(ex) == tokens(make(None))
     assert runner.stats.replays > 0
+
+
+def test_upload_finds_torchs_runtime_and_the_uploaded_graph_replays_correctly() -> None:
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    g = torch.cuda.CUDAGraph()
+    with capture_graph(g):  # uploads (TRTLLM_GLM_GRAPH_UPLOAD unset)
+        torch.add(x, 1.0, out=y).mul_(3.0)
+    assert upload_graph(g) is True  # a second upload of the same graph is allowed too
+    y.fill_(float("nan"))
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, (x + 1.0) * 3.0)
