@@ -881,6 +881,11 @@ class Executor:
         """Capture every graph now (otherwise each is captured on its first use). No-op without graphs."""
         if self.graph_runner is not None:
             self.graph_runner.capture_all()
+        self._capture_piecewise()
+
+    def _capture_piecewise(self) -> None:
+        """Every piecewise bucket of the eager steps now (a lazy capture stalls the prefill that first needs it:
+        ~0.2 s a bucket on an H100)."""
         if self.piecewise is not None:
             self.piecewise.capture_all(manager=self.manager, meta=self.meta)
 
