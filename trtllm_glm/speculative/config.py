@@ -137,10 +137,10 @@ class MTPDecodingConfig(DecodingBaseConfig):
             `AdaptiveDraftPolicy` from the decode batch size, the measured round costs and the running acceptance,
             down to 0 where speculation cannot pay. Default (None): on where the steps replay CUDA graphs on a GPU
             (`DecodingBaseConfig.adaptive_for`; not in a parallel world), off elsewhere; True / False force it. On an
-            H100 (trained ``small``, bf16, overlap scheduler, 384 tokens, 2026-12-07) it ran at batch 1 0.95x fixed
-            K = 3 (1.58x plain decoding), at batch 16 1.01x plain (fixed K = 3: 0.64x), at batch 64 0.74x plain
-            (fixed K = 3: 0.61x): its K = 0 rounds there still cost more than plain steps (docs/speculation.md,
-            "Adaptive draft length").
+            H100 (trained ``small``, bf16, overlap scheduler, 384 tokens, 2026-12-08, graphs uploaded at capture) it ran
+            at batch 1 0.94x fixed K = 3 (1.67x plain decoding), at batch 16 0.90x plain (fixed K = 3: 0.83-0.94x); at
+            batch 64 (2026-12-07) 0.74x plain (fixed K = 3: 0.61x): its K = 0 rounds there still cost more than plain
+            steps (docs/speculation.md, "Adaptive draft length").
         overlap_rounds: under the overlap scheduler, launch each drafting round (its fused MTP draft and its
             verify) from the previous round's outputs on the device before that round is read back (issue 43
             item 1). Off by default: on an H100 (trained ``small``, bf16, batch 1) a round launched ahead costs
