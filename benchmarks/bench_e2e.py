@@ -229,6 +229,14 @@ def timing_ranking_file(vocab_size: int) -> str:
     return path
 
 
+def all_graph_captures(ex) -> int:
+    """Graphs ``ex`` has captured so far: its decode / verify runner's (the MTP draft graphs count there) and its
+    piecewise runner's."""
+    n = ex.graph_runner.stats.captures if ex.graph_runner is not None else 0
+    pw = getattr(ex, "piecewise", None)
+    return n + (pw.stats.captures if pw is not None else 0)
+
+
 def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: str, continuation=None, seed=0,
              prompts: list[list[int]] | None = None, graphs: bool = False, profile_kernels: int = 0,
              profile_host: int = 0, profile_sites: int = 0, profile_idle: int = 0,
@@ -262,6 +270,7 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
     ex.capture_cuda_graphs()
     capture_s = time.perf_counter() - t_cap
     startup_captures = ex.graph_runner.stats.captures if ex.graph_runner is not None else 0
+    startup_all = all_graph_captures(ex)
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     ids = [prompts[i % len(prompts)] if prompts is not None
@@ -346,6 +355,9 @@ def run_case(model, mode: str, batch: int, prompt_len: int, gen: int, device: st
         "lag_flushes": getattr(ex.drafter, "num_lag_flushes", None) if hasattr(ex, "drafter") else None,
         "capture_s": capture_s,
         "startup_captures": startup_captures,
+        # Graphs (decode, MTP, piecewise) captured after start-up, in the prefill or the timed steps: each stalled
+        # the step that met it (an MTP executor's piecewise buckets were, until 2026-12-08: prefill 233 vs 21 ms).
+        "lazy_captures": all_graph_captures(ex) - startup_all,
         "graph_captures": gstats.captures if gstats else 0,
         "graph_replays": gstats.replays if gstats else 0,
         "graph_eager_steps": gstats.eager_steps if gstats else 0,
@@ -530,7 +542,8 @@ def run_trained(args: argparse.Namespace) -> list[dict]:
                    "syncs_per_step": r["syncs_per_step"], "vs_plain": lossless,
                    "prompt_tokens": [len(prompts[i % len(prompts)]) for i in range(B)][:4], "gen": args.gen,
                    "dtype": args.dtype, "graphs": graphs, "capture_s": r["capture_s"],
-                   "startup_captures": r["startup_captures"], "graph_captures": r["graph_captures"],
+                   "startup_captures": r["startup_captures"], "lazy_captures": r["lazy_captures"],
+                   "graph_captures": r["graph_captures"],
                    "graph_replays": r["graph_replays"], "graph_eager_steps": r["graph_eager_steps"],
                    "graph_pool_mb": r["graph_pool_mb"], "graph_failed": r["graph_failed"],
                    "replay_ms": r["replay_ms"], "launch_ms": r["launch_ms"], "K": draft_len(mode),
@@ -785,6 +798,7 @@ def main() -> None:
                            "live_rows_per_step": r["live_rows_per_step"], "max_batch_size": args.max_batch_size,
                            "launches_per_step": r["launches_per_step"], "syncs_per_step": r["syncs_per_step"],
                            "graphs": graphs, "capture_s": r["capture_s"], "startup_captures": r["startup_captures"],
+                           "lazy_captures": r["lazy_captures"],
                            "graph_captures": r["graph_captures"], "graph_replays": r["graph_replays"],
                            "graph_eager_steps": r["graph_eager_steps"], "graph_failed": r["graph_failed"],
                            "vs_plain": lossless_summary(plain, r, B, args.tie_tol) if mode != "plain" else None,
