@@ -1007,11 +1007,29 @@ class KimiDeltaAttention(nn.Module):
             ``(out [N, D], records)``; ``records`` is ``None`` when nothing was verified. Its
             ``num_seqs`` is the whole batch's, so `commit` takes one accepted count per batch sequence.
         """
-        verify = set(verify_seqs)
-        if not verify:
+        if not verify_seqs:
             return self.forward(hidden, batch, state), None
         # Projections and the output gate/norm/projection run once for all rows; only the mixers differ.
         inputs = self._inputs(hidden)
+        o, records = self.mix_spec(hidden, batch, state, inputs, verify_seqs)
+        return self._output(hidden, o, inputs[3]), records
+
+    @torch.no_grad()
+    def mix_spec(
+        self, hidden: torch.Tensor, batch: KdaBatchLike, state: KdaLayerState, inputs: tuple, verify_seqs: Sequence[int]
+    ) -> tuple[torch.Tensor, KdaLayerRecords]:
+        """`forward_spec`'s mixers on `project`'s ``inputs`` (the piecewise graphs' core of a step with verify rows):
+        ``(o [N, H, V] FP32, records)``. The records keep ``inputs``' conv input ``x`` and decay ``g`` until the
+        commit, so nothing may overwrite those before it (the piecewise runner passes copies of its carry rows).
+
+        Args:
+            hidden: ``[N, D]``: only the row count and device are read.
+            batch: layout of the whole step.
+            state: this layer's state planes (the verified sequences' slots untouched until `commit`).
+            inputs: ``(x [N, C], g [N, H, K], beta [N, H], ga)`` from `project`.
+            verify_seqs: batch indices of the speculative verify sequences (width > 1; at least one).
+        """
+        verify = set(verify_seqs)
         # All sequences verify (e.g. a captured verify step): the batch itself, padding marks included.
         vbatch = batch if len(verify) == batch.num_seqs else _only(batch, verify)
         o, records = self._verify_o(hidden, vbatch, state, inputs)
@@ -1022,7 +1040,7 @@ class KimiDeltaAttention(nn.Module):
             for b in verify:
                 is_v[batch.cu_seqlens[b] : batch.cu_seqlens[b] + batch.q_lens[b]] = True
             o = torch.where(is_v[:, None, None], o, o_rest)
-        return self._output(hidden, o, inputs[3]), records
+        return o, records
 
 
 def _only(batch: KdaBatchLike, keep: set[int]) -> KdaBatch:

@@ -423,10 +423,19 @@ class Glm5NextDecoderLayer(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """The sequence-dependent part (reads the metadata and the caches): KDA's conv and delta rule ->
         ``o [N, H, V]`` fp32 (`KimiDeltaAttention.mix`); sparse MLA, the whole mixer -> its ``[N, D]`` partial
-        output. Not for verify steps (`forward_spec` keeps records)."""
+        output. In a step with verify rows a KDA layer runs `KimiDeltaAttention.mix_spec` and hands its records to
+        the state owner, as `_attn_local` does; they keep copies of the conv input and decay rows (``inputs`` are
+        the piecewise runner's carry rows, which the next layers overwrite before the commit)."""
         if self.is_sparse:
             return self.self_attn(x, meta, manager.layer_cache(self.cache_idx))
-        return self.self_attn.mix(x, meta, manager.kda_layer_state(self.cache_idx), inputs)
+        state = manager.kda_layer_state(self.cache_idx)
+        verify = meta.spec.verify_seqs
+        if verify:
+            kx, g, beta, ga = inputs
+            o, rec = self.self_attn.mix_spec(x, meta, state, (kx.clone(), g.clone(), beta, ga), verify)
+            manager.state.record_verify(self.cache_idx, rec)
+            return o
+        return self.self_attn.mix(x, meta, state, inputs)
 
     def attn_core_static(
         self, inputs: tuple[torch.Tensor | None, ...], step: StaticKdaStep, manager: Glm5NextCacheManager

@@ -3,8 +3,9 @@
 The forward is cut at the attention cores (vLLM's scheme): segment ``k`` is layer ``k-1``'s attention output side and
 FFN block plus layer ``k``'s attention input side, captured per (segment, padded token count); the cores run eagerly
 between the replays. A segment never writes a carry buffer it reads (read-back values alternate between two buffers
-by layer parity), so it may run twice in the step that first needs it. Not covered: steps with verify sequences (the
-KDA verify records keep views of the conv inputs until the commit), steps above the largest bucket, the LM head.
+by layer parity), so it may run twice in the step that first needs it. A step with speculative verify sequences (a
+prompt joining verifying requests) runs its cores eagerly, the KDA ones as `KimiDeltaAttention.mix_spec` on copies of
+the carry rows its commit records keep. Not covered: steps above the largest bucket, the LM head.
 
 A step of KDA decode rows and short prefills only (`trtllm_glm.kda.static_step`) also runs its KDA cores inside the
 graphs, from a device-side description refreshed by the step's one host-to-device copy: the forward is then cut at
@@ -106,7 +107,7 @@ class PiecewiseStats:
 
     Attributes:
         steps: forwards run piecewise.
-        eager_steps: forwards the executor ran whole and eagerly instead (no bucket, verify rows, mode).
+        eager_steps: forwards the executor ran whole and eagerly instead (no bucket, or the batch-invariant mode).
         replays: segment graph replays.
         eager_segments: segments run eagerly (emulation, or a capture that failed).
         captures: segment graphs captured.
@@ -264,7 +265,6 @@ class PiecewiseRunner:
         ok = (
             self.enabled
             and meta.num_tokens > 0
-            and not meta.spec.verify_seqs
             and self.bucket(meta.num_tokens) is not None
             and (self.allow_batch_invariant or not batch_invariant())
         )
@@ -484,7 +484,9 @@ class PiecewiseRunner:
         arr = self._staging.arrays()["step"]
         o = self._kda_off
         step = None
-        for cand in self._kda_steps.get(T, ()):  # the narrowest class the step fits
+        # The narrowest class the step fits. Not a step with verify rows: the static description would step their
+        # KDA state in place, where a verify keeps records and leaves the state to the commit (eager cores).
+        for cand in self._kda_steps.get(T, ()) if not meta.spec.verify_seqs else ():
             assert self.padding_slot is not None  # (descriptions exist only with one)
             if describe_static_step(meta, n, cand.caps, self.padding_slot, arr[o : o + cand.caps.size], self.device):
                 step = cand

@@ -227,11 +227,11 @@ def test_applies() -> None:
     h.meta.prepare([0], past_lens=[0], q_lens=[16], num_decode_seqs=0)
     assert runner.applies(h.meta)
     h.meta.spec.verify_seqs = [0]
-    assert not runner.applies(h.meta)  # verify records keep views of the conv inputs
+    assert runner.applies(h.meta)  # verify rows too (the KDA cores keep copies for their records)
     h.meta.spec.verify_seqs = []
     with batch_invariant_mode(True):
         assert not runner.applies(h.meta)
-    assert runner.stats.eager_steps == 3
+    assert runner.stats.eager_steps == 2
     assert PiecewiseRunner(model, max_num_tokens=48, emulate=False).enabled is False  # the CPU: no graphs
 
 
@@ -343,3 +343,76 @@ def test_capture_cuda_graphs_captures_every_piecewise_bucket(monkeypatch, mode: 
     assert ex.piecewise is not None
     ex.capture_cuda_graphs()
     assert calls == [(ex.piecewise, None, ex.manager, ex.meta)]
+
+
+@pytest.mark.parametrize(("short", "drafts"), [(0, "oracle"), (16, "oracle"), (16, "mtp")])
+def test_a_step_with_verify_rows_runs_piecewise_and_commits_from_copies(monkeypatch, short: int, drafts: str) -> None:
+    """A prompt joining requests that verify drafts: that step runs piecewise (it ran eagerly before 2026-12-08),
+    its KDA cores as `mix_spec` on copies of the carry rows, since the next layers overwrite those rows (layers 0 and
+    2 share them here) before the commit reads its records. Tokens and the KDA state of every request's slot after
+    each step equal the eager executor's; the drafts replay the plain run's tokens with every third one corrupted
+    (accepted runs of 0-2). ``short``: the short-prefill limit (the CPU's default 0; 16 as on a GPU, where a step of
+    short rows runs its KDA cores inside the graphs from a static description, which would step a verify sequence's
+    state in place: such a step must keep its cores eager). ``drafts``: the oracle's, or the MTP layer's (K = 3, its
+    tail rings in the sparse layers' caches)."""
+    from tests.spec_helpers import emulate_graphs
+    from trtllm_glm import envs
+    from trtllm_glm.speculative.config import MTPDecodingConfig
+    from trtllm_glm.speculative.drafters import OracleDrafter
+
+    emulate_graphs(monkeypatch)  # (the k-pool's writes through its kernels: padded MTP graph steps)
+    monkeypatch.delenv(PIECEWISE_ENV, raising=False)
+    monkeypatch.setenv(envs.KDA_SHORT_PREFILL.name, str(short))
+    monkeypatch.setenv(envs.KDA_DECODE_RIDE.name, "0")
+    model = _model()
+    prompts = [*PROMPTS[:3], [7, 1, 7, 2, 6, 1, 6, 2, 7, 1, 7, 2, 6, 1]]
+    plain = Executor(model, ExecutorConfig(**EX_CFG))
+    cont = {i: plain.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for i, p in enumerate(prompts)}
+    plain.run_until_done()
+
+    def run(piecewise: bool):  # noqa: ANN202
+        cgc = CudaGraphConfig(batch_sizes=[1, 2, 3, 4], piecewise=piecewise)
+        cfg = ExecutorConfig(**EX_CFG, cuda_graph_config=cgc)
+        if drafts == "mtp":
+            ex = SpeculativeExecutor(model, cfg, MTPDecodingConfig(max_draft_len=3, adaptive=False))
+        else:
+            drafter = OracleDrafter({i: r.output_ids for i, r in cont.items()}, lambda i, j: (i + j) % 3 == 0,
+                                    vocab_size=model.config.vocab_size)  # fmt: skip
+            ex = SpeculativeExecutor(model, cfg, NGramDecodingConfig(max_draft_len=3), drafter=drafter)
+        verify_steps: list[int] = []
+        if piecewise:
+            forward = ex.piecewise.forward
+
+            def counted(ids, meta, manager):  # noqa: ANN001, ANN202
+                verify_steps.append(len(meta.spec.verify_seqs))
+                return forward(ids, meta, manager)
+
+            monkeypatch.setattr(ex.piecewise, "forward", counted)
+        reqs = [ex.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts[:3]]
+        states = []
+        for step in range(60):
+            if step == 3:  # joins three requests that verify drafts
+                reqs.append(ex.add_request(prompts[3], SamplingParams(max_tokens=12, ignore_eos=True)))
+            if not ex.has_work:
+                break
+            ex.step()
+            snap = {}
+            for r in ex.running:
+                slot = ex.manager.get_state_slot(r.request_id)
+                for i in range(ex.manager.num_kda_layers):
+                    st = ex.manager.kda_layer_state(i)
+                    snap[(r.request_id, i)] = (st.conv[slot].clone(), st.recurrent[slot].clone())
+            states.append(snap)
+        return reqs, states, verify_steps
+
+    ref, ref_states, _ = run(False)
+    got, got_states, verify_steps = run(True)
+    assert any(verify_steps), verify_steps  # the mixed verify step went piecewise
+    assert sum(r.num_verify_rounds for r in got) > 0
+    for a, b, c in zip(ref, got, cont.values()):
+        assert a.output_ids == b.output_ids == c.output_ids, (a.request_id, a.output_ids, b.output_ids)
+    for step, (sa, sb) in enumerate(zip(ref_states, got_states)):
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            for x, y in zip(sa[key], sb[key]):
+                torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5, msg=f"step {step}, {key}")
