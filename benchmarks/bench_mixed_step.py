@@ -28,6 +28,9 @@ unless set; the fused KDA input weights, `Glm5NextForCausalLM.fuse_weights`).
 piecewise segments run eagerly on their buffers), each piecewise segment counted by ``--ops`` as one op (its replay)
 and its body left out of ``func_host_ms_outside_fused`` (its replay's host time is a launch): with ``--llm-args
 '{"cuda_graph_config": {"piecewise": true}}'`` the CPU proxy of a piecewise admission.
+With ``"speculative_config": {"decoding_type": "MTP", "max_draft_len": 3, "adaptive": false}`` in ``--llm-args`` the
+decoding requests verify drafts, so an admission step carries verify rows (piecewise since 2026-12-08, wholly eager
+before: ``TRTLLM_GLM_PIECEWISE=0`` is that baseline).
 ``--ops`` adds ``ops_by_part`` / ``ops_by_function``: torch ops (about one launch each on the GPU) per model part
 and function of one admission (`benchmarks.harness.profiling.op_counts`), each call of an op that CUDA runs as a
 fused kernel (`_FUSED`, a torch reference on the CPU) counted as one; and ``func_host_ms_outside_fused``: the host
@@ -57,6 +60,7 @@ from benchmarks.harness.profiling import count_launches_and_syncs, func_host_ms,
 from trtllm_glm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
 from trtllm_glm.config import Glm5NextConfig  # noqa: E402
 from trtllm_glm.models.glm5_next import subset_config  # noqa: E402
+from trtllm_glm.speculative.registry import speculation_entry  # noqa: E402
 
 
 def _sync(device: str) -> None:
@@ -302,6 +306,9 @@ def main() -> None:
     kw = json.loads(args.llm_args)
     if "kv_cache_config" in kw:
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
+    if "speculative_config" in kw:  # {"decoding_type": "MTP", ...}: its registered config class (as the YAML's)
+        spec = dict(kw["speculative_config"])
+        kw["speculative_config"] = speculation_entry(spec.pop("decoding_type")).config_cls(**spec)
     t0 = time.perf_counter()
     llm = LLM(model, device=args.device, **kw)
     if args.emulate_graphs:

@@ -53,6 +53,9 @@
 #                 defaults (with the engine alone) and with each option of CHUNKS (KEY=VALUE, default
 #                 mixed_prefill_budget=16 and =8): admissions spread over steps, what that does to ITL p99 / p50 and
 #                 TTFT; each level prints the server's own ITL (ENGINE_BASELINE=0: no engine-alone run)
+#   mixed_verify  issues 42 / 43: what an admission costs a batch that verifies MTP drafts (K = 3, adaptive off, 4-layer
+#                 slice, 15 decoding + 1 / 16 prompts of 30 tokens): the step with verify rows piecewise (default since
+#                 2026-12-08) against wholly eager (TRTLLM_GLM_PIECEWISE=0, how it ran before)
 #   structured    issue 45: bench_structured at batch 16 (free, json, ngram, ngram-json): what a grammar costs a step
 #   serve_old     the same server with the settings before issue 42 (max_batch_size 8, max_num_tokens 512,
 #                 graph padding off, no warm-up) at concurrency 16
@@ -248,6 +251,13 @@ for stage in "$@"; do
           --dtype bfloat16 $cfg --concurrency 16,64 --input-len 30 --output-len 128 \
           --num-requests "${CHUNK_REQS:-256}" $([ "$kv" = none ] && [ "${ENGINE_BASELINE:-1}" = 1 ] && echo --engine-baseline) \
           --json "$O/serve_$name.json" 2>&1 | tee "$O/serve_$name.log"
+      done ;;
+    mixed_verify)
+      for pw in 0 1; do
+        TRTLLM_GLM_PIECEWISE=$pw timeout "${T_MIXED_VERIFY:-240}" "$PY" -m benchmarks.bench_mixed_step --layers 4 \
+          --decode 15 --new 1 16 --prompt-len 30 --reps 5 --json "$O/mixed_verify_pw$pw.json" \
+          --llm-args '{"speculative_config": {"decoding_type": "MTP", "max_draft_len": 3, "adaptive": false}}' 2>&1 \
+          | tee "$O/mixed_verify_pw$pw.log"
       done ;;
     structured)
       timeout "${T_STRUCTURED:-150}" "$PY" -m benchmarks.bench_structured --layers 4 --batch 16 --gen 64 \
