@@ -112,6 +112,9 @@ def _cudart() -> ctypes.CDLL | None:
         try:
             with open("/proc/self/maps") as f:
                 paths = sorted({line.split()[-1] for line in f if "/libcudart.so" in line})
+            # torch's own major version first, should another runtime be mapped beside it
+            major = f"/libcudart.so.{(torch.version.cuda or '').split('.')[0]}"
+            paths.sort(key=lambda p: major not in p)
             if paths:
                 lib = ctypes.CDLL(paths[0])
                 lib.cudaGraphUpload.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
