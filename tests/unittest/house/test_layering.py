@@ -74,8 +74,9 @@ def test_settings_registry_is_a_leaf() -> None:
 
 
 def test_graph_capture_is_a_leaf() -> None:
-    """`trtllm_glm.graph_capture` (every CUDA-graph capture of the package) imports nothing of the package."""
-    assert imported(PKG / "graph_capture.py") == set()
+    """`trtllm_glm.graph_capture` (every CUDA-graph capture of the package) imports nothing of the package but the
+    settings registry (a leaf itself: `TRTLLM_GLM_GRAPH_UPLOAD`)."""
+    assert imported(PKG / "graph_capture.py") <= {"trtllm_glm.envs"}
 
 
 @pytest.mark.parametrize(
