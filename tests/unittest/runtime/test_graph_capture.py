@@ -116,11 +116,35 @@ def test_a_captured_graph_is_uploaded_at_once_unless_switched_off(fake_cuda, mon
     assert uploaded == ([ok] if setting is None else [])  # never a graph whose capture failed
 
 
-def test_upload_is_refused_without_a_cuda_runtime() -> None:
-    """A CPU build maps no libcudart: nothing to call, False (the first replay uploads, as before)."""
-    from trtllm_glm.graph_capture import upload_graph
+def test_upload_calls_the_runtime_with_the_graphs_handle(monkeypatch) -> None:
+    """`upload_graph` hands the instantiated graph's handle and the stream to ``cudaGraphUpload`` and reports its
+    return code; with no runtime mapped (a CPU build) it calls nothing and returns False (the first replay uploads, as
+    before)."""
+    import trtllm_glm.graph_capture as gc_mod
 
-    assert upload_graph(_Graph()) is False
+    calls: list[tuple[int, int]] = []
+    rc = [0]
+
+    class Runtime:
+        def cudaGraphUpload(self, graph, stream):  # noqa: ANN001, ANN201, N802 - the C name
+            calls.append((graph.value, stream.value))
+            return rc[0]
+
+    class Graph:
+        def raw_cuda_graph_exec(self) -> int:
+            return 0x1234
+
+    class Stream:
+        cuda_stream = 0x99
+
+    monkeypatch.setattr(gc_mod, "_runtime", Runtime())
+    assert gc_mod.upload_graph(Graph(), Stream()) is True
+    rc[0] = 700  # an error code: the first replay will upload
+    assert gc_mod.upload_graph(Graph(), Stream()) is False
+    assert calls == [(0x1234, 0x99)] * 2
+    monkeypatch.setattr(gc_mod, "_runtime", False)  # none mapped
+    assert gc_mod.upload_graph(Graph(), Stream()) is False
+    assert len(calls) == 2
 
 
 def _runner(pool) -> CudaGraphRunner:
